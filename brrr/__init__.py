@@ -1,0 +1,51 @@
+"""brrr: fused GPU operators for PyTorch (and NumPy, CuPy, JAX: anything that speaks DLPack).
+
+Elementwise work is memory-bound: every separate op reads its input from memory and writes its
+output back. brrr runs whole chains of such ops as one pass over memory (operator fusion), and its
+backward passes recompute cheap intermediates from the input instead of storing them
+(rematerialisation). See README.md for the three regimes (compute, bandwidth, overhead).
+"""
+
+from . import _C
+from .chain import (
+    Chain,
+    chain,
+    cos,
+    exp,
+    gelu,
+    relu,
+    sigmoid,
+    silu,
+    sin,
+    tanh,
+)
+
+__version__ = "0.1.0"
+
+
+def cuda_available() -> bool:
+    """True when CUDA kernels were compiled in and the runtime sees at least one GPU."""
+    return _C.cuda_available()
+
+
+def build_info() -> dict:
+    """What this build of brrr contains and what it found at run time."""
+    info = dict(_C.build_info())
+    info["version"] = __version__
+    return info
+
+
+__all__ = [
+    "Chain",
+    "build_info",
+    "chain",
+    "cos",
+    "cuda_available",
+    "exp",
+    "gelu",
+    "relu",
+    "sigmoid",
+    "silu",
+    "sin",
+    "tanh",
+]

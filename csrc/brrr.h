@@ -1,0 +1,156 @@
+/* Internal declarations of the C glue: module state, tensor import (DLPack / NumPy), argument
+ * checks, and the elementwise layout helpers shared by every op family.
+ *
+ * Conventions: functions that can fail return -1 (or NULL) with a Python exception set and 0 on
+ * success; every message names the argument it is about. */
+#ifndef BRRR_H
+#define BRRR_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "brrr_build_config.h"
+#include "brrr_cuda.h"
+#include "dlpack.h"
+
+/* Largest rank a tensor may have on import; launches coalesce it down to BRRR_MAX_DIMS. */
+#define BRRR_MAX_RANK 64
+#define BRRR_API_CACHE_SIZE 8
+
+typedef struct {
+    PyTypeObject *type;            /* strong reference */
+    const DLPackExchangeAPI *api;  /* NULL: the type publishes none */
+} brrr_api_cache_entry;
+
+typedef struct {
+    brrr_api_cache_entry api_cache[BRRR_API_CACHE_SIZE];
+    int api_cache_len;
+    PyObject *str_dlpack;          /* "__dlpack__" */
+    PyObject *str_dlpack_device;   /* "__dlpack_device__" */
+    PyObject *str_exchange_api;    /* "__dlpack_c_exchange_api__" */
+    PyObject *max_version;         /* (1, BRRR_DLPACK_MINOR) */
+} brrr_state;
+
+/* One call's stream: what the caller passed (-1 = let the framework of the first argument say),
+ * resolved once from the first imported tensor. */
+typedef struct {
+    brrr_state *state;
+    long long stream_arg;
+    int resolved;
+    void *stream;
+} brrr_call;
+
+/* A tensor argument, imported for the duration of one call. */
+typedef struct {
+    const char *name;
+    void *data;         /* element (0, ..., 0), byte_offset applied */
+    int32_t device_type; /* kDLCPU or kDLCUDA after import */
+    int32_t device_id;
+    int32_t dtype;      /* brrr_dtype */
+    int32_t ndim;
+    int64_t numel;
+    int readonly;
+    int64_t shape[BRRR_MAX_RANK];
+    int64_t strides[BRRR_MAX_RANK]; /* in elements */
+    /* What must be released: a NumPy array we hold, or a DLPack managed tensor we own. */
+    PyObject *owner;
+    DLManagedTensorVersioned *managed_versioned;
+    DLManagedTensor *managed_legacy;
+} brrr_tensor;
+
+brrr_state *brrr_get_state(PyObject *module);
+
+/* Import `obj` as argument `name`. `writable` refuses read-only data. The tensor must be
+ * released with brrr_tensor_release, also when a later step fails (release of a zeroed struct is
+ * a no-op). */
+int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, brrr_tensor *t);
+void brrr_tensor_release(brrr_tensor *t);
+
+/* The stream this call's CUDA work runs on: the `stream` argument if one was given (0 = legacy
+ * default), else the current stream of the first argument's framework when it publishes the C
+ * exchange table, else the legacy default stream. */
+void *brrr_call_stream(brrr_call *call);
+
+size_t brrr_dtype_size(int32_t dtype);
+const char *brrr_dtype_name(int32_t dtype);
+
+/* Argument checks against a reference argument; each raises ValueError naming both. */
+int brrr_check_same_device(const brrr_tensor *t, const brrr_tensor *ref);
+int brrr_check_same_dtype(const brrr_tensor *t, const brrr_tensor *ref);
+int brrr_check_same_shape(const brrr_tensor *t, const brrr_tensor *ref);
+/* Raise unless `t` is a floating dtype of the given set (bitmask of 1 << brrr_dtype). */
+int brrr_check_dtype_in(const brrr_tensor *t, unsigned allowed);
+/* Raise if an output could write one address twice (stride 0, or interleaved dims). */
+int brrr_check_no_internal_overlap(const brrr_tensor *out);
+/* Raise if `out` and `in` share memory; an exactly identical view passes when allow_same. */
+int brrr_check_no_overlap(const brrr_tensor *out, const brrr_tensor *in, int allow_same);
+/* RuntimeError for CUDA tensors when CUDA is not compiled in; ValueError for other devices. */
+int brrr_check_device_supported(const brrr_tensor *t);
+
+/* Turn a launcher's cudaError_t into RuntimeError naming the op. */
+int brrr_cuda_result(int error, const char *op);
+
+/* Merge the dims of `count` tensors that share the iteration shape: drops size-1 dims, orders
+ * dims by the first tensor's strides (outermost first), and merges dims that are contiguous in
+ * every tensor. strides[k] holds tensor k's strides over `shape` (0 for broadcast dims) and is
+ * rewritten; returns the new rank, or -1 (ValueError) above BRRR_MAX_DIMS. */
+int brrr_coalesce(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_MAX_RANK]);
+
+/* Half-type conversions for the CPU kernels (round to nearest even, NaN kept quiet). */
+static inline float brrr_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+static inline uint16_t brrr_f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+static inline float brrr_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0x1F) {
+        v.u = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        v.u = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else {
+        v.f = (float)mantissa * 5.9604644775390625e-8f; /* subnormal: mantissa * 2^-24, exact */
+        v.u |= sign;
+    }
+    return v.f;
+}
+static inline uint16_t brrr_f32_to_f16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    uint16_t sign = (uint16_t)((v.u >> 16) & 0x8000u);
+    uint32_t a = v.u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* rounds to infinity */
+    if (a >= 0x38800000u) /* normal half: rebias the exponent, round at bit 13 */
+        return (uint16_t)(sign | ((a + 0xFFFu + ((a >> 13) & 1u) - 0x38000000u) >> 13));
+    int shift = 126 - (int)(a >> 23); /* value = m * 2^-shift in units of 2^-24 */
+    if (shift > 24) return sign;
+    uint32_t m = (a & 0x7FFFFFu) | 0x800000u, q = m >> shift, r = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    if (r > half || (r == half && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+}
+
+/* Load / store element `i` (in elements from `base`) of a tensor of `dtype` as float or double. */
+static inline float brrr_load_f32(int32_t dtype, const void *base, int64_t i) {
+    switch (dtype) {
+    case BRRR_F16: return brrr_f16_to_f32(((const uint16_t *)base)[i]);
+    case BRRR_BF16: return brrr_bf16_to_f32(((const uint16_t *)base)[i]);
+    case BRRR_F64: return (float)((const double *)base)[i];
+    default: return ((const float *)base)[i];
+    }
+}
+static inline void brrr_store_f32(int32_t dtype, void *base, int64_t i, float value) {
+    switch (dtype) {
+    case BRRR_F16: ((uint16_t *)base)[i] = brrr_f32_to_f16(value); break;
+    case BRRR_BF16: ((uint16_t *)base)[i] = brrr_f32_to_bf16(value); break;
+    case BRRR_F64: ((double *)base)[i] = value; break;
+    default: ((float *)base)[i] = value; break;
+    }
+}
+
+#endif

@@ -1,0 +1,522 @@
+/* Elementwise chains: the glue and the CPU twin.
+ *
+ * A chain is a program of up to BRRR_MAX_CHAIN_STEPS steps applied to every element in one pass:
+ * unary activations, scalar add/mul, and add/mul by an operand tensor that has either the
+ * input's shape or the shape of its last dim (a bias, broadcast over the other dims). The
+ * backward recomputes the program per element from x (nothing else is saved) and applies the
+ * chain rule in registers; a bias gradient is a reduction over rows, summed in a fixed order.
+ *
+ * _C.chain_program(steps) -> bytes           validate and pack a program
+ * _C.chain_fwd(program, x, out, operands, stream) -> out
+ * _C.chain_bwd(program, x, grad_out, grad_x, operands, grad_operands, partials, stream) -> grad_x
+ * _C.chain_partial_rows(rows) -> P           rows of the fp32 scratch a bias gradient needs on CUDA
+ */
+#define NO_IMPORT_ARRAY
+#define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include "brrr.h"
+
+#include <math.h>
+#include <numpy/arrayobject.h>
+#include <string.h>
+
+#define QUAL static inline
+#define REAL float
+#define FN(name) name##_f32
+#define EXP expf
+#define TANH tanhf
+#define ERF erff
+#define COS cosf
+#define SIN sinf
+#define DIV(a, b) ((a) / (b))
+#include "chain_math.inc"
+#undef REAL
+#undef FN
+#undef EXP
+#undef TANH
+#undef ERF
+#undef COS
+#undef SIN
+#define REAL double
+#define FN(name) name##_f64
+#define EXP exp
+#define TANH tanh
+#define ERF erf
+#define COS cos
+#define SIN sin
+#include "chain_math.inc"
+
+static const struct {
+    const char *name;
+    int op;
+    int takes_scalar;
+} CHAIN_OPS[] = {
+    {"relu", BRRR_OP_RELU, 0},       {"gelu", BRRR_OP_GELU, 0},         {"gelu_tanh", BRRR_OP_GELU_TANH, 0},
+    {"silu", BRRR_OP_SILU, 0},       {"sigmoid", BRRR_OP_SIGMOID, 0},   {"tanh", BRRR_OP_TANH, 0},
+    {"exp", BRRR_OP_EXP, 0},         {"cos", BRRR_OP_COS, 0},           {"sin", BRRR_OP_SIN, 0},
+    {"add", BRRR_OP_ADD_SCALAR, 1},  {"mul", BRRR_OP_MUL_SCALAR, 1},    {"add_tensor", BRRR_OP_ADD_TENSOR, 0},
+    {"mul_tensor", BRRR_OP_MUL_TENSOR, 0},
+};
+#define N_CHAIN_OPS ((int)(sizeof CHAIN_OPS / sizeof CHAIN_OPS[0]))
+
+static int is_tensor_op(int op) { return op == BRRR_OP_ADD_TENSOR || op == BRRR_OP_MUL_TENSOR; }
+
+PyObject *brrr_py_chain_op_names(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    PyObject *names = PyTuple_New(N_CHAIN_OPS);
+    for (int i = 0; names && i < N_CHAIN_OPS; i++) {
+        PyObject *s = PyUnicode_FromString(CHAIN_OPS[i].name);
+        if (s == NULL) { Py_CLEAR(names); break; }
+        PyTuple_SET_ITEM(names, i, s);
+    }
+    return names;
+}
+
+/* steps: a sequence of op names or (name, scalar) pairs. */
+PyObject *brrr_py_chain_program(PyObject *module, PyObject *steps) {
+    (void)module;
+    PyObject *seq = PySequence_Fast(steps, "argument steps: expected a sequence of steps");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    brrr_chain_program p;
+    memset(&p, 0, sizeof p);
+    if (n > BRRR_MAX_CHAIN_STEPS) {
+        PyErr_Format(PyExc_ValueError, "argument steps: a chain has at most %d steps, got %zd", BRRR_MAX_CHAIN_STEPS, n);
+        goto fail;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *step = PySequence_Fast_GET_ITEM(seq, k), *name = step, *scalar = NULL;
+        if (PyTuple_Check(step)) {
+            if (PyTuple_GET_SIZE(step) != 2) {
+                PyErr_Format(PyExc_ValueError, "argument steps[%zd]: expected a name or a (name, scalar) pair", k);
+                goto fail;
+            }
+            name = PyTuple_GET_ITEM(step, 0);
+            scalar = PyTuple_GET_ITEM(step, 1);
+        }
+        if (!PyUnicode_Check(name)) {
+            PyErr_Format(PyExc_TypeError, "argument steps[%zd]: expected an op name (str), got %.200s", k,
+                         Py_TYPE(name)->tp_name);
+            goto fail;
+        }
+        const char *s = PyUnicode_AsUTF8(name);
+        if (s == NULL) goto fail;
+        int found = -1;
+        for (int i = 0; i < N_CHAIN_OPS; i++)
+            if (strcmp(s, CHAIN_OPS[i].name) == 0) found = i;
+        if (found < 0) {
+            PyErr_Format(PyExc_ValueError, "argument steps[%zd]: unknown op '%s'", k, s);
+            goto fail;
+        }
+        brrr_chain_step *st = &p.steps[k];
+        st->op = CHAIN_OPS[found].op;
+        if (CHAIN_OPS[found].takes_scalar) {
+            if (scalar == NULL || !(PyFloat_Check(scalar) || PyLong_Check(scalar))) {
+                PyErr_Format(PyExc_TypeError, "argument steps[%zd]: '%s' needs a numeric scalar: ('%s', value)", k, s, s);
+                goto fail;
+            }
+            st->scalar = PyFloat_AsDouble(scalar);
+            if (st->scalar == -1.0 && PyErr_Occurred()) goto fail;
+        } else if (scalar != NULL) {
+            PyErr_Format(PyExc_ValueError, "argument steps[%zd]: '%s' takes no scalar", k, s);
+            goto fail;
+        }
+        if (is_tensor_op(st->op)) {
+            if (p.n_operands == BRRR_MAX_CHAIN_OPERANDS) {
+                PyErr_Format(PyExc_ValueError, "argument steps: a chain has at most %d tensor steps",
+                             BRRR_MAX_CHAIN_OPERANDS);
+                goto fail;
+            }
+            st->operand = p.n_operands++;
+        }
+    }
+    p.n_steps = (int32_t)n;
+    Py_DECREF(seq);
+    return PyBytes_FromStringAndSize((const char *)&p, sizeof p);
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* Programs arrive as bytes from Python; check them as if they were hostile. */
+static int parse_program(PyObject *obj, brrr_chain_program *p) {
+    if (!PyBytes_Check(obj) || PyBytes_GET_SIZE(obj) != (Py_ssize_t)sizeof *p) {
+        PyErr_SetString(PyExc_TypeError, "argument program: expected the bytes returned by chain_program()");
+        return -1;
+    }
+    memcpy(p, PyBytes_AS_STRING(obj), sizeof *p);
+    int operands = 0, ok = p->n_steps >= 0 && p->n_steps <= BRRR_MAX_CHAIN_STEPS && p->n_operands >= 0 &&
+                           p->n_operands <= BRRR_MAX_CHAIN_OPERANDS;
+    for (int k = 0; ok && k < p->n_steps; k++) {
+        ok = p->steps[k].op >= 0 && p->steps[k].op < BRRR_OP_COUNT;
+        if (ok && is_tensor_op(p->steps[k].op)) ok = p->steps[k].operand == operands++;
+    }
+    if (!ok || operands != p->n_operands) {
+        PyErr_SetString(PyExc_ValueError, "argument program: malformed chain program");
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- CPU twin -------------------------------------------------------------------------------
+ * Rows are x's leading dims (walked with an odometer), columns its last dim; every tensor is
+ * addressed through its own strides over x's shape, so any view works without a copy. */
+
+typedef struct {
+    const brrr_chain_launch *launch;
+    int rank;                       /* x's rank, at least 1 */
+    const int64_t *shape;           /* x's shape */
+    int64_t (*strides)[BRRR_MAX_RANK]; /* per tensor: x, out, grad_out, operands..., grad_operands... */
+    int vector_operand[BRRR_MAX_CHAIN_OPERANDS];
+    double *vector_grad_acc;        /* per vector operand with a gradient: row_length accumulators */
+} cpu_chain;
+
+enum { T_X, T_OUT, T_GRAD_OUT, T_OPERANDS, T_GRAD_OPERANDS = T_OPERANDS + BRRR_MAX_CHAIN_OPERANDS, T_COUNT = T_GRAD_OPERANDS + BRRR_MAX_CHAIN_OPERANDS };
+
+static void cpu_chain_run(const cpu_chain *c, int backward) {
+    const brrr_chain_launch *L = c->launch;
+    const brrr_chain_program *p = &L->program;
+    int32_t dt = L->dtype, rank = c->rank, nops = p->n_operands;
+    int64_t cols = c->shape[rank - 1], rows = cols ? L->numel / cols : 0;
+    int64_t idx[BRRR_MAX_RANK] = {0};
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t base[T_COUNT] = {0};
+        for (int k = 0; k < T_COUNT; k++)
+            for (int d = 0; d < rank - 1; d++) base[k] += idx[d] * c->strides[k][d];
+        for (int64_t j = 0; j < cols; j++) {
+            int64_t at[T_COUNT];
+            for (int k = 0; k < T_COUNT; k++) at[k] = base[k] + j * c->strides[k][rank - 1];
+            if (dt == BRRR_F64) {
+                double x = ((const double *)L->x.data)[at[T_X]], vals[BRRR_MAX_CHAIN_OPERANDS] = {0};
+                for (int b = 0; b < nops; b++) vals[b] = ((const double *)L->operands[b].data)[at[T_OPERANDS + b]];
+                if (!backward) {
+                    ((double *)L->out.data)[at[T_OUT]] = program_fwd_f64(p, x, vals);
+                    continue;
+                }
+                double g = ((const double *)L->grad_out.data)[at[T_GRAD_OUT]], grads[BRRR_MAX_CHAIN_OPERANDS];
+                ((double *)L->out.data)[at[T_OUT]] = g * program_grad_f64(p, x, vals, grads);
+                for (int b = 0; b < nops; b++) {
+                    if (c->vector_operand[b] && c->vector_grad_acc)
+                        c->vector_grad_acc[b * cols + j] += g * grads[b];
+                    else if (L->grad_operands[b].data)
+                        ((double *)L->grad_operands[b].data)[at[T_GRAD_OPERANDS + b]] = g * grads[b];
+                }
+            } else {
+                float x = brrr_load_f32(dt, L->x.data, at[T_X]), vals[BRRR_MAX_CHAIN_OPERANDS] = {0};
+                for (int b = 0; b < nops; b++) vals[b] = brrr_load_f32(dt, L->operands[b].data, at[T_OPERANDS + b]);
+                if (!backward) {
+                    brrr_store_f32(dt, L->out.data, at[T_OUT], program_fwd_f32(p, x, vals));
+                    continue;
+                }
+                float g = brrr_load_f32(dt, L->grad_out.data, at[T_GRAD_OUT]), grads[BRRR_MAX_CHAIN_OPERANDS];
+                brrr_store_f32(dt, L->out.data, at[T_OUT], g * program_grad_f32(p, x, vals, grads));
+                for (int b = 0; b < nops; b++) {
+                    if (c->vector_operand[b] && c->vector_grad_acc)
+                        c->vector_grad_acc[b * cols + j] += (double)(g * grads[b]);
+                    else if (L->grad_operands[b].data)
+                        brrr_store_f32(dt, L->grad_operands[b].data, at[T_GRAD_OPERANDS + b], g * grads[b]);
+                }
+            }
+        }
+        for (int d = rank - 2; d >= 0; d--) {
+            if (++idx[d] < c->shape[d]) break;
+            idx[d] = 0;
+        }
+    }
+}
+
+/* ---- the Python entry points ---------------------------------------------------------------- */
+
+typedef struct {
+    brrr_tensor x, out, grad_out;
+    brrr_tensor operands[BRRR_MAX_CHAIN_OPERANDS];
+    brrr_tensor grad_operands[BRRR_MAX_CHAIN_OPERANDS];
+    brrr_tensor partials;
+} chain_args;
+
+static void chain_args_release(chain_args *a) {
+    brrr_tensor_release(&a->x);
+    brrr_tensor_release(&a->out);
+    brrr_tensor_release(&a->grad_out);
+    for (int b = 0; b < BRRR_MAX_CHAIN_OPERANDS; b++) {
+        brrr_tensor_release(&a->operands[b]);
+        brrr_tensor_release(&a->grad_operands[b]);
+    }
+    brrr_tensor_release(&a->partials);
+}
+
+static const char *const OPERAND_NAMES[] = {"operands[0]", "operands[1]", "operands[2]", "operands[3]"};
+static const char *const GRAD_OPERAND_NAMES[] = {"grad_operands[0]", "grad_operands[1]", "grad_operands[2]",
+                                                 "grad_operands[3]"};
+
+/* An output argument like `like`: same device, dtype and shape, no self-overlap. */
+static int check_output(const brrr_tensor *out, const brrr_tensor *like) {
+    if (brrr_check_same_device(out, like) < 0 || brrr_check_same_dtype(out, like) < 0 ||
+        brrr_check_same_shape(out, like) < 0 || brrr_check_no_internal_overlap(out) < 0)
+        return -1;
+    return 0;
+}
+
+/* Is operand b a vector along x's last dim (and not simply x-shaped)? -1 on a shape error. */
+static int operand_kind(const brrr_tensor *op, const brrr_tensor *x) {
+    int same = op->ndim == x->ndim;
+    for (int d = 0; same && d < x->ndim; d++) same = op->shape[d] == x->shape[d];
+    if (same) return 0;
+    if (x->ndim >= 1 && op->ndim == 1 && op->shape[0] == x->shape[x->ndim - 1]) return 1;
+    char msg[64];
+    snprintf(msg, sizeof msg, "x's shape or (%lld,) (its last dim)", x->ndim ? (long long)x->shape[x->ndim - 1] : 1LL);
+    PyErr_Format(PyExc_ValueError, "argument %s: shape must be %s", op->name, msg);
+    return -1;
+}
+
+/* Strides of `t` over x's shape (rank >= 1): vectors broadcast over the leading dims. */
+static void strides_over_x(const brrr_tensor *t, int vector, int rank, int64_t *strides) {
+    if (vector) {
+        for (int d = 0; d < rank - 1; d++) strides[d] = 0;
+        strides[rank - 1] = t->strides[0];
+    } else if (t->ndim == 0) {
+        strides[0] = 1;
+    } else {
+        memcpy(strides, t->strides, sizeof(int64_t) * (size_t)rank);
+    }
+}
+
+static int64_t chain_partial_rows(int64_t rows) {
+    /* Fixed by the row count alone, so a bias gradient is bitwise identical on every GPU. */
+    int64_t p = (rows + 63) / 64;
+    return p < 1 ? 1 : (p > 512 ? 512 : p);
+}
+
+PyObject *brrr_py_chain_partial_rows(PyObject *module, PyObject *arg) {
+    (void)module;
+    long long rows = PyLong_AsLongLong(arg);
+    if (rows == -1 && PyErr_Occurred()) return NULL;
+    if (rows < 0) {
+        PyErr_SetString(PyExc_ValueError, "argument rows: must be >= 0");
+        return NULL;
+    }
+    return PyLong_FromLongLong(chain_partial_rows(rows));
+}
+
+/* The shared body of forward (backward == 0) and backward. */
+static PyObject *chain_call(PyObject *module, PyObject *const *args, int backward) {
+    brrr_chain_program prog;
+    if (parse_program(args[0], &prog) < 0) return NULL;
+    PyObject *x_obj = args[1], *grad_out_obj = backward ? args[2] : NULL, *out_obj = args[backward ? 3 : 2];
+    PyObject *operands = args[backward ? 4 : 3], *grad_operands = backward ? args[5] : NULL;
+    PyObject *partials_obj = backward ? args[6] : NULL, *stream_obj = args[backward ? 7 : 4];
+    const char *out_name = backward ? "grad_x" : "out";
+    if (!PyTuple_Check(operands) || PyTuple_GET_SIZE(operands) != prog.n_operands) {
+        PyErr_Format(PyExc_ValueError, "argument operands: expected a tuple of %d tensors (one per tensor step)",
+                     (int)prog.n_operands);
+        return NULL;
+    }
+    if (backward && (!PyTuple_Check(grad_operands) || PyTuple_GET_SIZE(grad_operands) != prog.n_operands)) {
+        PyErr_Format(PyExc_ValueError, "argument grad_operands: expected a tuple of %d tensors or None",
+                     (int)prog.n_operands);
+        return NULL;
+    }
+    long long stream_arg = PyLong_AsLongLong(stream_obj);
+    if (stream_arg == -1 && PyErr_Occurred()) {
+        PyErr_SetString(PyExc_TypeError, "argument stream: expected an int (a cudaStream_t, or -1 for the current one)");
+        return NULL;
+    }
+    brrr_call call = {brrr_get_state(module), stream_arg, 0, NULL};
+    chain_args a;
+    memset(&a, 0, sizeof a);
+    PyObject *result = NULL;
+    int vector[BRRR_MAX_CHAIN_OPERANDS] = {0}, any_vector_grad = 0;
+    double *acc = NULL;
+
+    if (brrr_tensor_import(&call, x_obj, "x", 0, &a.x) < 0) goto done;
+    if (backward) {
+        if (brrr_tensor_import(&call, grad_out_obj, "grad_out", 0, &a.grad_out) < 0 ||
+            brrr_check_same_device(&a.grad_out, &a.x) < 0 || brrr_check_same_dtype(&a.grad_out, &a.x) < 0 ||
+            brrr_check_same_shape(&a.grad_out, &a.x) < 0)
+            goto done;
+    }
+    if (out_obj == Py_None) {
+        if (!PyArray_Check(x_obj)) {
+            PyErr_Format(PyExc_TypeError, "argument %s: required for inputs of type %.200s (brrr._C allocates NumPy "
+                         "arrays only)", out_name, Py_TYPE(x_obj)->tp_name);
+            goto done;
+        }
+        out_obj = PyArray_NewLikeArray((PyArrayObject *)x_obj, NPY_KEEPORDER, NULL, 0);
+        if (out_obj == NULL) goto done;
+    } else {
+        Py_INCREF(out_obj);
+    }
+    result = out_obj;
+    if (brrr_tensor_import(&call, out_obj, out_name, 1, &a.out) < 0 || check_output(&a.out, &a.x) < 0 ||
+        brrr_check_no_overlap(&a.out, &a.x, 1) < 0 || (backward && brrr_check_no_overlap(&a.out, &a.grad_out, 1) < 0))
+        goto fail;
+    for (int b = 0; b < prog.n_operands; b++) {
+        brrr_tensor *op = &a.operands[b];
+        if (brrr_tensor_import(&call, PyTuple_GET_ITEM(operands, b), OPERAND_NAMES[b], 0, op) < 0 ||
+            brrr_check_same_device(op, &a.x) < 0 || brrr_check_same_dtype(op, &a.x) < 0 ||
+            (vector[b] = operand_kind(op, &a.x)) < 0 || brrr_check_no_overlap(&a.out, op, !vector[b]) < 0)
+            goto fail;
+        PyObject *g = backward ? PyTuple_GET_ITEM(grad_operands, b) : Py_None;
+        if (g == Py_None) continue;
+        brrr_tensor *gt = &a.grad_operands[b];
+        if (brrr_tensor_import(&call, g, GRAD_OPERAND_NAMES[b], 1, gt) < 0 || check_output(gt, op) < 0 ||
+            brrr_check_no_overlap(gt, &a.out, 0) < 0 || brrr_check_no_overlap(gt, &a.x, 0) < 0 ||
+            brrr_check_no_overlap(gt, &a.grad_out, 0) < 0)
+            goto fail;
+        for (int c = 0; c < prog.n_operands; c++)
+            if (brrr_check_no_overlap(gt, &a.operands[c], 0) < 0) goto fail;
+        for (int c = 0; c < b; c++)
+            if (brrr_check_no_overlap(gt, &a.grad_operands[c], 0) < 0) goto fail;
+        any_vector_grad |= vector[b];
+    }
+
+    brrr_chain_launch L;
+    memset(&L, 0, sizeof L);
+    L.program = prog;
+    L.dtype = a.x.dtype;
+    L.numel = a.x.numel;
+    L.x.data = a.x.data;
+    L.out.data = a.out.data;
+    L.grad_out.data = a.grad_out.data;
+    for (int b = 0; b < prog.n_operands; b++) {
+        L.operands[b].data = a.operands[b].data;
+        L.grad_operands[b].data = a.grad_operands[b].data;
+    }
+    if (L.numel == 0) goto done;
+
+    int rank = a.x.ndim > 0 ? a.x.ndim : 1;
+    int64_t shape[BRRR_MAX_RANK] = {1};
+    int64_t strides[T_COUNT][BRRR_MAX_RANK];
+    memset(strides, 0, sizeof strides);
+    if (a.x.ndim > 0) memcpy(shape, a.x.shape, sizeof(int64_t) * (size_t)rank);
+    strides_over_x(&a.x, 0, rank, strides[T_X]);
+    strides_over_x(&a.out, 0, rank, strides[T_OUT]);
+    if (backward) strides_over_x(&a.grad_out, 0, rank, strides[T_GRAD_OUT]);
+    for (int b = 0; b < prog.n_operands; b++) {
+        strides_over_x(&a.operands[b], vector[b], rank, strides[T_OPERANDS + b]);
+        if (a.grad_operands[b].data) strides_over_x(&a.grad_operands[b], vector[b], rank, strides[T_GRAD_OPERANDS + b]);
+    }
+
+    if (a.x.device_type == kDLCPU) {
+        int64_t cols = shape[rank - 1];
+        if (any_vector_grad) {
+            acc = PyMem_RawCalloc((size_t)(prog.n_operands * cols), sizeof(double));
+            if (acc == NULL) { PyErr_NoMemory(); goto fail; }
+        }
+        cpu_chain c = {&L, rank, shape, strides, {0}, acc};
+        memcpy(c.vector_operand, vector, sizeof vector);
+        Py_BEGIN_ALLOW_THREADS
+        cpu_chain_run(&c, backward);
+        for (int b = 0; acc && b < prog.n_operands; b++) {
+            if (!vector[b] || !a.grad_operands[b].data) continue;
+            for (int64_t j = 0; j < cols; j++) {
+                int64_t at = j * a.grad_operands[b].strides[0];
+                if (L.dtype == BRRR_F64) ((double *)L.grad_operands[b].data)[at] = acc[b * cols + j];
+                else brrr_store_f32(L.dtype, L.grad_operands[b].data, at, (float)acc[b * cols + j]);
+            }
+        }
+        Py_END_ALLOW_THREADS
+        goto done;
+    }
+#if BRRR_WITH_CUDA
+    {
+        /* CUDA: the glue chooses the layout. A bias gradient needs rows intact (the last dim
+         * stays last, the leading dims coalesce among themselves); everything else coalesces
+         * freely, ordered by the output's strides so that writes stay coalesced. */
+        int tensor_ids[T_COUNT], count = 0;
+        tensor_ids[count++] = T_OUT;
+        tensor_ids[count++] = T_X;
+        if (backward) tensor_ids[count++] = T_GRAD_OUT;
+        for (int b = 0; b < prog.n_operands; b++) tensor_ids[count++] = T_OPERANDS + b;
+        for (int b = 0; b < prog.n_operands; b++)
+            if (a.grad_operands[b].data && !vector[b]) tensor_ids[count++] = T_GRAD_OPERANDS + b;
+        int64_t packed[T_COUNT][BRRR_MAX_RANK];
+        int nd;
+        if (any_vector_grad) {
+            for (int i = 0; i < count; i++) memcpy(packed[i], strides[tensor_ids[i]], sizeof packed[i]);
+            int64_t last = shape[rank - 1];
+            nd = brrr_coalesce(rank - 1, shape, count, packed);
+            if (nd < 0) goto fail;
+            if (nd + 1 > BRRR_MAX_DIMS) {
+                PyErr_Format(PyExc_ValueError, "argument x: too many non-mergeable leading dims");
+                goto fail;
+            }
+            shape[nd] = last;
+            for (int i = 0; i < count; i++) packed[i][nd] = strides[tensor_ids[i]][rank - 1];
+            nd += 1;
+            if (brrr_tensor_import(&call, partials_obj, "partials", 1, &a.partials) < 0) goto fail;
+            int64_t want = (int64_t)chain_partial_rows(L.numel / last) * last * prog.n_operands;
+            if (a.partials.dtype != BRRR_F32 || a.partials.numel < want || brrr_check_same_device(&a.partials, &a.x) < 0) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_ValueError, "argument partials: expected a float32 tensor of at least %lld "
+                                 "elements (chain_partial_rows(rows) * row_length * n_operands)", (long long)want);
+                goto fail;
+            }
+            L.partials = a.partials.data;
+            L.partial_rows = chain_partial_rows(L.numel / last);
+            L.row_layout = 1;
+        } else {
+            for (int i = 0; i < count; i++) memcpy(packed[i], strides[tensor_ids[i]], sizeof packed[i]);
+            nd = brrr_coalesce(rank, shape, count, packed);
+            if (nd < 0) goto fail;
+        }
+        L.ndim = nd;
+        memcpy(L.shape, shape, sizeof(int64_t) * (size_t)nd);
+        for (int i = 0; i < count; i++) {
+            brrr_view *v = tensor_ids[i] == T_OUT ? &L.out : tensor_ids[i] == T_X ? &L.x
+                         : tensor_ids[i] == T_GRAD_OUT ? &L.grad_out
+                         : tensor_ids[i] < T_GRAD_OPERANDS ? &L.operands[tensor_ids[i] - T_OPERANDS]
+                                                           : &L.grad_operands[tensor_ids[i] - T_GRAD_OPERANDS];
+            memcpy(v->strides, packed[i], sizeof v->strides);
+        }
+        for (int b = 0; b < prog.n_operands; b++) {
+            L.operand_is_vector[b] = vector[b];
+            if (vector[b] && a.grad_operands[b].data) L.grad_operands[b].strides[0] = a.grad_operands[b].strides[0];
+        }
+        /* Dense row-major over the launch shape (vectors: stride 1 along the last dim only). */
+        int contiguous = 1;
+        for (int i = 0; contiguous && i < count; i++) {
+            int64_t expect = 1;
+            int is_vec = tensor_ids[i] >= T_OPERANDS && tensor_ids[i] < T_GRAD_OPERANDS && vector[tensor_ids[i] - T_OPERANDS];
+            for (int d = nd - 1; contiguous && d >= 0; d--) {
+                int64_t want = is_vec && d < nd - 1 ? 0 : expect;
+                if (packed[i][d] != want && L.shape[d] != 1) contiguous = 0;
+                expect *= L.shape[d];
+            }
+        }
+        L.contiguous = contiguous;
+        L.row_length = L.shape[nd - 1];
+        void *stream = brrr_call_stream(&call);
+        int err;
+        Py_BEGIN_ALLOW_THREADS
+        err = backward ? brrr_cuda_chain_bwd(&L, a.x.device_id, stream) : brrr_cuda_chain_fwd(&L, a.x.device_id, stream);
+        Py_END_ALLOW_THREADS
+        if (brrr_cuda_result(err, backward ? "chain_bwd" : "chain_fwd") < 0) goto fail;
+    }
+#endif
+    goto done;
+fail:
+    Py_CLEAR(result);
+done:
+    PyMem_RawFree(acc);
+    chain_args_release(&a);
+    return result;
+}
+
+PyObject *brrr_py_chain_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "chain_fwd(program, x, out, operands, stream) takes 5 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    return chain_call(module, args, 0);
+}
+
+PyObject *brrr_py_chain_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "chain_bwd(program, x, grad_out, grad_x, operands, grad_operands, partials, "
+                     "stream) takes 8 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    return chain_call(module, args, 1);
+}

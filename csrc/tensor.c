@@ -1,0 +1,496 @@
+/* Tensor import and argument checks.
+ *
+ * Three ways in, cheapest first:
+ *  1. the producer type's C exchange table (`__dlpack_c_exchange_api__`, DLPack 1.2+: PyTorch
+ *     2.10+): a borrowed DLTensor filled in place, no capsule, no allocation, no sync; the
+ *     framework also tells us its current stream;
+ *  2. NumPy arrays, read through the NumPy C API;
+ *  3. any other `__dlpack__` producer: versioned capsules first (max_version=(1, 3)), legacy
+ *     ones when the producer does not take max_version. The capsule is renamed to its used_
+ *     name, so its own destructor leaves the tensor to us, and we call the deleter exactly once
+ *     in brrr_tensor_release. */
+#define NO_IMPORT_ARRAY
+#define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include "brrr.h"
+
+#include <numpy/arrayobject.h>
+#include <string.h>
+
+size_t brrr_dtype_size(int32_t dtype) {
+    switch (dtype) {
+    case BRRR_F16:
+    case BRRR_BF16: return 2;
+    case BRRR_F64: return 8;
+    default: return 4;
+    }
+}
+
+const char *brrr_dtype_name(int32_t dtype) {
+    switch (dtype) {
+    case BRRR_F16: return "float16";
+    case BRRR_BF16: return "bfloat16";
+    case BRRR_F64: return "float64";
+    default: return "float32";
+    }
+}
+
+static void format_shape(const int64_t *shape, int ndim, char *buf, size_t size) {
+    size_t used = (size_t)snprintf(buf, size, "(");
+    for (int d = 0; d < ndim && used < size; d++)
+        used += (size_t)snprintf(buf + used, size - used, d == 0 ? "%lld" : ", %lld", (long long)shape[d]);
+    if (used < size) snprintf(buf + used, size - used, ndim == 1 ? ",)" : ")");
+}
+
+static void format_device(const brrr_tensor *t, char *buf, size_t size) {
+    if (t->device_type == kDLCUDA)
+        snprintf(buf, size, "cuda:%d", (int)t->device_id);
+    else
+        snprintf(buf, size, "cpu");
+}
+
+static int dtype_from_dlpack(DLDataType dt, const char *name, int32_t *out) {
+    if (dt.lanes == 1) {
+        if (dt.code == kDLFloat && dt.bits == 32) { *out = BRRR_F32; return 0; }
+        if (dt.code == kDLFloat && dt.bits == 16) { *out = BRRR_F16; return 0; }
+        if (dt.code == kDLFloat && dt.bits == 64) { *out = BRRR_F64; return 0; }
+        if (dt.code == kDLBfloat && dt.bits == 16) { *out = BRRR_BF16; return 0; }
+    }
+    PyErr_Format(PyExc_TypeError,
+                 "argument %s: DLPack dtype (code %d, %d bits, %d lanes) is not supported; expected "
+                 "float32, float16, bfloat16 or float64",
+                 name, (int)dt.code, (int)dt.bits, (int)dt.lanes);
+    return -1;
+}
+
+/* Copy a DLTensor's description into t; strides NULL means compact row-major (legacy only). */
+static int fill_from_dltensor(const DLTensor *dl, int allow_null_strides, brrr_tensor *t) {
+    if (dl->ndim < 0 || dl->ndim > BRRR_MAX_RANK) {
+        PyErr_Format(PyExc_BufferError, "argument %s: rank %d is not supported (at most %d)", t->name,
+                     (int)dl->ndim, BRRR_MAX_RANK);
+        return -1;
+    }
+    if (dtype_from_dlpack(dl->dtype, t->name, &t->dtype) < 0) return -1;
+    switch (dl->device.device_type) {
+    case kDLCPU:
+    case kDLCUDAHost: t->device_type = kDLCPU; t->device_id = 0; break;
+    case kDLCUDA:
+    case kDLCUDAManaged: t->device_type = kDLCUDA; t->device_id = dl->device.device_id; break;
+    default:
+        PyErr_Format(PyExc_ValueError, "argument %s: DLPack device type %d is not supported (expected CPU or CUDA)",
+                     t->name, (int)dl->device.device_type);
+        return -1;
+    }
+    t->ndim = dl->ndim;
+    int64_t numel = 1;
+    for (int d = 0; d < t->ndim; d++) {
+        int64_t size = dl->shape[d];
+        if (size < 0) {
+            PyErr_Format(PyExc_BufferError, "argument %s: negative size %lld in dim %d", t->name, (long long)size, d);
+            return -1;
+        }
+        if (size != 0 && numel > INT64_MAX / size) {
+            PyErr_Format(PyExc_ValueError, "argument %s: number of elements overflows int64", t->name);
+            return -1;
+        }
+        numel *= size;
+        t->shape[d] = size;
+    }
+    t->numel = numel;
+    if (t->ndim > 0 && dl->strides == NULL && !allow_null_strides) {
+        PyErr_Format(PyExc_BufferError, "argument %s: DLPack 1.x tensor without strides", t->name);
+        return -1;
+    }
+    int64_t running = 1;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        t->strides[d] = dl->strides ? dl->strides[d] : running;
+        running *= t->shape[d] ? t->shape[d] : 1;
+    }
+    t->data = (char *)dl->data + dl->byte_offset;
+    if (numel > 0 && t->data == NULL) {
+        PyErr_Format(PyExc_BufferError, "argument %s: NULL data pointer for a non-empty tensor", t->name);
+        return -1;
+    }
+    return 0;
+}
+
+static const DLPackExchangeAPI *lookup_exchange_api(brrr_state *st, PyTypeObject *type) {
+    for (int i = 0; i < st->api_cache_len; i++)
+        if (st->api_cache[i].type == type) return st->api_cache[i].api;
+    const DLPackExchangeAPI *api = NULL;
+    PyObject *attr = PyObject_GetAttr((PyObject *)type, st->str_exchange_api);
+    if (attr == NULL) {
+        PyErr_Clear();
+    } else {
+        if (PyCapsule_IsValid(attr, "dlpack_exchange_api"))
+            api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(attr, "dlpack_exchange_api");
+        else if (PyLong_Check(attr))
+            api = (const DLPackExchangeAPI *)PyLong_AsVoidPtr(attr);
+        Py_DECREF(attr);
+        PyErr_Clear();
+        /* Only a table of our major version, with the borrowed-view entry, is any use to us. */
+        if (api && (api->header.version.major != BRRR_DLPACK_MAJOR || api->dltensor_from_py_object_no_sync == NULL ||
+                    api->current_work_stream == NULL))
+            api = NULL;
+    }
+    if (st->api_cache_len < BRRR_API_CACHE_SIZE) {
+        Py_INCREF(type);
+        st->api_cache[st->api_cache_len].type = type;
+        st->api_cache[st->api_cache_len].api = api;
+        st->api_cache_len++;
+    }
+    return api;
+}
+
+static int import_numpy(PyArrayObject *arr, brrr_tensor *t) {
+    int type_num = PyArray_TYPE(arr);
+    if (!PyArray_ISNBO(PyArray_DESCR(arr)->byteorder)) {
+        PyErr_Format(PyExc_TypeError, "argument %s: non-native byte order is not supported", t->name);
+        return -1;
+    }
+    switch (type_num) {
+    case NPY_FLOAT32: t->dtype = BRRR_F32; break;
+    case NPY_FLOAT16: t->dtype = BRRR_F16; break;
+    case NPY_FLOAT64: t->dtype = BRRR_F64; break;
+    default:
+        PyErr_Format(PyExc_TypeError,
+                     "argument %s: NumPy dtype %R is not supported; expected float32, float16 or float64", t->name,
+                     (PyObject *)PyArray_DESCR(arr));
+        return -1;
+    }
+    int ndim = PyArray_NDIM(arr);
+    if (ndim > BRRR_MAX_RANK) {
+        PyErr_Format(PyExc_ValueError, "argument %s: rank %d is not supported (at most %d)", t->name, ndim,
+                     BRRR_MAX_RANK);
+        return -1;
+    }
+    npy_intp itemsize = PyArray_ITEMSIZE(arr);
+    t->ndim = ndim;
+    t->numel = (int64_t)PyArray_SIZE(arr);
+    for (int d = 0; d < ndim; d++) {
+        npy_intp stride = PyArray_STRIDE(arr, d);
+        if (stride % itemsize != 0) {
+            PyErr_Format(PyExc_BufferError, "argument %s: stride %lld bytes in dim %d is not a multiple of the item size",
+                         t->name, (long long)stride, d);
+            return -1;
+        }
+        t->shape[d] = PyArray_DIM(arr, d);
+        t->strides[d] = stride / itemsize;
+    }
+    t->data = PyArray_DATA(arr);
+    t->device_type = kDLCPU;
+    t->device_id = 0;
+    t->readonly = !PyArray_ISWRITEABLE(arr);
+    Py_INCREF(arr);
+    t->owner = (PyObject *)arr;
+    return 0;
+}
+
+/* The protocol path: obj.__dlpack__(stream=..., max_version=(1, 3)), legacy on TypeError. */
+static int import_capsule(brrr_call *call, PyObject *obj, brrr_tensor *t) {
+    brrr_state *st = call->state;
+    PyObject *method = PyObject_GetAttr(obj, st->str_dlpack);
+    if (method == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "argument %s: expected a tensor or array implementing __dlpack__, got %.200s",
+                     t->name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyObject *device = PyObject_CallMethodNoArgs(obj, st->str_dlpack_device);
+    long device_type = -1;
+    if (device && PyTuple_Check(device) && PyTuple_GET_SIZE(device) == 2)
+        device_type = PyLong_AsLong(PyTuple_GET_ITEM(device, 0));
+    Py_XDECREF(device);
+    if (device_type == -1) {
+        Py_DECREF(method);
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_AttributeError) ||
+            PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_ValueError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "argument %s: __dlpack_device__() must return a (device_type, device_id) tuple",
+                         t->name);
+        }
+        return -1;
+    }
+    /* CUDA producers make our stream wait for their work; DLPack spells the legacy default
+     * stream 1, since 0 is ambiguous. CPU producers take stream=None. */
+    PyObject *stream;
+    if (device_type == kDLCUDA || device_type == kDLCUDAManaged) {
+        uintptr_t s = (uintptr_t)brrr_call_stream(call);
+        stream = PyLong_FromUnsignedLongLong(s == 0 ? 1 : s);
+    } else {
+        stream = Py_NewRef(Py_None);
+    }
+    if (stream == NULL) { Py_DECREF(method); return -1; }
+    PyObject *kwargs = Py_BuildValue("{sOsO}", "stream", stream, "max_version", st->max_version);
+    PyObject *empty = PyTuple_New(0);
+    PyObject *capsule = (kwargs && empty) ? PyObject_Call(method, empty, kwargs) : NULL;
+    if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear(); /* a pre-1.0 producer: no max_version keyword */
+        Py_DECREF(kwargs);
+        kwargs = Py_BuildValue("{sO}", "stream", stream);
+        capsule = kwargs ? PyObject_Call(method, empty, kwargs) : NULL;
+    }
+    Py_XDECREF(kwargs);
+    Py_XDECREF(empty);
+    Py_DECREF(stream);
+    Py_DECREF(method);
+    if (capsule == NULL) return -1;
+
+    int status = -1;
+    if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+        DLManagedTensorVersioned *m = PyCapsule_GetPointer(capsule, "dltensor_versioned");
+        if (m == NULL || PyCapsule_SetName(capsule, "used_dltensor_versioned") < 0) goto done;
+        t->managed_versioned = m; /* ours from here on: release calls the deleter */
+        if (m->version.major != BRRR_DLPACK_MAJOR) {
+            PyErr_Format(PyExc_BufferError, "argument %s: DLPack major version %u is not supported (expected %d)",
+                         t->name, (unsigned)m->version.major, BRRR_DLPACK_MAJOR);
+            goto done;
+        }
+        t->readonly = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+        status = fill_from_dltensor(&m->dl_tensor, 0, t);
+    } else if (PyCapsule_IsValid(capsule, "dltensor")) {
+        DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
+        if (m == NULL || PyCapsule_SetName(capsule, "used_dltensor") < 0) goto done;
+        t->managed_legacy = m;
+        status = fill_from_dltensor(&m->dl_tensor, 1, t);
+    } else {
+        const char *cname = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
+        PyErr_Clear();
+        if (cname && strncmp(cname, "used_", 5) == 0)
+            PyErr_Format(PyExc_BufferError, "argument %s: __dlpack__ returned an already consumed capsule (%s)",
+                         t->name, cname);
+        else
+            PyErr_Format(PyExc_BufferError,
+                         "argument %s: __dlpack__ must return a capsule named 'dltensor_versioned' or 'dltensor', "
+                         "got %.200s%s%s",
+                         t->name, Py_TYPE(capsule)->tp_name, cname ? " named " : "", cname ? cname : "");
+    }
+done:
+    Py_DECREF(capsule);
+    return status;
+}
+
+/* Re-raise the pending exception with the argument's name in front, keeping its type. */
+static void prefix_error(const char *name) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (type == NULL) {
+        PyErr_Format(PyExc_BufferError, "argument %s: the producer could not export it", name);
+        return;
+    }
+    PyErr_NormalizeException(&type, &value, &traceback);
+    PyErr_Format(type, "argument %s: %S", name, value);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+}
+
+int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, brrr_tensor *t) {
+    memset(t, 0, sizeof(*t));
+    t->name = name;
+    if (obj == Py_None) {
+        PyErr_Format(PyExc_TypeError, "argument %s: expected a tensor or array, got None", name);
+        return -1;
+    }
+    int status;
+    const DLPackExchangeAPI *api = lookup_exchange_api(call->state, Py_TYPE(obj));
+    if (api) {
+        DLTensor dl;
+        status = api->dltensor_from_py_object_no_sync(obj, &dl);
+        if (status != 0) prefix_error(name);
+        if (status == 0) status = fill_from_dltensor(&dl, 0, t);
+        if (status == 0 && !call->resolved && call->stream_arg < 0 && t->device_type == kDLCUDA) {
+            /* The framework's current stream on this tensor's device: where its own ops run. */
+            if (api->current_work_stream(kDLCUDA, t->device_id, &call->stream) != 0) status = -1;
+            call->resolved = status == 0;
+        }
+    } else if (PyArray_Check(obj)) {
+        status = import_numpy((PyArrayObject *)obj, t);
+    } else {
+        status = import_capsule(call, obj, t);
+    }
+    if (status == 0 && writable && t->readonly) {
+        PyErr_Format(PyExc_ValueError, "argument %s: output is read-only", name);
+        status = -1;
+    }
+    if (status == 0) status = brrr_check_device_supported(t);
+    if (status < 0) brrr_tensor_release(t);
+    return status;
+}
+
+void brrr_tensor_release(brrr_tensor *t) {
+    if (t->managed_versioned && t->managed_versioned->deleter) t->managed_versioned->deleter(t->managed_versioned);
+    if (t->managed_legacy && t->managed_legacy->deleter) t->managed_legacy->deleter(t->managed_legacy);
+    t->managed_versioned = NULL;
+    t->managed_legacy = NULL;
+    Py_CLEAR(t->owner);
+}
+
+void *brrr_call_stream(brrr_call *call) {
+    if (!call->resolved) {
+        call->stream = call->stream_arg > 0 ? (void *)(uintptr_t)call->stream_arg : NULL;
+        call->resolved = 1;
+    }
+    return call->stream;
+}
+
+int brrr_check_device_supported(const brrr_tensor *t) {
+    if (t->device_type == kDLCUDA && !BRRR_WITH_CUDA) {
+        PyErr_Format(PyExc_RuntimeError, "argument %s is on cuda:%d but this build of brrr has no CUDA kernels "
+                     "(rebuild with nvcc available)", t->name, (int)t->device_id);
+        return -1;
+    }
+    if (t->device_type == kDLCPU || t->device_type == kDLCUDA) return 0;
+    PyErr_Format(PyExc_ValueError, "argument %s: device is not supported", t->name);
+    return -1;
+}
+
+int brrr_check_same_device(const brrr_tensor *t, const brrr_tensor *ref) {
+    if (t->device_type == ref->device_type && t->device_id == ref->device_id) return 0;
+    char a[32], b[32];
+    format_device(t, a, sizeof a);
+    format_device(ref, b, sizeof b);
+    PyErr_Format(PyExc_ValueError, "argument %s is on %s but %s is on %s", t->name, a, ref->name, b);
+    return -1;
+}
+
+int brrr_check_same_dtype(const brrr_tensor *t, const brrr_tensor *ref) {
+    if (t->dtype == ref->dtype) return 0;
+    PyErr_Format(PyExc_ValueError, "argument %s has dtype %s but %s has dtype %s", t->name, brrr_dtype_name(t->dtype),
+                 ref->name, brrr_dtype_name(ref->dtype));
+    return -1;
+}
+
+int brrr_check_same_shape(const brrr_tensor *t, const brrr_tensor *ref) {
+    int same = t->ndim == ref->ndim;
+    for (int d = 0; same && d < t->ndim; d++) same = t->shape[d] == ref->shape[d];
+    if (same) return 0;
+    char a[256], b[256];
+    format_shape(t->shape, t->ndim, a, sizeof a);
+    format_shape(ref->shape, ref->ndim, b, sizeof b);
+    PyErr_Format(PyExc_ValueError, "argument %s has shape %s but %s has shape %s", t->name, a, ref->name, b);
+    return -1;
+}
+
+int brrr_check_dtype_in(const brrr_tensor *t, unsigned allowed) {
+    if (allowed & (1u << t->dtype)) return 0;
+    PyErr_Format(PyExc_TypeError, "argument %s: dtype %s is not supported on %s by this op", t->name,
+                 brrr_dtype_name(t->dtype), t->device_type == kDLCUDA ? "CUDA" : "the CPU");
+    return -1;
+}
+
+/* Byte range [lo, hi) that a view can touch. */
+static void extent(const brrr_tensor *t, uintptr_t *lo, uintptr_t *hi) {
+    int64_t low = 0, high = 0;
+    for (int d = 0; d < t->ndim; d++) {
+        int64_t span = (t->shape[d] - 1) * t->strides[d];
+        if (span < 0) low += span; else high += span;
+    }
+    int64_t size = (int64_t)brrr_dtype_size(t->dtype);
+    *lo = (uintptr_t)t->data + (uintptr_t)(low * size);
+    *hi = (uintptr_t)t->data + (uintptr_t)((high + 1) * size);
+}
+
+int brrr_check_no_internal_overlap(const brrr_tensor *out) {
+    if (out->numel <= 1) return 0;
+    /* Sufficient for no overlap: with dims ordered by |stride|, each stride exceeds the span of
+     * all smaller dims. Views that fail it (broadcast, interleaved) are refused, not guessed at. */
+    int64_t sizes[BRRR_MAX_RANK], strides[BRRR_MAX_RANK];
+    int n = 0;
+    for (int d = 0; d < out->ndim; d++) {
+        if (out->shape[d] == 1) continue;
+        int64_t s = out->strides[d] < 0 ? -out->strides[d] : out->strides[d];
+        int i = n++;
+        while (i > 0 && strides[i - 1] > s) { strides[i] = strides[i - 1]; sizes[i] = sizes[i - 1]; i--; }
+        strides[i] = s;
+        sizes[i] = out->shape[d];
+    }
+    int64_t span = 0;
+    for (int i = 0; i < n; i++) {
+        if (strides[i] <= span) {
+            PyErr_Format(PyExc_ValueError, "argument %s: output has overlapping elements (a broadcast or "
+                         "self-overlapping view); pass a tensor whose elements are distinct", out->name);
+            return -1;
+        }
+        span += (sizes[i] - 1) * strides[i];
+    }
+    return 0;
+}
+
+int brrr_check_no_overlap(const brrr_tensor *out, const brrr_tensor *in, int allow_same) {
+    if (out->numel == 0 || in->numel == 0 || out->device_type != in->device_type || out->device_id != in->device_id)
+        return 0;
+    uintptr_t a0, a1, b0, b1;
+    extent(out, &a0, &a1);
+    extent(in, &b0, &b1);
+    if (a1 <= b0 || b1 <= a0) return 0;
+    if (allow_same && out->data == in->data && out->dtype == in->dtype && out->ndim == in->ndim) {
+        int same = 1;
+        for (int d = 0; same && d < out->ndim; d++)
+            same = out->shape[d] == in->shape[d] && (out->strides[d] == in->strides[d] || out->shape[d] == 1);
+        if (same) return 0;
+    }
+    PyErr_Format(PyExc_ValueError, "argument %s overlaps input %s in memory%s", out->name, in->name,
+                 allow_same ? " (only an exactly identical view may be written in place)" : "");
+    return -1;
+}
+
+int brrr_cuda_result(int error, const char *op) {
+    if (error == 0) return 0;
+#if BRRR_WITH_CUDA
+    PyErr_Format(PyExc_RuntimeError, "brrr.%s: CUDA error %d (%s)", op, error, brrr_cuda_error_string(error));
+#else
+    PyErr_Format(PyExc_RuntimeError, "brrr.%s: CUDA error %d", op, error);
+#endif
+    return -1;
+}
+
+int brrr_coalesce(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_MAX_RANK]) {
+    /* Drop size-1 dims; order the rest by the first tensor's |stride|, largest first (stable). */
+    int order[BRRR_MAX_RANK], n = 0;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] == 1) continue;
+        int64_t s = strides[0][d] < 0 ? -strides[0][d] : strides[0][d];
+        int i = n++;
+        while (i > 0) {
+            int64_t p = strides[0][order[i - 1]];
+            if ((p < 0 ? -p : p) >= s) break;
+            order[i] = order[i - 1];
+            i--;
+        }
+        order[i] = d;
+    }
+    int64_t new_shape[BRRR_MAX_RANK], tmp[BRRR_MAX_RANK];
+    for (int i = 0; i < n; i++) new_shape[i] = shape[order[i]];
+    for (int k = 0; k < count; k++) {
+        for (int i = 0; i < n; i++) tmp[i] = strides[k][order[i]];
+        memcpy(strides[k], tmp, sizeof(int64_t) * (size_t)n);
+    }
+    /* Merge dim i into dim i-1 when every tensor steps over dim i-1 exactly as over the whole of i. */
+    int out = 0;
+    for (int i = 0; i < n; i++) {
+        int mergeable = out > 0;
+        for (int k = 0; mergeable && k < count; k++)
+            mergeable = strides[k][out - 1] == strides[k][i] * new_shape[i];
+        if (mergeable) {
+            new_shape[out - 1] *= new_shape[i];
+            for (int k = 0; k < count; k++) strides[k][out - 1] = strides[k][i];
+        } else {
+            new_shape[out] = new_shape[i];
+            for (int k = 0; k < count; k++) strides[k][out] = strides[k][i];
+            out++;
+        }
+    }
+    if (out == 0) { /* a single element (or every dim of size 1) */
+        new_shape[0] = 1;
+        for (int k = 0; k < count; k++) strides[k][0] = 1;
+        out = 1;
+    }
+    if (out > BRRR_MAX_DIMS) {
+        PyErr_Format(PyExc_ValueError, "tensor views with more than %d non-mergeable dims are not supported (got %d)",
+                     BRRR_MAX_DIMS, out);
+        return -1;
+    }
+    memcpy(shape, new_shape, sizeof(int64_t) * (size_t)out);
+    return out;
+}

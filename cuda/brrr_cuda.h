@@ -1,0 +1,92 @@
+/* The interface between the C glue (csrc/) and the CUDA launchers (cuda/).
+ *
+ * Plain C, no Python and no CUDA headers: the glue compiles without a CUDA toolkit. Every
+ * launcher runs on the stream it is given, on the device it is given (restoring the caller's
+ * current device), allocates nothing, never synchronises, and returns a cudaError_t as an int
+ * (0 on success). Validation happened before the call: launchers trust their arguments. */
+#ifndef BRRR_CUDA_H
+#define BRRR_CUDA_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define BRRR_MAX_DIMS 16
+#define BRRR_MAX_CHAIN_STEPS 16
+#define BRRR_MAX_CHAIN_OPERANDS 4
+
+typedef enum { BRRR_F32 = 0, BRRR_F16 = 1, BRRR_BF16 = 2, BRRR_F64 = 3 } brrr_dtype;
+
+/* Chain opcodes. Unary ops take the running value y; scalar ops use `scalar`; tensor ops combine
+ * y with operand `operand` (a tensor of the input's shape, or a vector along the last dim). */
+typedef enum {
+    BRRR_OP_RELU = 0,
+    BRRR_OP_GELU,       /* erf form */
+    BRRR_OP_GELU_TANH,  /* tanh approximation */
+    BRRR_OP_SILU,
+    BRRR_OP_SIGMOID,
+    BRRR_OP_TANH,
+    BRRR_OP_EXP,
+    BRRR_OP_COS,
+    BRRR_OP_SIN,
+    BRRR_OP_ADD_SCALAR,
+    BRRR_OP_MUL_SCALAR,
+    BRRR_OP_ADD_TENSOR,
+    BRRR_OP_MUL_TENSOR,
+    BRRR_OP_COUNT
+} brrr_op;
+
+typedef struct {
+    int32_t op;      /* brrr_op */
+    int32_t operand; /* tensor ops: index into the operands; else unused */
+    double scalar;   /* scalar ops: the constant; else unused */
+} brrr_chain_step;
+
+typedef struct {
+    int32_t n_steps;
+    int32_t n_operands; /* tensor steps, each with its own operand slot 0..n_operands-1 */
+    brrr_chain_step steps[BRRR_MAX_CHAIN_STEPS];
+} brrr_chain_program;
+
+/* A tensor seen through the common (coalesced) iteration shape of an elementwise launch. */
+typedef struct {
+    void *data;                      /* element (0, ..., 0) */
+    int64_t strides[BRRR_MAX_DIMS];  /* in elements, over the launch's shape; 0 = broadcast */
+} brrr_view;
+
+/* One elementwise chain launch. Forward writes out = chain(x, operands). Backward reads x and
+ * grad_out, writes grad_x into `out`, and for every operand with a non-NULL grad_operands[k].data
+ * its gradient: elementwise for x-shaped operands; for vector operands (a bias along the last
+ * dim) a column sum over rows, taken in a fixed order through the fp32 `partials` scratch, with
+ * grad_operands[k].strides[0] the stride of the [row_length] result. */
+typedef struct {
+    brrr_chain_program program;
+    int32_t dtype;               /* brrr_dtype, shared by every tensor */
+    int32_t ndim;                /* >= 1 after coalescing */
+    int64_t numel;
+    int64_t shape[BRRR_MAX_DIMS];
+    int32_t contiguous;          /* every tensor dense row-major over `shape` (vectors: along the last dim) */
+    int32_t row_layout;          /* the last dim is x's last dim (rows = the others), as bias gradients need */
+    int64_t row_length;          /* shape[ndim - 1] */
+    int32_t operand_is_vector[BRRR_MAX_CHAIN_OPERANDS];
+    brrr_view x, out, grad_out;
+    brrr_view operands[BRRR_MAX_CHAIN_OPERANDS];
+    brrr_view grad_operands[BRRR_MAX_CHAIN_OPERANDS];
+    float *partials;             /* [n_operands][partial_rows][row_length] */
+    int64_t partial_rows;
+} brrr_chain_launch;
+
+int brrr_cuda_chain_fwd(const brrr_chain_launch *launch, int device, void *stream);
+int brrr_cuda_chain_bwd(const brrr_chain_launch *launch, int device, void *stream);
+
+int brrr_cuda_device_count(int *count);
+int brrr_cuda_runtime_version(int *version);
+int brrr_cuda_driver_version(int *version);
+const char *brrr_cuda_error_string(int error);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,466 @@
+// Elementwise chain kernels, forward and backward.
+//
+// chain_fwd_contig_kernel   dense tensors. Formula: out[i] = program(x[i], operands[.][i]).
+//                           Each thread owns kUnroll 16-byte packs (VEC elements each) spaced one
+//                           block apart, so a warp's accesses stay coalesced; every pack is loaded
+//                           before any is computed. Steps are dispatched once per pack (the
+//                           program is warp-uniform), not once per element.
+//                           Assumes: 16-byte aligned pointers, vector operands only when
+//                           row_length % VEC == 0 (else VEC = 1 is launched).
+// chain_fwd_strided_kernel  any strides over the coalesced shape (<= BRRR_MAX_DIMS dims); one
+//                           element per thread per grid-stride step.
+// chain_bwd_kernel          grad_x = grad_out * d program / dx, and x-shaped operand gradients,
+//                           recomputing the program from x in registers (nothing was saved).
+//                           Contiguous or strided, one element per thread per step.
+// chain_bwd_rows_kernel     the same when a bias (vector) operand needs its gradient: a block
+//                           owns a column tile and a fixed slice of rows; each thread sums its
+//                           rows in order, the block's 8 row-lanes are summed in order through
+//                           shared memory, and chain_bias_grad_kernel sums the row slices in
+//                           order. Bitwise reproducible; no atomics.
+#pragma once
+
+#include "brrr_cuda.h"
+#include "common.cuh"
+
+namespace brrr {
+
+// The step math three times: exact float (float32 storage), fast float (half storage), double.
+#define QUAL static __device__ __forceinline__
+#define FN(name) name
+struct Precise32 {
+#define REAL float
+#define EXP expf
+#define TANH tanhf
+#define ERF erff
+#define COS cosf
+#define SIN sinf
+#define DIV(a, b) ((a) / (b))
+#include "chain_math.inc"
+#include "chain_apply.inc"
+#undef REAL
+#undef EXP
+#undef TANH
+#undef COS
+#undef SIN
+#undef DIV
+};
+struct Fast32 {
+#define REAL float
+#define EXP fast_exp
+#define TANH fast_tanh
+#define COS fast_cos
+#define SIN fast_sin
+#define DIV(a, b) __fdividef((a), (b))
+#include "chain_math.inc"
+#include "chain_apply.inc"
+#undef REAL
+#undef EXP
+#undef TANH
+#undef ERF
+#undef COS
+#undef SIN
+#undef DIV
+};
+struct Precise64 {
+#define REAL double
+#define EXP exp
+#define TANH tanh
+#define ERF erf
+#define COS cos
+#define SIN sin
+#define DIV(a, b) ((a) / (b))
+#include "chain_math.inc"
+#include "chain_apply.inc"
+#undef REAL
+#undef EXP
+#undef TANH
+#undef ERF
+#undef COS
+#undef SIN
+#undef DIV
+};
+#undef FN
+#undef QUAL
+
+template <typename T> struct MathFor { using type = Fast32; };
+template <> struct MathFor<float> { using type = Precise32; };
+template <> struct MathFor<double> { using type = Precise64; };
+
+constexpr int kUnroll = 2;
+
+// Offsets of element i in each tensor's strides over the launch shape.
+struct Offsets {
+    int64_t x, out, grad_out, op[BRRR_MAX_CHAIN_OPERANDS], grad_op[BRRR_MAX_CHAIN_OPERANDS];
+};
+
+template <int kOps>
+__device__ __forceinline__ Offsets strided_offsets(const brrr_chain_launch &L, int64_t i, bool backward) {
+    Offsets o = {};
+#pragma unroll
+    for (int d = BRRR_MAX_DIMS - 1; d >= 0; --d) {
+        if (d < L.ndim) {
+            const int64_t c = i % L.shape[d];
+            i /= L.shape[d];
+            o.x += c * L.x.strides[d];
+            o.out += c * L.out.strides[d];
+            if (backward) o.grad_out += c * L.grad_out.strides[d];
+#pragma unroll
+            for (int b = 0; b < kOps; ++b) {
+                o.op[b] += c * L.operands[b].strides[d];
+                if (backward) o.grad_op[b] += c * L.grad_operands[b].strides[d];
+            }
+        }
+    }
+    return o;
+}
+
+template <typename T> __device__ __forceinline__ const T *in_ptr(const brrr_view &v) { return static_cast<const T *>(v.data); }
+template <typename T> __device__ __forceinline__ T *out_ptr(const brrr_view &v) { return static_cast<T *>(v.data); }
+
+// Element index of operand b at flat index i of a contiguous launch.
+__device__ __forceinline__ int64_t operand_index(const brrr_chain_launch &L, int b, int64_t i) {
+    return L.operand_is_vector[b] ? i % L.row_length : i;
+}
+
+// kOps: an upper bound on the program's operands (0, 1 or 4), so unused slots cost no registers.
+template <typename T, int VEC, int kOps>
+__global__ void __launch_bounds__(kThreads) chain_fwd_contig_kernel(const __grid_constant__ brrr_chain_launch L) {
+    using A = typename Compute<T>::type;
+    using M = typename MathFor<T>::type;
+    constexpr int N = VEC * kUnroll;
+    const int64_t n_packs = L.numel / VEC;
+    const int64_t first = (int64_t)blockIdx.x * kThreads * kUnroll + threadIdx.x;
+
+    A y[N], operand[kOps > 0 ? kOps : 1][N];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int64_t pack = first + (int64_t)u * kThreads;
+        if (pack >= n_packs) continue;
+        load_pack<T, VEC>(in_ptr<T>(L.x) + pack * VEC, y + u * VEC);
+#pragma unroll
+        for (int b = 0; b < kOps; ++b)
+            if (b < L.program.n_operands)
+                load_pack<T, VEC>(in_ptr<T>(L.operands[b]) + operand_index(L, b, pack * VEC), operand[b] + u * VEC);
+    }
+    for (int k = 0; k < L.program.n_steps; ++k) {
+        const int op = L.program.steps[k].op;
+        if (op == BRRR_OP_ADD_TENSOR || op == BRRR_OP_MUL_TENSOR) {
+            const int slot = L.program.steps[k].operand;
+#pragma unroll
+            for (int b = 0; b < kOps; ++b) {
+                if (b != slot) continue;
+#pragma unroll
+                for (int j = 0; j < N; ++j) y[j] = op == BRRR_OP_ADD_TENSOR ? y[j] + operand[b][j] : y[j] * operand[b][j];
+            }
+        } else {
+            M::apply(op, static_cast<A>(L.program.steps[k].scalar), y);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int64_t pack = first + (int64_t)u * kThreads;
+        if (pack < n_packs) store_pack<T, VEC>(out_ptr<T>(L.out) + pack * VEC, y + u * VEC);
+    }
+    // The last numel % VEC elements, one per thread of block 0.
+    if (VEC > 1 && blockIdx.x == 0) {
+        const int64_t i = n_packs * VEC + threadIdx.x;
+        if (i < L.numel) {
+            A v[BRRR_MAX_CHAIN_OPERANDS] = {};
+#pragma unroll
+            for (int b = 0; b < kOps; ++b)
+                if (b < L.program.n_operands) v[b] = to_float(in_ptr<T>(L.operands[b])[operand_index(L, b, i)]);
+            out_ptr<T>(L.out)[i] = to_storage<T, A>(M::program_fwd(&L.program, to_float(in_ptr<T>(L.x)[i]), v));
+        }
+    }
+}
+
+template <typename T, int kOps>
+__global__ void __launch_bounds__(kThreads) chain_fwd_strided_kernel(const __grid_constant__ brrr_chain_launch L) {
+    using A = typename Compute<T>::type;
+    for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < L.numel; i += (int64_t)gridDim.x * kThreads) {
+        const Offsets o = strided_offsets<kOps>(L, i, false);
+        A v[BRRR_MAX_CHAIN_OPERANDS] = {};
+#pragma unroll
+        for (int b = 0; b < kOps; ++b)
+            if (b < L.program.n_operands) v[b] = to_float(in_ptr<T>(L.operands[b])[o.op[b]]);
+        const A y = to_float(in_ptr<T>(L.x)[o.x]);
+        out_ptr<T>(L.out)[o.out] = to_storage<T, A>(MathFor<T>::type::program_fwd(&L.program, y, v));
+    }
+}
+
+// Backward of dense tensors: packs as in the forward, the program recomputed per element.
+template <typename T, int VEC, int kOps>
+__global__ void __launch_bounds__(kThreads) chain_bwd_contig_kernel(const __grid_constant__ brrr_chain_launch L) {
+    using A = typename Compute<T>::type;
+    using M = typename MathFor<T>::type;
+    constexpr int N = VEC * kUnroll;
+    const int64_t n_packs = L.numel / VEC;
+    const int64_t first = (int64_t)blockIdx.x * kThreads * kUnroll + threadIdx.x;
+    const int nops = L.program.n_operands;
+
+    A y[N], g[N], operand[kOps > 0 ? kOps : 1][N];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int64_t pack = first + (int64_t)u * kThreads;
+        if (pack >= n_packs) continue;
+        load_pack<T, VEC>(in_ptr<T>(L.x) + pack * VEC, y + u * VEC);
+        load_pack<T, VEC>(in_ptr<T>(L.grad_out) + pack * VEC, g + u * VEC);
+#pragma unroll
+        for (int b = 0; b < kOps; ++b)
+            if (b < nops) load_pack<T, VEC>(in_ptr<T>(L.operands[b]) + operand_index(L, b, pack * VEC), operand[b] + u * VEC);
+    }
+    A dx[N], d_operand[kOps > 0 ? kOps : 1][N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        A vals[BRRR_MAX_CHAIN_OPERANDS] = {}, grads[BRRR_MAX_CHAIN_OPERANDS];
+#pragma unroll
+        for (int b = 0; b < kOps; ++b) vals[b] = operand[b][j];
+        dx[j] = g[j] * M::program_grad(&L.program, y[j], vals, grads);
+#pragma unroll
+        for (int b = 0; b < kOps; ++b) d_operand[b][j] = g[j] * grads[b];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int64_t pack = first + (int64_t)u * kThreads;
+        if (pack >= n_packs) continue;
+        store_pack<T, VEC>(out_ptr<T>(L.out) + pack * VEC, dx + u * VEC);
+#pragma unroll
+        for (int b = 0; b < kOps; ++b)
+            if (b < nops && L.grad_operands[b].data)
+                store_pack<T, VEC>(out_ptr<T>(L.grad_operands[b]) + pack * VEC, d_operand[b] + u * VEC);
+    }
+    if (VEC > 1 && blockIdx.x == 0) {
+        const int64_t i = n_packs * VEC + threadIdx.x;
+        if (i < L.numel) {
+            A vals[BRRR_MAX_CHAIN_OPERANDS] = {}, grads[BRRR_MAX_CHAIN_OPERANDS];
+#pragma unroll
+            for (int b = 0; b < kOps; ++b)
+                if (b < nops) vals[b] = to_float(in_ptr<T>(L.operands[b])[operand_index(L, b, i)]);
+            const A gi = to_float(in_ptr<T>(L.grad_out)[i]);
+            out_ptr<T>(L.out)[i] = to_storage<T, A>(gi * M::program_grad(&L.program, to_float(in_ptr<T>(L.x)[i]), vals, grads));
+#pragma unroll
+            for (int b = 0; b < kOps; ++b)
+                if (b < nops && L.grad_operands[b].data) out_ptr<T>(L.grad_operands[b])[i] = to_storage<T, A>(gi * grads[b]);
+        }
+    }
+}
+
+template <typename T, int kOps>
+__global__ void __launch_bounds__(kThreads) chain_bwd_strided_kernel(const __grid_constant__ brrr_chain_launch L) {
+    using A = typename Compute<T>::type;
+    const int nops = L.program.n_operands;
+    for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < L.numel; i += (int64_t)gridDim.x * kThreads) {
+        const Offsets o = strided_offsets<kOps>(L, i, true);
+        A vals[BRRR_MAX_CHAIN_OPERANDS] = {}, grads[BRRR_MAX_CHAIN_OPERANDS];
+#pragma unroll
+        for (int b = 0; b < kOps; ++b)
+            if (b < nops) vals[b] = to_float(in_ptr<T>(L.operands[b])[o.op[b]]);
+        const A g = to_float(in_ptr<T>(L.grad_out)[o.grad_out]);
+        const A total = MathFor<T>::type::program_grad(&L.program, to_float(in_ptr<T>(L.x)[o.x]), vals, grads);
+        out_ptr<T>(L.out)[o.out] = to_storage<T, A>(g * total);
+#pragma unroll
+        for (int b = 0; b < kOps; ++b)
+            if (b < nops && L.grad_operands[b].data) out_ptr<T>(L.grad_operands[b])[o.grad_op[b]] = to_storage<T, A>(g * grads[b]);
+    }
+}
+
+constexpr int kRowLanes = 8;   // warps per block in the row kernel, each walking its own rows
+constexpr int kTileCols = 32;  // threads across a column tile (VEC columns each)
+
+// Offset of row r in a tensor whose strides over the launch shape are `s` (rows = leading dims).
+__device__ __forceinline__ int64_t row_offset(const brrr_chain_launch &L, const int64_t *s, int64_t r) {
+    int64_t off = 0;
+#pragma unroll
+    for (int d = BRRR_MAX_DIMS - 2; d >= 0; --d) {
+        if (d < L.ndim - 1) {
+            off += (r % L.shape[d]) * s[d];
+            r /= L.shape[d];
+        }
+    }
+    return off;
+}
+
+// Element (r, c) of a tensor in a row-layout launch.
+__device__ __forceinline__ int64_t row_element(const brrr_chain_launch &L, const brrr_view &v, int64_t r, int64_t c) {
+    return L.contiguous ? r * L.row_length + c : row_offset(L, v.strides, r) + c * v.strides[L.ndim - 1];
+}
+
+template <typename T, int VEC, int kOps>
+__global__ void __launch_bounds__(kTileCols *kRowLanes) chain_bwd_rows_kernel(const __grid_constant__ brrr_chain_launch L) {
+    using A = typename Compute<T>::type;
+    using M = typename MathFor<T>::type;
+    __shared__ float lanes[kRowLanes][kTileCols * VEC];
+    const int nops = L.program.n_operands;
+    const int64_t cols = L.row_length, rows = L.numel / cols;
+    const int64_t rows_per_part = (rows + L.partial_rows - 1) / L.partial_rows;
+    const int64_t row_begin = blockIdx.y * rows_per_part;
+    const int64_t row_end = min(rows, row_begin + rows_per_part);
+    const int64_t col = ((int64_t)blockIdx.x * kTileCols + threadIdx.x) * VEC;
+    const bool active = col < cols;
+
+    constexpr int kSlots = kOps > 0 ? kOps : 1;
+    A vector_value[kSlots][VEC];  // a vector operand is the same on every row
+    float acc[kSlots][VEC];
+#pragma unroll
+    for (int b = 0; b < kOps; ++b) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            acc[b][j] = 0.f;
+            vector_value[b][j] = (b < nops && L.operand_is_vector[b] && active)
+                ? to_float(in_ptr<T>(L.operands[b])[(col + j) * L.operands[b].strides[L.ndim - 1]]) : A(0);
+        }
+    }
+    for (int64_t r = row_begin + threadIdx.y; active && r < row_end; r += kRowLanes) {
+        A y[VEC], g[VEC], v[kSlots][VEC];
+        if (VEC > 1) {  // contiguous and aligned
+            load_pack<T, VEC>(in_ptr<T>(L.x) + r * cols + col, y);
+            load_pack<T, VEC>(in_ptr<T>(L.grad_out) + r * cols + col, g);
+        } else {
+            y[0] = to_float(in_ptr<T>(L.x)[row_element(L, L.x, r, col)]);
+            g[0] = to_float(in_ptr<T>(L.grad_out)[row_element(L, L.grad_out, r, col)]);
+        }
+#pragma unroll
+        for (int b = 0; b < kOps; ++b) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+                v[b][j] = (b >= nops || L.operand_is_vector[b]) ? vector_value[b][j]
+                        : to_float(in_ptr<T>(L.operands[b])[row_element(L, L.operands[b], r, col + j)]);
+        }
+        A dx[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            A vals[BRRR_MAX_CHAIN_OPERANDS] = {}, grads[BRRR_MAX_CHAIN_OPERANDS];
+#pragma unroll
+            for (int b = 0; b < kOps; ++b) vals[b] = v[b][j];
+            dx[j] = g[j] * M::program_grad(&L.program, y[j], vals, grads);
+#pragma unroll
+            for (int b = 0; b < kOps; ++b) {
+                if (b >= nops || !L.grad_operands[b].data) continue;
+                if (L.operand_is_vector[b])
+                    acc[b][j] += static_cast<float>(g[j] * grads[b]);
+                else
+                    out_ptr<T>(L.grad_operands[b])[row_element(L, L.grad_operands[b], r, col + j)] = to_storage<T, A>(g[j] * grads[b]);
+            }
+        }
+        if (VEC > 1)
+            store_pack<T, VEC>(out_ptr<T>(L.out) + r * cols + col, dx);
+        else
+            out_ptr<T>(L.out)[row_element(L, L.out, r, col)] = to_storage<T, A>(dx[0]);
+    }
+    // Sum the block's row lanes in a fixed order, one vector operand at a time.
+#pragma unroll
+    for (int b = 0; b < kOps; ++b) {
+        if (b >= nops || !L.operand_is_vector[b] || !L.grad_operands[b].data) continue;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) lanes[threadIdx.y][threadIdx.x * VEC + j] = acc[b][j];
+        __syncthreads();
+        if (threadIdx.y == 0 && active) {
+            float *part = L.partials + ((int64_t)b * L.partial_rows + blockIdx.y) * cols;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                float s = 0.f;
+#pragma unroll
+                for (int lane = 0; lane < kRowLanes; ++lane) s += lanes[lane][threadIdx.x * VEC + j];
+                part[col + j] = s;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// grad_operand[c] = sum over row slices p (in order) of partials[b][p][c].
+template <typename T>
+__global__ void __launch_bounds__(kThreads) chain_vector_grad_kernel(const __grid_constant__ brrr_chain_launch L) {
+    using A = typename Compute<T>::type;
+    const int64_t cols = L.row_length;
+    const int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+    if (c >= cols) return;
+    for (int b = 0; b < L.program.n_operands; ++b) {
+        if (!L.operand_is_vector[b] || !L.grad_operands[b].data) continue;
+        const float *part = L.partials + (int64_t)b * L.partial_rows * cols + c;
+        float s = 0.f;
+        for (int64_t p = 0; p < L.partial_rows; ++p) s += part[p * cols];
+        out_ptr<T>(L.grad_operands[b])[c * L.grad_operands[b].strides[0]] = to_storage<T, A>(static_cast<A>(s));
+    }
+}
+
+// ---- launchers ------------------------------------------------------------------------------
+
+static bool all_aligned(const brrr_chain_launch &L, bool backward) {
+    bool ok = aligned16(L.x.data) && aligned16(L.out.data) && (!backward || aligned16(L.grad_out.data));
+    for (int b = 0; b < L.program.n_operands; ++b) {
+        ok = ok && aligned16(L.operands[b].data);
+        if (backward && L.grad_operands[b].data && !L.operand_is_vector[b]) ok = ok && aligned16(L.grad_operands[b].data);
+    }
+    return ok;
+}
+
+static bool has_vector_operand(const brrr_chain_launch &L) {
+    for (int b = 0; b < L.program.n_operands; ++b)
+        if (L.operand_is_vector[b]) return true;
+    return false;
+}
+
+static unsigned grid_for(int64_t items, int per_block, int device) {
+    const int64_t blocks = (items + per_block - 1) / per_block;
+    const int64_t cap = (int64_t)sm_count(device) * 16;  // grid-stride beyond this
+    return (unsigned)(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
+}
+
+static unsigned grid_for_packs(int64_t packs) {
+    const int64_t blocks = (packs + kThreads * kUnroll - 1) / (kThreads * kUnroll);
+    return (unsigned)(blocks < 1 ? 1 : blocks);
+}
+
+template <typename T, int kOps>
+static void launch_fwd(const brrr_chain_launch &L, int device, cudaStream_t stream) {
+    constexpr int VEC = 16 / sizeof(T);
+    if (L.contiguous && all_aligned(L, false) && (!has_vector_operand(L) || L.row_length % VEC == 0))
+        chain_fwd_contig_kernel<T, VEC, kOps><<<grid_for_packs(L.numel / VEC), kThreads, 0, stream>>>(L);
+    else if (L.contiguous)
+        chain_fwd_contig_kernel<T, 1, kOps><<<grid_for_packs(L.numel), kThreads, 0, stream>>>(L);
+    else
+        chain_fwd_strided_kernel<T, kOps><<<grid_for(L.numel, kThreads, device), kThreads, 0, stream>>>(L);
+}
+
+template <typename T, int kOps>
+static void launch_bwd(const brrr_chain_launch &L, int device, cudaStream_t stream) {
+    constexpr int VEC = 16 / sizeof(T);
+    if (kOps > 0 && L.row_layout) {
+        const dim3 block(kTileCols, kRowLanes);
+        if (L.contiguous && all_aligned(L, true) && L.row_length % VEC == 0) {
+            const dim3 grid((unsigned)((L.row_length + kTileCols * VEC - 1) / (kTileCols * VEC)), (unsigned)L.partial_rows);
+            chain_bwd_rows_kernel<T, VEC, kOps><<<grid, block, 0, stream>>>(L);
+        } else {
+            const dim3 grid((unsigned)((L.row_length + kTileCols - 1) / kTileCols), (unsigned)L.partial_rows);
+            chain_bwd_rows_kernel<T, 1, kOps><<<grid, block, 0, stream>>>(L);
+        }
+        chain_vector_grad_kernel<T><<<(unsigned)((L.row_length + kThreads - 1) / kThreads), kThreads, 0, stream>>>(L);
+    } else if (L.contiguous && all_aligned(L, true) && (!has_vector_operand(L) || L.row_length % VEC == 0)) {
+        chain_bwd_contig_kernel<T, VEC, kOps><<<grid_for_packs(L.numel / VEC), kThreads, 0, stream>>>(L);
+    } else if (L.contiguous) {
+        chain_bwd_contig_kernel<T, 1, kOps><<<grid_for_packs(L.numel), kThreads, 0, stream>>>(L);
+    } else {
+        chain_bwd_strided_kernel<T, kOps><<<grid_for(L.numel, kThreads, device), kThreads, 0, stream>>>(L);
+    }
+}
+
+// Defined here, instantiated once per dtype and direction by chain_{fwd,bwd}_<dtype>.cu so
+// that nvcc compiles them in parallel.
+template <typename T>
+void chain_fwd_typed(const brrr_chain_launch &L, int device, cudaStream_t stream) {
+    const int nops = L.program.n_operands;
+    if (nops == 0) launch_fwd<T, 0>(L, device, stream);
+    else if (nops == 1) launch_fwd<T, 1>(L, device, stream);
+    else launch_fwd<T, BRRR_MAX_CHAIN_OPERANDS>(L, device, stream);
+}
+
+template <typename T>
+void chain_bwd_typed(const brrr_chain_launch &L, int device, cudaStream_t stream) {
+    const int nops = L.program.n_operands;
+    if (nops == 0) launch_bwd<T, 0>(L, device, stream);
+    else if (nops == 1) launch_bwd<T, 1>(L, device, stream);
+    else launch_bwd<T, BRRR_MAX_CHAIN_OPERANDS>(L, device, stream);
+}
+
+}  // namespace brrr
