@@ -1,0 +1,158 @@
+"""Measurement helpers for brrr's benchmarks (see METHOD: events, warm-up, medians, floors).
+
+Every row records its time, the fewest bytes the op must move, the floor (those bytes over the
+copy bandwidth measured in the same run) and the fraction of the floor reached. Peers (eager,
+torch.compile) are timed in the same process, on the same inputs, so ratios are like for like.
+"""
+
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+
+import torch
+
+
+def on_gpu():
+    return torch.cuda.is_available()
+
+
+def device():
+    return "cuda" if on_gpu() else "cpu"
+
+
+def time_ms(fn, warmup=10, reps=50, min_time_s=0.05):
+    """Median milliseconds per call of fn(). CUDA events on the GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    if on_gpu():
+        torch.cuda.synchronize()
+        samples = []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        deadline = time.perf_counter() + min_time_s
+        while len(samples) < reps or (time.perf_counter() < deadline and len(samples) < 10 * reps):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        return statistics.median(samples)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def host_us_per_call(fn, calls=2000, rounds=5):
+    """Host time per call (µs) for back-to-back calls, the overhead regime: median over rounds."""
+    for _ in range(100):
+        fn()
+    if on_gpu():
+        torch.cuda.synchronize()
+    per_round = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if on_gpu():
+            torch.cuda.synchronize()
+        per_round.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(per_round)
+
+
+_COPY_GBPS = None
+
+
+def copy_gbps():
+    """Device-to-device copy bandwidth, bytes read plus written, measured once per run."""
+    global _COPY_GBPS
+    if _COPY_GBPS is None:
+        n = (1 << 28) if on_gpu() else (1 << 24)
+        src = torch.randn(n, device=device())
+        dst = torch.empty_like(src)
+        ms = time_ms(lambda: dst.copy_(src), warmup=5, reps=20)
+        _COPY_GBPS = 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+    return _COPY_GBPS
+
+
+def compiled(fn):
+    """torch.compile(fn), or None where the compiler cannot run (reported, not hidden)."""
+    try:
+        return torch.compile(fn, dynamic=False)
+    except Exception:  # noqa: BLE001 - the row records that compile was unavailable
+        return None
+
+
+def environment():
+    env = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+    if on_gpu():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    env["copy_GBps"] = round(copy_gbps(), 1)
+    return env
+
+
+class Recorder:
+    """Collects rows and writes them as JSON and a markdown table."""
+
+    def __init__(self):
+        self.rows = []
+
+    def add(self, **row):
+        self.rows.append(row)
+        return row
+
+    def add_timing(self, *, family, op, dtype, shape, pass_, impl, ms, bytes_moved, **extra):
+        floor_ms = bytes_moved / (copy_gbps() * 1e9) * 1e3
+        return self.add(family=family, op=op, dtype=str(dtype).replace("torch.", ""), shape=list(shape), pass_=pass_,
+                        impl=impl, ms=ms, GBps=bytes_moved / (ms * 1e-3) / 1e9 if ms else None,
+                        floor_ms=floor_ms, frac_floor=floor_ms / ms if ms else None, **extra)
+
+    def write(self, path_base):
+        os.makedirs(os.path.dirname(path_base) or ".", exist_ok=True)
+        with open(path_base + ".json", "w") as f:
+            json.dump({"env": environment(), "rows": self.rows}, f, indent=1)
+        with open(path_base + ".md", "w") as f:
+            f.write(markdown_table(self.rows))
+
+
+def markdown_table(rows):
+    """One line per (op, dtype, shape, pass): each impl's time, brrr's fraction of floor and ratios."""
+    groups = {}
+    for r in rows:
+        if "ms" not in r:
+            continue
+        key = (r["family"], r["op"], r["dtype"], tuple(r["shape"]), r["pass_"])
+        groups.setdefault(key, {})[r["impl"]] = r
+    lines = ["| op | dtype | shape | pass | brrr ms | eager ms | compile ms | brrr % of floor | vs eager | vs compile |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (family, op, dtype, shape, pass_), impls in groups.items():
+        b, e, c = impls.get("brrr"), impls.get("eager"), impls.get("compile")
+
+        def ms(r):
+            return f"{r['ms']:.4f}" if r and r.get("ms") else "-"
+
+        def ratio(peer):
+            return f"{peer['ms'] / b['ms']:.2f}x" if b and peer and peer.get("ms") and b.get("ms") else "-"
+
+        frac = f"{100 * b['frac_floor']:.0f}%" if b and b.get("frac_floor") else "-"
+        lines.append(f"| {op} | {dtype} | {'x'.join(map(str, shape))} | {pass_} | {ms(b)} | {ms(e)} | {ms(c)} | "
+                     f"{frac} | {ratio(e)} | {ratio(c)} |")
+    return "\n".join(lines) + "\n"
