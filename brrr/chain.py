@@ -50,6 +50,8 @@ class Chain:
 
             return _torch.chain(self, x, operands, out, stream)
         if out is None and not _is_numpy(x):
+            if not hasattr(x, "__dlpack__"):
+                raise TypeError(f"argument x: expected a tensor or array implementing __dlpack__, got {type(x).__name__}")
             out = empty_like(x)
             if out is None:
                 raise TypeError(f"argument out: required for inputs of type {type(x).__name__} "

@@ -307,6 +307,7 @@ static PyObject *chain_call(PyObject *module, PyObject *const *args, int backwar
     PyObject *operands = args[backward ? 4 : 3], *grad_operands = backward ? args[5] : NULL;
     PyObject *partials_obj = backward ? args[6] : NULL, *stream_obj = args[backward ? 7 : 4];
     const char *out_name = backward ? "grad_x" : "out";
+    (void)partials_obj; /* read by the CUDA path only */
     if (!PyTuple_Check(operands) || PyTuple_GET_SIZE(operands) != prog.n_operands) {
         PyErr_Format(PyExc_ValueError, "argument operands: expected a tuple of %d tensors (one per tensor step)",
                      (int)prog.n_operands);

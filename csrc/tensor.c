@@ -319,11 +319,17 @@ int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int wri
 }
 
 void brrr_tensor_release(brrr_tensor *t) {
+    if (!t->managed_versioned && !t->managed_legacy && !t->owner) return;
+    /* Deleters and decrefs may run Python code (finalizers, Python-level deleters), which must
+     * not see the exception this call may be about to raise: park it meanwhile. */
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
     if (t->managed_versioned && t->managed_versioned->deleter) t->managed_versioned->deleter(t->managed_versioned);
     if (t->managed_legacy && t->managed_legacy->deleter) t->managed_legacy->deleter(t->managed_legacy);
     t->managed_versioned = NULL;
     t->managed_legacy = NULL;
     Py_CLEAR(t->owner);
+    PyErr_Restore(type, value, traceback);
 }
 
 void *brrr_call_stream(brrr_call *call) {

@@ -1,0 +1,98 @@
+"""Bad input: a clear exception of the right type, naming the argument, and nothing written."""
+
+import numpy as np
+import pytest
+import torch
+
+import brrr
+from brrr import _C
+from helpers import DEVICES
+
+GELU = brrr.chain("gelu")
+BIAS_GELU = brrr.chain("add_tensor", "gelu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_argument_errors(device):
+    x = torch.randn(4, 5, device=device)
+    out = torch.zeros(4, 5, device=device)
+    snapshot = x.clone()
+    cases = [
+        (lambda: GELU(None), TypeError, "argument x: expected a tensor or array implementing __dlpack__, got NoneType"),
+        (lambda: GELU([1.0, 2.0]), TypeError, "argument x: expected a tensor or array implementing __dlpack__, got list"),
+        (lambda: _C.chain_fwd(GELU.program, None, out, (), -1), TypeError, "argument x: expected a tensor or array, got None"),
+        (lambda: GELU(x, out=[0.0]), TypeError, "argument out: expected a tensor or array implementing __dlpack__"),
+        (lambda: _C.chain_fwd(GELU.program, [1.0], out, (), -1), TypeError, "argument x: expected a tensor or array implementing __dlpack__, got list"),
+        (lambda: _C.chain_fwd(GELU.program, x, None, (), -1), TypeError, "argument out: required for inputs of type Tensor"),
+        (lambda: GELU(x, out=torch.zeros(4, 6, device=device)), ValueError, r"argument out has shape \(4, 6\) but x has shape \(4, 5\)"),
+        (lambda: GELU(x, out=torch.zeros(20, device=device)), ValueError, r"argument out has shape \(20,\)"),
+        (lambda: GELU(x, out=torch.zeros(4, 5, device=device, dtype=torch.float64)), ValueError, "argument out has dtype float64 but x has dtype float32"),
+        (lambda: GELU(x.to(torch.int32)), TypeError, "argument x: DLPack dtype"),
+        (lambda: GELU(x, out=torch.zeros(1, 5, device=device).expand(4, 5)), ValueError, "argument out: output has overlapping elements"),
+        (lambda: GELU(x[:, :4], out=x[:, 1:]), ValueError, "argument out overlaps input x"),
+        (lambda: GELU(x.t(), out=x.view(5, 4)), ValueError, "argument out overlaps input x"),
+        (lambda: BIAS_GELU(x, torch.zeros(4, device=device)), ValueError, r"argument operands\[0\]: shape must be x's shape or \(5,\)"),
+        (lambda: BIAS_GELU(x, torch.zeros(5, device=device, dtype=torch.float64)), ValueError, r"argument operands\[0\] has dtype float64"),
+        (lambda: BIAS_GELU(x), TypeError, "takes 1 tensor operand"),
+        (lambda: _C.chain_fwd(BIAS_GELU.program, x, out, (), -1), ValueError, "argument operands: expected a tuple of 1 tensors"),
+        (lambda: _C.chain_fwd(GELU.program, x, out, (), "stream"), TypeError, "argument stream: expected an int"),
+        (lambda: _C.chain_fwd(b"short", x, out, (), -1), TypeError, "argument program: expected the bytes"),
+        (lambda: _C.chain_fwd(b"\xff" * len(GELU.program), x, out, (), -1), ValueError, "argument program: malformed"),
+        (lambda: _C.chain_fwd(GELU.program, x, out, ()), TypeError, "takes 5 arguments"),
+        (lambda: brrr.gelu(x, approximate="fast"), ValueError, "argument approximate"),
+    ]
+    for call, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            call()
+    assert torch.equal(x, snapshot)
+    assert not out.any(), "an output was written by a call that failed"
+
+
+def test_out_is_refused_under_autograd():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match="argument out: not supported when autograd records"):
+        GELU(x, out=torch.empty(3))
+
+
+def test_program_errors():
+    cases = [
+        (("nope",), ValueError, r"argument steps\[0\]: unknown op 'nope'"),
+        ((("add",),), TypeError, r"expected an op name or a \(name, scalar\) pair"),
+        (("add",), TypeError, r"'add' needs a numeric scalar"),
+        ((("add", "x"),), TypeError, "needs a numeric scalar"),
+        ((("cos", 1.0),), ValueError, "'cos' takes no scalar"),
+        ((3,), TypeError, r"argument steps\[0\]: expected an op name"),
+        (("cos",) * 17, ValueError, "at most 16 steps, got 17"),
+        (("add_tensor",) * 5, ValueError, "at most 4 tensor steps"),
+    ]
+    for steps, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            brrr.chain(*steps)
+    with pytest.raises(TypeError, match=r"argument steps\[0\]: expected an op name or a \(name, scalar\) pair"):
+        brrr.chain(["cos"])
+    with pytest.raises(TypeError, match="argument steps: expected a sequence"):
+        _C.chain_program(5)
+    with pytest.raises(ValueError, match=r"argument steps\[0\]: expected a name or a \(name, scalar\) pair"):
+        _C.chain_program([("add",)])
+
+
+def test_chain_op_names_cover_the_documented_steps():
+    assert set(_C.chain_op_names()) == {"relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "cos", "sin",
+                                        "add", "mul", "add_tensor", "mul_tensor"}
+
+
+def test_failed_call_writes_nothing_into_numpy_out():
+    x = np.ones((3, 4), np.float32)
+    out = np.zeros((3, 5), np.float32)
+    with pytest.raises(ValueError, match="argument out has shape"):
+        GELU(x, out=out)
+    assert not out.any()
+
+
+def test_zero_size_tensors():
+    for shape in [(0,), (3, 0), (0, 5)]:
+        x = torch.empty(shape)
+        assert GELU(x).shape == shape
+        assert BIAS_GELU(x, torch.empty(shape[-1:])).shape == shape
+    scalar = torch.tensor(0.5)
+    torch.testing.assert_close(brrr.cos(scalar), torch.cos(scalar))
