@@ -19,6 +19,7 @@ from .chain import (
     sin,
     tanh,
 )
+from .glu import bias_gelu, bias_silu, geglu, swiglu
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,10 @@ def build_info() -> dict:
 
 __all__ = [
     "Chain",
+    "bias_gelu",
+    "bias_silu",
+    "geglu",
+    "swiglu",
     "build_info",
     "chain",
     "cos",

@@ -96,3 +96,79 @@ def chain(c, x, operands, out, stream):
         out = torch.empty_like(x)
     _C.chain_fwd(c.program, x, out, operands, _stream(x, stream))
     return out
+
+
+def _split(x):
+    d = x.shape[-1] // 2
+    return x[..., :d], x[..., d:]
+
+
+@torch.library.custom_op("brrr::glu", mutates_args=())
+def glu_op(x: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
+    gate, up = _split(x) if up is None else (x, up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _C.chain_fwd(_program(activation + ",mul_tensor", (0.0, 0.0)), gate, out, (up,), _stream(x, None))
+    return out
+
+
+@glu_op.register_fake
+def _glu_fake(x, up, activation):
+    shape = x.shape if up is not None else (*x.shape[:-1], x.shape[-1] // 2)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("brrr::glu_backward", mutates_args=())
+def glu_backward_op(x: torch.Tensor, up: torch.Tensor | None, grad: torch.Tensor, activation: str,
+                    needs_grad: list[bool]) -> list[torch.Tensor]:
+    program = _program(activation + ",mul_tensor", (0.0, 0.0))
+    if up is None:  # both halves of one gradient, written by one kernel
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        (gate, up_half), (grad_gate, grad_up) = _split(x), _split(grad_x)
+        _C.chain_bwd(program, gate, grad, grad_gate, (up_half,), (grad_up,), None, _stream(x, None))
+        return [grad_x]
+    grad_gate, grad_up = torch.empty_like(x), torch.empty_like(up) if needs_grad[1] else None
+    _C.chain_bwd(program, x, grad, grad_gate, (up,), (grad_up,), None, _stream(x, None))
+    return [grad_gate] + ([grad_up] if grad_up is not None else [])
+
+
+@glu_backward_op.register_fake
+def _glu_backward_fake(x, up, grad, activation, needs_grad):
+    if up is None:
+        return [x.new_empty(x.shape)]
+    return [torch.empty_like(x)] + ([torch.empty_like(up)] if needs_grad[1] else [])
+
+
+def _glu_setup_context(ctx, inputs, output):
+    x, up, activation = inputs
+    ctx.save_for_backward(x, up)
+    ctx.activation = activation
+    ctx.needs = [x.requires_grad, up is not None and up.requires_grad]
+
+
+def _glu_backward(ctx, grad):
+    x, up = ctx.saved_tensors
+    grads = glu_backward_op(x, up, grad, ctx.activation, ctx.needs)
+    if up is None:
+        return grads[0], None, None
+    return (grads[0] if ctx.needs[0] else None), (grads[1] if ctx.needs[1] else None), None
+
+
+torch.library.register_autograd("brrr::glu", _glu_backward, setup_context=_glu_setup_context)
+
+_glu_default = torch.ops.brrr.glu.default
+
+
+def glu(activation, gate, up, out):
+    """Gated linear unit on torch tensors (see brrr.glu); custom op when autograd or compile needs it."""
+    if up is None and gate.shape[-1] % 2:
+        raise ValueError(f"argument x: the last dim must be even to split into gate and up halves, got {gate.shape[-1]}")
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+            gate.requires_grad or (up is not None and up.requires_grad))):
+        if out is not None:
+            raise ValueError("argument out: not supported when autograd records the op or under torch.compile")
+        return _glu_default(gate, up, activation)
+    g, u = _split(gate) if up is None else (gate, up)
+    if out is None:
+        out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    _C.chain_fwd(_program(activation + ",mul_tensor", (0.0, 0.0)), g, out, (u,), _stream(g, None))
+    return out

@@ -488,6 +488,13 @@ static PyObject *chain_call(PyObject *module, PyObject *const *args, int backwar
         }
         L.contiguous = contiguous;
         L.row_length = L.shape[nd - 1];
+        /* Rows of dense columns (a bias, halves of a GLU input, sliced rows) take the row
+         * kernels: no index division, and a bias is read once per thread. */
+        if (!L.row_layout && nd == 2 && L.row_length >= 64) {
+            int dense_columns = 1;
+            for (int i = 0; i < count; i++) dense_columns &= packed[i][1] == 1;
+            L.row_layout = dense_columns;
+        }
         void *stream = brrr_call_stream(&call);
         int err;
         Py_BEGIN_ALLOW_THREADS

@@ -423,13 +423,53 @@ int brrr_check_no_internal_overlap(const brrr_tensor *out) {
     return 0;
 }
 
+/* Can sum_k c_k * strides[k], |c_k| < sizes[k], equal delta? Dims sorted by stride, largest
+ * first; spans[k] bounds what dims k.. can reach, so at most two c_0 survive at each level. */
+static int offset_reachable(int64_t delta, const int64_t *sizes, const int64_t *strides, const int64_t *spans, int n) {
+    if (n == 0) return delta == 0;
+    int64_t q = delta / strides[0], rest = n > 1 ? spans[1] : 0;
+    for (int64_t c = q - 1; c <= q + 1; c++) {
+        int64_t r = delta - c * strides[0];
+        if (c <= -sizes[0] || c >= sizes[0] || r > rest || r < -rest) continue;
+        if (offset_reachable(r, sizes + 1, strides + 1, spans + 1, n - 1)) return 1;
+    }
+    return 0;
+}
+
+/* Two views with the same shape and strides, data pointers `delta` elements apart, whose layout
+ * has no internal overlap: they share an element only if delta is a difference of two indices.
+ * This is what tells the halves of a GLU input, or interleaved columns, apart. */
+static int same_layout_disjoint(const brrr_tensor *a, const brrr_tensor *b) {
+    if (a->dtype != b->dtype || a->ndim != b->ndim) return 0;
+    int64_t size = (int64_t)brrr_dtype_size(a->dtype), sizes[BRRR_MAX_RANK], strides[BRRR_MAX_RANK];
+    int64_t bytes = (int64_t)((uintptr_t)b->data - (uintptr_t)a->data);
+    if (bytes % size != 0) return 0;
+    int n = 0;
+    for (int d = 0; d < a->ndim; d++) {
+        if (a->shape[d] != b->shape[d] || (a->shape[d] > 1 && a->strides[d] != b->strides[d])) return 0;
+        if (a->shape[d] == 1) continue;
+        int64_t st = a->strides[d] < 0 ? -a->strides[d] : a->strides[d];
+        int i = n++;
+        while (i > 0 && strides[i - 1] < st) { strides[i] = strides[i - 1]; sizes[i] = sizes[i - 1]; i--; }
+        strides[i] = st;
+        sizes[i] = a->shape[d];
+    }
+    int64_t spans[BRRR_MAX_RANK], span = 0;
+    for (int i = n - 1; i >= 0; i--) { /* no internal overlap: each stride clears the dims below */
+        if (strides[i] <= span) return 0;
+        span += (sizes[i] - 1) * strides[i];
+        spans[i] = span;
+    }
+    return !offset_reachable(bytes / size, sizes, strides, spans, n);
+}
+
 int brrr_check_no_overlap(const brrr_tensor *out, const brrr_tensor *in, int allow_same) {
     if (out->numel == 0 || in->numel == 0 || out->device_type != in->device_type || out->device_id != in->device_id)
         return 0;
     uintptr_t a0, a1, b0, b1;
     extent(out, &a0, &a1);
     extent(in, &b0, &b1);
-    if (a1 <= b0 || b1 <= a0) return 0;
+    if (a1 <= b0 || b1 <= a0 || same_layout_disjoint(out, in)) return 0;
     if (allow_same && out->data == in->data && out->dtype == in->dtype && out->ndim == in->ndim) {
         int same = 1;
         for (int d = 0; same && d < out->ndim; d++)

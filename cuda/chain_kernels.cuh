@@ -9,14 +9,14 @@
 //                           row_length % VEC == 0 (else VEC = 1 is launched).
 // chain_fwd_strided_kernel  any strides over the coalesced shape (<= BRRR_MAX_DIMS dims); one
 //                           element per thread per grid-stride step.
-// chain_bwd_kernel          grad_x = grad_out * d program / dx, and x-shaped operand gradients,
-//                           recomputing the program from x in registers (nothing was saved).
-//                           Contiguous or strided, one element per thread per step.
-// chain_bwd_rows_kernel     the same when a bias (vector) operand needs its gradient: a block
-//                           owns a column tile and a fixed slice of rows; each thread sums its
-//                           rows in order, the block's 8 row-lanes are summed in order through
-//                           shared memory, and chain_bias_grad_kernel sums the row slices in
-//                           order. Bitwise reproducible; no atomics.
+// chain_bwd_contig_kernel   grad_x = grad_out * d program / dx, and x-shaped operand gradients,
+// chain_bwd_strided_kernel  recomputing the program from x in registers (nothing was saved).
+// chain_{fwd,bwd}_rows_kernel  row layout: the last dim is a row of columns with stride 1 (or any
+//                           stride, VEC = 1), rows have any strides. A block owns a column tile
+//                           (32 threads x VEC columns) and a slice of rows that its 8 warps walk;
+//                           vector operands (a bias) are read once per thread. The backward sums
+//                           a bias gradient over its rows in a fixed order (see the kernel).
+// chain_vector_grad_kernel  sums those per-slice partials in order into the bias gradient.
 #pragma once
 
 #include "brrr_cuda.h"
@@ -264,11 +264,12 @@ __global__ void __launch_bounds__(kThreads) chain_bwd_strided_kernel(const __gri
     }
 }
 
-constexpr int kRowLanes = 8;   // warps per block in the row kernel, each walking its own rows
+constexpr int kRowLanes = 8;   // warps per block in the row kernels, each walking its own rows
 constexpr int kTileCols = 32;  // threads across a column tile (VEC columns each)
 
 // Offset of row r in a tensor whose strides over the launch shape are `s` (rows = leading dims).
 __device__ __forceinline__ int64_t row_offset(const brrr_chain_launch &L, const int64_t *s, int64_t r) {
+    if (L.ndim == 2) return r * s[0];
     int64_t off = 0;
 #pragma unroll
     for (int d = BRRR_MAX_DIMS - 2; d >= 0; --d) {
@@ -280,53 +281,134 @@ __device__ __forceinline__ int64_t row_offset(const brrr_chain_launch &L, const 
     return off;
 }
 
-// Element (r, c) of a tensor in a row-layout launch.
 __device__ __forceinline__ int64_t row_element(const brrr_chain_launch &L, const brrr_view &v, int64_t r, int64_t c) {
-    return L.contiguous ? r * L.row_length + c : row_offset(L, v.strides, r) + c * v.strides[L.ndim - 1];
+    return row_offset(L, v.strides, r) + c * v.strides[L.ndim - 1];
 }
 
+// The slice of rows block row blockIdx.y owns; its kRowLanes warps take every kRowLanes-th row.
+struct RowSlice {
+    int64_t begin, end;
+    __device__ RowSlice(int64_t rows) {
+        const int64_t per_block = (rows + gridDim.y - 1) / gridDim.y;
+        begin = blockIdx.y * per_block;
+        end = min(rows, begin + per_block);
+    }
+};
+
+// Load VEC consecutive columns of row r (a pack when VEC > 1: the launcher checked alignment).
+template <typename T, int VEC, typename A>
+__device__ __forceinline__ void load_row(const brrr_chain_launch &L, const brrr_view &v, int64_t r, int64_t col, A *out) {
+    const T *p = in_ptr<T>(v) + row_element(L, v, r, col);
+    if (VEC > 1) {
+        load_pack<T, VEC>(p, out);
+    } else {
+        out[0] = to_float(p[0]);
+    }
+}
+
+template <typename T, int VEC, typename A>
+__device__ __forceinline__ void store_row(const brrr_chain_launch &L, const brrr_view &v, int64_t r, int64_t col, const A *in) {
+    T *p = out_ptr<T>(v) + row_element(L, v, r, col);
+    if (VEC > 1) {
+        store_pack<T, VEC>(p, in);
+    } else {
+        p[0] = to_storage<T, A>(in[0]);
+    }
+}
+
+// Vector operands are the same on every row: each thread reads its columns of them once.
+template <typename T, int VEC, int kSlots, typename A>
+__device__ __forceinline__ void load_vector_operands(const brrr_chain_launch &L, int64_t col, bool active, A (&v)[kSlots][VEC]) {
+#pragma unroll
+    for (int b = 0; b < kSlots; ++b) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+            v[b][j] = (b < L.program.n_operands && L.operand_is_vector[b] && active)
+                ? to_float(in_ptr<T>(L.operands[b])[(col + j) * L.operands[b].strides[L.ndim - 1]]) : A(0);
+    }
+}
+
+// Row layout, forward: rows with arbitrary strides, columns with stride 1 (VEC > 1) or any.
+template <typename T, int VEC, int kOps>
+__global__ void __launch_bounds__(kTileCols *kRowLanes) chain_fwd_rows_kernel(const __grid_constant__ brrr_chain_launch L) {
+    using A = typename Compute<T>::type;
+    using M = typename MathFor<T>::type;
+    constexpr int kSlots = kOps > 0 ? kOps : 1;
+    const int nops = L.program.n_operands;
+    const int64_t cols = L.row_length;
+    const RowSlice slice(L.numel / cols);
+    const int64_t col = ((int64_t)blockIdx.x * kTileCols + threadIdx.x) * VEC;
+    const bool active = col < cols;
+    A vector_value[kSlots][VEC];
+    load_vector_operands<T, VEC, kSlots>(L, col, active, vector_value);
+    for (int64_t r = slice.begin + threadIdx.y; active && r < slice.end; r += kRowLanes) {
+        A y[VEC], v[kSlots][VEC];
+        load_row<T, VEC>(L, L.x, r, col, y);
+#pragma unroll
+        for (int b = 0; b < kOps; ++b) {
+            if (b >= nops) continue;
+            if (L.operand_is_vector[b]) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[b][j] = vector_value[b][j];
+            } else {
+                load_row<T, VEC>(L, L.operands[b], r, col, v[b]);
+            }
+        }
+        for (int k = 0; k < L.program.n_steps; ++k) {
+            const int op = L.program.steps[k].op;
+            if (op == BRRR_OP_ADD_TENSOR || op == BRRR_OP_MUL_TENSOR) {
+                const int slot = L.program.steps[k].operand;
+#pragma unroll
+                for (int b = 0; b < kOps; ++b) {
+                    if (b != slot) continue;
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) y[j] = op == BRRR_OP_ADD_TENSOR ? y[j] + v[b][j] : y[j] * v[b][j];
+                }
+            } else {
+                M::apply(op, static_cast<A>(L.program.steps[k].scalar), y);
+            }
+        }
+        store_row<T, VEC>(L, L.out, r, col, y);
+    }
+}
+
+// Row layout, backward. Vector operand gradients are summed over the block's rows: each thread
+// sums its rows in order, the block's row lanes are summed in order through shared memory, and
+// chain_vector_grad_kernel sums the blocks in order. Bitwise reproducible; no atomics.
 template <typename T, int VEC, int kOps>
 __global__ void __launch_bounds__(kTileCols *kRowLanes) chain_bwd_rows_kernel(const __grid_constant__ brrr_chain_launch L) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
+    constexpr int kSlots = kOps > 0 ? kOps : 1;
     __shared__ float lanes[kRowLanes][kTileCols * VEC];
     const int nops = L.program.n_operands;
-    const int64_t cols = L.row_length, rows = L.numel / cols;
-    const int64_t rows_per_part = (rows + L.partial_rows - 1) / L.partial_rows;
-    const int64_t row_begin = blockIdx.y * rows_per_part;
-    const int64_t row_end = min(rows, row_begin + rows_per_part);
+    const int64_t cols = L.row_length;
+    const RowSlice slice(L.numel / cols);
     const int64_t col = ((int64_t)blockIdx.x * kTileCols + threadIdx.x) * VEC;
     const bool active = col < cols;
 
-    constexpr int kSlots = kOps > 0 ? kOps : 1;
-    A vector_value[kSlots][VEC];  // a vector operand is the same on every row
+    A vector_value[kSlots][VEC];
     float acc[kSlots][VEC];
+    load_vector_operands<T, VEC, kSlots>(L, col, active, vector_value);
 #pragma unroll
-    for (int b = 0; b < kOps; ++b) {
+    for (int b = 0; b < kSlots; ++b)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            acc[b][j] = 0.f;
-            vector_value[b][j] = (b < nops && L.operand_is_vector[b] && active)
-                ? to_float(in_ptr<T>(L.operands[b])[(col + j) * L.operands[b].strides[L.ndim - 1]]) : A(0);
-        }
-    }
-    for (int64_t r = row_begin + threadIdx.y; active && r < row_end; r += kRowLanes) {
+        for (int j = 0; j < VEC; ++j) acc[b][j] = 0.f;
+    for (int64_t r = slice.begin + threadIdx.y; active && r < slice.end; r += kRowLanes) {
         A y[VEC], g[VEC], v[kSlots][VEC];
-        if (VEC > 1) {  // contiguous and aligned
-            load_pack<T, VEC>(in_ptr<T>(L.x) + r * cols + col, y);
-            load_pack<T, VEC>(in_ptr<T>(L.grad_out) + r * cols + col, g);
-        } else {
-            y[0] = to_float(in_ptr<T>(L.x)[row_element(L, L.x, r, col)]);
-            g[0] = to_float(in_ptr<T>(L.grad_out)[row_element(L, L.grad_out, r, col)]);
-        }
+        load_row<T, VEC>(L, L.x, r, col, y);
+        load_row<T, VEC>(L, L.grad_out, r, col, g);
 #pragma unroll
         for (int b = 0; b < kOps; ++b) {
+            if (b >= nops) continue;
+            if (L.operand_is_vector[b]) {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j)
-                v[b][j] = (b >= nops || L.operand_is_vector[b]) ? vector_value[b][j]
-                        : to_float(in_ptr<T>(L.operands[b])[row_element(L, L.operands[b], r, col + j)]);
+                for (int j = 0; j < VEC; ++j) v[b][j] = vector_value[b][j];
+            } else {
+                load_row<T, VEC>(L, L.operands[b], r, col, v[b]);
+            }
         }
-        A dx[VEC];
+        A dx[VEC], d_operand[kSlots][VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             A vals[BRRR_MAX_CHAIN_OPERANDS] = {}, grads[BRRR_MAX_CHAIN_OPERANDS];
@@ -334,20 +416,21 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes) chain_bwd_rows_kernel(co
             for (int b = 0; b < kOps; ++b) vals[b] = v[b][j];
             dx[j] = g[j] * M::program_grad(&L.program, y[j], vals, grads);
 #pragma unroll
-            for (int b = 0; b < kOps; ++b) {
-                if (b >= nops || !L.grad_operands[b].data) continue;
-                if (L.operand_is_vector[b])
-                    acc[b][j] += static_cast<float>(g[j] * grads[b]);
-                else
-                    out_ptr<T>(L.grad_operands[b])[row_element(L, L.grad_operands[b], r, col + j)] = to_storage<T, A>(g[j] * grads[b]);
+            for (int b = 0; b < kOps; ++b) d_operand[b][j] = g[j] * grads[b];
+        }
+        store_row<T, VEC>(L, L.out, r, col, dx);
+#pragma unroll
+        for (int b = 0; b < kOps; ++b) {
+            if (b >= nops || !L.grad_operands[b].data) continue;
+            if (L.operand_is_vector[b]) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) acc[b][j] += static_cast<float>(d_operand[b][j]);
+            } else {
+                store_row<T, VEC>(L, L.grad_operands[b], r, col, d_operand[b]);
             }
         }
-        if (VEC > 1)
-            store_pack<T, VEC>(out_ptr<T>(L.out) + r * cols + col, dx);
-        else
-            out_ptr<T>(L.out)[row_element(L, L.out, r, col)] = to_storage<T, A>(dx[0]);
     }
-    // Sum the block's row lanes in a fixed order, one vector operand at a time.
+    if (!L.partials) return;  // uniform across the block: no vector operand needs a gradient
 #pragma unroll
     for (int b = 0; b < kOps; ++b) {
         if (b >= nops || !L.operand_is_vector[b] || !L.grad_operands[b].data) continue;
@@ -401,6 +484,30 @@ static bool has_vector_operand(const brrr_chain_launch &L) {
     return false;
 }
 
+// A row-layout launch can move VEC-element packs when every row starts 16-byte aligned and the
+// columns are dense: each tensor's row strides are multiples of VEC and its column stride is 1.
+template <int VEC>
+static bool rows_vectorizable(const brrr_chain_launch &L, bool backward) {
+    if (L.row_length % VEC != 0 || !all_aligned(L, backward)) return false;
+    const brrr_view *views[3 + 2 * BRRR_MAX_CHAIN_OPERANDS];
+    int n = 0;
+    views[n++] = &L.x;
+    views[n++] = &L.out;
+    if (backward) views[n++] = &L.grad_out;
+    for (int b = 0; b < L.program.n_operands; ++b) {
+        if (!L.operand_is_vector[b]) views[n++] = &L.operands[b];
+        if (backward && L.grad_operands[b].data && !L.operand_is_vector[b]) views[n++] = &L.grad_operands[b];
+    }
+    for (int i = 0; i < n; ++i) {
+        if (views[i]->strides[L.ndim - 1] != 1) return false;
+        for (int d = 0; d < L.ndim - 1; ++d)
+            if (views[i]->strides[d] % VEC != 0) return false;
+    }
+    for (int b = 0; b < L.program.n_operands; ++b)
+        if (L.operand_is_vector[b] && L.operands[b].strides[L.ndim - 1] != 1) return false;
+    return true;
+}
+
 static unsigned grid_for(int64_t items, int per_block, int device) {
     const int64_t blocks = (items + per_block - 1) / per_block;
     const int64_t cap = (int64_t)sm_count(device) * 16;  // grid-stride beyond this
@@ -412,10 +519,24 @@ static unsigned grid_for_packs(int64_t packs) {
     return (unsigned)(blocks < 1 ? 1 : blocks);
 }
 
+// Row-layout grid: column tiles across, slices of about 32 rows down (or the fixed partial_rows
+// slices when a vector gradient is reduced, so that its summation order never changes).
+static dim3 rows_grid(const brrr_chain_launch &L, int vec) {
+    const int64_t rows = L.numel / L.row_length;
+    int64_t slices = L.partials ? L.partial_rows : (rows + 31) / 32;
+    slices = slices < 1 ? 1 : (slices > 65535 ? 65535 : slices);
+    return dim3((unsigned)((L.row_length + (int64_t)kTileCols * vec - 1) / ((int64_t)kTileCols * vec)), (unsigned)slices);
+}
+
 template <typename T, int kOps>
 static void launch_fwd(const brrr_chain_launch &L, int device, cudaStream_t stream) {
     constexpr int VEC = 16 / sizeof(T);
-    if (L.contiguous && all_aligned(L, false) && (!has_vector_operand(L) || L.row_length % VEC == 0))
+    const dim3 row_block(kTileCols, kRowLanes);
+    if (L.row_layout && rows_vectorizable<VEC>(L, false))
+        chain_fwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC), row_block, 0, stream>>>(L);
+    else if (L.row_layout)
+        chain_fwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1), row_block, 0, stream>>>(L);
+    else if (L.contiguous && all_aligned(L, false) && (!has_vector_operand(L) || L.row_length % VEC == 0))
         chain_fwd_contig_kernel<T, VEC, kOps><<<grid_for_packs(L.numel / VEC), kThreads, 0, stream>>>(L);
     else if (L.contiguous)
         chain_fwd_contig_kernel<T, 1, kOps><<<grid_for_packs(L.numel), kThreads, 0, stream>>>(L);
@@ -426,16 +547,14 @@ static void launch_fwd(const brrr_chain_launch &L, int device, cudaStream_t stre
 template <typename T, int kOps>
 static void launch_bwd(const brrr_chain_launch &L, int device, cudaStream_t stream) {
     constexpr int VEC = 16 / sizeof(T);
-    if (kOps > 0 && L.row_layout) {
-        const dim3 block(kTileCols, kRowLanes);
-        if (L.contiguous && all_aligned(L, true) && L.row_length % VEC == 0) {
-            const dim3 grid((unsigned)((L.row_length + kTileCols * VEC - 1) / (kTileCols * VEC)), (unsigned)L.partial_rows);
-            chain_bwd_rows_kernel<T, VEC, kOps><<<grid, block, 0, stream>>>(L);
-        } else {
-            const dim3 grid((unsigned)((L.row_length + kTileCols - 1) / kTileCols), (unsigned)L.partial_rows);
-            chain_bwd_rows_kernel<T, 1, kOps><<<grid, block, 0, stream>>>(L);
-        }
-        chain_vector_grad_kernel<T><<<(unsigned)((L.row_length + kThreads - 1) / kThreads), kThreads, 0, stream>>>(L);
+    const dim3 row_block(kTileCols, kRowLanes);
+    if (L.row_layout) {
+        if (rows_vectorizable<VEC>(L, true))
+            chain_bwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC), row_block, 0, stream>>>(L);
+        else
+            chain_bwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1), row_block, 0, stream>>>(L);
+        if (L.partials)
+            chain_vector_grad_kernel<T><<<(unsigned)((L.row_length + kThreads - 1) / kThreads), kThreads, 0, stream>>>(L);
     } else if (L.contiguous && all_aligned(L, true) && (!has_vector_operand(L) || L.row_length % VEC == 0)) {
         chain_bwd_contig_kernel<T, VEC, kOps><<<grid_for_packs(L.numel / VEC), kThreads, 0, stream>>>(L);
     } else if (L.contiguous) {

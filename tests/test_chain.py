@@ -38,8 +38,8 @@ def reference_step(name, y, scalar=None, operand=None):
 
 def reference_chain(steps, x, operands=()):
     """The chain in float64 on the CPU (operands broadcast as brrr broadcasts them)."""
-    y = x.detach().to("cpu", torch.float64)
-    ops = iter(o.detach().to("cpu", torch.float64) for o in operands)
+    y = x.to("cpu", torch.float64)
+    ops = iter(o.to("cpu", torch.float64) for o in operands)
     for step in steps:
         name, scalar = (step, None) if isinstance(step, str) else step
         operand = next(ops) if name in ("add_tensor", "mul_tensor") else None

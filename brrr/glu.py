@@ -1,0 +1,66 @@
+"""Fused bias+activation and gated linear units.
+
+    brrr.bias_gelu(x, bias)          gelu(x + bias), bias along the last dim (erf or tanh form)
+    brrr.bias_silu(x, bias)          silu(x + bias)
+    brrr.swiglu(gate, up)            silu(gate) * up
+    brrr.swiglu(x)                   the same on the halves of x's last dim: gate = x[..., :d], up = x[..., d:]
+    brrr.geglu(gate, up=None, approximate="none")   gelu(gate) * up, likewise
+
+All are single chains (one read of each input, one write of the output); their backward
+recomputes the activation from the saved inputs. The split form's backward writes both halves
+of grad_x in the same kernel, so no slice-gradient buffers are zero-filled and added.
+"""
+
+from .chain import Chain
+from ._frameworks import torch_if_tensor
+
+_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
+_BIAS = {name: Chain("add_tensor", op) for name, op in _ACTIVATIONS.items()}
+_GLU = {name: Chain(op, "mul_tensor") for name, op in _ACTIVATIONS.items()}
+
+
+def _gelu_name(approximate):
+    if approximate == "none":
+        return "gelu"
+    if approximate == "tanh":
+        return "gelu_tanh"
+    raise ValueError(f"argument approximate: expected 'none' or 'tanh', got {approximate!r}")
+
+
+def bias_gelu(x, bias, approximate="none", *, out=None):
+    """gelu(x + bias) in one pass; bias has shape x.shape[-1:] (or x.shape)."""
+    return _BIAS[_gelu_name(approximate)](x, bias, out=out)
+
+
+def bias_silu(x, bias, *, out=None):
+    """silu(x + bias) in one pass; bias has shape x.shape[-1:] (or x.shape)."""
+    return _BIAS["silu"](x, bias, out=out)
+
+
+def _halves(x):
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"argument x: the last dim must be even to split into gate and up halves, got {d}")
+    return x[..., : d // 2], x[..., d // 2:]
+
+
+def _glu(activation, gate, up, out):
+    if up is not None and tuple(up.shape) != tuple(gate.shape):
+        raise ValueError(f"argument up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}")
+    if torch_if_tensor(gate) is not None:
+        from . import _torch
+
+        return _torch.glu(activation, gate, up, out)
+    if up is None:
+        gate, up = _halves(gate)
+    return _GLU[activation](gate, up, out=out)
+
+
+def swiglu(gate, up=None, *, out=None):
+    """silu(gate) * up; with up=None, gate is split in halves along its last dim (gate first)."""
+    return _glu("silu", gate, up, out)
+
+
+def geglu(gate, up=None, approximate="none", *, out=None):
+    """gelu(gate) * up; with up=None, gate is split in halves along its last dim (gate first)."""
+    return _glu(_gelu_name(approximate), gate, up, out)

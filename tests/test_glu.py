@@ -1,0 +1,124 @@
+"""bias+activation and GLUs: outputs and every gradient against float64 PyTorch autograd."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import brrr
+from helpers import DEVICES, DTYPES, assert_close, random
+
+
+def ref_glu(activation, gate, up):
+    act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[activation]
+    return act(gate) * up
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def leaves64(*tensors):
+    return [t.detach().to("cpu", torch.float64).requires_grad_() for t in tensors]
+
+
+GLUS = {"silu": brrr.swiglu, "gelu": brrr.geglu, "gelu_tanh": lambda g, u=None: brrr.geglu(g, u, approximate="tanh")}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", list(GLUS))
+@pytest.mark.parametrize("shape", [(1, 2), (3, 130), (5, 7, 4096 + 16)], ids=str)
+def test_split_glu_forward_backward(device, dtype, activation, shape):
+    x = random(shape, dtype, device)
+    d = shape[-1] // 2
+    grad = random((*shape[:-1], d), dtype, device)
+    (xb,) = leaves(x)
+    y = GLUS[activation](xb)
+    y.backward(grad)
+    (x64,) = leaves64(x)
+    y_ref = ref_glu(activation, x64[..., :d], x64[..., d:])
+    y_ref.backward(grad.double().cpu())
+    assert y.shape == y_ref.shape and y.dtype == dtype
+    assert_close(y, y_ref, dtype)
+    assert_close(xb.grad, x64.grad, dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", list(GLUS))
+def test_two_input_glu(device, dtype, activation):
+    gate, up = random((33, 257), dtype, device), random((33, 257), dtype, device)
+    grad = random((33, 257), dtype, device)
+    g, u = leaves(gate, up)
+    GLUS[activation](g, u).backward(grad)
+    g64, u64 = leaves64(gate, up)
+    ref = ref_glu(activation, g64, u64)
+    ref.backward(grad.double().cpu())
+    assert_close(GLUS[activation](gate, up), ref, dtype)
+    assert_close(g.grad, g64.grad, dtype, scale=2.0)
+    assert_close(u.grad, u64.grad, dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_glu_of_non_contiguous_input(device):
+    base = random((8, 40, 3), torch.float32, device)
+    x = base.permute(2, 0, 1)  # last dim strided
+    (xb,) = leaves(x)
+    brrr.swiglu(xb).sum().backward()
+    (x64,) = leaves64(x)
+    ref_glu("silu", x64[..., :20], x64[..., 20:]).sum().backward()
+    assert_close(brrr.swiglu(x), ref_glu("silu", x64[..., :20], x64[..., 20:]), torch.float32)
+    assert_close(xb.grad, x64.grad, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("shape", [(7, 3), (64, 1000), (2, 3, 768)], ids=str)
+def test_bias_activation(device, dtype, op, shape):
+    fn = {"gelu": brrr.bias_gelu, "gelu_tanh": lambda x, b: brrr.bias_gelu(x, b, approximate="tanh"),
+          "silu": brrr.bias_silu}[op]
+    ref_act = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}[op]
+    x, bias, grad = random(shape, dtype, device), random(shape[-1:], dtype, device), random(shape, dtype, device)
+    xb, bb = leaves(x, bias)
+    y = fn(xb, bb)
+    y.backward(grad)
+    x64, b64 = leaves64(x, bias)
+    ref = ref_act(x64 + b64)
+    ref.backward(grad.double().cpu())
+    rows = x.numel() // shape[-1]
+    assert_close(y, ref, dtype)
+    assert_close(xb.grad, x64.grad, dtype, scale=2.0)
+    assert_close(bb.grad, b64.grad, dtype, scale=max(2.0, rows ** 0.5))
+
+
+def test_glu_with_numpy():
+    x = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
+    y = brrr.swiglu(x)
+    a, b = x[:, :4].astype(np.float64), x[:, 4:].astype(np.float64)
+    np.testing.assert_allclose(y, a / (1 + np.exp(-a)) * b, rtol=2e-6, atol=2e-6)
+
+
+def test_glu_errors():
+    with pytest.raises(ValueError, match="argument x: the last dim must be even"):
+        brrr.swiglu(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="argument approximate"):
+        brrr.geglu(torch.randn(3, 4), approximate="erf")
+    with pytest.raises(ValueError, match=r"argument up has shape \(3, 5\) but gate has shape \(3, 4\)"):
+        brrr.swiglu(torch.randn(3, 4), torch.randn(3, 5))
+
+
+def test_glu_saves_only_its_input():
+    saved = []
+    x = torch.randn(16, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = brrr.swiglu(x)
+    assert len(saved) == 1 and saved[0].data_ptr() == x.data_ptr()
+    y.sum().backward()
+
+
+def test_glu_opcheck():
+    x = torch.randn(4, 10, requires_grad=True)
+    torch.library.opcheck(torch.ops.brrr.glu.default, (x, None, "silu"))
+    torch.library.opcheck(torch.ops.brrr.glu.default, (x, torch.randn(4, 10, requires_grad=True), "gelu"))
