@@ -1,0 +1,949 @@
+"""Which regime is a function in: overhead, memory bandwidth or compute?
+
+    report = brrr.diagnose(fn, x, w)             # runs fn(x, w), prints nothing
+    print(report)                                # readable terminal report
+    report.verdict                               # "overhead-bound", "memory-bound" or "compute-bound"
+    report.to_json()                             # machine-readable; Diagnosis.from_json() reads it back
+
+Time goes to one of three things ("Making Deep Learning Go Brrrr From First Principles"), and each
+has its own test and its own remedies:
+
+overhead   Scaling the input (x2, x4, x8) barely changes the time, and the GPU sits idle much of
+           the wall time. Remedies: tracing / CUDA graphs / less Python per call, bigger batches.
+memory     The bytes take longer than the FLOPs: arithmetic intensity (FLOPs per byte) is below the
+           ridge point of the roofline (peak FLOP/s over copy bandwidth), and the achieved
+           bandwidth is the figure to push towards the copy bandwidth. Remedy: operator fusion.
+compute    Achieved FLOP/s near the peak matrix throughput (>= 80% counts), or intensity above the
+           ridge point. Remedies: tensor cores, lower precision, less work.
+
+The ceilings (copy bandwidth counting bytes read and written, matrix throughput per dtype, host
+time per launch of a trivial op) are measured once per device and torch version, and cached in
+memory and under $BRRR_CACHE_DIR (default ~/.cache/brrr). On a machine without a GPU everything
+runs on the CPU against the CPU's own ceilings.
+
+Work per call: `flops=` and `bytes=` when given. Otherwise FLOPs come from the PyTorch profiler
+(`with_flops`, which counts matmuls, convolutions and elementwise add/mul), and bytes are the
+floor: every tensor argument read once and every returned tensor written once. Against that floor
+an unfused chain shows as a low fraction of the copy bandwidth, which is the room fusion can win.
+
+Keyword arguments other than flops, bytes and scale are passed to fn. The default overhead test
+repeats tensor arguments along their leading dimension; pass `scale(args, factor) -> args` when
+that does not fit fn, or `scale=False` to skip it.
+"""
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+OVERHEAD_BOUND = "overhead-bound"
+MEMORY_BOUND = "memory-bound"
+COMPUTE_BOUND = "compute-bound"
+UNDETERMINED = "undetermined"
+
+SCALE_FACTORS = (2, 4, 8)
+# The time that does not grow with the input is fixed cost; past half of the time it dominates.
+FIXED_SHARE_OVERHEAD = 0.5
+# A GPU busy less than half the wall time is waiting on the host.
+GPU_BUSY_OVERHEAD = 0.5
+# The essay's rule of thumb: at 80% of the peak matrix throughput you are compute-bound.
+COMPUTE_BOUND_FRACTION = 0.8
+# Below this fraction of the binding ceiling, the report says the time goes somewhere else too.
+LOW_CEILING_FRACTION = 0.3
+
+# Timing: warm up for at least this long (first calls compile, allocate, tune), then time enough
+# calls to fill the target, within bounds; medians throughout.
+WARMUP_S = 0.05
+WARMUP_MAX_CALLS = 50
+TIMING_TARGET_S = 0.25
+MIN_REPS, MAX_REPS = 3, 200
+PROFILED_CALLS = 3
+TOP_KERNELS = 8
+
+# Ceilings: sizes big enough to leave the caches and fill the machine, small enough to stay fast.
+CPU_COPY_ELEMENTS = 1 << 24            # 64 MiB per fp32 buffer, past any L3
+GPU_COPY_ELEMENTS = 1 << 28            # 1 GiB per fp32 buffer, as in benchmarks/harness.py
+MATMUL_SIDES = {"cpu": (256, 512, 1024, 2048), "cuda": (2048, 4096, 8192)}
+MATMUL_ENOUGH_MS = {"cpu": 10.0, "cuda": 1.0}   # stop growing the matrix once a call takes this long
+LAUNCH_BURST = 200
+LAUNCH_ROUNDS = 5
+CEILINGS_FORMAT = 1
+
+_REMEDIES = {
+    OVERHEAD_BOUND: (
+        ("trace the Python away: torch.compile, or capture a CUDA graph (torch.cuda.graphs, "
+         "torch.compile(mode='reduce-overhead')) so one launch replays the whole call"),
+        "less Python per call: fewer, larger ops (a brrr fused op is one launch for a whole chain)",
+        "bigger batches: the fixed cost per call stays while the useful work per call grows",
+    ),
+    MEMORY_BOUND: (
+        ("operator fusion: run chains of elementwise and normalisation ops as one pass over memory "
+         "(brrr.chain and brrr's fused ops, or torch.compile)"),
+        "rematerialise in the backward: recompute cheap values from the input instead of saving and re-reading them",
+        "move fewer bytes: bf16/fp16 storage halves the traffic of fp32",
+    ),
+    COMPUTE_BOUND: (
+        ("use the tensor cores: bf16/fp16 matmuls (TF32 for fp32: torch.set_float32_matmul_precision('high')) "
+         "with dimensions that are multiples of 16"),
+        "lower precision: each halving of the operand width raises the peak (fp8 where supported)",
+        "less work: a cheaper algorithm, or skip computing what is thrown away",
+    ),
+    UNDETERMINED: (
+        "pass flops= and/or bytes= (the work of one call) so the rates can be compared with the ceilings",
+    ),
+}
+
+
+@dataclass
+class Ceilings:
+    """What the device can do at best; the yardstick for a diagnosis."""
+
+    device_name: str
+    torch_version: str
+    copy_GBps: float                 # copy bandwidth, bytes read + bytes written
+    matmul_GFLOPs: dict              # dtype name ("float32", "tf32", "bfloat16", ...) -> GFLOP/s
+    launch_us: float                 # host time per call of a trivial op, back to back
+    measured_at: str
+    measure_s: float                 # how long measuring took
+    notes: list = field(default_factory=list)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data):
+        return _construct(cls, data)
+
+
+@dataclass
+class ScalePoint:
+    factor: int
+    ms: float
+
+
+@dataclass
+class KernelStat:
+    """One GPU kernel (or, on the CPU, one top-level op) as the profiler saw it."""
+
+    name: str
+    calls_per_call: float
+    us_per_call: float
+
+
+@dataclass
+class Diagnosis:
+    """The outcome of `diagnose`: measurements, the ceilings they are judged against, the verdict."""
+
+    name: str
+    device: str
+    device_name: str
+    timer: str
+    ms: float                        # median time per call
+    reps: int
+    flops: float | None              # per call
+    flops_source: str | None
+    bytes: float | None              # per call
+    bytes_source: str | None
+    compute_dtype: str               # whose matmul peak the FLOP/s are judged against
+    GBps: float | None
+    GFLOPs: float | None
+    bandwidth_fraction: float | None     # of the copy bandwidth
+    compute_fraction: float | None       # of the matmul peak for compute_dtype
+    intensity: float | None              # FLOPs per byte
+    ridge: float | None                  # peak FLOP/s over copy bandwidth: FLOPs per byte where the roofline bends
+    scaling: list                        # ScalePoint per input scale factor, x1 first
+    scaling_method: str | None
+    fixed_share: float | None            # share of the x1 time that does not grow with the input
+    gpu_busy_fraction: float | None      # kernel time over wall time, GPU only
+    ops_per_call: float | None           # top-level framework ops per call (profiler)
+    dispatch_share: float | None         # ops_per_call x launch cost over the time per call
+    kernels: list                        # KernelStat, the costliest first
+    verdict: str
+    reasons: list
+    remedies: list
+    notes: list
+    ceilings: Ceilings
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent=2):
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data):
+        if not isinstance(data, dict):
+            raise TypeError(f"argument data: expected a dict, got {type(data).__name__}")
+        data = dict(data)
+        for key in ("scaling", "kernels", "ceilings"):
+            if key not in data:
+                raise ValueError(f"argument data: missing field {key!r}")
+        data["scaling"] = [_construct(ScalePoint, p) for p in data["scaling"]]
+        data["kernels"] = [_construct(KernelStat, k) for k in data["kernels"]]
+        data["ceilings"] = Ceilings.from_dict(data["ceilings"])
+        return _construct(cls, data)
+
+    @classmethod
+    def from_json(cls, text):
+        return cls.from_dict(json.loads(text))
+
+    def report(self):
+        return _format_report(self)
+
+    def __str__(self):
+        return self.report()
+
+
+def _construct(cls, data):
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    unknown, missing = set(data) - names, required - set(data)
+    if unknown or missing:
+        raise ValueError(f"not a {cls.__name__} record: unknown fields {sorted(unknown)}, missing {sorted(missing)}")
+    return cls(**data)
+
+
+def diagnose(fn, *args, flops=None, bytes=None, scale=None, **kwargs):  # noqa: A002 - the documented name
+    """Run fn(*args, **kwargs), time it, and say whether it is overhead-, memory- or compute-bound.
+
+    flops, bytes: the work of one call, when you know it (otherwise profiler FLOPs and the byte
+    floor of the arguments and outputs are used). scale: `scale(args, factor) -> args` for the
+    overhead test, or False to skip it. Returns a Diagnosis.
+    """
+    if not callable(fn):
+        raise TypeError(f"argument fn: expected a callable, got {type(fn).__name__}")
+    user_flops = _positive_count("flops", flops)
+    user_bytes = _positive_count("bytes", bytes)
+    if scale is not None and scale is not False and not callable(scale):
+        raise TypeError(f"argument scale: expected a callable scale(args, factor), False or None, got {scale!r}")
+    torch = _import_torch()
+    device = _device_of(args, kwargs)
+    notes = []
+
+    def call():
+        return fn(*args, **kwargs)
+
+    with _on_device(torch, device):
+        ceilings = device_ceilings(device)
+        output = call()
+        ms, reps = _median_ms(call, device)
+        profile = _profile(call, device, notes)
+        scaling, scaling_method = _scaling_sweep(fn, args, kwargs, device, scale, ms, notes)
+
+    floor_bytes = _nbytes(args, kwargs.values()) + _nbytes([output])
+    if user_bytes is not None:
+        work_bytes, bytes_source = user_bytes, "user"
+    elif floor_bytes:
+        work_bytes, bytes_source = float(floor_bytes), "floor: tensor arguments read once + outputs written once"
+    else:
+        work_bytes, bytes_source = None, None
+    if user_flops is not None:
+        work_flops, flops_source = user_flops, "user"
+    elif profile and profile.flops_per_call:
+        work_flops, flops_source = profile.flops_per_call, "profiler (with_flops: matmul, conv, add, mul)"
+    else:
+        work_flops, flops_source = None, None
+        notes.append("no FLOP count: the profiler counted none; pass flops= if the call computes much")
+
+    compute_dtype = _compute_dtype(torch, device, args, kwargs, ceilings, notes)
+    peak_flops = ceilings.matmul_GFLOPs[compute_dtype] * 1e9
+    copy_bps = ceilings.copy_GBps * 1e9
+    seconds = max(ms, 1e-9) * 1e-3
+    bytes_per_s = work_bytes / seconds if work_bytes else None
+    flops_per_s = work_flops / seconds if work_flops else None
+    fixed_share = _fixed_share(scaling)
+    ops_per_call = profile.ops_per_call if profile else None
+    dispatch_share = (min(1.0, ops_per_call * ceilings.launch_us * 1e-3 / ms)
+                      if ops_per_call and ms > 0 else None)
+    gpu_busy = (min(1.0, profile.device_busy_us_per_call * 1e-3 / ms)
+                if profile and profile.device_busy_us_per_call is not None and ms > 0 else None)
+
+    evidence = _Evidence(
+        ms=ms, scaling=scaling, fixed_share=fixed_share, gpu_busy=gpu_busy, dispatch_share=dispatch_share,
+        ops_per_call=ops_per_call, launch_us=ceilings.launch_us,
+        memory_ms=work_bytes / copy_bps * 1e3 if work_bytes else None,
+        compute_ms=work_flops / peak_flops * 1e3 if work_flops else None,
+        bandwidth_fraction=bytes_per_s / copy_bps if bytes_per_s else None,
+        compute_fraction=flops_per_s / peak_flops if flops_per_s else None,
+        intensity=work_flops / work_bytes if work_flops and work_bytes else None,
+        ridge=peak_flops / copy_bps, compute_dtype=compute_dtype, bytes_is_floor=bytes_source != "user")
+    verdict, reasons = _judge(evidence)
+    return Diagnosis(
+        name=_name_of(fn), device=str(device), device_name=ceilings.device_name,
+        timer="CUDA events" if device.type == "cuda" else "perf_counter", ms=ms, reps=reps,
+        flops=work_flops, flops_source=flops_source, bytes=work_bytes, bytes_source=bytes_source,
+        compute_dtype=compute_dtype,
+        GBps=bytes_per_s / 1e9 if bytes_per_s else None, GFLOPs=flops_per_s / 1e9 if flops_per_s else None,
+        bandwidth_fraction=evidence.bandwidth_fraction, compute_fraction=evidence.compute_fraction,
+        intensity=evidence.intensity, ridge=evidence.ridge, scaling=scaling, scaling_method=scaling_method,
+        fixed_share=fixed_share, gpu_busy_fraction=gpu_busy, ops_per_call=ops_per_call,
+        dispatch_share=dispatch_share, kernels=profile.kernels if profile else [], verdict=verdict,
+        reasons=reasons, remedies=_remedies(verdict, device), notes=notes, ceilings=ceilings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError("brrr.diagnose needs PyTorch (pip install torch)") from e
+    return torch
+
+
+def _positive_count(name, value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"argument {name}: expected a number (work per call), got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"argument {name}: expected a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _is_torch_tensor(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _is_numpy_array(x):
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(x, numpy.ndarray)
+
+
+def _arrays_in(values):
+    """Tensors and NumPy arrays among values, looking one level into lists, tuples and dicts."""
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            yield from (v for v in value if _is_torch_tensor(v) or _is_numpy_array(v))
+        elif isinstance(value, dict):
+            yield from (v for v in value.values() if _is_torch_tensor(v) or _is_numpy_array(v))
+        elif _is_torch_tensor(value) or _is_numpy_array(value):
+            yield value
+
+
+def _nbytes(*groups):
+    """Bytes of the distinct arrays in the groups (an array passed twice is read once)."""
+    seen, total = set(), 0
+    for group in groups:
+        for array in _arrays_in(group):
+            if id(array) not in seen:
+                seen.add(id(array))
+                total += array.numel() * array.element_size() if _is_torch_tensor(array) else array.nbytes
+    return total
+
+
+def _device_of(args, kwargs):
+    """Where the work runs: the device of the CUDA tensor arguments, else the CPU when there are
+    tensor arguments, else the GPU when there is one (fn closes over its data)."""
+    import torch
+
+    tensors = [a for a in _arrays_in(list(args) + list(kwargs.values())) if _is_torch_tensor(a)]
+    for tensor in tensors:
+        if tensor.device.type == "cuda":
+            return tensor.device
+    if not tensors and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _resolve_device(device):
+    import torch
+
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"argument device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"argument device: {device!r} asked for, but torch sees no CUDA GPU")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    elif resolved.type != "cpu":
+        raise ValueError(f"argument device: only 'cpu' and 'cuda' devices are supported, got {device!r}")
+    return resolved
+
+
+class _on_device:
+    """Make `device` the current CUDA device for the duration (no-op on the CPU)."""
+
+    def __init__(self, torch, device):
+        self.context = torch.cuda.device(device) if device.type == "cuda" else None
+
+    def __enter__(self):
+        if self.context is not None:
+            self.context.__enter__()
+
+    def __exit__(self, *exc):
+        if self.context is not None:
+            return self.context.__exit__(*exc)
+        return False
+
+
+def _name_of(fn):
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _compute_dtype(torch, device, args, kwargs, ceilings, notes):
+    """The dtype of the largest floating-point argument; fp32 runs as TF32 on the GPU when the
+    process allows it, and is judged against the TF32 peak then."""
+    floating = [a for a in _arrays_in(list(args) + list(kwargs.values()))
+                if _is_torch_tensor(a) and a.dtype.is_floating_point]
+    name = str(max(floating, key=lambda t: t.numel()).dtype).removeprefix("torch.") if floating else "float32"
+    if name == "float32" and device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        name = "tf32"
+    if name not in ceilings.matmul_GFLOPs:
+        notes.append(f"no {name} matmul peak measured on this device: FLOP/s judged against float32")
+        name = "float32"
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def _sync(device):
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _call_ms(call, device):
+    """Milliseconds for one call, to its end on the device: CUDA events on the GPU (the interval
+    includes any time the GPU waits on the host), perf_counter on the CPU."""
+    if device.type == "cuda":
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    call()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _median_ms(call, device, target_s=TIMING_TARGET_S):
+    """(median ms per call, calls timed) after a warm-up of at least two calls."""
+    warm_start, warm_calls = time.perf_counter(), 0
+    while True:
+        last_ms = _call_ms(call, device)
+        warm_calls += 1
+        if warm_calls >= 2 and (time.perf_counter() - warm_start >= WARMUP_S or warm_calls >= WARMUP_MAX_CALLS):
+            break
+    reps = min(MAX_REPS, max(MIN_REPS, math.ceil(target_s * 1e3 / max(last_ms, 1e-3))))
+    return statistics.median(_call_ms(call, device) for _ in range(reps)), reps
+
+
+# ---------------------------------------------------------------------------------------------
+# Ceilings
+
+_CEILINGS_IN_MEMORY = {}
+
+
+def cache_dir():
+    """Where measured ceilings are kept: $BRRR_CACHE_DIR, else $XDG_CACHE_HOME/brrr, else ~/.cache/brrr."""
+    if os.environ.get("BRRR_CACHE_DIR"):
+        return os.environ["BRRR_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "brrr")
+
+
+def device_ceilings(device=None, refresh=False):
+    """The device's ceilings (Ceilings), measured on first use and cached in memory and on disk.
+
+    device: 'cpu', 'cuda', 'cuda:N' or a torch.device; default the current GPU, else the CPU.
+    refresh: measure again and overwrite the cache.
+    """
+    torch = _import_torch()
+    device = _resolve_device(device)
+    key = _ceilings_key(torch, device)
+    path = os.path.join(cache_dir(), f"ceilings-{key}.json")
+    if not refresh:
+        if key in _CEILINGS_IN_MEMORY:
+            return _CEILINGS_IN_MEMORY[key]
+        cached = _read_cached_ceilings(path)
+        if cached is not None:
+            _CEILINGS_IN_MEMORY[key] = cached
+            return cached
+    with _on_device(torch, device):
+        ceilings = _measure_ceilings(torch, device)
+    _CEILINGS_IN_MEMORY[key] = ceilings
+    _write_cached_ceilings(path, ceilings)
+    return ceilings
+
+
+def _device_name(torch, device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _ceilings_key(torch, device):
+    # CPU throughput depends on the thread count, so it is part of the key there.
+    parts = [device.type, _device_name(torch, device), "torch" + torch.__version__]
+    if device.type == "cpu":
+        parts.append(f"{torch.get_num_threads()}threads")
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", "-".join(parts))
+
+
+def _read_cached_ceilings(path):
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        if record.get("format") != CEILINGS_FORMAT:
+            return None
+        return Ceilings.from_dict(record["ceilings"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # missing or unreadable: measure again
+
+
+def _write_cached_ceilings(path, ceilings):
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = f"{path}.{os.getpid()}.tmp"
+        with open(partial, "w") as f:
+            json.dump({"format": CEILINGS_FORMAT, "ceilings": ceilings.to_dict()}, f, indent=1)
+        os.replace(partial, path)
+    except OSError as e:
+        warnings.warn(f"brrr.diagnose: could not cache the ceilings in {path} ({e}); they are kept in memory only",
+                      stacklevel=3)
+
+
+def _measure_ceilings(torch, device):
+    started = time.perf_counter()
+    matmul, notes = _measure_matmul_GFLOPs(torch, device)
+    copy_GBps = _measure_copy_GBps(torch, device)
+    launch_us = _measure_launch_us(torch, device)
+    return Ceilings(device_name=_device_name(torch, device), torch_version=torch.__version__, copy_GBps=copy_GBps,
+                    matmul_GFLOPs=matmul, launch_us=launch_us,
+                    measured_at=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                    measure_s=time.perf_counter() - started, notes=notes)
+
+
+def _measure_copy_GBps(torch, device):
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        elements = min(GPU_COPY_ELEMENTS, free_bytes // 16)   # two fp32 buffers in at most half the free memory
+    else:
+        elements = CPU_COPY_ELEMENTS
+    src = torch.full((elements,), 1.0, device=device)
+    dst = torch.empty_like(src)
+    ms, _ = _median_ms(lambda: dst.copy_(src), device, target_s=0.1)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def _matmul_dtypes(torch, device):
+    """(label, dtype, fp32 matmul precision) for each matrix throughput worth knowing here."""
+    f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+    if device.type == "cpu":
+        return [("float32", f32, "highest"), ("float64", f64, "highest"),
+                ("bfloat16", bf16, "highest"), ("float16", f16, "highest")]
+    major, _ = torch.cuda.get_device_capability(device)
+    dtypes = [("float32", f32, "highest")]
+    if major >= 8:
+        dtypes.append(("tf32", f32, "high"))
+    if torch.cuda.is_bf16_supported():
+        dtypes.append(("bfloat16", bf16, "highest"))
+    return dtypes + [("float16", f16, "highest"), ("float64", f64, "highest")]
+
+
+def _measure_matmul_GFLOPs(torch, device):
+    rates, notes = {}, []
+    saved_precision = torch.get_float32_matmul_precision()
+    try:
+        for label, dtype, precision in _matmul_dtypes(torch, device):
+            torch.set_float32_matmul_precision(precision)
+            try:
+                rates[label] = _best_matmul_GFLOPs(torch, device, dtype)
+            except RuntimeError as e:  # a dtype this build has no matmul kernel for
+                notes.append(f"{label} matmul not measured: {e}")
+    finally:
+        torch.set_float32_matmul_precision(saved_precision)
+    if "float32" not in rates:
+        raise RuntimeError(f"brrr.diagnose: cannot measure a float32 matmul on {device}: {notes}")
+    return rates, notes
+
+
+def _best_matmul_GFLOPs(torch, device, dtype):
+    """Best rate over growing square matmuls; growth stops once a call is long enough to fill the
+    machine (slow dtypes, such as fp16 on many CPUs, stop early and stay cheap to measure)."""
+    best = 0.0
+    for side in MATMUL_SIDES[device.type]:
+        a = torch.randn(side, side, device=device).to(dtype)
+        b = torch.randn(side, side, device=device).to(dtype)
+        ms, _ = _median_ms(lambda: a @ b, device, target_s=0.05)
+        best = max(best, 2 * side ** 3 / (ms * 1e-3) / 1e9)
+        if ms >= MATMUL_ENOUGH_MS[device.type]:
+            break
+    return best
+
+
+def _measure_launch_us(torch, device):
+    """Host time per call of a trivial op (an in-place add on one element), back to back, with the
+    device drained at the end of each burst: what one op costs when it does no work."""
+    x = torch.zeros(1, device=device)
+
+    def burst():
+        for _ in range(LAUNCH_BURST):
+            x.add_(1.0)
+
+    burst()
+    per_round = []
+    for _ in range(LAUNCH_ROUNDS):
+        _sync(device)
+        t0 = time.perf_counter()
+        burst()
+        _sync(device)
+        per_round.append((time.perf_counter() - t0) * 1e6 / LAUNCH_BURST)
+    return statistics.median(per_round)
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiler
+
+
+@dataclass
+class _ProfileSummary:
+    flops_per_call: float | None
+    ops_per_call: float
+    kernels: list
+    device_busy_us_per_call: float | None
+
+
+def _profile(call, device, notes):
+    """FLOPs, op count and kernel list of a few calls from torch.profiler, or None (with a note)."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        _sync(device)
+        with profile(activities=activities, with_flops=True) as prof:
+            for _ in range(PROFILED_CALLS):
+                call()
+            _sync(device)
+        events = list(prof.events())
+    except Exception as e:  # noqa: BLE001 - the profiler is optional evidence; the report says it is missing
+        notes.append(f"profiler unavailable ({type(e).__name__}: {e}): no FLOP count, op count or kernel list")
+        return None
+
+    host_events = [e for e in events if e.device_type == DeviceType.CPU and not e.is_user_annotation]
+    flops = sum(e.flops or 0 for e in host_events) / PROFILED_CALLS
+    # Framework ops called directly by fn (not the ops they call in turn); runtime API events such
+    # as cudaLaunchKernel carry no namespace and are left out.
+    top_level = [e for e in host_events if e.cpu_parent is None and "::" in e.name]
+    if device.type == "cuda":
+        device_events = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+        kernels = _kernel_stats((e.name, e.time_range.elapsed_us()) for e in device_events)
+        busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in device_events]) / PROFILED_CALLS
+    else:
+        kernels = _kernel_stats((e.name, e.cpu_time_total) for e in top_level)
+        busy_us = None
+    return _ProfileSummary(flops_per_call=flops or None, ops_per_call=len(top_level) / PROFILED_CALLS,
+                           kernels=kernels, device_busy_us_per_call=busy_us)
+
+
+def _kernel_stats(name_and_us):
+    totals = {}
+    for name, us in name_and_us:
+        count, total = totals.get(name, (0, 0.0))
+        totals[name] = (count + 1, total + us)
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
+    return [KernelStat(name=name, calls_per_call=count / PROFILED_CALLS, us_per_call=total / PROFILED_CALLS)
+            for name, (count, total) in ranked]
+
+
+def _union_us(intervals):
+    """Length of the union of intervals: kernels overlapping on several streams count once."""
+    busy, end_so_far = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > end_so_far:
+            busy += end - max(start, end_so_far)
+            end_so_far = end
+    return busy
+
+
+# ---------------------------------------------------------------------------------------------
+# The overhead test: scale the input
+
+
+def _repeat_leading(args, factor, indices):
+    """args with the arrays at `indices` repeated `factor` times along their leading dimension."""
+    scaled = list(args)
+    for i in indices:
+        array = args[i]
+        if _is_torch_tensor(array):
+            repeated = array.detach().repeat(factor, *([1] * (array.dim() - 1)))
+            scaled[i] = repeated.requires_grad_(array.requires_grad)
+        else:
+            import numpy
+
+            scaled[i] = numpy.concatenate([array] * factor, axis=0)
+    return tuple(scaled)
+
+
+def _default_scalers(args):
+    """Ways to scale the input, most natural first: every array sharing the first array's leading
+    (batch) dimension, then the first array alone (x @ w, where w must keep its shape)."""
+    arrays = [i for i, a in enumerate(args)
+              if (_is_torch_tensor(a) or _is_numpy_array(a)) and len(a.shape) >= 1 and a.shape[0] > 0]
+    if not arrays:
+        return []
+    leading = args[arrays[0]].shape[0]
+    batch = tuple(i for i in arrays if args[i].shape[0] == leading)
+    choices = [batch] if len(batch) == 1 else [batch, (arrays[0],)]
+    return [(_describe_indices(indices), functools.partial(_repeat_leading, indices=indices)) for indices in choices]
+
+
+def _describe_indices(indices):
+    which = ", ".join(str(i) for i in indices)
+    return f"leading dimension of positional argument{'s' if len(indices) > 1 else ''} {which} repeated"
+
+
+def _scaled_args(scale, args, factor):
+    scaled = scale(args, factor)
+    if not isinstance(scaled, (tuple, list)):
+        raise TypeError(f"argument scale: scale(args, {factor}) must return the positional arguments as a "
+                        f"tuple or list, got {type(scaled).__name__}")
+    return tuple(scaled)
+
+
+def _scaling_sweep(fn, args, kwargs, device, scale, base_ms, notes):
+    """[ScalePoint] for x1 and each factor that ran, and how the input was scaled (None if not)."""
+    points = [ScalePoint(factor=1, ms=base_ms)]
+    if scale is False:
+        notes.append("overhead test skipped (scale=False)")
+        return points, None
+    if callable(scale):
+        method, scaler = "scale() given by the caller", functools.partial(_scaled_args, scale)
+    else:
+        method, scaler = _pick_default_scaler(fn, args, kwargs, notes)
+        if scaler is None:
+            return points, None
+    for factor in SCALE_FACTORS:
+        try:
+            scaled = scaler(args, factor)
+            ms, _ = _median_ms(lambda: fn(*scaled, **kwargs), device)
+        except _out_of_memory_errors() as e:
+            notes.append(f"overhead test stopped before x{factor}: out of memory ({type(e).__name__})")
+            break
+        finally:
+            scaled = None  # drop the big inputs before the next, bigger, ones
+        points.append(ScalePoint(factor=factor, ms=ms))
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()  # give back the scaled inputs' memory to the rest of the process
+    return points, method
+
+
+def _pick_default_scaler(fn, args, kwargs, notes):
+    """The first default way of scaling that fn accepts (one trial call at x2)."""
+    scalers = _default_scalers(args)
+    if not scalers:
+        notes.append("overhead test not run: no positional array argument with a leading dimension to scale; "
+                     "pass scale=lambda args, factor: ...")
+        return None, None
+    rejections = []
+    for method, scaler in scalers:
+        try:
+            fn(*scaler(args, 2), **kwargs)
+            return method, scaler
+        except Exception as e:  # noqa: BLE001 - fn rejecting a guessed input shape is expected; the next guess follows
+            rejections.append(f"{method}: {type(e).__name__}: {e}")
+    notes.append("overhead test not run: fn rejected every default scaling (" + "; ".join(rejections)
+                 + "); pass scale=lambda args, factor: ...")
+    return None, None
+
+
+def _out_of_memory_errors():
+    import torch
+
+    return (MemoryError, torch.OutOfMemoryError)
+
+
+def _fixed_share(points):
+    """Share of the x1 time that does not grow with the input: where the line through x1 and the
+    largest scale meets factor 0, over the x1 time, within [0, 1]. The two extremes give the most
+    leverage against timing noise; growth faster than proportional (x1 fitting in a cache) reads
+    as no fixed cost."""
+    if len(points) < 2 or points[0].ms <= 0:
+        return None
+    base, last = points[0], points[-1]
+    growth = last.ms / base.ms
+    return min(1.0, max(0.0, (last.factor - growth) / (last.factor - 1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The verdict
+
+
+@dataclass
+class _Evidence:
+    ms: float
+    scaling: list
+    fixed_share: float | None
+    gpu_busy: float | None
+    dispatch_share: float | None
+    ops_per_call: float | None
+    launch_us: float
+    memory_ms: float | None          # the bytes at the copy bandwidth
+    compute_ms: float | None         # the FLOPs at the matmul peak
+    bandwidth_fraction: float | None
+    compute_fraction: float | None
+    intensity: float | None
+    ridge: float
+    compute_dtype: str
+    bytes_is_floor: bool
+
+
+def _judge(ev):
+    """(verdict, reasons): overhead first (nothing else matters while the device waits), then the
+    80% compute rule, then the side of the roofline the work sits on."""
+    reasons = []
+    overhead = False
+    if ev.fixed_share is not None:
+        last = ev.scaling[-1]
+        growth = last.ms / ev.scaling[0].ms if ev.scaling[0].ms > 0 else float("nan")
+        reasons.append(f"x{last.factor} the input takes {growth:.2f}x the time (proportional would be "
+                       f"{last.factor}x): {100 * ev.fixed_share:.0f}% of the time does not grow with the input")
+        overhead |= ev.fixed_share >= FIXED_SHARE_OVERHEAD
+    elif ev.dispatch_share is not None:
+        # Without a scaling test, the count of ops times the cost of an empty op stands in for it.
+        reasons.append(f"{ev.ops_per_call:g} op calls per call at {ev.launch_us:.1f} µs per launch: about "
+                       f"{100 * ev.dispatch_share:.0f}% of the time is launch cost")
+        overhead |= ev.dispatch_share >= FIXED_SHARE_OVERHEAD
+    if ev.gpu_busy is not None:
+        reasons.append(f"the GPU is busy {100 * ev.gpu_busy:.0f}% of the wall time")
+        overhead |= ev.gpu_busy < GPU_BUSY_OVERHEAD
+    if overhead:
+        return OVERHEAD_BOUND, reasons
+
+    if ev.compute_fraction is not None:
+        reasons.append(f"FLOP/s reach {100 * ev.compute_fraction:.0f}% of the {ev.compute_dtype} matmul peak")
+    if ev.bandwidth_fraction is not None:
+        counted = "the byte floor" if ev.bytes_is_floor else "the counted bytes"
+        reasons.append(f"{counted} moves at {100 * ev.bandwidth_fraction:.0f}% of the copy bandwidth")
+    if ev.compute_fraction is not None and ev.compute_fraction >= COMPUTE_BOUND_FRACTION:
+        return COMPUTE_BOUND, reasons
+    if ev.memory_ms is None and ev.compute_ms is None:
+        reasons.append("neither bytes nor FLOPs are known, so the roofline cannot place the work")
+        return UNDETERMINED, reasons
+    if ev.intensity is not None:
+        side = "above" if ev.intensity > ev.ridge else "below"
+        reasons.append(f"arithmetic intensity {ev.intensity:.3g} FLOP/byte is {side} the ridge point "
+                       f"{ev.ridge:.3g} FLOP/byte ({ev.compute_dtype} peak over copy bandwidth)")
+    verdict = COMPUTE_BOUND if (ev.compute_ms or 0.0) > (ev.memory_ms or 0.0) else MEMORY_BOUND
+    bound_fraction = ev.compute_fraction if verdict == COMPUTE_BOUND else ev.bandwidth_fraction
+    if bound_fraction is not None and bound_fraction < LOW_CEILING_FRACTION:
+        if verdict == MEMORY_BOUND and ev.bytes_is_floor:
+            reasons.append("far below the copy bandwidth against the floor: intermediates go through memory "
+                           "(unfused ops), or the kernels are slow")
+        else:
+            reasons.append("far below that ceiling: the kernels are slow, or overhead the scaling test did not catch")
+    return verdict, reasons
+
+
+def _remedies(verdict, device):
+    remedies = list(_REMEDIES[verdict])
+    if verdict == OVERHEAD_BOUND and device.type != "cuda":
+        remedies[0] = "trace the Python away: torch.compile (CUDA graphs help on the GPU)"
+    return remedies
+
+
+# ---------------------------------------------------------------------------------------------
+# The terminal report
+
+
+def _si(value, unit):
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _duration(ms):
+    if ms >= 1000:
+        return f"{ms / 1000:.3g} s"
+    if ms >= 1:
+        return f"{ms:.3g} ms"
+    return f"{ms * 1000:.3g} µs"
+
+
+def _percent(fraction):
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def _format_report(d):
+    c = d.ceilings
+    label = 21
+
+    def line(key, text):
+        return f"  {key:<{label}}{text}"
+
+    lines = [f"brrr.diagnose: {d.name} on {d.device} ({d.device_name}), torch {c.torch_version}",
+             line("time per call", f"{_duration(d.ms)}  (median of {d.reps}, {d.timer})")]
+    work = []
+    if d.flops:
+        work.append(f"{_si(d.flops, 'FLOP')} ({d.flops_source})")
+    if d.bytes:
+        work.append(f"{_si(d.bytes, 'B')} ({d.bytes_source})")
+    lines.append(line("work per call", "; ".join(work) or "unknown"))
+    peak = c.matmul_GFLOPs[d.compute_dtype] * 1e9
+    if d.GFLOPs:
+        lines.append(line("compute", f"{_si(d.GFLOPs * 1e9, 'FLOP/s')} = {_percent(d.compute_fraction)} of the "
+                                     f"{d.compute_dtype} matmul peak {_si(peak, 'FLOP/s')}"))
+    if d.GBps:
+        lines.append(line("bandwidth", f"{_si(d.GBps * 1e9, 'B/s')} = {_percent(d.bandwidth_fraction)} of the "
+                                       f"copy bandwidth {_si(c.copy_GBps * 1e9, 'B/s')}"))
+    if d.intensity is not None:
+        lines.append(line("intensity", f"{d.intensity:.3g} FLOP/byte (ridge point {d.ridge:.3g})"))
+    if len(d.scaling) > 1:
+        base = d.scaling[0].ms
+        steps = " | ".join(f"x{p.factor} {_duration(p.ms)}" + (f" ({p.ms / base:.2f}x)" if p.factor > 1 else "")
+                           for p in d.scaling)
+        lines.append(line("input scaling", steps))
+        lines.append(line("", f"fixed share of the time {_percent(d.fixed_share)}  ({d.scaling_method})"))
+    else:
+        lines.append(line("input scaling", "not run (see notes)"))
+    if d.gpu_busy_fraction is not None:
+        lines.append(line("GPU busy", f"{_percent(d.gpu_busy_fraction)} of the wall time"))
+    if d.ops_per_call is not None:
+        lines.append(line("op calls", f"{d.ops_per_call:g} per call; launch cost {c.launch_us:.2f} µs each "
+                                      f"({_percent(d.dispatch_share)} of the time)"))
+    if d.kernels:
+        title = "kernels" if d.device.startswith("cuda") else "top ops"
+        title += " (profiled)"
+        for i, k in enumerate(d.kernels):
+            lines.append(line(title if i == 0 else "",
+                              f"{_duration(k.us_per_call / 1000):>9}  x{k.calls_per_call:g}  {k.name[:80]}"))
+    lines.append(line("verdict", d.verdict.upper()))
+    for key, items in (("why", d.reasons), ("remedies", d.remedies), ("notes", d.notes)):
+        for i, item in enumerate(items):
+            lines.append(line(key if i == 0 else "", f"- {item}"))
+    return "\n".join(lines)
