@@ -20,6 +20,7 @@ from .chain import (
     tanh,
 )
 from .glu import bias_gelu, bias_silu, geglu, swiglu
+from .diagnose import diagnose
 
 __version__ = "0.1.0"
 
