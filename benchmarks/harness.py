@@ -23,27 +23,40 @@ def device():
     return "cuda" if on_gpu() else "cpu"
 
 
-def time_ms(fn, warmup=10, reps=50, min_time_s=0.05):
-    """Median milliseconds per call of fn(). CUDA events on the GPU, perf_counter on the CPU."""
-    for _ in range(warmup):
-        fn()
+def _sync():
     if on_gpu():
         torch.cuda.synchronize()
-        samples = []
+
+
+def time_ms(fn, warmup=10, reps=50, max_time_s=2.0):
+    """Median milliseconds per call of fn(): CUDA events on the GPU, perf_counter on the CPU.
+
+    Slow functions get fewer warm-ups and repetitions (at least 5), so a sweep stays in budget."""
+    fn()
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    once = max(time.perf_counter() - t0, 1e-7)
+    warmup = max(1, min(warmup, int(0.2 * max_time_s / once)))
+    reps = max(5, min(reps, int(max_time_s / once)))
+    for _ in range(warmup):
+        fn()
+    _sync()
+    samples = []
+    if on_gpu():
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        deadline = time.perf_counter() + min_time_s
-        while len(samples) < reps or (time.perf_counter() < deadline and len(samples) < 10 * reps):
+        for _ in range(reps):
             start.record()
             fn()
             end.record()
             end.synchronize()
             samples.append(start.elapsed_time(end))
-        return statistics.median(samples)
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
 
 

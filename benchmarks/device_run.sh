@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One call on the lent H200: build brrr for sm_90 (+PTX), run the CUDA tests, run benchmarks,
+# print the tables, and leave everything in $OUT (results.tgz + run.log).
+#
+#   bash benchmarks/device_run.sh "<pytest targets for the CUDA tests>" "<benchmark files>"
+#
+# Both arguments are optional (defaults: all tests, all benchmarks); "none" skips a stage.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+OUT=${OUT:-/tmp/brrr-device-out}
+mkdir -p "$OUT"
+RESULTS=benchmarks/results/device
+rm -rf "$RESULTS" && mkdir -p "$RESULTS"
+TESTS=${1:-tests}
+BENCH=${2:-benchmarks}
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+  python3 -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$RESULTS/env.txt"
+
+start=$(date +%s)
+if ! BRRR_CUDA_ARCHS=90 python3 setup.py build_ext --inplace --force > "$RESULTS/build.log" 2>&1; then
+  tail -40 "$RESULTS/build.log"
+  tar czf "$OUT/results.tgz" -C benchmarks/results device
+  exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s"
+python3 -c "import brrr; print(brrr.build_info())"
+
+status=0
+if [ "$TESTS" != "none" ]; then
+  start=$(date +%s)
+  python3 -m pytest $TESTS -q -m cuda -p no:cacheprovider -x --durations=5 2>&1 | tee "$RESULTS/tests.log" | tail -25
+  status=${PIPESTATUS[0]}
+  echo "tests: $(( $(date +%s) - start )) s, exit $status"
+fi
+if [ "$BENCH" != "none" ]; then
+  start=$(date +%s)
+  BRRR_BENCH_OUT="$RESULTS" python3 -m pytest $BENCH -q -p no:cacheprovider 2>&1 | tee "$RESULTS/bench.log" | tail -8
+  echo "benchmarks: $(( $(date +%s) - start )) s"
+  for md in "$RESULTS"/*.md; do echo "== $md"; cat "$md"; done
+fi
+tar czf "$OUT/results.tgz" -C benchmarks/results device
+exit $status

@@ -1,0 +1,186 @@
+"""Chains, bias+activation and GLUs against PyTorch eager and torch.compile, in one run.
+
+GPU: the seed's sizes (2^10 .. 2^28 elements, 16384 x 4096 rows). CPU: a quick smoke version.
+Each op's output is checked against eager before it is timed.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import brrr
+import harness
+from harness import compiled, device, host_us_per_call, on_gpu, time_ms
+
+QUICK = not on_gpu()
+DTYPES = [torch.float32, torch.bfloat16]
+SIZES = [1 << k for k in (range(10, 29, 2) if not QUICK else (10, 14, 18))]
+ROWS, HIDDEN = (16384, 4096) if not QUICK else (256, 512)
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def check(ours, theirs, dtype):
+    for a, b in zip(ours if isinstance(ours, (tuple, list)) else [ours], theirs if isinstance(theirs, (tuple, list)) else [theirs]):
+        err = (a.float() - b.float()).norm() / max(b.float().norm().item(), 1e-30)
+        assert err < TOL[dtype], f"brrr disagrees with eager: relative error {err:.2e}"
+
+
+def record(recorder, impl, ms, **row):
+    recorder.add_timing(impl=impl, ms=ms, **row)
+
+
+def test_cos_cos_sizes(recorder):
+    brrr_f = brrr.chain("cos", "cos")
+    for dtype in DTYPES:
+        eager = lambda x: x.cos().cos()  # noqa: E731
+        comp = compiled(lambda x: x.cos().cos()) if not QUICK or dtype == torch.float32 else None
+        for n in SIZES:
+            x = torch.randn(n, device=device(), dtype=dtype)
+            check(brrr_f(x), eager(x), dtype)
+            row = dict(family="chain", op="cos.cos", dtype=dtype, shape=(n,), pass_="fwd",
+                       bytes_moved=2 * n * x.element_size())
+            record(recorder, "brrr", time_ms(lambda: brrr_f(x)), **row)
+            record(recorder, "eager", time_ms(lambda: eager(x)), **row)
+            if comp is not None:
+                check(comp(x), eager(x), dtype)
+                record(recorder, "compile", time_ms(lambda: comp(x)), **row)
+
+
+def _mul_chain(repeats):
+    def f(x):
+        for _ in range(repeats):
+            x = x * 1.0001
+        return x
+    return f
+
+
+def test_repeat_sweep(recorder):
+    """x * c applied r times: memory-bound while the arithmetic hides under the loads, then
+    compute-bound. brrr runs at most 16 steps per pass, so r > 16 takes ceil(r / 16) passes."""
+    repeats = [1, 2, 4, 8, 16, 32, 64, 128, 256] if not QUICK else [1, 16, 64]
+    sizes = [1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 28] if not QUICK else [1 << 16]
+    for dtype in DTYPES if not QUICK else [torch.float32]:
+        for r in repeats:
+            passes = math.ceil(r / 16)
+            steps = [("mul", 1.0001)] * (r // passes)
+            chain = brrr.chain(*steps)
+            eager = _mul_chain(r)
+            comp = compiled(_mul_chain(r)) if not QUICK else None
+            for n in sizes:
+                x = torch.randn(n, device=device(), dtype=dtype)
+
+                def ours(x=x, chain=chain, passes=passes):
+                    y = chain(x)
+                    for _ in range(passes - 1):
+                        y = chain(y)
+                    return y
+
+                row = dict(family="repeat", op=f"mul x{r}", dtype=dtype, shape=(n,), pass_="fwd",
+                           bytes_moved=2 * n * x.element_size(), repeats=r, flops=r * n, brrr_passes=passes)
+                check(ours(), eager(x), dtype)
+                for impl, fn in (("brrr", ours), ("eager", lambda: eager(x)), ("compile", comp and (lambda: comp(x)))):
+                    if fn is None:
+                        continue
+                    ms = time_ms(fn, max_time_s=0.5)
+                    rec = recorder.add_timing(impl=impl, ms=ms, **row)
+                    rec["GFLOPs"] = r * n / (ms * 1e-3) / 1e9
+
+
+def test_host_overhead(recorder):
+    """Host time per call, back to back (the overhead regime), against size."""
+    sizes = [1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20] if not QUICK else [1 << 10]
+    brrr_f = brrr.chain("cos", "cos")
+    comp = compiled(lambda x: x.cos().cos()) if not QUICK else None
+    for n in sizes:
+        x = torch.randn(n, device=device())
+        out = torch.empty_like(x)
+        impls = {
+            "eager cos": lambda: torch.cos(x),
+            "eager": lambda: x.cos().cos(),
+            "brrr cos": lambda: brrr.cos(x),
+            "brrr": lambda: brrr_f(x),
+            "brrr out=": lambda: brrr_f(x, out=out),
+        }
+        if comp is not None:
+            comp(x)
+            impls["compile"] = lambda: comp(x)
+        if on_gpu():
+            for name, body in (("graph", lambda: x.cos().cos()), ("brrr graph", lambda: brrr_f(x))):
+                graph = torch.cuda.CUDAGraph()
+                body()
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph):
+                    captured = body()
+                graph.replay()
+                torch.cuda.synchronize()
+                check(captured, x.cos().cos(), torch.float32)
+                impls[name] = graph.replay
+        for impl, fn in impls.items():
+            recorder.add(family="overhead", op="cos.cos", dtype="float32", shape=[n], impl=impl,
+                         host_us=host_us_per_call(fn, calls=2000 if not QUICK else 200))
+
+
+def _fwd_bwd(fn, inputs, grad):
+    def step():
+        y = fn(*inputs)
+        return torch.autograd.grad(y, inputs, grad)
+    return step
+
+
+def _held_bytes(fn, inputs):
+    """Bytes the forward keeps alive for the backward (beyond its inputs and output)."""
+    if not on_gpu():
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = fn(*inputs)
+    held = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    del y
+    return held
+
+
+FUSED = {
+    "cos.cos": dict(brrr=lambda x: brrr.chain("cos", "cos")(x), eager=lambda x: x.cos().cos(),
+                    shapes=lambda r, h: [(r, h)], passes=(2, 5)),
+    "bias_gelu": dict(brrr=lambda x, b: brrr.bias_gelu(x, b), eager=lambda x, b: F.gelu(x + b),
+                      shapes=lambda r, h: [(r, h), (h,)], passes=(2, 5)),
+    "bias_gelu_tanh": dict(brrr=lambda x, b: brrr.bias_gelu(x, b, approximate="tanh"),
+                           eager=lambda x, b: F.gelu(x + b, approximate="tanh"), shapes=lambda r, h: [(r, h), (h,)],
+                           passes=(2, 5)),
+    "bias_silu": dict(brrr=lambda x, b: brrr.bias_silu(x, b), eager=lambda x, b: F.silu(x + b),
+                      shapes=lambda r, h: [(r, h), (h,)], passes=(2, 5)),
+    # SwiGLU on a fused gate_up projection [rows, 2h] -> [rows, h]: 3 passes forward, 8 in all.
+    "swiglu": dict(brrr=lambda x: brrr.swiglu(x), eager=lambda x: F.silu(x[..., :x.shape[-1] // 2]) * x[..., x.shape[-1] // 2:],
+                   shapes=lambda r, h: [(r, 2 * h)], passes=(3, 8)),
+    "geglu": dict(brrr=lambda x: brrr.geglu(x), eager=lambda x: F.gelu(x[..., :x.shape[-1] // 2]) * x[..., x.shape[-1] // 2:],
+                  shapes=lambda r, h: [(r, 2 * h)], passes=(3, 8)),
+}
+
+
+@pytest.mark.parametrize("op", list(FUSED))
+def test_fused_forward_backward(recorder, op):
+    spec = FUSED[op]
+    for dtype in DTYPES:
+        shapes = spec["shapes"](ROWS, HIDDEN)
+        inputs = [torch.randn(s, device=device(), dtype=dtype, requires_grad=True) for s in shapes]
+        comp = compiled(spec["eager"]) if not QUICK else None
+        with torch.no_grad():
+            out_shape = spec["eager"](*inputs).shape
+        grad = torch.randn(out_shape, device=device(), dtype=dtype)
+        unit = ROWS * HIDDEN * inputs[0].element_size()  # one pass over a [rows, hidden] tensor
+        fwd_passes, all_passes = spec["passes"]
+        impls = {"brrr": spec["brrr"], "eager": spec["eager"], "compile": comp}
+        reference = _fwd_bwd(spec["eager"], inputs, grad)()
+        for impl, fn in impls.items():
+            if fn is None:
+                continue
+            check(_fwd_bwd(fn, inputs, grad)(), reference, dtype)
+            with torch.no_grad():
+                fwd_ms = time_ms(lambda: fn(*inputs))
+            held = _held_bytes(fn, inputs)
+            common = dict(family="fused", op=op, dtype=dtype, shape=shapes[0], impl=impl)
+            recorder.add_timing(pass_="fwd", ms=fwd_ms, bytes_moved=fwd_passes * unit, **common)
+            recorder.add_timing(pass_="fwd+bwd", ms=time_ms(_fwd_bwd(fn, inputs, grad)), bytes_moved=all_passes * unit,
+                                saved_bytes=held, input_bytes=sum(t.numel() * t.element_size() for t in inputs), **common)
