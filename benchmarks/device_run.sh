@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200: build brrr for sm_90 (+PTX), run the CUDA tests, run benchmarks,
-# print the tables, and leave everything in $OUT (results.tgz + run.log).
+# print the tables, and leave everything in $OUT: env.txt, tests.log, bench.log and one .json and
+# .md per benchmark module, written as they are measured (a run cut short keeps what it had).
 #
 #   bash benchmarks/device_run.sh "<pytest targets for the CUDA tests>" "<benchmark files>"
 #
@@ -10,8 +11,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 OUT=${OUT:-/tmp/brrr-device-out}
 mkdir -p "$OUT"
-RESULTS=benchmarks/results/device
-rm -rf "$RESULTS" && mkdir -p "$RESULTS"
+RESULTS="$OUT"
 TESTS=${1:-tests}
 BENCH=${2:-benchmarks}
 {
@@ -21,9 +21,9 @@ BENCH=${2:-benchmarks}
 } 2>&1 | tee "$RESULTS/env.txt"
 
 start=$(date +%s)
-if ! BRRR_CUDA_ARCHS=90 python3 setup.py build_ext --inplace --force > "$RESULTS/build.log" 2>&1; then
-  tail -40 "$RESULTS/build.log"
-  tar czf "$OUT/results.tgz" -C benchmarks/results device
+if ! BRRR_CUDA_ARCHS=90 python3 setup.py build_ext --inplace --force > /tmp/brrr-build.log 2>&1; then
+  grep -E "error|Error" /tmp/brrr-build.log | head -40
+  tail -20 /tmp/brrr-build.log
   exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
@@ -42,5 +42,4 @@ if [ "$BENCH" != "none" ]; then
   echo "benchmarks: $(( $(date +%s) - start )) s"
   for md in "$RESULTS"/*.md; do echo "== $md"; cat "$md"; done
 fi
-tar czf "$OUT/results.tgz" -C benchmarks/results device
 exit $status
