@@ -32,7 +32,7 @@ python3 -c "import brrr; print(brrr.build_info())"
 status=0
 if [ "$TESTS" != "none" ]; then
   start=$(date +%s)
-  python3 -m pytest $TESTS -q -m cuda -p no:cacheprovider -x --durations=5 2>&1 | tee "$RESULTS/tests.log" | tail -25
+  python3 -m pytest $TESTS -q -m cuda -p no:cacheprovider --maxfail=20 --durations=5 2>&1 | tee "$RESULTS/tests.log" | tail -25
   status=${PIPESTATUS[0]}
   echo "tests: $(( $(date +%s) - start )) s, exit $status"
 fi
