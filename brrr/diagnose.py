@@ -395,7 +395,9 @@ class _on_device:
 
 
 def _name_of(fn):
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    """'Model.forward' for a method, 'step' for a function defined inside another."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return name.rsplit("<locals>.", 1)[-1]
 
 
 def _compute_dtype(torch, device, args, kwargs, ceilings, notes):
@@ -835,20 +837,20 @@ def _judge(ev):
         overhead |= ev.fixed_share >= FIXED_SHARE_OVERHEAD
     elif ev.dispatch_share is not None:
         # Without a scaling test, the count of ops times the cost of an empty op stands in for it.
-        reasons.append(f"{ev.ops_per_call:g} op calls per call at {ev.launch_us:.1f} µs per launch: about "
-                       f"{100 * ev.dispatch_share:.0f}% of the time is launch cost")
+        reasons.append(f"launch cost: {ev.ops_per_call:g} ops per call x {ev.launch_us:.1f} µs per launch is "
+                       f"{_percent(ev.dispatch_share)} of the time")
         overhead |= ev.dispatch_share >= FIXED_SHARE_OVERHEAD
     if ev.gpu_busy is not None:
-        reasons.append(f"the GPU is busy {100 * ev.gpu_busy:.0f}% of the wall time")
+        reasons.append(f"the GPU is busy {_percent(ev.gpu_busy)} of the wall time")
         overhead |= ev.gpu_busy < GPU_BUSY_OVERHEAD
     if overhead:
         return OVERHEAD_BOUND, reasons
 
     if ev.compute_fraction is not None:
-        reasons.append(f"FLOP/s reach {100 * ev.compute_fraction:.0f}% of the {ev.compute_dtype} matmul peak")
+        reasons.append(f"FLOP/s reach {_percent(ev.compute_fraction)} of the {ev.compute_dtype} matmul peak")
     if ev.bandwidth_fraction is not None:
         counted = "the byte floor" if ev.bytes_is_floor else "the counted bytes"
-        reasons.append(f"{counted} moves at {100 * ev.bandwidth_fraction:.0f}% of the copy bandwidth")
+        reasons.append(f"{counted} moves at {_percent(ev.bandwidth_fraction)} of the copy bandwidth")
     if ev.compute_fraction is not None and ev.compute_fraction >= COMPUTE_BOUND_FRACTION:
         return COMPUTE_BOUND, reasons
     if ev.memory_ms is None and ev.compute_ms is None:
@@ -896,7 +898,9 @@ def _duration(ms):
 
 
 def _percent(fraction):
-    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+    if fraction is None:
+        return "-"
+    return f"{100 * fraction:.0f}%" if fraction >= 0.1 else f"{100 * fraction:.2g}%"
 
 
 def _format_report(d):

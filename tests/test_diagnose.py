@@ -1,0 +1,353 @@
+"""brrr.diagnose: each regime is recognised, the reports round-trip, the CLI runs; and the
+benchmark plots (benchmarks/plot.py, benchmarks/run.py) come out of results files.
+
+The regime tests run real workloads on the CPU (and on the GPU when there is one): many tiny ops
+(overhead-bound), one large elementwise add (memory-bound), one large matmul (compute-bound). The
+verdict rules are also checked on synthetic evidence, so a change in the thresholds shows here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from brrr.diagnose import (  # noqa: E402 - after the torch check
+    COMPUTE_BOUND,
+    MEMORY_BOUND,
+    OVERHEAD_BOUND,
+    UNDETERMINED,
+    Diagnosis,
+    ScalePoint,
+    _Evidence,
+    _fixed_share,
+    _judge,
+    cache_dir,
+    device_ceilings,
+    diagnose,
+)
+from helpers import DEVICES  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(REPO, "benchmarks")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ceilings_cache(tmp_path_factory):
+    """Ceilings cached in a fresh folder (never the user's ~/.cache), measured once for the module;
+    subprocesses inherit the folder through the environment and reuse them."""
+    folder = str(tmp_path_factory.mktemp("brrr-cache"))
+    saved = os.environ.get("BRRR_CACHE_DIR")
+    os.environ["BRRR_CACHE_DIR"] = folder
+    device_ceilings("cpu")
+    yield folder
+    if saved is None:
+        del os.environ["BRRR_CACHE_DIR"]
+    else:
+        os.environ["BRRR_CACHE_DIR"] = saved
+
+
+def tiny_ops(x):
+    for _ in range(32):
+        x = x + 1.0
+    return x
+
+
+def add(x, y):
+    return x + y
+
+
+def matmul(a, b):
+    return a @ b
+
+
+@pytest.fixture(scope="module")
+def overhead_report():
+    return diagnose(tiny_ops, torch.randn(64))
+
+
+# --- ceilings ------------------------------------------------------------------------------
+
+
+def test_ceilings_are_measured_once_and_cached_on_disk(ceilings_cache):
+    ceilings = device_ceilings("cpu")
+    assert ceilings.copy_GBps > 0.1
+    assert ceilings.matmul_GFLOPs["float32"] > 0.1
+    assert 0 < ceilings.launch_us < 1000
+    assert ceilings.measure_s < 10, "measuring the CPU's ceilings must stay fast"
+    assert device_ceilings("cpu") is ceilings, "the second call must come from memory"
+    assert cache_dir() == ceilings_cache
+    (cached,) = [name for name in os.listdir(ceilings_cache) if name.startswith("ceilings-cpu-")]
+    with open(os.path.join(ceilings_cache, cached)) as f:
+        assert json.load(f)["ceilings"] == ceilings.to_dict()
+
+
+def test_ceilings_reject_unknown_devices():
+    with pytest.raises(ValueError, match="device"):
+        device_ceilings("tpu")
+
+
+# --- the three regimes on real workloads ---------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_ops_repeated_are_overhead_bound(device, overhead_report):
+    report = overhead_report if device == "cpu" else diagnose(tiny_ops, torch.randn(64, device=device))
+    assert report.verdict == OVERHEAD_BOUND, report.report()
+    assert [p.factor for p in report.scaling] == [1, 2, 4, 8]
+    assert report.fixed_share >= 0.5
+    assert report.ops_per_call == pytest.approx(32, abs=1)
+    assert any("CUDA graph" in r or "torch.compile" in r for r in report.remedies)
+    if device == "cuda":
+        assert report.gpu_busy_fraction is not None and report.gpu_busy_fraction < 0.5
+        assert report.kernels, "the profiler's kernel list should be reported on the GPU"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_large_elementwise_add_is_memory_bound(device):
+    n = (1 << 22) if device == "cpu" else (1 << 26)
+    x, y = torch.randn(n, device=device), torch.randn(n, device=device)
+    report = diagnose(add, x, y)
+    assert report.verdict == MEMORY_BOUND, report.report()
+    assert report.bytes == 3 * n * 4 and report.bytes_source.startswith("floor")
+    assert report.flops == n and report.flops_source.startswith("profiler")
+    assert report.intensity < report.ridge
+    assert report.fixed_share < 0.5
+    assert "fusion" in report.remedies[0]
+
+
+def test_large_matmul_on_cpu_is_compute_bound_not_memory_bound():
+    side = 1024
+    report = diagnose(matmul, torch.randn(side, side), torch.randn(side, side))
+    assert report.verdict == COMPUTE_BOUND, report.report()
+    assert report.flops == 2 * side ** 3
+    assert report.intensity > report.ridge
+    # Both operands share the leading dimension, but a @ b only accepts a scaled a.
+    assert report.scaling_method.endswith("argument 0 repeated")
+    assert [p.factor for p in report.scaling] == [1, 2, 4, 8]
+
+
+@pytest.mark.cuda
+def test_large_bf16_matmul_on_gpu_is_compute_bound_near_peak():
+    side = 8192
+    a = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
+    report = diagnose(matmul, a, b)
+    assert report.verdict == COMPUTE_BOUND, report.report()
+    assert report.compute_dtype == "bfloat16"
+    assert report.compute_fraction >= 0.8
+    assert report.gpu_busy_fraction > 0.8
+
+
+# --- the caller's counts and scaling -------------------------------------------------------
+
+
+def test_caller_counts_replace_the_profiler_and_the_floor():
+    x, y = torch.randn(1 << 16), torch.randn(1 << 16)
+    report = diagnose(add, x, y, flops=1e6, bytes=4e6, scale=False)
+    assert (report.flops, report.flops_source, report.bytes, report.bytes_source) == (1e6, "user", 4e6, "user")
+    assert report.GBps == pytest.approx(4e6 / (report.ms * 1e-3) / 1e9)
+    assert report.scaling == [ScalePoint(1, report.ms)] and report.fixed_share is None
+    assert any("skipped" in note for note in report.notes)
+
+
+def test_keyword_arguments_reach_fn_and_scale_is_called_per_factor():
+    factors = []
+
+    def scale(args, factor):
+        factors.append(factor)
+        return (torch.cat([args[0]] * factor),)
+
+    def scaled_add(x, *, alpha):
+        return torch.add(x, x, alpha=alpha)
+
+    report = diagnose(scaled_add, torch.randn(1 << 12), alpha=2.0, scale=scale)
+    assert factors == [2, 4, 8]
+    assert report.scaling_method.startswith("scale()")
+
+
+def test_without_array_arguments_the_op_count_stands_in_for_scaling():
+    x = torch.randn(16)
+    report = diagnose(lambda: tiny_ops(x))
+    assert len(report.scaling) == 1 and report.fixed_share is None
+    assert report.dispatch_share is not None
+    assert any("no positional array argument" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(flops=-1.0), ValueError),
+    (dict(bytes=float("nan")), ValueError),
+    (dict(flops="many"), TypeError),
+    (dict(bytes=True), TypeError),
+    (dict(scale=3), TypeError),
+])
+def test_bad_arguments_raise_clear_errors(kwargs, error):
+    with pytest.raises(error, match="argument (flops|bytes|scale)"):
+        diagnose(add, torch.randn(4), torch.randn(4), **kwargs)
+
+
+def test_fn_must_be_callable():
+    with pytest.raises(TypeError, match="argument fn"):
+        diagnose(torch.randn(4))
+
+
+def test_scale_must_return_the_arguments():
+    with pytest.raises(TypeError, match="must return the positional arguments"):
+        diagnose(add, torch.randn(4), torch.randn(4), scale=lambda args, factor: args[0])
+
+
+# --- the rules, on synthetic evidence ------------------------------------------------------
+
+
+@pytest.mark.parametrize("times, share", [
+    ([1.0, 1.0, 1.0, 1.0], 1.0),        # flat: all fixed cost
+    ([1.0, 2.0, 4.0, 8.0], 0.0),        # proportional: none
+    ([1.0, 4.0, 16.0, 30.0], 0.0),      # faster than proportional (x1 in cache): none
+    ([2.0, 3.0, 5.0, 9.0], 0.5),        # 1 ms fixed + 1 ms per unit
+])
+def test_fixed_share_is_the_time_that_does_not_grow(times, share):
+    points = [ScalePoint(f, t) for f, t in zip((1, 2, 4, 8), times)]
+    assert _fixed_share(points) == pytest.approx(share)
+
+
+def evidence(**changes):
+    """Evidence of a clearly memory-bound call, with changes."""
+    base = dict(ms=1.0, scaling=[ScalePoint(1, 1.0), ScalePoint(8, 8.0)], fixed_share=0.0, gpu_busy=None,
+                dispatch_share=0.01, ops_per_call=1, launch_us=5.0, memory_ms=0.9, compute_ms=0.01,
+                bandwidth_fraction=0.9, compute_fraction=0.01, intensity=0.1, ridge=10.0,
+                compute_dtype="float32", bytes_is_floor=True)
+    return _Evidence(**dict(base, **changes))
+
+
+@pytest.mark.parametrize("changes, verdict", [
+    ({}, MEMORY_BOUND),
+    (dict(fixed_share=0.7), OVERHEAD_BOUND),
+    (dict(gpu_busy=0.2), OVERHEAD_BOUND),
+    (dict(fixed_share=None, dispatch_share=0.9), OVERHEAD_BOUND),
+    (dict(compute_fraction=0.85), COMPUTE_BOUND),                       # the 80% rule wins over the roofline
+    (dict(compute_ms=0.5, memory_ms=0.1, compute_fraction=0.5, intensity=50.0), COMPUTE_BOUND),
+    (dict(memory_ms=None, compute_ms=None, bandwidth_fraction=None, compute_fraction=None,
+          intensity=None), UNDETERMINED),
+])
+def test_verdict_rules(changes, verdict):
+    assert _judge(evidence(**changes))[0] == verdict
+
+
+# --- reports ---------------------------------------------------------------------------------
+
+
+def test_json_report_round_trips(overhead_report):
+    text = overhead_report.to_json()
+    data = json.loads(text)
+    assert data["verdict"] == OVERHEAD_BOUND
+    assert data["ceilings"]["copy_GBps"] == overhead_report.ceilings.copy_GBps
+    assert Diagnosis.from_json(text) == overhead_report
+    with pytest.raises(ValueError, match="unknown fields"):
+        Diagnosis.from_dict(dict(data, colour="blue"))
+
+
+def test_terminal_report_names_the_verdict_and_the_remedies(overhead_report):
+    text = str(overhead_report)
+    assert "OVERHEAD-BOUND" in text
+    for label in ("time per call", "input scaling", "remedies", "copy bandwidth"):
+        assert label in text
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def run_brrr(*args):
+    return subprocess.run([sys.executable, "-m", "brrr", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_help():
+    result = run_brrr("diagnose", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "TARGET" in result.stdout and "overhead" in result.stdout
+
+
+def test_cli_runs_a_builtin_example_and_prints_json():
+    result = run_brrr("diagnose", "overhead", "--size", "64", "--json", "-")
+    assert result.returncode == 0, result.stderr
+    report = Diagnosis.from_json(result.stdout)
+    assert report.verdict == OVERHEAD_BOUND and report.name == "tiny_ops"
+
+
+def test_cli_diagnoses_a_factory_from_a_module(tmp_path, monkeypatch, capsys):
+    from brrr.__main__ import main
+
+    (tmp_path / "my_workload.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    return (lambda x, y: x + y), (torch.randn(1 << 16), torch.randn(1 << 16))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["diagnose", "my_workload:make", "--no-scale", "--json", str(tmp_path / "report.json")]) == 0
+    assert "verdict" in capsys.readouterr().out
+    assert Diagnosis.from_json((tmp_path / "report.json").read_text()).bytes == 3 * (1 << 16) * 4
+    with pytest.raises(SystemExit, match="no callable"):
+        main(["diagnose", "my_workload:missing"])
+    with pytest.raises(SystemExit, match="built-in examples only"):
+        main(["diagnose", "my_workload:make", "--size", "8"])
+
+
+# --- benchmark plots -------------------------------------------------------------------------
+
+
+def synthetic_results():
+    """A results file as harness.Recorder.write leaves it, with one op that has no peer."""
+    rows = []
+    for n in (1 << 10, 1 << 14, 1 << 18):
+        for impl, ms in (("brrr", 1.0), ("eager", 2.0), ("compile", 1.5)):
+            rows.append(dict(family="chain", op="cos.cos", dtype="float32", shape=[n], pass_="fwd", impl=impl,
+                             ms=ms * n / 1024, GBps=1.0, floor_ms=0.5, frac_floor=0.5))
+        rows.append(dict(family="chain", op="lonely", dtype="float32", shape=[n], pass_="fwd", impl="brrr", ms=1.0))
+        for impl, us in (("eager", 12.0), ("compile", 35.0), ("graph", 4.0), ("brrr", 6.0)):
+            rows.append(dict(family="overhead", op="cos.cos", dtype="float32", shape=[n], impl=impl, host_us=us))
+    for repeats in (1, 16, 64, 256):
+        for impl in ("brrr", "compile"):
+            rows.append(dict(family="repeat", op=f"mul x{repeats}", dtype="float32", shape=[1 << 24], pass_="fwd",
+                             impl=impl, ms=1.0, repeats=repeats, GFLOPs=min(100.0 * repeats, 3000.0),
+                             GBps=min(4000.0, 120000.0 / repeats)))
+    return {"env": {"copy_GBps": 4250.0, "torch": torch.__version__}, "rows": rows}
+
+
+def png_files(folder):
+    return sorted(name for name in os.listdir(folder) if name.endswith(".png"))
+
+
+def test_plot_writes_every_plot_and_skips_what_is_missing(tmp_path):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import plot
+    finally:
+        sys.path.remove(BENCHMARKS)
+    (tmp_path / "chain.json").write_text(json.dumps(synthetic_results()))
+    (tmp_path / "broken.json").write_text("{not json")
+    written, messages = plot.plot_results([str(tmp_path)], str(tmp_path / "plots"))
+    assert png_files(tmp_path / "plots") == ["host-overhead.png", "repeat-sweep.png", "speedup-chain.png"]
+    assert all(os.path.getsize(path) > 1000 for path in written)
+    assert any("broken.json" in m for m in messages)
+    assert any("lonely" in m and "no peer" in m for m in messages)
+
+    only_eager = {"env": {}, "rows": [dict(family="chain", op="cos.cos", dtype="float32", shape=[8], pass_="fwd",
+                                           impl="eager", ms=1.0)]}
+    (tmp_path / "sparse").mkdir()
+    (tmp_path / "sparse" / "eager.json").write_text(json.dumps(only_eager))
+    written, messages = plot.plot_results([str(tmp_path / "sparse")], str(tmp_path / "sparse" / "plots"))
+    assert written == []
+    assert any("no brrr rows" in m for m in messages)
+    assert any("repeat-sweep.png" in m for m in messages) and any("host-overhead.png" in m for m in messages)
+
+
+def test_run_py_plots_existing_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "chain.json").write_text(json.dumps(synthetic_results()))
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "run.py"), "--out", str(tmp_path),
+                             "--plot-only"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert png_files(tmp_path / "plots") == ["host-overhead.png", "repeat-sweep.png", "speedup-chain.png"]
