@@ -31,6 +31,7 @@ repeats tensor arguments along their leading dimension; pass `scale(args, factor
 that does not fit fn, or `scale=False` to skip it.
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -65,7 +66,7 @@ LOW_CEILING_FRACTION = 0.3
 WARMUP_S = 0.05
 WARMUP_MAX_CALLS = 50
 TIMING_TARGET_S = 0.25
-MIN_REPS, MAX_REPS = 3, 200
+MIN_REPS, MAX_REPS = 3, 1000
 PROFILED_CALLS = 3
 TOP_KERNELS = 8
 
@@ -235,12 +236,13 @@ def diagnose(fn, *args, flops=None, bytes=None, scale=None, **kwargs):  # noqa: 
 
     with _on_device(torch, device):
         ceilings = device_ceilings(device)
-        output = call()
+        output_bytes = _nbytes([call()])  # counted now, so the output is not held through the timing
         ms, reps = _median_ms(call, device)
         profile = _profile(call, device, notes)
         scaling, scaling_method = _scaling_sweep(fn, args, kwargs, device, scale, ms, notes)
+    ms = scaling[0].ms
 
-    floor_bytes = _nbytes(args, kwargs.values()) + _nbytes([output])
+    floor_bytes = _nbytes(args, kwargs.values()) + output_bytes
     if user_bytes is not None:
         work_bytes, bytes_source = user_bytes, "user"
     elif floor_bytes:
@@ -378,20 +380,14 @@ def _resolve_device(device):
     return resolved
 
 
-class _on_device:
-    """Make `device` the current CUDA device for the duration (no-op on the CPU)."""
-
-    def __init__(self, torch, device):
-        self.context = torch.cuda.device(device) if device.type == "cuda" else None
-
-    def __enter__(self):
-        if self.context is not None:
-            self.context.__enter__()
-
-    def __exit__(self, *exc):
-        if self.context is not None:
-            return self.context.__exit__(*exc)
-        return False
+@contextlib.contextmanager
+def _on_device(torch, device):
+    """Make `device` the current CUDA device for the duration (nothing to do on the CPU)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
 
 
 def _name_of(fn):
@@ -736,7 +732,10 @@ def _scaled_args(scale, args, factor):
 
 
 def _scaling_sweep(fn, args, kwargs, device, scale, base_ms, notes):
-    """[ScalePoint] for x1 and each factor that ran, and how the input was scaled (None if not)."""
+    """[ScalePoint] for x1 and each factor that ran, and how the input was scaled (None if not).
+
+    x1 is timed again after the sweep and the lower median kept: a burst of load from elsewhere
+    on the machine while x1 was timed would otherwise read as time that does not grow."""
     points = [ScalePoint(factor=1, ms=base_ms)]
     if scale is False:
         notes.append("overhead test skipped (scale=False)")
@@ -757,6 +756,9 @@ def _scaling_sweep(fn, args, kwargs, device, scale, base_ms, notes):
         finally:
             scaled = None  # drop the big inputs before the next, bigger, ones
         points.append(ScalePoint(factor=factor, ms=ms))
+    if len(points) > 1:
+        again, _ = _median_ms(lambda: fn(*args, **kwargs), device)
+        points[0] = ScalePoint(factor=1, ms=min(base_ms, again))
     if device.type == "cuda":
         import torch
 
