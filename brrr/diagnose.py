@@ -246,7 +246,7 @@ def diagnose(fn, *args, flops=None, bytes=None, scale=None, **kwargs):  # noqa: 
     if user_bytes is not None:
         work_bytes, bytes_source = user_bytes, "user"
     elif floor_bytes:
-        work_bytes, bytes_source = float(floor_bytes), "floor: tensor arguments read once + outputs written once"
+        work_bytes, bytes_source = float(floor_bytes), "floor: array arguments read once + outputs written once"
     else:
         work_bytes, bytes_source = None, None
     if user_flops is not None:
@@ -349,14 +349,14 @@ def _nbytes(*groups):
 
 def _device_of(args, kwargs):
     """Where the work runs: the device of the CUDA tensor arguments, else the CPU when there are
-    tensor arguments, else the GPU when there is one (fn closes over its data)."""
+    array arguments, else the GPU when there is one (fn closes over its data)."""
     import torch
 
-    tensors = [a for a in _arrays_in(list(args) + list(kwargs.values())) if _is_torch_tensor(a)]
-    for tensor in tensors:
-        if tensor.device.type == "cuda":
-            return tensor.device
-    if not tensors and torch.cuda.is_available():
+    arrays = list(_arrays_in(list(args) + list(kwargs.values())))
+    for array in arrays:
+        if _is_torch_tensor(array) and array.device.type == "cuda":
+            return array.device
+    if not arrays and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -391,17 +391,25 @@ def _on_device(torch, device):
 
 
 def _name_of(fn):
-    """'Model.forward' for a method, 'step' for a function defined inside another."""
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-    return name.rsplit("<locals>.", 1)[-1]
+    """'Model.forward' for a method, 'step' for a function defined inside another, a callable
+    object's repr when it is short (brrr.chain('cos', 'cos')), else its class name."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if name:
+        return name.rsplit("<locals>.", 1)[-1]
+    text = repr(fn)
+    return text if len(text) <= 60 and "\n" not in text and " at 0x" not in text else type(fn).__name__
 
 
 def _compute_dtype(torch, device, args, kwargs, ceilings, notes):
     """The dtype of the largest floating-point argument; fp32 runs as TF32 on the GPU when the
     process allows it, and is judged against the TF32 peak then."""
-    floating = [a for a in _arrays_in(list(args) + list(kwargs.values()))
-                if _is_torch_tensor(a) and a.dtype.is_floating_point]
-    name = str(max(floating, key=lambda t: t.numel()).dtype).removeprefix("torch.") if floating else "float32"
+    floating = []   # (elements, dtype name)
+    for array in _arrays_in(list(args) + list(kwargs.values())):
+        if _is_torch_tensor(array) and array.dtype.is_floating_point:
+            floating.append((array.numel(), str(array.dtype).removeprefix("torch.")))
+        elif _is_numpy_array(array) and array.dtype.kind == "f":
+            floating.append((array.size, array.dtype.name))
+    name = max(floating)[1] if floating else "float32"
     if name == "float32" and device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
         name = "tf32"
     if name not in ceilings.matmul_GFLOPs:
@@ -865,7 +873,10 @@ def _judge(ev):
     verdict = COMPUTE_BOUND if (ev.compute_ms or 0.0) > (ev.memory_ms or 0.0) else MEMORY_BOUND
     bound_fraction = ev.compute_fraction if verdict == COMPUTE_BOUND else ev.bandwidth_fraction
     if bound_fraction is not None and bound_fraction < LOW_CEILING_FRACTION:
-        if verdict == MEMORY_BOUND and ev.bytes_is_floor:
+        if verdict == MEMORY_BOUND and ev.compute_ms is None:
+            reasons.append("far below the copy bandwidth, and no FLOP count: if the call computes much "
+                           "(transcendentals such as cos or exp go uncounted) it may be compute-bound; pass flops=")
+        elif verdict == MEMORY_BOUND and ev.bytes_is_floor:
             reasons.append("far below the copy bandwidth against the floor: intermediates go through memory "
                            "(unfused ops), or the kernels are slow")
         else:
@@ -939,9 +950,11 @@ def _format_report(d):
         lines.append(line("input scaling", "not run (see notes)"))
     if d.gpu_busy_fraction is not None:
         lines.append(line("GPU busy", f"{_percent(d.gpu_busy_fraction)} of the wall time"))
-    if d.ops_per_call is not None:
+    if d.ops_per_call:
         lines.append(line("op calls", f"{d.ops_per_call:g} per call; launch cost {c.launch_us:.2f} µs each "
                                       f"({_percent(d.dispatch_share)} of the time)"))
+    elif d.ops_per_call == 0:
+        lines.append(line("op calls", "none seen by the profiler (the work runs outside PyTorch's dispatcher)"))
     if d.kernels:
         title = "kernels" if d.device.startswith("cuda") else "top ops"
         title += " (profiled)"

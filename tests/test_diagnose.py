@@ -169,6 +169,15 @@ def test_keyword_arguments_reach_fn_and_scale_is_called_per_factor():
     assert report.scaling_method.startswith("scale()")
 
 
+def test_numpy_arrays_are_counted_and_scaled():
+    numpy = pytest.importorskip("numpy")
+    x = numpy.ones(1 << 14, dtype=numpy.float32)
+    report = diagnose(numpy.add, x, x)
+    assert report.device == "cpu" and report.compute_dtype == "float32"
+    assert report.bytes == 2 * x.nbytes, "x passed twice is read once, plus the output written"
+    assert [p.factor for p in report.scaling] == [1, 2, 4, 8]
+
+
 def test_without_array_arguments_the_op_count_stands_in_for_scaling():
     x = torch.randn(16)
     report = diagnose(lambda: tiny_ops(x))
