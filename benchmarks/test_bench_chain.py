@@ -48,6 +48,26 @@ def test_cos_cos_sizes(recorder):
                 record(recorder, "compile", time_ms(lambda: comp(x)), **row)
 
 
+UNARY = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu,
+         "sigmoid": torch.sigmoid, "tanh": torch.tanh, "exp": torch.exp, "cos": torch.cos, "sin": torch.sin}
+
+
+def test_unary_ops(recorder):
+    """Each op alone at the largest size: which ones stay memory-bound."""
+    n = SIZES[-1]
+    for dtype in DTYPES:
+        x = torch.randn(n, device=device(), dtype=dtype)
+        for name, eager in UNARY.items():
+            ours = brrr.chain(name)
+            check(ours(x), eager(x), dtype)
+            row = dict(family="unary", op=name, dtype=dtype, shape=(n,), pass_="fwd", bytes_moved=2 * n * x.element_size())
+            record(recorder, "brrr", time_ms(lambda: ours(x)), **row)
+            record(recorder, "eager", time_ms(lambda: eager(x)), **row)
+            if not QUICK:
+                comp = compiled(eager)
+                record(recorder, "compile", time_ms(lambda: comp(x)), **row)
+
+
 def _mul_chain(repeats):
     def f(x):
         for _ in range(repeats):
@@ -96,12 +116,16 @@ def test_host_overhead(recorder):
     for n in sizes:
         x = torch.randn(n, device=device())
         out = torch.empty_like(x)
+        program = brrr_f.program
         impls = {
             "eager cos": lambda: torch.cos(x),
             "eager": lambda: x.cos().cos(),
             "brrr cos": lambda: brrr.cos(x),
             "brrr": lambda: brrr_f(x),
             "brrr out=": lambda: brrr_f(x, out=out),
+            # The pieces of brrr's call path, to see where host time goes.
+            "piece: torch.empty_like": lambda: torch.empty_like(x),
+            "piece: brrr._C.chain_fwd": lambda: brrr._C.chain_fwd(program, x, out, (), -1),
         }
         if comp is not None:
             comp(x)

@@ -54,7 +54,8 @@ def chain_backward_op(x: torch.Tensor, grad: torch.Tensor, operands: list[torch.
     if x.is_cuda and vector_grad and x.numel() > 0:
         cols = x.shape[-1]
         rows = x.numel() // cols
-        partials = torch.empty(len(operands) * _C.chain_partial_rows(rows) * cols, dtype=torch.float32, device=x.device)
+        partials = torch.empty(len(operands) * _C.chain_partial_rows(rows) * cols, device=x.device,
+                               dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
     _C.chain_bwd(_program(ops, tuple(scalars)), x, grad, grad_x, tuple(operands), grad_operands, partials,
                  _stream(x, None))
     return [grad_x] + [g for g in grad_operands if g is not None]

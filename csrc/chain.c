@@ -28,6 +28,7 @@
 #define ERF erff
 #define COS cosf
 #define SIN sinf
+#define SINCOS(x, s, c) (*(s) = sinf(x), *(c) = cosf(x))
 #define DIV(a, b) ((a) / (b))
 #include "chain_math.inc"
 #undef REAL
@@ -37,6 +38,7 @@
 #undef ERF
 #undef COS
 #undef SIN
+#undef SINCOS
 #define REAL double
 #define FN(name) name##_f64
 #define EXP exp
@@ -44,6 +46,7 @@
 #define ERF erf
 #define COS cos
 #define SIN sin
+#define SINCOS(x, s, c) (*(s) = sin(x), *(c) = cos(x))
 #include "chain_math.inc"
 
 static const struct {
@@ -448,10 +451,12 @@ static PyObject *chain_call(PyObject *module, PyObject *const *args, int backwar
             nd += 1;
             if (brrr_tensor_import(&call, partials_obj, "partials", 1, &a.partials) < 0) goto fail;
             int64_t want = (int64_t)chain_partial_rows(L.numel / last) * last * prog.n_operands;
-            if (a.partials.dtype != BRRR_F32 || a.partials.numel < want || brrr_check_same_device(&a.partials, &a.x) < 0) {
-                if (!PyErr_Occurred())
-                    PyErr_Format(PyExc_ValueError, "argument partials: expected a float32 tensor of at least %lld "
-                                 "elements (chain_partial_rows(rows) * row_length * n_operands)", (long long)want);
+            int32_t acc_dtype = L.dtype == BRRR_F64 ? BRRR_F64 : BRRR_F32;
+            if (brrr_check_same_device(&a.partials, &a.x) < 0) goto fail;
+            if (a.partials.dtype != acc_dtype || a.partials.numel < want || a.partials.ndim != 1 || a.partials.strides[0] != 1) {
+                PyErr_Format(PyExc_ValueError, "argument partials: expected a contiguous 1-d %s tensor of at least %lld "
+                             "elements (chain_partial_rows(rows) * row_length * n_operands)", brrr_dtype_name(acc_dtype),
+                             (long long)want);
                 goto fail;
             }
             L.partials = a.partials.data;

@@ -32,9 +32,13 @@ struct Precise32 {
 #define EXP expf
 #define TANH tanhf
 #define ERF erff
-#define COS cosf
-#define SIN sinf
-#define DIV(a, b) ((a) / (b))
+#define COS precise_cos
+#define SIN precise_sin
+#define SINCOS precise_sincos
+#define COS_IN_RANGE precise_cos_in_range
+#define SIN_IN_RANGE precise_sin_in_range
+#define SINCOS_IN_RANGE precise_sincos_in_range
+#define DIV(a, b) __fdividef((a), (b)) /* 2 ulp; IEEE division would call a slow-path routine */
 #include "chain_math.inc"
 #include "chain_apply.inc"
 #undef REAL
@@ -42,6 +46,10 @@ struct Precise32 {
 #undef TANH
 #undef COS
 #undef SIN
+#undef SINCOS
+#undef COS_IN_RANGE
+#undef SIN_IN_RANGE
+#undef SINCOS_IN_RANGE
 #undef DIV
 };
 struct Fast32 {
@@ -50,6 +58,10 @@ struct Fast32 {
 #define TANH fast_tanh
 #define COS fast_cos
 #define SIN fast_sin
+#define SINCOS fast_sincos
+#define COS_IN_RANGE fast_cos_in_range
+#define SIN_IN_RANGE fast_sin_in_range
+#define SINCOS_IN_RANGE fast_sincos_in_range
 #define DIV(a, b) __fdividef((a), (b))
 #include "chain_math.inc"
 #include "chain_apply.inc"
@@ -59,6 +71,10 @@ struct Fast32 {
 #undef ERF
 #undef COS
 #undef SIN
+#undef SINCOS
+#undef COS_IN_RANGE
+#undef SIN_IN_RANGE
+#undef SINCOS_IN_RANGE
 #undef DIV
 };
 struct Precise64 {
@@ -68,6 +84,10 @@ struct Precise64 {
 #define ERF erf
 #define COS cos
 #define SIN sin
+#define SINCOS sincos_f64
+#define COS_IN_RANGE cos
+#define SIN_IN_RANGE sin
+#define SINCOS_IN_RANGE sincos_f64
 #define DIV(a, b) ((a) / (b))
 #include "chain_math.inc"
 #include "chain_apply.inc"
@@ -77,6 +97,10 @@ struct Precise64 {
 #undef ERF
 #undef COS
 #undef SIN
+#undef SINCOS
+#undef COS_IN_RANGE
+#undef SIN_IN_RANGE
+#undef SINCOS_IN_RANGE
 #undef DIV
 };
 #undef FN
@@ -131,7 +155,7 @@ __global__ void __launch_bounds__(kThreads) chain_fwd_contig_kernel(const __grid
     const int64_t n_packs = L.numel / VEC;
     const int64_t first = (int64_t)blockIdx.x * kThreads * kUnroll + threadIdx.x;
 
-    A y[N], operand[kOps > 0 ? kOps : 1][N];
+    A y[N] = {}, operand[kOps > 0 ? kOps : 1][N] = {};
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         const int64_t pack = first + (int64_t)u * kThreads;
@@ -188,17 +212,39 @@ __global__ void __launch_bounds__(kThreads) chain_fwd_strided_kernel(const __gri
     }
 }
 
-// Backward of dense tensors: packs as in the forward, the program recomputed per element.
+// The backward sweep over N values at once: replays the program from y = x, returning in total
+// d out / d x and in grads d out / d operand (one dispatch per step, as in the forward).
+template <typename M, int N, int kSlots, typename A>
+__device__ __forceinline__ void program_grad_pack(const brrr_chain_program &p, A (&y)[N], const A (&v)[kSlots][N],
+                                                  A (&total)[N], A (&grads)[kSlots][N]) {
+    int active = 0;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        total[j] = A(1);
+#pragma unroll
+        for (int b = 0; b < kSlots; ++b) grads[b][j] = A(0);
+    }
+    for (int k = 0; k < p.n_steps; ++k) {
+        const int op = p.steps[k].op;
+        if (op == BRRR_OP_ADD_TENSOR || op == BRRR_OP_MUL_TENSOR)
+            M::tensor_step_grad(op, p.steps[k].operand, v, y, total, grads, active);
+        else
+            M::apply_grad(op, static_cast<A>(p.steps[k].scalar), y, total, grads, active);
+    }
+}
+
+// Backward of dense tensors: packs as in the forward.
 template <typename T, int VEC, int kOps>
 __global__ void __launch_bounds__(kThreads) chain_bwd_contig_kernel(const __grid_constant__ brrr_chain_launch L) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
     constexpr int N = VEC * kUnroll;
+    constexpr int kSlots = kOps > 0 ? kOps : 1;
     const int64_t n_packs = L.numel / VEC;
     const int64_t first = (int64_t)blockIdx.x * kThreads * kUnroll + threadIdx.x;
     const int nops = L.program.n_operands;
 
-    A y[N], g[N], operand[kOps > 0 ? kOps : 1][N];
+    A y[N] = {}, g[N] = {}, operand[kSlots][N] = {};
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         const int64_t pack = first + (int64_t)u * kThreads;
@@ -209,38 +255,36 @@ __global__ void __launch_bounds__(kThreads) chain_bwd_contig_kernel(const __grid
         for (int b = 0; b < kOps; ++b)
             if (b < nops) load_pack<T, VEC>(in_ptr<T>(L.operands[b]) + operand_index(L, b, pack * VEC), operand[b] + u * VEC);
     }
-    A dx[N], d_operand[kOps > 0 ? kOps : 1][N];
+    A total[N], grads[kSlots][N];
+    program_grad_pack<M>(L.program, y, operand, total, grads);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-        A vals[BRRR_MAX_CHAIN_OPERANDS] = {}, grads[BRRR_MAX_CHAIN_OPERANDS];
+        total[j] *= g[j];
 #pragma unroll
-        for (int b = 0; b < kOps; ++b) vals[b] = operand[b][j];
-        dx[j] = g[j] * M::program_grad(&L.program, y[j], vals, grads);
-#pragma unroll
-        for (int b = 0; b < kOps; ++b) d_operand[b][j] = g[j] * grads[b];
+        for (int b = 0; b < kSlots; ++b) grads[b][j] *= g[j];
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         const int64_t pack = first + (int64_t)u * kThreads;
         if (pack >= n_packs) continue;
-        store_pack<T, VEC>(out_ptr<T>(L.out) + pack * VEC, dx + u * VEC);
+        store_pack<T, VEC>(out_ptr<T>(L.out) + pack * VEC, total + u * VEC);
 #pragma unroll
         for (int b = 0; b < kOps; ++b)
             if (b < nops && L.grad_operands[b].data)
-                store_pack<T, VEC>(out_ptr<T>(L.grad_operands[b]) + pack * VEC, d_operand[b] + u * VEC);
+                store_pack<T, VEC>(out_ptr<T>(L.grad_operands[b]) + pack * VEC, grads[b] + u * VEC);
     }
     if (VEC > 1 && blockIdx.x == 0) {
         const int64_t i = n_packs * VEC + threadIdx.x;
         if (i < L.numel) {
-            A vals[BRRR_MAX_CHAIN_OPERANDS] = {}, grads[BRRR_MAX_CHAIN_OPERANDS];
+            A vals[BRRR_MAX_CHAIN_OPERANDS] = {}, gr[BRRR_MAX_CHAIN_OPERANDS];
 #pragma unroll
             for (int b = 0; b < kOps; ++b)
                 if (b < nops) vals[b] = to_float(in_ptr<T>(L.operands[b])[operand_index(L, b, i)]);
             const A gi = to_float(in_ptr<T>(L.grad_out)[i]);
-            out_ptr<T>(L.out)[i] = to_storage<T, A>(gi * M::program_grad(&L.program, to_float(in_ptr<T>(L.x)[i]), vals, grads));
+            out_ptr<T>(L.out)[i] = to_storage<T, A>(gi * M::program_grad(&L.program, to_float(in_ptr<T>(L.x)[i]), vals, gr));
 #pragma unroll
             for (int b = 0; b < kOps; ++b)
-                if (b < nops && L.grad_operands[b].data) out_ptr<T>(L.grad_operands[b])[i] = to_storage<T, A>(gi * grads[b]);
+                if (b < nops && L.grad_operands[b].data) out_ptr<T>(L.grad_operands[b])[i] = to_storage<T, A>(gi * gr[b]);
         }
     }
 }
@@ -329,29 +373,37 @@ __device__ __forceinline__ void load_vector_operands(const brrr_chain_launch &L,
 }
 
 // Row layout, forward: rows with arbitrary strides, columns with stride 1 (VEC > 1) or any.
+// Each warp takes two of its rows per iteration, all loads before any compute.
 template <typename T, int VEC, int kOps>
 __global__ void __launch_bounds__(kTileCols *kRowLanes) chain_fwd_rows_kernel(const __grid_constant__ brrr_chain_launch L) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
     constexpr int kSlots = kOps > 0 ? kOps : 1;
+    constexpr int N = 2 * VEC;
     const int nops = L.program.n_operands;
     const int64_t cols = L.row_length;
     const RowSlice slice(L.numel / cols);
     const int64_t col = ((int64_t)blockIdx.x * kTileCols + threadIdx.x) * VEC;
-    const bool active = col < cols;
+    if (col >= cols) return;  // no barrier in this kernel
     A vector_value[kSlots][VEC];
-    load_vector_operands<T, VEC, kSlots>(L, col, active, vector_value);
-    for (int64_t r = slice.begin + threadIdx.y; active && r < slice.end; r += kRowLanes) {
-        A y[VEC], v[kSlots][VEC];
-        load_row<T, VEC>(L, L.x, r, col, y);
+    load_vector_operands<T, VEC, kSlots>(L, col, true, vector_value);
+    for (int64_t r = slice.begin + threadIdx.y; r < slice.end; r += 2 * kRowLanes) {
+        const bool second = r + kRowLanes < slice.end;
+        A y[N] = {}, v[kSlots][N] = {};
 #pragma unroll
-        for (int b = 0; b < kOps; ++b) {
-            if (b >= nops) continue;
-            if (L.operand_is_vector[b]) {
+        for (int u = 0; u < 2; ++u) {
+            if (u == 1 && !second) continue;
+            const int64_t row = r + u * kRowLanes;
+            load_row<T, VEC>(L, L.x, row, col, y + u * VEC);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) v[b][j] = vector_value[b][j];
-            } else {
-                load_row<T, VEC>(L, L.operands[b], r, col, v[b]);
+            for (int b = 0; b < kOps; ++b) {
+                if (b >= nops) continue;
+                if (L.operand_is_vector[b]) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) v[b][u * VEC + j] = vector_value[b][j];
+                } else {
+                    load_row<T, VEC>(L, L.operands[b], row, col, v[b] + u * VEC);
+                }
             }
         }
         for (int k = 0; k < L.program.n_steps; ++k) {
@@ -362,13 +414,14 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes) chain_fwd_rows_kernel(co
                 for (int b = 0; b < kOps; ++b) {
                     if (b != slot) continue;
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) y[j] = op == BRRR_OP_ADD_TENSOR ? y[j] + v[b][j] : y[j] * v[b][j];
+                    for (int j = 0; j < N; ++j) y[j] = op == BRRR_OP_ADD_TENSOR ? y[j] + v[b][j] : y[j] * v[b][j];
                 }
             } else {
                 M::apply(op, static_cast<A>(L.program.steps[k].scalar), y);
             }
         }
         store_row<T, VEC>(L, L.out, r, col, y);
+        if (second) store_row<T, VEC>(L, L.out, r + kRowLanes, col, y + VEC);
     }
 }
 
@@ -380,22 +433,21 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes) chain_bwd_rows_kernel(co
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
     constexpr int kSlots = kOps > 0 ? kOps : 1;
-    __shared__ float lanes[kRowLanes][kTileCols * VEC];
+    __shared__ A lanes[kRowLanes][kTileCols * VEC];
     const int nops = L.program.n_operands;
     const int64_t cols = L.row_length;
     const RowSlice slice(L.numel / cols);
     const int64_t col = ((int64_t)blockIdx.x * kTileCols + threadIdx.x) * VEC;
     const bool active = col < cols;
 
-    A vector_value[kSlots][VEC];
-    float acc[kSlots][VEC];
+    A vector_value[kSlots][VEC], acc[kSlots][VEC];
     load_vector_operands<T, VEC, kSlots>(L, col, active, vector_value);
 #pragma unroll
     for (int b = 0; b < kSlots; ++b)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[b][j] = 0.f;
+        for (int j = 0; j < VEC; ++j) acc[b][j] = A(0);
     for (int64_t r = slice.begin + threadIdx.y; active && r < slice.end; r += kRowLanes) {
-        A y[VEC], g[VEC], v[kSlots][VEC];
+        A y[VEC], g[VEC], v[kSlots][VEC] = {};
         load_row<T, VEC>(L, L.x, r, col, y);
         load_row<T, VEC>(L, L.grad_out, r, col, g);
 #pragma unroll
@@ -409,14 +461,12 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes) chain_bwd_rows_kernel(co
             }
         }
         A dx[VEC], d_operand[kSlots][VEC];
+        program_grad_pack<M>(L.program, y, v, dx, d_operand);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            A vals[BRRR_MAX_CHAIN_OPERANDS] = {}, grads[BRRR_MAX_CHAIN_OPERANDS];
+            dx[j] *= g[j];
 #pragma unroll
-            for (int b = 0; b < kOps; ++b) vals[b] = v[b][j];
-            dx[j] = g[j] * M::program_grad(&L.program, y[j], vals, grads);
-#pragma unroll
-            for (int b = 0; b < kOps; ++b) d_operand[b][j] = g[j] * grads[b];
+            for (int b = 0; b < kSlots; ++b) d_operand[b][j] *= g[j];
         }
         store_row<T, VEC>(L, L.out, r, col, dx);
 #pragma unroll
@@ -424,7 +474,7 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes) chain_bwd_rows_kernel(co
             if (b >= nops || !L.grad_operands[b].data) continue;
             if (L.operand_is_vector[b]) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) acc[b][j] += static_cast<float>(d_operand[b][j]);
+                for (int j = 0; j < VEC; ++j) acc[b][j] += d_operand[b][j];
             } else {
                 store_row<T, VEC>(L, L.grad_operands[b], r, col, d_operand[b]);
             }
@@ -438,10 +488,10 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes) chain_bwd_rows_kernel(co
         for (int j = 0; j < VEC; ++j) lanes[threadIdx.y][threadIdx.x * VEC + j] = acc[b][j];
         __syncthreads();
         if (threadIdx.y == 0 && active) {
-            float *part = L.partials + ((int64_t)b * L.partial_rows + blockIdx.y) * cols;
+            A *part = static_cast<A *>(L.partials) + ((int64_t)b * L.partial_rows + blockIdx.y) * cols;
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                float s = 0.f;
+                A s = A(0);
 #pragma unroll
                 for (int lane = 0; lane < kRowLanes; ++lane) s += lanes[lane][threadIdx.x * VEC + j];
                 part[col + j] = s;
@@ -460,10 +510,10 @@ __global__ void __launch_bounds__(kThreads) chain_vector_grad_kernel(const __gri
     if (c >= cols) return;
     for (int b = 0; b < L.program.n_operands; ++b) {
         if (!L.operand_is_vector[b] || !L.grad_operands[b].data) continue;
-        const float *part = L.partials + (int64_t)b * L.partial_rows * cols + c;
-        float s = 0.f;
+        const A *part = static_cast<const A *>(L.partials) + (int64_t)b * L.partial_rows * cols + c;
+        A s = A(0);
         for (int64_t p = 0; p < L.partial_rows; ++p) s += part[p * cols];
-        out_ptr<T>(L.grad_operands[b])[c * L.grad_operands[b].strides[0]] = to_storage<T, A>(static_cast<A>(s));
+        out_ptr<T>(L.grad_operands[b])[c * L.grad_operands[b].strides[0]] = to_storage<T, A>(s);
     }
 }
 

@@ -210,6 +210,19 @@ def test_trig_of_large_half_arguments(device, dtype):
         assert_close(run(brrr.chain(name), x), reference_chain([name], x), dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_trig_of_large_float32_arguments(device):
+    # Beyond 105615 the CUDA kernels reduce by pi/2 with Payne-Hanek (trig_reduce.h).
+    gen = torch.Generator().manual_seed(3)
+    magnitude = torch.logspace(0, 38, 50000, dtype=torch.float64)
+    x = ((torch.rand(50000, generator=gen, dtype=torch.float64) * 2 - 1) * magnitude).to(torch.float32).to(device)
+    for name in ("cos", "sin"):
+        assert_close(run(brrr.chain(name), x), reference_chain([name], x), torch.float32)
+    grad_x = x.detach().clone().requires_grad_()
+    brrr.chain("sin")(grad_x).backward(torch.ones_like(x))
+    assert_close(grad_x.grad, torch.cos(x.double().cpu()), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cpu_half_rounding_is_round_to_nearest_even(dtype):
     # x + c is exact in fp32, so the only rounding is the store back to the half type; it must
@@ -251,12 +264,14 @@ def test_numpy_float16_and_float64():
 def test_high_rank_views(device):
     x = torch.randn([2] * 20, device=device)  # 20 dims that merge into one
     assert_close(brrr.cos(x), torch.cos(x.double().cpu()), torch.float32)
-    y = x.permute(*range(19, -1, -1))  # 20 dims that cannot merge
+    y = x.permute(*range(19, -1, -1))
+    assert_close(brrr.cos(y), torch.cos(y.double().cpu()), torch.float32)  # out has y's layout: merges
+    out = torch.empty(y.shape, device=device)  # row-major: 20 dims that cannot merge with y's
     if device == "cpu":  # the CPU twin walks any rank
-        assert_close(brrr.cos(y), torch.cos(y.double().cpu()), torch.float32)
+        assert_close(brrr.cos(y, out=out), torch.cos(y.double().cpu()), torch.float32)
     else:
         with pytest.raises(ValueError, match="more than 16 non-mergeable dims"):
-            brrr.cos(y)
+            brrr.cos(y, out=out)
 
 
 def test_chain_repr_and_equality():
