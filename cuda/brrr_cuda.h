@@ -59,7 +59,7 @@ typedef struct {
 /* One elementwise chain launch. Forward writes out = chain(x, operands). Backward reads x and
  * grad_out, writes grad_x into `out`, and for every operand with a non-NULL grad_operands[k].data
  * its gradient: elementwise for x-shaped operands; for vector operands (a bias along the last
- * dim) a column sum over rows, taken in a fixed order through the fp32 `partials` scratch, with
+ * dim) a column sum over rows, taken in a fixed order through the `partials` scratch, with
  * grad_operands[k].strides[0] the stride of the [row_length] result. */
 typedef struct {
     brrr_chain_program program;
@@ -74,12 +74,65 @@ typedef struct {
     brrr_view x, out, grad_out;
     brrr_view operands[BRRR_MAX_CHAIN_OPERANDS];
     brrr_view grad_operands[BRRR_MAX_CHAIN_OPERANDS];
-    float *partials;             /* [n_operands][partial_rows][row_length] */
+    void *partials;              /* [n_operands][partial_rows][row_length] of float (double for float64) */
     int64_t partial_rows;
 } brrr_chain_launch;
 
 int brrr_cuda_chain_fwd(const brrr_chain_launch *launch, int device, void *stream);
 int brrr_cuda_chain_bwd(const brrr_chain_launch *launch, int device, void *stream);
+
+/* ---- LayerNorm / RMSNorm (csrc/norm.c, cuda/norm*.cu) -------------------------------------
+ * A tensor of the input's shape is seen as rows (its leading dims) by columns (the normalised
+ * trailing dims). Row dims and column dims are coalesced separately by the glue, so a view keeps
+ * two stride lists. Row-indexed tensors (mean, rstd) use only row_strides, column-indexed ones
+ * (weight, bias and their gradients) only col_strides. */
+#define BRRR_NORM_MAX_DIMS 8
+
+typedef struct {
+    void *data;                              /* element (0, ..., 0); NULL: absent */
+    int64_t row_strides[BRRR_NORM_MAX_DIMS]; /* in elements, over row_shape */
+    int64_t col_strides[BRRR_NORM_MAX_DIMS]; /* in elements, over col_shape */
+} brrr_norm_view;
+
+/* One norm launch. Forward: residual_out = x + residual (when residual is given), then
+ * out = norm(residual_out or x), saving mean and rstd per row when their data is non-NULL.
+ * Backward: x is the normalised input (the forward's residual_out for the fused forms);
+ * grad_x = d/dx + grad_residual; grad_weight and grad_bias (each optional) are column sums over
+ * rows, taken in a fixed order through `partials`.
+ *
+ * `mean` holds the row's mean minus its first element (x[row, 0, ..., 0]): a shift that keeps
+ * x - mean exact for inputs with a large common offset, which the backward rematerialises from
+ * x. Stats and partials have the accumulation dtype: float32, float64 for float64 inputs. */
+typedef struct {
+    int32_t dtype;           /* brrr_dtype of every row-by-column tensor */
+    int32_t weight_dtype;    /* weight, bias, grad_weight, grad_bias: dtype, or float32 for half dtypes */
+    int32_t rms;             /* 1: RMSNorm (no mean, no bias) */
+    int32_t llama;           /* RMSNorm only: out = round(round(x * rstd) * weight), rounding to dtype */
+    int32_t contiguous_cols; /* col_ndim == 1 and column stride 1 in every view that has columns */
+    int32_t row_ndim, col_ndim; /* >= 1 after coalescing */
+    int64_t rows, cols;
+    int64_t row_shape[BRRR_NORM_MAX_DIMS];
+    int64_t col_shape[BRRR_NORM_MAX_DIMS];
+    double eps;
+    brrr_norm_view x, residual, out, residual_out;       /* forward (x also in the backward) */
+    brrr_norm_view grad_out, grad_residual, grad_x;       /* backward */
+    brrr_norm_view weight, bias, grad_weight, grad_bias;  /* column-indexed */
+    brrr_norm_view mean, rstd;                            /* row-indexed */
+    void *partials;          /* backward with grad_weight/grad_bias: [n_grads][partial_rows_max][cols] */
+    int64_t partial_rows_max;
+} brrr_norm_launch;
+
+/* Rows of the partials scratch a CUDA backward may use per weight/bias gradient (the launcher
+ * picks at most this many from the device's occupancy): a function of the shape alone. */
+static inline int64_t brrr_norm_partial_rows(int64_t rows, int64_t cols) {
+    int64_t by_size = cols > 0 ? ((int64_t)1 << 22) / cols : 1024;
+    int64_t p = by_size < 1 ? 1 : (by_size > 1024 ? 1024 : by_size);
+    return rows < p ? rows : p;
+}
+
+int brrr_cuda_norm_fwd(const brrr_norm_launch *launch, int device, void *stream);
+int brrr_cuda_norm_bwd(const brrr_norm_launch *launch, int device, void *stream);
+/* ---- end LayerNorm / RMSNorm ---- */
 
 int brrr_cuda_device_count(int *count);
 int brrr_cuda_runtime_version(int *version);
