@@ -21,6 +21,7 @@ from .chain import (
 )
 from .glu import bias_gelu, bias_silu, geglu, swiglu
 from .diagnose import diagnose
+from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
 __version__ = "0.1.0"
 
@@ -39,6 +40,8 @@ def build_info() -> dict:
 
 __all__ = [
     "Chain",
+    "add_layer_norm",
+    "add_rms_norm",
     "bias_gelu",
     "bias_silu",
     "geglu",
@@ -49,7 +52,9 @@ __all__ = [
     "cuda_available",
     "exp",
     "gelu",
+    "layer_norm",
     "relu",
+    "rms_norm",
     "sigmoid",
     "silu",
     "sin",

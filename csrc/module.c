@@ -10,6 +10,11 @@ PyObject *brrr_py_chain_program(PyObject *module, PyObject *steps);
 PyObject *brrr_py_chain_partial_rows(PyObject *module, PyObject *rows);
 PyObject *brrr_py_chain_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *brrr_py_chain_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *brrr_py_layer_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *brrr_py_layer_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *brrr_py_rms_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *brrr_py_rms_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *brrr_py_norm_partial_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 brrr_state *brrr_get_state(PyObject *module) { return (brrr_state *)PyModule_GetState(module); }
 
@@ -53,6 +58,20 @@ static PyMethodDef methods[] = {
      "chain_fwd(program, x, out, operands, stream) -> out"},
     {"chain_bwd", (PyCFunction)(void (*)(void))brrr_py_chain_bwd, METH_FASTCALL,
      "chain_bwd(program, x, grad_out, grad_x, operands, grad_operands, partials, stream) -> grad_x"},
+    {"layer_norm_fwd", (PyCFunction)(void (*)(void))brrr_py_layer_norm_fwd, METH_FASTCALL,
+     "layer_norm_fwd(x, norm_ndim, weight, bias, eps, out, mean, rstd, residual, residual_out, stream) -> out, "
+     "or (out, residual_out)"},
+    {"layer_norm_bwd", (PyCFunction)(void (*)(void))brrr_py_layer_norm_bwd, METH_FASTCALL,
+     "layer_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, mean, rstd, grad_x, grad_weight, grad_bias, "
+     "partials, stream) -> grad_x"},
+    {"rms_norm_fwd", (PyCFunction)(void (*)(void))brrr_py_rms_norm_fwd, METH_FASTCALL,
+     "rms_norm_fwd(x, norm_ndim, weight, eps, llama, out, rstd, residual, residual_out, stream) -> out, "
+     "or (out, residual_out)"},
+    {"rms_norm_bwd", (PyCFunction)(void (*)(void))brrr_py_rms_norm_bwd, METH_FASTCALL,
+     "rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, grad_x, grad_weight, partials, "
+     "stream) -> grad_x"},
+    {"norm_partial_rows", (PyCFunction)(void (*)(void))brrr_py_norm_partial_rows, METH_FASTCALL,
+     "norm_partial_rows(rows, cols) -> int: rows of the CUDA backward's partials scratch per weight/bias gradient."},
     {NULL, NULL, 0, NULL},
 };
 

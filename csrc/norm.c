@@ -1,0 +1,550 @@
+/* LayerNorm and RMSNorm: the glue and the CPU twin.
+ *
+ * Rows are x's leading dims, columns its last norm_ndim dims (normalized_shape). Every tensor is
+ * seen as rows by columns: row dims and column dims are coalesced separately, mean and rstd being
+ * row-indexed and weight, bias and their gradients column-indexed, so any strided view is used in
+ * place (the CUDA fast path needs only the columns to be contiguous). The formulas, and the
+ * convention that `mean` is saved relative to the row's first element, are in
+ * cuda/norm_kernels.cuh and brrr_cuda.h; the CPU twin computes the same function in float64.
+ *
+ * _C.layer_norm_fwd(x, norm_ndim, weight, bias, eps, out, mean, rstd, residual, residual_out, stream)
+ * _C.rms_norm_fwd(x, norm_ndim, weight, eps, llama, out, rstd, residual, residual_out, stream)
+ *     -> out, or (out, residual_out) when a residual is given
+ * _C.layer_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, mean, rstd, grad_x, grad_weight,
+ *                   grad_bias, partials, stream) -> grad_x
+ * _C.rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, grad_x, grad_weight,
+ *                 partials, stream) -> grad_x
+ * _C.norm_partial_rows(rows, cols) -> P
+ *
+ * Optional tensors are None: weight, bias, residual; mean and rstd in the forward (not saved);
+ * grad_residual, grad_weight, grad_bias in the backward. For the fused residual forms the
+ * backward's x is the forward's residual_out. partials (CUDA only, when a weight or bias gradient
+ * is asked for): a 1-D float32 tensor (float64 for float64 x) of at least
+ * n_grads * norm_partial_rows(rows, cols) * cols elements. NumPy callers may pass out,
+ * residual_out and grad_x as None to have them allocated.
+ */
+#define NO_IMPORT_ARRAY
+#define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include "brrr.h"
+
+#include <math.h>
+#include <numpy/arrayobject.h>
+#include <string.h>
+
+/* Every tensor argument of the family, inputs first. */
+enum {
+    S_X, S_RESIDUAL, S_WEIGHT, S_BIAS, S_GRAD_OUT, S_GRAD_RESIDUAL, S_MEAN, S_RSTD, /* inputs (stats: bwd) */
+    S_OUT, S_RESIDUAL_OUT, S_GRAD_X, S_GRAD_WEIGHT, S_GRAD_BIAS, S_PARTIALS,         /* outputs */
+    S_COUNT
+};
+#define S_FIRST_OUTPUT S_OUT
+
+/* How a slot is indexed: rows by columns, rows only, columns only, or flat scratch. */
+enum { K_DATA, K_ROW, K_COL, K_FLAT };
+static const int SLOT_KIND[S_COUNT] = {K_DATA, K_DATA, K_COL, K_COL, K_DATA, K_DATA, K_ROW, K_ROW,
+                                       K_DATA, K_DATA, K_DATA, K_COL, K_COL, K_FLAT};
+static const char *const SLOT_NAME[S_COUNT] = {"x", "residual", "weight", "bias", "grad_out", "grad_residual",
+                                               "mean", "rstd", "out", "residual_out", "grad_x", "grad_weight",
+                                               "grad_bias", "partials"};
+
+typedef struct {
+    int backward, rms, llama;
+    long long norm_ndim, stream;
+    double eps;
+    PyObject *obj[S_COUNT]; /* borrowed; NULL or Py_None: absent */
+} norm_request;
+
+static brrr_norm_view *slot_view(brrr_norm_launch *L, int s) {
+    switch (s) {
+    case S_X: return &L->x;
+    case S_RESIDUAL: return &L->residual;
+    case S_WEIGHT: return &L->weight;
+    case S_BIAS: return &L->bias;
+    case S_GRAD_OUT: return &L->grad_out;
+    case S_GRAD_RESIDUAL: return &L->grad_residual;
+    case S_MEAN: return &L->mean;
+    case S_RSTD: return &L->rstd;
+    case S_OUT: return &L->out;
+    case S_RESIDUAL_OUT: return &L->residual_out;
+    case S_GRAD_X: return &L->grad_x;
+    case S_GRAD_WEIGHT: return &L->grad_weight;
+    case S_GRAD_BIAS: return &L->grad_bias;
+    default: return NULL;
+    }
+}
+
+static int acc_dtype(int32_t dtype) { return dtype == BRRR_F64 ? BRRR_F64 : BRRR_F32; }
+static int is_half(int32_t dtype) { return dtype == BRRR_F16 || dtype == BRRR_BF16; }
+
+/* ---- CPU twin -------------------------------------------------------------------------------- */
+
+static double load_d(int32_t dtype, const void *base, int64_t i) {
+    return dtype == BRRR_F64 ? ((const double *)base)[i] : (double)brrr_load_f32(dtype, base, i);
+}
+static void store_d(int32_t dtype, void *base, int64_t i, double v) {
+    if (dtype == BRRR_F64) ((double *)base)[i] = v;
+    else brrr_store_f32(dtype, base, i, (float)v);
+}
+/* v rounded to dtype (as a store and a load would). */
+static double round_d(int32_t dtype, double v) {
+    if (dtype == BRRR_F64) return v;
+    uint32_t bits = 0;
+    brrr_store_f32(dtype, &bits, 0, (float)v);
+    return (double)brrr_load_f32(dtype, &bits, 0);
+}
+
+static int64_t row_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t r) {
+    int64_t off = 0;
+    for (int d = L->row_ndim - 1; d >= 0; d--) {
+        off += (r % L->row_shape[d]) * v->row_strides[d];
+        r /= L->row_shape[d];
+    }
+    return off;
+}
+static int64_t col_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t c) {
+    int64_t off = 0;
+    for (int d = L->col_ndim - 1; d >= 0; d--) {
+        off += (c % L->col_shape[d]) * v->col_strides[d];
+        c /= L->col_shape[d];
+    }
+    return off;
+}
+
+/* Element j of a row-by-column view at row offset `base`. */
+#define AT(view, base, j) ((base) + col_off(L, &L->view, (j)))
+#define PARAM(view, j, fill) (L->view.data ? load_d(L->weight_dtype, L->view.data, col_off(L, &L->view, (j))) : (fill))
+
+static void cpu_norm_fwd(const brrr_norm_launch *L) {
+    const int32_t dt = L->dtype, acc = acc_dtype(dt);
+    const int layer = !L->rms, residual = L->residual.data != NULL;
+    const int64_t n = L->cols;
+    for (int64_t r = 0; r < L->rows; r++) {
+        const int64_t ox = row_off(L, &L->x, r), ores = row_off(L, &L->residual, r);
+        const int64_t ohs = row_off(L, &L->residual_out, r), oout = row_off(L, &L->out, r);
+        double shift = 0.0, s = 0.0, q = 0.0;
+        for (int64_t j = 0; j < n; j++) {
+            double h = load_d(dt, L->x.data, AT(x, ox, j));
+            if (residual) {
+                h = round_d(dt, h + load_d(dt, L->residual.data, AT(residual, ores, j)));
+                store_d(dt, L->residual_out.data, AT(residual_out, ohs, j), h);
+            }
+            if (layer && j == 0) shift = h;
+            s += layer ? h - shift : h * h;
+        }
+/* h at column j once the residual sum is stored. */
+#define H(j) (residual ? load_d(dt, L->residual_out.data, AT(residual_out, ohs, j)) : load_d(dt, L->x.data, AT(x, ox, j)))
+        const double mean = layer ? s / (double)n : 0.0;
+        if (layer) {
+            for (int64_t j = 0; j < n; j++) {
+                const double d = H(j) - shift - mean;
+                q += d * d;
+            }
+        }
+        const double rstd = 1.0 / sqrt((layer ? q : s) / (double)n + L->eps);
+        if (L->mean.data) store_d(acc, L->mean.data, row_off(L, &L->mean, r), mean);
+        if (L->rstd.data) store_d(acc, L->rstd.data, row_off(L, &L->rstd, r), rstd);
+        for (int64_t j = 0; j < n; j++) {
+            const double xhat = (layer ? H(j) - shift - mean : H(j)) * rstd, w = PARAM(weight, j, 1.0);
+            const double y = L->llama ? round_d(dt, xhat) * w : xhat * w + PARAM(bias, j, 0.0);
+            store_d(dt, L->out.data, AT(out, oout, j), y);
+        }
+#undef H
+    }
+}
+
+/* acc_w / acc_b: cols zeroed accumulators each, for the gradients asked for (else NULL). */
+static void cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b) {
+    const int32_t dt = L->dtype, acc = acc_dtype(dt);
+    const int layer = !L->rms;
+    const int64_t n = L->cols;
+    for (int64_t r = 0; r < L->rows; r++) {
+        const int64_t ox = row_off(L, &L->x, r), ody = row_off(L, &L->grad_out, r);
+        const int64_t ogr = row_off(L, &L->grad_residual, r), odx = row_off(L, &L->grad_x, r);
+        const double rstd = load_d(acc, L->rstd.data, row_off(L, &L->rstd, r));
+        const double mean = layer ? load_d(acc, L->mean.data, row_off(L, &L->mean, r)) : 0.0;
+        const double shift = layer ? load_d(dt, L->x.data, ox) : 0.0;
+#define XHAT(j) ((layer ? load_d(dt, L->x.data, AT(x, ox, j)) - shift - mean : load_d(dt, L->x.data, AT(x, ox, j))) * rstd)
+#define DY(j) load_d(dt, L->grad_out.data, AT(grad_out, ody, j))
+        double s1 = 0.0, s2 = 0.0;
+        for (int64_t j = 0; j < n; j++) {
+            const double g = DY(j) * PARAM(weight, j, 1.0);
+            s1 += g * XHAT(j);
+            s2 += g;
+        }
+        const double c1 = s1 / (double)n, c2 = layer ? s2 / (double)n : 0.0;
+        for (int64_t j = 0; j < n; j++) {
+            const double xhat = XHAT(j), dy = DY(j), g = dy * PARAM(weight, j, 1.0);
+            double dx = rstd * (g - xhat * c1 - c2);
+            if (L->grad_residual.data) dx += load_d(dt, L->grad_residual.data, AT(grad_residual, ogr, j));
+            store_d(dt, L->grad_x.data, AT(grad_x, odx, j), dx);
+            if (acc_w) acc_w[j] += dy * (L->llama ? round_d(dt, xhat) : xhat);
+            if (acc_b) acc_b[j] += dy;
+        }
+#undef XHAT
+#undef DY
+    }
+    for (int64_t j = 0; j < n; j++) {
+        if (acc_w) store_d(L->weight_dtype, L->grad_weight.data, col_off(L, &L->grad_weight, j), acc_w[j]);
+        if (acc_b) store_d(L->weight_dtype, L->grad_bias.data, col_off(L, &L->grad_bias, j), acc_b[j]);
+    }
+}
+
+#undef AT
+#undef PARAM
+
+/* ---- checks and layout ----------------------------------------------------------------------- */
+
+/* weight, bias and their gradients: x's dtype, or float32 for float16/bfloat16 x. */
+static int check_param_dtype(const brrr_tensor *t, const brrr_tensor *x) {
+    if (t->dtype == x->dtype || (t->dtype == BRRR_F32 && is_half(x->dtype))) return 0;
+    PyErr_Format(PyExc_TypeError, "argument %s: dtype %s does not go with x of dtype %s (expected %s%s)", t->name,
+                 brrr_dtype_name(t->dtype), brrr_dtype_name(x->dtype), brrr_dtype_name(x->dtype),
+                 is_half(x->dtype) ? " or float32" : "");
+    return -1;
+}
+
+static int check_acc_dtype(const brrr_tensor *t, const brrr_tensor *x) {
+    if (t->dtype == acc_dtype(x->dtype)) return 0;
+    PyErr_Format(PyExc_TypeError, "argument %s: expected dtype %s (the accumulation dtype for x of dtype %s), got %s",
+                 t->name, brrr_dtype_name(acc_dtype(x->dtype)), brrr_dtype_name(x->dtype), brrr_dtype_name(t->dtype));
+    return -1;
+}
+
+/* The checks of one slot against x; lead_ref and norm_ref carry x's leading and normalised shapes. */
+static int check_slot(int s, const brrr_tensor *t, const brrr_tensor *x, const brrr_tensor *lead_ref,
+                      const brrr_tensor *norm_ref, int written) {
+    if (brrr_check_same_device(t, x) < 0) return -1;
+    switch (SLOT_KIND[s]) {
+    case K_DATA:
+        if (brrr_check_same_dtype(t, x) < 0 || brrr_check_same_shape(t, x) < 0) return -1;
+        break;
+    case K_ROW:
+        if (check_acc_dtype(t, x) < 0 || brrr_check_same_shape(t, lead_ref) < 0) return -1;
+        break;
+    case K_COL:
+        if (check_param_dtype(t, x) < 0 || brrr_check_same_shape(t, norm_ref) < 0) return -1;
+        break;
+    default: break;
+    }
+    return written ? brrr_check_no_internal_overlap(t) : 0;
+}
+
+/* Coalesce the row dims (or column dims) of every present slot of the given kinds into L. */
+static int coalesce_into(brrr_norm_launch *L, brrr_tensor *t, int rows, int lead, int k) {
+    int64_t shape[BRRR_MAX_RANK], strides[S_COUNT][BRRR_MAX_RANK];
+    int ids[S_COUNT], count = 0, ndim = rows ? lead : k;
+    const int other = rows ? K_ROW : K_COL;
+    memcpy(shape, t[S_X].shape + (rows ? 0 : lead), sizeof(int64_t) * (size_t)ndim);
+    for (int s = 0; s < S_COUNT; s++) { /* S_X first: its strides order the dims */
+        if (t[s].name == NULL || (SLOT_KIND[s] != K_DATA && SLOT_KIND[s] != other)) continue;
+        const int64_t *src = t[s].strides + (SLOT_KIND[s] == K_DATA && !rows ? lead : 0);
+        memcpy(strides[count], src, sizeof(int64_t) * (size_t)ndim);
+        ids[count++] = s;
+    }
+    int nd = brrr_coalesce(ndim, shape, count, strides);
+    if (nd < 0) return -1;
+    if (nd > BRRR_NORM_MAX_DIMS) {
+        PyErr_Format(PyExc_ValueError, "argument x: views with more than %d non-mergeable %s dims are not supported "
+                     "(got %d)", BRRR_NORM_MAX_DIMS, rows ? "leading" : "normalised", nd);
+        return -1;
+    }
+    if (rows) {
+        L->row_ndim = nd;
+        memcpy(L->row_shape, shape, sizeof(int64_t) * (size_t)nd);
+    } else {
+        L->col_ndim = nd;
+        memcpy(L->col_shape, shape, sizeof(int64_t) * (size_t)nd);
+    }
+    for (int i = 0; i < count; i++)
+        memcpy(rows ? slot_view(L, ids[i])->row_strides : slot_view(L, ids[i])->col_strides, strides[i],
+               sizeof(int64_t) * (size_t)nd);
+    return 0;
+}
+
+/* ---- the shared body --------------------------------------------------------------------------- */
+
+static int present(const norm_request *q, int s) { return q->obj[s] != NULL && q->obj[s] != Py_None; }
+
+/* Written by the op: the output slots, and the statistics in the forward. */
+static int writes(const norm_request *q, int s) {
+    return s >= S_FIRST_OUTPUT || (!q->backward && (s == S_MEAN || s == S_RSTD));
+}
+
+static PyObject *norm_call(PyObject *module, norm_request *q) {
+    brrr_call call = {brrr_get_state(module), q->stream, 0, NULL};
+    brrr_tensor t[S_COUNT];
+    memset(t, 0, sizeof t);
+    PyObject *owned[S_COUNT] = {NULL}; /* outputs allocated here (NumPy) */
+    PyObject *result = NULL;
+    double *acc = NULL;
+    brrr_tensor *x = &t[S_X];
+
+    if (brrr_tensor_import(&call, q->obj[S_X], "x", 0, x) < 0) goto done;
+    if (q->norm_ndim < 1 || q->norm_ndim > x->ndim) {
+        PyErr_Format(PyExc_ValueError, "argument norm_ndim: expected 1 <= norm_ndim <= x.ndim (%d), got %lld",
+                     (int)x->ndim, q->norm_ndim);
+        goto done;
+    }
+    const int k = (int)q->norm_ndim, lead = x->ndim - k;
+    brrr_tensor lead_ref, norm_ref;
+    memset(&lead_ref, 0, sizeof lead_ref);
+    memset(&norm_ref, 0, sizeof norm_ref);
+    lead_ref.name = "x.shape[:-norm_ndim]";
+    lead_ref.ndim = lead;
+    memcpy(lead_ref.shape, x->shape, sizeof(int64_t) * (size_t)lead);
+    norm_ref.name = "x.shape[-norm_ndim:] (the normalised shape)";
+    norm_ref.ndim = k;
+    memcpy(norm_ref.shape, x->shape + lead, sizeof(int64_t) * (size_t)k);
+    int64_t rows = 1, cols = 1;
+    for (int d = 0; d < lead; d++) rows *= x->shape[d];
+    for (int d = lead; d < x->ndim; d++) cols *= x->shape[d];
+
+    /* Which slots this op takes, and which of them it requires. */
+    int takes[S_COUNT] = {0}, needs[S_COUNT] = {0};
+    if (q->backward) {
+        takes[S_GRAD_OUT] = needs[S_GRAD_OUT] = takes[S_RSTD] = needs[S_RSTD] = takes[S_GRAD_X] = needs[S_GRAD_X] = 1;
+        takes[S_GRAD_RESIDUAL] = takes[S_WEIGHT] = takes[S_GRAD_WEIGHT] = 1;
+        takes[S_MEAN] = needs[S_MEAN] = takes[S_GRAD_BIAS] = !q->rms;
+    } else {
+        takes[S_RESIDUAL] = takes[S_WEIGHT] = takes[S_RSTD] = takes[S_OUT] = needs[S_OUT] = 1;
+        takes[S_BIAS] = takes[S_MEAN] = !q->rms;
+        takes[S_RESIDUAL_OUT] = needs[S_RESIDUAL_OUT] = present(q, S_RESIDUAL);
+        if (present(q, S_RESIDUAL_OUT) && !present(q, S_RESIDUAL)) {
+            PyErr_SetString(PyExc_ValueError, "argument residual_out: given without residual");
+            goto done;
+        }
+    }
+    for (int s = S_RESIDUAL; s < S_PARTIALS; s++) {
+        if (!takes[s]) continue;
+        PyObject *obj = q->obj[s];
+        if (!present(q, s)) {
+            if (!needs[s]) continue;
+            if ((s == S_OUT || s == S_RESIDUAL_OUT || s == S_GRAD_X) && PyArray_Check(q->obj[S_X])) {
+                obj = owned[s] = PyArray_NewLikeArray((PyArrayObject *)q->obj[S_X], NPY_KEEPORDER, NULL, 0);
+                if (obj == NULL) goto done;
+            } else {
+                PyErr_Format(PyExc_TypeError, "argument %s: required%s", SLOT_NAME[s],
+                             writes(q, s) ? " (brrr._C allocates NumPy arrays only)" : "");
+                goto done;
+            }
+        }
+        if (brrr_tensor_import(&call, obj, SLOT_NAME[s], writes(q, s), &t[s]) < 0 ||
+            check_slot(s, &t[s], x, &lead_ref, &norm_ref, writes(q, s)) < 0)
+            goto done;
+    }
+    /* Parameters and their gradients share one dtype. */
+    const brrr_tensor *param = t[S_WEIGHT].name ? &t[S_WEIGHT] : t[S_BIAS].name ? &t[S_BIAS] : t[S_GRAD_BIAS].name ? &t[S_GRAD_BIAS] : NULL;
+    for (int s = S_WEIGHT; param && s <= S_GRAD_BIAS; s++)
+        if (SLOT_KIND[s] == K_COL && t[s].name && brrr_check_same_dtype(&t[s], param) < 0) goto done;
+    if (t[S_GRAD_WEIGHT].name && !t[S_WEIGHT].name) {
+        PyErr_SetString(PyExc_ValueError, "argument grad_weight: given without weight");
+        goto done;
+    }
+    const int n_grads = (t[S_GRAD_WEIGHT].name != NULL) + (t[S_GRAD_BIAS].name != NULL);
+    const int64_t partial_rows = brrr_norm_partial_rows(rows, cols);
+    if (x->device_type == kDLCUDA && n_grads > 0) {
+        const int64_t want = n_grads * partial_rows * cols;
+        brrr_tensor *p = &t[S_PARTIALS];
+        if (!present(q, S_PARTIALS)) {
+            PyErr_Format(PyExc_TypeError, "argument partials: required on CUDA for a weight or bias gradient (a 1-D "
+                         "tensor of at least %lld elements)", (long long)want);
+            goto done;
+        }
+        if (brrr_tensor_import(&call, q->obj[S_PARTIALS], "partials", 1, p) < 0 || brrr_check_same_device(p, x) < 0 ||
+            check_acc_dtype(p, x) < 0)
+            goto done;
+        if (p->ndim != 1 || p->numel < want || (p->numel > 1 && p->strides[0] != 1)) {
+            PyErr_Format(PyExc_ValueError, "argument partials: expected a contiguous 1-D tensor of at least %lld "
+                         "elements (n_grads * norm_partial_rows(rows, cols) * cols)", (long long)want);
+            goto done;
+        }
+    }
+    /* No written tensor may share memory with any other argument. */
+    for (int o = 0; o < S_COUNT; o++) {
+        if (t[o].name == NULL || !writes(q, o)) continue;
+        for (int i = 0; i < S_COUNT; i++)
+            if (i != o && t[i].name && brrr_check_no_overlap(&t[o], &t[i], 0) < 0) goto done;
+    }
+
+    brrr_norm_launch L;
+    memset(&L, 0, sizeof L);
+    L.dtype = x->dtype;
+    L.weight_dtype = param ? param->dtype : x->dtype;
+    L.rms = q->rms;
+    L.llama = q->rms && q->llama;
+    L.rows = rows;
+    L.cols = cols;
+    L.eps = q->eps;
+    L.partial_rows_max = partial_rows;
+    L.partials = t[S_PARTIALS].data;
+    if (coalesce_into(&L, t, 1, lead, k) < 0 || coalesce_into(&L, t, 0, lead, k) < 0) goto done;
+    for (int s = 0; s < S_COUNT; s++)
+        if (t[s].name && slot_view(&L, s)) slot_view(&L, s)->data = t[s].data;
+    L.contiguous_cols = L.col_ndim == 1;
+    for (int s = 0; s < S_COUNT; s++) /* the gradients of weight and bias are written at any stride */
+        if (t[s].name && (SLOT_KIND[s] == K_DATA || s == S_WEIGHT || s == S_BIAS) && slot_view(&L, s)->col_strides[0] != 1)
+            L.contiguous_cols = 0;
+
+    if (cols > 0 && (rows > 0 || n_grads > 0)) {
+        if (x->device_type == kDLCPU) {
+            if (q->backward && n_grads > 0) {
+                acc = PyMem_RawCalloc((size_t)(2 * cols), sizeof(double));
+                if (acc == NULL) {
+                    PyErr_NoMemory();
+                    goto done;
+                }
+            }
+            double *acc_w = acc && t[S_GRAD_WEIGHT].name ? acc : NULL, *acc_b = acc && t[S_GRAD_BIAS].name ? acc + cols : NULL;
+            Py_BEGIN_ALLOW_THREADS
+            if (q->backward) cpu_norm_bwd(&L, acc_w, acc_b);
+            else cpu_norm_fwd(&L);
+            Py_END_ALLOW_THREADS
+        } else {
+#if BRRR_WITH_CUDA
+            void *stream = brrr_call_stream(&call);
+            int err;
+            Py_BEGIN_ALLOW_THREADS
+            err = q->backward ? brrr_cuda_norm_bwd(&L, x->device_id, stream) : brrr_cuda_norm_fwd(&L, x->device_id, stream);
+            Py_END_ALLOW_THREADS
+            const char *op = q->backward ? (q->rms ? "rms_norm_bwd" : "layer_norm_bwd")
+                                         : (q->rms ? "rms_norm_fwd" : "layer_norm_fwd");
+            if (brrr_cuda_result(err, op) < 0) goto done;
+#endif
+        }
+    }
+
+    PyObject *first = q->backward ? (owned[S_GRAD_X] ? owned[S_GRAD_X] : q->obj[S_GRAD_X])
+                                  : (owned[S_OUT] ? owned[S_OUT] : q->obj[S_OUT]);
+    if (!q->backward && t[S_RESIDUAL].name)
+        result = PyTuple_Pack(2, first, owned[S_RESIDUAL_OUT] ? owned[S_RESIDUAL_OUT] : q->obj[S_RESIDUAL_OUT]);
+    else
+        result = Py_NewRef(first);
+done:
+    PyMem_RawFree(acc);
+    for (int s = 0; s < S_COUNT; s++) {
+        brrr_tensor_release(&t[s]);
+        Py_XDECREF(owned[s]);
+    }
+    return result;
+}
+
+/* ---- argument parsing ---------------------------------------------------------------------------- */
+
+static int parse_common(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *signature,
+                        norm_request *q) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", signature, want, nargs);
+        return -1;
+    }
+    q->obj[S_X] = args[0];
+    q->norm_ndim = PyLong_AsLongLong(args[1]);
+    if (q->norm_ndim == -1 && PyErr_Occurred()) {
+        PyErr_SetString(PyExc_TypeError, "argument norm_ndim: expected an int (len(normalized_shape))");
+        return -1;
+    }
+    q->stream = PyLong_AsLongLong(args[nargs - 1]);
+    if (q->stream == -1 && PyErr_Occurred()) {
+        PyErr_SetString(PyExc_TypeError, "argument stream: expected an int (a cudaStream_t, or -1 for the current one)");
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_eps(PyObject *obj, double *eps) {
+    *eps = PyFloat_AsDouble(obj);
+    if (*eps == -1.0 && PyErr_Occurred()) {
+        PyErr_SetString(PyExc_TypeError, "argument eps: expected a float");
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_llama(PyObject *obj, int *llama) {
+    *llama = PyObject_IsTrue(obj);
+    return *llama < 0 ? -1 : 0;
+}
+
+PyObject *brrr_py_layer_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    norm_request q;
+    memset(&q, 0, sizeof q);
+    if (parse_common(args, nargs, 11, "layer_norm_fwd(x, norm_ndim, weight, bias, eps, out, mean, rstd, residual, "
+                     "residual_out, stream)", &q) < 0 || parse_eps(args[4], &q.eps) < 0)
+        return NULL;
+    q.obj[S_WEIGHT] = args[2];
+    q.obj[S_BIAS] = args[3];
+    q.obj[S_OUT] = args[5];
+    q.obj[S_MEAN] = args[6];
+    q.obj[S_RSTD] = args[7];
+    q.obj[S_RESIDUAL] = args[8];
+    q.obj[S_RESIDUAL_OUT] = args[9];
+    return norm_call(module, &q);
+}
+
+PyObject *brrr_py_rms_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    norm_request q;
+    memset(&q, 0, sizeof q);
+    q.rms = 1;
+    if (parse_common(args, nargs, 10, "rms_norm_fwd(x, norm_ndim, weight, eps, llama, out, rstd, residual, "
+                     "residual_out, stream)", &q) < 0 || parse_eps(args[3], &q.eps) < 0 ||
+        parse_llama(args[4], &q.llama) < 0)
+        return NULL;
+    q.obj[S_WEIGHT] = args[2];
+    q.obj[S_OUT] = args[5];
+    q.obj[S_RSTD] = args[6];
+    q.obj[S_RESIDUAL] = args[7];
+    q.obj[S_RESIDUAL_OUT] = args[8];
+    return norm_call(module, &q);
+}
+
+PyObject *brrr_py_layer_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    norm_request q;
+    memset(&q, 0, sizeof q);
+    q.backward = 1;
+    if (parse_common(args, nargs, 12, "layer_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, mean, rstd, "
+                     "grad_x, grad_weight, grad_bias, partials, stream)", &q) < 0)
+        return NULL;
+    q.obj[S_GRAD_OUT] = args[2];
+    q.obj[S_GRAD_RESIDUAL] = args[3];
+    q.obj[S_WEIGHT] = args[4];
+    q.obj[S_MEAN] = args[5];
+    q.obj[S_RSTD] = args[6];
+    q.obj[S_GRAD_X] = args[7];
+    q.obj[S_GRAD_WEIGHT] = args[8];
+    q.obj[S_GRAD_BIAS] = args[9];
+    q.obj[S_PARTIALS] = args[10];
+    return norm_call(module, &q);
+}
+
+PyObject *brrr_py_rms_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    norm_request q;
+    memset(&q, 0, sizeof q);
+    q.backward = 1;
+    q.rms = 1;
+    if (parse_common(args, nargs, 11, "rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, "
+                     "grad_x, grad_weight, partials, stream)", &q) < 0 || parse_llama(args[6], &q.llama) < 0)
+        return NULL;
+    q.obj[S_GRAD_OUT] = args[2];
+    q.obj[S_GRAD_RESIDUAL] = args[3];
+    q.obj[S_WEIGHT] = args[4];
+    q.obj[S_RSTD] = args[5];
+    q.obj[S_GRAD_X] = args[7];
+    q.obj[S_GRAD_WEIGHT] = args[8];
+    q.obj[S_PARTIALS] = args[9];
+    return norm_call(module, &q);
+}
+
+PyObject *brrr_py_norm_partial_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "norm_partial_rows(rows, cols) takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    long long rows = PyLong_AsLongLong(args[0]), cols = PyLong_AsLongLong(args[1]);
+    if ((rows == -1 || cols == -1) && PyErr_Occurred()) return NULL;
+    if (rows < 0 || cols < 0) {
+        PyErr_SetString(PyExc_ValueError, "arguments rows and cols: must be >= 0");
+        return NULL;
+    }
+    return PyLong_FromLongLong(brrr_norm_partial_rows(rows, cols));
+}

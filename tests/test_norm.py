@@ -1,0 +1,582 @@
+"""LayerNorm and RMSNorm (brrr.layer_norm, rms_norm, add_layer_norm, add_rms_norm): outputs and
+every gradient against float64 torch.nn.functional on fresh random inputs; odd sizes, row counts
+that leave partial blocks, non-contiguous views, inputs offset by 1e4, fp32 weights for half
+inputs, the Llama cast order; gradcheck, determinism, opcheck, torch.compile, argument errors.
+
+On CUDA the sizes cover every kernel: the register-row path with 16-byte packs (768, 16384) and
+with single elements (3, 127, 4097), the generic path (65536, 8193, strided columns).
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import brrr
+from brrr import _C
+from helpers import DEVICES, DTYPES, HALF_DTYPES, TOLERANCE, poisoned_like, random
+
+KINDS = ["layer_norm", "rms_norm"]
+# (columns, rows when "many"): odd row counts leave partial blocks and partial slices.
+SIZES = {1: 1001, 3: 999, 127: 601, 768: 301, 4097: 51, 8193: 13, 16384: 9, 65536: 5}
+AFFINE = {"layer_norm": ["none", "weight", "bias", "both"], "rms_norm": ["none", "weight"]}
+
+
+# ---- references -------------------------------------------------------------------------------
+
+def straight_round(t, dtype):
+    """t rounded to dtype (as brrr stores it), with the identity as its gradient."""
+    return t + (t.to(dtype).to(t.dtype) - t).detach()
+
+
+def default_eps(kind, dtype):
+    """torch's eps=None: 1e-5 for layer_norm; for rms_norm the compute dtype's machine epsilon."""
+    if kind == "layer_norm":
+        return 1e-5
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
+def reference(kind, dtype, x, residual, normalized_shape, weight=None, bias=None, eps=None, llama=False):
+    """brrr's op in float64 on float64 leaves holding the same values: (out, h), where h is the
+    normalised input (x + residual rounded to dtype for the fused forms, else x)."""
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    h = x if residual is None else straight_round(x + residual, dtype)
+    eps = default_eps(kind, dtype) if eps is None else eps
+    if kind == "layer_norm":
+        # LayerNorm is invariant to shifting a row: minus its (detached) first element, exact in
+        # float64, the reference keeps its own rounding small for rows with a large offset.
+        k = len(normalized_shape)
+        first = h.detach().flatten(h.dim() - k)[..., :1].reshape(h.shape[:h.dim() - k] + (1,) * k)
+        return F.layer_norm(h - first, normalized_shape, weight, bias, eps), h
+    if not llama:
+        return F.rms_norm(h, normalized_shape, weight, eps), h
+    dims = tuple(range(-len(normalized_shape), 0))
+    y = straight_round(h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + eps), dtype)
+    return (y if weight is None else y * weight), h
+
+
+def call(kind, x, residual, normalized_shape, weight=None, bias=None, eps=None, cast_order="torch"):
+    """brrr's op: (out, h) with h = None for the plain forms."""
+    if kind == "layer_norm":
+        eps = 1e-5 if eps is None else eps
+        if residual is None:
+            return brrr.layer_norm(x, normalized_shape, weight, bias, eps), None
+        return brrr.add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
+    if residual is None:
+        return brrr.rms_norm(x, normalized_shape, weight, eps, cast_order=cast_order), None
+    return brrr.add_rms_norm(x, residual, normalized_shape, weight, eps, cast_order=cast_order)
+
+
+def check(name, actual, expected, dtype, slack=1.0, scale=0.0):
+    """Elementwise against the float64 reference with the storage dtype's tolerance, its absolute
+    part relative to the larger of the reference's largest value and `scale`, the size of the
+    terms the result is made of (a rounding error of any fp32 evaluation is relative to those)."""
+    tol = TOLERANCE[dtype]
+    actual64, expected64 = actual.detach().to("cpu", torch.float64), expected.detach().to("cpu", torch.float64)
+    assert actual64.shape == expected64.shape, (name, actual64.shape, expected64.shape)
+    assert not torch.isnan(actual64).any(), f"{name}: NaN in brrr's result"
+    magnitude = max(expected64.abs().max().item() if expected64.numel() else 0.0, float(scale), 1.0)
+    torch.testing.assert_close(actual64, expected64, rtol=tol["rtol"] * slack, atol=tol["atol"] * slack * magnitude,
+                               msg=lambda m: f"{name}: {m}")
+
+
+def gradient_scales(kind, dtype, h, ns, weight, eps, upstream):
+    """The size of the terms of each gradient (x, residual, weight, bias): rstd * |g * w| (+ |g_h|)
+    for grad_x, whose terms cancel when g is nearly parallel to xhat (as with one column); sums over
+    rows of |g * xhat| and |g| for grad_weight and grad_bias."""
+    dims = tuple(range(-(1 if isinstance(ns, int) else len(ns)), 0))
+    eps = default_eps(kind, dtype) if eps is None else eps
+    centred = h - h.mean(dims, keepdim=True) if kind == "layer_norm" else h
+    rstd = (centred.pow(2).mean(dims, keepdim=True) + eps).rsqrt()
+    g = upstream[0] * (1.0 if weight is None else weight.detach())
+    dx = (rstd * g.abs() + (upstream[1].abs() if len(upstream) > 1 else 0.0)).max().item()
+    rows = tuple(range(h.dim() - len(dims)))
+    dw = (upstream[0] * centred * rstd).abs().sum(rows).max().item() if rows else 0.0
+    db = upstream[0].abs().sum(rows).max().item() if rows else 0.0
+    return dx, dx, dw, db
+
+
+def params(kind, affine, cols_shape, dtype, device, param_dtype=None):
+    pd = param_dtype or dtype
+    w = random(cols_shape, pd, device) if affine in ("weight", "both") else None
+    b = random(cols_shape, pd, device) if affine in ("bias", "both") and kind == "layer_norm" else None
+    return w, b
+
+
+def compare(kind, dtype, x, residual, ns, weight, bias, eps=None, cast_order="torch", slack=1.0, grads=True):
+    """Run brrr and the reference on the same values; compare outputs and every gradient."""
+    # detach() keeps each view's strides (clone() would densify strided views)
+    leaves = [t if t is None else t.detach().requires_grad_(grads) for t in (x, residual, weight, bias)]
+    refs = [t if t is None else t.detach().to("cpu", torch.float64).requires_grad_(grads)
+            for t in (x, residual, weight, bias)]
+    out, h = call(kind, leaves[0], leaves[1], ns, leaves[2], leaves[3], eps, cast_order)
+    ref_out, ref_h = reference(kind, dtype, refs[0], refs[1], ns, refs[2], refs[3], eps, cast_order == "llama")
+    check("out", out, ref_out, dtype, slack)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    if h is not None:
+        assert torch.equal(h.cpu(), (x + residual).cpu()), "residual_out differs from x + residual"
+    if not grads:
+        return
+    g_out = random(x.shape, dtype, x.device)
+    outputs, ref_outputs, upstream = [out], [ref_out], [g_out]
+    if h is not None:
+        g_h = random(x.shape, dtype, x.device)
+        outputs.append(h)
+        ref_outputs.append(ref_h)
+        upstream.append(g_h)
+    torch.autograd.backward(outputs, upstream)
+    torch.autograd.backward(ref_outputs, [g.to("cpu", torch.float64) for g in upstream])
+    scales = gradient_scales(kind, dtype, ref_h.detach(), ns, refs[2], eps, [g.to("cpu", torch.float64) for g in upstream])
+    for name, leaf, ref, scale in zip(("grad_x", "grad_residual", "grad_weight", "grad_bias"), leaves, refs, scales):
+        if leaf is not None:
+            check(name, leaf.grad, ref.grad, dtype, slack, scale)
+            assert leaf.grad.dtype == leaf.dtype
+
+
+# ---- outputs and gradients ---------------------------------------------------------------------
+
+def _cases():
+    for kind in KINDS:
+        for cols, many in SIZES.items():
+            for rows in (1, many):
+                for affine in AFFINE[kind]:
+                    yield kind, cols, rows, affine
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,cols,rows,affine", list(_cases()))
+def test_matches_torch(device, dtype, kind, cols, rows, affine):
+    x = random((rows, cols), dtype, device)
+    w, b = params(kind, affine, (cols,), dtype, device)
+    compare(kind, dtype, x, None, (cols,), w, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cols", [1, 3, 127, 768, 4097, 65536])
+def test_fused_residual_forms(device, dtype, kind, cols):
+    rows = max(1, min(SIZES[cols], 200))
+    x, residual = random((rows, cols), dtype, device), random((rows, cols), dtype, device)
+    w, b = params(kind, "both", (cols,), dtype, device)
+    compare(kind, dtype, x, residual, (cols,), w, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cols", [3, 768, 4097, 65536])
+@pytest.mark.parametrize("residual", [False, True])
+def test_llama_cast_order(device, dtype, cols, residual):
+    rows = min(SIZES[cols], 64)
+    x = random((rows, cols), dtype, device)
+    r = random((rows, cols), dtype, device) if residual else None
+    w, _ = params("rms_norm", "weight", (cols,), dtype, device)
+    compare("rms_norm", dtype, x, r, (cols,), w, None, cast_order="llama")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_llama_cast_order_is_hugging_faces(device, dtype):
+    """Llama's RMSNorm as Hugging Face writes it, computed by torch in the same dtypes."""
+    x, w = random((37, 512), dtype, device), random((512,), dtype, device)
+    eps = 1e-6
+    hidden = x.float()
+    hf = w * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    ours = brrr.rms_norm(x, (512,), w, eps, cast_order="llama")
+    ulp = torch.finfo(dtype).eps * hf.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((ours.float() - hf.float()).abs() <= 2 * ulp).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True])
+def test_float32_weights_for_half_inputs(device, dtype, kind, residual):
+    """Autocast's layout: half activations, float32 parameters (their gradients in float32)."""
+    for cols, rows in ((768, 67), (127, 33), (65536, 3)):
+        x = random((rows, cols), dtype, device)
+        r = random((rows, cols), dtype, device) if residual else None
+        w, b = params(kind, "both", (cols,), dtype, device, param_dtype=torch.float32)
+        compare(kind, dtype, x, r, (cols,), w, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cols", [3, 768, 4097, 65536])
+@pytest.mark.parametrize("residual", [False, True])
+def test_large_offset_is_stable(device, dtype, kind, cols, residual):
+    """x = 1e4 + U(-3, 3): E[x^2] - E[x]^2 would lose every digit of the variance in fp32; brrr's
+    statistics (shifted by the row's first element) keep the fp32 tolerance."""
+    rows = min(SIZES[cols], 64)
+    x = random((rows, cols), dtype, device) + 1e4
+    r = random((rows, cols), dtype, device) if residual else None
+    w, b = params(kind, "both", (cols,), dtype, device)
+    compare(kind, dtype, x, r, (cols,), w, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_outlier_first_element(device, kind):
+    """The shift is the row's first element; an outlier there must not cost precision."""
+    x = random((16, 4096), torch.float32, device)
+    x[:, 0] = 3e3
+    w, b = params(kind, "both", (4096,), torch.float32, device)
+    compare(kind, torch.float32, x, None, (4096,), w, b, slack=2.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_saved_statistics(device, dtype, kind):
+    """The forward op's saved rows: rstd, and for LayerNorm the mean minus the row's first element."""
+    x = random((5, 7, 96), dtype, device)
+    x64 = x.double().cpu()
+    if kind == "layer_norm":
+        _, mean, rstd = torch.ops.brrr.layer_norm(x, [96], None, None, 1e-5)
+        var = x64.var(-1, unbiased=False)
+        check("mean", mean, x64.mean(-1) - x64[..., 0], torch.float32 if dtype != torch.float64 else dtype)
+    else:
+        _, rstd = torch.ops.brrr.rms_norm(x, [96], None, 1e-5, False)
+        var = x64.pow(2).mean(-1)
+    assert rstd.shape == (5, 7) and rstd.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    check("rstd", rstd, (var + 1e-5).rsqrt(), torch.float32 if dtype != torch.float64 else dtype)
+
+
+# ---- layouts ----------------------------------------------------------------------------------
+
+def _views(device, dtype):
+    """(name, x, normalized_shape): views of fresh storage, none of them contiguous."""
+    yield "strided columns", random((41, 1536), dtype, device)[:, ::2], (768,)
+    yield "row stride", random((82, 768), dtype, device)[::2], (768,)
+    yield "row stride, odd size", random((66, 127), dtype, device)[1::2], (127,)
+    yield "permuted rows", random((6, 7, 768), dtype, device).transpose(0, 1), (768,)
+    yield "two normalised dims", random((5, 3, 16, 24), dtype, device), (16, 24)
+    yield "permuted normalised dims", random((5, 24, 16), dtype, device).transpose(1, 2), (16, 24)
+    yield "offset view", random((40, 770), dtype, device)[3:, 1:769], (768,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_contiguous_inputs(device, dtype, kind):
+    for name, x, ns in _views(device, dtype):
+        assert not x.is_contiguous() or len(ns) == 2, name
+        w, b = params(kind, "both", ns, dtype, device)
+        compare(kind, dtype, x, None, ns, w, b)
+        compare(kind, dtype, x, random(x.shape, dtype, device), ns, w, b)
+        # residual strided differently from x
+        compare(kind, dtype, random(x.shape, dtype, device), x, ns, w, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_contiguous_parameters_and_gradients(device, kind):
+    dtype = torch.bfloat16
+    x = random((33, 768), dtype, device)
+    w = random((1536,), dtype, device)[::2]
+    b = random((768, 2), dtype, device)[:, 1] if kind == "layer_norm" else None
+    compare(kind, dtype, x, None, (768,), w, b)
+    # an upstream gradient that is a broadcast (stride 0), as out.sum().backward() gives
+    leaf = x.detach().requires_grad_()
+    wl = w.detach().requires_grad_()
+    out, _ = call(kind, leaf, None, (768,), wl, b)
+    out.sum().backward()
+    ref_x, ref_w = x.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    ref_out, _ = reference(kind, dtype, ref_x, None, (768,), ref_w, None if b is None else b.double().cpu())
+    ref_out.sum().backward()
+    check("grad_x", leaf.grad, ref_x.grad, dtype)
+    check("grad_weight", wl.grad, ref_w.grad, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_empty_rows(device, dtype):
+    x = random((0, 64), dtype, device).requires_grad_()
+    w = random((64,), dtype, device).requires_grad_()
+    b = random((64,), dtype, device).requires_grad_()
+    out = brrr.layer_norm(x, (64,), w, b)
+    assert out.shape == (0, 64)
+    out.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_normalized_shape_as_int_and_high_rank():
+    x = random((2, 3, 4, 5, 6), torch.float32, "cpu")
+    compare("layer_norm", torch.float32, x, None, 6, None, None)
+    compare("rms_norm", torch.float32, x, None, (4, 5, 6), None, None)
+
+
+# ---- the C entry points with NaN-poisoned outputs -----------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cols", [3, 768, 4097, 65536])
+@pytest.mark.parametrize("strided_out", [False, True])
+def test_every_output_element_is_written(device, dtype, kind, cols, strided_out):
+    """brrr._C with every output (and the scratch) full of NaN."""
+    rows = min(SIZES[cols], 40)
+    x, residual, g_out, g_res = (random((rows, cols), dtype, device) for _ in range(4))
+    w, b = params(kind, "both", (cols,), dtype, device)
+    stat = torch.float64 if dtype == torch.float64 else torch.float32
+    if strided_out:
+        out = poisoned_like(torch.empty((rows, 2 * cols), dtype=dtype, device=device))[:, ::2]
+    else:
+        out = poisoned_like(x)
+    h = poisoned_like(x)
+    mean, rstd = (torch.full((rows,), float("nan"), dtype=stat, device=device) for _ in range(2))
+    if kind == "layer_norm":
+        _C.layer_norm_fwd(x, 1, w, b, 1e-5, out, mean, rstd, residual, h, -1)
+    else:
+        _C.rms_norm_fwd(x, 1, w, 1e-5, False, out, rstd, residual, h, -1)
+    ref_x, ref_r, ref_w, ref_b = (t if t is None else t.double().cpu().requires_grad_() for t in (x, residual, w, b))
+    ref_out, ref_h = reference(kind, dtype, ref_x, ref_r, (cols,), ref_w, ref_b, 1e-5)
+    check("out", out, ref_out, dtype)
+    assert torch.equal(h, x + residual)
+
+    grad_x, grad_w = poisoned_like(x), poisoned_like(w)
+    grad_b = poisoned_like(b) if b is not None else None
+    n_grads = 1 + (b is not None)
+    partials = torch.full((n_grads * _C.norm_partial_rows(rows, cols) * cols,), float("nan"), dtype=stat, device=device)
+    if kind == "layer_norm":
+        _C.layer_norm_bwd(h, 1, g_out, g_res, w, mean, rstd, grad_x, grad_w, grad_b, partials, -1)
+    else:
+        _C.rms_norm_bwd(h, 1, g_out, g_res, w, rstd, False, grad_x, grad_w, partials, -1)
+    upstream = [g_out.double().cpu(), g_res.double().cpu()]
+    torch.autograd.backward([ref_out, ref_h], upstream)
+    scale_x, _, scale_w, scale_b = gradient_scales(kind, dtype, ref_h.detach(), (cols,), ref_w, 1e-5, upstream)
+    check("grad_x", grad_x, ref_x.grad, dtype, scale=scale_x)
+    check("grad_weight", grad_w, ref_w.grad, dtype, scale=scale_w)
+    if b is not None:
+        check("grad_bias", grad_b, ref_b.grad, dtype, scale=scale_b)
+
+
+def test_numpy_arrays():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((9, 130)).astype(np.float32)
+    r = rng.standard_normal((9, 130)).astype(np.float32)
+    w = rng.standard_normal(130).astype(np.float32)
+    b = rng.standard_normal(130).astype(np.float32)
+    tx, tr, tw, tb = (torch.from_numpy(a).double() for a in (x, r, w, b))
+    y = brrr.layer_norm(x, 130, w, b)
+    assert isinstance(y, np.ndarray) and y.dtype == np.float32
+    check("out", torch.from_numpy(y), F.layer_norm(tx, (130,), tw, tb), torch.float32)
+    y, h = brrr.add_rms_norm(x, r, (130,), w)
+    check("out", torch.from_numpy(y), F.rms_norm((tx + tr).float().double(), (130,), tw, 2.0**-23), torch.float32)
+    np.testing.assert_array_equal(h, x + r)
+    y16 = brrr.rms_norm(x.astype(np.float16), (130,), cast_order="llama")
+    assert y16.dtype == np.float16
+    # negative strides (NumPy has them, torch does not)
+    flipped = x[::-1, ::-1]
+    check("flipped", torch.from_numpy(brrr.layer_norm(flipped, (130,), w[::-1])),
+          F.layer_norm(torch.from_numpy(flipped.copy()).double(), (130,), torch.from_numpy(w[::-1].copy()).double()),
+          torch.float32)
+
+
+# ---- autograd machinery ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,cast_order", [("layer_norm", "torch"), ("rms_norm", "torch"), ("rms_norm", "llama")])
+@pytest.mark.parametrize("residual", [False, True])
+def test_gradcheck(kind, cast_order, residual):
+    x = random((3, 4, 10), torch.float64, "cpu").requires_grad_()
+    r = random((3, 4, 10), torch.float64, "cpu").requires_grad_()
+    w = random((4, 10), torch.float64, "cpu").requires_grad_()
+    b = random((4, 10), torch.float64, "cpu").requires_grad_()
+    ns = (4, 10)
+
+    def f(x, r, w, b):
+        out, h = call(kind, x, r if residual else None, ns, w, b if kind == "layer_norm" else None, 1e-5, cast_order)
+        return out if h is None else (out, h)
+
+    assert torch.autograd.gradcheck(f, (x, r, w, b))
+    assert torch.autograd.gradcheck(lambda x: call(kind, x, None, ns)[0], (x,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", ["rows", "odd", "strided", "wide"])
+def test_backward_is_deterministic(device, kind, layout):
+    """Two backward runs give bitwise identical gradients (no atomics; sums in a fixed order)."""
+    dtype = torch.bfloat16
+    rows, cols = {"rows": (20011, 768), "odd": (2049, 4097), "strided": (4001, 1536), "wide": (301, 65536)}[layout]
+    x = random((rows if device == "cuda" else rows // 32 + 1, cols), dtype, device)
+    if layout == "strided":
+        x = x[:, ::2]
+    cols = x.shape[-1]
+    x.requires_grad_()
+    w, b = (random((cols,), torch.float32, device).requires_grad_() for _ in range(2))
+    if kind == "rms_norm":
+        b = None
+    g = random(x.shape, dtype, device)
+    runs = []
+    for _ in range(2):
+        out, _ = call(kind, x, None, (cols,), w, b)
+        runs.append(torch.autograd.grad(out, [t for t in (x, w, b) if t is not None], g))
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x = random((6, 5, 32), torch.float32, device).requires_grad_()
+    r = random((6, 5, 32), torch.float32, device).requires_grad_()
+    w = random((32,), torch.float32, device).requires_grad_()
+    b = random((32,), torch.float32, device).requires_grad_()
+    ops = torch.ops.brrr
+    torch.library.opcheck(ops.layer_norm.default, (x, [32], w, b, 1e-5))
+    torch.library.opcheck(ops.layer_norm.default, (x, [5, 32], None, None, 1e-5))
+    torch.library.opcheck(ops.add_layer_norm.default, (x, r, [32], w, b, 1e-5))
+    torch.library.opcheck(ops.rms_norm.default, (x, [32], w, 1e-6, False))
+    torch.library.opcheck(ops.rms_norm.default, (x, [32], w, 1e-6, True))
+    torch.library.opcheck(ops.add_rms_norm.default, (x, r, [32], w, 1e-6, False))
+    with torch.no_grad():
+        _, mean, rstd = ops.layer_norm(x, [32], w, b, 1e-5)
+        _, rms_rstd = ops.rms_norm(x, [32], w, 1e-6, False)
+    g = random(x.shape, torch.float32, device)
+    torch.library.opcheck(ops.norm_backward.default, (x.detach(), g, None, w.detach(), b.detach(), mean, rstd, 1,
+                                                      False, True, True))
+    torch.library.opcheck(ops.norm_backward.default, (x.detach(), g, g, w.detach(), None, None, rms_rstd, 1, False,
+                                                      True, False))
+
+
+def test_torch_compile_traces_without_graph_breaks():
+    x = random((8, 64), torch.float32, "cpu").requires_grad_()
+    r = random((8, 64), torch.float32, "cpu").requires_grad_()
+    w = random((64,), torch.float32, "cpu").requires_grad_()
+
+    def block(x, r, w):
+        y, h = brrr.add_rms_norm(x, r, (64,), w)
+        return brrr.layer_norm(y, (64,), w, None) + h
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    eager_grads = torch.autograd.grad(block(x, r, w).sum(), (x, r, w))
+    out = compiled(x, r, w)
+    torch.testing.assert_close(out, block(x, r, w))
+    for a, e in zip(torch.autograd.grad(out.sum(), (x, r, w)), eager_grads):
+        torch.testing.assert_close(a, e)
+
+
+class _DispatchLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_grad_path_skips_the_dispatcher():
+    """Without autograd the op calls brrr._C directly (and allocates only its output)."""
+    x = random((4, 16), torch.float32, "cpu")
+    with _DispatchLog() as log:
+        out = brrr.rms_norm(x, (16,))
+    assert not any(op.startswith("brrr.") for op in log.ops), log.ops
+    check("out", out, F.rms_norm(x.double(), (16,), eps=2.0**-23), torch.float32)
+    with _DispatchLog() as log:
+        brrr.rms_norm(x.requires_grad_(), (16,))
+    assert any(op.startswith("brrr.rms_norm") for op in log.ops), log.ops
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_default_eps(device):
+    """layer_norm's eps defaults to 1e-5; rms_norm's to float32's machine epsilon for float16,
+    bfloat16 and float32 inputs, as torch's kernels do (its documentation says x.dtype's), on
+    inputs small enough for eps to matter."""
+    for dtype in (torch.float32, torch.float16):
+        x = random((7, 64), dtype, device, low=-1e-3, high=1e-3)
+        ref_x = x.double().cpu()
+        check("layer_norm", brrr.layer_norm(x, (64,)), F.layer_norm(ref_x, (64,), eps=1e-5), dtype)
+        check("rms_norm", brrr.rms_norm(x, (64,)), F.rms_norm(ref_x, (64,), eps=2.0**-23), dtype)
+        check("torch's default", brrr.rms_norm(x, (64,)), F.rms_norm(x, (64,)).double(), dtype, slack=2.0)
+        assert not torch.allclose(brrr.rms_norm(x, (64,)).double(), F.rms_norm(ref_x, (64,), eps=1e-3), rtol=0.05)
+
+
+# ---- argument errors --------------------------------------------------------------------------
+
+def test_argument_errors():
+    x = random((4, 8), torch.float32, "cpu")
+    w = random((8,), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="normalized_shape"):
+        brrr.layer_norm(x, (4,))
+    with pytest.raises(ValueError, match="normalized_shape"):
+        brrr.rms_norm(x, ())
+    with pytest.raises(ValueError, match="argument weight has shape"):
+        brrr.layer_norm(x, (8,), random((7,), torch.float32, "cpu"))
+    with pytest.raises(TypeError, match="argument weight: dtype float64"):
+        brrr.layer_norm(x, (8,), w.double())
+    with pytest.raises(TypeError, match="argument bias: dtype float16"):
+        brrr.layer_norm(x, (8,), None, w.half())
+    xb = x.bfloat16()
+    with pytest.raises(ValueError, match="argument bias has dtype bfloat16 but weight has dtype float32"):
+        brrr.layer_norm(xb, (8,), w, w.bfloat16())
+    with pytest.raises(ValueError, match="argument residual has shape"):
+        brrr.add_layer_norm(x, x[:, :4], (8,))
+    with pytest.raises(ValueError, match="argument residual has dtype"):
+        brrr.add_rms_norm(x, x.double(), (8,))
+    with pytest.raises(ValueError, match="cast_order"):
+        brrr.rms_norm(x, (8,), cast_order="hf")
+    with pytest.raises(TypeError, match="argument x"):
+        brrr.layer_norm([[1.0, 2.0]], (2,))
+
+
+def test_c_argument_errors():
+    x = random((4, 8), torch.float32, "cpu")
+    out, stats = torch.empty_like(x), torch.empty(4)
+    with pytest.raises(ValueError, match="argument norm_ndim"):
+        _C.layer_norm_fwd(x, 0, None, None, 1e-5, out, None, None, None, None, -1)
+    with pytest.raises(ValueError, match="argument norm_ndim"):
+        _C.rms_norm_fwd(x, 3, None, 1e-5, False, out, None, None, None, -1)
+    with pytest.raises(ValueError, match="argument out overlaps input x"):
+        _C.layer_norm_fwd(x, 1, None, None, 1e-5, x, None, None, None, None, -1)
+    with pytest.raises(ValueError, match="argument mean overlaps input rstd"):
+        _C.layer_norm_fwd(x, 1, None, None, 1e-5, out, stats, stats, None, None, -1)
+    with pytest.raises(TypeError, match="argument mean: expected dtype float32"):
+        _C.layer_norm_fwd(x, 1, None, None, 1e-5, out, stats.double(), None, None, None, -1)
+    with pytest.raises(ValueError, match="argument rstd has shape"):
+        _C.layer_norm_fwd(x, 1, None, None, 1e-5, out, None, torch.empty(5), None, None, -1)
+    with pytest.raises(ValueError, match="argument residual_out: given without residual"):
+        _C.layer_norm_fwd(x, 1, None, None, 1e-5, out, None, None, None, torch.empty_like(x), -1)
+    with pytest.raises(TypeError, match="argument residual_out: required"):
+        _C.rms_norm_fwd(x, 1, None, 1e-5, False, out, None, x.clone(), None, -1)
+    with pytest.raises(ValueError, match="argument out: output has overlapping elements"):
+        _C.rms_norm_fwd(x, 1, None, 1e-5, False, torch.empty(8).expand(4, 8), None, None, None, -1)
+    with pytest.raises(TypeError, match="takes 11 arguments"):
+        _C.layer_norm_fwd(x, 1)
+    with pytest.raises(TypeError, match="argument eps"):
+        _C.rms_norm_fwd(x, 1, None, "tiny", False, out, None, None, None, -1)
+    with pytest.raises(TypeError, match="argument stream"):
+        _C.rms_norm_fwd(x, 1, None, 1e-5, False, out, None, None, None, "default")
+    _, mean, rstd = torch.ops.brrr.layer_norm(x, [8], None, None, 1e-5)
+    with pytest.raises(ValueError, match="argument grad_weight: given without weight"):
+        _C.layer_norm_bwd(x, 1, x, None, None, mean, rstd, out, torch.empty(8), None, None, -1)
+    with pytest.raises(TypeError, match="argument mean: required"):
+        _C.layer_norm_bwd(x, 1, x, None, None, None, rstd, out, None, None, None, -1)
+    with pytest.raises(ValueError, match="argument grad_x overlaps input grad_out"):
+        _C.layer_norm_bwd(x, 1, out, None, None, mean, rstd, out, None, None, None, -1)
+    read_only = np.zeros((4, 8), np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="argument out: output is read-only"):
+        _C.layer_norm_fwd(np.ones((4, 8), np.float32), 1, None, None, 1e-5, read_only, None, None, None, None, -1)
+
+
+@pytest.mark.cuda
+def test_cuda_argument_errors():
+    x = random((4, 8), torch.float32, "cuda")
+    w = random((8,), torch.float32, "cuda")
+    _, mean, rstd = torch.ops.brrr.layer_norm(x, [8], w, None, 1e-5)
+    grad_x, grad_w = torch.empty_like(x), torch.empty_like(w)
+    with pytest.raises(ValueError, match="argument weight is on cpu but x is on cuda"):
+        brrr.layer_norm(x, (8,), w.cpu())
+    with pytest.raises(TypeError, match="argument partials: required on CUDA"):
+        _C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, grad_x, grad_w, None, None, -1)
+    with pytest.raises(ValueError, match="argument partials: expected a contiguous 1-D tensor"):
+        _C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, grad_x, grad_w, None, torch.empty(3, device="cuda"), -1)
+    with pytest.raises(TypeError, match="argument partials: expected dtype float32"):
+        _C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, grad_x, grad_w, None,
+                          torch.empty(1024, dtype=torch.float64, device="cuda"), -1)
