@@ -95,6 +95,7 @@ static double round_d(int32_t dtype, double v) {
 }
 
 static int64_t row_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t r) {
+    if (L->row_ndim == 1) return r * v->row_strides[0];
     int64_t off = 0;
     for (int d = L->row_ndim - 1; d >= 0; d--) {
         off += (r % L->row_shape[d]) * v->row_strides[d];
@@ -103,6 +104,7 @@ static int64_t row_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64
     return off;
 }
 static int64_t col_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t c) {
+    if (L->col_ndim == 1) return c * v->col_strides[0];
     int64_t off = 0;
     for (int d = L->col_ndim - 1; d >= 0; d--) {
         off += (c % L->col_shape[d]) * v->col_strides[d];

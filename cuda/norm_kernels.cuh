@@ -280,10 +280,12 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
 }
 
 // Shared memory of norm_bwd_kernel: per group, per gradient (dw, then db), the sums of every
-// thread's columns, laid out so that consecutive threads touch consecutive 16-byte chunks.
+// thread's columns, laid out so that consecutive threads touch consecutive chunks of up to 16
+// bytes, each read and written as one access (conflict-free).
 template <typename A, int VEC, int PACKS> struct BwdSums {
     static constexpr int kChunk = VEC * (int)sizeof(A) > 16 ? 16 / (int)sizeof(A) : VEC;  // elements
     static constexpr int kChunks = VEC / kChunk;
+    using Chunk = Pack<A, kChunk>;  // aligned to its size, which `at` offsets are multiples of
     // Element offset, within one gradient of one group, of chunk c of pack k of thread t.
     static __device__ __forceinline__ int at(int k, int c, int t, int tpr) { return ((k * kChunks + c) * tpr + t) * kChunk; }
     // The column of element i of one gradient of one group (the inverse of `at`).
@@ -313,15 +315,16 @@ __global__ void __maxnreg__(128)
     const int n_grads = (int)want_dw + (int)want_db, per_grad = PACKS * VEC * tpr;  // one gradient of one group
     A *const sums = reinterpret_cast<A *>(smem);
     A *const dw_sums = sums + g * n_grads * per_grad, *const db_sums = dw_sums + (want_dw ? per_grad : 0);
+    using Chunk = typename Sums::Chunk;
+    Chunk zero;
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) zero.v[e] = A(0);
 #pragma unroll
     for (int k = 0; k < PACKS; ++k) {
 #pragma unroll
         for (int c = 0; c < Sums::kChunks; ++c) {
-#pragma unroll
-            for (int e = 0; e < kChunk; ++e) {
-                if (want_dw) dw_sums[Sums::at(k, c, t, tpr) + e] = A(0);
-                if (want_db) db_sums[Sums::at(k, c, t, tpr) + e] = A(0);
-            }
+            if (want_dw) *reinterpret_cast<Chunk *>(dw_sums + Sums::at(k, c, t, tpr)) = zero;
+            if (want_db) *reinterpret_cast<Chunk *>(db_sums + Sums::at(k, c, t, tpr)) = zero;
         }
     }
     const int64_t begin = (int64_t)blockIdx.x * rows_per_block;
@@ -368,11 +371,22 @@ __global__ void __maxnreg__(128)
 #pragma unroll
                 for (int ch = 0; ch < Sums::kChunks; ++ch) {
                     const int at = Sums::at(k, ch, t, tpr);
+                    if (want_dw) {
+                        Chunk *p = reinterpret_cast<Chunk *>(dw_sums + at);
+                        Chunk acc = *p;
 #pragma unroll
-                    for (int e = 0; e < kChunk; ++e) {
-                        const int j = ch * kChunk + e;
-                        if (want_dw) dw_sums[at + e] += gy[k][j] * (L.llama ? round_to<T>(v[k][j]) : v[k][j]);
-                        if (want_db) db_sums[at + e] += gy[k][j];
+                        for (int e = 0; e < kChunk; ++e) {
+                            const A xhat = v[k][ch * kChunk + e];
+                            acc.v[e] += gy[k][ch * kChunk + e] * (L.llama ? round_to<T>(xhat) : xhat);
+                        }
+                        *p = acc;
+                    }
+                    if (want_db) {
+                        Chunk *p = reinterpret_cast<Chunk *>(db_sums + at);
+                        Chunk acc = *p;
+#pragma unroll
+                        for (int e = 0; e < kChunk; ++e) acc.v[e] += gy[k][ch * kChunk + e];
+                        *p = acc;
                     }
                 }
             }
