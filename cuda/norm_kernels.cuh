@@ -175,11 +175,11 @@ __device__ __forceinline__ int packs_in_row(bool active, int cols, int first, in
 }
 
 // Minimum blocks per SM for the forward's launch bounds: 2 (a 64-register cap) when a thread's
-// share of the row is at most 64 bytes, which then fits without spilling; left at 128 registers
+// share of the row is at most 96 bytes, which then fits without spilling; left at 128 registers
 // ptxas spends them on scheduling freedom and halves the warps that keep loads in flight. Larger
-// shares (fp32 rows of 6-8 packs) keep 64 bytes or more in flight per thread at 128 registers.
+// shares (fp32 rows of 8 packs) keep 128 bytes in flight per thread at 128 registers.
 template <typename T> constexpr int fwd_min_blocks(int elements, bool residual) {
-    return !residual && elements * (int)sizeof(T) <= 64 ? 2 : 1;
+    return !residual && elements * (int)sizeof(T) <= 96 ? 2 : 1;
 }
 
 // kResidual: L.residual is given (a template argument, so the plain forward keeps no registers for it).
@@ -224,17 +224,24 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
                 if (k < mine) store_vec<T, VEC>(res_out + k * stride, v[k]);
             }
         }
+        // Flags are uniform and pack bounds per thread: branches around whole packs, no selects per
+        // element (packs past the row stay zero).
         A s[1] = {A(0)};
+        if (layer) {
 #pragma unroll
-        for (int k = 0; k < PACKS; ++k) {
+            for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                if (layer) {
-                    v[k][j] = k < mine ? v[k][j] - shift : A(0);
+                for (int j = 0; j < VEC; ++j) {
+                    v[k][j] -= shift;
                     s[0] += v[k][j];
-                } else {
-                    s[0] += v[k][j] * v[k][j];
                 }
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) s[0] += v[k][j] * v[k][j];
             }
         }
         group_sum(s, tpr, buf[parity]);
@@ -245,9 +252,10 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
             A q[1] = {A(0)};
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
-                    v[k][j] = k < mine ? v[k][j] - mean : A(0);
+                    v[k][j] -= mean;
                     q[0] += v[k][j] * v[k][j];
                 }
             }
@@ -268,11 +276,13 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
             if (k >= mine) continue;
             A w[VEC], b[VEC], y[VEC];
             load_param<T, VEC>(L, L.weight.data, first + k * stride, A(1), w);
-            load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b);
+            if (L.llama) {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const A xhat = v[k][j] * rstd;
-                y[j] = L.llama ? round_to<T>(xhat) * w[j] : xhat * w[j] + b[j];
+                for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[k][j] * rstd) * w[j];
+            } else {
+                load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) y[j] = v[k][j] * rstd * w[j] + b[j];
             }
             store_vec<T, VEC>(out + k * stride, y);
         }
