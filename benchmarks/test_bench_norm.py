@@ -42,10 +42,17 @@ def _ops(op, hidden):
     if op == "rms_norm":
         return (lambda x, w: brrr.rms_norm(x, ns, w, EPS), lambda x, w: F.rms_norm(x, ns, w, EPS), 1, 2, 5)
     if op == "add_layer_norm":
-        return (lambda x, r, w, b: brrr.add_layer_norm(x, r, ns, w, b, EPS),
-                lambda x, r, w, b: (F.layer_norm(x + r, ns, w, b, EPS), x + r), 2, 4, 8)
-    return (lambda x, r, w: brrr.add_rms_norm(x, r, ns, w, EPS),
-            lambda x, r, w: (F.rms_norm(x + r, ns, w, EPS), x + r), 1, 4, 8)
+        def eager_add_layer_norm(x, r, w, b):
+            h = x + r
+            return F.layer_norm(h, ns, w, b, EPS), h
+
+        return lambda x, r, w, b: brrr.add_layer_norm(x, r, ns, w, b, EPS), eager_add_layer_norm, 2, 4, 8
+
+    def eager_add_rms_norm(x, r, w):
+        h = x + r
+        return F.rms_norm(h, ns, w, EPS), h
+
+    return lambda x, r, w: brrr.add_rms_norm(x, r, ns, w, EPS), eager_add_rms_norm, 1, 4, 8
 
 
 def _outputs(y):
