@@ -45,13 +45,16 @@ def time_ms(fn, warmup=10, reps=50, max_time_s=2.0):
     _sync()
     samples = []
     if on_gpu():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(reps):
+        # As triton's do_bench: events around each call, calls enqueued back to back with one
+        # sync at the end, so the host's own per-call cost hides behind the GPU's where it can.
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for start, end in zip(starts, ends):
             start.record()
             fn()
             end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
+        torch.cuda.synchronize()
+        samples = [start.elapsed_time(end) for start, end in zip(starts, ends)]
     else:
         for _ in range(reps):
             t0 = time.perf_counter()

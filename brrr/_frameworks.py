@@ -2,13 +2,31 @@
 
 import sys
 
+_torch_tensor = None  # torch.Tensor once torch has been imported by someone
+_torch_ops = None  # brrr._torch once a torch tensor has been seen
+
+
+def torch_ops_if_tensor(x):
+    """brrr._torch (PyTorch integration) when x is a torch.Tensor, else None; cheap on the hot
+    path: the type and the module are looked up once."""
+    global _torch_tensor, _torch_ops
+    if _torch_tensor is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        _torch_tensor = torch.Tensor
+    if not isinstance(x, _torch_tensor):
+        return None
+    if _torch_ops is None:
+        from . import _torch
+
+        _torch_ops = _torch
+    return _torch_ops
+
 
 def torch_if_tensor(x):
     """The torch module when x is a torch.Tensor, else None (torch is never imported here)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return torch
-    return None
+    return sys.modules["torch"] if torch_ops_if_tensor(x) is not None else None
 
 
 def empty_like(x):

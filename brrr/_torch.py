@@ -86,17 +86,23 @@ torch.library.register_autograd("brrr::chain", _chain_backward, setup_context=_c
 _chain_default = torch.ops.brrr.chain.default
 
 
+def _needs_custom_op(x, operands):
+    """True when autograd must record the op or torch.compile is tracing it (the cheap checks first:
+    this is the overhead regime's hot path)."""
+    if torch.is_grad_enabled() and (x.requires_grad or (operands and any(o.requires_grad for o in operands))):
+        return True
+    return torch.compiler.is_compiling()
+
+
 def chain(c, x, operands, out, stream):
     """Apply Chain `c` to torch tensors: custom op when autograd or torch.compile needs one."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-            x.requires_grad or any(o.requires_grad for o in operands))):
+    if _needs_custom_op(x, operands):
         if out is not None:
             raise ValueError("argument out: not supported when autograd records the op or under torch.compile")
         return _chain_default(x, list(operands), c.op_names, c.scalars)
-    if out is None:
+    if out is None and not _EXCHANGE_API:
         out = torch.empty_like(x)
-    _C.chain_fwd(c.program, x, out, operands, _stream(x, stream))
-    return out
+    return _C.chain_fwd(c.program, x, out, operands, -1 if stream is None and _EXCHANGE_API else _stream(x, stream))
 
 
 def _split(x):
@@ -163,13 +169,11 @@ def glu(activation, gate, up, out):
     """Gated linear unit on torch tensors (see brrr.glu); custom op when autograd or compile needs it."""
     if up is None and gate.shape[-1] % 2:
         raise ValueError(f"argument x: the last dim must be even to split into gate and up halves, got {gate.shape[-1]}")
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-            gate.requires_grad or (up is not None and up.requires_grad))):
+    if _needs_custom_op(gate, (up,) if up is not None else ()):
         if out is not None:
             raise ValueError("argument out: not supported when autograd records the op or under torch.compile")
         return _glu_default(gate, up, activation)
     g, u = _split(gate) if up is None else (gate, up)
-    if out is None:
+    if out is None and not _EXCHANGE_API:
         out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-    _C.chain_fwd(_program(activation + ",mul_tensor", (0.0, 0.0)), g, out, (u,), _stream(g, None))
-    return out
+    return _C.chain_fwd(_program(activation + ",mul_tensor", (0.0, 0.0)), g, out, (u,), _stream(g, None))

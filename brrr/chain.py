@@ -13,7 +13,7 @@ inputs, and the backward recomputes the chain per element from x.
 """
 
 from . import _C
-from ._frameworks import empty_like, torch_if_tensor
+from ._frameworks import empty_like, torch_ops_if_tensor
 
 SCALAR_OPS = ("add", "mul")
 TENSOR_OPS = ("add_tensor", "mul_tensor")
@@ -44,11 +44,9 @@ class Chain:
     def __call__(self, x, *operands, out=None, stream=None):
         if len(operands) != self.n_operands:
             raise TypeError(f"{self!r} takes {self.n_operands} tensor operand(s) after x, got {len(operands)}")
-        torch = torch_if_tensor(x)
-        if torch is not None:
-            from . import _torch
-
-            return _torch.chain(self, x, operands, out, stream)
+        torch_ops = torch_ops_if_tensor(x)
+        if torch_ops is not None:
+            return torch_ops.chain(self, x, operands, out, stream)
         if out is None and not _is_numpy(x):
             if not hasattr(x, "__dlpack__"):
                 raise TypeError(f"argument x: expected a tensor or array implementing __dlpack__, got {type(x).__name__}")

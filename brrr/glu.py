@@ -12,7 +12,7 @@ of grad_x in the same kernel, so no slice-gradient buffers are zero-filled and a
 """
 
 from .chain import Chain
-from ._frameworks import torch_if_tensor
+from ._frameworks import torch_ops_if_tensor
 
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
 _BIAS = {name: Chain("add_tensor", op) for name, op in _ACTIVATIONS.items()}
@@ -47,10 +47,9 @@ def _halves(x):
 def _glu(activation, gate, up, out):
     if up is not None and tuple(up.shape) != tuple(gate.shape):
         raise ValueError(f"argument up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}")
-    if torch_if_tensor(gate) is not None:
-        from . import _torch
-
-        return _torch.glu(activation, gate, up, out)
+    torch_ops = torch_ops_if_tensor(gate)
+    if torch_ops is not None:
+        return torch_ops.glu(activation, gate, up, out)
     if up is None:
         gate, up = _halves(gate)
     return _GLU[activation](gate, up, out=out)

@@ -67,6 +67,11 @@ brrr_state *brrr_get_state(PyObject *module);
 int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, brrr_tensor *t);
 void brrr_tensor_release(brrr_tensor *t);
 
+/* A new contiguous tensor with like's dtype, shape and device, allocated by the framework of
+ * like_obj through its C exchange table (for PyTorch: its caching allocator, on the current
+ * stream). NULL with an exception on failure; NULL without one when the framework has no table. */
+PyObject *brrr_new_like(brrr_call *call, PyObject *like_obj, const brrr_tensor *like);
+
 /* The stream this call's CUDA work runs on: the `stream` argument if one was given (0 = legacy
  * default), else the current stream of the first argument's framework when it publishes the C
  * exchange table, else the legacy default stream. */

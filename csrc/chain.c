@@ -341,13 +341,15 @@ static PyObject *chain_call(PyObject *module, PyObject *const *args, int backwar
             goto done;
     }
     if (out_obj == Py_None) {
-        if (!PyArray_Check(x_obj)) {
-            PyErr_Format(PyExc_TypeError, "argument %s: required for inputs of type %.200s (brrr._C allocates NumPy "
-                         "arrays only)", out_name, Py_TYPE(x_obj)->tp_name);
+        out_obj = PyArray_Check(x_obj) ? PyArray_NewLikeArray((PyArrayObject *)x_obj, NPY_KEEPORDER, NULL, 0)
+                                       : brrr_new_like(&call, x_obj, &a.x);
+        if (out_obj == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "argument %s: required for inputs of type %.200s (brrr._C allocates "
+                             "NumPy arrays and tensors of frameworks with DLPack's C exchange table)", out_name,
+                             Py_TYPE(x_obj)->tp_name);
             goto done;
         }
-        out_obj = PyArray_NewLikeArray((PyArrayObject *)x_obj, NPY_KEEPORDER, NULL, 0);
-        if (out_obj == NULL) goto done;
     } else {
         Py_INCREF(out_obj);
     }

@@ -142,6 +142,38 @@ static const DLPackExchangeAPI *lookup_exchange_api(brrr_state *st, PyTypeObject
     return api;
 }
 
+static void set_allocation_error(void *context, const char *kind, const char *message) {
+    (void)context;
+    PyErr_Format(PyExc_RuntimeError, "the framework could not allocate an output (%s: %s)", kind, message);
+}
+
+PyObject *brrr_new_like(brrr_call *call, PyObject *like_obj, const brrr_tensor *like) {
+    const DLPackExchangeAPI *api = lookup_exchange_api(call->state, Py_TYPE(like_obj));
+    if (api == NULL || api->managed_tensor_allocator == NULL || api->managed_tensor_to_py_object_no_sync == NULL)
+        return NULL;
+    static const DLDataType dtypes[] = {{kDLFloat, 32, 1}, {kDLFloat, 16, 1}, {kDLBfloat, 16, 1}, {kDLFloat, 64, 1}};
+    int64_t shape[BRRR_MAX_RANK];
+    memcpy(shape, like->shape, sizeof(int64_t) * (size_t)like->ndim);
+    DLTensor prototype;
+    memset(&prototype, 0, sizeof prototype);
+    prototype.device.device_type = like->device_type;
+    prototype.device.device_id = like->device_id;
+    prototype.ndim = like->ndim;
+    prototype.dtype = dtypes[like->dtype];
+    prototype.shape = shape;
+    DLManagedTensorVersioned *managed = NULL;
+    if (api->managed_tensor_allocator(&prototype, &managed, NULL, set_allocation_error) != 0 || managed == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "the framework could not allocate an output");
+        return NULL;
+    }
+    void *obj = NULL;
+    if (api->managed_tensor_to_py_object_no_sync(managed, &obj) != 0 || obj == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "the framework could not wrap an output");
+        return NULL;
+    }
+    return (PyObject *)obj;
+}
+
 static int import_numpy(PyArrayObject *arr, brrr_tensor *t) {
     int type_num = PyArray_TYPE(arr);
     if (!PyArray_ISNBO(PyArray_DESCR(arr)->byteorder)) {

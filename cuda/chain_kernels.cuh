@@ -38,6 +38,7 @@ struct Precise32 {
 #define COS_IN_RANGE precise_cos_in_range
 #define SIN_IN_RANGE precise_sin_in_range
 #define SINCOS_IN_RANGE precise_sincos_in_range
+#define TRIG_PACK_OK trig_in_range
 #define DIV(a, b) __fdividef((a), (b)) /* 2 ulp; IEEE division would call a slow-path routine */
 #include "chain_math.inc"
 #include "chain_apply.inc"
@@ -50,6 +51,7 @@ struct Precise32 {
 #undef COS_IN_RANGE
 #undef SIN_IN_RANGE
 #undef SINCOS_IN_RANGE
+#undef TRIG_PACK_OK
 #undef DIV
 };
 struct Fast32 {
@@ -59,9 +61,12 @@ struct Fast32 {
 #define COS fast_cos
 #define SIN fast_sin
 #define SINCOS fast_sincos
-#define COS_IN_RANGE fast_cos_in_range
-#define SIN_IN_RANGE fast_sin_in_range
-#define SINCOS_IN_RANGE fast_sincos_in_range
+/* Up to |x| = 512 the MUFU's own reduction (x / 2pi truncated to fp32) errs by at most
+ * 512 * 2^-23 = 6e-5 in phase: below float16's and bfloat16's resolution, for 2 instructions. */
+#define COS_IN_RANGE __cosf
+#define SIN_IN_RANGE __sinf
+#define SINCOS_IN_RANGE __sincosf
+#define TRIG_PACK_OK(v) (fabsf(v) <= 512.0f)
 #define DIV(a, b) __fdividef((a), (b))
 #include "chain_math.inc"
 #include "chain_apply.inc"
@@ -75,6 +80,7 @@ struct Fast32 {
 #undef COS_IN_RANGE
 #undef SIN_IN_RANGE
 #undef SINCOS_IN_RANGE
+#undef TRIG_PACK_OK
 #undef DIV
 };
 struct Precise64 {
@@ -88,6 +94,7 @@ struct Precise64 {
 #define COS_IN_RANGE cos
 #define SIN_IN_RANGE sin
 #define SINCOS_IN_RANGE sincos_f64
+#define TRIG_PACK_OK(v) true
 #define DIV(a, b) ((a) / (b))
 #include "chain_math.inc"
 #include "chain_apply.inc"
@@ -101,6 +108,7 @@ struct Precise64 {
 #undef COS_IN_RANGE
 #undef SIN_IN_RANGE
 #undef SINCOS_IN_RANGE
+#undef TRIG_PACK_OK
 #undef DIV
 };
 #undef FN
@@ -111,6 +119,9 @@ template <> struct MathFor<float> { using type = Precise32; };
 template <> struct MathFor<double> { using type = Precise64; };
 
 constexpr int kUnroll = 2;
+// A register budget for ptxas, which otherwise chose 64 registers and spilled in the bf16
+// backward: 3 blocks of 256 threads per SM allow 85 registers, 2 allow 128 (operand packs).
+constexpr int contig_blocks_per_sm(int ops) { return ops == 0 ? 3 : 2; }
 
 // Offsets of element i in each tensor's strides over the launch shape.
 struct Offsets {
@@ -138,17 +149,45 @@ __device__ __forceinline__ Offsets strided_offsets(const brrr_chain_launch &L, i
     return o;
 }
 
-template <typename T> __device__ __forceinline__ const T *in_ptr(const brrr_view &v) { return static_cast<const T *>(v.data); }
-template <typename T> __device__ __forceinline__ T *out_ptr(const brrr_view &v) { return static_cast<T *>(v.data); }
+template <typename T, typename V> __device__ __forceinline__ const T *in_ptr(const V &v) { return static_cast<const T *>(v.data); }
+template <typename T, typename V> __device__ __forceinline__ T *out_ptr(const V &v) { return static_cast<T *>(v.data); }
+
+// What a contiguous launch needs: no shapes or strides. A fifth of brrr_chain_launch, which
+// matters for the host: kernel parameters are copied at every launch.
+struct FlatView {
+    void *data;
+};
+struct FlatLaunch {
+    brrr_chain_program program;
+    int64_t numel, row_length;
+    int32_t operand_is_vector[BRRR_MAX_CHAIN_OPERANDS];
+    FlatView x, out, grad_out, operands[BRRR_MAX_CHAIN_OPERANDS], grad_operands[BRRR_MAX_CHAIN_OPERANDS];
+};
+
+static FlatLaunch flat_launch(const brrr_chain_launch &L) {
+    FlatLaunch f;
+    f.program = L.program;
+    f.numel = L.numel;
+    f.row_length = L.row_length;
+    f.x.data = L.x.data;
+    f.out.data = L.out.data;
+    f.grad_out.data = L.grad_out.data;
+    for (int b = 0; b < BRRR_MAX_CHAIN_OPERANDS; ++b) {
+        f.operand_is_vector[b] = L.operand_is_vector[b];
+        f.operands[b].data = L.operands[b].data;
+        f.grad_operands[b].data = L.grad_operands[b].data;
+    }
+    return f;
+}
 
 // Element index of operand b at flat index i of a contiguous launch.
-__device__ __forceinline__ int64_t operand_index(const brrr_chain_launch &L, int b, int64_t i) {
+__device__ __forceinline__ int64_t operand_index(const FlatLaunch &L, int b, int64_t i) {
     return L.operand_is_vector[b] ? i % L.row_length : i;
 }
 
 // kOps: an upper bound on the program's operands (0, 1 or 4), so unused slots cost no registers.
 template <typename T, int VEC, int kOps>
-__global__ void __launch_bounds__(kThreads) chain_fwd_contig_kernel(const __grid_constant__ brrr_chain_launch L) {
+__global__ void __launch_bounds__(kThreads, contig_blocks_per_sm(kOps)) chain_fwd_contig_kernel(const __grid_constant__ FlatLaunch L) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
     constexpr int N = VEC * kUnroll;
@@ -235,7 +274,7 @@ __device__ __forceinline__ void program_grad_pack(const brrr_chain_program &p, A
 
 // Backward of dense tensors: packs as in the forward.
 template <typename T, int VEC, int kOps>
-__global__ void __launch_bounds__(kThreads) chain_bwd_contig_kernel(const __grid_constant__ brrr_chain_launch L) {
+__global__ void __launch_bounds__(kThreads, contig_blocks_per_sm(kOps)) chain_bwd_contig_kernel(const __grid_constant__ FlatLaunch L) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
     constexpr int N = VEC * kUnroll;
@@ -310,6 +349,9 @@ __global__ void __launch_bounds__(kThreads) chain_bwd_strided_kernel(const __gri
 
 constexpr int kRowLanes = 8;   // warps per block in the row kernels, each walking its own rows
 constexpr int kTileCols = 32;  // threads across a column tile (VEC columns each)
+// Row kernels hold a pack per operand and per gradient: left alone, ptxas gave the bf16 backward
+// 95 registers (2 blocks, 25% occupancy) and it ran latency-bound; 3 blocks cap it at 85.
+constexpr int kRowBlocksPerSM = 3;
 
 // Offset of row r in a tensor whose strides over the launch shape are `s` (rows = leading dims).
 __device__ __forceinline__ int64_t row_offset(const brrr_chain_launch &L, const int64_t *s, int64_t r) {
@@ -375,7 +417,7 @@ __device__ __forceinline__ void load_vector_operands(const brrr_chain_launch &L,
 // Row layout, forward: rows with arbitrary strides, columns with stride 1 (VEC > 1) or any.
 // Each warp takes two of its rows per iteration, all loads before any compute.
 template <typename T, int VEC, int kOps>
-__global__ void __launch_bounds__(kTileCols *kRowLanes) chain_fwd_rows_kernel(const __grid_constant__ brrr_chain_launch L) {
+__global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_fwd_rows_kernel(const __grid_constant__ brrr_chain_launch L) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
     constexpr int kSlots = kOps > 0 ? kOps : 1;
@@ -429,7 +471,7 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes) chain_fwd_rows_kernel(co
 // sums its rows in order, the block's row lanes are summed in order through shared memory, and
 // chain_vector_grad_kernel sums the blocks in order. Bitwise reproducible; no atomics.
 template <typename T, int VEC, int kOps>
-__global__ void __launch_bounds__(kTileCols *kRowLanes) chain_bwd_rows_kernel(const __grid_constant__ brrr_chain_launch L) {
+__global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_bwd_rows_kernel(const __grid_constant__ brrr_chain_launch L) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
     constexpr int kSlots = kOps > 0 ? kOps : 1;
@@ -587,9 +629,9 @@ static void launch_fwd(const brrr_chain_launch &L, int device, cudaStream_t stre
     else if (L.row_layout)
         chain_fwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1), row_block, 0, stream>>>(L);
     else if (L.contiguous && all_aligned(L, false) && (!has_vector_operand(L) || L.row_length % VEC == 0))
-        chain_fwd_contig_kernel<T, VEC, kOps><<<grid_for_packs(L.numel / VEC), kThreads, 0, stream>>>(L);
+        chain_fwd_contig_kernel<T, VEC, kOps><<<grid_for_packs(L.numel / VEC), kThreads, 0, stream>>>(flat_launch(L));
     else if (L.contiguous)
-        chain_fwd_contig_kernel<T, 1, kOps><<<grid_for_packs(L.numel), kThreads, 0, stream>>>(L);
+        chain_fwd_contig_kernel<T, 1, kOps><<<grid_for_packs(L.numel), kThreads, 0, stream>>>(flat_launch(L));
     else
         chain_fwd_strided_kernel<T, kOps><<<grid_for(L.numel, kThreads, device), kThreads, 0, stream>>>(L);
 }
@@ -606,9 +648,9 @@ static void launch_bwd(const brrr_chain_launch &L, int device, cudaStream_t stre
         if (L.partials)
             chain_vector_grad_kernel<T><<<(unsigned)((L.row_length + kThreads - 1) / kThreads), kThreads, 0, stream>>>(L);
     } else if (L.contiguous && all_aligned(L, true) && (!has_vector_operand(L) || L.row_length % VEC == 0)) {
-        chain_bwd_contig_kernel<T, VEC, kOps><<<grid_for_packs(L.numel / VEC), kThreads, 0, stream>>>(L);
+        chain_bwd_contig_kernel<T, VEC, kOps><<<grid_for_packs(L.numel / VEC), kThreads, 0, stream>>>(flat_launch(L));
     } else if (L.contiguous) {
-        chain_bwd_contig_kernel<T, 1, kOps><<<grid_for_packs(L.numel), kThreads, 0, stream>>>(L);
+        chain_bwd_contig_kernel<T, 1, kOps><<<grid_for_packs(L.numel), kThreads, 0, stream>>>(flat_launch(L));
     } else {
         chain_bwd_strided_kernel<T, kOps><<<grid_for(L.numel, kThreads, device), kThreads, 0, stream>>>(L);
     }

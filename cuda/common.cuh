@@ -166,8 +166,6 @@ __device__ __forceinline__ void fast_sincos(float x, float *s, float *c) {
     else large_sincos(x, s, c);
 }
 
-// Double precision has no fast path: every argument is "in range" of libdevice's own routines.
-__device__ __forceinline__ bool trig_in_range(double) { return true; }
 __device__ __forceinline__ void sincos_f64(double x, double *s, double *c) { sincos(x, s, c); }
 
 // Run on `device`, restoring the caller's current device afterwards.
