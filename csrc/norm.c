@@ -94,24 +94,20 @@ static double round_d(int32_t dtype, double v) {
     return (double)brrr_load_f32(dtype, &bits, 0);
 }
 
-static int64_t row_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t r) {
-    if (L->row_ndim == 1) return r * v->row_strides[0];
+/* Offset of row (rows != 0) or column i of a view, from the coalesced shape and its strides. */
+static int64_t dims_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t i, int rows) {
+    const int ndim = rows ? L->row_ndim : L->col_ndim;
+    const int64_t *shape = rows ? L->row_shape : L->col_shape, *strides = rows ? v->row_strides : v->col_strides;
+    if (ndim == 1) return i * strides[0];
     int64_t off = 0;
-    for (int d = L->row_ndim - 1; d >= 0; d--) {
-        off += (r % L->row_shape[d]) * v->row_strides[d];
-        r /= L->row_shape[d];
+    for (int d = ndim - 1; d >= 0; d--) {
+        off += (i % shape[d]) * strides[d];
+        i /= shape[d];
     }
     return off;
 }
-static int64_t col_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t c) {
-    if (L->col_ndim == 1) return c * v->col_strides[0];
-    int64_t off = 0;
-    for (int d = L->col_ndim - 1; d >= 0; d--) {
-        off += (c % L->col_shape[d]) * v->col_strides[d];
-        c /= L->col_shape[d];
-    }
-    return off;
-}
+static int64_t row_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t r) { return dims_off(L, v, r, 1); }
+static int64_t col_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t c) { return dims_off(L, v, c, 0); }
 
 /* Element j of a row-by-column view at row offset `base`. */
 #define AT(view, base, j) ((base) + col_off(L, &L->view, (j)))
@@ -433,107 +429,86 @@ done:
 
 /* ---- argument parsing ---------------------------------------------------------------------------- */
 
-static int parse_common(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *signature,
-                        norm_request *q) {
-    if (nargs != want) {
-        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", signature, want, nargs);
-        return -1;
-    }
-    q->obj[S_X] = args[0];
-    q->norm_ndim = PyLong_AsLongLong(args[1]);
-    if (q->norm_ndim == -1 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_TypeError, "argument norm_ndim: expected an int (len(normalized_shape))");
-        return -1;
-    }
-    q->stream = PyLong_AsLongLong(args[nargs - 1]);
-    if (q->stream == -1 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_TypeError, "argument stream: expected an int (a cudaStream_t, or -1 for the current one)");
-        return -1;
-    }
-    return 0;
-}
+/* Non-tensor positional arguments, by the negative codes that stand for them in an entry's list. */
+enum { A_NORM_NDIM = -1, A_EPS = -2, A_LLAMA = -3, A_STREAM = -4 };
 
-static int parse_eps(PyObject *obj, double *eps) {
-    *eps = PyFloat_AsDouble(obj);
-    if (*eps == -1.0 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_TypeError, "argument eps: expected a float");
-        return -1;
-    }
-    return 0;
-}
+typedef struct {
+    const char *signature;
+    int backward, rms, nargs;
+    int arg[12]; /* per positional argument: its slot, or an A_ code */
+} norm_entry;
 
-static int parse_llama(PyObject *obj, int *llama) {
-    *llama = PyObject_IsTrue(obj);
-    return *llama < 0 ? -1 : 0;
+static const norm_entry LAYER_NORM_FWD = {
+    "layer_norm_fwd(x, norm_ndim, weight, bias, eps, out, mean, rstd, residual, residual_out, stream)", 0, 0, 11,
+    {S_X, A_NORM_NDIM, S_WEIGHT, S_BIAS, A_EPS, S_OUT, S_MEAN, S_RSTD, S_RESIDUAL, S_RESIDUAL_OUT, A_STREAM}};
+static const norm_entry RMS_NORM_FWD = {
+    "rms_norm_fwd(x, norm_ndim, weight, eps, llama, out, rstd, residual, residual_out, stream)", 0, 1, 10,
+    {S_X, A_NORM_NDIM, S_WEIGHT, A_EPS, A_LLAMA, S_OUT, S_RSTD, S_RESIDUAL, S_RESIDUAL_OUT, A_STREAM}};
+static const norm_entry LAYER_NORM_BWD = {
+    "layer_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, mean, rstd, grad_x, grad_weight, grad_bias, "
+    "partials, stream)", 1, 0, 12,
+    {S_X, A_NORM_NDIM, S_GRAD_OUT, S_GRAD_RESIDUAL, S_WEIGHT, S_MEAN, S_RSTD, S_GRAD_X, S_GRAD_WEIGHT, S_GRAD_BIAS,
+     S_PARTIALS, A_STREAM}};
+static const norm_entry RMS_NORM_BWD = {
+    "rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, grad_x, grad_weight, partials, stream)",
+    1, 1, 11,
+    {S_X, A_NORM_NDIM, S_GRAD_OUT, S_GRAD_RESIDUAL, S_WEIGHT, S_RSTD, A_LLAMA, S_GRAD_X, S_GRAD_WEIGHT, S_PARTIALS,
+     A_STREAM}};
+
+static PyObject *norm_entry_call(PyObject *module, const norm_entry *e, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != e->nargs) {
+        PyErr_Format(PyExc_TypeError, "%s takes %d arguments (%zd given)", e->signature, e->nargs, nargs);
+        return NULL;
+    }
+    norm_request q;
+    memset(&q, 0, sizeof q);
+    q.backward = e->backward;
+    q.rms = e->rms;
+    for (int i = 0; i < e->nargs; i++) {
+        PyObject *a = args[i];
+        switch (e->arg[i]) {
+        case A_NORM_NDIM:
+            q.norm_ndim = PyLong_AsLongLong(a);
+            if (q.norm_ndim == -1 && PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "argument norm_ndim: expected an int (len(normalized_shape))");
+                return NULL;
+            }
+            break;
+        case A_EPS:
+            q.eps = PyFloat_AsDouble(a);
+            if (q.eps == -1.0 && PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "argument eps: expected a float");
+                return NULL;
+            }
+            break;
+        case A_LLAMA:
+            if ((q.llama = PyObject_IsTrue(a)) < 0) return NULL;
+            break;
+        case A_STREAM:
+            q.stream = PyLong_AsLongLong(a);
+            if (q.stream == -1 && PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "argument stream: expected an int (a cudaStream_t, or -1 for the "
+                                "current one)");
+                return NULL;
+            }
+            break;
+        default: q.obj[e->arg[i]] = a; break;
+        }
+    }
+    return norm_call(module, &q);
 }
 
 PyObject *brrr_py_layer_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    norm_request q;
-    memset(&q, 0, sizeof q);
-    if (parse_common(args, nargs, 11, "layer_norm_fwd(x, norm_ndim, weight, bias, eps, out, mean, rstd, residual, "
-                     "residual_out, stream)", &q) < 0 || parse_eps(args[4], &q.eps) < 0)
-        return NULL;
-    q.obj[S_WEIGHT] = args[2];
-    q.obj[S_BIAS] = args[3];
-    q.obj[S_OUT] = args[5];
-    q.obj[S_MEAN] = args[6];
-    q.obj[S_RSTD] = args[7];
-    q.obj[S_RESIDUAL] = args[8];
-    q.obj[S_RESIDUAL_OUT] = args[9];
-    return norm_call(module, &q);
+    return norm_entry_call(module, &LAYER_NORM_FWD, args, nargs);
 }
-
 PyObject *brrr_py_rms_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    norm_request q;
-    memset(&q, 0, sizeof q);
-    q.rms = 1;
-    if (parse_common(args, nargs, 10, "rms_norm_fwd(x, norm_ndim, weight, eps, llama, out, rstd, residual, "
-                     "residual_out, stream)", &q) < 0 || parse_eps(args[3], &q.eps) < 0 ||
-        parse_llama(args[4], &q.llama) < 0)
-        return NULL;
-    q.obj[S_WEIGHT] = args[2];
-    q.obj[S_OUT] = args[5];
-    q.obj[S_RSTD] = args[6];
-    q.obj[S_RESIDUAL] = args[7];
-    q.obj[S_RESIDUAL_OUT] = args[8];
-    return norm_call(module, &q);
+    return norm_entry_call(module, &RMS_NORM_FWD, args, nargs);
 }
-
 PyObject *brrr_py_layer_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    norm_request q;
-    memset(&q, 0, sizeof q);
-    q.backward = 1;
-    if (parse_common(args, nargs, 12, "layer_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, mean, rstd, "
-                     "grad_x, grad_weight, grad_bias, partials, stream)", &q) < 0)
-        return NULL;
-    q.obj[S_GRAD_OUT] = args[2];
-    q.obj[S_GRAD_RESIDUAL] = args[3];
-    q.obj[S_WEIGHT] = args[4];
-    q.obj[S_MEAN] = args[5];
-    q.obj[S_RSTD] = args[6];
-    q.obj[S_GRAD_X] = args[7];
-    q.obj[S_GRAD_WEIGHT] = args[8];
-    q.obj[S_GRAD_BIAS] = args[9];
-    q.obj[S_PARTIALS] = args[10];
-    return norm_call(module, &q);
+    return norm_entry_call(module, &LAYER_NORM_BWD, args, nargs);
 }
-
 PyObject *brrr_py_rms_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    norm_request q;
-    memset(&q, 0, sizeof q);
-    q.backward = 1;
-    q.rms = 1;
-    if (parse_common(args, nargs, 11, "rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, "
-                     "grad_x, grad_weight, partials, stream)", &q) < 0 || parse_llama(args[6], &q.llama) < 0)
-        return NULL;
-    q.obj[S_GRAD_OUT] = args[2];
-    q.obj[S_GRAD_RESIDUAL] = args[3];
-    q.obj[S_WEIGHT] = args[4];
-    q.obj[S_RSTD] = args[5];
-    q.obj[S_GRAD_X] = args[7];
-    q.obj[S_GRAD_WEIGHT] = args[8];
-    q.obj[S_PARTIALS] = args[9];
-    return norm_call(module, &q);
+    return norm_entry_call(module, &RMS_NORM_BWD, args, nargs);
 }
 
 PyObject *brrr_py_norm_partial_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {

@@ -108,7 +108,7 @@ typedef struct {
     int32_t weight_dtype;    /* weight, bias, grad_weight, grad_bias: dtype, or float32 for half dtypes */
     int32_t rms;             /* 1: RMSNorm (no mean, no bias) */
     int32_t llama;           /* RMSNorm only: out = round(round(x * rstd) * weight), rounding to dtype */
-    int32_t contiguous_cols; /* col_ndim == 1 and column stride 1 in every view that has columns */
+    int32_t contiguous_cols; /* col_ndim == 1, column stride 1 in every row-by-column view, weight, bias */
     int32_t row_ndim, col_ndim; /* >= 1 after coalescing */
     int64_t rows, cols;
     int64_t row_shape[BRRR_NORM_MAX_DIMS];

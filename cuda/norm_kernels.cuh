@@ -104,30 +104,27 @@ __device__ __forceinline__ void store_param(const brrr_norm_launch &L, void *p, 
     static_cast<T *>(p)[at] = to_storage<T, A>(v);
 }
 
-__device__ __forceinline__ int64_t row_offset(const brrr_norm_launch &L, const brrr_norm_view &v, int64_t r) {
-    if (L.row_ndim == 1) return r * v.row_strides[0];
+// Offset of row (kRows) or column i of a view, from the coalesced shape and the view's strides.
+template <bool kRows>
+__device__ __forceinline__ int64_t dims_offset(const brrr_norm_launch &L, const brrr_norm_view &v, int64_t i) {
+    const int ndim = kRows ? L.row_ndim : L.col_ndim;
+    if (ndim == 1) return i * (kRows ? v.row_strides[0] : v.col_strides[0]);
     int64_t off = 0;
 #pragma unroll
     for (int d = BRRR_NORM_MAX_DIMS - 1; d >= 0; --d) {
-        if (d < L.row_ndim) {
-            off += (r % L.row_shape[d]) * v.row_strides[d];
-            r /= L.row_shape[d];
+        if (d < ndim) {
+            const int64_t n = kRows ? L.row_shape[d] : L.col_shape[d];
+            off += (i % n) * (kRows ? v.row_strides[d] : v.col_strides[d]);
+            i /= n;
         }
     }
     return off;
 }
-
+__device__ __forceinline__ int64_t row_offset(const brrr_norm_launch &L, const brrr_norm_view &v, int64_t r) {
+    return dims_offset<true>(L, v, r);
+}
 __device__ __forceinline__ int64_t col_offset(const brrr_norm_launch &L, const brrr_norm_view &v, int64_t c) {
-    if (L.col_ndim == 1) return c * v.col_strides[0];
-    int64_t off = 0;
-#pragma unroll
-    for (int d = BRRR_NORM_MAX_DIMS - 1; d >= 0; --d) {
-        if (d < L.col_ndim) {
-            off += (c % L.col_shape[d]) * v.col_strides[d];
-            c /= L.col_shape[d];
-        }
-    }
-    return off;
+    return dims_offset<false>(L, v, c);
 }
 
 // Element `col` (in the fast path's contiguous columns; 0 elsewhere) of row r, NULL when absent.
