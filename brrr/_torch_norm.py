@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from . import _C
-from ._torch import _stream
+from ._torch import _EXCHANGE_API, _stream
 from .norm import default_rms_eps, normalized_ndim
 
 Tensor = torch.Tensor
@@ -30,10 +30,16 @@ def _shape_list(normalized_shape):
 
 
 def _recording(*tensors):
-    """Whether the call must go through the custom op (autograd or torch.compile sees it)."""
-    if torch.compiler.is_compiling():
+    """Whether the call must go through the custom op (autograd or torch.compile sees it); the
+    cheap checks first."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return True
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return torch.compiler.is_compiling()
+
+
+def _eager_out(x):
+    """An output for the eager path: None lets brrr._C allocate it through torch's C exchange table."""
+    return None if _EXCHANGE_API else torch.empty_like(x)
 
 
 # ---- forward ops --------------------------------------------------------------------------------
@@ -208,18 +214,15 @@ def layer_norm(x, normalized_shape, weight, bias, eps):
     if _recording(x, weight, bias):
         return _layer_norm(x, _shape_list(normalized_shape), weight, bias, float(eps))[0]
     k = normalized_ndim(x.shape, normalized_shape)
-    out = torch.empty_like(x)
-    _C.layer_norm_fwd(x, k, weight, bias, float(eps), out, None, None, None, None, _stream(x, None))
-    return out
+    return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _eager_out(x), None, None, None, None, _stream(x, None))
 
 
 def add_layer_norm(x, residual, normalized_shape, weight, bias, eps):
     if _recording(x, residual, weight, bias):
         return tuple(_add_layer_norm(x, residual, _shape_list(normalized_shape), weight, bias, float(eps))[:2])
     k = normalized_ndim(x.shape, normalized_shape)
-    out, h = torch.empty_like(x), torch.empty_like(x)
-    _C.layer_norm_fwd(x, k, weight, bias, float(eps), out, None, None, residual, h, _stream(x, None))
-    return out, h
+    return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _eager_out(x), None, None, residual, _eager_out(x),
+                             _stream(x, None))
 
 
 def rms_norm(x, normalized_shape, weight, eps, llama):
@@ -227,9 +230,7 @@ def rms_norm(x, normalized_shape, weight, eps, llama):
     if _recording(x, weight):
         return _rms_norm(x, _shape_list(normalized_shape), weight, eps, llama)[0]
     k = normalized_ndim(x.shape, normalized_shape)
-    out = torch.empty_like(x)
-    _C.rms_norm_fwd(x, k, weight, eps, llama, out, None, None, None, _stream(x, None))
-    return out
+    return _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), None, None, None, _stream(x, None))
 
 
 def add_rms_norm(x, residual, normalized_shape, weight, eps, llama):
@@ -237,6 +238,4 @@ def add_rms_norm(x, residual, normalized_shape, weight, eps, llama):
     if _recording(x, residual, weight):
         return tuple(_add_rms_norm(x, residual, _shape_list(normalized_shape), weight, eps, llama)[:2])
     k = normalized_ndim(x.shape, normalized_shape)
-    out, h = torch.empty_like(x), torch.empty_like(x)
-    _C.rms_norm_fwd(x, k, weight, eps, llama, out, None, residual, h, _stream(x, None))
-    return out, h
+    return _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), None, residual, _eager_out(x), _stream(x, None))

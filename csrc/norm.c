@@ -20,8 +20,9 @@
  * grad_residual, grad_weight, grad_bias in the backward. For the fused residual forms the
  * backward's x is the forward's residual_out. partials (CUDA only, when a weight or bias gradient
  * is asked for): a 1-D float32 tensor (float64 for float64 x) of at least
- * n_grads * norm_partial_rows(rows, cols) * cols elements. NumPy callers may pass out,
- * residual_out and grad_x as None to have them allocated.
+ * n_grads * norm_partial_rows(rows, cols) * cols elements. out, residual_out and grad_x may be
+ * None for NumPy arrays and for tensors of frameworks with DLPack's C exchange table (PyTorch
+ * 2.10+): they are then allocated here, contiguous, by x's framework.
  */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
@@ -318,12 +319,15 @@ static PyObject *norm_call(PyObject *module, norm_request *q) {
         PyObject *obj = q->obj[s];
         if (!present(q, s)) {
             if (!needs[s]) continue;
-            if ((s == S_OUT || s == S_RESIDUAL_OUT || s == S_GRAD_X) && PyArray_Check(q->obj[S_X])) {
-                obj = owned[s] = PyArray_NewLikeArray((PyArrayObject *)q->obj[S_X], NPY_KEEPORDER, NULL, 0);
-                if (obj == NULL) goto done;
-            } else {
-                PyErr_Format(PyExc_TypeError, "argument %s: required%s", SLOT_NAME[s],
-                             writes(q, s) ? " (brrr._C allocates NumPy arrays only)" : "");
+            if (SLOT_KIND[s] == K_DATA && writes(q, s))
+                obj = owned[s] = PyArray_Check(q->obj[S_X])
+                    ? PyArray_NewLikeArray((PyArrayObject *)q->obj[S_X], NPY_KEEPORDER, NULL, 0)
+                    : brrr_new_like(&call, q->obj[S_X], x);
+            if (obj == NULL || obj == Py_None) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_TypeError, "argument %s: required%s", SLOT_NAME[s],
+                                 writes(q, s) ? " for inputs of this type (brrr._C allocates NumPy arrays and tensors "
+                                                "of frameworks with DLPack's C exchange table)" : "");
                 goto done;
             }
         }

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import brrr
 from brrr import _C
+from dlpack_producers import Producer
 from helpers import DEVICES, DTYPES, HALF_DTYPES, TOLERANCE, poisoned_like, random
 
 KINDS = ["layer_norm", "rms_norm"]
@@ -542,8 +543,10 @@ def test_c_argument_errors():
         _C.layer_norm_fwd(x, 1, None, None, 1e-5, out, None, torch.empty(5), None, None, -1)
     with pytest.raises(ValueError, match="argument residual_out: given without residual"):
         _C.layer_norm_fwd(x, 1, None, None, 1e-5, out, None, None, None, torch.empty_like(x), -1)
-    with pytest.raises(TypeError, match="argument residual_out: required"):
-        _C.rms_norm_fwd(x, 1, None, 1e-5, False, out, None, x.clone(), None, -1)
+    with pytest.raises(TypeError, match="argument residual_out: required for inputs of this type"):
+        _C.rms_norm_fwd(Producer(x), 1, None, 1e-5, False, out, None, x.clone(), None, -1)
+    y, h = _C.rms_norm_fwd(x, 1, None, 1e-5, False, None, None, x, None, -1)  # allocated by torch
+    assert torch.equal(h, x + x) and y.shape == x.shape
     with pytest.raises(ValueError, match="argument out: output has overlapping elements"):
         _C.rms_norm_fwd(x, 1, None, 1e-5, False, torch.empty(8).expand(4, 8), None, None, None, -1)
     with pytest.raises(TypeError, match="takes 11 arguments"):
