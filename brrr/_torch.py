@@ -100,8 +100,8 @@ def chain(c, x, operands, out, stream):
         if out is not None:
             raise ValueError("argument out: not supported when autograd records the op or under torch.compile")
         return _chain_default(x, list(operands), c.op_names, c.scalars)
-    if out is None and not _EXCHANGE_API:
-        out = torch.empty_like(x)
+    if out is None and not (_EXCHANGE_API and x.is_contiguous()):
+        out = torch.empty_like(x)  # keeps a strided input's layout; brrr._C allocates contiguous ones
     return _C.chain_fwd(c.program, x, out, operands, -1 if stream is None and _EXCHANGE_API else _stream(x, stream))
 
 

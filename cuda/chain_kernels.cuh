@@ -611,13 +611,16 @@ static unsigned grid_for_packs(int64_t packs) {
     return (unsigned)(blocks < 1 ? 1 : blocks);
 }
 
-// Row-layout grid: column tiles across, slices of about 32 rows down (or the fixed partial_rows
-// slices when a vector gradient is reduced, so that its summation order never changes).
-static dim3 rows_grid(const brrr_chain_launch &L, int vec) {
+// Row-layout grid: column tiles across, row slices down. Without a vector gradient, enough
+// slices for four waves of resident blocks, so each warp walks many rows (short-lived blocks ran
+// latency-bound); with one, the fixed partial_rows slices, so its summation order never changes.
+static dim3 rows_grid(const brrr_chain_launch &L, int vec, int device) {
     const int64_t rows = L.numel / L.row_length;
-    int64_t slices = L.partials ? L.partial_rows : (rows + 31) / 32;
-    slices = slices < 1 ? 1 : (slices > 65535 ? 65535 : slices);
-    return dim3((unsigned)((L.row_length + (int64_t)kTileCols * vec - 1) / ((int64_t)kTileCols * vec)), (unsigned)slices);
+    const int64_t tiles = (L.row_length + (int64_t)kTileCols * vec - 1) / ((int64_t)kTileCols * vec);
+    int64_t slices = L.partials ? L.partial_rows : (int64_t)sm_count(device) * kRowBlocksPerSM * 4 / tiles;
+    slices = slices < 1 ? 1 : (slices > rows ? rows : slices);
+    slices = slices > 65535 ? 65535 : slices;
+    return dim3((unsigned)tiles, (unsigned)slices);
 }
 
 template <typename T, int kOps>
@@ -625,9 +628,9 @@ static void launch_fwd(const brrr_chain_launch &L, int device, cudaStream_t stre
     constexpr int VEC = 16 / sizeof(T);
     const dim3 row_block(kTileCols, kRowLanes);
     if (L.row_layout && rows_vectorizable<VEC>(L, false))
-        chain_fwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC), row_block, 0, stream>>>(L);
+        chain_fwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC, device), row_block, 0, stream>>>(L);
     else if (L.row_layout)
-        chain_fwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1), row_block, 0, stream>>>(L);
+        chain_fwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1, device), row_block, 0, stream>>>(L);
     else if (L.contiguous && all_aligned(L, false) && (!has_vector_operand(L) || L.row_length % VEC == 0))
         chain_fwd_contig_kernel<T, VEC, kOps><<<grid_for_packs(L.numel / VEC), kThreads, 0, stream>>>(flat_launch(L));
     else if (L.contiguous)
@@ -642,9 +645,9 @@ static void launch_bwd(const brrr_chain_launch &L, int device, cudaStream_t stre
     const dim3 row_block(kTileCols, kRowLanes);
     if (L.row_layout) {
         if (rows_vectorizable<VEC>(L, true))
-            chain_bwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC), row_block, 0, stream>>>(L);
+            chain_bwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC, device), row_block, 0, stream>>>(L);
         else
-            chain_bwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1), row_block, 0, stream>>>(L);
+            chain_bwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1, device), row_block, 0, stream>>>(L);
         if (L.partials)
             chain_vector_grad_kernel<T><<<(unsigned)((L.row_length + kThreads - 1) / kThreads), kThreads, 0, stream>>>(L);
     } else if (L.contiguous && all_aligned(L, true) && (!has_vector_operand(L) || L.row_length % VEC == 0)) {
