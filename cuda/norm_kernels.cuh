@@ -779,7 +779,9 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
             const int groups = cfg.block / cfg.tpr;
             const size_t smem = (size_t)groups * n_grads * PACKS * VEC * cfg.tpr * sizeof(A);
             cudaError_t e = cudaSuccess;
-            if (smem > 48 * 1024) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+            // Always raise the dynamic limit: the kernel's static shared memory counts against the
+            // default 48 KB too, so a test on smem alone let 48 KB of dynamic memory fail to launch.
+            if (smem > 0) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
             int per_sm = 0;
             if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cfg.block, smem);
             if (e != cudaSuccess) return e;
