@@ -38,8 +38,33 @@ def build_info() -> dict:
     return info
 
 
+# The PyTorch-only parts load on first use, so that `import brrr` never imports torch.
+_LAZY = {"registry": ("registry", "registry"), "UnsupportedError": ("registry", "UnsupportedError"),
+         "nn": ("nn", None), "patch": ("patch", "patch"), "unpatch": ("patch", "unpatch"),
+         "use_fused": ("patch", "use_fused")}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'brrr' has no attribute {name!r}")
+    import importlib
+
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "Chain",
+    "UnsupportedError",
+    "diagnose",
+    "nn",
+    "patch",
+    "registry",
+    "unpatch",
+    "use_fused",
     "add_layer_norm",
     "add_rms_norm",
     "bias_gelu",

@@ -1,0 +1,73 @@
+"""Drop-in modules: subclasses of their torch.nn twins (same parameters, buffers, state_dict and
+constructor), whose forward runs brrr's fused kernels through the registry.
+
+    norm = brrr.nn.LayerNorm(4096)        # like torch.nn.LayerNorm(4096)
+    norm.load_state_dict(torch_norm.state_dict())    # and the other way round
+"""
+
+import torch
+
+from .registry import registry
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    def forward(self, x):
+        return registry("layer_norm", x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm; cast_order="llama" rounds the normalised input before scaling, as
+    Llama-style models do (see brrr.rms_norm)."""
+
+    cast_order = "torch"
+
+    def forward(self, x):
+        return registry("rms_norm", x, self.normalized_shape, self.weight, self.eps, cast_order=self.cast_order)
+
+
+class GELU(torch.nn.GELU):
+    def forward(self, x):
+        return registry("gelu", x, approximate=self.approximate)
+
+
+class SiLU(torch.nn.SiLU):
+    def forward(self, x):
+        return registry("silu", x)
+
+
+class ReLU(torch.nn.ReLU):
+    def forward(self, x):
+        return registry("relu", x)
+
+
+class Sigmoid(torch.nn.Sigmoid):
+    def forward(self, x):
+        return registry("sigmoid", x)
+
+
+class Tanh(torch.nn.Tanh):
+    def forward(self, x):
+        return registry("tanh", x)
+
+
+class SwiGLU(torch.nn.Module):
+    """silu(x[..., :d]) * x[..., d:]: the activation of a fused gate/up projection."""
+
+    def forward(self, x):
+        return registry("swiglu", x)
+
+
+class GeGLU(torch.nn.Module):
+    """gelu(x[..., :d]) * x[..., d:]."""
+
+    def __init__(self, approximate="none"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x):
+        return registry("geglu", x, approximate=self.approximate)
+
+
+# The torch.nn classes brrr.patch swaps exactly (their subclasses are checked by behaviour).
+TWINS = {torch.nn.LayerNorm: LayerNorm, torch.nn.RMSNorm: RMSNorm, torch.nn.GELU: GELU, torch.nn.SiLU: SiLU,
+         torch.nn.ReLU: ReLU, torch.nn.Sigmoid: Sigmoid, torch.nn.Tanh: Tanh}

@@ -1,0 +1,259 @@
+"""Swap an existing model's norms, activations and gated MLPs for brrr's fused ops, in place.
+
+    report = brrr.patch(model)    # what was swapped, what was left and why
+    print(report)
+    brrr.unpatch(model)           # the original modules again
+
+A module is swapped by changing its class to a subclass whose forward calls the registry, so its
+parameters, buffers, hooks and state_dict stay exactly as they were. torch.nn's own classes are
+matched by type. Other modules (the RMSNorm, activation and gated-MLP classes of model libraries)
+are matched by behaviour: their forward is run once on a random probe and compared with the
+candidate formula, so a look-alike that computes something else is left alone.
+
+    with brrr.use_fused():        # route torch.nn.functional's gelu/silu/layer_norm/rms_norm
+        y = model(x)              # through brrr for the inputs it supports
+
+A patched model pickles only after unpatch (its classes are made at run time); state_dicts are
+unaffected.
+"""
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from . import nn as brrr_nn
+from .registry import _torch_rms_norm, registry
+
+_ORIGINAL = "_brrr_original_class"
+_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+
+
+@dataclass
+class PatchReport:
+    swapped: list = field(default_factory=list)  # (module name, original class, replacement)
+    left: list = field(default_factory=list)  # (module name, class, reason)
+
+    def __str__(self):
+        lines = [f"brrr.patch: swapped {len(self.swapped)} module(s), left {len(self.left)}"]
+        lines += [f"  swapped {name or '<root>'}: {cls} -> {new}" for name, cls, new in self.swapped]
+        lines += [f"  left    {name or '<root>'}: {cls} ({why})" for name, cls, why in self.left]
+        return "\n".join(lines)
+
+
+def _swap(module, new_class):
+    module.__dict__[_ORIGINAL] = type(module)
+    module.__class__ = new_class
+
+
+_SUBCLASSES = {}
+
+
+def _subclass(cls, tag, forward, **attrs):
+    """A subclass of a model library's class with brrr's forward (one per class and behaviour)."""
+    key = (cls, tag, tuple(sorted(attrs.items())))
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(f"Brrr{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__, **attrs})
+    return _SUBCLASSES[key]
+
+
+def _close(a, b):
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    tol = 1e-5 if a.dtype in (torch.float32, torch.float64) else 2e-2
+    return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def _probe(module, x):
+    try:
+        with torch.no_grad():
+            y = module(x)
+    except Exception:  # noqa: BLE001 - a module that cannot take the probe is simply not a match
+        return None
+    return y if isinstance(y, torch.Tensor) else None
+
+
+def _eps_attribute(module):
+    for name in _EPS_NAMES:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return name
+    return None
+
+
+def _rms_norm_forward(self, x):
+    return registry("rms_norm", x, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
+                    cast_order=self._brrr_cast_order)
+
+
+def _layer_norm_forward(self, x):
+    return registry("layer_norm", x, self.weight.shape, self.weight, self.bias, getattr(self, self._brrr_eps))
+
+
+def _activation_forward(self, x):
+    return registry(self._brrr_op, x, **dict(self._brrr_kwargs))
+
+
+def _glu_mlp_forward(self, x):
+    return self.down_proj(registry(self._brrr_op, self.gate_proj(x), self.up_proj(x), **dict(self._brrr_kwargs)))
+
+
+_ACTIVATIONS = [  # (op, kwargs, reference)
+    ("gelu", (), lambda t: F.gelu(t)),
+    ("gelu", (("approximate", "tanh"),), lambda t: F.gelu(t, approximate="tanh")),
+    ("silu", (), F.silu),
+    ("relu", (), torch.relu),
+    ("sigmoid", (), torch.sigmoid),
+    ("tanh", (), torch.tanh),
+]
+_GLU_OF = {("silu", ()): ("swiglu", ()), ("gelu", ()): ("geglu", ()),
+           ("gelu", (("approximate", "tanh"),)): ("geglu", (("approximate", "tanh"),))}
+
+
+def _match_activation(fn, device, dtype):
+    x = torch.randn(257, device=device, dtype=dtype) * 3
+    y = _probe(fn, x)
+    if y is None:
+        return None
+    for op, kwargs, ref in _ACTIVATIONS:
+        if _close(y, ref(x)):
+            return op, kwargs
+    return None
+
+
+def _try_norm(module, device, dtype):
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or list(module.children()):
+        return None, "not a norm (needs a 1-d weight and no children)"
+    eps = _eps_attribute(module)
+    if eps is None:
+        return None, "no eps attribute (variance_epsilon, eps, epsilon)"
+    bias = getattr(module, "bias", None)
+    x = torch.randn(3, 5, weight.numel(), device=weight.device, dtype=weight.dtype) * 2 + 0.5
+    y = _probe(module, x)
+    if y is None:
+        return None, "forward did not take a (3, 5, hidden) probe"
+    e = getattr(module, eps)
+    if isinstance(bias, torch.nn.Parameter):
+        if _close(y, F.layer_norm(x, weight.shape, weight, bias, e)):
+            return _subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps), "LayerNorm"
+        return None, "behaves like no LayerNorm"
+    for order in ("llama", "torch"):
+        if _close(y, _torch_rms_norm(x, weight.shape, weight, e, cast_order=order)):
+            return (_subclass(type(module), "rms_norm", _rms_norm_forward, _brrr_eps=eps, _brrr_cast_order=order),
+                    f"RMSNorm ({order} cast order)")
+    return None, "behaves like no RMSNorm"
+
+
+def _try_glu_mlp(module, device, dtype):
+    gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+    act = getattr(module, "act_fn", None)
+    if not all(isinstance(m, torch.nn.Linear) for m in (gate, up, down)) or act is None:
+        return None, None
+    activation = _match_activation(act, gate.weight.device, gate.weight.dtype)
+    if activation not in _GLU_OF:
+        return None, "gated MLP whose activation is not silu or gelu"
+    x = torch.randn(2, 3, gate.in_features, device=gate.weight.device, dtype=gate.weight.dtype)
+    y = _probe(module, x)
+    with torch.no_grad():
+        expected = None if y is None else down(act(gate(x)) * up(x))
+    if y is None or not _close(y, expected):
+        return None, "gated MLP whose forward is not down(act(gate(x)) * up(x))"
+    op, kwargs = _GLU_OF[activation]
+    return _subclass(type(module), op, _glu_mlp_forward, _brrr_op=op, _brrr_kwargs=kwargs), f"gated MLP ({op})"
+
+
+def _try_activation(module, device, dtype):
+    if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)) \
+            or list(module.children()):
+        return None
+    match = _match_activation(module, device, dtype)
+    if match is None:
+        return None
+    op, kwargs = match
+    return _subclass(type(module), op, _activation_forward, _brrr_op=op, _brrr_kwargs=kwargs), op
+
+
+def patch(model):
+    """Swap every module of `model` that brrr fuses, in place; returns a PatchReport."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"argument model: expected a torch.nn.Module, got {type(model).__name__}")
+    first = next(model.parameters(), None)
+    device, dtype = (first.device, first.dtype) if first is not None else (torch.device("cpu"), torch.float32)
+    if not dtype.is_floating_point:
+        dtype = torch.float32
+    report = PatchReport()
+    for name, module in model.named_modules():
+        cls = type(module)
+        if _ORIGINAL in module.__dict__:
+            report.left.append((name, cls.__name__, "already patched"))
+            continue
+        if cls in brrr_nn.TWINS:
+            twin = brrr_nn.TWINS[cls]
+            _swap(module, twin)
+            report.swapped.append((name, cls.__name__, f"brrr.nn.{twin.__name__}"))
+            continue
+        new_class, what = _try_glu_mlp(module, device, dtype)
+        if new_class is None and what is not None:
+            report.left.append((name, cls.__name__, what))
+            continue
+        if new_class is None and hasattr(module, "weight") and _eps_attribute(module) is not None:
+            new_class, what = _try_norm(module, device, dtype)
+            if new_class is None:
+                report.left.append((name, cls.__name__, what))
+                continue
+        if new_class is None:
+            found = _try_activation(module, device, dtype)
+            if found is not None:
+                new_class, what = found
+        if new_class is not None:
+            _swap(module, new_class)
+            report.swapped.append((name, cls.__name__, what))
+    return report
+
+
+def unpatch(model):
+    """Give every module brrr.patch swapped its original class back; returns how many."""
+    restored = 0
+    for module in model.modules():
+        original = module.__dict__.pop(_ORIGINAL, None)
+        if original is not None:
+            module.__class__ = original
+            restored += 1
+    return restored
+
+
+def _route(name):
+    if name == "gelu":
+        return lambda input, approximate="none": registry("gelu", input, approximate=approximate)
+    if name == "silu":
+        def silu(input, inplace=False):
+            return registry("silu", input) if not inplace else _ROUTED_FROM["silu"](input, inplace=True)
+        return silu
+    if name == "layer_norm":
+        return lambda input, normalized_shape, weight=None, bias=None, eps=1e-5: registry(
+            "layer_norm", input, normalized_shape, weight, bias, eps)
+    if name == "rms_norm":
+        return lambda input, normalized_shape, weight=None, eps=None: registry(
+            "rms_norm", input, normalized_shape, weight, eps)
+    raise AssertionError(name)
+
+
+_ROUTED_FROM = {name: getattr(F, name) for name in ("gelu", "silu", "layer_norm", "rms_norm")}
+_ROUTES = {name: _route(name) for name in _ROUTED_FROM}
+
+
+@contextlib.contextmanager
+def use_fused():
+    """Within the block, torch.nn.functional.gelu, silu, layer_norm and rms_norm (and the
+    torch.nn modules that call them) run brrr's kernels for the inputs brrr supports. Not
+    thread-safe: it rebinds the functions of torch.nn.functional for the whole process."""
+    previous = {name: getattr(F, name) for name in _ROUTES}
+    try:
+        for name, fn in _ROUTES.items():
+            setattr(F, name, fn)
+        yield
+    finally:
+        for name, fn in previous.items():
+            setattr(F, name, fn)

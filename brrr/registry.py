@@ -1,0 +1,230 @@
+"""The op registry: every fused op once by name, with its implementations per device.
+
+    from brrr import registry
+    registry.names()                         # ('bias_gelu', 'gelu', 'layer_norm', ...)
+    registry("gelu", x, approximate="tanh")  # brrr's kernel where it supports x, else PyTorch's
+    registry.override("gelu", my_gelu)       # your implementation instead of brrr's (all devices)
+    registry.override("gelu", my_gelu, device="cuda")
+    registry.reset("gelu")                   # back to brrr's
+    registry.on_unsupported("gelu", "raise") # unsupported input: UnsupportedError, not a fallback
+
+An input brrr does not support (a dtype or device it has no kernel for, mixed dtypes that
+PyTorch would promote, a CUDA tensor in a build without CUDA) goes to the PyTorch function the op
+replaces, unless the op is set to raise. brrr.nn, brrr.patch and brrr.use_fused all dispatch
+through here, so overrides and fallbacks apply to them too.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import _C
+from .chain import gelu, relu, sigmoid, silu, tanh
+from .glu import bias_gelu, bias_silu, geglu, swiglu
+from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+
+
+class UnsupportedError(TypeError):
+    """brrr has no kernel for these arguments and the op is set to raise instead of falling back."""
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_CUDA = _C.cuda_available()  # asked once: torch.compile must not meet a C call in the dispatch
+
+
+def _device_ok(t):
+    return t.device.type == "cpu" or (t.device.type == "cuda" and _CUDA)
+
+
+def _tensor_ok(x):
+    return isinstance(x, torch.Tensor) and x.dtype in _FLOATS and _device_ok(x) and not x.is_sparse
+
+
+def _same_kind(x, *others):
+    return all(o is None or (isinstance(o, torch.Tensor) and o.dtype == x.dtype and o.device == x.device)
+               for o in others)
+
+
+def _norm_params_ok(x, *params):
+    # Weight and bias in x's dtype, or float32 for half inputs (as autocast leaves them).
+    return all(p is None or (isinstance(p, torch.Tensor) and p.device == x.device and
+                             (p.dtype == x.dtype or (p.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16))))
+               for p in params)
+
+
+def _unary_ok(x, *args, **kwargs):
+    return _tensor_ok(x)
+
+
+def _gelu_ok(x, approximate="none"):
+    return _tensor_ok(x) and approximate in ("none", "tanh")
+
+
+def _bias_ok(x, bias, *args, **kwargs):
+    return _tensor_ok(x) and _same_kind(x, bias) and x.dim() >= 1 and bias.shape in (x.shape[-1:], x.shape)
+
+
+def _glu_ok(gate, up=None, *args, **kwargs):
+    if not _tensor_ok(gate) or not _same_kind(gate, up):
+        return False
+    return gate.shape[-1] % 2 == 0 if up is None else up.shape == gate.shape
+
+
+def _layer_norm_ok(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    return _tensor_ok(x) and _norm_params_ok(x, weight, bias)
+
+
+def _rms_norm_ok(x, normalized_shape, weight=None, eps=None, **kwargs):
+    return _tensor_ok(x) and _norm_params_ok(x, weight)
+
+
+def _add_norm_ok(x, residual, normalized_shape, weight=None, bias=None, *args, **kwargs):
+    return _tensor_ok(x) and _same_kind(x, residual) and residual.shape == x.shape and _norm_params_ok(x, weight, bias)
+
+
+def _add_rms_norm_ok(x, residual, normalized_shape, weight=None, *args, **kwargs):
+    return _tensor_ok(x) and _same_kind(x, residual) and residual.shape == x.shape and _norm_params_ok(x, weight)
+
+
+def _torch_rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+    if cast_order == "torch":
+        return F.rms_norm(x, normalized_shape, weight, eps)
+    # Llama's order: normalise in fp32, round to x's dtype, then scale.
+    dims = tuple(range(-len(tuple(normalized_shape)), 0))
+    h = x.float()
+    eps = torch.finfo(torch.float32).eps if eps is None else eps
+    h = (h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + eps)).to(x.dtype)
+    return h if weight is None else weight * h
+
+
+def _torch_add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
+    h = x + residual
+    return F.layer_norm(h, normalized_shape, weight, bias, eps), h
+
+
+def _torch_add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+    h = x + residual
+    return _torch_rms_norm(h, normalized_shape, weight, eps, cast_order=cast_order), h
+
+
+def _torch_bias_act(act):
+    return lambda x, bias, *args, **kwargs: act(x + bias, *args, **kwargs)
+
+
+def _torch_glu(act):
+    def glu(gate, up=None, *args, **kwargs):
+        if up is None:
+            gate, up = gate.chunk(2, dim=-1)
+        return act(gate, *args, **kwargs) * up
+    return glu
+
+
+@dataclass
+class Op:
+    """One registered op: what it replaces, brrr's implementation, and the user's choices."""
+
+    name: str
+    reference: Callable  # the PyTorch function it replaces, and the fallback
+    implementation: Callable
+    supports: Callable  # same signature as the op: does brrr's implementation take these args?
+    devices: tuple = ("cpu", "cuda")
+    unsupported: str = "fallback"  # or "raise"
+    overrides: dict = field(default_factory=dict)  # device type (or None for all) -> callable
+
+    def resolve(self, *args, **kwargs):
+        """The callable that will run for these arguments."""
+        device = _device_of(args)
+        override = self.overrides.get(device, self.overrides.get(None))
+        if override is not None:
+            return override
+        if device in self.devices and self.supports(*args, **kwargs):
+            return self.implementation
+        if self.unsupported == "raise":
+            raise UnsupportedError(f"brrr.{self.name}: no brrr kernel for these arguments "
+                                   f"({_describe(args)}); registry.on_unsupported({self.name!r}, 'fallback') "
+                                   "sends them to PyTorch instead")
+        return self.reference
+
+
+def _device_of(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+    return None
+
+
+def _describe(args):
+    return ", ".join(f"{a.dtype} {tuple(a.shape)} on {a.device}" if isinstance(a, torch.Tensor) else type(a).__name__
+                     for a in args)
+
+
+class Registry:
+    """Fused ops by name; call it like a function: registry(name, *args, **kwargs)."""
+
+    def __init__(self):
+        self._ops = {}
+
+    def register(self, name, reference, implementation, supports, devices=("cpu", "cuda")):
+        if name in self._ops:
+            raise ValueError(f"argument name: op {name!r} is already registered (override it instead)")
+        self._ops[name] = Op(name, reference, implementation, supports, tuple(devices))
+        return self._ops[name]
+
+    def lookup(self, name) -> Op:
+        try:
+            return self._ops[name]
+        except KeyError:
+            raise KeyError(f"no op named {name!r} in brrr's registry; known: {', '.join(self.names())}") from None
+
+    def names(self):
+        return tuple(sorted(self._ops))
+
+    def __contains__(self, name):
+        return name in self._ops
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def override(self, name, implementation, device=None):
+        """Run `implementation` instead of brrr's for `name` (on one device type, or all)."""
+        if not callable(implementation):
+            raise TypeError(f"argument implementation: expected a callable, got {type(implementation).__name__}")
+        if device not in (None, "cpu", "cuda"):
+            raise ValueError(f"argument device: expected None, 'cpu' or 'cuda', got {device!r}")
+        self.lookup(name).overrides[device] = implementation
+
+    def reset(self, name=None):
+        """Drop overrides and restore falling back (for one op, or every op)."""
+        for op in ([self.lookup(name)] if name is not None else self._ops.values()):
+            op.overrides.clear()
+            op.unsupported = "fallback"
+
+    def on_unsupported(self, name, mode):
+        """'fallback' (to the PyTorch function) or 'raise' (UnsupportedError) for inputs brrr lacks."""
+        if mode not in ("fallback", "raise"):
+            raise ValueError(f"argument mode: expected 'fallback' or 'raise', got {mode!r}")
+        self.lookup(name).unsupported = mode
+
+    def __call__(self, name, *args, **kwargs):
+        return self.lookup(name).resolve(*args, **kwargs)(*args, **kwargs)
+
+
+registry = Registry()
+for _name, _ref, _impl, _ok in [
+    ("relu", torch.relu, relu, _unary_ok),
+    ("gelu", F.gelu, gelu, _gelu_ok),
+    ("silu", F.silu, silu, _unary_ok),
+    ("sigmoid", torch.sigmoid, sigmoid, _unary_ok),
+    ("tanh", torch.tanh, tanh, _unary_ok),
+    ("bias_gelu", _torch_bias_act(F.gelu), bias_gelu, _bias_ok),
+    ("bias_silu", _torch_bias_act(F.silu), bias_silu, _bias_ok),
+    ("swiglu", _torch_glu(F.silu), swiglu, _glu_ok),
+    ("geglu", _torch_glu(F.gelu), geglu, _glu_ok),
+    ("layer_norm", F.layer_norm, layer_norm, _layer_norm_ok),
+    ("rms_norm", _torch_rms_norm, rms_norm, _rms_norm_ok),
+    ("add_layer_norm", _torch_add_layer_norm, add_layer_norm, _add_norm_ok),
+    ("add_rms_norm", _torch_add_rms_norm, add_rms_norm, _add_rms_norm_ok),
+]:
+    registry.register(_name, _ref, _impl, _ok)

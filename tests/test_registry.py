@@ -1,0 +1,252 @@
+"""The registry, brrr.nn, brrr.patch and use_fused on a small GPT-style model."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import brrr
+from brrr import registry
+from helpers import DEVICES
+
+
+class LlamaStyleRMSNorm(nn.Module):
+    """Hugging Face's LlamaRMSNorm, written out: normalise in fp32, cast, then scale."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+class GemmaStyleRMSNorm(LlamaStyleRMSNorm):
+    """Scales by (1 + weight): looks like an RMSNorm, computes something else."""
+
+    def forward(self, x):
+        return super().forward(x) / self.weight * (1 + self.weight)
+
+
+class NewGELU(nn.Module):
+    """transformers' NewGELUActivation: the tanh form, written out."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden, inner):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, hidden, inner, act):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(hidden, inner), act, nn.Linear(inner, hidden)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden, heads, style):
+        super().__init__()
+        llama = style == "llama"
+        self.norm1 = LlamaStyleRMSNorm(hidden) if llama else nn.LayerNorm(hidden)
+        self.norm2 = LlamaStyleRMSNorm(hidden) if llama else nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=not llama)
+        self.proj = nn.Linear(hidden, hidden, bias=not llama)
+        self.mlp = GatedMLP(hidden, 2 * hidden) if llama else GeluMLP(hidden, 4 * hidden, NewGELU() if style == "gpt2" else nn.GELU())
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(attn)
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, style, vocab=97, hidden=64, heads=4, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads, style) for _ in range(layers))
+        self.norm = LlamaStyleRMSNorm(hidden) if style == "llama" else nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def perturb(model):
+    """Random norm weights and biases, so that a patched norm that ignored them would show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+
+
+def loss_and_grads(model, tokens):
+    model.zero_grad()
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+EXPECTED_SWAPS = {
+    "llama": {"LlamaStyleRMSNorm": 5, "GatedMLP": 2, "SiLU": 2},
+    "gpt2": {"LayerNorm": 5, "NewGELU": 2},
+    "gelu": {"LayerNorm": 5, "GELU": 2},
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("style", list(EXPECTED_SWAPS))
+def test_patched_model_matches(device, style):
+    torch.manual_seed(0)
+    model = TinyGPT(style).to(device)
+    perturb(model)
+    tokens = torch.randint(0, 97, (3, 17), device=device)
+    reference = copy.deepcopy(model)
+    report = brrr.patch(model)
+    counts = {}
+    for _, cls, _ in report.swapped:
+        counts[cls] = counts.get(cls, 0) + 1
+    assert counts == EXPECTED_SWAPS[style], str(report)
+    logits, loss, grads = loss_and_grads(model, tokens)
+    ref_logits, ref_loss, ref_grads = loss_and_grads(reference, tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_patch_report_leaves_look_alikes_and_unpatch_restores():
+    model = nn.Sequential(GemmaStyleRMSNorm(16), LlamaStyleRMSNorm(16), nn.Identity(), nn.Dropout(0.1))
+    with torch.no_grad():
+        model[0].weight.add_(0.5)
+    classes = [type(m) for m in model]
+    report = brrr.patch(model)
+    assert [name for name, _, _ in report.swapped] == ["1"]
+    assert ("0", "GemmaStyleRMSNorm", "behaves like no RMSNorm") in report.left
+    assert "RMSNorm (llama cast order)" in str(report)
+    again = brrr.patch(model)
+    assert not again.swapped and ("1", "BrrrLlamaStyleRMSNorm", "already patched") in again.left
+    assert brrr.unpatch(model) == 1
+    assert [type(m) for m in model] == classes
+
+
+def test_state_dict_round_trips_both_ways():
+    torch.manual_seed(1)
+    plain = TinyGPT("llama")
+    perturb(plain)
+    patched = copy.deepcopy(plain)
+    brrr.patch(patched)
+    assert plain.state_dict().keys() == patched.state_dict().keys()
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, patched.state_dict()[k])
+    fresh_plain, fresh_patched = TinyGPT("llama"), TinyGPT("llama")
+    brrr.patch(fresh_patched)
+    fresh_plain.load_state_dict(patched.state_dict())
+    fresh_patched.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, 97, (2, 9))
+    torch.testing.assert_close(fresh_plain(tokens), plain(tokens))
+    torch.testing.assert_close(fresh_patched(tokens), plain(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_nn_modules_are_interchangeable_with_torch_nn():
+    torch.manual_seed(2)
+    pairs = [(nn.LayerNorm(33), brrr.nn.LayerNorm(33)), (nn.RMSNorm(33, eps=1e-5), brrr.nn.RMSNorm(33, eps=1e-5)),
+             (nn.GELU("tanh"), brrr.nn.GELU("tanh")), (nn.SiLU(), brrr.nn.SiLU())]
+    x = torch.randn(4, 33)
+    for theirs, ours in pairs:
+        with torch.no_grad():
+            for p in theirs.parameters():
+                p.add_(torch.randn_like(p))
+        ours.load_state_dict(theirs.state_dict())
+        assert isinstance(ours, type(theirs))
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(brrr.nn.SwiGLU()(x[:, :32]), F.silu(x[:, :16]) * x[:, 16:32])
+
+
+def test_registry_lookup_override_and_fallback():
+    assert {"gelu", "bias_gelu", "swiglu", "layer_norm", "rms_norm", "add_rms_norm"} <= set(registry.names())
+    with pytest.raises(KeyError, match="no op named 'nope'"):
+        registry.lookup("nope")
+    x = torch.randn(5, 8)
+    calls = []
+    try:
+        registry.override("gelu", lambda t, approximate="none": calls.append(t) or F.gelu(t, approximate=approximate))
+        brrr.nn.GELU()(x)
+        assert len(calls) == 1
+        registry.reset("gelu")
+        brrr.nn.GELU()(x)
+        assert len(calls) == 1
+        # Mixed dtypes: brrr has no kernel, PyTorch promotes; the registry falls back ...
+        bias = torch.randn(8, dtype=torch.float64)
+        torch.testing.assert_close(registry("bias_gelu", x, bias), F.gelu(x + bias))
+        assert registry.lookup("bias_gelu").resolve(x, bias) is registry.lookup("bias_gelu").reference
+        # ... or raises, if asked to.
+        registry.on_unsupported("bias_gelu", "raise")
+        with pytest.raises(brrr.UnsupportedError, match="brrr.bias_gelu: no brrr kernel"):
+            registry("bias_gelu", x, bias)
+        assert registry.lookup("bias_gelu").resolve(x, bias.float()) is brrr.bias_gelu
+    finally:
+        registry.reset()
+    with pytest.raises(ValueError, match="argument mode"):
+        registry.on_unsupported("gelu", "ignore")
+    with pytest.raises(TypeError, match="argument implementation"):
+        registry.override("gelu", 3)
+
+
+def test_use_fused_routes_functional_calls():
+    x = torch.randn(4, 16)
+    seen = []
+    original, original_layer_norm = F.gelu, F.layer_norm
+    try:
+        registry.override("gelu", lambda t, approximate="none": seen.append(1) or original(t, approximate=approximate))
+        with brrr.use_fused():
+            assert F.gelu is not original
+            nn.GELU()(x)  # torch.nn modules call F.gelu
+            F.gelu(x.to(torch.int64).float())
+        assert F.gelu is original
+        assert len(seen) == 2
+    finally:
+        registry.reset()
+    with brrr.use_fused():
+        assert F.layer_norm is not original_layer_norm
+        torch.testing.assert_close(F.layer_norm(x, (16,)), original_layer_norm(x, (16,)), rtol=1e-5, atol=1e-5)
+        y = F.silu(x.clone(), inplace=True)  # in-place stays PyTorch's
+    torch.testing.assert_close(y, F.silu(x))
+
+
+@pytest.mark.parametrize("style", ["llama", "gelu"])
+def test_compile_of_patched_model_has_no_graph_breaks(style):
+    torch.manual_seed(3)
+    model = TinyGPT(style)
+    brrr.patch(model)
+    tokens = torch.randint(0, 97, (2, 8))
+    explanation = torch._dynamo.explain(model)(tokens)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(tokens), model(tokens), rtol=1e-4, atol=1e-4)
