@@ -156,7 +156,7 @@ def markdown_table(rows):
     """One line per (op, dtype, shape, pass): each impl's time, brrr's fraction of floor and ratios."""
     groups = {}
     for r in rows:
-        if "ms" not in r:
+        if "ms" not in r or "pass_" not in r:
             continue
         key = (r["family"], r["op"], r["dtype"], tuple(r["shape"]), r["pass_"])
         groups.setdefault(key, {})[r["impl"]] = r

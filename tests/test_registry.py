@@ -250,3 +250,33 @@ def test_compile_of_patched_model_has_no_graph_breaks(style):
     assert explanation.graph_break_count == 0, explanation.break_reasons
     compiled = torch.compile(model, fullgraph=True)
     torch.testing.assert_close(compiled(tokens), model(tokens), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_of_a_patched_training_step():
+    torch.manual_seed(4)
+    model = TinyGPT("llama").cuda()
+    perturb(model)
+    brrr.patch(model)
+    tokens = torch.randint(0, 97, (4, 32), device="cuda")
+    _, eager_loss, eager_grads = loss_and_grads(model, tokens)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+    for _ in range(2):  # replays give the same result every time
+        for p in model.parameters():
+            p.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, eager_grads[n], rtol=1e-4, atol=1e-5, msg=n)
