@@ -1,7 +1,6 @@
 """brrr.patch on models from Hugging Face transformers, built from configs with random weights
 (no downloads): logits and gradients against the unpatched model, and a training step's time
-and peak memory for unpatched/patched x eager/torch.compile, plus CUDA-graph capture of the
-patched step. GPU only (the CPU smoke run has no transformers)."""
+and peak memory for unpatched/patched x eager/torch.compile. GPU only (the CPU smoke run has no transformers)."""
 
 import copy
 
@@ -87,43 +86,7 @@ def test_patched_model(recorder, name):
                          tokens_per_s=tokens_per_step / (ms * 1e-3), peak_step_bytes=peak)
             print(f"{name} {label:9s} {mode:7s} {ms:8.3f} ms/step  peak +{peak / 2**20:8.1f} MiB")
 
-    # The patched training step captured in a CUDA graph and replayed (where the model library's
-    # own code allows capture: a host sync inside it is reported, not hidden).
-    try:
-        graph_row = _graph_replay(patched, tokens, gb, lossb.item())
-    except RuntimeError as error:
-        graph_row = dict(impl="patched graph", capture_error=str(error).splitlines()[0][:200])
-    recorder.add(family="model", op=name, shape=[BATCH, SEQ], **graph_row)
-    print(f"{name} {graph_row}")
-
-
-def _graph_replay(model, tokens, reference_grads, reference_loss):
-    static_tokens = tokens.clone()
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model(input_ids=static_tokens, labels=static_tokens, use_cache=False).loss.backward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    for p in model.parameters():
-        p.grad.zero_()
-    with torch.cuda.graph(graph):
-        static_loss = model(input_ids=static_tokens, labels=static_tokens, use_cache=False).loss
-        static_loss.backward()
-
-    def replay():
-        for p in model.parameters():
-            p.grad.zero_()
-        graph.replay()
-
-    replay()
-    torch.cuda.synchronize()
-    err = max(((p.grad.float() - reference_grads[n]).norm() / reference_grads[n].norm().clamp_min(1e-30)).item()
-              for n, p in model.named_parameters())
-    ms = time_ms(replay, warmup=3, reps=20)
-    assert abs(static_loss.item() - reference_loss) < 1e-2 and err < 5e-2
-    return dict(impl="patched graph", ms=ms, tokens_per_s=tokens.numel() / (ms * 1e-3), replay_loss=static_loss.item(),
-                replay_grad_rel_err=err)
+    # CUDA-graph capture of a patched training step is shown on the test suite's model
+    # (tests/test_registry.py): capturing these transformers models failed on the H200 inside
+    # their own code ("Offset increment outside graph capture", the RNG state of their attention
+    # path), which also poisons the process for what follows.
