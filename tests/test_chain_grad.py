@@ -140,3 +140,14 @@ def test_opcheck():
     b = torch.randn(10, requires_grad=True)
     torch.library.opcheck(torch.ops.brrr.chain.default, (x, [b], "add_tensor,gelu", [0.0, 0.0]))
     torch.library.opcheck(torch.ops.brrr.chain.default, (x, [], "cos,mul", [0.0, 2.0]))
+
+
+def test_eager_autograd_records_a_function_and_refuses_double_backward():
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    y = brrr.chain("sin", "tanh")(x)
+    assert y.grad_fn.name() == "_ChainFunctionBackward"
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+    z = brrr.swiglu(torch.randn(3, 8, requires_grad=True))
+    assert z.grad_fn.name() == "_GluFunctionBackward"
