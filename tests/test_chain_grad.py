@@ -147,7 +147,7 @@ def test_eager_autograd_records_a_function_and_refuses_double_backward():
     y = brrr.chain("sin", "tanh")(x)
     assert y.grad_fn.name() == "_ChainFunctionBackward"
     (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+    with pytest.raises(RuntimeError, match="does not require grad|once_differentiable"):  # never a silent 0
         g.sum().backward()
     z = brrr.swiglu(torch.randn(3, 8, requires_grad=True))
     assert z.grad_fn.name() == "_GluFunctionBackward"
