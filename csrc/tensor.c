@@ -341,6 +341,12 @@ int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int wri
     } else {
         status = import_capsule(call, obj, t);
     }
+    if (status == 0 && t->numel > 0 && (uintptr_t)t->data % brrr_dtype_size(t->dtype) != 0) {
+        /* Typed loads from such a pointer are undefined in C and faults on the GPU. */
+        PyErr_Format(PyExc_ValueError, "argument %s: data pointer is not aligned to its %d-byte elements", name,
+                     (int)brrr_dtype_size(t->dtype));
+        status = -1;
+    }
     if (status == 0 && writable && t->readonly) {
         PyErr_Format(PyExc_ValueError, "argument %s: output is read-only", name);
         status = -1;
