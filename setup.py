@@ -75,7 +75,7 @@ class BuildExt(build_ext):
 
 
 sanitize = os.environ.get("BRRR_SANITIZE", "")
-san_flags = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"] if sanitize else []
+san_flags = [f"-fsanitize={sanitize}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"] if sanitize else []
 
 extension = Extension(
     "brrr._C",
