@@ -63,11 +63,12 @@ class RawProducer:
     `deleted` counts deleter calls; the DLPack contract is exactly one per exported capsule."""
 
     def __init__(self, array, major=1, flags=0, null_strides=False, device_type=1, dtype=(2, 32, 1),
-                 capsule_name=b"dltensor_versioned", reuse_capsule=False):
+                 capsule_name=b"dltensor_versioned", reuse_capsule=False, shape=None):
         self.array = np.ascontiguousarray(array, dtype=np.float32)
         self.major, self.flags, self.null_strides = major, flags, null_strides
         self.device_type, self.dtype, self.capsule_name = device_type, dtype, capsule_name
         self.reuse_capsule, self.capsule = reuse_capsule, None
+        self.shape = shape  # a claimed shape instead of the array's (for hostile producers)
         self.deleted = 0
         self.exported = 0
         self._keep = []
@@ -80,14 +81,17 @@ class RawProducer:
         if self.reuse_capsule and self.capsule is not None:
             return self.capsule
         a = self.array
-        shape = (ctypes.c_int64 * max(a.ndim, 1))(*a.shape)
-        strides = (ctypes.c_int64 * max(a.ndim, 1))(*(s // a.itemsize for s in a.strides))
+        dims = self.shape if self.shape is not None else a.shape
+        shape = (ctypes.c_int64 * max(len(dims), 1))(*dims)
+        element_strides = [s // a.itemsize for s in a.strides] if self.shape is None else \
+            [1] * len(dims)  # a claimed shape gets as many strides as it has dims
+        strides = (ctypes.c_int64 * max(len(dims), 1))(*element_strides)
         m = DLManagedTensorVersioned()
         m.major, m.minor, m.flags, m.deleter = self.major, 0, self.flags, self._deleter
         t = m.dl_tensor
         t.data = a.ctypes.data
         t.device = DLDevice(self.device_type, 0)
-        t.ndim = a.ndim
+        t.ndim = len(dims)
         t.dtype = DLDataType(*self.dtype)
         t.shape = shape
         t.strides = None if self.null_strides else strides

@@ -137,6 +137,15 @@ def test_unsupported_device_and_dtype_from_a_capsule():
     assert producer.deleted == 1
 
 
+def test_hostile_shapes_from_a_capsule():
+    for shape, exc, message in [((2**62, 8), ValueError, "number of elements overflows int64"),
+                                ((-3,), BufferError, "negative size -3 in dim 0")]:
+        producer = RawProducer(np.ones(8, np.float32), shape=shape)
+        with pytest.raises(exc, match=message):
+            COS(producer, out=np.empty(8, np.float32))
+        assert producer.deleted == 1
+
+
 class Raising:
     def __dlpack__(self, **kwargs):
         raise RuntimeError("producer failed")

@@ -168,3 +168,34 @@ def test_no_leak_over_100k_calls():
     grown = rss_bytes() - before
     assert (sys.getrefcount(x_np), sys.getrefcount(out_np), sys.getrefcount(x_t), sys.getrefcount(program)) == refs
     assert grown < 8 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB over 100k calls"
+
+
+@pytest.mark.cuda
+def test_ops_on_several_streams_at_once():
+    f = brrr.chain("sin", ("mul", 3.0), "tanh")
+    streams = [torch.cuda.Stream() for _ in range(4)]
+    inputs = [torch.randn(1 << 20, device="cuda") for _ in streams]
+    outputs = [None] * len(streams)
+    for _ in range(5):
+        for i, (stream, x) in enumerate(zip(streams, inputs)):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                outputs[i] = f(x)
+                outputs[i] = brrr.layer_norm(outputs[i].view(1024, 1024), (1024,))
+    torch.cuda.synchronize()
+    for x, y in zip(inputs, outputs):
+        ref = torch.nn.functional.layer_norm(torch.tanh(torch.sin(x.double()) * 3).view(1024, 1024), (1024,))
+        torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+def test_tensors_on_another_device_than_the_current_one():
+    x = torch.randn(1000, device="cuda")
+    with pytest.raises(ValueError, match="argument out is on cpu but x is on cuda:0"):
+        brrr.cos(x, out=torch.empty(1000))
+    last = torch.cuda.device_count() - 1
+    y = torch.randn(1000, device=f"cuda:{last}")
+    with torch.cuda.device(0):
+        out = brrr.cos(y)
+        assert torch.cuda.current_device() == 0  # left as it was
+    torch.testing.assert_close(out, torch.cos(y))
