@@ -43,7 +43,9 @@ def chain_cases(draw):
     ndim = draw(st.integers(0, 3))
     shape, x_strides = strided(draw, ndim)
     out_strides = draw(st.lists(st.integers(-6, 6), min_size=ndim, max_size=ndim))
-    steps = draw(st.lists(st.sampled_from(UNARY + ["add_tensor", "mul_tensor"]), min_size=0, max_size=6))
+    # exp is left out: chains of it are ill-conditioned, and fp32 would rightly differ from fp64.
+    bounded = [op for op in UNARY if op != "exp"]
+    steps = draw(st.lists(st.sampled_from(bounded + ["add_tensor", "mul_tensor"]), min_size=0, max_size=6))
     dtype = draw(st.sampled_from([np.float32, np.float64, np.float16, np.int32]))
     operand_is_vector = draw(st.lists(st.booleans(), min_size=6, max_size=6))
     return shape, x_strides, out_strides, steps, dtype, operand_is_vector, draw(st.integers(0, 2**32 - 1))
