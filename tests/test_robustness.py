@@ -11,7 +11,7 @@ import torch
 
 import brrr
 from brrr import _C
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_chain import UNARY, reference_chain
 
@@ -51,7 +51,13 @@ def chain_cases(draw):
     return shape, x_strides, out_strides, steps, dtype, operand_is_vector, draw(st.integers(0, 2**32 - 1))
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# CI runs a fixed, reproducible budget; BRRR_FUZZ_EXAMPLES=N runs a longer random campaign
+# (with --hypothesis-show-statistics for its figures).
+FUZZ_EXAMPLES = int(os.environ.get("BRRR_FUZZ_EXAMPLES", "400"))
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize="BRRR_FUZZ_EXAMPLES" not in os.environ,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(chain_cases())
 def test_fuzz_chain_entry_point(case):
     shape, x_strides, out_strides, steps, dtype, vector_flags, seed = case
@@ -73,6 +79,7 @@ def test_fuzz_chain_entry_point(case):
     try:
         result = _C.chain_fwd(program, x, out, tuple(operands), -1)
     except ERRORS as error:
+        event(f"refused with {type(error).__name__}")
         assert "argument" in str(error) or "views with more than" in str(error), error
         np.testing.assert_array_equal(out_buf, np.full_like(out_buf, GUARD))
         result = None
@@ -81,6 +88,7 @@ def test_fuzz_chain_entry_point(case):
         np.testing.assert_array_equal(o, before)
     if result is None:
         return
+    event("computed")
     assert result is out
     # ... nothing outside the output view is written, and every element of it is right.
     written = np.zeros(out_buf.shape, bool)
