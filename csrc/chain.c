@@ -21,8 +21,8 @@
 #include <string.h>
 
 #define QUAL static inline
-#define REAL float
 #define FN(name) name##_f32
+#define REAL float
 #define EXP expf
 #define TANH tanhf
 #define ERF erff
@@ -31,23 +31,19 @@
 #define SINCOS(x, s, c) (*(s) = sinf(x), *(c) = cosf(x))
 #define DIV(a, b) ((a) / (b))
 #include "chain_math.inc"
-#undef REAL
+#include "chain_math_end.inc"
 #undef FN
-#undef EXP
-#undef TANH
-#undef ERF
-#undef COS
-#undef SIN
-#undef SINCOS
-#define REAL double
 #define FN(name) name##_f64
+#define REAL double
 #define EXP exp
 #define TANH tanh
 #define ERF erf
 #define COS cos
 #define SIN sin
 #define SINCOS(x, s, c) (*(s) = sin(x), *(c) = cos(x))
+#define DIV(a, b) ((a) / (b))
 #include "chain_math.inc"
+#include "chain_math_end.inc"
 
 static const struct {
     const char *name;

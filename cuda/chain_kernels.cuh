@@ -42,22 +42,13 @@ struct Precise32 {
 #define DIV(a, b) __fdividef((a), (b)) /* 2 ulp; IEEE division would call a slow-path routine */
 #include "chain_math.inc"
 #include "chain_apply.inc"
-#undef REAL
-#undef EXP
-#undef TANH
-#undef COS
-#undef SIN
-#undef SINCOS
-#undef COS_IN_RANGE
-#undef SIN_IN_RANGE
-#undef SINCOS_IN_RANGE
-#undef TRIG_PACK_OK
-#undef DIV
+#include "chain_math_end.inc"
 };
 struct Fast32 {
 #define REAL float
 #define EXP fast_exp
 #define TANH fast_tanh
+#define ERF erff
 #define COS fast_cos
 #define SIN fast_sin
 #define SINCOS fast_sincos
@@ -70,18 +61,7 @@ struct Fast32 {
 #define DIV(a, b) __fdividef((a), (b))
 #include "chain_math.inc"
 #include "chain_apply.inc"
-#undef REAL
-#undef EXP
-#undef TANH
-#undef ERF
-#undef COS
-#undef SIN
-#undef SINCOS
-#undef COS_IN_RANGE
-#undef SIN_IN_RANGE
-#undef SINCOS_IN_RANGE
-#undef TRIG_PACK_OK
-#undef DIV
+#include "chain_math_end.inc"
 };
 struct Precise64 {
 #define REAL double
@@ -98,18 +78,7 @@ struct Precise64 {
 #define DIV(a, b) ((a) / (b))
 #include "chain_math.inc"
 #include "chain_apply.inc"
-#undef REAL
-#undef EXP
-#undef TANH
-#undef ERF
-#undef COS
-#undef SIN
-#undef SINCOS
-#undef COS_IN_RANGE
-#undef SIN_IN_RANGE
-#undef SINCOS_IN_RANGE
-#undef TRIG_PACK_OK
-#undef DIV
+#include "chain_math_end.inc"
 };
 #undef FN
 #undef QUAL
