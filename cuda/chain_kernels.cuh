@@ -154,6 +154,26 @@ __device__ __forceinline__ int64_t operand_index(const FlatLaunch &L, int b, int
     return L.operand_is_vector[b] ? i % L.row_length : i;
 }
 
+// The forward program over N values at once: one dispatch per step (the program is
+// warp-uniform), operand slot `slot` of v joining at its tensor step (kOps bounds the slots).
+template <typename M, int kOps, int N, int kSlots, typename A>
+__device__ __forceinline__ void program_fwd_pack(const brrr_chain_program &p, A (&y)[N], const A (&v)[kSlots][N]) {
+    for (int k = 0; k < p.n_steps; ++k) {
+        const int op = p.steps[k].op;
+        if (op == BRRR_OP_ADD_TENSOR || op == BRRR_OP_MUL_TENSOR) {
+            const int slot = p.steps[k].operand;
+#pragma unroll
+            for (int b = 0; b < kOps; ++b) {
+                if (b != slot) continue;
+#pragma unroll
+                for (int j = 0; j < N; ++j) y[j] = op == BRRR_OP_ADD_TENSOR ? y[j] + v[b][j] : y[j] * v[b][j];
+            }
+        } else {
+            M::apply(op, static_cast<A>(p.steps[k].scalar), y);
+        }
+    }
+}
+
 // kOps: an upper bound on the program's operands (0, 1 or 4), so unused slots cost no registers.
 template <typename T, int VEC, int kOps>
 __global__ void __launch_bounds__(kThreads, contig_blocks_per_sm(kOps)) chain_fwd_contig_kernel(const __grid_constant__ FlatLaunch L) {
@@ -174,20 +194,7 @@ __global__ void __launch_bounds__(kThreads, contig_blocks_per_sm(kOps)) chain_fw
             if (b < L.program.n_operands)
                 load_pack<T, VEC>(in_ptr<T>(L.operands[b]) + operand_index(L, b, pack * VEC), operand[b] + u * VEC);
     }
-    for (int k = 0; k < L.program.n_steps; ++k) {
-        const int op = L.program.steps[k].op;
-        if (op == BRRR_OP_ADD_TENSOR || op == BRRR_OP_MUL_TENSOR) {
-            const int slot = L.program.steps[k].operand;
-#pragma unroll
-            for (int b = 0; b < kOps; ++b) {
-                if (b != slot) continue;
-#pragma unroll
-                for (int j = 0; j < N; ++j) y[j] = op == BRRR_OP_ADD_TENSOR ? y[j] + operand[b][j] : y[j] * operand[b][j];
-            }
-        } else {
-            M::apply(op, static_cast<A>(L.program.steps[k].scalar), y);
-        }
-    }
+    program_fwd_pack<M, kOps>(L.program, y, operand);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         const int64_t pack = first + (int64_t)u * kThreads;
@@ -417,20 +424,7 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_f
                 }
             }
         }
-        for (int k = 0; k < L.program.n_steps; ++k) {
-            const int op = L.program.steps[k].op;
-            if (op == BRRR_OP_ADD_TENSOR || op == BRRR_OP_MUL_TENSOR) {
-                const int slot = L.program.steps[k].operand;
-#pragma unroll
-                for (int b = 0; b < kOps; ++b) {
-                    if (b != slot) continue;
-#pragma unroll
-                    for (int j = 0; j < N; ++j) y[j] = op == BRRR_OP_ADD_TENSOR ? y[j] + v[b][j] : y[j] * v[b][j];
-                }
-            } else {
-                M::apply(op, static_cast<A>(L.program.steps[k].scalar), y);
-            }
-        }
+        program_fwd_pack<M, kOps>(L.program, y, v);
         store_row<T, VEC>(L, L.out, r, col, y);
         if (second) store_row<T, VEC>(L, L.out, r + kRowLanes, col, y + VEC);
     }
