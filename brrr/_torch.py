@@ -92,8 +92,11 @@ torch.library.register_autograd("brrr::chain", _chain_backward, setup_context=_c
 _chain_default = torch.ops.brrr.chain.default
 
 
-def _needs_autograd(x, operands):
-    return torch.is_grad_enabled() and (x.requires_grad or (operands and any(o.requires_grad for o in operands)))
+def _needs_autograd(x, others=()):
+    """Whether autograd records an op on x and `others` (tensors or None); cheap first, as this is
+    the overhead regime's hot path."""
+    return torch.is_grad_enabled() and (x.requires_grad or (
+        bool(others) and any(o is not None and o.requires_grad for o in others)))
 
 
 class _ChainFunction(torch.autograd.Function):
@@ -123,11 +126,11 @@ def _eager_out(x):
 def chain(c, x, operands, out, stream):
     """Apply Chain `c` to torch tensors: the custom op under torch.compile, an autograd.Function
     when autograd records, else straight to brrr._C (the overhead regime's hot path)."""
-    recording = _needs_autograd(x, operands)
-    if recording or torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if compiling or _needs_autograd(x, operands):
         if out is not None:
             raise ValueError("argument out: not supported when autograd records the op or under torch.compile")
-        if torch.compiler.is_compiling():
+        if compiling:
             return _chain_default(x, list(operands), c.op_names, c.scalars)
         return _ChainFunction.apply(c, x, *operands)
     if out is None:
@@ -229,11 +232,11 @@ def glu(activation, gate, up, out):
     autograd.Function when autograd records, else straight to brrr._C."""
     if up is None and gate.shape[-1] % 2:
         raise ValueError(f"argument x: the last dim must be even to split into gate and up halves, got {gate.shape[-1]}")
-    recording = _needs_autograd(gate, (up,) if up is not None else ())
-    if recording or torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if compiling or _needs_autograd(gate, (up,) if up is not None else ()):
         if out is not None:
             raise ValueError("argument out: not supported when autograd records the op or under torch.compile")
-        if torch.compiler.is_compiling():
+        if compiling:
             return _glu_default(gate, up, activation)
         return _GluFunction.apply(activation, gate, up)
     return _glu_forward(activation, gate, up, out)

@@ -16,7 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C
-from ._torch import _EXCHANGE_API, _stream
+from ._torch import _EXCHANGE_API, _needs_autograd, _stream
 from .norm import default_rms_eps, normalized_ndim
 
 Tensor = torch.Tensor
@@ -28,11 +28,6 @@ def _stats(x, k):
 
 def _shape_list(normalized_shape):
     return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
-
-
-def _recording(*tensors):
-    """Whether autograd records the call; the cheap checks first."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _eager_out(x):
@@ -248,7 +243,7 @@ _EagerAddRMSNorm = _eager_function("_EagerAddRMSNorm", _add_rms_norm_impl, _add_
 def layer_norm(x, normalized_shape, weight, bias, eps):
     if torch.compiler.is_compiling():
         return _layer_norm(x, _shape_list(normalized_shape), weight, bias, float(eps))[0]
-    if _recording(x, weight, bias):
+    if _needs_autograd(x, (weight, bias)):
         return _EagerLayerNorm.apply(x, _shape_list(normalized_shape), weight, bias, float(eps))[0]
     k = normalized_ndim(x.shape, normalized_shape)
     return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _eager_out(x), None, None, None, None, _stream(x, None))
@@ -257,7 +252,7 @@ def layer_norm(x, normalized_shape, weight, bias, eps):
 def add_layer_norm(x, residual, normalized_shape, weight, bias, eps):
     if torch.compiler.is_compiling():
         return tuple(_add_layer_norm(x, residual, _shape_list(normalized_shape), weight, bias, float(eps))[:2])
-    if _recording(x, residual, weight, bias):
+    if _needs_autograd(x, (residual, weight, bias)):
         return tuple(_EagerAddLayerNorm.apply(x, residual, _shape_list(normalized_shape), weight, bias, float(eps))[:2])
     k = normalized_ndim(x.shape, normalized_shape)
     return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _eager_out(x), None, None, residual, _eager_out(x),
@@ -268,7 +263,7 @@ def rms_norm(x, normalized_shape, weight, eps, llama):
     eps = default_rms_eps(x.dtype) if eps is None else float(eps)
     if torch.compiler.is_compiling():
         return _rms_norm(x, _shape_list(normalized_shape), weight, eps, llama)[0]
-    if _recording(x, weight):
+    if _needs_autograd(x, (weight,)):
         return _EagerRMSNorm.apply(x, _shape_list(normalized_shape), weight, eps, llama)[0]
     k = normalized_ndim(x.shape, normalized_shape)
     return _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), None, None, None, _stream(x, None))
@@ -278,7 +273,7 @@ def add_rms_norm(x, residual, normalized_shape, weight, eps, llama):
     eps = default_rms_eps(x.dtype) if eps is None else float(eps)
     if torch.compiler.is_compiling():
         return tuple(_add_rms_norm(x, residual, _shape_list(normalized_shape), weight, eps, llama)[:2])
-    if _recording(x, residual, weight):
+    if _needs_autograd(x, (residual, weight)):
         return tuple(_EagerAddRMSNorm.apply(x, residual, _shape_list(normalized_shape), weight, eps, llama)[:2])
     k = normalized_ndim(x.shape, normalized_shape)
     return _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), None, residual, _eager_out(x), _stream(x, None))

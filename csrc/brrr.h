@@ -84,8 +84,6 @@ const char *brrr_dtype_name(int32_t dtype);
 int brrr_check_same_device(const brrr_tensor *t, const brrr_tensor *ref);
 int brrr_check_same_dtype(const brrr_tensor *t, const brrr_tensor *ref);
 int brrr_check_same_shape(const brrr_tensor *t, const brrr_tensor *ref);
-/* Raise unless `t` is a floating dtype of the given set (bitmask of 1 << brrr_dtype). */
-int brrr_check_dtype_in(const brrr_tensor *t, unsigned allowed);
 /* Raise if an output could write one address twice (stride 0, or interleaved dims). */
 int brrr_check_no_internal_overlap(const brrr_tensor *out);
 /* Raise if `out` and `in` share memory; an exactly identical view passes when allow_same. */

@@ -434,9 +434,9 @@ static PyObject *chain_call(PyObject *module, PyObject *const *args, int backwar
         for (int b = 0; b < prog.n_operands; b++)
             if (a.grad_operands[b].data && !vector[b]) tensor_ids[count++] = T_GRAD_OPERANDS + b;
         int64_t packed[T_COUNT][BRRR_MAX_RANK];
+        for (int i = 0; i < count; i++) memcpy(packed[i], strides[tensor_ids[i]], sizeof packed[i]);
         int nd;
         if (any_vector_grad) {
-            for (int i = 0; i < count; i++) memcpy(packed[i], strides[tensor_ids[i]], sizeof packed[i]);
             int64_t last = shape[rank - 1];
             nd = brrr_coalesce(rank - 1, shape, count, packed);
             if (nd < 0) goto fail;
@@ -448,7 +448,8 @@ static PyObject *chain_call(PyObject *module, PyObject *const *args, int backwar
             for (int i = 0; i < count; i++) packed[i][nd] = strides[tensor_ids[i]][rank - 1];
             nd += 1;
             if (brrr_tensor_import(&call, partials_obj, "partials", 1, &a.partials) < 0) goto fail;
-            int64_t want = (int64_t)chain_partial_rows(L.numel / last) * last * prog.n_operands;
+            L.partial_rows = chain_partial_rows(L.numel / last);
+            int64_t want = L.partial_rows * last * prog.n_operands;
             int32_t acc_dtype = L.dtype == BRRR_F64 ? BRRR_F64 : BRRR_F32;
             if (brrr_check_same_device(&a.partials, &a.x) < 0) goto fail;
             if (a.partials.dtype != acc_dtype || a.partials.numel < want || a.partials.ndim != 1 || a.partials.strides[0] != 1) {
@@ -458,10 +459,8 @@ static PyObject *chain_call(PyObject *module, PyObject *const *args, int backwar
                 goto fail;
             }
             L.partials = a.partials.data;
-            L.partial_rows = chain_partial_rows(L.numel / last);
             L.row_layout = 1;
         } else {
-            for (int i = 0; i < count; i++) memcpy(packed[i], strides[tensor_ids[i]], sizeof packed[i]);
             nd = brrr_coalesce(rank, shape, count, packed);
             if (nd < 0) goto fail;
         }

@@ -416,13 +416,6 @@ int brrr_check_same_shape(const brrr_tensor *t, const brrr_tensor *ref) {
     return -1;
 }
 
-int brrr_check_dtype_in(const brrr_tensor *t, unsigned allowed) {
-    if (allowed & (1u << t->dtype)) return 0;
-    PyErr_Format(PyExc_TypeError, "argument %s: dtype %s is not supported on %s by this op", t->name,
-                 brrr_dtype_name(t->dtype), t->device_type == kDLCUDA ? "CUDA" : "the CPU");
-    return -1;
-}
-
 /* Byte range [lo, hi) that a view can touch. */
 static void extent(const brrr_tensor *t, uintptr_t *lo, uintptr_t *hi) {
     int64_t low = 0, high = 0;
