@@ -16,6 +16,10 @@ CASES = {
     "cos.cos": (lambda x: brrr.chain("cos", "cos")(x), lambda: [(ROWS, HIDDEN)]),
     "bias_gelu": (lambda x, b: brrr.bias_gelu(x, b), lambda: [(ROWS, HIDDEN), (HIDDEN,)]),
     "swiglu": (lambda x: brrr.swiglu(x), lambda: [(ROWS, 2 * HIDDEN)]),
+    "layer_norm 768": (lambda x, w, b: brrr.layer_norm(x, (768,), w, b), lambda: [(ROWS, 768), (768,), (768,)]),
+    "layer_norm": (lambda x, w, b: brrr.layer_norm(x, (HIDDEN,), w, b), lambda: [(ROWS, HIDDEN), (HIDDEN,), (HIDDEN,)]),
+    "rms_norm 768": (lambda x, w: brrr.rms_norm(x, (768,), w), lambda: [(ROWS, 768), (768,)]),
+    "rms_norm": (lambda x, w: brrr.rms_norm(x, (HIDDEN,), w), lambda: [(ROWS, HIDDEN), (HIDDEN,)]),
 }
 
 
@@ -43,7 +47,7 @@ def main(profile=True):
                 torch.cuda.synchronize()
             print(f"== {name} {dtype}")
             for evt in prof.key_averages():
-                if evt.device_time_total > 0 and ("brrr" in evt.key or "chain" in evt.key or "kernel" in evt.key.lower()):
+                if evt.device_time_total > 0 and ("brrr" in evt.key or "chain" in evt.key or "norm" in evt.key or "kernel" in evt.key.lower()):
                     print(f"  {evt.key[:90]:90s} n={evt.count:3d} avg_device_us={evt.device_time_total / evt.count:9.1f}")
     x = torch.randn(1024, device="cuda")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

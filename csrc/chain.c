@@ -25,7 +25,8 @@
 #define REAL float
 #define EXP expf
 #define TANH tanhf
-#define ERF erff
+/* erfc below zero: 1 + erff cancels to 0 in the left tail, where half storage still resolves gelu. */
+#define ONE_PLUS_ERF(z) ((z) >= 0.0f ? 1.0f + erff(z) : erfcf(-(z)))
 #define COS cosf
 #define SIN sinf
 #define SINCOS(x, s, c) (*(s) = sinf(x), *(c) = cosf(x))
@@ -37,7 +38,7 @@
 #define REAL double
 #define EXP exp
 #define TANH tanh
-#define ERF erf
+#define ONE_PLUS_ERF(z) (1.0 + erf(z))
 #define COS cos
 #define SIN sin
 #define SINCOS(x, s, c) (*(s) = sin(x), *(c) = cos(x))

@@ -31,7 +31,7 @@ struct Precise32 {
 #define REAL float
 #define EXP expf
 #define TANH tanhf
-#define ERF erff
+#define ONE_PLUS_ERF(z) (1.0f + erff(z))
 #define COS precise_cos
 #define SIN precise_sin
 #define SINCOS precise_sincos
@@ -48,7 +48,7 @@ struct Fast32 {
 #define REAL float
 #define EXP fast_exp
 #define TANH fast_tanh
-#define ERF erff
+#define ONE_PLUS_ERF fast_one_plus_erf
 #define COS fast_cos
 #define SIN fast_sin
 #define SINCOS fast_sincos
@@ -67,7 +67,7 @@ struct Precise64 {
 #define REAL double
 #define EXP exp
 #define TANH tanh
-#define ERF erf
+#define ONE_PLUS_ERF(z) (1.0 + erf(z))
 #define COS cos
 #define SIN sin
 #define SINCOS sincos_f64
@@ -357,25 +357,22 @@ struct RowSlice {
     }
 };
 
-// Load VEC consecutive columns of row r (a pack when VEC > 1: the launcher checked alignment).
+__device__ __forceinline__ const void *row_address(const brrr_chain_launch &L, const brrr_view &v, int64_t r, int64_t col, int size) {
+    return static_cast<const char *>(v.data) + row_element(L, v, r, col) * size;
+}
+
 template <typename T, int VEC, typename A>
-__device__ __forceinline__ void load_row(const brrr_chain_launch &L, const brrr_view &v, int64_t r, int64_t col, A *out) {
-    const T *p = in_ptr<T>(v) + row_element(L, v, r, col);
-    if (VEC > 1) {
-        load_pack<T, VEC>(p, out);
-    } else {
-        out[0] = to_float(p[0]);
-    }
+__device__ __forceinline__ void unpack(const Pack<T, VEC> &pk, A *out) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = to_float(pk.v[j]);
 }
 
 template <typename T, int VEC, typename A>
 __device__ __forceinline__ void store_row(const brrr_chain_launch &L, const brrr_view &v, int64_t r, int64_t col, const A *in) {
-    T *p = out_ptr<T>(v) + row_element(L, v, r, col);
-    if (VEC > 1) {
-        store_pack<T, VEC>(p, in);
-    } else {
-        p[0] = to_storage<T, A>(in[0]);
-    }
+    Pack<T, VEC> pk;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) pk.v[j] = to_storage<T, A>(in[j]);
+    *reinterpret_cast<Pack<T, VEC> *>(out_ptr<T>(v) + row_element(L, v, r, col)) = pk;
 }
 
 // Vector operands are the same on every row: each thread reads its columns of them once.
@@ -390,43 +387,93 @@ __device__ __forceinline__ void load_vector_operands(const brrr_chain_launch &L,
     }
 }
 
+// The row kernels keep kStages rows per tensor in flight for each thread: its 16-byte slices of
+// the next rows are copied into shared memory (cp.async, no registers held) while it computes the
+// current one. Each thread reads back only the slots it filled, so no barrier is needed. Loading
+// into registers instead held two rows per warp at most: ~24 KB in flight per SM, too little to
+// cover the memory latency (the bf16 row kernels ran at 45-60% of the copy bandwidth); more rows
+// in registers spilled (the step math over a pack needs most of the 80-register budget).
+// Slots: x, grad_out (backward), then one per operand (a vector operand's slot stays unused).
+template <int kOps, bool kBackward> constexpr int row_stages() { return kOps <= 1 ? (kBackward ? 3 : 4) : (kBackward ? 1 : 2); }
+
+template <typename T, int VEC, int kOps, bool kBackward>
+struct RowPipeline {
+    static constexpr int kStages = row_stages<kOps, kBackward>();
+    static constexpr int kTensors = (kBackward ? 2 : 1) + kOps;
+    Pack<T, VEC> slot[kStages][kTensors][kRowLanes][kTileCols];
+
+    __device__ const brrr_view &view(const brrr_chain_launch &L, int t) const {
+        return t == 0 ? L.x : (kBackward && t == 1) ? L.grad_out : L.operands[t - (kBackward ? 2 : 1)];
+    }
+    __device__ bool used(const brrr_chain_launch &L, int t) const {
+        const int b = t - (kBackward ? 2 : 1);
+        return b < 0 || (b < L.program.n_operands && !L.operand_is_vector[b]);
+    }
+    // Starts the copies of row `row` (none past the slice's end) into stage s, as one group.
+    __device__ void fetch(const brrr_chain_launch &L, int64_t row, int64_t end, int64_t col, int s) {
+        if (row < end) {
+#pragma unroll
+            for (int t = 0; t < kTensors; ++t) {
+                if (!used(L, t)) continue;
+                const void *src = row_address(L, view(L, t), row, col, sizeof(T));
+                Pack<T, VEC> *dst = &slot[s][t][threadIdx.y][threadIdx.x];
+                if (VEC > 1) copy_async16(dst, src);
+                else *dst = *static_cast<const Pack<T, VEC> *>(src);  // strided columns: no 16-byte copy
+            }
+        }
+        copy_async_commit();  // an empty group past the end keeps the wait counts in step
+    }
+    __device__ const Pack<T, VEC> &get(int s, int t) const { return slot[s][t][threadIdx.y][threadIdx.x]; }
+};
+
+// One row's operand values: its row of each tensor operand (from the pipeline), the resident
+// columns of each vector operand.
+template <int VEC, int kOps, int kSlots, typename P, typename A>
+__device__ __forceinline__ void row_operands(const brrr_chain_launch &L, const P &pipe, int s, int first_operand_slot,
+                                             const A (&vector_value)[kSlots][VEC], A (&v)[kSlots][VEC]) {
+#pragma unroll
+    for (int b = 0; b < kSlots; ++b) {
+        if (b < kOps && b < L.program.n_operands && L.operand_is_vector[b]) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[b][j] = vector_value[b][j];
+        } else if (b < kOps && b < L.program.n_operands) {
+            unpack(pipe.get(s, first_operand_slot + b), v[b]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[b][j] = A(0);
+        }
+    }
+}
+
 // Row layout, forward: rows with arbitrary strides, columns with stride 1 (VEC > 1) or any.
-// Each warp takes two of its rows per iteration, all loads before any compute.
 template <typename T, int VEC, int kOps>
 __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_fwd_rows_kernel(const __grid_constant__ brrr_chain_launch L) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
+    using Pipe = RowPipeline<T, VEC, kOps, false>;
     constexpr int kSlots = kOps > 0 ? kOps : 1;
-    constexpr int N = 2 * VEC;
-    const int nops = L.program.n_operands;
+    constexpr int S = Pipe::kStages;
+    __shared__ Pipe pipe;
     const int64_t cols = L.row_length;
     const RowSlice slice(L.numel / cols);
     const int64_t col = ((int64_t)blockIdx.x * kTileCols + threadIdx.x) * VEC;
     if (col >= cols) return;  // no barrier in this kernel
     A vector_value[kSlots][VEC];
     load_vector_operands<T, VEC, kSlots>(L, col, true, vector_value);
-    for (int64_t r = slice.begin + threadIdx.y; r < slice.end; r += 2 * kRowLanes) {
-        const bool second = r + kRowLanes < slice.end;
-        A y[N] = {}, v[kSlots][N] = {};
+    const int64_t first = slice.begin + threadIdx.y;
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            if (u == 1 && !second) continue;
-            const int64_t row = r + u * kRowLanes;
-            load_row<T, VEC>(L, L.x, row, col, y + u * VEC);
-#pragma unroll
-            for (int b = 0; b < kOps; ++b) {
-                if (b >= nops) continue;
-                if (L.operand_is_vector[b]) {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) v[b][u * VEC + j] = vector_value[b][j];
-                } else {
-                    load_row<T, VEC>(L, L.operands[b], row, col, v[b] + u * VEC);
-                }
-            }
-        }
+    for (int s = 0; s < S; ++s) pipe.fetch(L, first + (int64_t)s * kRowLanes, slice.end, col, s);
+    int s = 0;
+    for (int64_t r = first; r < slice.end; r += kRowLanes) {
+        copy_async_wait<S - 1>();  // row r's group, the oldest, has landed
+        A y[VEC], v[kSlots][VEC];
+        unpack(pipe.get(s, 0), y);
+        row_operands<VEC, kOps>(L, pipe, s, 1, vector_value, v);
         program_fwd_pack<M, kOps>(L.program, y, v);
         store_row<T, VEC>(L, L.out, r, col, y);
-        if (second) store_row<T, VEC>(L, L.out, r + kRowLanes, col, y + VEC);
+        // Refilled only after its values were used, so the copy cannot overwrite them unread.
+        pipe.fetch(L, r + (int64_t)S * kRowLanes, slice.end, col, s);
+        s = s + 1 == S ? 0 : s + 1;
     }
 }
 
@@ -437,7 +484,10 @@ template <typename T, int VEC, int kOps>
 __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_bwd_rows_kernel(const __grid_constant__ brrr_chain_launch L) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
+    using Pipe = RowPipeline<T, VEC, kOps, true>;
     constexpr int kSlots = kOps > 0 ? kOps : 1;
+    constexpr int S = Pipe::kStages;
+    __shared__ Pipe pipe;
     __shared__ A lanes[kRowLanes][kTileCols * VEC];
     const int nops = L.program.n_operands;
     const int64_t cols = L.row_length;
@@ -451,21 +501,17 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_b
     for (int b = 0; b < kSlots; ++b)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) acc[b][j] = A(0);
-    for (int64_t r = slice.begin + threadIdx.y; active && r < slice.end; r += kRowLanes) {
-        A y[VEC], g[VEC], v[kSlots][VEC] = {};
-        load_row<T, VEC>(L, L.x, r, col, y);
-        load_row<T, VEC>(L, L.grad_out, r, col, g);
+    const int64_t first = slice.begin + threadIdx.y;
+    const int64_t end = active ? slice.end : first;  // idle columns fetch and compute nothing
 #pragma unroll
-        for (int b = 0; b < kOps; ++b) {
-            if (b >= nops) continue;
-            if (L.operand_is_vector[b]) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) v[b][j] = vector_value[b][j];
-            } else {
-                load_row<T, VEC>(L, L.operands[b], r, col, v[b]);
-            }
-        }
-        A dx[VEC], d_operand[kSlots][VEC];
+    for (int s = 0; s < S; ++s) pipe.fetch(L, first + (int64_t)s * kRowLanes, end, col, s);
+    int s = 0;
+    for (int64_t r = first; r < end; r += kRowLanes) {
+        copy_async_wait<S - 1>();
+        A y[VEC], g[VEC], v[kSlots][VEC], dx[VEC], d_operand[kSlots][VEC];
+        unpack(pipe.get(s, 0), y);
+        unpack(pipe.get(s, 1), g);
+        row_operands<VEC, kOps>(L, pipe, s, 2, vector_value, v);
         program_grad_pack<M>(L.program, y, v, dx, d_operand);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -484,6 +530,8 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_b
                 store_row<T, VEC>(L, L.grad_operands[b], r, col, d_operand[b]);
             }
         }
+        pipe.fetch(L, r + (int64_t)S * kRowLanes, end, col, s);
+        s = s + 1 == S ? 0 : s + 1;
     }
     if (!L.partials) return;  // uniform across the block: no vector operand needs a gradient
 #pragma unroll
@@ -506,19 +554,31 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_b
     }
 }
 
-// grad_operand[c] = sum over row slices p (in order) of partials[b][p][c].
+// grad_operand[c] = the per-slice partials[b][p][c] summed in a fixed order: lane l of a block
+// sums slices l, l + kRowLanes, ... in turn, then lane 0 sums the lanes in order. A block per
+// 32 columns (one thread per column and slice took 31 us for 4096 columns: 16 blocks, 256
+// dependent loads each).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) chain_vector_grad_kernel(const __grid_constant__ brrr_chain_launch L) {
+__global__ void __launch_bounds__(kTileCols *kRowLanes) chain_vector_grad_kernel(const __grid_constant__ brrr_chain_launch L) {
     using A = typename Compute<T>::type;
+    __shared__ A lanes[kRowLanes][kTileCols];
     const int64_t cols = L.row_length;
-    const int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-    if (c >= cols) return;
+    const int64_t c = (int64_t)blockIdx.x * kTileCols + threadIdx.x;
     for (int b = 0; b < L.program.n_operands; ++b) {
-        if (!L.operand_is_vector[b] || !L.grad_operands[b].data) continue;
+        if (!L.operand_is_vector[b] || !L.grad_operands[b].data) continue;  // uniform across the block
         const A *part = static_cast<const A *>(L.partials) + (int64_t)b * L.partial_rows * cols + c;
         A s = A(0);
-        for (int64_t p = 0; p < L.partial_rows; ++p) s += part[p * cols];
-        out_ptr<T>(L.grad_operands[b])[c * L.grad_operands[b].strides[0]] = to_storage<T, A>(s);
+        if (c < cols)
+            for (int64_t p = threadIdx.y; p < L.partial_rows; p += kRowLanes) s += part[p * cols];
+        lanes[threadIdx.y][threadIdx.x] = s;
+        __syncthreads();
+        if (threadIdx.y == 0 && c < cols) {
+            A total = A(0);
+#pragma unroll
+            for (int lane = 0; lane < kRowLanes; ++lane) total += lanes[lane][threadIdx.x];
+            out_ptr<T>(L.grad_operands[b])[c * L.grad_operands[b].strides[0]] = to_storage<T, A>(total);
+        }
+        __syncthreads();
     }
 }
 
@@ -612,7 +672,7 @@ static void launch_bwd(const brrr_chain_launch &L, int device, cudaStream_t stre
         else
             chain_bwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1, device), row_block, 0, stream>>>(L);
         if (L.partials)
-            chain_vector_grad_kernel<T><<<(unsigned)((L.row_length + kThreads - 1) / kThreads), kThreads, 0, stream>>>(L);
+            chain_vector_grad_kernel<T><<<(unsigned)((L.row_length + kTileCols - 1) / kTileCols), dim3(kTileCols, kRowLanes), 0, stream>>>(L);
     } else if (L.contiguous && all_aligned(L, true) && (!has_vector_operand(L) || L.row_length % VEC == 0)) {
         chain_bwd_contig_kernel<T, VEC, kOps><<<grid_for_packs(L.numel / VEC), kThreads, 0, stream>>>(flat_launch(L));
     } else if (L.contiguous) {

@@ -47,12 +47,42 @@ __device__ __forceinline__ void store_pack(T *p, const A *in) {
     *reinterpret_cast<Pack<T, N> *>(p) = pk;
 }
 
+// 16 bytes global -> shared without passing through registers (cp.async, sm_80+; .cg skips L1).
+// Both addresses must be 16-byte aligned. Completes asynchronously: see copy_async_wait.
+__device__ __forceinline__ void copy_async16(void *smem, const void *gmem) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N> __device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
 // Elementary functions. Two things keep elementwise kernels memory-bound on Hopper: no work on
 // the conversion/MUFU pipe beyond one op per function (it runs at 1/8 of the FMA rate: F2I, I2F
 // and FRND in a range reduction cost as much as the memory traffic of a bf16 element), and, for
 // float16/bfloat16 storage, hardware approximations whose error (MUFU.SIN ~2^-21 absolute after
 // an exact reduction, tanh.approx ~2^-11 relative) vanishes in the 8-11 bit result.
 __device__ __forceinline__ float fast_exp(float x) { return __expf(x); }
+// 1 + erf(z) for half-precision storage, in two MUFU ops and ~14 FMA-pipe instructions (erff is
+// ~35, which made bf16 gelu compute-bound): erfc(|z|) = t Q(t) exp(-z^2) with t = 1 / (1 + |z|/2)
+// and Q a degree-8 fit of erfc(z) exp(z^2) / t on [0, 10]; then 1 + erf(z) = 2 - erfc(z) for
+// z >= 0 and erfc(-z) below, so the left tail keeps its relative accuracy (fp32 1 + erff cancels
+// to 0 there). Relative error <= 1e-5 (measured against mpmath, with __expf's error included).
+__device__ __forceinline__ float fast_one_plus_erf(float z) {
+    const float a = fabsf(z);
+    const float t = __fdividef(1.0f, fmaf(0.5f, a, 1.0f));
+    float q = -5.902037854e-02f;
+    q = fmaf(q, t, 2.843514223e-01f);
+    q = fmaf(q, t, -4.867668635e-01f);
+    q = fmaf(q, t, 2.776079514e-01f);
+    q = fmaf(q, t, -2.633550840e-02f);
+    q = fmaf(q, t, 2.025755606e-01f);
+    q = fmaf(q, t, 2.431289602e-01f);
+    q = fmaf(q, t, 2.823722423e-01f);
+    q = fmaf(q, t, 2.820865712e-01f);
+    const float erfc_a = t * q * __expf(-a * a);
+    return z >= 0.0f ? 2.0f - erfc_a : erfc_a;
+}
 __device__ __forceinline__ float fast_tanh(float x) {
     float y;
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
