@@ -18,7 +18,8 @@ seed=None draws a seed from PyTorch's default CPU generator (torch.randint(2**63
 torch.manual_seed makes runs reproducible; NumPy and other arrays need an explicit seed. Under
 torch.compile that draw is a host value (.item()): dynamo breaks the graph there unless
 torch._dynamo.config.capture_scalar_outputs is set, and an explicit seed keeps one graph.
-Different offsets with one seed give independent masks (a layer index or a step, say).
+Different offsets with one seed give independent masks (a layer index or a step, say). seed and
+offset are ints in [0, 2**63), as torch.library's int arguments are int64.
 """
 
 import numbers
@@ -58,7 +59,7 @@ def bias_dropout_add(x, bias, residual, p, training=True, seed=None, offset=0):
     if torch is not None:
         from . import _torch_dropout
 
-        return _torch_dropout.bias_dropout_add(x, bias, residual, p, seed, int(offset))
+        return _torch_dropout.bias_dropout_add(x, bias, residual, p, None if seed is None else int(seed), int(offset))
     if seed is None:
         raise TypeError("argument seed: required for inputs that are not PyTorch tensors")
     out = None if type(x).__module__ == "numpy" else empty_like(x)  # brrr._C allocates NumPy outputs
