@@ -208,3 +208,34 @@ def test_fused_forward_backward(recorder, op):
             recorder.add_timing(pass_="fwd", ms=fwd_ms, bytes_moved=fwd_passes * unit, **common)
             recorder.add_timing(pass_="fwd+bwd", ms=time_ms(_fwd_bwd(fn, inputs, grad)), bytes_moved=all_passes * unit,
                                 saved_bytes=held, input_bytes=sum(t.numel() * t.element_size() for t in inputs), **common)
+
+
+def test_bias_dropout_add(recorder):
+    """residual + dropout(x + bias, p) against eager and torch.compile of the same expression.
+    The masks differ (each draws its own), so brrr is checked against float math on its own mask,
+    read off a call with x = 1, residual = 0 and the same seed. Floor: the forward reads x,
+    residual and bias and writes out; forward+backward also reads grad and writes grad_x and
+    grad_bias (grad_residual is grad itself)."""
+    p, seed = 0.1, 1234
+    ours = lambda x, b, r: brrr.bias_dropout_add(x, b, r, p, seed=seed)  # noqa: E731
+    eager = lambda x, b, r: r + F.dropout(x + b, p)  # noqa: E731
+    for dtype in DTYPES:
+        x, r = (torch.randn(ROWS, HIDDEN, device=device(), dtype=dtype, requires_grad=True) for _ in range(2))
+        b = torch.randn(HIDDEN, device=device(), dtype=dtype, requires_grad=True)
+        grad = torch.randn(ROWS, HIDDEN, device=device(), dtype=dtype)
+        with torch.no_grad():
+            keep = brrr.bias_dropout_add(torch.ones_like(x), None, torch.zeros_like(r), p, seed=seed) != 0
+            check(ours(x, b, r), torch.where(keep, (x.float() + b.float()) / (1 - p), 0.0) + r.float(), dtype)
+        assert abs(keep.float().mean().item() - (1 - p)) < 1e-2
+        unit, vector = ROWS * HIDDEN * x.element_size(), HIDDEN * x.element_size()
+        inputs = [x, b, r]
+        impls = {"brrr": ours, "eager": eager, "compile": compiled(eager) if not QUICK else None}
+        for impl, fn in impls.items():
+            if fn is None:
+                continue
+            with torch.no_grad():
+                fwd_ms = time_ms(lambda: fn(*inputs))
+            common = dict(family="fused", op="bias_dropout_add", dtype=dtype, shape=(ROWS, HIDDEN), impl=impl)
+            recorder.add_timing(pass_="fwd", ms=fwd_ms, bytes_moved=3 * unit + vector, **common)
+            recorder.add_timing(pass_="fwd+bwd", ms=time_ms(_fwd_bwd(fn, inputs, grad)), bytes_moved=5 * unit + 2 * vector,
+                                saved_bytes=_held_bytes(fn, inputs), input_bytes=2 * unit + vector, **common)

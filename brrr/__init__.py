@@ -20,6 +20,7 @@ from .chain import (
     tanh,
 )
 from .glu import bias_gelu, bias_silu, geglu, swiglu
+from .dropout import bias_dropout_add
 from .diagnose import diagnose
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
@@ -67,6 +68,7 @@ __all__ = [
     "use_fused",
     "add_layer_norm",
     "add_rms_norm",
+    "bias_dropout_add",
     "bias_gelu",
     "bias_silu",
     "geglu",

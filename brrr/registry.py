@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from . import _C
 from .chain import gelu, relu, sigmoid, silu, tanh
+from .dropout import bias_dropout_add
 from .glu import bias_gelu, bias_silu, geglu, swiglu
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
@@ -72,6 +73,11 @@ def _glu_ok(gate, up=None, *args, **kwargs):
     return gate.shape[-1] % 2 == 0 if up is None else up.shape == gate.shape
 
 
+def _bias_dropout_add_ok(x, bias, residual, *args, **kwargs):
+    return (_tensor_ok(x) and _same_kind(x, bias, residual) and isinstance(residual, torch.Tensor) and
+            residual.shape == x.shape and (bias is None or (x.dim() >= 1 and bias.shape == x.shape[-1:])))
+
+
 def _layer_norm_ok(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     return _tensor_ok(x) and _norm_params_ok(x, weight, bias)
 
@@ -107,6 +113,11 @@ def _torch_add_layer_norm(x, residual, normalized_shape, weight=None, bias=None,
 def _torch_add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
     h = x + residual
     return _torch_rms_norm(h, normalized_shape, weight, eps, cast_order=cast_order), h
+
+
+def _torch_bias_dropout_add(x, bias, residual, p, training=True, seed=None, offset=0):
+    """PyTorch's own dropout, which draws from torch's generator: seed and offset are ignored."""
+    return residual + F.dropout(x if bias is None else x + bias, p, training)
 
 
 def _torch_bias_act(act):
@@ -220,6 +231,7 @@ for _name, _ref, _impl, _ok in [
     ("tanh", torch.tanh, tanh, _unary_ok),
     ("bias_gelu", _torch_bias_act(F.gelu), bias_gelu, _bias_ok),
     ("bias_silu", _torch_bias_act(F.silu), bias_silu, _bias_ok),
+    ("bias_dropout_add", _torch_bias_dropout_add, bias_dropout_add, _bias_dropout_add_ok),
     ("swiglu", _torch_glu(F.silu), swiglu, _glu_ok),
     ("geglu", _torch_glu(F.gelu), geglu, _glu_ok),
     ("layer_norm", F.layer_norm, layer_norm, _layer_norm_ok),

@@ -100,6 +100,13 @@ int brrr_cuda_result(int error, const char *op);
  * rewritten; returns the new rank, or -1 (ValueError) above BRRR_MAX_DIMS. */
 int brrr_coalesce(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_MAX_RANK]);
 
+/* Rows of the scratch of a CUDA bias gradient (float32, float64 for float64), per bias: fixed by
+ * the row count alone, so that the gradient is bitwise identical on every GPU. */
+static inline int64_t brrr_bias_partial_rows(int64_t rows) {
+    int64_t p = (rows + 63) / 64;
+    return p < 1 ? 1 : (p > 512 ? 512 : p);
+}
+
 /* Half-type conversions for the CPU kernels (round to nearest even, NaN kept quiet). */
 static inline float brrr_bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v = {(uint32_t)h << 16};

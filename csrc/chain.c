@@ -282,12 +282,6 @@ static void strides_over_x(const brrr_tensor *t, int vector, int rank, int64_t *
     }
 }
 
-static int64_t chain_partial_rows(int64_t rows) {
-    /* Fixed by the row count alone, so a bias gradient is bitwise identical on every GPU. */
-    int64_t p = (rows + 63) / 64;
-    return p < 1 ? 1 : (p > 512 ? 512 : p);
-}
-
 PyObject *brrr_py_chain_partial_rows(PyObject *module, PyObject *arg) {
     (void)module;
     long long rows = PyLong_AsLongLong(arg);
@@ -296,7 +290,7 @@ PyObject *brrr_py_chain_partial_rows(PyObject *module, PyObject *arg) {
         PyErr_SetString(PyExc_ValueError, "argument rows: must be >= 0");
         return NULL;
     }
-    return PyLong_FromLongLong(chain_partial_rows(rows));
+    return PyLong_FromLongLong(brrr_bias_partial_rows(rows));
 }
 
 /* The shared body of forward (backward == 0) and backward. */
@@ -449,7 +443,7 @@ static PyObject *chain_call(PyObject *module, PyObject *const *args, int backwar
             for (int i = 0; i < count; i++) packed[i][nd] = strides[tensor_ids[i]][rank - 1];
             nd += 1;
             if (brrr_tensor_import(&call, partials_obj, "partials", 1, &a.partials) < 0) goto fail;
-            L.partial_rows = chain_partial_rows(L.numel / last);
+            L.partial_rows = brrr_bias_partial_rows(L.numel / last);
             int64_t want = L.partial_rows * last * prog.n_operands;
             int32_t acc_dtype = L.dtype == BRRR_F64 ? BRRR_F64 : BRRR_F32;
             if (brrr_check_same_device(&a.partials, &a.x) < 0) goto fail;

@@ -15,6 +15,8 @@ PyObject *brrr_py_layer_norm_bwd(PyObject *module, PyObject *const *args, Py_ssi
 PyObject *brrr_py_rms_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *brrr_py_rms_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *brrr_py_norm_partial_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *brrr_py_dropout_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *brrr_py_dropout_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 brrr_state *brrr_get_state(PyObject *module) { return (brrr_state *)PyModule_GetState(module); }
 
@@ -72,6 +74,10 @@ static PyMethodDef methods[] = {
      "stream) -> grad_x"},
     {"norm_partial_rows", (PyCFunction)(void (*)(void))brrr_py_norm_partial_rows, METH_FASTCALL,
      "norm_partial_rows(rows, cols) -> int: rows of the CUDA backward's partials scratch per weight/bias gradient."},
+    {"dropout_fwd", (PyCFunction)(void (*)(void))brrr_py_dropout_fwd, METH_FASTCALL,
+     "dropout_fwd(x, bias, residual, out, p, seed, offset, stream) -> out = residual + dropout(x + bias, p)"},
+    {"dropout_bwd", (PyCFunction)(void (*)(void))brrr_py_dropout_bwd, METH_FASTCALL,
+     "dropout_bwd(grad_out, grad_x, grad_bias, partials, p, seed, offset, stream) -> grad_x"},
     {NULL, NULL, 0, NULL},
 };
 

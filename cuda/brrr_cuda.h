@@ -134,6 +134,36 @@ int brrr_cuda_norm_fwd(const brrr_norm_launch *launch, int device, void *stream)
 int brrr_cuda_norm_bwd(const brrr_norm_launch *launch, int device, void *stream);
 /* ---- end LayerNorm / RMSNorm ---- */
 
+/* ---- bias + dropout + residual add (csrc/dropout.c, cuda/dropout*.cu) ---------------------
+ * out = residual + keep(i) * (x + bias) * scale, element i being the logical row-major index in
+ * x's shape: the glue merges adjacent dims but never reorders them, so the row-major index over
+ * `shape` is that index whatever the memory layout. keep(i): word i % 4 of
+ * brrr_dropout_randoms(seed, offset, i / 4) (philox.h) is >= threshold. The backward is the
+ * same launch with x = grad_out, out = grad_x and no residual or bias; with grad_bias it also
+ * sums grad_x over rows (the last dim stays last: row_layout) through `partials`, in a fixed
+ * order. Dropped elements are exactly 0, also where x + bias is inf or NaN. */
+typedef struct {
+    int32_t dtype;             /* brrr_dtype of every tensor */
+    int32_t ndim;              /* >= 1 after merging */
+    int32_t contiguous;        /* ndim == 1 and x, residual, out have stride 1: memory order = logical order */
+    int32_t row_layout;        /* shape[ndim - 1] is x's last dim (set when grad_bias is) */
+    int64_t numel, cols;       /* cols: x's last dim (1 for a 0-d x) */
+    int64_t shape[BRRR_MAX_DIMS];
+    uint64_t seed, offset;
+    uint64_t threshold;        /* floor(p * 2^32): 0 keeps every element, 2^32 (p == 1) none */
+    double scale;              /* 1 / (1 - p); 0 when p == 1 */
+    brrr_view x, residual, out; /* residual.data NULL: no residual */
+    void *bias;                /* NULL: none; element c at c * bias_stride */
+    int64_t bias_stride;
+    void *grad_bias;           /* backward: NULL, or the [cols] result at grad_bias_stride */
+    int64_t grad_bias_stride;
+    void *partials;            /* [partial_rows][cols] of float (double for float64) */
+    int64_t partial_rows;      /* 0 when there are no rows */
+} brrr_dropout_launch;
+
+int brrr_cuda_dropout(const brrr_dropout_launch *launch, int device, void *stream);
+/* ---- end bias + dropout + residual add ---- */
+
 int brrr_cuda_device_count(int *count);
 int brrr_cuda_runtime_version(int *version);
 int brrr_cuda_driver_version(int *version);

@@ -1,0 +1,99 @@
+"""PyTorch integration of bias_dropout_add: torch.library custom operators with fake kernels and
+registered autograd (torch.compile traces them without graph breaks), an eager autograd.Function,
+and the direct call into brrr._C when autograd records nothing.
+
+Nothing is saved for the backward but p, seed and offset: brrr::bias_dropout_add_backward draws
+the mask again and returns [grad_x] (+ [grad_bias]); grad_residual is the incoming gradient itself.
+"""
+
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _C
+from ._torch import _eager_out, _needs_autograd, _stream
+
+Tensor = torch.Tensor
+
+
+def _forward_impl(x: Tensor, bias: Optional[Tensor], residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
+    return _C.dropout_fwd(x, bias, residual, torch.empty_like(x), p, seed, offset, _stream(x, None))
+
+
+def _backward_impl(grad: Tensor, p: float, seed: int, offset: int, bias_grad: bool) -> list[Tensor]:
+    """[grad_x] or [grad_x, grad_bias]: the mask of (p, seed, offset) applied to grad."""
+    grad_x = torch.empty_like(grad)
+    grad_bias = grad.new_empty(grad.shape[-1:]) if bias_grad else None
+    partials = None
+    if bias_grad and grad.is_cuda:
+        cols = grad.shape[-1]
+        rows = grad.numel() // cols if cols else 0
+        partials = grad.new_empty(_C.chain_partial_rows(rows) * cols,
+                                  dtype=torch.float64 if grad.dtype == torch.float64 else torch.float32)
+    _C.dropout_bwd(grad, grad_x, grad_bias, partials, p, seed, offset, _stream(grad, None))
+    return [grad_x] if grad_bias is None else [grad_x, grad_bias]
+
+
+bias_dropout_add_op = torch.library.custom_op("brrr::bias_dropout_add", mutates_args=())(_forward_impl)
+backward_op = torch.library.custom_op("brrr::bias_dropout_add_backward", mutates_args=())(_backward_impl)
+
+
+@bias_dropout_add_op.register_fake
+def _forward_fake(x, bias, residual, p, seed, offset):
+    return torch.empty_like(x)
+
+
+@backward_op.register_fake
+def _backward_fake(grad, p, seed, offset, bias_grad):
+    return [torch.empty_like(grad)] + ([grad.new_empty(grad.shape[-1:])] if bias_grad else [])
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, _, ctx.p, ctx.seed, ctx.offset = inputs
+
+
+def _grads(ctx, grad, backward):
+    """The gradients of (x, bias, residual); None where none is asked for."""
+    need_x, need_bias, need_residual = ctx.needs_input_grad[:3]
+    grad_x = grad_bias = None
+    if need_x or need_bias:
+        grads = backward(grad, ctx.p, ctx.seed, ctx.offset, need_bias)
+        grad_x, grad_bias = grads[0] if need_x else None, grads[1] if need_bias else None
+    return grad_x, grad_bias, grad if need_residual else None
+
+
+def _backward(ctx, grad):
+    return (*_grads(ctx, grad, backward_op), None, None, None)
+
+
+torch.library.register_autograd("brrr::bias_dropout_add", _backward, setup_context=_setup_context)
+
+_bias_dropout_add = torch.ops.brrr.bias_dropout_add.default
+
+
+class _BiasDropoutAddFunction(torch.autograd.Function):
+    """Eager autograd without the custom op's dispatcher and Python layers (see _ChainFunction)."""
+
+    @staticmethod
+    def forward(ctx, x, bias, residual, p, seed, offset):
+        ctx.p, ctx.seed, ctx.offset = p, seed, offset
+        return _C.dropout_fwd(x, bias, residual, _eager_out(x), p, seed, offset, _stream(x, None))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return (*_grads(ctx, grad, _backward_impl), None, None, None)
+
+
+def bias_dropout_add(x, bias, residual, p, seed, offset):
+    """brrr.bias_dropout_add on torch tensors (arguments checked): the custom op under
+    torch.compile, the autograd.Function when autograd records, else straight to brrr._C."""
+    if seed is None:
+        # torch's default CPU generator, so that torch.manual_seed makes runs reproducible.
+        seed = int(torch.randint(2**63 - 1, (1,)).item())
+    if torch.compiler.is_compiling():
+        return _bias_dropout_add(x, bias, residual, p, seed, offset)
+    if _needs_autograd(x, (bias, residual)):
+        return _BiasDropoutAddFunction.apply(x, bias, residual, p, seed, offset)
+    return _C.dropout_fwd(x, bias, residual, _eager_out(x), p, seed, offset, _stream(x, None))
