@@ -15,6 +15,8 @@ ROWS, HIDDEN = 16384, 4096
 CASES = {
     "cos.cos": (lambda x: brrr.chain("cos", "cos")(x), lambda: [(ROWS, HIDDEN)]),
     "bias_gelu": (lambda x, b: brrr.bias_gelu(x, b), lambda: [(ROWS, HIDDEN), (HIDDEN,)]),
+    "bias_gelu_tanh": (lambda x, b: brrr.bias_gelu(x, b, approximate="tanh"), lambda: [(ROWS, HIDDEN), (HIDDEN,)]),
+    "bias_silu": (lambda x, b: brrr.bias_silu(x, b), lambda: [(ROWS, HIDDEN), (HIDDEN,)]),
     "swiglu": (lambda x: brrr.swiglu(x), lambda: [(ROWS, 2 * HIDDEN)]),
     "layer_norm 768": (lambda x, w, b: brrr.layer_norm(x, (768,), w, b), lambda: [(ROWS, 768), (768,), (768,)]),
     "layer_norm": (lambda x, w, b: brrr.layer_norm(x, (HIDDEN,), w, b), lambda: [(ROWS, HIDDEN), (HIDDEN,), (HIDDEN,)]),
@@ -28,9 +30,11 @@ def step(fn, inputs, grad):
     return torch.autograd.grad(y, inputs, grad)
 
 
-def main(profile=True):
+def main(profile=True, only=None):
     for dtype in (torch.bfloat16, torch.float32):
         for name, (fn, shapes) in CASES.items():
+            if only and not any(name.startswith(o) for o in only):
+                continue
             inputs = [torch.randn(s, device="cuda", dtype=dtype, requires_grad=True) for s in shapes()]
             with torch.no_grad():
                 grad = torch.randn_like(fn(*inputs))
@@ -61,4 +65,4 @@ def main(profile=True):
 
 
 if __name__ == "__main__":
-    main(profile="--no-profile" not in sys.argv)
+    main(profile="--no-profile" not in sys.argv, only=[a for a in sys.argv[1:] if not a.startswith("--")])

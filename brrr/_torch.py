@@ -48,7 +48,9 @@ def _chain_fake(x, operands, ops, scalars):
 def _chain_grads(program, x, grad, operands, needs):
     """(grad_x, [grad of each operand, or None where needs is False]) in one backward kernel."""
     grad_x = torch.empty_like(x)
-    grad_operands = tuple(torch.empty_like(o) if need else None for o, need in zip(operands, needs))
+    # With no rows, a bias gradient is a sum of nothing: zeros (the kernels never run).
+    new_grad = torch.zeros_like if x.numel() == 0 else torch.empty_like
+    grad_operands = tuple(new_grad(o) if need else None for o, need in zip(operands, needs))
     partials = None
     vector_grad = any(need and o.shape != x.shape for o, need in zip(operands, needs))
     if x.is_cuda and vector_grad and x.numel() > 0:

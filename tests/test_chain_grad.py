@@ -151,3 +151,13 @@ def test_eager_autograd_records_a_function_and_refuses_double_backward():
         g.sum().backward()
     z = brrr.swiglu(torch.randn(3, 8, requires_grad=True))
     assert z.grad_fn.name() == "_GluFunctionBackward"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_gradient_of_zero_rows_is_zero(device):
+    x = torch.randn(0, 5, device=device, requires_grad=True)
+    bias = torch.randn(5, device=device, requires_grad=True)
+    y = brrr.bias_gelu(x, bias)
+    grad_x, grad_bias = torch.autograd.grad(y, (x, bias), torch.ones_like(y))
+    assert grad_x.shape == (0, 5)
+    assert torch.equal(grad_bias, torch.zeros(5, device=device))
