@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# compute-sanitizer over brrr's CUDA tests on the lent GPU, one log per tool in $OUT.
+#
+#   bash benchmarks/sanitize.sh "<pytest targets>" [seconds per tool]
+#
+# memcheck and racecheck instrument only brrr's kernels (kernel-name filter): PyTorch's own
+# kernels run uninstrumented, which keeps the suite within minutes. initcheck instruments every
+# kernel (a write by an uninstrumented kernel would look uninitialised to it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+OUT=${OUT:-/tmp/brrr-device-out}
+mkdir -p "$OUT"
+TESTS=${1:-tests}
+LIMIT=${2:-150}
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if ! BRRR_CUDA_ARCHS=90 python3 setup.py build_ext --inplace --force > /tmp/brrr-build.log 2>&1; then
+  tail -20 /tmp/brrr-build.log
+  exit 1
+fi
+"$SAN" --version | tail -1 | tee "$OUT/sanitizer-version.txt"
+status=0
+for tool in memcheck racecheck initcheck; do
+  filter=(--kernel-name kns=brrr)
+  [ "$tool" = initcheck ] && filter=()
+  start=$(date +%s)
+  timeout "$LIMIT" "$SAN" --tool "$tool" "${filter[@]}" --error-exitcode 99 --print-limit 20 \
+    python3 -m pytest $TESTS -q -m cuda -p no:cacheprovider -x > "$OUT/sanitizer-$tool.log" 2>&1
+  rc=$?
+  [ $rc -ne 0 ] && status=1
+  echo "$tool: exit $rc in $(( $(date +%s) - start )) s; $(grep -E '^[0-9]+ (passed|failed)|ERROR SUMMARY' "$OUT/sanitizer-$tool.log" | tr '\n' ' ')"
+done
+exit $status
