@@ -2,9 +2,13 @@
 torch.profiler (kernel names and durations), meant to run under ncu as well:
 
     ncu --clock-control none -k regex:chain_ --section SpeedOfLight python3 benchmarks/profile_kernels.py
+
+then host times: brrr.cos per call, and one eager forward+backward of each norm on a tensor small
+enough that only the host's work shows (host_steps).
 """
 
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +68,6 @@ def main(profile=True):
 def host_steps(rows=8, hidden=768, steps=2000):
     """Host time of one eager forward+backward (torch.autograd.grad) of each norm on a tensor small
     enough that the GPU idles: what a small-hidden training step pays per norm beyond its kernels."""
-    import time
-
     ns = (hidden,)
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w, b = (torch.randn(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
