@@ -16,23 +16,21 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C
-from ._torch import _EXCHANGE_API, _needs_autograd, _stream
+from ._torch import _EXCHANGE_API, _eager_out, _needs_autograd, _stream
 from .norm import default_rms_eps, normalized_ndim
 
 Tensor = torch.Tensor
 
 
 def _stats(x, k):
-    return x.new_empty(x.shape[:x.dim() - k], dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    """A per-row statistic: float32, float64 for float64 x."""
+    lead, dtype = x.shape[:x.dim() - k], torch.float64 if x.dtype == torch.float64 else torch.float32
+    # as ints: torch.empty parses a torch.Size argument a microsecond slower (CPU, torch 2.13)
+    return torch.empty(*lead, dtype=dtype, device=x.device) if lead else torch.empty((), dtype=dtype, device=x.device)
 
 
 def _shape_list(normalized_shape):
     return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
-
-
-def _eager_out(x):
-    """An output for the eager path: None lets brrr._C allocate it through torch's C exchange table."""
-    return None if _EXCHANGE_API else torch.empty_like(x)
 
 
 # ---- forward ops --------------------------------------------------------------------------------
@@ -105,6 +103,16 @@ def _add_rms_norm_fake(x, residual, normalized_shape, weight, eps, llama):
 
 # ---- backward -----------------------------------------------------------------------------------
 
+def _partials(x, k, n_grads, dtype):
+    """The CUDA backward's scratch for n_grads weight/bias gradients, where brrr._C cannot allocate
+    it (no exchange table: torch before 2.10); None elsewhere."""
+    if _EXCHANGE_API or not n_grads or not x.is_cuda:
+        return None
+    cols = math.prod(x.shape[x.dim() - k:])
+    rows = x.numel() // cols if cols else 0
+    return torch.empty(n_grads * _C.norm_partial_rows(rows, cols) * cols, dtype=dtype, device=x.device)
+
+
 def _norm_backward_impl(x: Tensor, grad_out: Tensor, grad_residual: Optional[Tensor], weight: Optional[Tensor],
                      bias: Optional[Tensor], mean: Optional[Tensor], rstd: Tensor, norm_ndim: int, llama: bool,
                      weight_grad: bool, bias_grad: bool) -> list[Tensor]:
@@ -112,12 +120,7 @@ def _norm_backward_impl(x: Tensor, grad_out: Tensor, grad_residual: Optional[Ten
     grad_x = torch.empty_like(x)
     grad_weight = torch.empty_like(weight) if weight_grad else None
     grad_bias = torch.empty_like(bias) if bias_grad else None
-    partials = None
-    n_grads = int(weight_grad) + int(bias_grad)
-    if n_grads and x.is_cuda:
-        lead = x.dim() - norm_ndim
-        rows, cols = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
-        partials = torch.empty(n_grads * _C.norm_partial_rows(rows, cols) * cols, dtype=rstd.dtype, device=x.device)
+    partials = _partials(x, norm_ndim, weight_grad + bias_grad, rstd.dtype)
     stream = _stream(x, None)
     if mean is None:
         _C.rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, grad_x, grad_weight, partials, stream)
@@ -138,12 +141,10 @@ def _norm_backward_fake(x, grad_out, grad_residual, weight, bias, mean, rstd, no
 
 
 def _grads(ctx, x, grad_out, grad_residual, weight, bias, mean, rstd, need_weight, need_bias):
-    """(gradient of the normalised input, grad_weight, grad_bias); Nones where nothing flows. The
-    eager autograd.Functions call the backward's implementation, the custom ops the custom op."""
+    """(gradient of the normalised input, grad_weight, grad_bias); Nones where nothing flows."""
     if grad_out is None:
         return grad_residual, None, None
-    backward = _norm_backward_impl if getattr(ctx, "eager", False) else norm_backward_op
-    grads = backward(x, grad_out, grad_residual, weight, bias, mean, rstd, ctx.norm_ndim, ctx.llama,
+    grads = norm_backward_op(x, grad_out, grad_residual, weight, bias, mean, rstd, ctx.norm_ndim, ctx.llama,
                              need_weight, need_bias)
     rest = iter(grads[1:])
     return grads[0], next(rest) if need_weight else None, next(rest) if need_bias else None
@@ -213,27 +214,106 @@ _rms_norm = torch.ops.brrr.rms_norm.default
 _add_rms_norm = torch.ops.brrr.add_rms_norm.default
 
 
-def _eager_function(name, impl, setup, backward):
-    """The op's implementation, setup and backward as a plain autograd.Function for eager
-    training: the custom op's dispatcher and Python layers cost about 200 µs of host time per
-    forward+backward (measured on this project's CPU machine), more than a 16384 x 4096 norm's
-    kernels take on the H200. Its inputs are the custom op's, so needs_input_grad lines up."""
+# ---- eager autograd -------------------------------------------------------------------------------
+# Plain autograd.Functions for eager training: the custom op's dispatcher and Python layers cost
+# about 200 µs of host time per forward+backward (measured on this project's CPU machine), more
+# than a 16384 x 4096 norm's kernels take on the H200. They are kept lean, as the chain's are:
+# one differentiable output per result (the statistics are saved, not returned, so autograd
+# tracks and materialises no gradient for them), the normalised dims as a count, brrr._C
+# allocating what it can (outputs like a contiguous x, the CUDA backward's partials).
 
-    def forward(ctx, *inputs):
-        outputs = impl(*inputs)
-        setup(ctx, inputs, outputs)
-        ctx.eager = True
-        return outputs
+class _EagerLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, k, eps):
+        mean, rstd = _stats(x, k), _stats(x, k)
+        out = _C.layer_norm_fwd(x, k, weight, bias, eps, _eager_out(x), mean, rstd, None, None, _stream(x, None))
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.k = k
+        return out
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
-                                                   "backward": staticmethod(once_differentiable(backward))})
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        _, need_weight, need_bias, _, _ = ctx.needs_input_grad
+        gw = torch.empty_like(weight) if need_weight else None
+        gb = torch.empty_like(bias) if need_bias else None
+        partials = _partials(x, ctx.k, need_weight + need_bias, rstd.dtype)
+        gx = _C.layer_norm_bwd(x, ctx.k, grad_out, None, weight, mean, rstd, _eager_out(x), gw, gb, partials,
+                               _stream(x, None))
+        return gx, gw, gb, None, None
 
 
-_EagerLayerNorm = _eager_function("_EagerLayerNorm", _layer_norm_impl, _layer_norm_setup, _layer_norm_backward)
-_EagerAddLayerNorm = _eager_function("_EagerAddLayerNorm", _add_layer_norm_impl, _add_layer_norm_setup,
-                                     _add_layer_norm_backward)
-_EagerRMSNorm = _eager_function("_EagerRMSNorm", _rms_norm_impl, _rms_norm_setup, _rms_norm_backward)
-_EagerAddRMSNorm = _eager_function("_EagerAddRMSNorm", _add_rms_norm_impl, _add_rms_norm_setup, _add_rms_norm_backward)
+class _EagerAddLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, k, eps):
+        mean, rstd = _stats(x, k), _stats(x, k)
+        out, h = _C.layer_norm_fwd(x, k, weight, bias, eps, _eager_out(x), mean, rstd, residual, _eager_out(x),
+                                   _stream(x, None))
+        ctx.save_for_backward(h, weight, bias, mean, rstd)
+        ctx.k = k
+        ctx.set_materialize_grads(False)
+        return out, h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_h):
+        if grad_out is None:
+            return grad_h, grad_h, None, None, None, None
+        h, weight, bias, mean, rstd = ctx.saved_tensors
+        _, _, need_weight, need_bias, _, _ = ctx.needs_input_grad
+        gw = torch.empty_like(weight) if need_weight else None
+        gb = torch.empty_like(bias) if need_bias else None
+        partials = _partials(h, ctx.k, need_weight + need_bias, rstd.dtype)
+        dh = _C.layer_norm_bwd(h, ctx.k, grad_out, grad_h, weight, mean, rstd, _eager_out(h), gw, gb, partials,
+                               _stream(h, None))
+        return dh, dh, gw, gb, None, None
+
+
+class _EagerRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, k, eps, llama):
+        rstd = _stats(x, k)
+        out = _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), rstd, None, None, _stream(x, None))
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.k, ctx.llama = k, llama
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        need_weight = ctx.needs_input_grad[1]
+        gw = torch.empty_like(weight) if need_weight else None
+        partials = _partials(x, ctx.k, need_weight, rstd.dtype)
+        gx = _C.rms_norm_bwd(x, ctx.k, grad_out, None, weight, rstd, ctx.llama, _eager_out(x), gw, partials,
+                             _stream(x, None))
+        return gx, gw, None, None, None
+
+
+class _EagerAddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, k, eps, llama):
+        rstd = _stats(x, k)
+        out, h = _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), rstd, residual, _eager_out(x),
+                                 _stream(x, None))
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.k, ctx.llama = k, llama
+        ctx.set_materialize_grads(False)
+        return out, h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_h):
+        if grad_out is None:
+            return grad_h, grad_h, None, None, None, None
+        h, weight, rstd = ctx.saved_tensors
+        need_weight = ctx.needs_input_grad[2]
+        gw = torch.empty_like(weight) if need_weight else None
+        partials = _partials(h, ctx.k, need_weight, rstd.dtype)
+        dh = _C.rms_norm_bwd(h, ctx.k, grad_out, grad_h, weight, rstd, ctx.llama, _eager_out(h), gw, partials,
+                             _stream(h, None))
+        return dh, dh, gw, None, None, None
 
 
 # ---- entry points (brrr.norm dispatches torch tensors here) ---------------------------------------
@@ -243,18 +323,18 @@ _EagerAddRMSNorm = _eager_function("_EagerAddRMSNorm", _add_rms_norm_impl, _add_
 def layer_norm(x, normalized_shape, weight, bias, eps):
     if torch.compiler.is_compiling():
         return _layer_norm(x, _shape_list(normalized_shape), weight, bias, float(eps))[0]
-    if _needs_autograd(x, (weight, bias)):
-        return _EagerLayerNorm.apply(x, _shape_list(normalized_shape), weight, bias, float(eps))[0]
     k = normalized_ndim(x.shape, normalized_shape)
+    if _needs_autograd(x, (weight, bias)):
+        return _EagerLayerNorm.apply(x, weight, bias, k, float(eps))
     return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _eager_out(x), None, None, None, None, _stream(x, None))
 
 
 def add_layer_norm(x, residual, normalized_shape, weight, bias, eps):
     if torch.compiler.is_compiling():
         return tuple(_add_layer_norm(x, residual, _shape_list(normalized_shape), weight, bias, float(eps))[:2])
-    if _needs_autograd(x, (residual, weight, bias)):
-        return tuple(_EagerAddLayerNorm.apply(x, residual, _shape_list(normalized_shape), weight, bias, float(eps))[:2])
     k = normalized_ndim(x.shape, normalized_shape)
+    if _needs_autograd(x, (residual, weight, bias)):
+        return _EagerAddLayerNorm.apply(x, residual, weight, bias, k, float(eps))
     return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _eager_out(x), None, None, residual, _eager_out(x),
                              _stream(x, None))
 
@@ -263,9 +343,9 @@ def rms_norm(x, normalized_shape, weight, eps, llama):
     eps = default_rms_eps(x.dtype) if eps is None else float(eps)
     if torch.compiler.is_compiling():
         return _rms_norm(x, _shape_list(normalized_shape), weight, eps, llama)[0]
-    if _needs_autograd(x, (weight,)):
-        return _EagerRMSNorm.apply(x, _shape_list(normalized_shape), weight, eps, llama)[0]
     k = normalized_ndim(x.shape, normalized_shape)
+    if _needs_autograd(x, (weight,)):
+        return _EagerRMSNorm.apply(x, weight, k, eps, llama)
     return _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), None, None, None, _stream(x, None))
 
 
@@ -273,7 +353,7 @@ def add_rms_norm(x, residual, normalized_shape, weight, eps, llama):
     eps = default_rms_eps(x.dtype) if eps is None else float(eps)
     if torch.compiler.is_compiling():
         return tuple(_add_rms_norm(x, residual, _shape_list(normalized_shape), weight, eps, llama)[:2])
-    if _needs_autograd(x, (residual, weight)):
-        return tuple(_EagerAddRMSNorm.apply(x, residual, _shape_list(normalized_shape), weight, eps, llama)[:2])
     k = normalized_ndim(x.shape, normalized_shape)
+    if _needs_autograd(x, (residual, weight)):
+        return _EagerAddRMSNorm.apply(x, residual, weight, k, eps, llama)
     return _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), None, residual, _eager_out(x), _stream(x, None))

@@ -22,7 +22,9 @@
  * is asked for): a 1-D float32 tensor (float64 for float64 x) of at least
  * n_grads * norm_partial_rows(rows, cols) * cols elements. out, residual_out and grad_x may be
  * None for NumPy arrays and for tensors of frameworks with DLPack's C exchange table (PyTorch
- * 2.10+): they are then allocated here, contiguous, by x's framework.
+ * 2.10+): they are then allocated here, contiguous, by x's framework. So may partials, for such
+ * tensors on the framework's current stream (stream -1): scratch, given back when the call
+ * returns, which the framework's stream-ordered allocator reuses only for work queued after it.
  */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
@@ -274,7 +276,7 @@ static PyObject *norm_call(PyObject *module, norm_request *q) {
     brrr_call call = {brrr_get_state(module), q->stream, 0, NULL};
     brrr_tensor t[S_COUNT];
     memset(t, 0, sizeof t);
-    PyObject *owned[S_COUNT] = {NULL}; /* outputs allocated here (NumPy) */
+    PyObject *owned[S_COUNT] = {NULL}; /* allocated here: outputs, the partials scratch */
     PyObject *result = NULL;
     double *acc = NULL;
     brrr_tensor *x = &t[S_X];
@@ -348,12 +350,27 @@ static PyObject *norm_call(PyObject *module, norm_request *q) {
     if (x->device_type == kDLCUDA && n_grads > 0) {
         const int64_t want = n_grads * partial_rows * cols;
         brrr_tensor *p = &t[S_PARTIALS];
+        PyObject *obj = q->obj[S_PARTIALS];
         if (!present(q, S_PARTIALS)) {
-            PyErr_Format(PyExc_TypeError, "argument partials: required on CUDA for a weight or bias gradient (a 1-D "
-                         "tensor of at least %lld elements)", (long long)want);
-            goto done;
+            if (q->stream < 0) {
+                brrr_tensor like;
+                memset(&like, 0, sizeof like);
+                like.ndim = 1;
+                like.shape[0] = want;
+                like.dtype = acc_dtype(x->dtype);
+                like.device_type = x->device_type;
+                like.device_id = x->device_id;
+                obj = owned[S_PARTIALS] = brrr_new_like(&call, q->obj[S_X], &like);
+            }
+            if (obj == NULL || obj == Py_None) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_TypeError, "argument partials: required on CUDA for a weight or bias gradient "
+                                 "(a 1-D tensor of at least %lld elements) unless brrr._C can allocate it: x from a "
+                                 "framework with DLPack's C exchange table, on its current stream", (long long)want);
+                goto done;
+            }
         }
-        if (brrr_tensor_import(&call, q->obj[S_PARTIALS], "partials", 1, p) < 0 || brrr_check_same_device(p, x) < 0 ||
+        if (brrr_tensor_import(&call, obj, "partials", 1, p) < 0 || brrr_check_same_device(p, x) < 0 ||
             check_acc_dtype(p, x) < 0)
             goto done;
         if (p->ndim != 1 || p->numel < want || (p->numel > 1 && p->strides[0] != 1)) {

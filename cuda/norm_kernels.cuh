@@ -18,13 +18,16 @@
 //                     512) owns a row, held in registers as PACKS packs of VEC elements per thread
 //                     (16-byte accesses when every row is aligned, VEC = 1 otherwise); pack k of
 //                     thread t holds columns (k * tpr + t) * VEC + [0, VEC). A block has
-//                     max(tpr, 256) threads, so narrow rows share a block. Group sums: warp
-//                     shuffles, then the group's warps through shared memory.
+//                     max(tpr, 256) threads, so narrow rows share a block. Group reductions: warp
+//                     butterflies, then one over the group's warps through shared memory; one
+//                     per row (LayerNorm merges counts, sums and squared deviations).
 //                     Assumes: N <= 512 * PACKS * VEC, N % VEC == 0.
-// norm_bwd_kernel     the same row layout. A block owns a contiguous slice of rows, walked by
-//                     its groups; each thread keeps its columns' dw/db sums in shared memory
-//                     (its registers hold x and dy), adding rows in order; at the end the
-//                     groups' sums are added in group order into the block's partial row.
+// norm_bwd_kernel     the same row layout, with more threads per row (see row_config). A block
+//                     owns a contiguous slice of rows, walked by its groups, each thread loading
+//                     its share of the next row while it works on the current one; each thread
+//                     adds its columns' dw/db terms, row by row in order, in registers or shared
+//                     memory (BwdPlan); at the end the groups' sums are added in group order
+//                     into the block's partial row.
 // norm_fwd_generic_kernel, norm_bwd_dx_generic_kernel
 //                     any strides, or rows too long for registers: a 256-thread block per row,
 //                     reading the row twice (the second time mostly from L2). Forward statistics:
@@ -127,6 +130,29 @@ __device__ __forceinline__ int64_t col_offset(const brrr_norm_launch &L, const b
     return dims_offset<false>(L, v, c);
 }
 
+// Offsets of row r in N views at once, for the row kernels: r is decomposed over the coalesced
+// row shape once, in 32 bits (row_config sends more rows than that, in several dims, elsewhere):
+// 64-bit divisions are subroutine calls, which cost registers wherever they appear.
+template <int N>
+__device__ __forceinline__ void row_offsets(const brrr_norm_launch &L, int64_t r, const brrr_norm_view *const (&v)[N],
+                                            int64_t (&off)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) off[i] = r * v[i]->row_strides[0];
+    if (L.row_ndim == 1) return;
+#pragma unroll
+    for (int i = 0; i < N; ++i) off[i] = 0;
+    uint32_t rest = (uint32_t)r;
+#pragma unroll
+    for (int d = BRRR_NORM_MAX_DIMS - 1; d >= 0; --d) {
+        if (d < L.row_ndim) {
+            const uint32_t n = (uint32_t)L.row_shape[d], q = rest / n, at = rest - q * n;
+#pragma unroll
+            for (int i = 0; i < N; ++i) off[i] += (int64_t)at * v[i]->row_strides[d];
+            rest = q;
+        }
+    }
+}
+
 // Element `col` (in the fast path's contiguous columns; 0 elsewhere) of row r, NULL when absent.
 template <typename T>
 __device__ __forceinline__ const T *row_in(const brrr_norm_launch &L, const brrr_norm_view &v, int64_t r, int col = 0) {
@@ -137,30 +163,60 @@ __device__ __forceinline__ T *row_out(const brrr_norm_launch &L, const brrr_norm
     return v.data ? static_cast<T *>(v.data) + row_offset(L, v, r) + col : nullptr;
 }
 
-// Sums over the tpr threads of the calling thread's group (a power of two; all threads of the
-// block call it together). Every thread of a group gets the same bits: the butterfly adds the
-// same pair in both lanes, and the cross-warp step is one fixed sequence. `buf` (one slot per
-// warp) must differ from the buffer of the previous call, whose readers may still be at it.
-template <typename A, int kPairs>
-__device__ __forceinline__ void group_sum(A (&v)[kPairs], int tpr, A (*buf)[kMaxWarps]) {
-    const int width = tpr < 32 ? tpr : 32;
-    for (int off = width / 2; off > 0; off /= 2) {
+// Reduces v over the tpr threads of the calling thread's group (a power of two; all threads of
+// the block call it together) with merge(a, b), which must give the same bits as merge(b, a): a
+// butterfly within each warp, then one over the group's warp results, which every warp of the
+// group runs alike (lane l taking the result of warp l % warps). So every thread of a group gets
+// the same bits, both lanes of a butterfly step merging the same pair. `buf` (one slot per warp
+// and value) must differ from the buffer of the previous call, whose readers may still be at it.
+template <typename A, int kN, typename Merge>
+__device__ __forceinline__ void group_reduce(A (&v)[kN], int tpr, A (*buf)[kMaxWarps], Merge merge) {
+    auto butterfly = [&](int width) {
+        for (int off = width / 2; off > 0; off /= 2) {
+            A other[kN];
 #pragma unroll
-        for (int i = 0; i < kPairs; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
-    }
+            for (int i = 0; i < kN; ++i) other[i] = __shfl_xor_sync(0xffffffffu, v[i], off);
+            merge(v, other);
+        }
+    };
+    butterfly(tpr < 32 ? tpr : 32);
     if (tpr <= 32) return;
-    if ((threadIdx.x & 31) == 0) {
+    const int warps = tpr / 32, lane = threadIdx.x & 31;
+    if (lane == 0) {
 #pragma unroll
-        for (int i = 0; i < kPairs; ++i) buf[i][threadIdx.x / 32] = v[i];
+        for (int i = 0; i < kN; ++i) buf[i][threadIdx.x / 32] = v[i];
     }
     __syncthreads();
-    const int first = (threadIdx.x / tpr) * (tpr / 32);
+    const int slot = (threadIdx.x / tpr) * warps + (lane & (warps - 1));
 #pragma unroll
-    for (int i = 0; i < kPairs; ++i) {
-        A s = buf[i][first];
-        for (int w = 1; w < tpr / 32; ++w) s += buf[i][first + w];
-        v[i] = s;
-    }
+    for (int i = 0; i < kN; ++i) v[i] = buf[i][slot];
+    butterfly(warps);
+}
+
+template <typename A, int kN> __device__ __forceinline__ void group_sum(A (&v)[kN], int tpr, A (*buf)[kMaxWarps]) {
+    group_reduce(v, tpr, buf, [](A (&a)[kN], const A (&b)[kN]) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) a[i] += b[i];
+    });
+}
+
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+// a / b to a few ulp, in two instructions for float (b < 2^126); these quotients only scale
+// small corrections, and the reduction's latency is the forward's critical path.
+__device__ __forceinline__ float fast_div(float a, float b) { return __fdividef(a, b); }
+__device__ __forceinline__ double fast_div(double a, double b) { return a / b; }
+
+// Chan, Golub and LeVeque's merge of (count, sum, sum of squared deviations from the mean) of two
+// sets: M2 = M2a + M2b + t^2 / (na * nb * n) with t = Sb * na - Sa * nb (na * nb times the
+// difference of the means), taken as (t / (na * nb)) * (t / n) so that it overflows no sooner
+// than the squared deviations themselves. Symmetric in its operands: t's products are rounded
+// apart (a fused multiply-add would differ between the two lanes), and -t gives the same bits.
+template <typename A> __device__ __forceinline__ void merge_moments(A (&a)[3], const A (&b)[3]) {
+    const A n = a[0] + b[0], both = a[0] * b[0], t = mul_rn(b[1], a[0]) - mul_rn(a[1], b[0]);
+    a[2] = (a[2] + b[2]) + (both > A(0) ? fast_div(t, both) * fast_div(t, n) : A(0));
+    a[1] += b[1];
+    a[0] = n;
 }
 
 // ---- fast path: a row in registers --------------------------------------------------------
@@ -180,23 +236,30 @@ template <typename T> constexpr int fwd_min_blocks(int elements, bool residual) 
 }
 
 // kResidual: L.residual is given (a template argument, so the plain forward keeps no registers for it).
+// LayerNorm's statistics take one group reduction: each thread's count, sum and squared deviations
+// of its own elements (two passes over its registers), merged by merge_moments. The two reductions
+// of the two-pass form (the mean, then the squares about it) cost a second cross-warp exchange and
+// barrier per row, which left LayerNorm at 70% of the bandwidth floor where RMSNorm reached 88%.
 template <typename T, int VEC, int PACKS, bool kResidual>
 __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC, kResidual))
     norm_fwd_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr) {
     using A = typename Compute<T>::type;
     constexpr int kAdd = kResidual ? PACKS : 1;
-    __shared__ A buf[2][1][kMaxWarps];
+    __shared__ A buf[2][3][kMaxWarps];
     const int groups = blockDim.x / tpr, t = threadIdx.x % tpr;
     const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC;
-    const A n = static_cast<A>(cols), eps = static_cast<A>(L.eps);
+    const A inv_n = A(1) / static_cast<A>(cols), eps = static_cast<A>(L.eps);
     const bool layer = !L.rms;
     int parity = 0;
     for (int64_t base = (int64_t)blockIdx.x * groups; base < L.rows; base += (int64_t)gridDim.x * groups) {
         const int64_t row = base + threadIdx.x / tpr;
         const bool active = row < L.rows;
-        const int64_t r = active ? row : base;  // in range, for the address arithmetic
         const int mine = packs_in_row(active, cols, first, stride);
-        const T *x = row_in<T>(L, L.x, r, first), *res = row_in<T>(L, L.residual, r, first);
+        const brrr_norm_view *const views[6] = {&L.x, &L.residual, &L.residual_out, &L.out, &L.mean, &L.rstd};
+        int64_t off[6];
+        row_offsets(L, active ? row : base, views, off);  // an in-range row for the address arithmetic
+        const T *x = static_cast<const T *>(L.x.data) + off[0] + first;
+        const T *res = kResidual ? static_cast<const T *>(L.residual.data) + off[1] + first : nullptr;
         A v[PACKS][VEC], add[kAdd][VEC];
         // Every load is issued before anything is stored.
 #pragma unroll
@@ -213,7 +276,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
         A shift = A(0);
         if (layer && active) shift = kResidual ? round_to<T>(to_float(x[-first]) + to_float(res[-first])) : to_float(x[-first]);
         if constexpr (kResidual) {
-            T *res_out = row_out<T>(L, L.residual_out, r, first);
+            T *res_out = static_cast<T *>(L.residual_out.data) + off[2] + first;
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
 #pragma unroll
@@ -223,51 +286,45 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
         }
         // Flags are uniform and pack bounds per thread: branches around whole packs, no selects per
         // element (packs past the row stay zero).
-        A s[1] = {A(0)};
+        A mean = A(0), rstd;
         if (layer) {
+            A m[3] = {static_cast<A>(mine * VEC), A(0), A(0)};  // count, sum, squared deviations
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     v[k][j] -= shift;
-                    s[0] += v[k][j];
+                    m[1] += v[k][j];
                 }
             }
-        } else {
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) s[0] += v[k][j] * v[k][j];
-            }
-        }
-        group_sum(s, tpr, buf[parity]);
-        parity ^= 1;
-        A mean = A(0), rstd;
-        if (layer) {
-            mean = s[0] / n;
-            A q[1] = {A(0)};
+            const A mine_mean = mine > 0 ? fast_div(m[1], m[0]) : A(0);
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] -= mean;
-                    q[0] += v[k][j] * v[k][j];
-                }
+                for (int j = 0; j < VEC; ++j) m[2] += (v[k][j] - mine_mean) * (v[k][j] - mine_mean);
+            }
+            group_reduce(m, tpr, buf[parity], merge_moments<A>);
+            mean = m[1] * inv_n;
+            rstd = rsqrt_of(m[2] * inv_n + eps);
+        } else {
+            A q[1] = {A(0)};
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) q[0] += v[k][j] * v[k][j];
             }
             group_sum(q, tpr, buf[parity]);
-            parity ^= 1;
-            rstd = rsqrt_of(q[0] / n + eps);
-        } else {
-            rstd = rsqrt_of(s[0] / n + eps);
+            rstd = rsqrt_of(q[0] * inv_n + eps);
         }
+        parity ^= 1;
         if (!active) continue;
         if (t == 0) {
-            if (L.mean.data) static_cast<A *>(L.mean.data)[row_offset(L, L.mean, row)] = mean;
-            if (L.rstd.data) static_cast<A *>(L.rstd.data)[row_offset(L, L.rstd, row)] = rstd;
+            if (L.mean.data) static_cast<A *>(L.mean.data)[off[4]] = mean;
+            if (L.rstd.data) static_cast<A *>(L.rstd.data)[off[5]] = rstd;
         }
-        T *out = row_out<T>(L, L.out, row, first);
+        T *out = static_cast<T *>(L.out.data) + off[3] + first;
 #pragma unroll
         for (int k = 0; k < PACKS; ++k) {
             if (k >= mine) continue;
@@ -279,7 +336,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
             } else {
                 load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) y[j] = v[k][j] * rstd * w[j] + b[j];
+                for (int j = 0; j < VEC; ++j) y[j] = (v[k][j] - mean) * rstd * w[j] + b[j];
             }
             store_vec<T, VEC>(out + k * stride, y);
         }
@@ -305,6 +362,91 @@ template <typename A, int VEC, int PACKS> struct BwdSums {
     }
 };
 
+// VEC elements of T in storage form, as 32-bit words: a pack of 8 bfloat16 takes 4 registers (as
+// Pack<T, 8> the compiler gives every element its own). p aligned to min(16, VEC * sizeof(T)).
+template <typename T, int VEC> struct Raw {
+    static constexpr int kBytes = VEC * (int)sizeof(T), kWords = kBytes < 4 ? 1 : kBytes / 4;
+    uint32_t w[kWords];
+};
+
+template <typename T, int VEC> __device__ __forceinline__ Raw<T, VEC> load_raw(const T *p) {
+    using R = Raw<T, VEC>;
+    R r;
+    if constexpr (R::kBytes < 4) {
+        r.w[0] = *reinterpret_cast<const unsigned short *>(p);
+    } else {
+        const Pack<uint32_t, R::kWords> pk = *reinterpret_cast<const Pack<uint32_t, R::kWords> *>(p);
+#pragma unroll
+        for (int i = 0; i < R::kWords; ++i) r.w[i] = pk.v[i];
+    }
+    return r;
+}
+
+// Element j of r, converted to the compute type.
+template <typename T, int VEC>
+__device__ __forceinline__ typename Compute<T>::type raw_at(const Raw<T, VEC> &r, int j) {
+    if constexpr (sizeof(T) == 2) {
+        const unsigned short h = (unsigned short)(j % 2 ? r.w[j / 2] >> 16 : r.w[j / 2] & 0xffffu);
+        if constexpr (std::is_same<T, __half>::value) return __half2float(__ushort_as_half(h));
+        else return __bfloat162float(__ushort_as_bfloat16(h));
+    } else if constexpr (sizeof(T) == 4) {
+        return __uint_as_float(r.w[j]);
+    } else {
+        return __hiloint2double((int)r.w[2 * j + 1], (int)r.w[2 * j]);
+    }
+}
+
+// One row as the backward reads it, in storage form (converted where used, so that a thread's
+// registers hold its share of two rows at once): x and dy packs, x's first element (the shift),
+// the saved statistics, and the count of the thread's packs in the row (0: no row).
+template <typename T, int VEC, int PACKS> struct BwdRow {
+    using A = typename Compute<T>::type;
+    Raw<T, VEC> x[PACKS], dy[PACKS];
+    T x0;
+    A mean, rstd;
+    int mine;
+};
+
+template <typename T, int VEC, int PACKS>
+__device__ __forceinline__ BwdRow<T, VEC, PACKS> bwd_load(const brrr_norm_launch &L, int64_t row, bool active,
+                                                         int first, int stride) {
+    using A = typename Compute<T>::type;
+    BwdRow<T, VEC, PACKS> R;
+    R.mine = packs_in_row(active, (int)L.cols, first, stride);
+    R.x0 = to_storage<T, A>(A(0));
+    R.mean = R.rstd = A(0);
+    if (!active) return R;
+    const brrr_norm_view *const views[4] = {&L.x, &L.grad_out, &L.rstd, &L.mean};
+    int64_t off[4];
+    row_offsets(L, row, views, off);
+    const T *x = static_cast<const T *>(L.x.data) + off[0] + first, *dy = static_cast<const T *>(L.grad_out.data) + off[1] + first;
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) {
+        if (k >= R.mine) continue;
+        R.x[k] = load_raw<T, VEC>(x + k * stride);
+        R.dy[k] = load_raw<T, VEC>(dy + k * stride);
+    }
+    R.rstd = static_cast<const A *>(L.rstd.data)[off[2]];
+    if (!L.rms) {
+        R.mean = static_cast<const A *>(L.mean.data)[off[3]];
+        R.x0 = x[-first];
+    }
+    return R;
+}
+
+// Registers of one tensor's share of a row in storage form.
+template <typename T, int VEC> constexpr int raw_registers(int packs) { return packs * ((VEC * (int)sizeof(T) + 3) / 4); }
+
+// Rows a backward thread holds ahead of the one it works on. The backward keeps a thread's share
+// of a row small (see row_config) so that when it fits 8 registers per tensor the thread can hold
+// the x and dy of the next two rows (one with single-element accesses, which take an address
+// each), loaded before this row's sums: loads stay in flight through the reduction and the stores
+// (a warp of the kernel this replaced sat idle from its last load to its next one, at 45% of the
+// bandwidth floor). Larger shares put more bytes in flight per load instead.
+template <typename T, int VEC, int PACKS> constexpr int bwd_rows_ahead() {
+    return raw_registers<T, VEC>(PACKS) > 8 ? 0 : (VEC > 1 ? 2 : 1);
+}
+
 // __maxnreg__ rather than __launch_bounds__(512): with the latter ptxas caps some instances at 64
 // registers and spills; this way none spills (checked with -Xptxas -v for every instance).
 template <typename T, int VEC, int PACKS>
@@ -312,17 +454,17 @@ __global__ void __maxnreg__(128)
     norm_bwd_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr, const int64_t rows_per_block) {
     using A = typename Compute<T>::type;
     using Sums = BwdSums<A, VEC, PACKS>;
-    constexpr int kChunk = Sums::kChunk;
+    using Chunk = typename Sums::Chunk;
+    constexpr int kChunk = Sums::kChunk, kAhead = bwd_rows_ahead<T, VEC, PACKS>();
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ A buf[2][2][kMaxWarps];
     const int groups = blockDim.x / tpr, g = threadIdx.x / tpr, t = threadIdx.x % tpr;
     const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC;
-    const A n = static_cast<A>(cols);
+    const A inv_n = A(1) / static_cast<A>(cols);
     const bool layer = !L.rms, want_dw = L.grad_weight.data != nullptr, want_db = L.grad_bias.data != nullptr;
     const int n_grads = (int)want_dw + (int)want_db, per_grad = PACKS * VEC * tpr;  // one gradient of one group
     A *const sums = reinterpret_cast<A *>(smem);
     A *const dw_sums = sums + g * n_grads * per_grad, *const db_sums = dw_sums + (want_dw ? per_grad : 0);
-    using Chunk = typename Sums::Chunk;
     Chunk zero;
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) zero.v[e] = A(0);
@@ -338,88 +480,85 @@ __global__ void __maxnreg__(128)
     const int64_t end = begin + rows_per_block < L.rows ? begin + rows_per_block : L.rows;
     const int64_t iters = (rows_per_block + groups - 1) / groups;
     int parity = 0;
-    for (int64_t it = 0; it < iters; ++it) {
-        const int64_t row = begin + it * groups + g;
+    int64_t row = begin + g;
+    auto load = [&](int64_t r) { return bwd_load<T, VEC, PACKS>(L, r, r < end, first, stride); };
+    BwdRow<T, VEC, PACKS> cur, ahead[kAhead > 0 ? kAhead : 1];
+    if constexpr (kAhead > 0) cur = load(row);
+#pragma unroll
+    for (int d = 0; d < kAhead; ++d) ahead[d] = load(row + (d + 1) * groups);
+    for (int64_t it = 0; it < iters; ++it, row += groups) {
         const bool active = row < end;
-        const int64_t r = active ? row : begin;
-        const int mine = packs_in_row(active, cols, first, stride);
-        const T *x = row_in<T>(L, L.x, r, first), *dy = row_in<T>(L, L.grad_out, r, first);
-        A v[PACKS][VEC], gy[PACKS][VEC];
-#pragma unroll
-        for (int k = 0; k < PACKS; ++k) {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) v[k][j] = gy[k][j] = A(0);
-            if (k < mine) {
-                load_vec<T, VEC>(x + k * stride, v[k]);
-                load_vec<T, VEC>(dy + k * stride, gy[k]);
-            }
-        }
-        A shift = A(0), mean = A(0), rstd = A(0);
-        if (active) {
-            rstd = static_cast<const A *>(L.rstd.data)[row_offset(L, L.rstd, row)];
-            if (layer) {
-                mean = static_cast<const A *>(L.mean.data)[row_offset(L, L.mean, row)];
-                shift = to_float(x[-first]);
-            }
-        }
+        BwdRow<T, VEC, PACKS> incoming;
+        if constexpr (kAhead > 0) incoming = load(row + (kAhead + 1) * groups);
+        else cur = load(row);
+        const int mine = cur.mine;
+        const A shift = to_float(cur.x0), mean = cur.mean, rstd = cur.rstd;
+        auto xhat_of = [&](A x) { return layer ? (x - shift - mean) * rstd : x * rstd; };
+        // Pass 1: the row's sums of g = dy * w, and this thread's dw/db terms. Pass 2 converts x and
+        // dy again and rereads w (from L1) rather than keep g in registers through the reduction.
         A s[2] = {A(0), A(0)};  // sum of g * xhat, sum of g
 #pragma unroll
         for (int k = 0; k < PACKS; ++k) {
-            A w[VEC];
-            if (k < mine) {
-                load_param<T, VEC>(L, L.weight.data, first + k * stride, A(1), w);
-            } else {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) w[j] = A(0);
-            }
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) v[k][j] = layer ? (v[k][j] - shift - mean) * rstd : v[k][j] * rstd;
-            if (k < mine) {
-#pragma unroll
-                for (int ch = 0; ch < Sums::kChunks; ++ch) {
-                    const int at = Sums::at(k, ch, t, tpr);
-                    if (want_dw) {
-                        Chunk *p = reinterpret_cast<Chunk *>(dw_sums + at);
-                        Chunk acc = *p;
-#pragma unroll
-                        for (int e = 0; e < kChunk; ++e) {
-                            const A xhat = v[k][ch * kChunk + e];
-                            acc.v[e] += gy[k][ch * kChunk + e] * (L.llama ? round_to<T>(xhat) : xhat);
-                        }
-                        *p = acc;
-                    }
-                    if (want_db) {
-                        Chunk *p = reinterpret_cast<Chunk *>(db_sums + at);
-                        Chunk acc = *p;
-#pragma unroll
-                        for (int e = 0; e < kChunk; ++e) acc.v[e] += gy[k][ch * kChunk + e];
-                        *p = acc;
-                    }
-                }
-            }
+            if (k >= mine) continue;
+            A w[VEC], dwk[VEC];
+            load_param<T, VEC>(L, L.weight.data, first + k * stride, A(1), w);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                gy[k][j] *= w[j];
-                s[0] += gy[k][j] * v[k][j];
-                s[1] += gy[k][j];
+                const A xhat = xhat_of(raw_at(cur.x[k], j)), g = raw_at(cur.dy[k], j) * w[j];
+                dwk[j] = raw_at(cur.dy[k], j) * (L.llama ? round_to<T>(xhat) : xhat);
+                s[0] += g * xhat;
+                s[1] += g;
+            }
+#pragma unroll
+            for (int ch = 0; ch < Sums::kChunks; ++ch) {
+                const int at = Sums::at(k, ch, t, tpr);
+                if (want_dw) {
+                    Chunk *p = reinterpret_cast<Chunk *>(dw_sums + at);
+                    Chunk acc = *p;
+#pragma unroll
+                    for (int e = 0; e < kChunk; ++e) acc.v[e] += dwk[ch * kChunk + e];
+                    *p = acc;
+                }
+                if (want_db) {
+                    Chunk *p = reinterpret_cast<Chunk *>(db_sums + at);
+                    Chunk acc = *p;
+#pragma unroll
+                    for (int e = 0; e < kChunk; ++e) acc.v[e] += raw_at(cur.dy[k], ch * kChunk + e);
+                    *p = acc;
+                }
             }
         }
         group_sum(s, tpr, buf[parity]);
         parity ^= 1;
-        if (!active) continue;
-        const A c1 = s[0] / n, c2 = layer ? s[1] / n : A(0);
-        const T *gres = row_in<T>(L, L.grad_residual, row, first);
-        T *dx = row_out<T>(L, L.grad_x, row, first);
+        if (active) {
+            // Pass 2: dx = rstd * (g - xhat * c1 - c2) [+ grad_residual], xhat recomputed from x.
+            const A c1 = s[0] * inv_n, c2 = layer ? s[1] * inv_n : A(0);
+            const brrr_norm_view *const views[2] = {&L.grad_residual, &L.grad_x};
+            int64_t off[2];
+            row_offsets(L, row, views, off);
+            const T *gres = L.grad_residual.data ? static_cast<const T *>(L.grad_residual.data) + off[0] + first : nullptr;
+            T *dx = static_cast<T *>(L.grad_x.data) + off[1] + first;
 #pragma unroll
-        for (int k = 0; k < PACKS; ++k) {
-            if (k >= mine) continue;
-            A d[VEC], extra[VEC];
+            for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
+                A w[VEC], d[VEC], extra[VEC];
+                load_param<T, VEC>(L, L.weight.data, first + k * stride, A(1), w);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) extra[j] = A(0);
-            if (L.grad_residual.data) load_vec<T, VEC>(gres + k * stride, extra);
+                for (int j = 0; j < VEC; ++j) extra[j] = A(0);
+                if (gres) load_vec<T, VEC>(gres + k * stride, extra);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) d[j] = rstd * (gy[k][j] - v[k][j] * c1 - c2) + extra[j];
-            store_vec<T, VEC>(dx + k * stride, d);
+                for (int j = 0; j < VEC; ++j) {
+                    const A g = raw_at(cur.dy[k], j) * w[j];
+                    d[j] = rstd * (g - xhat_of(raw_at(cur.x[k], j)) * c1 - c2) + extra[j];
+                }
+                store_vec<T, VEC>(dx + k * stride, d);
+            }
+        }
+        if constexpr (kAhead > 0) {
+            cur = ahead[0];
+#pragma unroll
+            for (int d = 0; d + 1 < kAhead; ++d) ahead[d] = ahead[d + 1];
+            ahead[kAhead - 1] = incoming;
         }
     }
     if (n_grads == 0) return;
@@ -669,10 +808,12 @@ static inline bool rows_aligned(const brrr_norm_launch &L, const brrr_norm_view 
 }
 
 // The fast path's shape for this launch, or false when it does not apply (strided columns, or
-// a row longer than 512 threads can hold).
+// a row longer than 512 threads can hold). A row gets the fewest threads (32 and up) that hold
+// it; in the backward, enough for a share of 8 registers per tensor where 512 threads allow (see
+// BwdPlan).
 template <typename T>
 static bool row_config(const brrr_norm_launch &L, bool backward, RowConfig *cfg) {
-    if (!L.contiguous_cols) return false;
+    if (!L.contiguous_cols || (L.row_ndim > 1 && L.rows > INT32_MAX)) return false;  // see row_offsets
     constexpr int kVec = vec_width<T>();
     const brrr_norm_view *const fwd[] = {&L.x, &L.residual, &L.out, &L.residual_out};
     const brrr_norm_view *const bwd[] = {&L.x, &L.grad_out, &L.grad_residual, &L.grad_x};
@@ -681,13 +822,14 @@ static bool row_config(const brrr_norm_launch &L, bool backward, RowConfig *cfg)
                   (L.bias.data == nullptr || aligned16(L.bias.data));
     for (int i = 0; i < 4; ++i) vector = vector && rows_aligned(L, *views[i], (int64_t)sizeof(T));
     const int vec = vector ? kVec : 1, max_packs = max_elements<T>(vec) / vec;
+    const int want_packs = backward ? 8 / ((vec * (int)sizeof(T) + 3) / 4) : max_packs;
     const int64_t packs_total = (L.cols + vec - 1) / vec;
     int tpr = 1, packs = 1;
     if (packs_total <= 32) {
         while (tpr < packs_total) tpr *= 2;
     } else {
         tpr = 32;
-        while ((int64_t)tpr * max_packs < packs_total && tpr < kMaxRowThreads) tpr *= 2;
+        while ((int64_t)tpr * want_packs < packs_total && tpr < kMaxRowThreads) tpr *= 2;
         if ((int64_t)tpr * max_packs < packs_total) return false;
         packs = round_packs((int)((packs_total + tpr - 1) / tpr), vector);
     }

@@ -578,8 +578,13 @@ def test_cuda_argument_errors():
     grad_x, grad_w = torch.empty_like(x), torch.empty_like(w)
     with pytest.raises(ValueError, match="argument weight is on cpu but x is on cuda"):
         brrr.layer_norm(x, (8,), w.cpu())
+    # partials=None: allocated by brrr._C on torch's current stream, required on any other
+    torch.testing.assert_close(_C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, None, grad_w, None, None, -1),
+                               _C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, grad_x, grad_w, None,
+                                                 torch.empty(1024, device="cuda"), -1))
     with pytest.raises(TypeError, match="argument partials: required on CUDA"):
-        _C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, grad_x, grad_w, None, None, -1)
+        _C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, grad_x, grad_w, None, None,
+                          torch.cuda.current_stream().cuda_stream)
     with pytest.raises(ValueError, match="argument partials: expected a contiguous 1-D tensor"):
         _C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, grad_x, grad_w, None, torch.empty(3, device="cuda"), -1)
     with pytest.raises(TypeError, match="argument partials: expected dtype float32"):
