@@ -13,8 +13,9 @@
 // chain_bwd_strided_kernel  recomputing the program from x in registers (nothing was saved).
 // chain_{fwd,bwd}_rows_kernel  row layout: the last dim is a row of columns with stride 1 (or any
 //                           stride, VEC = 1), rows have any strides. A block owns a column tile
-//                           (32 threads x VEC columns) and a slice of rows that its 8 warps walk;
-//                           vector operands (a bias) are read once per thread. The backward sums
+//                           (32 threads x VEC columns) and a slice of rows that its 8 warps walk,
+//                           the next rows staged in shared memory (RowPipeline); vector operands
+//                           (a bias) are read once per thread. The backward sums
 //                           a bias gradient over its rows in a fixed order (see the kernel).
 // chain_vector_grad_kernel  sums those per-slice partials in order into the bias gradient.
 #pragma once
