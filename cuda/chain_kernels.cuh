@@ -324,25 +324,9 @@ __global__ void __launch_bounds__(kThreads) chain_bwd_strided_kernel(const __gri
     }
 }
 
-constexpr int kRowLanes = 8;   // warps per block in the row kernels, each walking its own rows
-constexpr int kTileCols = 32;  // threads across a column tile (VEC columns each)
 // Row kernels hold a pack per operand and per gradient: left alone, ptxas gave the bf16 backward
 // 95 registers (2 blocks, 25% occupancy) and it ran latency-bound; 3 blocks cap it at 85.
 constexpr int kRowBlocksPerSM = 3;
-
-// Offset of row r in a tensor whose strides over the launch shape are `s` (rows = leading dims).
-__device__ __forceinline__ int64_t row_offset(const brrr_chain_launch &L, const int64_t *s, int64_t r) {
-    if (L.ndim == 2) return r * s[0];
-    int64_t off = 0;
-#pragma unroll
-    for (int d = BRRR_MAX_DIMS - 2; d >= 0; --d) {
-        if (d < L.ndim - 1) {
-            off += (r % L.shape[d]) * s[d];
-            r /= L.shape[d];
-        }
-    }
-    return off;
-}
 
 __device__ __forceinline__ int64_t row_element(const brrr_chain_launch &L, const brrr_view &v, int64_t r, int64_t c) {
     return row_offset(L, v.strides, r) + c * v.strides[L.ndim - 1];
@@ -538,20 +522,9 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_b
 #pragma unroll
     for (int b = 0; b < kOps; ++b) {
         if (b >= nops || !L.operand_is_vector[b] || !L.grad_operands[b].data) continue;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) lanes[threadIdx.y][threadIdx.x * VEC + j] = acc[b][j];
-        __syncthreads();
-        if (threadIdx.y == 0 && active) {
-            A *part = static_cast<A *>(L.partials) + ((int64_t)b * L.partial_rows + blockIdx.y) * cols;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                A s = A(0);
-#pragma unroll
-                for (int lane = 0; lane < kRowLanes; ++lane) s += lanes[lane][threadIdx.x * VEC + j];
-                part[col + j] = s;
-            }
-        }
-        __syncthreads();
+        store_block_column_sums<VEC>(lanes, acc[b], static_cast<A *>(L.partials) + ((int64_t)b * L.partial_rows + blockIdx.y) * cols,
+                                     col, active);
+        __syncthreads();  // lanes is reused by the next operand
     }
 }
 

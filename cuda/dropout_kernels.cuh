@@ -166,22 +166,6 @@ __global__ void __launch_bounds__(kThreads) dropout_strided_kernel(const __grid_
     }
 }
 
-constexpr int kRowLanes = 8;   // warps per block in the rows kernel, each walking its own rows
-constexpr int kTileCols = 32;  // threads across a column tile (VEC columns each)
-
-// Offset of row r (the leading dims of the row layout) in a view with strides s.
-__device__ __forceinline__ int64_t row_offset(const brrr_dropout_launch &L, const int64_t *s, int64_t r) {
-    if (L.ndim == 2) return r * s[0];
-    int64_t off = 0;
-#pragma unroll
-    for (int d = BRRR_MAX_DIMS - 2; d >= 0; --d) {
-        if (d >= L.ndim - 1) continue;
-        off += (r % L.shape[d]) * s[d];
-        r /= L.shape[d];
-    }
-    return off;
-}
-
 // VEC = chunk<T>() (columns with stride 1, 16-byte aligned rows, cols % VEC == 0) or 1 (any).
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kTileCols *kRowLanes) dropout_bwd_rows_kernel(const __grid_constant__ brrr_dropout_launch L) {
@@ -220,19 +204,7 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes) dropout_bwd_rows_kernel(
             o[0] = to_storage<T, A>(d[0]);
         }
     }
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) lanes[threadIdx.y][threadIdx.x * VEC + j] = acc[j];
-    __syncthreads();
-    if (threadIdx.y == 0 && active) {
-        A *part = static_cast<A *>(L.partials) + (int64_t)blockIdx.y * cols;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            A s = A(0);
-#pragma unroll
-            for (int lane = 0; lane < kRowLanes; ++lane) s += lanes[lane][threadIdx.x * VEC + j];
-            part[col + j] = s;
-        }
-    }
+    store_block_column_sums<VEC>(lanes, acc, static_cast<A *>(L.partials) + (int64_t)blockIdx.y * cols, col, active);
 }
 
 // grad_bias[c] = sum over row slices p, in order, of partials[p][c] (0 without rows).

@@ -52,7 +52,6 @@ constexpr int kMinBlockThreads = 256;
 constexpr int kMaxWarps = kMaxRowThreads / 32;
 constexpr int kGenericThreads = 256;
 constexpr int kGenericWarps = kGenericThreads / 32;
-constexpr int kTileCols = 32, kRowLanes = 8;    // generic dw/db
 constexpr int kFinalCols = 32, kFinalLanes = 16;  // finalize
 
 template <typename T>
