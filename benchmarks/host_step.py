@@ -32,6 +32,8 @@ def cases(rows, dtype):
         "eager swiglu": (lambda: F.silu(x2[:, :HIDDEN]) * x2[:, HIDDEN:], [x2]),
         "brrr rms_norm": (lambda: brrr.rms_norm(x, (HIDDEN,), w), [x, w]),
         "eager rms_norm": (lambda: F.rms_norm(x, (HIDDEN,), w), [x, w]),
+        "brrr layer_norm": (lambda: brrr.layer_norm(x, (HIDDEN,), w, b), [x, w, b]),
+        "eager layer_norm": (lambda: F.layer_norm(x, (HIDDEN,), w, b), [x, w, b]),
     }
 
 

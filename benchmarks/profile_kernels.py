@@ -3,15 +3,12 @@ torch.profiler (kernel names and durations), meant to run under ncu as well:
 
     ncu --clock-control none -k regex:chain_ --section SpeedOfLight python3 benchmarks/profile_kernels.py
 
-then host times: brrr.cos per call, and one eager forward+backward of each norm on a tensor small
-enough that only the host's work shows (host_steps).
+then the host's time per brrr.cos call (benchmarks/host_step.py measures whole training steps).
 """
 
 import sys
-import time
 
 import torch
-import torch.nn.functional as F
 
 import brrr
 
@@ -66,31 +63,6 @@ def main(profile=True, only=None):
     for evt in prof.key_averages():
         if evt.count >= 200:
             print(f"  {evt.key[:60]:60s} n={evt.count:4d} avg_cpu_us={evt.cpu_time_total / evt.count:7.2f}")
-    host_steps()
-
-
-def host_steps(rows=8, hidden=768, steps=2000):
-    """Host time of one eager forward+backward (torch.autograd.grad) of each norm on a tensor small
-    enough that the GPU idles: what a small-hidden training step pays per norm beyond its kernels."""
-    ns = (hidden,)
-    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w, b = (torch.randn(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    g = torch.randn_like(x)
-    cases = {"brrr.layer_norm": (lambda: brrr.layer_norm(x, ns, w, b), (x, w, b)),
-             "F.layer_norm": (lambda: F.layer_norm(x, ns, w, b), (x, w, b)),
-             "brrr.rms_norm": (lambda: brrr.rms_norm(x, ns, w), (x, w)),
-             "F.rms_norm": (lambda: F.rms_norm(x, ns, w), (x, w))}
-    print(f"== host: eager forward+backward of a {rows}x{hidden} bfloat16 norm, us per step (best of 5)")
-    for name, (fn, inputs) in cases.items():
-        best = float("inf")
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                torch.autograd.grad(fn(), inputs, g)
-            torch.cuda.synchronize()
-            best = min(best, (time.perf_counter() - t0) * 1e6 / steps)
-        print(f"  {name:20s} {best:7.1f}")
 
 
 if __name__ == "__main__":
