@@ -1,9 +1,10 @@
 """PyTorch integration: brrr's ops as torch.library custom operators with fake kernels and
-registered autograd, so that torch.compile traces them without graph breaks.
+registered autograd (defined by brrr._ops), so that torch.compile traces them without graph breaks.
 
 Eager calls that need no gradient skip the dispatcher and go straight to brrr._C (the overhead
 regime: a custom-op round trip costs more host time than the kernel it launches on small
-tensors). Outputs are allocated with torch, so PyTorch's caching allocator owns them.
+tensors). Outputs are allocated by PyTorch's caching allocator: with torch, or by brrr._C
+through the DLPack exchange table's allocator (torch 2.10+, outputs like a contiguous input).
 """
 
 import functools
@@ -12,6 +13,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C
+from ._ops import define
 
 # torch 2.10+ publishes DLPack's C exchange table, from which brrr._C reads tensors and the
 # current stream without Python; older releases need the stream passed explicitly.
@@ -33,14 +35,10 @@ def _stream(x, stream):
     return torch.cuda.current_stream(x.device).cuda_stream
 
 
-@torch.library.custom_op("brrr::chain", mutates_args=())
-def chain_op(x: torch.Tensor, operands: list[torch.Tensor], ops: str, scalars: list[float]) -> torch.Tensor:
-    out = torch.empty_like(x)
-    _C.chain_fwd(_program(ops, tuple(scalars)), x, out, tuple(operands), _stream(x, None))
-    return out
+def _chain_impl(x: torch.Tensor, operands: list[torch.Tensor], ops: str, scalars: list[float]) -> torch.Tensor:
+    return _C.chain_fwd(_program(ops, tuple(scalars)), x, _eager_out(x), tuple(operands), _stream(x, None))
 
 
-@chain_op.register_fake
 def _chain_fake(x, operands, ops, scalars):
     return torch.empty_like(x)
 
@@ -62,14 +60,12 @@ def _chain_grads(program, x, grad, operands, needs):
     return grad_x, grad_operands
 
 
-@torch.library.custom_op("brrr::chain_backward", mutates_args=())
-def chain_backward_op(x: torch.Tensor, grad: torch.Tensor, operands: list[torch.Tensor], ops: str,
-                      scalars: list[float], operand_needs_grad: list[bool]) -> list[torch.Tensor]:
+def _chain_backward_impl(x: torch.Tensor, grad: torch.Tensor, operands: list[torch.Tensor], ops: str,
+                         scalars: list[float], operand_needs_grad: list[bool]) -> list[torch.Tensor]:
     grad_x, grad_operands = _chain_grads(_program(ops, tuple(scalars)), x, grad, operands, operand_needs_grad)
     return [grad_x] + [g for g in grad_operands if g is not None]
 
 
-@chain_backward_op.register_fake
 def _chain_backward_fake(x, grad, operands, ops, scalars, operand_needs_grad):
     return [torch.empty_like(x)] + [torch.empty_like(o) for o, need in zip(operands, operand_needs_grad) if need]
 
@@ -89,9 +85,8 @@ def _chain_backward(ctx, grad):
     return grads[0], grad_operands, None, None
 
 
-torch.library.register_autograd("brrr::chain", _chain_backward, setup_context=_chain_setup_context)
-
-_chain_default = torch.ops.brrr.chain.default
+chain_backward_op = define("chain_backward", _chain_backward_impl, _chain_backward_fake)
+_chain_default = define("chain", _chain_impl, _chain_fake, _chain_backward, _chain_setup_context)
 
 
 def _needs_autograd(x, others=()):
@@ -145,15 +140,10 @@ def _split(x):
     return x[..., :d], x[..., d:]
 
 
-@torch.library.custom_op("brrr::glu", mutates_args=())
-def glu_op(x: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
-    gate, up = _split(x) if up is None else (x, up)
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    _C.chain_fwd(_program(activation + ",mul_tensor", (0.0, 0.0)), gate, out, (up,), _stream(x, None))
-    return out
+def _glu_impl(x: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
+    return _glu_forward(activation, x, up, None)
 
 
-@glu_op.register_fake
 def _glu_fake(x, up, activation):
     shape = x.shape if up is not None else (*x.shape[:-1], x.shape[-1] // 2)
     return x.new_empty(shape)
@@ -172,13 +162,11 @@ def _glu_grads(activation, x, up, grad, need_up):
     return [grad_gate, grad_up]
 
 
-@torch.library.custom_op("brrr::glu_backward", mutates_args=())
-def glu_backward_op(x: torch.Tensor, up: torch.Tensor | None, grad: torch.Tensor, activation: str,
-                    needs_grad: list[bool]) -> list[torch.Tensor]:
+def _glu_backward_impl(x: torch.Tensor, up: torch.Tensor | None, grad: torch.Tensor, activation: str,
+                       needs_grad: list[bool]) -> list[torch.Tensor]:
     return [g for g in _glu_grads(activation, x, up, grad, needs_grad[1]) if g is not None]
 
 
-@glu_backward_op.register_fake
 def _glu_backward_fake(x, up, grad, activation, needs_grad):
     if up is None:
         return [x.new_empty(x.shape)]
@@ -200,9 +188,8 @@ def _glu_backward(ctx, grad):
     return (grads[0] if ctx.needs[0] else None), (grads[1] if ctx.needs[1] else None), None
 
 
-torch.library.register_autograd("brrr::glu", _glu_backward, setup_context=_glu_setup_context)
-
-_glu_default = torch.ops.brrr.glu.default
+glu_backward_op = define("glu_backward", _glu_backward_impl, _glu_backward_fake)
+_glu_default = define("glu", _glu_impl, _glu_fake, _glu_backward, _glu_setup_context)
 
 
 def _glu_forward(activation, gate, up, out):

@@ -1,5 +1,5 @@
-"""PyTorch integration of bias_dropout_add: torch.library custom operators with fake kernels and
-registered autograd (torch.compile traces them without graph breaks), an eager autograd.Function,
+"""PyTorch integration of bias_dropout_add: torch.library operators with fake kernels and
+registered autograd (brrr._ops) (torch.compile traces them without graph breaks), an eager autograd.Function,
 and the direct call into brrr._C when autograd records nothing.
 
 Nothing is saved for the backward but p, seed and offset: brrr::bias_dropout_add_backward draws
@@ -12,13 +12,14 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C
+from ._ops import define
 from ._torch import _eager_out, _needs_autograd, _stream
 
 Tensor = torch.Tensor
 
 
 def _forward_impl(x: Tensor, bias: Optional[Tensor], residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
-    return _C.dropout_fwd(x, bias, residual, torch.empty_like(x), p, seed, offset, _stream(x, None))
+    return _C.dropout_fwd(x, bias, residual, _eager_out(x), p, seed, offset, _stream(x, None))
 
 
 def _backward_impl(grad: Tensor, p: float, seed: int, offset: int, bias_grad: bool) -> list[Tensor]:
@@ -35,18 +36,15 @@ def _backward_impl(grad: Tensor, p: float, seed: int, offset: int, bias_grad: bo
     return [grad_x] if grad_bias is None else [grad_x, grad_bias]
 
 
-bias_dropout_add_op = torch.library.custom_op("brrr::bias_dropout_add", mutates_args=())(_forward_impl)
-backward_op = torch.library.custom_op("brrr::bias_dropout_add_backward", mutates_args=())(_backward_impl)
-
-
-@bias_dropout_add_op.register_fake
 def _forward_fake(x, bias, residual, p, seed, offset):
     return torch.empty_like(x)
 
 
-@backward_op.register_fake
 def _backward_fake(grad, p, seed, offset, bias_grad):
     return [torch.empty_like(grad)] + ([grad.new_empty(grad.shape[-1:])] if bias_grad else [])
+
+
+backward_op = define("bias_dropout_add_backward", _backward_impl, _backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -67,9 +65,7 @@ def _backward(ctx, grad):
     return (*_grads(ctx, grad, backward_op), None, None, None)
 
 
-torch.library.register_autograd("brrr::bias_dropout_add", _backward, setup_context=_setup_context)
-
-_bias_dropout_add = torch.ops.brrr.bias_dropout_add.default
+_bias_dropout_add = define("bias_dropout_add", _forward_impl, _forward_fake, _backward, _setup_context)
 
 
 class _BiasDropoutAddFunction(torch.autograd.Function):

@@ -1,6 +1,6 @@
-"""PyTorch integration of the norm family: torch.library custom operators with fake kernels and
-registered autograd (torch.compile traces them without graph breaks), and the eager fast path
-that calls brrr._C directly when autograd records nothing.
+"""PyTorch integration of the norm family: torch.library operators with fake kernels and
+registered autograd (brrr._ops; torch.compile traces them without graph breaks), and the eager
+fast path that calls brrr._C directly when autograd records nothing.
 
 The forward ops return, besides their results, what the backward needs per row (mean relative to
 the row's first element, and rstd; float32, float64 for float64 x) as non-differentiable
@@ -16,6 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C
+from ._ops import define
 from ._torch import _EXCHANGE_API, _eager_out, _needs_autograd, _stream
 from .norm import default_rms_eps, normalized_ndim
 
@@ -38,15 +39,11 @@ def _shape_list(normalized_shape):
 def _layer_norm_impl(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
                   eps: float) -> tuple[Tensor, Tensor, Tensor]:
     k = normalized_ndim(x.shape, normalized_shape)
-    out, mean, rstd = torch.empty_like(x), _stats(x, k), _stats(x, k)
-    _C.layer_norm_fwd(x, k, weight, bias, eps, out, mean, rstd, None, None, _stream(x, None))
+    mean, rstd = _stats(x, k), _stats(x, k)
+    out = _C.layer_norm_fwd(x, k, weight, bias, eps, _eager_out(x), mean, rstd, None, None, _stream(x, None))
     return out, mean, rstd
 
 
-layer_norm_op = torch.library.custom_op("brrr::layer_norm", mutates_args=())(_layer_norm_impl)
-
-
-@layer_norm_op.register_fake
 def _layer_norm_fake(x, normalized_shape, weight, bias, eps):
     k = len(normalized_shape)
     return torch.empty_like(x), _stats(x, k), _stats(x, k)
@@ -55,15 +52,12 @@ def _layer_norm_fake(x, normalized_shape, weight, bias, eps):
 def _add_layer_norm_impl(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
                       bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     k = normalized_ndim(x.shape, normalized_shape)
-    out, h, mean, rstd = torch.empty_like(x), torch.empty_like(x), _stats(x, k), _stats(x, k)
-    _C.layer_norm_fwd(x, k, weight, bias, eps, out, mean, rstd, residual, h, _stream(x, None))
+    mean, rstd = _stats(x, k), _stats(x, k)
+    out, h = _C.layer_norm_fwd(x, k, weight, bias, eps, _eager_out(x), mean, rstd, residual, _eager_out(x),
+                               _stream(x, None))
     return out, h, mean, rstd
 
 
-add_layer_norm_op = torch.library.custom_op("brrr::add_layer_norm", mutates_args=())(_add_layer_norm_impl)
-
-
-@add_layer_norm_op.register_fake
 def _add_layer_norm_fake(x, residual, normalized_shape, weight, bias, eps):
     k = len(normalized_shape)
     return torch.empty_like(x), torch.empty_like(x), _stats(x, k), _stats(x, k)
@@ -72,15 +66,11 @@ def _add_layer_norm_fake(x, residual, normalized_shape, weight, bias, eps):
 def _rms_norm_impl(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float,
                 llama: bool) -> tuple[Tensor, Tensor]:
     k = normalized_ndim(x.shape, normalized_shape)
-    out, rstd = torch.empty_like(x), _stats(x, k)
-    _C.rms_norm_fwd(x, k, weight, eps, llama, out, rstd, None, None, _stream(x, None))
+    rstd = _stats(x, k)
+    out = _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), rstd, None, None, _stream(x, None))
     return out, rstd
 
 
-rms_norm_op = torch.library.custom_op("brrr::rms_norm", mutates_args=())(_rms_norm_impl)
-
-
-@rms_norm_op.register_fake
 def _rms_norm_fake(x, normalized_shape, weight, eps, llama):
     return torch.empty_like(x), _stats(x, len(normalized_shape))
 
@@ -88,15 +78,11 @@ def _rms_norm_fake(x, normalized_shape, weight, eps, llama):
 def _add_rms_norm_impl(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float,
                     llama: bool) -> tuple[Tensor, Tensor, Tensor]:
     k = normalized_ndim(x.shape, normalized_shape)
-    out, h, rstd = torch.empty_like(x), torch.empty_like(x), _stats(x, k)
-    _C.rms_norm_fwd(x, k, weight, eps, llama, out, rstd, residual, h, _stream(x, None))
+    rstd = _stats(x, k)
+    out, h = _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), rstd, residual, _eager_out(x), _stream(x, None))
     return out, h, rstd
 
 
-add_rms_norm_op = torch.library.custom_op("brrr::add_rms_norm", mutates_args=())(_add_rms_norm_impl)
-
-
-@add_rms_norm_op.register_fake
 def _add_rms_norm_fake(x, residual, normalized_shape, weight, eps, llama):
     return torch.empty_like(x), torch.empty_like(x), _stats(x, len(normalized_shape))
 
@@ -117,27 +103,26 @@ def _norm_backward_impl(x: Tensor, grad_out: Tensor, grad_residual: Optional[Ten
                      bias: Optional[Tensor], mean: Optional[Tensor], rstd: Tensor, norm_ndim: int, llama: bool,
                      weight_grad: bool, bias_grad: bool) -> list[Tensor]:
     """mean None: RMSNorm. x: the normalised input the forward saved."""
-    grad_x = torch.empty_like(x)
     grad_weight = torch.empty_like(weight) if weight_grad else None
     grad_bias = torch.empty_like(bias) if bias_grad else None
     partials = _partials(x, norm_ndim, weight_grad + bias_grad, rstd.dtype)
     stream = _stream(x, None)
     if mean is None:
-        _C.rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, grad_x, grad_weight, partials, stream)
+        grad_x = _C.rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, _eager_out(x), grad_weight,
+                                 partials, stream)
     else:
-        _C.layer_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, mean, rstd, grad_x, grad_weight, grad_bias,
-                          partials, stream)
+        grad_x = _C.layer_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, mean, rstd, _eager_out(x),
+                                   grad_weight, grad_bias, partials, stream)
     return [grad_x] + [g for g in (grad_weight, grad_bias) if g is not None]
 
 
-norm_backward_op = torch.library.custom_op("brrr::norm_backward", mutates_args=())(_norm_backward_impl)
-
-
-@norm_backward_op.register_fake
 def _norm_backward_fake(x, grad_out, grad_residual, weight, bias, mean, rstd, norm_ndim, llama, weight_grad,
                         bias_grad):
     return [torch.empty_like(x)] + [torch.empty_like(t) for t, need in ((weight, weight_grad), (bias, bias_grad))
                                     if need]
+
+
+norm_backward_op = define("norm_backward", _norm_backward_impl, _norm_backward_fake)
 
 
 def _grads(ctx, x, grad_out, grad_residual, weight, bias, mean, rstd, need_weight, need_bias):
@@ -203,15 +188,12 @@ def _add_rms_norm_backward(ctx, grad_out, grad_h, _grad_rstd):
     return dh, dh, None, dw, None, None
 
 
-torch.library.register_autograd("brrr::layer_norm", _layer_norm_backward, setup_context=_layer_norm_setup)
-torch.library.register_autograd("brrr::add_layer_norm", _add_layer_norm_backward, setup_context=_add_layer_norm_setup)
-torch.library.register_autograd("brrr::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
-torch.library.register_autograd("brrr::add_rms_norm", _add_rms_norm_backward, setup_context=_add_rms_norm_setup)
-
-_layer_norm = torch.ops.brrr.layer_norm.default
-_add_layer_norm = torch.ops.brrr.add_layer_norm.default
-_rms_norm = torch.ops.brrr.rms_norm.default
-_add_rms_norm = torch.ops.brrr.add_rms_norm.default
+_layer_norm = define("layer_norm", _layer_norm_impl, _layer_norm_fake, _layer_norm_backward, _layer_norm_setup)
+_add_layer_norm = define("add_layer_norm", _add_layer_norm_impl, _add_layer_norm_fake, _add_layer_norm_backward,
+                         _add_layer_norm_setup)
+_rms_norm = define("rms_norm", _rms_norm_impl, _rms_norm_fake, _rms_norm_backward, _rms_norm_setup)
+_add_rms_norm = define("add_rms_norm", _add_rms_norm_impl, _add_rms_norm_fake, _add_rms_norm_backward,
+                       _add_rms_norm_setup)
 
 
 # ---- eager autograd -------------------------------------------------------------------------------

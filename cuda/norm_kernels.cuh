@@ -39,6 +39,7 @@
 // number of partial rows follows its occupancy). Nothing is allocated; no atomics.
 #pragma once
 
+#include <mutex>
 #include <type_traits>
 
 #include "brrr_cuda.h"
@@ -903,6 +904,41 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     });
 }
 
+// Resident blocks per SM of a backward kernel at this block size and shared memory, with its
+// dynamic shared-memory limit raised to match. Both runtime calls cost host time on every launch
+// (the backward is host-bound at transformer sizes), and their answer depends only on these four
+// values, so it is kept (in one table for all of them: they share a type), guarded for the
+// threads that call brrr._C with the GIL released.
+template <typename Kernel>
+static cudaError_t bwd_blocks_per_sm(Kernel kernel, int block, size_t smem, int device, int *per_sm) {
+    struct Entry {
+        const void *kernel;
+        int block, device;
+        size_t smem;
+        int per_sm;
+    };
+    static std::mutex mutex;
+    static Entry table[64];
+    static int used = 0;
+    std::lock_guard<std::mutex> lock(mutex);
+    size_t limit = smem;  // the kernel's limit only grows: a launch found here may need more than this one
+    for (int i = 0; i < used; ++i) {
+        if (table[i].kernel != (const void *)kernel || table[i].device != device) continue;
+        if (table[i].block == block && table[i].smem == smem) {
+            *per_sm = table[i].per_sm;
+            return cudaSuccess;
+        }
+        if (table[i].smem > limit) limit = table[i].smem;
+    }
+    // Always raise the dynamic limit: the kernel's static shared memory counts against the
+    // default 48 KB too, so a test on smem alone let 48 KB of dynamic memory fail to launch.
+    cudaError_t e = cudaSuccess;
+    if (limit > 0) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)limit);
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, block, smem);
+    if (e == cudaSuccess && used < 64) table[used++] = {(const void *)kernel, block, device, smem, *per_sm};
+    return e;
+}
+
 template <typename T>
 cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
     using A = typename Compute<T>::type;
@@ -919,12 +955,8 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
             auto kernel = norm_bwd_kernel<T, VEC, PACKS>;
             const int groups = cfg.block / cfg.tpr;
             const size_t smem = (size_t)groups * n_grads * PACKS * VEC * cfg.tpr * sizeof(A);
-            cudaError_t e = cudaSuccess;
-            // Always raise the dynamic limit: the kernel's static shared memory counts against the
-            // default 48 KB too, so a test on smem alone let 48 KB of dynamic memory fail to launch.
-            if (smem > 0) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
             int per_sm = 0;
-            if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cfg.block, smem);
+            const cudaError_t e = bwd_blocks_per_sm(kernel, cfg.block, smem, device, &per_sm);
             if (e != cudaSuccess) return e;
             // One wave of blocks, each owning an equal slice of rows (and a partial row), no
             // more blocks than groups of rows.

@@ -1,0 +1,76 @@
+"""brrr._ops: the torch.library operators' own autograd kernel, called through torch.ops (as
+compiled code calls them): gradients, the refusal of double backward, and the direct call to the
+kernel never bypassing what sits below autograd (dispatch modes, fake tensors)."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import brrr
+import brrr._torch_norm  # noqa: F401  (defines the norm ops)
+from helpers import DEVICES, random
+
+ops = torch.ops.brrr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_op_gradients_match_the_eager_path(device):
+    x = random((7, 33), torch.float64, device).requires_grad_()
+    w = random((33,), torch.float64, device).requires_grad_()
+    b = random((33,), torch.float64, device).requires_grad_()
+    g = random((7, 33), torch.float64, device)
+    through_ops = ops.layer_norm.default(x, [33], w, b, 1e-5)[0] + ops.chain.default(x, [b], "add_tensor,gelu", [0.0, 0.0])
+    eager = brrr.layer_norm(x, (33,), w, b) + brrr.bias_gelu(x, b)
+    ref = torch.nn.functional.layer_norm(x, (33,), w, b) + torch.nn.functional.gelu(x + b)
+    inputs = (x, w, b)
+    for got, same, want in zip(torch.autograd.grad(through_ops, inputs, g), torch.autograd.grad(eager, inputs, g),
+                               torch.autograd.grad(ref, inputs, g)):
+        torch.testing.assert_close(got, same, rtol=0, atol=0)
+        torch.testing.assert_close(got, want)
+
+
+def test_double_backward_through_an_op_raises():
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    y = ops.rms_norm.default(x, [8], w, 1e-6, False)[0]
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    assert gx.requires_grad  # recorded, so that a second backward reaches the refusal
+    with pytest.raises(RuntimeError, match="no derivative"):
+        torch.autograd.grad(gx.sum(), x)
+
+
+def test_a_list_argument_gets_its_gradients():
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    m = torch.randn(4, 6, dtype=torch.float64)  # in the list, needing no gradient
+    y = ops.chain.default(x, [b, m], "add_tensor,mul_tensor", [0.0, 0.0])
+    gx, gb = torch.autograd.grad(y.sum(), (x, b))
+    torch.testing.assert_close(gx, m)
+    torch.testing.assert_close(gb, m.sum(0))
+
+
+class Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_dispatch_modes_still_see_the_op(grad):
+    x = torch.randn(4, 6, requires_grad=grad)
+    with Recorder() as mode:
+        y = ops.chain.default(x, [], "cos", [0.0])
+    assert "brrr.chain.default" in mode.seen
+    torch.testing.assert_close(y, torch.cos(x))
+
+
+def test_fake_tensors_take_the_fake_kernel():
+    with FakeTensorMode():
+        x = torch.empty(3, 5, 16)
+        out, rstd = ops.rms_norm.default(x, [16], None, 1e-6, False)
+    assert out.shape == (3, 5, 16) and rstd.shape == (3, 5)
