@@ -11,8 +11,9 @@ a counter-based generator (Philox4x32-10), so the backward draws it again.
 The mask. Element i, its row-major index in x's shape (a strided view gets the mask of its
 contiguous copy), is kept iff word i % 4 of Philox4x32-10(counter = (i // 4, offset), key = seed)
 is >= floor(p * 2**32); kept elements are scaled by 1 / (1 - p). The CPU and the CUDA kernels keep
-the same elements for the same (seed, offset, shape). Dropped elements contribute exactly 0, also
-where x + bias is inf or NaN (torch.nn.functional.dropout's product would give NaN there).
+the same elements for the same (seed, offset, shape). As in torch.nn.functional.dropout, every
+element is multiplied by its mask value (scale or 0): a dropped inf or NaN gives NaN, and so does a
+dropped inf or NaN in the backward's grad_out.
 
 seed=None draws a seed from PyTorch's default CPU generator (torch.randint(2**63 - 1, (1,))), so
 torch.manual_seed makes runs reproducible; NumPy and other arrays need an explicit seed. Under
@@ -50,8 +51,8 @@ def check_args(p, training, seed, offset):
 
 def bias_dropout_add(x, bias, residual, p, training=True, seed=None, offset=0):
     """residual + dropout(x + bias, p) in one pass; bias is None or of shape x.shape[-1:],
-    residual has x's shape. training=False or p=0: x + bias + residual; p=1: residual. See the
-    module for the mask, seed and offset."""
+    residual has x's shape. training=False or p=0: x + bias + residual; p=1: residual + (x + bias) * 0
+    (residual where x + bias is finite). See the module for the mask, seed and offset."""
     p = check_args(p, training, seed, offset)
     if residual is None:
         raise TypeError("argument residual: expected a tensor of x's shape, got None")

@@ -6,8 +6,10 @@
  * offset, so a strided view gets the mask of its contiguous copy), is kept iff word i % 4 of
  * Philox4x32-10 with counter (i / 4, offset) and key seed is >= floor(p * 2^32) (cuda/philox.h,
  * shared with the CUDA kernels: both keep the same elements). The backward regenerates the mask
- * from (p, seed, offset). Dropped elements contribute exactly 0, also where x + bias is inf or
- * NaN. Math in float32 (float64 for float64), rounded once.
+ * from (p, seed, offset). A dropped element contributes (x + bias) * 0, as torch's x * mask *
+ * scale does: NaN where x + bias is inf or NaN (also for p = 1, as torch's dropout), else +-0;
+ * the backward likewise gives grad_out * 0. Math in float32 (float64 for float64), each step
+ * rounded on its own (no FMA: the CUDA kernels round the same way).
  *
  * _C.dropout_fwd(x, bias, residual, out, p, seed, offset, stream) -> out
  * _C.dropout_bwd(grad_out, grad_x, grad_bias, partials, p, seed, offset, stream) -> grad_x
@@ -44,13 +46,13 @@ static void cpu_dropout(const brrr_dropout_launch *L, double *acc) {
         if (f64) {
             double v = ((const double *)x)[ox];
             if (bias) v += ((const double *)bias)[c * L->bias_stride];
-            const double d = keep ? v * L->scale : 0.0;
+            const double d = v * (keep ? L->scale : 0.0);
             ((double *)out)[oout] = res ? ((const double *)res)[ores] + d : d;
             if (acc) acc[c] += d;
         } else {
             float v = brrr_load_f32(dt, x, ox);
             if (bias) v += brrr_load_f32(dt, bias, c * L->bias_stride);
-            const float d = keep ? v * (float)L->scale : 0.0f;
+            const float d = v * (keep ? (float)L->scale : 0.0f);
             brrr_store_f32(dt, out, oout, res ? brrr_load_f32(dt, res, ores) + d : d);
             if (acc) acc[c] += d;
         }

@@ -141,7 +141,8 @@ int brrr_cuda_norm_bwd(const brrr_norm_launch *launch, int device, void *stream)
  * brrr_dropout_randoms(seed, offset, i / 4) (philox.h) is >= threshold. The backward is the
  * same launch with x = grad_out, out = grad_x and no residual or bias; with grad_bias it also
  * sums grad_x over rows (the last dim stays last: row_layout) through `partials`, in a fixed
- * order. Dropped elements are exactly 0, also where x + bias is inf or NaN. */
+ * order. Each element is multiplied by its mask value (scale or 0), as torch's dropout does: a
+ * dropped inf or NaN gives NaN. */
 typedef struct {
     int32_t dtype;             /* brrr_dtype of every tensor */
     int32_t ndim;              /* >= 1 after merging */

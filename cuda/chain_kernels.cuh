@@ -528,10 +528,8 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_b
     }
 }
 
-// grad_operand[c] = the per-slice partials[b][p][c] summed in a fixed order: lane l of a block
-// sums slices l, l + kRowLanes, ... in turn, then lane 0 sums the lanes in order. A block per
-// 32 columns (one thread per column and slice took 31 us for 4096 columns: 16 blocks, 256
-// dependent loads each).
+// grad_operand[c] = the per-slice partials[b][p][c] summed in a fixed order
+// (block_sum_column_partials). A block per 32 columns.
 template <typename T>
 __global__ void __launch_bounds__(kTileCols *kRowLanes) chain_vector_grad_kernel(const __grid_constant__ brrr_chain_launch L) {
     using A = typename Compute<T>::type;
@@ -540,19 +538,10 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes) chain_vector_grad_kernel
     const int64_t c = (int64_t)blockIdx.x * kTileCols + threadIdx.x;
     for (int b = 0; b < L.program.n_operands; ++b) {
         if (!L.operand_is_vector[b] || !L.grad_operands[b].data) continue;  // uniform across the block
-        const A *part = static_cast<const A *>(L.partials) + (int64_t)b * L.partial_rows * cols + c;
-        A s = A(0);
-        if (c < cols)
-            for (int64_t p = threadIdx.y; p < L.partial_rows; p += kRowLanes) s += part[p * cols];
-        lanes[threadIdx.y][threadIdx.x] = s;
-        __syncthreads();
-        if (threadIdx.y == 0 && c < cols) {
-            A total = A(0);
-#pragma unroll
-            for (int lane = 0; lane < kRowLanes; ++lane) total += lanes[lane][threadIdx.x];
+        const A *part = static_cast<const A *>(L.partials) + (int64_t)b * L.partial_rows * cols;
+        const A total = block_sum_column_partials(lanes, part, L.partial_rows, cols, c);
+        if (threadIdx.y == 0 && c < cols)
             out_ptr<T>(L.grad_operands[b])[c * L.grad_operands[b].strides[0]] = to_storage<T, A>(total);
-        }
-        __syncthreads();
     }
 }
 

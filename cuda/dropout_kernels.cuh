@@ -13,7 +13,8 @@
 //                          block owns a column tile (32 threads x VEC columns) and a fixed slice
 //                          of rows that its 8 warps walk; each thread sums its rows in order, the
 //                          warps are summed in order through shared memory into the slice's
-//                          partial row, and dropout_bias_grad_kernel sums the slices in order.
+//                          partial row, and dropout_bias_grad_kernel sums the slices in a fixed
+//                          order (block_sum_column_partials, common.cuh).
 //                          No atomics: bitwise reproducible, on any GPU.
 // The forward and the backward without a bias gradient are the same elementwise launch.
 #pragma once
@@ -71,9 +72,11 @@ __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 
+// v * scale where kept, v * 0 where dropped: NaN where v is inf or NaN, as torch's x * mask *
+// scale (also for p == 1), and -0 for a negative v. One multiply either way, as the CPU twin.
 template <typename A>
 __device__ __forceinline__ A dropped(const brrr_dropout_launch &L, uint32_t random, A v, A scale) {
-    return (uint64_t)random >= L.threshold ? mul_rn(v, scale) : A(0);
+    return mul_rn(v, (uint64_t)random >= L.threshold ? scale : A(0));
 }
 
 template <typename T, bool kVector>
@@ -207,16 +210,16 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes) dropout_bwd_rows_kernel(
     store_block_column_sums<VEC>(lanes, acc, static_cast<A *>(L.partials) + (int64_t)blockIdx.y * cols, col, active);
 }
 
-// grad_bias[c] = sum over row slices p, in order, of partials[p][c] (0 without rows).
+// grad_bias[c] = the per-slice partials[p][c] summed in a fixed order (block_sum_column_partials:
+// lane l of a block sums slices l, l + kRowLanes, ... in turn, then the lanes are added in
+// order; 0 without rows). A block per kTileCols columns.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) dropout_bias_grad_kernel(const __grid_constant__ brrr_dropout_launch L) {
+__global__ void __launch_bounds__(kTileCols *kRowLanes) dropout_bias_grad_kernel(const __grid_constant__ brrr_dropout_launch L) {
     using A = typename Compute<T>::type;
-    const int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-    if (c >= L.cols) return;
-    const A *part = static_cast<const A *>(L.partials) + c;
-    A s = A(0);
-    for (int64_t p = 0; p < L.partial_rows; ++p) s += part[p * L.cols];
-    out<T>(L.grad_bias)[c * L.grad_bias_stride] = to_storage<T, A>(s);
+    __shared__ A lanes[kRowLanes][kTileCols];
+    const int64_t c = (int64_t)blockIdx.x * kTileCols + threadIdx.x;
+    const A total = block_sum_column_partials(lanes, static_cast<const A *>(L.partials), L.partial_rows, L.cols, c);
+    if (threadIdx.y == 0 && c < L.cols) out<T>(L.grad_bias)[c * L.grad_bias_stride] = to_storage<T, A>(total);
 }
 
 // ---- launchers ------------------------------------------------------------------------------
@@ -257,7 +260,8 @@ cudaError_t dropout_typed(const brrr_dropout_launch &L, int device, cudaStream_t
             const cudaError_t err = launch_rows<T>(L, stream);
             if (err != cudaSuccess) return err;
         }
-        dropout_bias_grad_kernel<T><<<(unsigned)((L.cols + kThreads - 1) / kThreads), kThreads, 0, stream>>>(L);
+        const dim3 block(kTileCols, kRowLanes);
+        dropout_bias_grad_kernel<T><<<(unsigned)((L.cols + kTileCols - 1) / kTileCols), block, 0, stream>>>(L);
         return cudaGetLastError();
     }
     if (L.contiguous) {

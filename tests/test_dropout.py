@@ -1,13 +1,15 @@
 """bias_dropout_add: the mask against an independent Philox4x32-10 (checked on Random123's known
 answers), outputs and gradients against float64 math built from that mask, keep rates, seeds,
-offsets and layouts, the autograd machinery (nothing saved, gradcheck, opcheck, torch.compile),
-CPU against CUDA bitwise, and argument errors."""
+offsets and layouts, inf and NaN as torch's x * mask * scale (forward and backward), the autograd
+machinery (nothing saved, gradcheck, opcheck, torch.compile), CPU against CUDA bitwise, and
+argument errors."""
 
 import math
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import brrr
 from brrr import _C, registry
@@ -60,13 +62,19 @@ def brrr_keep(shape, p, seed, offset=0, device="cpu", x=None):
     return (out != 0).cpu()
 
 
+def torch_dropout_product(h, keep, p):
+    """torch's dropout of h with the mask keep: h * keep * (1 / (1 - p)) (scale 0 for p = 1), so a
+    dropped inf or NaN gives NaN, and so does its gradient for an inf or NaN grad_out."""
+    return h * keep.to(h.dtype) * (0.0 if p >= 1 else 1.0 / (1.0 - p))
+
+
 def reference_out(x, bias, residual, keep, p):
-    """float64: residual + keep * (x + bias) / (1 - p)."""
+    """float64: residual + torch's dropout of x + bias with the mask keep."""
     h = x.detach().double().cpu()
     if bias is not None:
         h = h + bias.detach().double().cpu()
-    scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
-    return residual.detach().double().cpu() + torch.where(keep, h * scale, torch.zeros_like(h))
+    d = torch_dropout_product(h, keep, p)
+    return d if residual is None else residual.detach().double().cpu() + d
 
 
 SHAPES = [(), (1,), (3,), (5, 7), (2, 3, 130), (4097,), (64, 256)]
@@ -224,12 +232,107 @@ def test_p_zero_one_and_eval(device):
     assert_close(brrr.bias_dropout_add(x, b, r, 0.0, seed=1), plain)
     assert_close(brrr.bias_dropout_add(x, b, r, 0.9, training=False, seed=1), plain)
     assert_close(brrr.bias_dropout_add(x, b, r, 0.9, training=False), plain)
-    assert torch.equal(brrr.bias_dropout_add(x * float("inf"), b, r, 1.0, seed=1), r)  # dropped means 0
+    assert torch.equal(brrr.bias_dropout_add(x, b, r, 1.0, seed=1), r)
+    assert torch.isnan(brrr.bias_dropout_add(x * float("inf"), b, r, 1.0, seed=1)).all()  # inf * 0, as torch
     xb, bb = x.clone().requires_grad_(), b.clone().requires_grad_()
     gx, gb = torch.autograd.grad(brrr.bias_dropout_add(xb, bb, r, 1.0, seed=1), (xb, bb), torch.ones_like(x))
     assert not gx.any() and not gb.any()
     gx, gb = torch.autograd.grad(brrr.bias_dropout_add(xb, bb, r, 0.5, training=False), (xb, bb), torch.ones_like(x))
     assert torch.equal(gx, torch.ones_like(x)) and torch.equal(gb, torch.full_like(b, 9.0))
+
+
+# ---- inf and NaN: torch's x * mask * scale, forward and backward --------------------------------
+
+def nonfinite(shape, dtype, device, seed, every):
+    """random() values with one in `every` (flat, row-major) replaced by inf, NaN, -inf in turn."""
+    t = random(shape, torch.float64, "cpu", generator=torch.Generator().manual_seed(seed)).flatten()
+    for k, v in enumerate((float("inf"), float("nan"), -float("inf"))):
+        t[k * every::3 * every] = v
+    return t.reshape(shape).to(device=device, dtype=dtype)
+
+
+def assert_same_but_nan_bits(actual, expected, what):
+    """NaN at the same places; everything else bitwise equal (values and zero signs). NaN payloads
+    and signs are the hardware's (x86 and NVIDIA GPUs make different default NaNs)."""
+    a, e = actual.cpu(), expected.cpu()
+    assert a.dtype == e.dtype and a.shape == e.shape, what
+    nan = torch.isnan(e)
+    assert torch.equal(torch.isnan(a), nan), what
+    assert torch.equal(a[~nan], e[~nan]), what
+    assert torch.equal(torch.signbit(a[~nan]), torch.signbit(e[~nan])), what
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("p", [0.5, 0.2, 1.0])
+def test_nonfinite_forward_matches_torch_product(device, dtype, p):
+    """A dropped inf or NaN in x + bias gives NaN ((x + bias) * 0), as torch's dropout; kept ones
+    stay inf or NaN; finite dropped elements are +-0 (a negative one -0, as x * 0)."""
+    shape, seed = (6, 40), 21
+    x = nonfinite(shape, dtype, device, 1, every=4)
+    b = random(shape[-1:], dtype, device)
+    b[5], b[17], b[30] = float("nan"), float("inf"), -float("inf")
+    r = random(shape, dtype, device)
+    keep = brrr_keep(shape, p, seed, device=device)
+    assert torch.equal(keep, reference_keep(shape, p, seed))
+    h = x.double().cpu() + b.double().cpu()
+    bad = ~torch.isfinite(h)
+    if p < 1:  # the mask keeps some of the non-finite elements and drops others
+        assert (bad & keep).any() and (bad & ~keep).any()
+    out = brrr.bias_dropout_add(x, b, r, p, seed=seed)
+    ref = reference_out(x, b, r, keep, p)
+    assert torch.isnan(ref[bad & ~keep]).all()
+    assert_close(out, ref, dtype, scale=2.0)
+    assert torch.equal(torch.isnan(out.cpu()), torch.isnan(ref)) and torch.equal(torch.isinf(out.cpu()), torch.isinf(ref))
+    # Without a residual the dropped finite elements keep x's sign, as x * 0 does.
+    plain = _C.dropout_fwd(x, b, None, None, p, seed, 0, -1)
+    ref = reference_out(x, b, None, keep, p)
+    assert_close(plain, ref, dtype, scale=2.0)
+    zeros = ref == 0
+    assert torch.equal(torch.signbit(plain.cpu()[zeros]), torch.signbit(ref[zeros]))
+    if p == 1.0:  # torch's own dropout draws no mask at p = 1: compare with it directly
+        expected = r.double().cpu() + F.dropout(h, p=1.0, training=True)
+        assert torch.isnan(expected[bad]).all()
+        assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("p", [0.5, 1.0])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_nonfinite_backward_matches_torch_product(device, dtype, p, with_bias):
+    """grad_x = grad_out * keep * scale: an inf or NaN grad_out at a dropped element gives NaN, as
+    torch's dropout backward; grad_bias sums those (NaN or inf in the columns that have them)."""
+    shape, seed = (9, 24), 8
+    x = nonfinite(shape, dtype, device, 2, every=5).requires_grad_()
+    b = random(shape[-1:], dtype, device).requires_grad_() if with_bias else None
+    r = random(shape, dtype, device)
+    g = nonfinite(shape, dtype, device, 3, every=7)
+    g[:, 3] = 1.0  # columns without inf and NaN too, for a finite grad_bias
+    g[:, 11] = -2.0
+    leaves = [t for t in (x, b) if t is not None]
+    grads = torch.autograd.grad(brrr.bias_dropout_add(x, b, r, p, seed=seed), leaves, g)
+    keep = reference_keep(shape, p, seed)
+    bad = ~torch.isfinite(g.cpu())
+    if p < 1:
+        assert (bad & keep).any() and (bad & ~keep).any()
+    ref_leaves = [t.detach().double().cpu().requires_grad_() for t in leaves]
+    ref = torch_dropout_product(ref_leaves[0] + ref_leaves[1] if with_bias else ref_leaves[0], keep, p)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, g.double().cpu())
+    assert torch.isnan(ref_grads[0][bad & ~keep]).all()
+    assert_close(grads[0], ref_grads[0], dtype)
+    assert torch.equal(torch.isnan(grads[0].cpu()), torch.isnan(ref_grads[0]))
+    zeros = ref_grads[0] == 0
+    assert torch.equal(torch.signbit(grads[0].cpu()[zeros]), torch.signbit(ref_grads[0][zeros]))
+    if with_bias:
+        assert_close(grads[1], ref_grads[1], dtype, scale=3.0)
+        assert torch.equal(torch.isnan(grads[1].cpu()), torch.isnan(ref_grads[1]))
+        assert torch.isfinite(grads[1][[3, 11]]).all() and not torch.isfinite(grads[1]).all()
+    if p == 1.0:  # against torch's own dropout, which needs no mask at p = 1
+        h = x.detach().double().cpu().requires_grad_()
+        (expected,) = torch.autograd.grad(F.dropout(h, p=1.0, training=True), h, g.double().cpu())
+        assert torch.isnan(expected[bad]).all()
+        assert_close(grads[0], expected, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -455,6 +558,37 @@ def test_cuda_matches_cpu_bitwise(dtype, shape, layout):
             assert_close(cuda[2], cpu[2].double(), dtype, scale=max(2.0, (x.numel() // cols) ** 0.5))
         assert_close(cuda[0], reference_out(x, b, r, reference_keep(tuple(x.shape), p, seed, offset), p), dtype,
                      scale=2.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 4096), (257, 136), (2, 1031)], ids=str)
+@pytest.mark.parametrize("layout", list(_cuda_layouts()))
+def test_cuda_nonfinite_matches_cpu(dtype, shape, layout):
+    """inf and NaN in x, bias and grad_out through every CUDA path: the same NaN, inf and zero
+    (sign included) as the CPU twin, the rest bitwise; grad_bias NaN where the CPU's is."""
+    view = _cuda_layouts()[layout]
+    base_x, base_g = nonfinite(shape, dtype, "cpu", 4, every=5), nonfinite(shape, dtype, "cpu", 5, every=6)
+    base_r = random(shape, dtype, "cpu")
+    cols = view(base_x).shape[-1]
+    b = random((cols,), dtype, "cpu") if view(base_x).dim() > 1 else None
+    if b is not None:
+        b[0], b[cols // 2], b[cols - 1] = float("nan"), float("inf"), -float("inf")
+    for p, seed, offset in [(0.3, 42, 0), (0.9, 2**40 + 1, 2**35), (1.0, 1, 1)]:
+        results = []
+        for device in ("cpu", "cuda"):
+            xd = view(base_x.to(device)).requires_grad_()
+            bd = b.to(device).requires_grad_() if b is not None else None
+            out = brrr.bias_dropout_add(xd, bd, view(base_r.to(device)), p, seed=seed, offset=offset)
+            grads = torch.autograd.grad(out, [t for t in (xd, bd) if t is not None], view(base_g.to(device)))
+            plain = _C.dropout_fwd(xd.detach(), bd.detach() if bd is not None else None, None, None, p, seed, offset, -1)
+            results.append([out, plain, *grads])
+        cpu, cuda = results
+        for name, a, e in zip(("out", "no residual", "grad_x"), cuda, cpu):
+            assert_same_but_nan_bits(a, e, (p, name))
+        if b is not None:  # summed in another order on the GPU
+            assert torch.equal(torch.isnan(cuda[3].cpu()), torch.isnan(cpu[3])), p
+            assert_close(cuda[3], cpu[3].double(), dtype, scale=max(2.0, (base_x.numel() // cols) ** 0.5))
 
 
 @pytest.mark.cuda
