@@ -18,9 +18,10 @@
 //                     512) owns a row, held in registers as PACKS packs of VEC elements per thread
 //                     (16-byte accesses when every row is aligned, VEC = 1 otherwise); pack k of
 //                     thread t holds columns (k * tpr + t) * VEC + [0, VEC). A block has
-//                     max(tpr, 256) threads, so narrow rows share a block. Group reductions: warp
-//                     butterflies, then one over the group's warps through shared memory; one
-//                     per row (LayerNorm merges counts, sums and squared deviations).
+//                     max(tpr, 256) threads, so narrow rows share a block; one wave of blocks
+//                     walks the rows. Group sums: warp butterflies, then one over the group's
+//                     warps through shared memory; one per row (LayerNorm: two, the mean and
+//                     then the squares about it).
 //                     Assumes: N <= 512 * PACKS * VEC, N % VEC == 0.
 // norm_bwd_kernel     the same row layout, with more threads per row (see row_config). A block
 //                     owns a contiguous slice of rows, walked by its groups, each thread loading
@@ -163,20 +164,17 @@ __device__ __forceinline__ T *row_out(const brrr_norm_launch &L, const brrr_norm
     return v.data ? static_cast<T *>(v.data) + row_offset(L, v, r) + col : nullptr;
 }
 
-// Reduces v over the tpr threads of the calling thread's group (a power of two; all threads of
-// the block call it together) with merge(a, b), which must give the same bits as merge(b, a): a
-// butterfly within each warp, then one over the group's warp results, which every warp of the
-// group runs alike (lane l taking the result of warp l % warps). So every thread of a group gets
-// the same bits, both lanes of a butterfly step merging the same pair. `buf` (one slot per warp
-// and value) must differ from the buffer of the previous call, whose readers may still be at it.
-template <typename A, int kN, typename Merge>
-__device__ __forceinline__ void group_reduce(A (&v)[kN], int tpr, A (*buf)[kMaxWarps], Merge merge) {
+// Sums v over the tpr threads of the calling thread's group (a power of two; all threads of the
+// block call it together): a butterfly within each warp, then one over the group's warp results,
+// which every warp of the group runs alike (lane l taking the result of warp l % warps). So every
+// thread of a group gets the same bits, both lanes of a butterfly step adding the same pair.
+// `buf` (one slot per warp and value) must differ from the buffer of the previous call, whose
+// readers may still be at it.
+template <typename A, int kN> __device__ __forceinline__ void group_sum(A (&v)[kN], int tpr, A (*buf)[kMaxWarps]) {
     auto butterfly = [&](int width) {
         for (int off = width / 2; off > 0; off /= 2) {
-            A other[kN];
 #pragma unroll
-            for (int i = 0; i < kN; ++i) other[i] = __shfl_xor_sync(0xffffffffu, v[i], off);
-            merge(v, other);
+            for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
         }
     };
     butterfly(tpr < 32 ? tpr : 32);
@@ -191,32 +189,6 @@ __device__ __forceinline__ void group_reduce(A (&v)[kN], int tpr, A (*buf)[kMaxW
 #pragma unroll
     for (int i = 0; i < kN; ++i) v[i] = buf[i][slot];
     butterfly(warps);
-}
-
-template <typename A, int kN> __device__ __forceinline__ void group_sum(A (&v)[kN], int tpr, A (*buf)[kMaxWarps]) {
-    group_reduce(v, tpr, buf, [](A (&a)[kN], const A (&b)[kN]) {
-#pragma unroll
-        for (int i = 0; i < kN; ++i) a[i] += b[i];
-    });
-}
-
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-// a / b to a few ulp, in two instructions for float (b < 2^126); these quotients only scale
-// small corrections, and the reduction's latency is the forward's critical path.
-__device__ __forceinline__ float fast_div(float a, float b) { return __fdividef(a, b); }
-__device__ __forceinline__ double fast_div(double a, double b) { return a / b; }
-
-// Chan, Golub and LeVeque's merge of (count, sum, sum of squared deviations from the mean) of two
-// sets: M2 = M2a + M2b + t^2 / (na * nb * n) with t = Sb * na - Sa * nb (na * nb times the
-// difference of the means), taken as (t / (na * nb)) * (t / n) so that it overflows no sooner
-// than the squared deviations themselves. Symmetric in its operands: t's products are rounded
-// apart (a fused multiply-add would differ between the two lanes), and -t gives the same bits.
-template <typename A> __device__ __forceinline__ void merge_moments(A (&a)[3], const A (&b)[3]) {
-    const A n = a[0] + b[0], both = a[0] * b[0], t = mul_rn(b[1], a[0]) - mul_rn(a[1], b[0]);
-    a[2] = (a[2] + b[2]) + (both > A(0) ? fast_div(t, both) * fast_div(t, n) : A(0));
-    a[1] += b[1];
-    a[0] = n;
 }
 
 // ---- fast path: a row in registers --------------------------------------------------------
@@ -236,16 +208,17 @@ template <typename T> constexpr int fwd_min_blocks(int elements, bool residual) 
 }
 
 // kResidual: L.residual is given (a template argument, so the plain forward keeps no registers for it).
-// LayerNorm's statistics take one group reduction: each thread's count, sum and squared deviations
-// of its own elements (two passes over its registers), merged by merge_moments. The two reductions
-// of the two-pass form (the mean, then the squares about it) cost a second cross-warp exchange and
-// barrier per row, which left LayerNorm at 70% of the bandwidth floor where RMSNorm reached 88%.
+// LayerNorm's statistics are two passes over the row in registers, a group sum each: the mean,
+// then the squares about it. Merging per-thread (count, sum, squared deviations) in one reduction
+// instead (Chan et al.) saved a barrier but cost ~17 instructions per butterfly step: 16384 x 4096
+// bf16 went from 0.091 to 0.098 ms on the H200, the kernel issue-bound (79% of the SM's issue
+// rate, 1183 instructions per warp and row, ncu).
 template <typename T, int VEC, int PACKS, bool kResidual>
 __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC, kResidual))
     norm_fwd_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr) {
     using A = typename Compute<T>::type;
     constexpr int kAdd = kResidual ? PACKS : 1;
-    __shared__ A buf[2][3][kMaxWarps];
+    __shared__ A buf[2][1][kMaxWarps];
     const int groups = blockDim.x / tpr, t = threadIdx.x % tpr;
     const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC;
     const A inv_n = A(1) / static_cast<A>(cols), eps = static_cast<A>(L.eps);
@@ -288,26 +261,28 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
         // element (packs past the row stay zero).
         A mean = A(0), rstd;
         if (layer) {
-            A m[3] = {static_cast<A>(mine * VEC), A(0), A(0)};  // count, sum, squared deviations
+            A sum[1] = {A(0)};
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     v[k][j] -= shift;
-                    m[1] += v[k][j];
+                    sum[0] += v[k][j];
                 }
             }
-            const A mine_mean = mine > 0 ? fast_div(m[1], m[0]) : A(0);
+            group_sum(sum, tpr, buf[parity]);
+            parity ^= 1;
+            mean = sum[0] * inv_n;
+            A squares[1] = {A(0)};
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) m[2] += (v[k][j] - mine_mean) * (v[k][j] - mine_mean);
+                for (int j = 0; j < VEC; ++j) squares[0] += (v[k][j] - mean) * (v[k][j] - mean);
             }
-            group_reduce(m, tpr, buf[parity], merge_moments<A>);
-            mean = m[1] * inv_n;
-            rstd = rsqrt_of(m[2] * inv_n + eps);
+            group_sum(squares, tpr, buf[parity]);
+            rstd = rsqrt_of(squares[0] * inv_n + eps);
         } else {
             A q[1] = {A(0)};
 #pragma unroll
@@ -881,36 +856,14 @@ static inline RowSplit split_rows(int64_t rows, int64_t target, int64_t cap) {
     return {(rows + per - 1) / per, per};
 }
 
-constexpr int64_t kMaxGrid = (int64_t)1 << 30;
 
-template <typename T>
-cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
-    if (L.rows == 0 || L.cols == 0) return cudaSuccess;
-    RowConfig cfg;
-    if (!row_config<T>(L, false, &cfg)) {
-        norm_fwd_generic_kernel<T><<<generic_grid(L.rows, device), kGenericThreads, 0, stream>>>(L);
-        return cudaSuccess;
-    }
-    return with_row_config<T>(cfg, [&](auto vec, auto packs) {
-        constexpr int VEC = decltype(vec)::value, PACKS = decltype(packs)::value;
-        const int groups = cfg.block / cfg.tpr;
-        const int64_t blocks = (L.rows + groups - 1) / groups;
-        const unsigned grid = (unsigned)(blocks < kMaxGrid ? blocks : kMaxGrid);
-        if (L.residual.data)
-            norm_fwd_kernel<T, VEC, PACKS, true><<<grid, cfg.block, 0, stream>>>(L, cfg.tpr);
-        else
-            norm_fwd_kernel<T, VEC, PACKS, false><<<grid, cfg.block, 0, stream>>>(L, cfg.tpr);
-        return cudaSuccess;
-    });
-}
-
-// Resident blocks per SM of a backward kernel at this block size and shared memory, with its
+// Resident blocks per SM of a row kernel at this block size and dynamic shared memory, with its
 // dynamic shared-memory limit raised to match. Both runtime calls cost host time on every launch
-// (the backward is host-bound at transformer sizes), and their answer depends only on these four
-// values, so it is kept (in one table for all of them: they share a type), guarded for the
-// threads that call brrr._C with the GIL released.
+// (a transformer's norms are host-bound), and their answer depends only on these four values, so
+// it is kept (in one table for all the kernels: they share a type), guarded for the threads that
+// call brrr._C with the GIL released.
 template <typename Kernel>
-static cudaError_t bwd_blocks_per_sm(Kernel kernel, int block, size_t smem, int device, int *per_sm) {
+static cudaError_t blocks_per_sm(Kernel kernel, int block, size_t smem, int device, int *per_sm) {
     struct Entry {
         const void *kernel;
         int block, device;
@@ -940,6 +893,31 @@ static cudaError_t bwd_blocks_per_sm(Kernel kernel, int block, size_t smem, int 
 }
 
 template <typename T>
+cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
+    if (L.rows == 0 || L.cols == 0) return cudaSuccess;
+    RowConfig cfg;
+    if (!row_config<T>(L, false, &cfg)) {
+        norm_fwd_generic_kernel<T><<<generic_grid(L.rows, device), kGenericThreads, 0, stream>>>(L);
+        return cudaSuccess;
+    }
+    return with_row_config<T>(cfg, [&](auto vec, auto packs) {
+        constexpr int VEC = decltype(vec)::value, PACKS = decltype(packs)::value;
+        auto kernel = L.residual.data ? norm_fwd_kernel<T, VEC, PACKS, true> : norm_fwd_kernel<T, VEC, PACKS, false>;
+        // One wave of blocks walking the rows: a block's set-up (its parameters, the row's
+        // share per thread) then serves many rows; a block per row pair spent a third of its
+        // instructions on it at 16384 x 4096 bf16 (ncu).
+        int per_sm = 0;
+        const cudaError_t e = blocks_per_sm(kernel, cfg.block, 0, device, &per_sm);
+        if (e != cudaSuccess) return e;
+        const int groups = cfg.block / cfg.tpr;
+        const int64_t blocks = (L.rows + groups - 1) / groups, resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device);
+        const unsigned grid = (unsigned)(blocks < resident ? blocks : resident);
+        kernel<<<grid, cfg.block, 0, stream>>>(L, cfg.tpr);
+        return cudaSuccess;
+    });
+}
+
+template <typename T>
 cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
     using A = typename Compute<T>::type;
     if (L.cols == 0) return cudaSuccess;
@@ -956,7 +934,7 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
             const int groups = cfg.block / cfg.tpr;
             const size_t smem = (size_t)groups * n_grads * PACKS * VEC * cfg.tpr * sizeof(A);
             int per_sm = 0;
-            const cudaError_t e = bwd_blocks_per_sm(kernel, cfg.block, smem, device, &per_sm);
+            const cudaError_t e = blocks_per_sm(kernel, cfg.block, smem, device, &per_sm);
             if (e != cudaSuccess) return e;
             // One wave of blocks, each owning an equal slice of rows (and a partial row), no
             // more blocks than groups of rows.
