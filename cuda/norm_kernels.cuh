@@ -18,10 +18,9 @@
 //                     512) owns a row, held in registers as PACKS packs of VEC elements per thread
 //                     (16-byte accesses when every row is aligned, VEC = 1 otherwise); pack k of
 //                     thread t holds columns (k * tpr + t) * VEC + [0, VEC). A block has
-//                     max(tpr, 256) threads, so narrow rows share a block; one wave of blocks
-//                     walks the rows. Group sums: warp butterflies, then one over the group's
-//                     warps through shared memory; one per row (LayerNorm: two, the mean and
-//                     then the squares about it).
+//                     max(tpr, 256) threads, so narrow rows share a block. Group sums: warp
+//                     butterflies, then one over the group's warps through shared memory; one
+//                     per row (LayerNorm: two, the mean and then the squares about it).
 //                     Assumes: N <= 512 * PACKS * VEC, N % VEC == 0.
 // norm_bwd_kernel     the same row layout, with more threads per row (see row_config). A block
 //                     owns a contiguous slice of rows, walked by its groups, each thread loading
@@ -200,11 +199,12 @@ __device__ __forceinline__ int packs_in_row(bool active, int cols, int first, in
 }
 
 // Minimum blocks per SM for the forward's launch bounds: 2 (a 64-register cap) when a thread's
-// share of the row is at most 96 bytes, which then fits without spilling; left at 128 registers
-// ptxas spends them on scheduling freedom and halves the warps that keep loads in flight. Larger
-// shares (fp32 rows of 8 packs) keep 128 bytes in flight per thread at 128 registers.
+// share of the row is at most 128 bytes (fp32 rows of 8 packs: 61 registers, no spills); left at
+// 128 registers ptxas spends them on scheduling freedom and cuts the warps that keep loads in
+// flight (the fp32 two-pass LayerNorm took 72: 3 blocks of 256 per SM instead of 4). The
+// residual forms hold a second row and keep 128.
 template <typename T> constexpr int fwd_min_blocks(int elements, bool residual) {
-    return !residual && elements * (int)sizeof(T) <= 96 ? 2 : 1;
+    return !residual && elements * (int)sizeof(T) <= 128 ? 2 : 1;
 }
 
 // kResidual: L.residual is given (a template argument, so the plain forward keeps no registers for it).
@@ -857,6 +857,8 @@ static inline RowSplit split_rows(int64_t rows, int64_t target, int64_t cap) {
 }
 
 
+constexpr int64_t kMaxGrid = (int64_t)1 << 30;
+
 // Resident blocks per SM of a row kernel at this block size and dynamic shared memory, with its
 // dynamic shared-memory limit raised to match. Both runtime calls cost host time on every launch
 // (a transformer's norms are host-bound), and their answer depends only on these four values, so
@@ -903,15 +905,9 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     return with_row_config<T>(cfg, [&](auto vec, auto packs) {
         constexpr int VEC = decltype(vec)::value, PACKS = decltype(packs)::value;
         auto kernel = L.residual.data ? norm_fwd_kernel<T, VEC, PACKS, true> : norm_fwd_kernel<T, VEC, PACKS, false>;
-        // One wave of blocks walking the rows: a block's set-up (its parameters, the row's
-        // share per thread) then serves many rows; a block per row pair spent a third of its
-        // instructions on it at 16384 x 4096 bf16 (ncu).
-        int per_sm = 0;
-        const cudaError_t e = blocks_per_sm(kernel, cfg.block, 0, device, &per_sm);
-        if (e != cudaSuccess) return e;
         const int groups = cfg.block / cfg.tpr;
-        const int64_t blocks = (L.rows + groups - 1) / groups, resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device);
-        const unsigned grid = (unsigned)(blocks < resident ? blocks : resident);
+        const int64_t blocks = (L.rows + groups - 1) / groups;
+        const unsigned grid = (unsigned)(blocks < kMaxGrid ? blocks : kMaxGrid);
         kernel<<<grid, cfg.block, 0, stream>>>(L, cfg.tpr);
         return cudaSuccess;
     });
