@@ -6,6 +6,8 @@ backward passes recompute cheap intermediates from the input instead of storing 
 (rematerialisation). See README.md for the three regimes (compute, bandwidth, overhead).
 """
 
+import sys
+
 from . import _C
 from .chain import (
     Chain,
@@ -39,7 +41,8 @@ def build_info() -> dict:
     return info
 
 
-# The PyTorch-only parts load on first use, so that `import brrr` never imports torch.
+# The PyTorch-only parts load on first use, so that `import brrr` never imports torch; where
+# torch is already imported, its integration loads now, so that torch.ops.brrr.* exist from here on.
 _LAZY = {"registry": ("registry", "registry"), "UnsupportedError": ("registry", "UnsupportedError"),
          "nn": ("nn", None), "patch": ("patch", "patch"), "unpatch": ("patch", "unpatch"),
          "use_fused": ("patch", "use_fused")}
@@ -56,6 +59,9 @@ def __getattr__(name):
     globals()[name] = value
     return value
 
+
+if "torch" in sys.modules:
+    from . import _torch, _torch_dropout, _torch_norm  # noqa: F401,E402  (they define torch.ops.brrr.*)
 
 __all__ = [
     "Chain",

@@ -2,6 +2,10 @@
 compiled code calls them): gradients, the refusal of double backward, and the direct call to the
 kernel never bypassing what sits below autograd (dispatch modes, fake tensors)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -12,6 +16,24 @@ import brrr._torch_norm  # noqa: F401  (defines the norm ops)
 from helpers import DEVICES, random
 
 ops = torch.ops.brrr
+REPO = os.path.join(os.path.dirname(__file__), "..")
+
+
+def run_python(code):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_ops_exist_once_brrr_is_imported_after_torch():
+    result = run_python("import torch, brrr\n"
+                        "for name in ('chain', 'glu', 'rms_norm', 'norm_backward', 'bias_dropout_add'):\n"
+                        "    getattr(torch.ops.brrr, name).default")
+    assert result.returncode == 0, result.stderr
+
+
+def test_importing_brrr_alone_does_not_import_torch():
+    result = run_python("import sys, brrr\nassert 'torch' not in sys.modules")
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("device", DEVICES)
