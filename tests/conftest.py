@@ -1,13 +1,13 @@
 import pytest
 
-import brrr
-
 try:
     import torch
-
-    HAVE_CUDA = brrr.cuda_available() and torch.cuda.is_available()
 except ImportError:  # the C-level tests need only NumPy
-    HAVE_CUDA = False
+    torch = None
+
+import brrr  # after torch: torch.ops.brrr.* exist from here on, whichever test runs first
+
+HAVE_CUDA = torch is not None and brrr.cuda_available() and torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config, items):
