@@ -74,7 +74,7 @@ class _BiasDropoutAddFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, p, seed, offset):
         ctx.p, ctx.seed, ctx.offset = p, seed, offset
-        return _C.dropout_fwd(x, bias, residual, _eager_out(x), p, seed, offset, _stream(x, None))
+        return _forward_impl(x, bias, residual, p, seed, offset)
 
     @staticmethod
     @once_differentiable
@@ -92,4 +92,4 @@ def bias_dropout_add(x, bias, residual, p, seed, offset):
         return _bias_dropout_add(x, bias, residual, p, seed, offset)
     if _needs_autograd(x, (bias, residual)):
         return _BiasDropoutAddFunction.apply(x, bias, residual, p, seed, offset)
-    return _C.dropout_fwd(x, bias, residual, _eager_out(x), p, seed, offset, _stream(x, None))
+    return _forward_impl(x, bias, residual, p, seed, offset)

@@ -99,21 +99,27 @@ def _partials(x, k, n_grads, dtype):
     return torch.empty(n_grads * _C.norm_partial_rows(rows, cols) * cols, dtype=dtype, device=x.device)
 
 
+def _norm_grads(x, k, grad_out, grad_residual, weight, bias, mean, rstd, llama, need_weight, need_bias):
+    """(grad of the normalised input, grad_weight or None, grad_bias or None) in one backward
+    launch; mean None: RMSNorm. x: the normalised input the forward saved (h for the fused forms)."""
+    grad_weight = torch.empty_like(weight) if need_weight else None
+    grad_bias = torch.empty_like(bias) if need_bias else None
+    partials = _partials(x, k, need_weight + need_bias, rstd.dtype)
+    stream = _stream(x, None)
+    if mean is None:
+        grad_x = _C.rms_norm_bwd(x, k, grad_out, grad_residual, weight, rstd, llama, _eager_out(x), grad_weight,
+                                 partials, stream)
+    else:
+        grad_x = _C.layer_norm_bwd(x, k, grad_out, grad_residual, weight, mean, rstd, _eager_out(x), grad_weight,
+                                   grad_bias, partials, stream)
+    return grad_x, grad_weight, grad_bias
+
+
 def _norm_backward_impl(x: Tensor, grad_out: Tensor, grad_residual: Optional[Tensor], weight: Optional[Tensor],
                      bias: Optional[Tensor], mean: Optional[Tensor], rstd: Tensor, norm_ndim: int, llama: bool,
                      weight_grad: bool, bias_grad: bool) -> list[Tensor]:
-    """mean None: RMSNorm. x: the normalised input the forward saved."""
-    grad_weight = torch.empty_like(weight) if weight_grad else None
-    grad_bias = torch.empty_like(bias) if bias_grad else None
-    partials = _partials(x, norm_ndim, weight_grad + bias_grad, rstd.dtype)
-    stream = _stream(x, None)
-    if mean is None:
-        grad_x = _C.rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, _eager_out(x), grad_weight,
-                                 partials, stream)
-    else:
-        grad_x = _C.layer_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, mean, rstd, _eager_out(x),
-                                   grad_weight, grad_bias, partials, stream)
-    return [grad_x] + [g for g in (grad_weight, grad_bias) if g is not None]
+    grads = _norm_grads(x, norm_ndim, grad_out, grad_residual, weight, bias, mean, rstd, llama, weight_grad, bias_grad)
+    return [g for g in grads if g is not None]
 
 
 def _norm_backward_fake(x, grad_out, grad_residual, weight, bias, mean, rstd, norm_ndim, llama, weight_grad,
@@ -218,11 +224,7 @@ class _EagerLayerNorm(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         _, need_weight, need_bias, _, _ = ctx.needs_input_grad
-        gw = torch.empty_like(weight) if need_weight else None
-        gb = torch.empty_like(bias) if need_bias else None
-        partials = _partials(x, ctx.k, need_weight + need_bias, rstd.dtype)
-        gx = _C.layer_norm_bwd(x, ctx.k, grad_out, None, weight, mean, rstd, _eager_out(x), gw, gb, partials,
-                               _stream(x, None))
+        gx, gw, gb = _norm_grads(x, ctx.k, grad_out, None, weight, bias, mean, rstd, False, need_weight, need_bias)
         return gx, gw, gb, None, None
 
 
@@ -244,11 +246,7 @@ class _EagerAddLayerNorm(torch.autograd.Function):
             return grad_h, grad_h, None, None, None, None
         h, weight, bias, mean, rstd = ctx.saved_tensors
         _, _, need_weight, need_bias, _, _ = ctx.needs_input_grad
-        gw = torch.empty_like(weight) if need_weight else None
-        gb = torch.empty_like(bias) if need_bias else None
-        partials = _partials(h, ctx.k, need_weight + need_bias, rstd.dtype)
-        dh = _C.layer_norm_bwd(h, ctx.k, grad_out, grad_h, weight, mean, rstd, _eager_out(h), gw, gb, partials,
-                               _stream(h, None))
+        dh, gw, gb = _norm_grads(h, ctx.k, grad_out, grad_h, weight, bias, mean, rstd, False, need_weight, need_bias)
         return dh, dh, gw, gb, None, None
 
 
@@ -266,10 +264,7 @@ class _EagerRMSNorm(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
         need_weight = ctx.needs_input_grad[1]
-        gw = torch.empty_like(weight) if need_weight else None
-        partials = _partials(x, ctx.k, need_weight, rstd.dtype)
-        gx = _C.rms_norm_bwd(x, ctx.k, grad_out, None, weight, rstd, ctx.llama, _eager_out(x), gw, partials,
-                             _stream(x, None))
+        gx, gw, _ = _norm_grads(x, ctx.k, grad_out, None, weight, None, None, rstd, ctx.llama, need_weight, False)
         return gx, gw, None, None, None
 
 
@@ -291,10 +286,7 @@ class _EagerAddRMSNorm(torch.autograd.Function):
             return grad_h, grad_h, None, None, None, None
         h, weight, rstd = ctx.saved_tensors
         need_weight = ctx.needs_input_grad[2]
-        gw = torch.empty_like(weight) if need_weight else None
-        partials = _partials(h, ctx.k, need_weight, rstd.dtype)
-        dh = _C.rms_norm_bwd(h, ctx.k, grad_out, grad_h, weight, rstd, ctx.llama, _eager_out(h), gw, partials,
-                             _stream(h, None))
+        dh, gw, _ = _norm_grads(h, ctx.k, grad_out, grad_h, weight, None, None, rstd, ctx.llama, need_weight, False)
         return dh, dh, gw, None, None, None
 
 
