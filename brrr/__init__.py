@@ -25,6 +25,7 @@ from .glu import bias_gelu, bias_silu, geglu, swiglu
 from .dropout import bias_dropout_add
 from .diagnose import diagnose
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from .xent import cross_entropy
 
 __version__ = "0.1.0"
 
@@ -61,7 +62,7 @@ def __getattr__(name):
 
 
 if "torch" in sys.modules:
-    from . import _torch, _torch_dropout, _torch_norm  # noqa: F401,E402  (they define torch.ops.brrr.*)
+    from . import _torch, _torch_dropout, _torch_norm, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
 
 __all__ = [
     "Chain",
@@ -82,6 +83,7 @@ __all__ = [
     "build_info",
     "chain",
     "cos",
+    "cross_entropy",
     "cuda_available",
     "exp",
     "gelu",

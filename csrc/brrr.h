@@ -66,6 +66,8 @@ brrr_state *brrr_get_state(PyObject *module);
  * a no-op). */
 int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, brrr_tensor *t);
 void brrr_tensor_release(brrr_tensor *t);
+/* The same for a read-only tensor of class indices (int64, int32 or uint8). */
+int brrr_index_import(brrr_call *call, PyObject *obj, const char *name, brrr_tensor *t);
 
 /* A new contiguous tensor with like's dtype, shape and device, allocated by the framework of
  * like_obj through its C exchange table (for PyTorch: its caching allocator, on the current
@@ -99,6 +101,12 @@ int brrr_cuda_result(int error, const char *op);
  * every tensor. strides[k] holds tensor k's strides over `shape` (0 for broadcast dims) and is
  * rewritten; returns the new rank, or -1 (ValueError) above BRRR_MAX_DIMS. */
 int brrr_coalesce(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_MAX_RANK]);
+
+/* Merge each dim into the previous one where every tensor steps over the previous dim exactly as
+ * over the whole of this one, dropping size-1 dims (strides as in brrr_coalesce). Unlike
+ * brrr_coalesce the dims keep their order, so the row-major index over the merged shape is still
+ * the logical one. Returns the new rank (0 for a single element). */
+int brrr_merge_in_order(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_MAX_RANK]);
 
 /* Rows of the scratch of a CUDA bias gradient (float32, float64 for float64), per bias: fixed by
  * the row count alone, so that the gradient is bitwise identical on every GPU. */

@@ -72,27 +72,6 @@ static void cpu_dropout(const brrr_dropout_launch *L, double *acc) {
 
 /* ---- layout ------------------------------------------------------------------------------------ */
 
-/* Merge each dim into the previous one where every tensor steps over the previous dim exactly as
- * over the whole of this one, dropping size-1 dims. Unlike brrr_coalesce the dims keep their
- * order, so the row-major index over the merged shape is still x's logical index. */
-static int merge_in_order(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_MAX_RANK]) {
-    int n = 0;
-    for (int d = 0; d < ndim; d++) {
-        if (shape[d] == 1) continue;
-        int merge = n > 0;
-        for (int k = 0; merge && k < count; k++) merge = strides[k][n - 1] == strides[k][d] * shape[d];
-        if (merge) {
-            shape[n - 1] *= shape[d];
-            for (int k = 0; k < count; k++) strides[k][n - 1] = strides[k][d];
-        } else {
-            shape[n] = shape[d];
-            for (int k = 0; k < count; k++) strides[k][n] = strides[k][d];
-            n++;
-        }
-    }
-    return n;
-}
-
 /* Fill L's shape and the strides of x, residual and out. With row_layout the last dim stays a
  * dim of its own (the rows kernel of the bias gradient needs it); else everything merges. */
 static int dropout_layout(brrr_dropout_launch *L, const brrr_tensor *x, const brrr_tensor *res, const brrr_tensor *out) {
@@ -103,12 +82,12 @@ static int dropout_layout(brrr_dropout_launch *L, const brrr_tensor *x, const br
     for (int k = 0; k < count; k++) memcpy(strides[k], t[k]->strides, sizeof(int64_t) * (size_t)rank);
     int n;
     if (L->row_layout) {
-        n = merge_in_order(rank - 1, shape, count, strides);
+        n = brrr_merge_in_order(rank - 1, shape, count, strides);
         shape[n] = x->shape[rank - 1];
         for (int k = 0; k < count; k++) strides[k][n] = t[k]->strides[rank - 1];
         n++;
     } else {
-        n = merge_in_order(rank, shape, count, strides);
+        n = brrr_merge_in_order(rank, shape, count, strides);
         if (n == 0) { /* one element */
             shape[0] = 1;
             for (int k = 0; k < count; k++) strides[k][0] = 1;

@@ -17,6 +17,8 @@ PyObject *brrr_py_rms_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize
 PyObject *brrr_py_norm_partial_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *brrr_py_dropout_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *brrr_py_dropout_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *brrr_py_xent_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *brrr_py_xent_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 brrr_state *brrr_get_state(PyObject *module) { return (brrr_state *)PyModule_GetState(module); }
 
@@ -78,6 +80,11 @@ static PyMethodDef methods[] = {
      "dropout_fwd(x, bias, residual, out, p, seed, offset, stream) -> out = residual + dropout(x + bias, p)"},
     {"dropout_bwd", (PyCFunction)(void (*)(void))brrr_py_dropout_bwd, METH_FASTCALL,
      "dropout_bwd(grad_out, grad_x, grad_bias, partials, p, seed, offset, stream) -> grad_x"},
+    {"cross_entropy_fwd", (PyCFunction)(void (*)(void))brrr_py_xent_fwd, METH_FASTCALL,
+     "cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, loss, total, count, stream)"},
+    {"cross_entropy_bwd", (PyCFunction)(void (*)(void))brrr_py_xent_bwd, METH_FASTCALL,
+     "cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, grad_loss, count, grad_logits, stream) "
+     "-> grad_logits"},
     {NULL, NULL, 0, NULL},
 };
 

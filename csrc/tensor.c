@@ -21,7 +21,9 @@ size_t brrr_dtype_size(int32_t dtype) {
     switch (dtype) {
     case BRRR_F16:
     case BRRR_BF16: return 2;
-    case BRRR_F64: return 8;
+    case BRRR_F64:
+    case BRRR_I64: return 8;
+    case BRRR_U8: return 1;
     default: return 4;
     }
 }
@@ -31,6 +33,9 @@ const char *brrr_dtype_name(int32_t dtype) {
     case BRRR_F16: return "float16";
     case BRRR_BF16: return "bfloat16";
     case BRRR_F64: return "float64";
+    case BRRR_I64: return "int64";
+    case BRRR_I32: return "int32";
+    case BRRR_U8: return "uint8";
     default: return "float32";
     }
 }
@@ -49,7 +54,17 @@ static void format_device(const brrr_tensor *t, char *buf, size_t size) {
         snprintf(buf, size, "cpu");
 }
 
-static int dtype_from_dlpack(DLDataType dt, const char *name, int32_t *out) {
+/* index: the tensor holds class indices (int64, int32 or uint8), else floats. */
+static int dtype_from_dlpack(DLDataType dt, const char *name, int index, int32_t *out) {
+    if (index) {
+        if (dt.lanes == 1 && dt.code == kDLInt && dt.bits == 64) { *out = BRRR_I64; return 0; }
+        if (dt.lanes == 1 && dt.code == kDLInt && dt.bits == 32) { *out = BRRR_I32; return 0; }
+        if (dt.lanes == 1 && dt.code == kDLUInt && dt.bits == 8) { *out = BRRR_U8; return 0; }
+        PyErr_Format(PyExc_TypeError,
+                     "argument %s: DLPack dtype (code %d, %d bits, %d lanes) is not supported; expected class "
+                     "indices of int64, int32 or uint8", name, (int)dt.code, (int)dt.bits, (int)dt.lanes);
+        return -1;
+    }
     if (dt.lanes == 1) {
         if (dt.code == kDLFloat && dt.bits == 32) { *out = BRRR_F32; return 0; }
         if (dt.code == kDLFloat && dt.bits == 16) { *out = BRRR_F16; return 0; }
@@ -64,13 +79,13 @@ static int dtype_from_dlpack(DLDataType dt, const char *name, int32_t *out) {
 }
 
 /* Copy a DLTensor's description into t; strides NULL means compact row-major (legacy only). */
-static int fill_from_dltensor(const DLTensor *dl, int allow_null_strides, brrr_tensor *t) {
+static int fill_from_dltensor(const DLTensor *dl, int allow_null_strides, int index, brrr_tensor *t) {
     if (dl->ndim < 0 || dl->ndim > BRRR_MAX_RANK) {
         PyErr_Format(PyExc_BufferError, "argument %s: rank %d is not supported (at most %d)", t->name,
                      (int)dl->ndim, BRRR_MAX_RANK);
         return -1;
     }
-    if (dtype_from_dlpack(dl->dtype, t->name, &t->dtype) < 0) return -1;
+    if (dtype_from_dlpack(dl->dtype, t->name, index, &t->dtype) < 0) return -1;
     switch (dl->device.device_type) {
     case kDLCPU:
     case kDLCUDAHost: t->device_type = kDLCPU; t->device_id = 0; break;
@@ -174,13 +189,23 @@ PyObject *brrr_new_like(brrr_call *call, PyObject *like_obj, const brrr_tensor *
     return (PyObject *)obj;
 }
 
-static int import_numpy(PyArrayObject *arr, brrr_tensor *t) {
+static int import_numpy(PyArrayObject *arr, int index, brrr_tensor *t) {
     int type_num = PyArray_TYPE(arr);
     if (!PyArray_ISNBO(PyArray_DESCR(arr)->byteorder)) {
         PyErr_Format(PyExc_TypeError, "argument %s: non-native byte order is not supported", t->name);
         return -1;
     }
-    switch (type_num) {
+    if (index) {
+        switch (type_num) {
+        case NPY_INT64: t->dtype = BRRR_I64; break;
+        case NPY_INT32: t->dtype = BRRR_I32; break;
+        case NPY_UINT8: t->dtype = BRRR_U8; break;
+        default:
+            PyErr_Format(PyExc_TypeError, "argument %s: NumPy dtype %R is not supported; expected class indices of "
+                         "int64, int32 or uint8", t->name, (PyObject *)PyArray_DESCR(arr));
+            return -1;
+        }
+    } else switch (type_num) {
     case NPY_FLOAT32: t->dtype = BRRR_F32; break;
     case NPY_FLOAT16: t->dtype = BRRR_F16; break;
     case NPY_FLOAT64: t->dtype = BRRR_F64; break;
@@ -219,7 +244,7 @@ static int import_numpy(PyArrayObject *arr, brrr_tensor *t) {
 }
 
 /* The protocol path: obj.__dlpack__(stream=..., max_version=(1, 3)), legacy on TypeError. */
-static int import_capsule(brrr_call *call, PyObject *obj, brrr_tensor *t) {
+static int import_capsule(brrr_call *call, PyObject *obj, int index, brrr_tensor *t) {
     brrr_state *st = call->state;
     PyObject *method = PyObject_GetAttr(obj, st->str_dlpack);
     if (method == NULL) {
@@ -279,12 +304,12 @@ static int import_capsule(brrr_call *call, PyObject *obj, brrr_tensor *t) {
             goto done;
         }
         t->readonly = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
-        status = fill_from_dltensor(&m->dl_tensor, 0, t);
+        status = fill_from_dltensor(&m->dl_tensor, 0, index, t);
     } else if (PyCapsule_IsValid(capsule, "dltensor")) {
         DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
         if (m == NULL || PyCapsule_SetName(capsule, "used_dltensor") < 0) goto done;
         t->managed_legacy = m;
-        status = fill_from_dltensor(&m->dl_tensor, 1, t);
+        status = fill_from_dltensor(&m->dl_tensor, 1, index, t);
     } else {
         const char *cname = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
         PyErr_Clear();
@@ -317,7 +342,7 @@ static void prefix_error(const char *name) {
     Py_XDECREF(traceback);
 }
 
-int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, brrr_tensor *t) {
+static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, int index, brrr_tensor *t) {
     memset(t, 0, sizeof(*t));
     t->name = name;
     if (obj == Py_None) {
@@ -330,16 +355,16 @@ int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int wri
         DLTensor dl;
         status = api->dltensor_from_py_object_no_sync(obj, &dl);
         if (status != 0) prefix_error(name);
-        if (status == 0) status = fill_from_dltensor(&dl, 0, t);
+        if (status == 0) status = fill_from_dltensor(&dl, 0, index, t);
         if (status == 0 && !call->resolved && call->stream_arg < 0 && t->device_type == kDLCUDA) {
             /* The framework's current stream on this tensor's device: where its own ops run. */
             if (api->current_work_stream(kDLCUDA, t->device_id, &call->stream) != 0) status = -1;
             call->resolved = status == 0;
         }
     } else if (PyArray_Check(obj)) {
-        status = import_numpy((PyArrayObject *)obj, t);
+        status = import_numpy((PyArrayObject *)obj, index, t);
     } else {
-        status = import_capsule(call, obj, t);
+        status = import_capsule(call, obj, index, t);
     }
     if (status == 0 && t->numel > 0 && (uintptr_t)t->data % brrr_dtype_size(t->dtype) != 0) {
         /* Typed loads from such a pointer are undefined in C and faults on the GPU. */
@@ -354,6 +379,14 @@ int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int wri
     if (status == 0) status = brrr_check_device_supported(t);
     if (status < 0) brrr_tensor_release(t);
     return status;
+}
+
+int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, brrr_tensor *t) {
+    return tensor_import(call, obj, name, writable, 0, t);
+}
+
+int brrr_index_import(brrr_call *call, PyObject *obj, const char *name, brrr_tensor *t) {
+    return tensor_import(call, obj, name, 0, 1, t);
 }
 
 void brrr_tensor_release(brrr_tensor *t) {
@@ -570,4 +603,22 @@ int brrr_coalesce(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_M
     }
     memcpy(shape, new_shape, sizeof(int64_t) * (size_t)out);
     return out;
+}
+
+int brrr_merge_in_order(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_MAX_RANK]) {
+    int n = 0;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] == 1) continue;
+        int merge = n > 0;
+        for (int k = 0; merge && k < count; k++) merge = strides[k][n - 1] == strides[k][d] * shape[d];
+        if (merge) {
+            shape[n - 1] *= shape[d];
+            for (int k = 0; k < count; k++) strides[k][n - 1] = strides[k][d];
+        } else {
+            shape[n] = shape[d];
+            for (int k = 0; k < count; k++) strides[k][n] = strides[k][d];
+            n++;
+        }
+    }
+    return n;
 }

@@ -17,7 +17,12 @@ extern "C" {
 #define BRRR_MAX_CHAIN_STEPS 16
 #define BRRR_MAX_CHAIN_OPERANDS 4
 
-typedef enum { BRRR_F32 = 0, BRRR_F16 = 1, BRRR_BF16 = 2, BRRR_F64 = 3 } brrr_dtype;
+/* Float dtypes of every op's tensors; the index dtypes only for cross_entropy's class targets
+ * (brrr_index_import). */
+typedef enum {
+    BRRR_F32 = 0, BRRR_F16 = 1, BRRR_BF16 = 2, BRRR_F64 = 3,
+    BRRR_I64 = 4, BRRR_I32 = 5, BRRR_U8 = 6
+} brrr_dtype;
 
 /* Chain opcodes. Unary ops take the running value y; scalar ops use `scalar`; tensor ops combine
  * y with operand `operand` (a tensor of the input's shape, or a vector along the last dim). */
@@ -164,6 +169,47 @@ typedef struct {
 
 int brrr_cuda_dropout(const brrr_dropout_launch *launch, int device, void *stream);
 /* ---- end bias + dropout + residual add ---- */
+
+/* ---- softmax cross-entropy (csrc/xent.c, cuda/xent*.cu) ----------------------------------
+ * logits are rows (their leading dims, coalesced into row_shape) by `classes` (the last dim, at
+ * class_stride), target holds one class index per row. Forward, per row r with target t:
+ *     lse[r]  = log(sum_c exp(logits[r, c]))
+ *     loss[r] = lse[r] - (1 - smoothing) * logits[r, t] - smoothing / classes * sum_c logits[r, c]
+ * and 0 for both where t == ignore_index, NaN where t is outside [0, classes). Then, when total
+ * or count is given, one block sums loss over rows in a fixed order: *total = the sum (the sum /
+ * count for mean), *count = the rows whose target is not ignore_index.
+ * Backward: grad_logits[r, c] = g_r * (exp(logits[r, c] - lse[r]) - smoothing / classes
+ * - (1 - smoothing) * [c == t]), g_r = grad_loss[r] (a 0-d grad_loss: the same for every row),
+ * divided by *count when count is given (mean); 0 for ignored rows.
+ * lse and loss are contiguous over rows (logical row order) in the accumulation dtype (float32,
+ * float64 for float64 logits), as are grad_loss, total and count. */
+#define BRRR_XENT_MAX_DIMS 8
+
+typedef struct {
+    int32_t dtype;        /* brrr_dtype of logits and grad_logits */
+    int32_t target_dtype; /* BRRR_I64, BRRR_I32 or BRRR_U8 */
+    int32_t mean;         /* forward: *total = sum / count */
+    int32_t row_ndim;     /* >= 1 after coalescing */
+    int64_t rows, classes;
+    int64_t row_shape[BRRR_XENT_MAX_DIMS];
+    int64_t ignore_index;
+    double smoothing;
+    const void *logits, *target;
+    int64_t logits_rows[BRRR_XENT_MAX_DIMS], target_rows[BRRR_XENT_MAX_DIMS];
+    int64_t logits_class_stride;
+    void *lse, *loss;         /* [rows] */
+    void *total, *count_out;  /* forward: each NULL or 0-d */
+    const void *grad_loss;    /* backward: [rows] at grad_loss_rows strides (all 0 for a 0-d one) */
+    int64_t grad_loss_rows[BRRR_XENT_MAX_DIMS];
+    const void *count;        /* backward: NULL or the forward's count */
+    void *grad_logits;
+    int64_t grad_rows[BRRR_XENT_MAX_DIMS];
+    int64_t grad_class_stride;
+} brrr_xent_launch;
+
+int brrr_cuda_xent_fwd(const brrr_xent_launch *launch, int device, void *stream);
+int brrr_cuda_xent_bwd(const brrr_xent_launch *launch, int device, void *stream);
+/* ---- end softmax cross-entropy ---- */
 
 int brrr_cuda_device_count(int *count);
 int brrr_cuda_runtime_version(int *version);

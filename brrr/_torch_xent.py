@@ -1,0 +1,108 @@
+"""PyTorch integration of cross_entropy: a torch.library operator with a fake kernel and
+registered autograd (brrr._ops; torch.compile traces it without graph breaks), an eager
+autograd.Function, and the direct call into brrr._C when autograd records nothing.
+
+brrr::cross_entropy takes logits with the class dim last and returns [loss, lse, count]: the
+loss (float32, float64 for float64 logits; 0-d for mean and sum, per row for none), and, as
+non-differentiable outputs for the backward, each row's log-sum-exp and the number of rows
+counted. brrr::cross_entropy_backward rematerialises the softmax from logits and lse.
+"""
+
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _C
+from ._ops import define
+from ._torch import _EXCHANGE_API, _needs_autograd, _stream
+from .xent import check_rank
+
+Tensor = torch.Tensor
+
+
+def _acc(logits):
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _forward_impl(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
+                  reduction: str) -> list[Tensor]:
+    acc, shape, device = _acc(logits), target.shape, logits.device
+    lse, rows = torch.empty(shape, dtype=acc, device=device), torch.empty(shape, dtype=acc, device=device)
+    total, count = torch.empty((), dtype=acc, device=device), torch.empty((), dtype=acc, device=device)
+    _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, rows,
+                         None if reduction == "none" else total, count, _stream(logits, None))
+    return [rows if reduction == "none" else total, lse, count]
+
+
+def _forward_fake(logits, target, ignore_index, label_smoothing, reduction):
+    acc = _acc(logits)
+    loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=acc)
+    return [loss, logits.new_empty(target.shape, dtype=acc), logits.new_empty((), dtype=acc)]
+
+
+def _backward_impl(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Optional[Tensor],
+                   ignore_index: int, label_smoothing: float) -> Tensor:
+    grad_logits = None if _EXCHANGE_API and logits.is_contiguous() else torch.empty_like(logits)
+    return _C.cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, grad, count, grad_logits,
+                                _stream(logits, None))
+
+
+def _backward_fake(grad, logits, target, lse, count, ignore_index, label_smoothing):
+    return torch.empty_like(logits)
+
+
+backward_op = define("cross_entropy_backward", _backward_impl, _backward_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.reduction = inputs
+    _, lse, count = output
+    ctx.save_for_backward(logits, target, lse, count)
+    ctx.mark_non_differentiable(lse, count)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad, _grad_lse, _grad_count):
+    if grad is None or not ctx.needs_input_grad[0]:
+        return None, None, None, None, None
+    logits, target, lse, count = ctx.saved_tensors
+    grad_logits = backward_op(grad, logits, target, lse, count if ctx.reduction == "mean" else None,
+                              ctx.ignore_index, ctx.label_smoothing)
+    return grad_logits, None, None, None, None
+
+
+_cross_entropy = define("cross_entropy", _forward_impl, _forward_fake, _backward, _setup_context)
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    """Eager autograd without the custom op's dispatcher and Python layers (see _ChainFunction)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction):
+        loss, lse, count = _forward_impl(logits, target, ignore_index, label_smoothing, reduction)
+        ctx.save_for_backward(logits, target, lse, count if reduction == "mean" else None)
+        ctx.ignore_index, ctx.label_smoothing = ignore_index, label_smoothing
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        logits, target, lse, count = ctx.saved_tensors
+        return (_backward_impl(grad, logits, target, lse, count, ctx.ignore_index, ctx.label_smoothing),
+                None, None, None, None)
+
+
+def cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype):
+    """brrr.cross_entropy on torch tensors (arguments checked): the custom op under torch.compile,
+    the autograd.Function when autograd records, else straight to brrr._C."""
+    check_rank(input.dim())
+    logits = input if input.dim() <= 2 else input.movedim(1, -1)
+    if torch.compiler.is_compiling():
+        loss = _cross_entropy(logits, target, ignore_index, label_smoothing, reduction)[0]
+    elif _needs_autograd(logits):
+        loss = _CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, reduction)
+    else:
+        loss = _forward_impl(logits, target, ignore_index, label_smoothing, reduction)[0]
+    dtype = input.dtype if dtype is None else dtype
+    return loss if loss.dtype == dtype else loss.to(dtype)

@@ -1,0 +1,294 @@
+// Softmax cross-entropy kernels (the launch and the formulas: brrr_cuda.h).
+//
+// xent_fwd_kernel     RT threads per row (8, 32 or 256 by the class count; a block of 256 holds
+//                     256 / RT rows). One pass over the row: each thread keeps an online
+//                     softmax state (running max m, sum of exp(v - m), sum of v), absorbing U
+//                     16-byte packs per step with one rescale per step; the states are merged by
+//                     shuffles (and, for RT = 256, in warp order through shared memory), and the
+//                     row's first thread writes lse and loss. Rows whose start is not 16-byte
+//                     aligned peel their head element by element; the tail goes element by
+//                     element too, as do strided classes.
+// xent_reduce_kernel  one block: loss summed over rows in a fixed order (each thread its rows in
+//                     turn, then a tree in shared memory), the counted rows, total and count.
+// xent_bwd_kernel     the same row groups, streaming: grad = g (exp(v - lse) - smoothing / C
+//                     - (1 - smoothing) [c == t]), nothing saved but lse.
+// Deterministic: no atomics, the same order on every GPU.
+#pragma once
+
+#include <math.h>
+
+#include "brrr_cuda.h"
+#include "common.cuh"
+
+namespace brrr {
+namespace xent {
+
+constexpr int kUnroll = 4;  // packs per thread per step
+// The forward keeps 4 blocks of 256 per SM (at most 64 registers) where that costs no spills;
+// float64 would spill, as would the backward (74 registers: 3 blocks, 4 packs in flight each).
+template <typename T> constexpr int fwd_min_blocks() { return sizeof(T) == 8 ? 1 : 4; }
+
+__device__ __forceinline__ float exp_(float x) { return __expf(x); }
+__device__ __forceinline__ double exp_(double x) { return exp(x); }
+__device__ __forceinline__ float log_(float x) { return logf(x); }
+__device__ __forceinline__ double log_(double x) { return log(x); }
+
+__device__ __forceinline__ int64_t load_target(const brrr_xent_launch &L, int64_t off) {
+    switch (L.target_dtype) {
+    case BRRR_I32: return static_cast<const int32_t *>(L.target)[off];
+    case BRRR_U8: return static_cast<const uint8_t *>(L.target)[off];
+    default: return static_cast<const int64_t *>(L.target)[off];
+    }
+}
+
+__device__ __forceinline__ int64_t row_off(const brrr_xent_launch &L, const int64_t *s, int64_t r) {
+    if (L.row_ndim == 1) return r * s[0];
+    int64_t off = 0;
+#pragma unroll
+    for (int d = BRRR_XENT_MAX_DIMS - 1; d >= 0; --d) {
+        if (d >= L.row_ndim) continue;
+        off += (r % L.row_shape[d]) * s[d];
+        r /= L.row_shape[d];
+    }
+    return off;
+}
+
+// Elements before the first 16-byte boundary of a row that starts at p (p is T-aligned).
+template <typename T>
+__device__ __forceinline__ int64_t head_elements(const T *p, int64_t classes) {
+    const int64_t h = (int64_t)(((16u - (reinterpret_cast<uintptr_t>(p) & 15u)) & 15u) / sizeof(T));
+    return h < classes ? h : classes;
+}
+
+// One thread's share of a row: running max m, sum of exp(v - m) and sum of v.
+template <typename A>
+struct Online {
+    A m, s, sx;
+};
+
+// Absorb n values: one rescale for all of them. While m is -inf (only -inf seen so far) only
+// NaNs are added, since exp(-inf - -inf) would be NaN; NaN values make s NaN (fmax skips them).
+template <typename A, int N>
+__device__ __forceinline__ void absorb(Online<A> &o, const A (&v)[N], int n) {
+    A top = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+        if (j < n) top = fmax(top, v[j]);
+    if (top > o.m) {
+        o.s *= exp_(o.m - top);
+        o.m = top;
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        if (j >= n) continue;
+        if (o.m != A(-INFINITY) || v[j] != v[j]) o.s += exp_(v[j] - o.m);
+        o.sx += v[j];
+    }
+}
+
+template <typename A>
+__device__ __forceinline__ Online<A> merge(const Online<A> &a, const Online<A> &b) {
+    const A m = fmax(a.m, b.m);
+    if (m == A(-INFINITY)) return {m, a.s + b.s, a.sx + b.sx};
+    return {m, a.s * exp_(a.m - m) + b.s * exp_(b.m - m), a.sx + b.sx};
+}
+
+template <typename A>
+__device__ __forceinline__ Online<A> shuffle_xor(const Online<A> &o, int lane_mask) {
+    return {__shfl_xor_sync(0xffffffffu, o.m, lane_mask), __shfl_xor_sync(0xffffffffu, o.s, lane_mask),
+            __shfl_xor_sync(0xffffffffu, o.sx, lane_mask)};
+}
+
+// The online state of one row's classes [0, classes) at stride cs, as thread `lane` of RT sees it.
+template <typename T, int RT>
+__device__ __forceinline__ Online<typename Compute<T>::type> scan_row(const T *x, int64_t classes, int64_t cs, int lane) {
+    using A = typename Compute<T>::type;
+    constexpr int P = 16 / sizeof(T);
+    Online<A> o = {A(-INFINITY), A(0), A(0)};
+    int64_t c = 0;
+    if (cs == 1) {
+        const int64_t head = head_elements(x, classes), packs = (classes - head) / P;
+        for (int64_t k = lane; k < head; k += RT) {
+            const A v[1] = {to_float(x[k])};
+            absorb(o, v, 1);
+        }
+        const T *body = x + head;
+        for (int64_t k = lane; k < packs; k += (int64_t)RT * kUnroll) {
+            A v[kUnroll * P];
+            int n = 0;  // the valid packs are a prefix
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int64_t pk = k + (int64_t)u * RT;
+                if (pk < packs) {
+                    load_pack<T, P>(body + pk * P, v + u * P);
+                    n = (u + 1) * P;
+                }
+            }
+            absorb(o, v, n);
+        }
+        c = head + packs * P;
+    }
+    for (int64_t k = c + lane; k < classes; k += RT) {
+        const A v[1] = {to_float(x[k * cs])};
+        absorb(o, v, 1);
+    }
+    return o;
+}
+
+template <typename T, int RT>
+__global__ void __launch_bounds__(kThreads, fwd_min_blocks<T>()) xent_fwd_kernel(const __grid_constant__ brrr_xent_launch L) {
+    using A = typename Compute<T>::type;
+    constexpr int kRows = kThreads / RT, kWarps = kThreads / 32;
+    __shared__ Online<A> warp_states[RT == kThreads ? kWarps : 1];
+    const int lane = threadIdx.x % RT, sub = threadIdx.x / RT;
+    const T *logits = static_cast<const T *>(L.logits);
+    // Uniform over the block, so that every lane of a warp reaches the shuffles together.
+    for (int64_t first = (int64_t)blockIdx.x * kRows; first < L.rows; first += (int64_t)gridDim.x * kRows) {
+        const int64_t r = first + sub;
+        const int64_t t = r < L.rows ? load_target(L, row_off(L, L.target_rows, r)) : L.ignore_index;
+        const bool counted = t != L.ignore_index, valid = counted && t >= 0 && t < L.classes;
+        const T *x = logits + (r < L.rows ? row_off(L, L.logits_rows, r) : 0);
+        // The target's logit is loaded first, to be in flight during the scan.
+        const A x_t = lane == 0 && valid ? to_float(x[t * L.logits_class_stride]) : A(0);
+        Online<A> o = {A(-INFINITY), A(0), A(0)};
+        if (counted) o = scan_row<T, RT>(x, L.classes, L.logits_class_stride, lane);
+#pragma unroll
+        for (int mask = (RT < 32 ? RT : 32) / 2; mask > 0; mask /= 2) o = merge(o, shuffle_xor(o, mask));
+        if constexpr (RT == kThreads) {
+            if (threadIdx.x % 32 == 0) warp_states[threadIdx.x / 32] = o;
+            __syncthreads();
+            if (threadIdx.x == 0)
+                for (int w = 1; w < kWarps; ++w) o = merge(o, warp_states[w]);
+            __syncthreads();
+        }
+        if (lane != 0 || r >= L.rows) continue;
+        A lse = A(0), loss = A(0);
+        if (!valid && counted) {
+            lse = loss = A(NAN);
+        } else if (counted) {
+            lse = o.m + log_(o.s);
+            loss = lse - (A(1) - A(L.smoothing)) * x_t;
+            if (L.smoothing != 0.0) loss -= A(L.smoothing) / A(L.classes) * o.sx;  // 0 * -inf would be NaN
+        }
+        static_cast<A *>(L.lse)[r] = lse;
+        static_cast<A *>(L.loss)[r] = loss;
+    }
+}
+
+constexpr int kReduceThreads = 1024;
+
+template <typename A>
+__global__ void __launch_bounds__(kReduceThreads) xent_reduce_kernel(const __grid_constant__ brrr_xent_launch L) {
+    __shared__ double sums[kReduceThreads];
+    __shared__ long long counts[kReduceThreads];
+    double s = 0.0;
+    long long n = 0;
+    for (int64_t r = threadIdx.x; r < L.rows; r += kReduceThreads) {
+        s += (double)static_cast<const A *>(L.loss)[r];
+        n += load_target(L, row_off(L, L.target_rows, r)) != L.ignore_index;
+    }
+    sums[threadIdx.x] = s;
+    counts[threadIdx.x] = n;
+    __syncthreads();
+    for (int half = kReduceThreads / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) {
+            sums[threadIdx.x] += sums[threadIdx.x + half];
+            counts[threadIdx.x] += counts[threadIdx.x + half];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        if (L.total) *static_cast<A *>(L.total) = (A)(L.mean ? sums[0] / (double)counts[0] : sums[0]);
+        if (L.count_out) *static_cast<A *>(L.count_out) = (A)counts[0];
+    }
+}
+
+template <typename T, int RT>
+__global__ void __launch_bounds__(kThreads) xent_bwd_kernel(const __grid_constant__ brrr_xent_launch L) {
+    using A = typename Compute<T>::type;
+    constexpr int P = 16 / sizeof(T), kRows = kThreads / RT;
+    const int lane = threadIdx.x % RT;
+    const A uniform = A(L.smoothing) / A(L.classes), hot = A(1) - A(L.smoothing);
+    const A divisor = L.count ? *static_cast<const A *>(L.count) : A(1);
+    for (int64_t r = (int64_t)blockIdx.x * kRows + threadIdx.x / RT; r < L.rows; r += (int64_t)gridDim.x * kRows) {
+        const int64_t t = load_target(L, row_off(L, L.target_rows, r));
+        const T *x = static_cast<const T *>(L.logits) + row_off(L, L.logits_rows, r);
+        T *g = static_cast<T *>(L.grad_logits) + row_off(L, L.grad_rows, r);
+        const int64_t cs = L.logits_class_stride, gs = L.grad_class_stride;
+        A scale = A(0), lse = A(0);
+        if (t != L.ignore_index) {
+            scale = static_cast<const A *>(L.grad_loss)[row_off(L, L.grad_loss_rows, r)] / divisor;
+            lse = t >= 0 && t < L.classes ? static_cast<const A *>(L.lse)[r] : A(NAN);
+        }
+        const bool ignored = t == L.ignore_index;
+        auto grad = [&](A v, int64_t c) {
+            if (ignored) return A(0);
+            A y = scale * (exp_(v - lse) - uniform);
+            return c == t ? y - scale * hot : y;
+        };
+        int64_t c = 0;
+        // 16-byte packs where both rows have stride-1 classes and the same offset from a boundary.
+        if (cs == 1 && gs == 1 && ((reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(g)) & 15u) == 0) {
+            const int64_t head = head_elements(x, L.classes), packs = (L.classes - head) / P;
+            for (int64_t k = lane; k < head; k += RT) g[k] = to_storage<T, A>(grad(to_float(x[k]), k));
+            // kUnroll packs loaded before any is stored: several loads in flight per thread (the
+            // compiler cannot hoist them over the stores by itself, g may be x).
+            for (int64_t k = lane; k < packs; k += (int64_t)RT * kUnroll) {
+                A v[kUnroll][P];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (k + (int64_t)u * RT < packs) load_pack<T, P>(x + head + (k + (int64_t)u * RT) * P, v[u]);
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int64_t c0 = head + (k + (int64_t)u * RT) * P;
+                    if (k + (int64_t)u * RT >= packs) continue;
+#pragma unroll
+                    for (int j = 0; j < P; ++j) v[u][j] = grad(v[u][j], c0 + j);
+                    store_pack<T, P>(g + c0, v[u]);
+                }
+            }
+            c = head + packs * P;
+        }
+        for (int64_t k = c + lane; k < L.classes; k += RT) g[k * gs] = to_storage<T, A>(grad(to_float(x[k * cs]), k));
+    }
+}
+
+// ---- launchers ------------------------------------------------------------------------------
+
+inline unsigned grid_for(int64_t rows, int rows_per_block) {
+    const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block, cap = ((int64_t)1 << 31) - 1;
+    return (unsigned)(blocks < cap ? blocks : cap);
+}
+
+template <typename T, template <typename, int> class Kernel>
+static cudaError_t launch_rows(const brrr_xent_launch &L, cudaStream_t stream) {
+    if (L.rows == 0) return cudaSuccess;
+    if (L.classes <= 64) Kernel<T, 8>::launch(L, grid_for(L.rows, kThreads / 8), stream);
+    else if (L.classes <= 4096) Kernel<T, 32>::launch(L, grid_for(L.rows, kThreads / 32), stream);
+    else Kernel<T, kThreads>::launch(L, grid_for(L.rows, 1), stream);
+    return cudaGetLastError();
+}
+
+template <typename T, int RT> struct Forward {
+    static void launch(const brrr_xent_launch &L, unsigned grid, cudaStream_t s) { xent_fwd_kernel<T, RT><<<grid, kThreads, 0, s>>>(L); }
+};
+template <typename T, int RT> struct Backward {
+    static void launch(const brrr_xent_launch &L, unsigned grid, cudaStream_t s) { xent_bwd_kernel<T, RT><<<grid, kThreads, 0, s>>>(L); }
+};
+
+// Defined here, instantiated once per dtype by xent_<dtype>.cu.
+template <typename T>
+cudaError_t xent_fwd_typed(const brrr_xent_launch &L, cudaStream_t stream) {
+    const cudaError_t err = launch_rows<T, Forward>(L, stream);
+    if (err != cudaSuccess || (!L.total && !L.count_out)) return err;
+    xent_reduce_kernel<typename Compute<T>::type><<<1, kReduceThreads, 0, stream>>>(L);
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t xent_bwd_typed(const brrr_xent_launch &L, cudaStream_t stream) {
+    return launch_rows<T, Backward>(L, stream);
+}
+
+}  // namespace xent
+}  // namespace brrr
