@@ -44,9 +44,11 @@ def build_info() -> dict:
 
 # The PyTorch-only parts load on first use, so that `import brrr` never imports torch; where
 # torch is already imported, its integration loads now, so that torch.ops.brrr.* exist from here on.
-_LAZY = {"registry": ("registry", "registry"), "UnsupportedError": ("registry", "UnsupportedError"),
-         "nn": ("nn", None), "patch": ("patch", "patch"), "unpatch": ("patch", "unpatch"),
-         "use_fused": ("patch", "use_fused")}
+# The modules behind them have other names (_registry, _patch): importing a submodule binds its
+# name in this package, which would hide the registry object and the patch function.
+_LAZY = {"registry": ("_registry", "registry"), "UnsupportedError": ("_registry", "UnsupportedError"),
+         "nn": ("nn", None), "patch": ("_patch", "patch"), "unpatch": ("_patch", "unpatch"),
+         "use_fused": ("_patch", "use_fused"), "causal_lm_loss": ("_patch", "causal_lm_loss")}
 
 
 def __getattr__(name):
@@ -67,6 +69,7 @@ if "torch" in sys.modules:
 __all__ = [
     "Chain",
     "UnsupportedError",
+    "causal_lm_loss",
     "diagnose",
     "nn",
     "patch",

@@ -7,7 +7,7 @@ constructor), whose forward runs brrr's fused kernels through the registry.
 
 import torch
 
-from .registry import registry
+from ._registry import registry
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -68,6 +68,15 @@ class GeGLU(torch.nn.Module):
         return registry("geglu", x, approximate=self.approximate)
 
 
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """torch.nn.CrossEntropyLoss; inputs brrr does not take (per-class weights, probability
+    targets) go to PyTorch's."""
+
+    def forward(self, input, target):
+        return registry("cross_entropy", input, target, self.weight, ignore_index=self.ignore_index,
+                        reduction=self.reduction, label_smoothing=self.label_smoothing)
+
+
 # The torch.nn classes brrr.patch swaps exactly (their subclasses are checked by behaviour).
 TWINS = {torch.nn.LayerNorm: LayerNorm, torch.nn.RMSNorm: RMSNorm, torch.nn.GELU: GELU, torch.nn.SiLU: SiLU,
-         torch.nn.ReLU: ReLU, torch.nn.Sigmoid: Sigmoid, torch.nn.Tanh: Tanh}
+         torch.nn.ReLU: ReLU, torch.nn.Sigmoid: Sigmoid, torch.nn.Tanh: Tanh, torch.nn.CrossEntropyLoss: CrossEntropyLoss}

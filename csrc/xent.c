@@ -129,7 +129,7 @@ static int check_row_tensor(const brrr_tensor *t, const brrr_tensor *target, con
         return -1;
     }
     if (brrr_check_same_shape(t, target) < 0) return -1;
-    if (contiguous) {
+    if (contiguous && t->numel > 0) {
         int64_t expect = 1;
         for (int d = t->ndim - 1; d >= 0; d--) {
             if (t->shape[d] != 1 && t->strides[d] != expect) {

@@ -36,6 +36,16 @@ def test_importing_brrr_alone_does_not_import_torch():
     assert result.returncode == 0, result.stderr
 
 
+def test_public_names_survive_any_first_use():
+    """brrr.registry is the registry and brrr.patch the function whichever is touched first
+    (importing a submodule of the same name would rebind them)."""
+    for first in ("brrr.patch", "brrr.registry", "brrr.causal_lm_loss", "brrr.nn.LayerNorm"):
+        result = run_python(f"import torch, brrr\n{first}\nimport brrr.nn\n"
+                            "assert callable(brrr.patch) and hasattr(brrr.registry, 'names'), "
+                            "(brrr.patch, brrr.registry)")
+        assert result.returncode == 0, (first, result.stderr)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_op_gradients_match_the_eager_path(device):
     x = random((7, 33), torch.float64, device).requires_grad_()

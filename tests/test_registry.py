@@ -1,4 +1,5 @@
-"""The registry, brrr.nn, brrr.patch and use_fused on a small GPT-style model."""
+"""The registry, brrr.nn, brrr.patch and use_fused on a small GPT-style model (and its causal-LM
+loss, as Hugging Face models compute it)."""
 
 import copy
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 import brrr
 from brrr import registry
+from brrr import causal_lm_loss
 from helpers import DEVICES
 
 
@@ -96,6 +98,48 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(x))
 
 
+def hf_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                      **kwargs):
+    """transformers' ForCausalLMLoss, written out: upcast, shift, cross-entropy, mean or sum / n."""
+    logits = logits.float()
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    logits, shift_labels = logits.view(-1, vocab_size), shift_labels.view(-1).to(logits.device)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction)
+    return loss / num_items_in_batch if reduction == "sum" else loss
+
+
+def unshifted_loss(logits, labels, vocab_size, **kwargs):
+    """A token-level loss (no shift): not a causal-LM loss, which patch must leave alone."""
+    return F.cross_entropy(logits.float().view(-1, vocab_size), labels.view(-1))
+
+
+class TinyCausalLM(nn.Module):
+    """TinyGPT with a Hugging Face-style loss: forward(tokens, labels) -> (logits, loss), the loss
+    from a `loss_function` property whose setter keeps the new value in `_loss_function`."""
+
+    def __init__(self, style, default_loss=hf_causal_lm_loss):
+        super().__init__()
+        self.model = TinyGPT(style)
+        self.default_loss = default_loss
+
+    @property
+    def loss_function(self):
+        return self._loss_function if "_loss_function" in self.__dict__ else self.default_loss
+
+    @loss_function.setter
+    def loss_function(self, value):
+        self._loss_function = value
+
+    def forward(self, tokens, labels=None, num_items_in_batch=None):
+        logits = self.model(tokens)
+        loss = None if labels is None else self.loss_function(logits=logits, labels=labels, vocab_size=97,
+                                                                 num_items_in_batch=num_items_in_batch)
+        return logits, loss
+
+
 def perturb(model):
     """Random norm weights and biases, so that a patched norm that ignored them would show."""
     with torch.no_grad():
@@ -139,6 +183,46 @@ def test_patched_model_matches(device, style):
     assert grads.keys() == ref_grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_items", [None, 40])
+def test_patched_causal_lm_loss_matches(device, num_items):
+    torch.manual_seed(5)
+    model = TinyCausalLM("llama").to(device)
+    perturb(model)
+    reference = copy.deepcopy(model)
+    report = brrr.patch(model)
+    assert ("", "TinyCausalLM", "loss_function -> brrr causal-LM cross_entropy") in report.swapped, str(report)
+    assert model.loss_function is causal_lm_loss
+    tokens = torch.randint(0, 97, (3, 17), device=device)
+    labels = tokens.clone()
+    labels[0, 3:7] = -100
+    results = []
+    for m in (model, reference):
+        m.zero_grad()
+        logits, loss = m(tokens, labels, num_items)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    (loss, grads), (ref_loss, ref_grads) = results
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_patch_leaves_other_losses_and_unpatch_restores_the_loss_function():
+    model = TinyCausalLM("gelu", default_loss=unshifted_loss)
+    report = brrr.patch(model)
+    assert ("", "TinyCausalLM", "loss_function behaves like no causal-LM cross-entropy") in report.left
+    assert model.loss_function is unshifted_loss
+    model = TinyCausalLM("gelu")
+    brrr.patch(model)
+    assert "_loss_function" in model.__dict__
+    again = brrr.patch(model)
+    assert ("", "TinyCausalLM", "loss_function already patched") in again.left
+    assert brrr.unpatch(model) == 1 + 5 + 2  # the loss function, 5 LayerNorms, 2 GELUs
+    assert "_loss_function" not in model.__dict__ and model.loss_function is hf_causal_lm_loss
 
 
 def test_patch_report_leaves_look_alikes_and_unpatch_restores():
@@ -186,11 +270,17 @@ def test_nn_modules_are_interchangeable_with_torch_nn():
         ours.load_state_dict(theirs.state_dict())
         assert isinstance(ours, type(theirs))
         torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+    target = torch.tensor([3, -100, 0, 32])
+    for kwargs in ({}, {"label_smoothing": 0.2, "reduction": "sum"}, {"weight": torch.rand(33)}):
+        theirs, ours = nn.CrossEntropyLoss(**kwargs), brrr.nn.CrossEntropyLoss(**kwargs)
+        ours.load_state_dict(theirs.state_dict())
+        torch.testing.assert_close(ours(x, target), theirs(x, target), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(brrr.nn.SwiGLU()(x[:, :32]), F.silu(x[:, :16]) * x[:, 16:32])
 
 
 def test_registry_lookup_override_and_fallback():
-    assert {"gelu", "bias_gelu", "swiglu", "layer_norm", "rms_norm", "add_rms_norm"} <= set(registry.names())
+    assert {"gelu", "bias_gelu", "swiglu", "layer_norm", "rms_norm", "add_rms_norm",
+            "cross_entropy"} <= set(registry.names())
     with pytest.raises(KeyError, match="no op named 'nope'"):
         registry.lookup("nope")
     x = torch.randn(5, 8)
@@ -211,6 +301,13 @@ def test_registry_lookup_override_and_fallback():
         with pytest.raises(brrr.UnsupportedError, match="brrr.bias_gelu: no brrr kernel"):
             registry("bias_gelu", x, bias)
         assert registry.lookup("bias_gelu").resolve(x, bias.float()) is brrr.bias_gelu
+        # cross_entropy: class weights and probability targets are PyTorch's.
+        op, target = registry.lookup("cross_entropy"), torch.tensor([1, 0, 7, 2, 5])
+        assert op.resolve(x, target) is brrr.cross_entropy
+        assert op.resolve(x, target, torch.rand(8)) is op.reference
+        assert op.resolve(x, torch.rand(5, 8).softmax(-1)) is op.reference
+        torch.testing.assert_close(registry("cross_entropy", x, target, dtype=torch.float64),
+                                   F.cross_entropy(x.double(), target))
     finally:
         registry.reset()
     with pytest.raises(ValueError, match="argument mode"):
@@ -238,6 +335,16 @@ def test_use_fused_routes_functional_calls():
         torch.testing.assert_close(F.layer_norm(x, (16,)), original_layer_norm(x, (16,)), rtol=1e-5, atol=1e-5)
         y = F.silu(x.clone(), inplace=True)  # in-place stays PyTorch's
     torch.testing.assert_close(y, F.silu(x))
+    original_cross_entropy, target = F.cross_entropy, torch.tensor([1, 0, -100, 15])
+    try:
+        registry.override("cross_entropy", lambda *a, **k: seen.append(2) or brrr.cross_entropy(*a, **k))
+        with brrr.use_fused():
+            assert F.cross_entropy is not original_cross_entropy
+            loss = nn.CrossEntropyLoss(label_smoothing=0.1)(x, target)  # the module calls F.cross_entropy
+        assert seen[-1] == 2 and F.cross_entropy is original_cross_entropy
+        torch.testing.assert_close(loss, F.cross_entropy(x, target, label_smoothing=0.1), rtol=1e-5, atol=1e-6)
+    finally:
+        registry.reset()
 
 
 @pytest.mark.parametrize("style", ["llama", "gelu"])
@@ -252,25 +359,40 @@ def test_compile_of_patched_model_has_no_graph_breaks(style):
     torch.testing.assert_close(compiled(tokens), model(tokens), rtol=1e-4, atol=1e-4)
 
 
+def test_compile_of_patched_causal_lm_with_its_loss_has_no_graph_breaks():
+    torch.manual_seed(6)
+    model = TinyCausalLM("llama")
+    brrr.patch(model)
+    tokens = torch.randint(0, 97, (2, 8))
+    explanation = torch._dynamo.explain(model)(tokens, tokens)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(tokens, tokens)[1], model(tokens, tokens)[1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.cuda
 def test_cuda_graph_capture_of_a_patched_training_step():
+    """The step of a patched TinyCausalLM: brrr's norms, gated MLPs and cross-entropy."""
     torch.manual_seed(4)
-    model = TinyGPT("llama").cuda()
+    model = TinyCausalLM("llama").cuda()
     perturb(model)
     brrr.patch(model)
     tokens = torch.randint(0, 97, (4, 32), device="cuda")
-    _, eager_loss, eager_grads = loss_and_grads(model, tokens)
+    model.zero_grad()
+    eager_loss = model(tokens, tokens)[1]
+    eager_loss.backward()
+    eager_loss, eager_grads = eager_loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+            model(tokens, tokens)[1].backward()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss = model(tokens, tokens)[1]
         loss.backward()
     for _ in range(2):  # replays give the same result every time
         for p in model.parameters():

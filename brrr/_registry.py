@@ -25,6 +25,7 @@ from .chain import gelu, relu, sigmoid, silu, tanh
 from .dropout import bias_dropout_add
 from .glu import bias_gelu, bias_silu, geglu, swiglu
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from .xent import REDUCTIONS, cross_entropy
 
 
 class UnsupportedError(TypeError):
@@ -92,6 +93,25 @@ def _add_norm_ok(x, residual, normalized_shape, weight=None, bias=None, *args, *
 
 def _add_rms_norm_ok(x, residual, normalized_shape, weight=None, *args, **kwargs):
     return _tensor_ok(x) and _same_kind(x, residual) and residual.shape == x.shape and _norm_params_ok(x, weight)
+
+
+_CLASS_INDICES = (torch.int64, torch.int32, torch.uint8)
+
+
+def _cross_entropy_ok(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                      dtype=None):
+    if not _tensor_ok(input) or input.dim() == 0 or weight is not None or reduction not in REDUCTIONS:
+        return False
+    rows = input.shape[:1] + input.shape[2:] if input.dim() >= 2 else ()
+    return (isinstance(target, torch.Tensor) and target.dtype in _CLASS_INDICES and target.device == input.device
+            and target.shape == rows and dtype in (None, torch.float32, torch.float64, input.dtype))
+
+
+def _torch_cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                         dtype=None):
+    """dtype: the loss's dtype, as brrr.cross_entropy takes it (the input is cast to it first)."""
+    return F.cross_entropy(input if dtype is None else input.to(dtype), target, weight, ignore_index=ignore_index,
+                           reduction=reduction, label_smoothing=label_smoothing)
 
 
 def _torch_rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
@@ -238,5 +258,6 @@ for _name, _ref, _impl, _ok in [
     ("rms_norm", _torch_rms_norm, rms_norm, _rms_norm_ok),
     ("add_layer_norm", _torch_add_layer_norm, add_layer_norm, _add_norm_ok),
     ("add_rms_norm", _torch_add_rms_norm, add_rms_norm, _add_rms_norm_ok),
+    ("cross_entropy", _torch_cross_entropy, cross_entropy, _cross_entropy_ok),
 ]:
     registry.register(_name, _ref, _impl, _ok)

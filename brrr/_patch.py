@@ -10,23 +10,31 @@ matched by type. Other modules (the RMSNorm, activation and gated-MLP classes of
 are matched by behaviour: their forward is run once on a random probe and compared with the
 candidate formula, so a look-alike that computes something else is left alone.
 
+A model whose forward takes `labels` and whose `loss_function` behaves like a causal language
+model's loss (Hugging Face's ForCausalLMLoss: shift the labels by one, cross-entropy over the
+vocabulary in float32, mean over the counted tokens or sum / num_items_in_batch; checked on a
+probe) gets brrr's instead: the same loss without the float32 copy of the logits.
+
     with brrr.use_fused():        # route torch.nn.functional's gelu/silu/layer_norm/rms_norm
-        y = model(x)              # through brrr for the inputs it supports
+        y = model(x)              # and cross_entropy through brrr for the inputs it supports
 
 A patched model pickles only after unpatch (its classes are made at run time); state_dicts are
 unaffected.
 """
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from . import nn as brrr_nn
-from .registry import _torch_rms_norm, registry
+from ._registry import _torch_rms_norm, registry
 
 _ORIGINAL = "_brrr_original_class"
+_ORIGINAL_LOSS = "_brrr_original_loss_attributes"  # what setting loss_function changed in __dict__
+_MISSING = object()
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
 
@@ -175,6 +183,71 @@ def _try_activation(module, device, dtype):
     return _subclass(type(module), op, _activation_forward, _brrr_op=op, _brrr_kwargs=kwargs), op
 
 
+def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                   **kwargs):
+    """Hugging Face's ForCausalLMLoss through brrr's cross_entropy: labels shifted by one (the last
+    position ignored), the loss in float32 without a float32 copy of the logits, the mean over
+    counted tokens, or the sum divided by num_items_in_batch when that is given."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    logits = logits.reshape(-1, vocab_size)
+    shift_labels = shift_labels.reshape(-1).to(logits.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = registry("cross_entropy", logits, shift_labels, ignore_index=ignore_index, reduction=reduction,
+                    dtype=torch.float32)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def _behaves_like_causal_lm_loss(fn, device):
+    """fn's loss on a probe, against the causal-LM loss written out in PyTorch."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 11
+    logits = torch.randn(2, 5, vocab, generator=g).to(device)
+    labels = torch.randint(0, vocab, (2, 5), generator=g)
+    labels[0, 2] = -100
+    labels = labels.to(device)
+    flat_logits, flat_labels = logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1)
+    for items in (None, 7):
+        try:
+            with torch.no_grad():
+                got = fn(logits=logits, labels=labels, vocab_size=vocab, num_items_in_batch=items)
+        except Exception:  # noqa: BLE001 - a loss that cannot take the probe is simply not a match
+            return False
+        if items is None:
+            expected = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100)
+        else:
+            expected = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum") / items
+        if not isinstance(got, torch.Tensor) or not _close(got.float(), expected):
+            return False
+    return True
+
+
+def _try_loss_function(module, device):
+    """(True, why) when module's loss_function was swapped for causal_lm_loss, (False, why) when it
+    has one that was left, None when it has none (or its forward takes no labels)."""
+    if not hasattr(type(module), "loss_function"):
+        return None
+    if _ORIGINAL_LOSS in module.__dict__:
+        return False, "loss_function already patched"
+    try:
+        takes_labels = "labels" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        takes_labels = False
+    if not takes_labels:
+        return None
+    if not _behaves_like_causal_lm_loss(module.loss_function, device):
+        return False, "loss_function behaves like no causal-LM cross-entropy"
+    before = dict(module.__dict__)
+    module.loss_function = causal_lm_loss  # a model library's property setter may store it elsewhere
+    module.__dict__[_ORIGINAL_LOSS] = {k: before.get(k, _MISSING) for k, v in module.__dict__.items()
+                                       if before.get(k, _MISSING) is not v}
+    return True, "loss_function -> brrr causal-LM cross_entropy"
+
+
 def patch(model):
     """Swap every module of `model` that brrr fuses, in place; returns a PatchReport."""
     if not isinstance(model, torch.nn.Module):
@@ -186,6 +259,9 @@ def patch(model):
     report = PatchReport()
     for name, module in model.named_modules():
         cls = type(module)
+        loss = _try_loss_function(module, device)
+        if loss is not None:
+            (report.swapped if loss[0] else report.left).append((name, cls.__name__, loss[1]))
         if _ORIGINAL in module.__dict__:
             report.left.append((name, cls.__name__, "already patched"))
             continue
@@ -214,9 +290,17 @@ def patch(model):
 
 
 def unpatch(model):
-    """Give every module brrr.patch swapped its original class back; returns how many."""
+    """Give every module brrr.patch swapped its original class (and loss_function) back; returns
+    how many it restored."""
     restored = 0
     for module in model.modules():
+        changed = module.__dict__.pop(_ORIGINAL_LOSS, None)
+        for key, value in (changed or {}).items():
+            if value is _MISSING:
+                del module.__dict__[key]
+            else:
+                module.__dict__[key] = value
+        restored += changed is not None
         original = module.__dict__.pop(_ORIGINAL, None)
         if original is not None:
             module.__class__ = original
@@ -234,20 +318,29 @@ def _route(name):
     if name == "layer_norm":
         return lambda input, normalized_shape, weight=None, bias=None, eps=1e-5: registry(
             "layer_norm", input, normalized_shape, weight, bias, eps)
+    if name == "cross_entropy":
+        def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                          reduction="mean", label_smoothing=0.0):
+            if size_average is not None or reduce is not None:  # the deprecated pair: torch's own
+                return _ROUTED_FROM["cross_entropy"](input, target, weight, size_average, ignore_index, reduce,
+                                                     reduction, label_smoothing)
+            return registry("cross_entropy", input, target, weight, ignore_index=ignore_index, reduction=reduction,
+                            label_smoothing=label_smoothing)
+        return cross_entropy
     if name == "rms_norm":
         return lambda input, normalized_shape, weight=None, eps=None: registry(
             "rms_norm", input, normalized_shape, weight, eps)
     raise AssertionError(name)
 
 
-_ROUTED_FROM = {name: getattr(F, name) for name in ("gelu", "silu", "layer_norm", "rms_norm")}
+_ROUTED_FROM = {name: getattr(F, name) for name in ("gelu", "silu", "layer_norm", "rms_norm", "cross_entropy")}
 _ROUTES = {name: _route(name) for name in _ROUTED_FROM}
 
 
 @contextlib.contextmanager
 def use_fused():
-    """Within the block, torch.nn.functional.gelu, silu, layer_norm and rms_norm (and the
-    torch.nn modules that call them) run brrr's kernels for the inputs brrr supports. Not
+    """Within the block, torch.nn.functional.gelu, silu, layer_norm, rms_norm and cross_entropy
+    (and the torch.nn modules that call them) run brrr's kernels for the inputs brrr supports. Not
     thread-safe: it rebinds the functions of torch.nn.functional for the whole process."""
     previous = {name: getattr(F, name) for name in _ROUTES}
     try:
