@@ -1,14 +1,15 @@
 /* Softmax cross-entropy over the last dim: the glue and the CPU twin.
  *
  * logits (..., C) are rows by classes; target (...) holds a class index per row (int64, int32
- * or uint8). The forward saves one log-sum-exp per row; the backward rematerialises the softmax
- * from logits and lse instead of keeping log-probabilities (formulas: brrr_cuda.h). The CPU twin
- * computes the same function in float64.
+ * or uint8). The forward saves one log-sum-exp per row (relative to the target's logit); the
+ * backward rematerialises the softmax from logits and lse instead of keeping log-probabilities
+ * (formulas: brrr_cuda.h). The CPU twin computes the same function in float64.
  *
  * _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, loss, total,
  *                      count, stream) -> None
  *     lse, loss: the target's shape, contiguous, in the accumulation dtype (float32, float64 for
- *     float64 logits): per row its log-sum-exp and loss (0 for both where ignored).
+ *     float64 logits): per row its log-sum-exp less the target's logit where that is finite, and
+ *     its loss (0 for both where ignored).
  *     total, count: None or 0-d, accumulation dtype: the loss summed over rows in a fixed order
  *     (divided by count for reduction "mean"), and the rows whose target is not ignore_index.
  * _C.cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, grad_loss, count,
@@ -81,9 +82,11 @@ static void cpu_xent_fwd(const brrr_xent_launch *L) {
                 s += exp(v - m);
                 sx += v;
             }
-            lse = m + log(s); /* t is a class: check_targets ran first */
-            loss = lse - (1.0 - L->smoothing) * load_d(L->dtype, L->logits, base + t * cs);
-            if (L->smoothing != 0.0) loss -= L->smoothing / (double)C * sx; /* 0 * -inf would be NaN */
+            /* t is a class: check_targets ran first. lse relative to the shift: brrr_cuda.h. */
+            const double x_t = load_d(L->dtype, L->logits, base + t * cs), shift = isfinite(x_t) ? x_t : 0.0;
+            lse = (m - shift) + log(s);
+            loss = (1.0 - L->smoothing) * (lse - (x_t - shift));
+            if (L->smoothing != 0.0) loss += L->smoothing * (lse - (sx / (double)C - shift)); /* 0 * inf: NaN */
             counted++;
         }
         store_d(acc, L->lse, r, lse);
@@ -107,8 +110,9 @@ static void cpu_xent_bwd(const brrr_xent_launch *L) {
         }
         const double g = load_d(acc, L->grad_loss, row_offset(L, L->grad_loss_rows, r)) / divisor;
         const double lse = load_d(acc, L->lse, r), uniform = L->smoothing / (double)C;
+        const double x_t = load_d(L->dtype, L->logits, in + t * L->logits_class_stride), shift = isfinite(x_t) ? x_t : 0.0;
         for (int64_t c = 0; c < C; c++) {
-            const double p = exp(load_d(L->dtype, L->logits, in + c * L->logits_class_stride) - lse);
+            const double p = exp((load_d(L->dtype, L->logits, in + c * L->logits_class_stride) - shift) - lse);
             const double hot = c == t ? 1.0 - L->smoothing : 0.0;
             store_d(L->dtype, L->grad_logits, out + c * L->grad_class_stride, g * (p - uniform - hot));
         }

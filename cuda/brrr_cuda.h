@@ -172,13 +172,17 @@ int brrr_cuda_dropout(const brrr_dropout_launch *launch, int device, void *strea
 
 /* ---- softmax cross-entropy (csrc/xent.c, cuda/xent*.cu) ----------------------------------
  * logits are rows (their leading dims, coalesced into row_shape) by `classes` (the last dim, at
- * class_stride), target holds one class index per row. Forward, per row r with target t:
- *     lse[r]  = log(sum_c exp(logits[r, c]))
- *     loss[r] = lse[r] - (1 - smoothing) * logits[r, t] - smoothing / classes * sum_c logits[r, c]
- * and 0 for both where t == ignore_index, NaN where t is outside [0, classes). Then, when total
+ * class_stride), target holds one class index per row. Forward, per row r with target t and
+ * shift s = logits[r, t] where that is finite (else 0):
+ *     lse[r]  = log(sum_c exp(logits[r, c])) - s          (the row's nll where s = logits[r, t])
+ *     loss[r] = (1 - smoothing) * (lse[r] - (logits[r, t] - s))
+ *               + smoothing * (lse[r] - (mean_c logits[r, c] - s))
+ * and 0 for both where t == ignore_index, NaN where t is outside [0, classes). lse is kept
+ * relative to s so that the backward's logits[r, c] - s - lse[r] rounds at the scale of the
+ * softmax, not at the scale of a large offset common to the row. Then, when total
  * or count is given, one block sums loss over rows in a fixed order: *total = the sum (the sum /
  * count for mean), *count = the rows whose target is not ignore_index.
- * Backward: grad_logits[r, c] = g_r * (exp(logits[r, c] - lse[r]) - smoothing / classes
+ * Backward: grad_logits[r, c] = g_r * (exp(logits[r, c] - s - lse[r]) - smoothing / classes
  * - (1 - smoothing) * [c == t]), g_r = grad_loss[r] (a 0-d grad_loss: the same for every row),
  * divided by *count when count is given (mean); 0 for ignored rows.
  * lse and loss are contiguous over rows (logical row order) in the accumulation dtype (float32,

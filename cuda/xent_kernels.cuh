@@ -2,15 +2,16 @@
 //
 // xent_fwd_kernel     RT threads per row (8, 32 or 256 by the class count; a block of 256 holds
 //                     256 / RT rows). One pass over the row: each thread keeps an online
-//                     softmax state (running max m, sum of exp(v - m), sum of v), absorbing U
-//                     16-byte packs per step with one rescale per step; the states are merged by
-//                     shuffles (and, for RT = 256, in warp order through shared memory), and the
-//                     row's first thread writes lse and loss. Rows whose start is not 16-byte
+//                     softmax state (running max m, sum of exp(v - m), with label smoothing the
+//                     sum of v), absorbing kUnroll 16-byte packs per step with one rescale per
+//                     step; the states are merged by shuffles (and, for RT = 256, in warp order
+//                     through shared memory), and the row's first thread writes lse (relative to
+//                     the target's logit, brrr_cuda.h) and loss. Rows whose start is not 16-byte
 //                     aligned peel their head element by element; the tail goes element by
 //                     element too, as do strided classes.
 // xent_reduce_kernel  one block: loss summed over rows in a fixed order (each thread its rows in
 //                     turn, then a tree in shared memory), the counted rows, total and count.
-// xent_bwd_kernel     the same row groups, streaming: grad = g (exp(v - lse) - smoothing / C
+// xent_bwd_kernel     the same row groups, streaming: grad = g (exp(v - shift - lse) - smoothing / C
 //                     - (1 - smoothing) [c == t]), nothing saved but lse.
 // Deterministic: no atomics, the same order on every GPU.
 #pragma once
@@ -28,7 +29,15 @@ constexpr int kUnroll = 4;  // packs per thread per step
 // float64 would spill, as would the backward (74 registers: 3 blocks, 4 packs in flight each).
 template <typename T> constexpr int fwd_min_blocks() { return sizeof(T) == 8 ? 1 : 4; }
 
-__device__ __forceinline__ float exp_(float x) { return __expf(x); }
+// ex2.approx.ftz: __expf and exp2f compile to the non-ftz form, which scales around subnormal
+// results with four more instructions per call; terms below 2^-126 of a sum that holds a 1 (the
+// row's max) do not change it.
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float exp_(float x) { return exp2_ftz(x * 1.4426950408889634f); }
 __device__ __forceinline__ double exp_(double x) { return exp(x); }
 __device__ __forceinline__ float log_(float x) { return logf(x); }
 __device__ __forceinline__ double log_(double x) { return log(x); }
@@ -60,36 +69,44 @@ __device__ __forceinline__ int64_t head_elements(const T *p, int64_t classes) {
     return h < classes ? h : classes;
 }
 
-// One thread's share of a row: running max m, sum of exp(v - m) and sum of v.
+// One thread's share of a row: running max m, sum of exp(v - m), and (label smoothing) sum of v.
+// m starts at the lowest finite value rather than -inf, so that exp(v - m) is 0 for v = -inf and
+// never -inf - -inf = NaN: no special cases in the loop. NaN values make s NaN (fmax skips them).
 template <typename A>
 struct Online {
     A m, s, sx;
 };
 
-// Absorb n values: one rescale for all of them. While m is -inf (only -inf seen so far) only
-// NaNs are added, since exp(-inf - -inf) would be NaN; NaN values make s NaN (fmax skips them).
-template <typename A, int N>
-__device__ __forceinline__ void absorb(Online<A> &o, const A (&v)[N], int n) {
-    A top = -INFINITY;
+template <typename A> __device__ __forceinline__ A lowest();
+template <> __device__ __forceinline__ float lowest<float>() { return -3.402823466e38f; }
+template <> __device__ __forceinline__ double lowest<double>() { return -1.7976931348623157e308; }
+
+// Absorb v: one rescale for all of them; the max over W interleaved chains (one chain of N
+// dependent FMNMX would be N latencies long, a full tree N more registers).
+template <bool kSmooth, typename A, int N>
+__device__ __forceinline__ void absorb(Online<A> &o, const A (&v)[N]) {
+    constexpr int W = N < 4 ? N : 4;
+    A top[W];
 #pragma unroll
-    for (int j = 0; j < N; ++j)
-        if (j < n) top = fmax(top, v[j]);
-    if (top > o.m) {
-        o.s *= exp_(o.m - top);
-        o.m = top;
+    for (int j = 0; j < W; ++j) top[j] = v[j];
+#pragma unroll
+    for (int j = W; j < N; ++j) top[j % W] = fmax(top[j % W], v[j]);
+#pragma unroll
+    for (int j = 1; j < W; ++j) top[0] = fmax(top[0], top[j]);
+    if (top[0] > o.m) {
+        o.s *= exp_(o.m - top[0]);
+        o.m = top[0];
     }
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-        if (j >= n) continue;
-        if (o.m != A(-INFINITY) || v[j] != v[j]) o.s += exp_(v[j] - o.m);
-        o.sx += v[j];
+        o.s += exp_(v[j] - o.m);
+        if (kSmooth) o.sx += v[j];
     }
 }
 
 template <typename A>
 __device__ __forceinline__ Online<A> merge(const Online<A> &a, const Online<A> &b) {
     const A m = fmax(a.m, b.m);
-    if (m == A(-INFINITY)) return {m, a.s + b.s, a.sx + b.sx};
     return {m, a.s * exp_(a.m - m) + b.s * exp_(b.m - m), a.sx + b.sx};
 }
 
@@ -100,58 +117,62 @@ __device__ __forceinline__ Online<A> shuffle_xor(const Online<A> &o, int lane_ma
 }
 
 // The online state of one row's classes [0, classes) at stride cs, as thread `lane` of RT sees it.
-template <typename T, int RT>
+template <bool kSmooth, typename T, int RT>
 __device__ __forceinline__ Online<typename Compute<T>::type> scan_row(const T *x, int64_t classes, int64_t cs, int lane) {
     using A = typename Compute<T>::type;
     constexpr int P = 16 / sizeof(T);
-    Online<A> o = {A(-INFINITY), A(0), A(0)};
+    Online<A> o = {lowest<A>(), A(0), A(0)};
     int64_t c = 0;
     if (cs == 1) {
         const int64_t head = head_elements(x, classes), packs = (classes - head) / P;
         for (int64_t k = lane; k < head; k += RT) {
             const A v[1] = {to_float(x[k])};
-            absorb(o, v, 1);
+            absorb<kSmooth>(o, v);
         }
         const T *body = x + head;
-        for (int64_t k = lane; k < packs; k += (int64_t)RT * kUnroll) {
+        // Steps of kUnroll whole packs (no per-element predicates), then the packs left one by one.
+        int64_t k = lane;
+        for (; k + (int64_t)(kUnroll - 1) * RT < packs; k += (int64_t)RT * kUnroll) {
             A v[kUnroll * P];
-            int n = 0;  // the valid packs are a prefix
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int64_t pk = k + (int64_t)u * RT;
-                if (pk < packs) {
-                    load_pack<T, P>(body + pk * P, v + u * P);
-                    n = (u + 1) * P;
-                }
-            }
-            absorb(o, v, n);
+            for (int u = 0; u < kUnroll; ++u) load_pack<T, P>(body + (k + (int64_t)u * RT) * P, v + u * P);
+            absorb<kSmooth>(o, v);
+        }
+        for (; k < packs; k += RT) {
+            A v[P];
+            load_pack<T, P>(body + k * P, v);
+            absorb<kSmooth>(o, v);
         }
         c = head + packs * P;
     }
     for (int64_t k = c + lane; k < classes; k += RT) {
         const A v[1] = {to_float(x[k * cs])};
-        absorb(o, v, 1);
+        absorb<kSmooth>(o, v);
     }
     return o;
 }
 
-template <typename T, int RT>
+// What lse is kept relative to (brrr_cuda.h): the target's logit where finite, else 0.
+template <typename A> __device__ __forceinline__ A row_shift(A x_t) { return isfinite(x_t) ? x_t : A(0); }
+
+template <typename T, int RT, bool kSmooth>
 __global__ void __launch_bounds__(kThreads, fwd_min_blocks<T>()) xent_fwd_kernel(const __grid_constant__ brrr_xent_launch L) {
     using A = typename Compute<T>::type;
     constexpr int kRows = kThreads / RT, kWarps = kThreads / 32;
     __shared__ Online<A> warp_states[RT == kThreads ? kWarps : 1];
     const int lane = threadIdx.x % RT, sub = threadIdx.x / RT;
     const T *logits = static_cast<const T *>(L.logits);
+    const int64_t cs = L.logits_class_stride;
     // Uniform over the block, so that every lane of a warp reaches the shuffles together.
     for (int64_t first = (int64_t)blockIdx.x * kRows; first < L.rows; first += (int64_t)gridDim.x * kRows) {
         const int64_t r = first + sub;
         const int64_t t = r < L.rows ? load_target(L, row_off(L, L.target_rows, r)) : L.ignore_index;
         const bool counted = t != L.ignore_index, valid = counted && t >= 0 && t < L.classes;
         const T *x = logits + (r < L.rows ? row_off(L, L.logits_rows, r) : 0);
-        // The target's logit is loaded first, to be in flight during the scan.
-        const A x_t = lane == 0 && valid ? to_float(x[t * L.logits_class_stride]) : A(0);
-        Online<A> o = {A(-INFINITY), A(0), A(0)};
-        if (counted) o = scan_row<T, RT>(x, L.classes, L.logits_class_stride, lane);
+        // The target's logit, loaded first to be in flight during the scan.
+        const A x_t = lane == 0 && valid ? to_float(x[t * cs]) : A(0);
+        Online<A> o = {lowest<A>(), A(0), A(0)};
+        if (counted) o = scan_row<kSmooth, T, RT>(x, L.classes, cs, lane);
 #pragma unroll
         for (int mask = (RT < 32 ? RT : 32) / 2; mask > 0; mask /= 2) o = merge(o, shuffle_xor(o, mask));
         if constexpr (RT == kThreads) {
@@ -166,9 +187,12 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<T>()) xent_fwd_kernel
         if (!valid && counted) {
             lse = loss = A(NAN);
         } else if (counted) {
-            lse = o.m + log_(o.s);
-            loss = lse - (A(1) - A(L.smoothing)) * x_t;
-            if (L.smoothing != 0.0) loss -= A(L.smoothing) / A(L.classes) * o.sx;  // 0 * -inf would be NaN
+            // Relative to the shift (exact differences for nearby values): no rounding at the
+            // scale of a large offset common to the row, whose softmax the backward recomputes.
+            const A shift = row_shift(x_t);
+            lse = (o.m - shift) + log_(o.s);
+            loss = (A(1) - A(L.smoothing)) * (lse - (x_t - shift));
+            if (kSmooth) loss += A(L.smoothing) * (lse - (o.sx / A(L.classes) - shift));
         }
         static_cast<A *>(L.lse)[r] = lse;
         static_cast<A *>(L.loss)[r] = loss;
@@ -203,53 +227,76 @@ __global__ void __launch_bounds__(kReduceThreads) xent_reduce_kernel(const __gri
     }
 }
 
+// exp(d - lse) for d = v - shift: one FFMA and ex2 for float (ex2 of a product rounded once).
+__device__ __forceinline__ float softmax_of(float d, float lse_log2e) {
+    return exp2_ftz(fmaf(d, 1.4426950408889634f, -lse_log2e));
+}
+__device__ __forceinline__ double softmax_of(double d, double lse) { return exp(d - lse); }
+
 template <typename T, int RT>
 __global__ void __launch_bounds__(kThreads) xent_bwd_kernel(const __grid_constant__ brrr_xent_launch L) {
     using A = typename Compute<T>::type;
     constexpr int P = 16 / sizeof(T), kRows = kThreads / RT;
+    constexpr bool kF64 = sizeof(A) == 8;
     const int lane = threadIdx.x % RT;
     const A uniform = A(L.smoothing) / A(L.classes), hot = A(1) - A(L.smoothing);
     const A divisor = L.count ? *static_cast<const A *>(L.count) : A(1);
+    const int64_t cs = L.logits_class_stride, gs = L.grad_class_stride;
     for (int64_t r = (int64_t)blockIdx.x * kRows + threadIdx.x / RT; r < L.rows; r += (int64_t)gridDim.x * kRows) {
         const int64_t t = load_target(L, row_off(L, L.target_rows, r));
         const T *x = static_cast<const T *>(L.logits) + row_off(L, L.logits_rows, r);
         T *g = static_cast<T *>(L.grad_logits) + row_off(L, L.grad_rows, r);
-        const int64_t cs = L.logits_class_stride, gs = L.grad_class_stride;
-        A scale = A(0), lse = A(0);
-        if (t != L.ignore_index) {
-            scale = static_cast<const A *>(L.grad_loss)[row_off(L, L.grad_loss_rows, r)] / divisor;
-            lse = t >= 0 && t < L.classes ? static_cast<const A *>(L.lse)[r] : A(NAN);
-        }
         const bool ignored = t == L.ignore_index;
-        auto grad = [&](A v, int64_t c) {
-            if (ignored) return A(0);
-            A y = scale * (exp_(v - lse) - uniform);
-            return c == t ? y - scale * hot : y;
-        };
+        // grad = scale * p - shift, and scale * hot less at the target.
+        A scale = A(0), lse = A(NAN), x_t = A(0);
+        if (!ignored) {
+            scale = static_cast<const A *>(L.grad_loss)[row_off(L, L.grad_loss_rows, r)] / divisor;
+            if (t >= 0 && t < L.classes) {
+                lse = static_cast<const A *>(L.lse)[r];
+                x_t = to_float(x[t * cs]);  // read before any write: g may be x
+            }
+        }
+        const A shift = row_shift(x_t);
+        const A smooth = scale * uniform, at_target = scale * hot, lse_arg = kF64 ? lse : lse * A(1.4426950408889634);
+        auto grad = [&](A v) { return fma(scale, softmax_of(v - shift, lse_arg), -smooth); };
         int64_t c = 0;
         // 16-byte packs where both rows have stride-1 classes and the same offset from a boundary.
-        if (cs == 1 && gs == 1 && ((reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(g)) & 15u) == 0) {
+        if (!ignored && cs == 1 && gs == 1 &&
+            ((reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(g)) & 15u) == 0) {
             const int64_t head = head_elements(x, L.classes), packs = (L.classes - head) / P;
-            for (int64_t k = lane; k < head; k += RT) g[k] = to_storage<T, A>(grad(to_float(x[k]), k));
-            // kUnroll packs loaded before any is stored: several loads in flight per thread (the
-            // compiler cannot hoist them over the stores by itself, g may be x).
-            for (int64_t k = lane; k < packs; k += (int64_t)RT * kUnroll) {
+            for (int64_t k = lane; k < head; k += RT) g[k] = to_storage<T, A>(grad(to_float(x[k])) - (k == t ? at_target : A(0)));
+            const T *xb = x + head;
+            T *gb = g + head;
+            const int64_t tb = t - head;  // the target's index in the packed body
+            // Steps of kUnroll packs, all loaded before any is stored: several loads in flight per
+            // thread (the compiler cannot hoist them over the stores by itself, g may be x).
+            int64_t k = lane;
+            for (; k + (int64_t)(kUnroll - 1) * RT < packs; k += (int64_t)RT * kUnroll) {
                 A v[kUnroll][P];
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u)
-                    if (k + (int64_t)u * RT < packs) load_pack<T, P>(x + head + (k + (int64_t)u * RT) * P, v[u]);
+                for (int u = 0; u < kUnroll; ++u) load_pack<T, P>(xb + (k + (int64_t)u * RT) * P, v[u]);
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
-                    const int64_t c0 = head + (k + (int64_t)u * RT) * P;
-                    if (k + (int64_t)u * RT >= packs) continue;
 #pragma unroll
-                    for (int j = 0; j < P; ++j) v[u][j] = grad(v[u][j], c0 + j);
-                    store_pack<T, P>(g + c0, v[u]);
+                    for (int j = 0; j < P; ++j) v[u][j] = grad(v[u][j]);
+                    store_pack<T, P>(gb + (k + (int64_t)u * RT) * P, v[u]);
                 }
             }
+            for (; k < packs; k += RT) {
+                A v[P];
+                load_pack<T, P>(xb + k * P, v);
+#pragma unroll
+                for (int j = 0; j < P; ++j) v[j] = grad(v[j]);
+                store_pack<T, P>(gb + k * P, v);
+            }
+            // The target's element, if in the packs, again by the thread that wrote it (program
+            // order: this write lands last), so the loops above carry no per-element compare.
+            if (tb >= 0 && tb < packs * P && lane == (tb / P) % RT) gb[tb] = to_storage<T, A>(grad(x_t) - at_target);
             c = head + packs * P;
         }
-        for (int64_t k = c + lane; k < L.classes; k += RT) g[k * gs] = to_storage<T, A>(grad(to_float(x[k * cs]), k));
+        for (int64_t k = c + lane; k < L.classes; k += RT)
+            g[k * gs] = ignored ? to_storage<T, A>(A(0))
+                                : to_storage<T, A>(grad(to_float(x[k * cs])) - (k == t ? at_target : A(0)));
     }
 }
 
@@ -270,7 +317,10 @@ static cudaError_t launch_rows(const brrr_xent_launch &L, cudaStream_t stream) {
 }
 
 template <typename T, int RT> struct Forward {
-    static void launch(const brrr_xent_launch &L, unsigned grid, cudaStream_t s) { xent_fwd_kernel<T, RT><<<grid, kThreads, 0, s>>>(L); }
+    static void launch(const brrr_xent_launch &L, unsigned grid, cudaStream_t s) {
+        if (L.smoothing != 0.0) xent_fwd_kernel<T, RT, true><<<grid, kThreads, 0, s>>>(L);
+        else xent_fwd_kernel<T, RT, false><<<grid, kThreads, 0, s>>>(L);
+    }
 };
 template <typename T, int RT> struct Backward {
     static void launch(const brrr_xent_launch &L, unsigned grid, cudaStream_t s) { xent_bwd_kernel<T, RT><<<grid, kThreads, 0, s>>>(L); }
