@@ -12,6 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import brrr
+from brrr import registry
 from harness import compiled, on_gpu, time_ms
 
 transformers = pytest.importorskip("transformers")
@@ -93,8 +94,16 @@ def test_training_step(recorder, name, batch):
     """Speed and memory of a training step (forward + backward, bf16 weights)."""
     base, patched, _ = build(name)
     tokens = torch.randint(0, 32000, (batch, SEQ), device="cuda")
-    for label, model in (("unpatched", base), ("patched", patched)):
-        for mode in ("eager", "compile"):
+    variants = [("unpatched", base, "eager"), ("unpatched", base, "compile"), ("patched", patched, "eager"),
+                ("patched", patched, "compile"), ("patched", patched, "compile, brrr norms")]
+    for label, model, mode in variants:
+        try:
+            # "compile" keeps the registry's defaults (norms left to inductor under torch.compile);
+            # "compile, brrr norms" puts brrr's norm kernels in the compiled graph too.
+            if mode == "compile, brrr norms":
+                for op in ("rms_norm", "layer_norm"):
+                    registry.under_compile(op, "kernel")
+            torch._dynamo.reset()  # dynamo's cache does not see the registry's choices
             step = step_fn(model if mode == "eager" else compiled(model), tokens)
             step()
             torch.cuda.synchronize()
@@ -107,8 +116,10 @@ def test_training_step(recorder, name, batch):
             kernels = kernel_ms(step)
             recorder.add(family="model", op=name, impl=f"{label} {mode}", shape=[batch, SEQ], ms=ms,
                          kernel_ms=kernels, tokens_per_s=batch * SEQ / (ms * 1e-3), peak_step_bytes=peak)
-            print(f"{name} {batch}x{SEQ} {label:9s} {mode:7s} {ms:8.3f} ms/step  kernels {kernels:8.3f} ms  "
+            print(f"{name} {batch}x{SEQ} {label:9s} {mode:19s} {ms:8.3f} ms/step  kernels {kernels:8.3f} ms  "
                   f"peak +{peak / 2**20:8.1f} MiB")
+        finally:
+            registry.reset()
 
     # CUDA-graph capture of a patched training step is shown on the test suite's model
     # (tests/test_registry.py): capturing these transformers models failed on the H200 inside

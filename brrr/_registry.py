@@ -7,6 +7,14 @@
     registry.override("gelu", my_gelu, device="cuda")
     registry.reset("gelu")                   # back to brrr's
     registry.on_unsupported("gelu", "raise") # unsupported input: UnsupportedError, not a fallback
+    registry.under_compile("rms_norm", "kernel")  # brrr's kernel in compiled graphs too
+
+Under torch.compile an op runs one of two ways. "kernel": brrr's custom op sits in the graph as
+one opaque node. "inductor": the PyTorch function it replaces is traced instead, so that inductor
+fuses it with its neighbours, as it does in an unpatched model. The defaults follow what was
+measured on an H200 (benchmarks/results/): the norms default to "inductor", since inductor folds
+the residual add before a norm and the casts around it into its own norm kernel, which an opaque
+op prevents; everything else (cross_entropy above all: inductor's is slower) to "kernel".
 
 An input brrr does not support (a dtype or device it has no kernel for, mixed dtypes that
 PyTorch would promote, a CUDA tensor in a build without CUDA) goes to the PyTorch function the op
@@ -163,6 +171,8 @@ class Op:
     devices: tuple = ("cpu", "cuda")
     unsupported: str = "fallback"  # or "raise"
     overrides: dict = field(default_factory=dict)  # device type (or None for all) -> callable
+    compiled: str = "kernel"  # under torch.compile: "kernel" (brrr's op) or "inductor" (the reference)
+    default_compiled: str = "kernel"
 
     def resolve(self, *args, **kwargs):
         """The callable that will run for these arguments."""
@@ -170,6 +180,8 @@ class Op:
         override = self.overrides.get(device, self.overrides.get(None))
         if override is not None:
             return override
+        if self.compiled == "inductor" and torch.compiler.is_compiling():
+            return self.reference
         if device in self.devices and self.supports(*args, **kwargs):
             return self.implementation
         if self.unsupported == "raise":
@@ -197,10 +209,12 @@ class Registry:
     def __init__(self):
         self._ops = {}
 
-    def register(self, name, reference, implementation, supports, devices=("cpu", "cuda")):
+    def register(self, name, reference, implementation, supports, devices=("cpu", "cuda"), compiled="kernel"):
         if name in self._ops:
             raise ValueError(f"argument name: op {name!r} is already registered (override it instead)")
-        self._ops[name] = Op(name, reference, implementation, supports, tuple(devices))
+        _check_compiled_mode(compiled)
+        self._ops[name] = Op(name, reference, implementation, supports, tuple(devices), compiled=compiled,
+                             default_compiled=compiled)
         return self._ops[name]
 
     def lookup(self, name) -> Op:
@@ -227,10 +241,18 @@ class Registry:
         self.lookup(name).overrides[device] = implementation
 
     def reset(self, name=None):
-        """Drop overrides and restore falling back (for one op, or every op)."""
+        """Drop overrides, restore falling back and the default under torch.compile (for one op,
+        or every op)."""
         for op in ([self.lookup(name)] if name is not None else self._ops.values()):
             op.overrides.clear()
             op.unsupported = "fallback"
+            op.compiled = op.default_compiled
+
+    def under_compile(self, name, mode):
+        """'kernel' (brrr's op in the compiled graph) or 'inductor' (the PyTorch function, for
+        inductor to fuse) for `name` under torch.compile. Takes effect at the next compilation."""
+        _check_compiled_mode(mode)
+        self.lookup(name).compiled = mode
 
     def on_unsupported(self, name, mode):
         """'fallback' (to the PyTorch function) or 'raise' (UnsupportedError) for inputs brrr lacks."""
@@ -241,6 +263,14 @@ class Registry:
     def __call__(self, name, *args, **kwargs):
         return self.lookup(name).resolve(*args, **kwargs)(*args, **kwargs)
 
+
+def _check_compiled_mode(mode):
+    if mode not in ("kernel", "inductor"):
+        raise ValueError(f"argument mode: expected 'kernel' or 'inductor', got {mode!r}")
+
+
+# Norms default to inductor under torch.compile (see the module docstring).
+_INDUCTOR_UNDER_COMPILE = {"layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"}
 
 registry = Registry()
 for _name, _ref, _impl, _ok in [
@@ -260,4 +290,4 @@ for _name, _ref, _impl, _ok in [
     ("add_rms_norm", _torch_add_rms_norm, add_rms_norm, _add_rms_norm_ok),
     ("cross_entropy", _torch_cross_entropy, cross_entropy, _cross_entropy_ok),
 ]:
-    registry.register(_name, _ref, _impl, _ok)
+    registry.register(_name, _ref, _impl, _ok, compiled="inductor" if _name in _INDUCTOR_UNDER_COMPILE else "kernel")

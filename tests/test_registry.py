@@ -370,6 +370,39 @@ def test_compile_of_patched_causal_lm_with_its_loss_has_no_graph_breaks():
     torch.testing.assert_close(compiled(tokens, tokens)[1], model(tokens, tokens)[1], rtol=1e-5, atol=1e-5)
 
 
+def brrr_ops_in_compiled_graph(fn, *args):
+    """The brrr ops dynamo puts in fn's graph (torch.compile with a backend that records it)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return {str(node.target) for gm in graphs for node in gm.graph.nodes if str(node.target).startswith("brrr.")}
+
+
+def test_under_compile_chooses_brrr_kernels_or_inductor():
+    torch.manual_seed(7)
+    model = TinyCausalLM("llama")
+    brrr.patch(model)
+    tokens = torch.randint(0, 97, (2, 8))
+    try:
+        # Defaults: the norms are left to inductor, the rest are brrr's ops.
+        assert brrr_ops_in_compiled_graph(model, tokens, tokens) == {"brrr.glu.default", "brrr.cross_entropy.default"}
+        registry.under_compile("rms_norm", "kernel")
+        registry.under_compile("cross_entropy", "inductor")
+        assert brrr_ops_in_compiled_graph(model, tokens, tokens) == {"brrr.glu.default", "brrr.rms_norm.default"}
+        registry.reset()
+        assert registry.lookup("rms_norm").compiled == "inductor" and registry.lookup("swiglu").compiled == "kernel"
+    finally:
+        registry.reset()
+    with pytest.raises(ValueError, match="argument mode"):
+        registry.under_compile("gelu", "eager")
+
+
 @pytest.mark.cuda
 def test_cuda_graph_capture_of_a_patched_training_step():
     """The step of a patched TinyCausalLM: brrr's norms, gated MLPs and cross-entropy."""
