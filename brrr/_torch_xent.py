@@ -4,8 +4,11 @@ autograd.Function, and the direct call into brrr._C when autograd records nothin
 
 brrr::cross_entropy takes logits with the class dim last and returns [loss, lse, count]: the
 loss (float32, float64 for float64 logits; 0-d for mean and sum, per row for none), and, as
-non-differentiable outputs for the backward, each row's log-sum-exp and the number of rows
-counted. brrr::cross_entropy_backward rematerialises the softmax from logits and lse.
+non-differentiable outputs for the backward, each row's log-sum-exp (less the target's logit
+where that is finite: brrr_cuda.h) and the number of rows counted.
+brrr::cross_entropy_backward rematerialises the softmax from logits and lse. Under
+torch.compile the forward is brrr's kernel (one read of the logits; inductor's reads them more
+than once) and the backward the same formula in PyTorch ops, which inductor fuses.
 """
 
 from typing import Optional
@@ -63,12 +66,31 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _backward_in_torch_ops(grad, logits, target, lse, count, ignore_index, label_smoothing):
+    """brrr::cross_entropy_backward's formula (brrr_cuda.h) in PyTorch ops, for compiled graphs:
+    inductor fuses it with its neighbours (in a model, with the gradient that flows into the
+    logits from elsewhere, at least a zero tangent: as an opaque op, that add took another pass
+    over the logits)."""
+    classes = logits.shape[-1]
+    counted = target != ignore_index
+    index = torch.where(counted & (target >= 0) & (target < classes), target, 0).long()  # lse is NaN where invalid
+    x = logits.to(lse.dtype)
+    x_t = x.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    shift = torch.where(torch.isfinite(x_t), x_t, 0.0)
+    p = torch.exp((x - shift.unsqueeze(-1)) - lse.unsqueeze(-1))
+    scale = torch.where(counted, grad if count is None else grad / count, 0.0).unsqueeze(-1)
+    hot = torch.arange(classes, device=logits.device) == index.unsqueeze(-1)
+    return (scale * (p - label_smoothing / classes - (1.0 - label_smoothing) * hot)).to(logits.dtype)
+
+
 def _backward(ctx, grad, _grad_lse, _grad_count):
     if grad is None or not ctx.needs_input_grad[0]:
         return None, None, None, None, None
     logits, target, lse, count = ctx.saved_tensors
-    grad_logits = backward_op(grad, logits, target, lse, count if ctx.reduction == "mean" else None,
-                              ctx.ignore_index, ctx.label_smoothing)
+    args = (grad, logits, target, lse, count if ctx.reduction == "mean" else None, ctx.ignore_index,
+            ctx.label_smoothing)
+    # Traced by torch.compile (AOTAutograd traces this formula): PyTorch ops, for inductor.
+    grad_logits = _backward_in_torch_ops(*args) if torch.compiler.is_compiling() else backward_op(*args)
     return grad_logits, None, None, None, None
 
 
