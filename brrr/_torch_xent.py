@@ -89,8 +89,11 @@ def _backward(ctx, grad, _grad_lse, _grad_count):
     logits, target, lse, count = ctx.saved_tensors
     args = (grad, logits, target, lse, count if ctx.reduction == "mean" else None, ctx.ignore_index,
             ctx.label_smoothing)
-    # Traced by torch.compile (AOTAutograd traces this formula): PyTorch ops, for inductor.
-    grad_logits = _backward_in_torch_ops(*args) if torch.compiler.is_compiling() else backward_op(*args)
+    # Traced by torch.compile (AOTAutograd traces this formula; torch 2.11 does not report that as
+    # compiling, but its tensors are functional or fake ones) or on a tensor subclass: PyTorch
+    # ops, for inductor; brrr's kernel for plain tensors.
+    traced = torch.compiler.is_compiling() or type(grad) is not torch.Tensor or type(logits) is not torch.Tensor
+    grad_logits = _backward_in_torch_ops(*args) if traced else backward_op(*args)
     return grad_logits, None, None, None, None
 
 
