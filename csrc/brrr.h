@@ -74,6 +74,9 @@ int brrr_index_import(brrr_call *call, PyObject *obj, const char *name, brrr_ten
  * stream). NULL with an exception on failure; NULL without one when the framework has no table. */
 PyObject *brrr_new_like(brrr_call *call, PyObject *like_obj, const brrr_tensor *like);
 
+/* A call's `stream` argument: an int, a cudaStream_t or -1 for the framework's current one. */
+int brrr_parse_stream(PyObject *obj, long long *stream);
+
 /* The stream this call's CUDA work runs on: the `stream` argument if one was given (0 = legacy
  * default), else the current stream of the first argument's framework when it publishes the C
  * exchange table, else the legacy default stream. */

@@ -312,11 +312,8 @@ static PyObject *chain_call(PyObject *module, PyObject *const *args, int backwar
                      (int)prog.n_operands);
         return NULL;
     }
-    long long stream_arg = PyLong_AsLongLong(stream_obj);
-    if (stream_arg == -1 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_TypeError, "argument stream: expected an int (a cudaStream_t, or -1 for the current one)");
-        return NULL;
-    }
+    long long stream_arg;
+    if (brrr_parse_stream(stream_obj, &stream_arg) < 0) return NULL;
     brrr_call call = {brrr_get_state(module), stream_arg, 0, NULL};
     chain_args a;
     memset(&a, 0, sizeof a);

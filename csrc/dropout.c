@@ -294,12 +294,7 @@ static int parse_scalars(PyObject *p, PyObject *seed, PyObject *offset, PyObject
             return -1;
         }
     }
-    q->stream = PyLong_AsLongLong(stream);
-    if (q->stream == -1 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_TypeError, "argument stream: expected an int (a cudaStream_t, or -1 for the current one)");
-        return -1;
-    }
-    return 0;
+    return brrr_parse_stream(stream, &q->stream);
 }
 
 PyObject *brrr_py_dropout_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {

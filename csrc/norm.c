@@ -506,12 +506,7 @@ static PyObject *norm_entry_call(PyObject *module, const norm_entry *e, PyObject
             if ((q.llama = PyObject_IsTrue(a)) < 0) return NULL;
             break;
         case A_STREAM:
-            q.stream = PyLong_AsLongLong(a);
-            if (q.stream == -1 && PyErr_Occurred()) {
-                PyErr_SetString(PyExc_TypeError, "argument stream: expected an int (a cudaStream_t, or -1 for the "
-                                "current one)");
-                return NULL;
-            }
+            if (brrr_parse_stream(a, &q.stream) < 0) return NULL;
             break;
         default: q.obj[e->arg[i]] = a; break;
         }

@@ -403,6 +403,15 @@ void brrr_tensor_release(brrr_tensor *t) {
     PyErr_Restore(type, value, traceback);
 }
 
+int brrr_parse_stream(PyObject *obj, long long *stream) {
+    *stream = PyLong_AsLongLong(obj);
+    if (*stream == -1 && PyErr_Occurred()) {
+        PyErr_SetString(PyExc_TypeError, "argument stream: expected an int (a cudaStream_t, or -1 for the current one)");
+        return -1;
+    }
+    return 0;
+}
+
 void *brrr_call_stream(brrr_call *call) {
     if (!call->resolved) {
         call->stream = call->stream_arg > 0 ? (void *)(uintptr_t)call->stream_arg : NULL;
