@@ -25,6 +25,7 @@ from .glu import bias_gelu, bias_silu, geglu, swiglu
 from .dropout import bias_dropout_add
 from .diagnose import diagnose
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from .rotary import apply_rotary_pos_emb, rotary
 from .xent import cross_entropy
 
 __version__ = "0.1.0"
@@ -64,7 +65,7 @@ def __getattr__(name):
 
 
 if "torch" in sys.modules:
-    from . import _torch, _torch_dropout, _torch_norm, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
+    from . import _torch, _torch_dropout, _torch_norm, _torch_rotary, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
 
 __all__ = [
     "Chain",
@@ -77,6 +78,7 @@ __all__ = [
     "unpatch",
     "use_fused",
     "add_layer_norm",
+    "apply_rotary_pos_emb",
     "add_rms_norm",
     "bias_dropout_add",
     "bias_gelu",
@@ -93,6 +95,7 @@ __all__ = [
     "layer_norm",
     "relu",
     "rms_norm",
+    "rotary",
     "sigmoid",
     "silu",
     "sin",

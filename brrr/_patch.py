@@ -10,6 +10,12 @@ matched by type. Other modules (the RMSNorm, activation and gated-MLP classes of
 are matched by behaviour: their forward is run once on a random probe and compared with the
 candidate formula, so a look-alike that computes something else is left alone.
 
+A model library's `apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers' Llama-style
+rotary embedding), found in the module that defines one of the model's classes and checked on a
+probe, is replaced there by brrr's: that rebinds a function of the library's module, so every
+model of that module runs brrr's until unpatch (the report says so). CPU models only for now:
+brrr's rotary has no CUDA kernel yet.
+
 A model whose forward takes `labels` and whose `loss_function` behaves like a causal language
 model's loss (Hugging Face's ForCausalLMLoss: shift the labels by one, cross-entropy over the
 vocabulary in float32, mean over the counted tokens or sum / num_items_in_batch; checked on a
@@ -24,16 +30,19 @@ unaffected.
 
 import contextlib
 import inspect
+import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from . import nn as brrr_nn
-from ._registry import _torch_rms_norm, registry
+from ._registry import _torch_rms_norm, _torch_rotary, registry
 
 _ORIGINAL = "_brrr_original_class"
 _ORIGINAL_LOSS = "_brrr_original_loss_attributes"  # what setting loss_function changed in __dict__
+_REBOUND = "_brrr_rebound_functions"  # on the patched model: [(library module, name, original)]
+_ROTARY_NAME = "apply_rotary_pos_emb"
 _MISSING = object()
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -248,6 +257,51 @@ def _try_loss_function(module, device):
     return True, "loss_function -> brrr causal-LM cross_entropy"
 
 
+def rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """transformers' apply_rotary_pos_emb through brrr's rotary (see brrr.apply_rotary_pos_emb)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return registry("rotary", q, cos, sin), registry("rotary", k, cos, sin)
+
+
+def _behaves_like_rotary_pos_emb(fn, device):
+    """fn on a probe against the rotary embedding written out in PyTorch."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 5, 8, generator=g).to(device), torch.randn(2, 2, 5, 8, generator=g).to(device)
+    cos, sin = torch.randn(2, 5, 8, generator=g).to(device), torch.randn(2, 5, 8, generator=g).to(device)
+    try:
+        with torch.no_grad():
+            got = fn(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - a function that cannot take the probe is simply not a match
+        return False
+    expected = (_torch_rotary(q, cos[:, None], sin[:, None]), _torch_rotary(k, cos[:, None], sin[:, None]))
+    return isinstance(got, tuple) and len(got) == 2 and all(
+        isinstance(a, torch.Tensor) and _close(a, b) for a, b in zip(got, expected))
+
+
+def _rebind_rotary(model, device, report):
+    """Replace apply_rotary_pos_emb in the modules that define the model's classes (for a model
+    on a device brrr's rotary has a kernel for)."""
+    seen = set()
+    supported = device.type in registry.lookup("rotary").devices
+    for name, module in model.named_modules():
+        library = sys.modules.get(type(module).__module__)
+        fn = getattr(library, _ROTARY_NAME, None)
+        if fn is None or not callable(fn) or library.__name__ in seen:
+            continue
+        seen.add(library.__name__)
+        where = f"{library.__name__}.{_ROTARY_NAME}"
+        if fn is rotary_pos_emb:
+            report.left.append((name, where, "already brrr's"))
+        elif not supported:
+            report.left.append((name, where, f"brrr's rotary has no {device.type} kernel yet"))
+        elif _behaves_like_rotary_pos_emb(fn, device):
+            setattr(library, _ROTARY_NAME, rotary_pos_emb)
+            model.__dict__.setdefault(_REBOUND, []).append((library, _ROTARY_NAME, fn))
+            report.swapped.append((name, where, "brrr rotary (a module function: every model of that module)"))
+        else:
+            report.left.append((name, where, "behaves like no rotary embedding"))
+
+
 def patch(model):
     """Swap every module of `model` that brrr fuses, in place; returns a PatchReport."""
     if not isinstance(model, torch.nn.Module):
@@ -286,13 +340,18 @@ def patch(model):
         if new_class is not None:
             _swap(module, new_class)
             report.swapped.append((name, cls.__name__, what))
+    _rebind_rotary(model, device, report)
     return report
 
 
 def unpatch(model):
-    """Give every module brrr.patch swapped its original class (and loss_function) back; returns
-    how many it restored."""
+    """Give every module brrr.patch swapped its original class (and loss_function) back, and the
+    library functions it rebound; returns how many it restored."""
     restored = 0
+    for library, name, original in model.__dict__.pop(_REBOUND, []):
+        if getattr(library, name, None) is rotary_pos_emb:
+            setattr(library, name, original)
+            restored += 1
     for module in model.modules():
         changed = module.__dict__.pop(_ORIGINAL_LOSS, None)
         for key, value in (changed or {}).items():

@@ -36,6 +36,7 @@ from .chain import gelu, relu, sigmoid, silu, tanh
 from .dropout import bias_dropout_add
 from .glu import bias_gelu, bias_silu, geglu, swiglu
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from .rotary import rotary
 from .xent import REDUCTIONS, cross_entropy
 
 
@@ -123,6 +124,23 @@ def _torch_cross_entropy(input, target, weight=None, ignore_index=-100, reductio
     """dtype: the loss's dtype, as brrr.cross_entropy takes it (the input is cast to it first)."""
     return F.cross_entropy(input if dtype is None else input.to(dtype), target, weight, ignore_index=ignore_index,
                            reduction=reduction, label_smoothing=label_smoothing)
+
+
+def _rotary_ok(x, cos, sin):
+    if not _tensor_ok(x) or not _same_kind(x, cos, sin) or x.dim() == 0 or x.shape[-1] % 2:
+        return False
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        return False  # brrr gives cos and sin no gradient
+    try:
+        return torch.broadcast_shapes(x.shape, cos.shape, sin.shape) == x.shape and cos.shape[-1] == x.shape[-1] \
+            and sin.shape[-1] == x.shape[-1]
+    except RuntimeError:
+        return False
+
+
+def _torch_rotary(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _torch_rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
@@ -292,5 +310,7 @@ for _name, _ref, _impl, _ok in [
     ("add_layer_norm", _torch_add_layer_norm, add_layer_norm, _add_norm_ok),
     ("add_rms_norm", _torch_add_rms_norm, add_rms_norm, _add_rms_norm_ok),
     ("cross_entropy", _torch_cross_entropy, cross_entropy, _cross_entropy_ok),
+    ("rotary", _torch_rotary, rotary, _rotary_ok),
 ]:
-    registry.register(_name, _ref, _impl, _ok, compiled="kernel" if _name in _KERNEL_UNDER_COMPILE else "inductor")
+    registry.register(_name, _ref, _impl, _ok, compiled="kernel" if _name in _KERNEL_UNDER_COMPILE else "inductor",
+                      devices=("cpu",) if _name == "rotary" else ("cpu", "cuda"))  # rotary: no CUDA kernel yet

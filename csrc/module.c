@@ -19,6 +19,7 @@ PyObject *brrr_py_dropout_fwd(PyObject *module, PyObject *const *args, Py_ssize_
 PyObject *brrr_py_dropout_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *brrr_py_xent_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *brrr_py_xent_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *brrr_py_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 brrr_state *brrr_get_state(PyObject *module) { return (brrr_state *)PyModule_GetState(module); }
 
@@ -85,6 +86,8 @@ static PyMethodDef methods[] = {
     {"cross_entropy_bwd", (PyCFunction)(void (*)(void))brrr_py_xent_bwd, METH_FASTCALL,
      "cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, grad_loss, count, grad_logits, stream) "
      "-> grad_logits"},
+    {"rotary", (PyCFunction)(void (*)(void))brrr_py_rotary, METH_FASTCALL,
+     "rotary(x, cos, sin, out, backward, stream) -> out: x * cos + rotate_half(x) * sin (or its transpose)"},
     {NULL, NULL, 0, NULL},
 };
 

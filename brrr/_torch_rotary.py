@@ -1,0 +1,62 @@
+"""PyTorch integration of rotary: a torch.library operator with a fake kernel and registered
+autograd (brrr._ops), an eager autograd.Function, and the direct call into brrr._C when autograd
+records nothing. The gradient with respect to x is the same op with `backward` flipped."""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _C
+from ._ops import define
+from ._torch import _eager_out, _needs_autograd, _stream
+
+Tensor = torch.Tensor
+
+
+def _impl(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
+    return _C.rotary(x, cos, sin, _eager_out(x), backward, _stream(x, None))
+
+
+def _fake(x, cos, sin, backward):
+    return torch.empty_like(x)
+
+
+def _setup_context(ctx, inputs, output):
+    _, cos, sin, ctx.backward = inputs
+    ctx.save_for_backward(cos, sin)
+
+
+def _backward(ctx, grad):
+    cos, sin = ctx.saved_tensors
+    return _rotary(grad, cos, sin, not ctx.backward), None, None, None
+
+
+_rotary = define("rotary", _impl, _fake, _backward, _setup_context)
+
+
+class _RotaryFunction(torch.autograd.Function):
+    """Eager autograd without the custom op's dispatcher and Python layers (see _ChainFunction)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _impl(x, cos, sin, False)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _impl(grad, cos, sin, True), None, None
+
+
+def rotary(x, cos, sin):
+    """brrr.rotary on torch tensors: the custom op under torch.compile, the autograd.Function
+    when autograd records, else straight to brrr._C."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (cos, sin)):
+        name = "cos" if cos.requires_grad else "sin"
+        raise ValueError(f"argument {name}: brrr.rotary gives no gradient for cos and sin (they require grad here; "
+                         "brrr.registry sends such inputs to PyTorch)")
+    if torch.compiler.is_compiling():
+        return _rotary(x, cos, sin, False)
+    if _needs_autograd(x):
+        return _RotaryFunction.apply(x, cos, sin)
+    return _impl(x, cos, sin, False)

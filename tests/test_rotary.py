@@ -1,0 +1,188 @@
+"""brrr.rotary and brrr.apply_rotary_pos_emb: outputs and gradients against a float64 reference
+(x * cos + rotate_half(x) * sin) on fresh random inputs, broadcast cos/sin, strided views (the
+transposed heads of an attention block), head dims whose half is not a multiple of a 16-byte
+pack, NumPy, errors, opcheck, torch.compile, and brrr.patch rebinding a model library's
+apply_rotary_pos_emb (tests/rope_model.py) and unpatch restoring it. CPU only: on CUDA (no kernel
+yet) the op raises and the registry and patch keep PyTorch's."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import brrr
+import rope_model
+from brrr import _C
+from helpers import DTYPES, TOLERANCE, random
+
+
+def reference(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def check(actual, expected, dtype, scale=1.0):
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.detach().to("cpu", torch.float64), expected.detach().to("cpu", torch.float64),
+                               rtol=tol["rtol"] * 4, atol=tol["atol"] * 4 * scale)
+
+
+CASES = [  # x shape, cos/sin shape
+    ((2, 3, 5, 8), (2, 1, 5, 8)),
+    ((2, 4, 7, 64), (2, 1, 7, 64)),
+    ((3, 130), (130,)),
+    ((1, 2, 9, 2), (9, 2)),
+    ((4, 6, 128), (6, 128)),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu"])  # no CUDA kernel yet
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,angle_shape", CASES)
+def test_matches_reference(device, dtype, shape, angle_shape):
+    x = random(shape, dtype, device)
+    cos, sin = random(angle_shape, dtype, device, -1, 1), random(angle_shape, dtype, device, -1, 1)
+    leaf = x.clone().requires_grad_()
+    out = brrr.rotary(leaf, cos, sin)
+    ref_leaf = x.double().cpu().requires_grad_()
+    ref = reference(ref_leaf, cos.double().cpu(), sin.double().cpu())
+    check(out, ref, dtype, scale=3)
+    g = random(shape, dtype, device)
+    out.backward(g)
+    ref.backward(g.double().cpu())
+    check(leaf.grad, ref_leaf.grad, dtype, scale=3)
+    with torch.no_grad():
+        assert torch.equal(brrr.rotary(x, cos, sin), out.detach())
+
+
+@pytest.mark.parametrize("device", ["cpu"])  # no CUDA kernel yet
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_strided_heads_and_apply_rotary_pos_emb(device, dtype):
+    """q and k as attention blocks make them (a transposed view), against transformers' code."""
+    b, t, h, d = 2, 9, 4, 16
+    qkv = random((b, t, 3, h, d), dtype, device)
+    q, k, _ = qkv.transpose(1, 3).unbind(2)  # (b, h, t, d), strided
+    angles = random((b, t, d), torch.float32, device, -5, 5)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    ql, kl = q.clone().requires_grad_(), k.clone().requires_grad_()
+    ours = brrr.apply_rotary_pos_emb(ql, kl, cos, sin)
+    theirs = rope_model.apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double())
+    for a, e in zip(ours, theirs):
+        check(a, e, dtype, scale=3)
+    assert not q.is_contiguous()
+    torch.testing.assert_close(brrr.rotary(q, cos[:, None], sin[:, None]),
+                               brrr.rotary(q.contiguous(), cos[:, None], sin[:, None]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu"])  # no CUDA kernel yet
+def test_c_layer_writes_every_element_and_in_place(device):
+    x = random((3, 5, 12), torch.float32, device)
+    cos, sin = random((5, 12), torch.float32, device), random((5, 12), torch.float32, device)
+    out = torch.full_like(x, float("nan"))
+    _C.rotary(x, cos, sin, out, False, -1)
+    check(out, reference(x.double(), cos.double(), sin.double()), torch.float32)
+    buffer = torch.full((3, 5, 24), float("nan"), device=device)
+    _C.rotary(x, cos, sin, buffer[..., ::2], True, -1)  # the transpose, into a strided view
+    assert torch.isnan(buffer[..., 1::2]).all()
+    y = x.clone()
+    _C.rotary(y, cos, sin, y, False, -1)  # in place
+    torch.testing.assert_close(y, out, rtol=0, atol=0)
+    # backward(forward(x)) = x where j and j + h share an angle (as transformers builds them): a
+    # rotation's transpose is its inverse
+    half_angles = random((5, 6), torch.float32, device, -3, 3)
+    angles = torch.cat((half_angles, half_angles), dim=-1)
+    c, s = angles.cos(), angles.sin()
+    back = _C.rotary(_C.rotary(x, c, s, None, False, -1), c, s, None, True, -1)
+    torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
+
+
+def test_numpy():
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64, np.float16):
+        x = rng.standard_normal((3, 4, 10)).astype(dtype)
+        cos, sin = rng.standard_normal((4, 10)).astype(dtype), rng.standard_normal((4, 10)).astype(dtype)
+        out = brrr.rotary(x, cos, sin)
+        assert isinstance(out, np.ndarray) and out.dtype == dtype
+        expected = reference(torch.from_numpy(x.astype(np.float64)), torch.from_numpy(cos.astype(np.float64)),
+                             torch.from_numpy(sin.astype(np.float64))).numpy()
+        np.testing.assert_allclose(out.astype(np.float64), expected, rtol=4e-3 if dtype == np.float16 else 1e-5,
+                                   atol=4e-3 if dtype == np.float16 else 1e-5)
+
+
+def test_errors():
+    x, c = torch.randn(2, 3, 8), torch.randn(3, 8)
+    with pytest.raises(ValueError, match="argument x"):
+        brrr.rotary(torch.randn(2, 7), torch.randn(7), torch.randn(7))
+    with pytest.raises(ValueError, match="argument cos"):
+        brrr.rotary(x, torch.randn(4, 8), c)
+    with pytest.raises(ValueError, match="argument sin"):
+        brrr.rotary(x, c, torch.randn(3, 6))
+    with pytest.raises(ValueError, match="argument cos has dtype"):
+        brrr.rotary(x, c.double(), c)
+    with pytest.raises(ValueError, match="argument cos: brrr.rotary gives no gradient"):
+        brrr.rotary(x, c.clone().requires_grad_(), c)
+    with pytest.raises(TypeError, match="argument x"):
+        brrr.rotary(torch.zeros(2, 4, dtype=torch.int32), c[:1, :4], c[:1, :4])
+    op = brrr.registry.lookup("rotary")
+    assert op.resolve(x, c.clone().requires_grad_(), c) is op.reference  # PyTorch's, which has the gradient
+
+
+def test_opcheck_and_compile():
+    x = torch.randn(2, 3, 4, 6, requires_grad=True)
+    cos, sin = torch.randn(3, 1, 6), torch.randn(3, 1, 6)
+    for backward in (False, True):
+        torch.library.opcheck(torch.ops.brrr.rotary.default, (x, cos, sin, backward))
+    torch._dynamo.reset()
+    f = lambda x: brrr.rotary(x, cos, sin).square().sum()  # noqa: E731
+    assert torch._dynamo.explain(f)(x).graph_break_count == 0
+    out = torch.compile(f, fullgraph=True)(x)
+    torch.testing.assert_close(out, f(x))
+    torch.testing.assert_close(torch.autograd.grad(out, x)[0], torch.autograd.grad(f(x), x)[0])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device", ["cpu"])  # no CUDA kernel yet
+def test_patch_rebinds_the_library_function_and_unpatch_restores_it(device, monkeypatch):
+    torch.manual_seed(0)
+    model = rope_model.RopeModel().to(device)
+    reference_model = copy.deepcopy(model)
+    tokens = torch.randint(0, 61, (2, 11), device=device)
+    expected = reference_model(tokens)
+    original = rope_model.apply_rotary_pos_emb
+    report = brrr.patch(model)
+    try:
+        assert ("", "rope_model.apply_rotary_pos_emb",
+                "brrr rotary (a module function: every model of that module)") in report.swapped, str(report)
+        assert rope_model.apply_rotary_pos_emb is not original
+        out = model(tokens)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+        ref_grads = torch.autograd.grad(expected.square().sum(), list(reference_model.parameters()))
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        again = brrr.patch(model)
+        assert ("", "rope_model.apply_rotary_pos_emb", "already brrr's") in again.left
+    finally:
+        brrr.unpatch(model)
+    assert rope_model.apply_rotary_pos_emb is original
+    # A look-alike with the other rotation sense is left alone.
+    monkeypatch.setattr(rope_model, "apply_rotary_pos_emb", lambda q, k, cos, sin, *a, **kw: (
+        q * cos[:, None] - rope_model.rotate_half(q) * sin[:, None], k * cos[:, None] - rope_model.rotate_half(k) * sin[:, None]))
+    report = brrr.patch(model)
+    assert ("", "rope_model.apply_rotary_pos_emb", "behaves like no rotary embedding") in report.left
+    brrr.unpatch(model)
+
+
+@pytest.mark.cuda
+def test_cuda_raises_and_patch_keeps_pytorchs_rotary():
+    x, c = torch.randn(2, 3, 8, device="cuda"), torch.randn(3, 8, device="cuda")
+    with pytest.raises(NotImplementedError, match="argument x: rotary has no CUDA kernel yet"):
+        brrr.rotary(x, c, c)
+    assert brrr.registry.lookup("rotary").resolve(x, c, c) is brrr.registry.lookup("rotary").reference
+    model = rope_model.RopeModel().cuda()
+    original = rope_model.apply_rotary_pos_emb
+    report = brrr.patch(model)
+    assert ("", "rope_model.apply_rotary_pos_emb", "brrr's rotary has no cuda kernel yet") in report.left
+    assert rope_model.apply_rotary_pos_emb is original
+    brrr.unpatch(model)
