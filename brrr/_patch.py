@@ -254,7 +254,7 @@ def _try_loss_function(module, device):
     module.loss_function = causal_lm_loss  # a model library's property setter may store it elsewhere
     module.__dict__[_ORIGINAL_LOSS] = {k: before.get(k, _MISSING) for k, v in module.__dict__.items()
                                        if before.get(k, _MISSING) is not v}
-    return True, "loss_function -> brrr causal-LM cross_entropy"
+    return True, "loss_function: brrr causal-LM cross_entropy"
 
 
 def rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):

@@ -108,6 +108,9 @@ def _add_rms_norm_ok(x, residual, normalized_shape, weight=None, *args, **kwargs
 
 
 _CLASS_INDICES = (torch.int64, torch.int32, torch.uint8)
+# torch's own functions, bound now: brrr.use_fused rebinds F.* to routes into this registry, and a
+# fallback that looked them up at call time would route back here without end.
+_F_CROSS_ENTROPY, _F_RMS_NORM = F.cross_entropy, F.rms_norm
 
 
 def _cross_entropy_ok(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
@@ -122,8 +125,8 @@ def _cross_entropy_ok(input, target, weight=None, ignore_index=-100, reduction="
 def _torch_cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
                          dtype=None):
     """dtype: the loss's dtype, as brrr.cross_entropy takes it (the input is cast to it first)."""
-    return F.cross_entropy(input if dtype is None else input.to(dtype), target, weight, ignore_index=ignore_index,
-                           reduction=reduction, label_smoothing=label_smoothing)
+    return _F_CROSS_ENTROPY(input if dtype is None else input.to(dtype), target, weight, ignore_index=ignore_index,
+                            reduction=reduction, label_smoothing=label_smoothing)
 
 
 def _rotary_ok(x, cos, sin):
@@ -145,7 +148,7 @@ def _torch_rotary(x, cos, sin):
 
 def _torch_rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
     if cast_order == "torch":
-        return F.rms_norm(x, normalized_shape, weight, eps)
+        return _F_RMS_NORM(x, normalized_shape, weight, eps)
     # Llama's order: normalise in fp32, round to x's dtype, then scale.
     dims = tuple(range(-len(tuple(normalized_shape)), 0))
     h = x.float()

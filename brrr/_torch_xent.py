@@ -72,6 +72,7 @@ def _backward_in_torch_ops(grad, logits, target, lse, count, ignore_index, label
     logits from elsewhere, at least a zero tangent: as an opaque op, that add took another pass
     over the logits)."""
     classes = logits.shape[-1]
+    target = target.long()  # compared in int64, as the kernel does (a uint8 target would wrap -100)
     counted = target != ignore_index
     index = torch.where(counted & (target >= 0) & (target < classes), target, 0).long()  # lse is NaN where invalid
     x = logits.to(lse.dtype)
@@ -80,7 +81,9 @@ def _backward_in_torch_ops(grad, logits, target, lse, count, ignore_index, label
     p = torch.exp((x - shift.unsqueeze(-1)) - lse.unsqueeze(-1))
     scale = torch.where(counted, grad if count is None else grad / count, 0.0).unsqueeze(-1)
     hot = torch.arange(classes, device=logits.device) == index.unsqueeze(-1)
-    return (scale * (p - label_smoothing / classes - (1.0 - label_smoothing) * hot)).to(logits.dtype)
+    grad = scale * (p - label_smoothing / classes - (1.0 - label_smoothing) * hot)
+    # Ignored rows exactly 0, as the kernel writes them (their p may overflow: 0 * inf is NaN).
+    return torch.where(counted.unsqueeze(-1), grad, 0.0).to(logits.dtype)
 
 
 def _backward(ctx, grad, _grad_lse, _grad_count):

@@ -15,10 +15,10 @@
  * _C.cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, grad_loss, count,
  *                      grad_logits, stream) -> grad_logits
  *     grad_loss: accumulation dtype, the target's shape (any strides) or 0-d (every row's);
- *     count: None, or the forward's count to divide by (reduction "mean"). grad_logits may be
- *     logits itself (each element is written from its own value and its row's statistics), or
- *     None for NumPy arrays and tensors of frameworks with DLPack's C exchange table (allocated
- *     here, contiguous).
+ *     count: None, or the forward's count to divide by (reduction "mean"). grad_logits must not
+ *     share memory with logits (every element of a row depends on the row's target logit, which
+ *     other threads of the row read), or is None for NumPy arrays and tensors of frameworks with
+ *     DLPack's C exchange table (allocated here, contiguous).
  *
  * A target outside [0, C) that is not ignore_index raises ValueError on the CPU; on CUDA, where
  * checking would mean a device-to-host sync, that row's loss and gradient are NaN.
@@ -149,7 +149,8 @@ static int check_row_tensor(const brrr_tensor *t, const brrr_tensor *target, con
 static int check_scalar(const brrr_tensor *t, const brrr_tensor *logits) {
     if (brrr_check_same_device(t, logits) < 0) return -1;
     if (t->dtype != acc_dtype(logits->dtype) || t->ndim != 0) {
-        PyErr_Format(PyExc_ValueError, "argument %s: expected a 0-d %s tensor, got a %d-d %s one", t->name,
+        PyErr_Format(t->dtype != acc_dtype(logits->dtype) ? PyExc_TypeError : PyExc_ValueError,
+                     "argument %s: expected a 0-d %s tensor, got a %d-d %s one", t->name,
                      brrr_dtype_name(acc_dtype(logits->dtype)), (int)t->ndim, brrr_dtype_name(t->dtype));
         return -1;
     }
@@ -173,8 +174,8 @@ static int xent_layout(brrr_xent_launch *L, const brrr_tensor *target, const brr
         n = 1;
     }
     if (n > BRRR_XENT_MAX_DIMS) {
-        PyErr_Format(PyExc_ValueError, "argument logits: views whose rows have more than %d non-mergeable dims are not "
-                     "supported (got %d)", BRRR_XENT_MAX_DIMS, n);
+        PyErr_Format(PyExc_ValueError, "arguments logits, target (and grad_logits, grad_loss): views whose rows have "
+                     "more than %d non-mergeable dims together are not supported (got %d)", BRRR_XENT_MAX_DIMS, n);
         return -1;
     }
     L->row_ndim = n;
@@ -271,7 +272,7 @@ static PyObject *xent_call(PyObject *module, const xent_request *q) {
         if (brrr_tensor_import(&call, grad_obj, "grad_logits", 1, &t[T_GRAD]) < 0 ||
             brrr_check_same_device(&t[T_GRAD], logits) < 0 || brrr_check_same_dtype(&t[T_GRAD], logits) < 0 ||
             brrr_check_same_shape(&t[T_GRAD], logits) < 0 || brrr_check_no_internal_overlap(&t[T_GRAD]) < 0 ||
-            brrr_check_no_overlap(&t[T_GRAD], logits, 1) < 0)
+            brrr_check_no_overlap(&t[T_GRAD], logits, 0) < 0)
             goto done;
         for (int a = T_TARGET; a < T_GRAD; a++)
             if (t[a].name && brrr_check_no_overlap(&t[T_GRAD], &t[a], 0) < 0) goto done;
@@ -337,7 +338,7 @@ done:
 /* ---- argument parsing -------------------------------------------------------------------------- */
 
 static int parse_common(PyObject *ignore_index, PyObject *smoothing, PyObject *stream, xent_request *q) {
-    if (!PyLong_Check(ignore_index)) {
+    if (!PyLong_Check(ignore_index) || PyBool_Check(ignore_index)) {
         PyErr_Format(PyExc_TypeError, "argument ignore_index: expected an int, got %.200s",
                      Py_TYPE(ignore_index)->tp_name);
         return -1;

@@ -186,7 +186,9 @@ int brrr_cuda_dropout(const brrr_dropout_launch *launch, int device, void *strea
  * - (1 - smoothing) * [c == t]), g_r = grad_loss[r] (a 0-d grad_loss: the same for every row),
  * divided by *count when count is given (mean); 0 for ignored rows.
  * lse and loss are contiguous over rows (logical row order) in the accumulation dtype (float32,
- * float64 for float64 logits), as are grad_loss, total and count. */
+ * float64 for float64 logits); grad_loss (strided), total and count have that dtype too.
+ * grad_logits never shares memory with logits (every element of a row needs the row's target
+ * logit, which the row's threads read at different times). */
 #define BRRR_XENT_MAX_DIMS 8
 
 typedef struct {

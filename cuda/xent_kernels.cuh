@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kThreads) xent_bwd_kernel(const __grid_constan
             scale = static_cast<const A *>(L.grad_loss)[row_off(L, L.grad_loss_rows, r)] / divisor;
             if (t >= 0 && t < L.classes) {
                 lse = static_cast<const A *>(L.lse)[r];
-                x_t = to_float(x[t * cs]);  // read before any write: g may be x
+                x_t = to_float(x[t * cs]);  // g never overlaps x (the glue checks): no write can race this
             }
         }
         const A shift = row_shift(x_t);
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) xent_bwd_kernel(const __grid_constan
             T *gb = g + head;
             const int64_t tb = t - head;  // the target's index in the packed body
             // Steps of kUnroll packs, all loaded before any is stored: several loads in flight per
-            // thread (the compiler cannot hoist them over the stores by itself, g may be x).
+            // thread (the compiler cannot hoist loads over stores it cannot prove apart).
             int64_t k = lane;
             for (; k + (int64_t)(kUnroll - 1) * RT < packs; k += (int64_t)RT * kUnroll) {
                 A v[kUnroll][P];

@@ -193,7 +193,7 @@ def test_patched_causal_lm_loss_matches(device, num_items):
     perturb(model)
     reference = copy.deepcopy(model)
     report = brrr.patch(model)
-    assert ("", "TinyCausalLM", "loss_function -> brrr causal-LM cross_entropy") in report.swapped, str(report)
+    assert ("", "TinyCausalLM", "loss_function: brrr causal-LM cross_entropy") in report.swapped, str(report)
     assert model.loss_function is causal_lm_loss
     tokens = torch.randint(0, 97, (3, 17), device=device)
     labels = tokens.clone()
@@ -335,6 +335,18 @@ def test_use_fused_routes_functional_calls():
         torch.testing.assert_close(F.layer_norm(x, (16,)), original_layer_norm(x, (16,)), rtol=1e-5, atol=1e-5)
         y = F.silu(x.clone(), inplace=True)  # in-place stays PyTorch's
     torch.testing.assert_close(y, F.silu(x))
+    # Inputs brrr does not take fall back to torch's own functions, not to the routes (which would
+    # recurse), also under torch.compile, where rms_norm is left to inductor.
+    torch_cross_entropy, torch_rms_norm = F.cross_entropy, F.rms_norm
+    weight, half, w, w64 = torch.rand(16), x.to(torch.float16), torch.rand(16), torch.rand(16, dtype=torch.float64)
+    target4 = torch.tensor([1, 0, 3, 15])
+    with brrr.use_fused():
+        torch.testing.assert_close(F.cross_entropy(x, target4, weight), torch_cross_entropy(x, target4, weight))
+        torch.testing.assert_close(F.rms_norm(half, (16,), w64), torch_rms_norm(half, (16,), w64))
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t: F.rms_norm(t, (16,), w).sum(), fullgraph=True)(x)
+        torch._dynamo.reset()
+    torch.testing.assert_close(compiled, torch_rms_norm(x, (16,), w).sum())
     original_cross_entropy, target = F.cross_entropy, torch.tensor([1, 0, -100, 15])
     try:
         registry.override("cross_entropy", lambda *a, **k: seen.append(2) or brrr.cross_entropy(*a, **k))

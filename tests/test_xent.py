@@ -364,11 +364,12 @@ def test_every_output_element_is_written(device, dtype, classes, reduction):
     scale = g.abs().max().item() / (int(keep.sum().item()) if reduction == "mean" else 1)
     check("grad", buffer[:, ::2], ref_leaf.grad, dtype, scale=scale)
     assert torch.isnan(buffer[:, 1::2]).all(), "the backward wrote outside grad_logits"
-    dense, in_place = nan((rows, classes), dtype), x.clone()
+    dense = nan((rows, classes), dtype)
     _C.cross_entropy_bwd(x, t, -100, eps, lse, g, divisor, dense, -1)
     check("grad (contiguous)", dense, ref_leaf.grad, dtype, scale=scale)
-    _C.cross_entropy_bwd(in_place, t, -100, eps, lse, g, divisor, in_place, -1)
-    assert torch.equal(in_place, dense), "in place differs from out of place"
+    # Not in place: every element of a row needs the row's target logit, read by other threads.
+    with pytest.raises(ValueError, match="argument grad_logits"):
+        _C.cross_entropy_bwd(x, t, -100, eps, lse, g, divisor, x, -1)
 
 
 # ---- inf, NaN, all ignored, no rows -------------------------------------------------------------
@@ -626,6 +627,8 @@ def test_compiled_backward_is_traced_for_inductor(device, dtype):
     x = random((9, 37), dtype, device, low=-10.0, high=10.0)
     x[2, 5] = float("-inf")
     t = make_targets((9,), 37, device, IGNORE[0])
+    x[1, 7] = 200.0  # row 1 is ignored: exp(x - shift) of it would overflow
+    assert t[1] == -100
     if device == "cuda":
         t[4] = 37
     for reduction in REDUCTIONS:
@@ -643,6 +646,23 @@ def test_compiled_backward_is_traced_for_inductor(device, dtype):
             assert "brrr.cross_entropy.default" in graphs["forward"][-1]
             assert not any(name.startswith("brrr.") for name in graphs["backward"][-1]), graphs["backward"][-1]
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_backward_compares_narrow_targets_as_int64(device):
+    """uint8 targets against ignore_index -100 and 300 classes: a Python int compared in uint8
+    would wrap (to 156, and 44), so 156 would be ignored and classes 44.. invalid."""
+    x = random((4, 300), torch.float32, device, low=-3.0, high=3.0)
+    t = torch.tensor([156, 200, 7, 255], dtype=torch.uint8, device=device)
+    f = lambda x: brrr.cross_entropy(x, t)  # noqa: E731
+    leaf = x.clone().requires_grad_()
+    torch._dynamo.reset()
+    (compiled,) = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(leaf), leaf)
+    (eager,) = torch.autograd.grad(f(leaf), leaf)
+    torch._dynamo.reset()
+    torch.testing.assert_close(compiled, eager)
+    (expected,) = torch.autograd.grad(F.cross_entropy(leaf, t.long()), leaf)
+    torch.testing.assert_close(eager, expected)
 
 
 @pytest.mark.parametrize("device", DEVICES)
