@@ -174,4 +174,23 @@ static inline void brrr_store_f32(int32_t dtype, void *base, int64_t i, float va
     }
 }
 
+/* The same as double (float64 exactly; the others through float32). */
+static inline double brrr_load_f64(int32_t dtype, const void *base, int64_t i) {
+    return dtype == BRRR_F64 ? ((const double *)base)[i] : (double)brrr_load_f32(dtype, base, i);
+}
+static inline void brrr_store_f64(int32_t dtype, void *base, int64_t i, double value) {
+    if (dtype == BRRR_F64) ((double *)base)[i] = value;
+    else brrr_store_f32(dtype, base, i, (float)value);
+}
+
+/* Offset of row-major index r over shape[0 .. ndim) in a view with the given strides. */
+static inline int64_t brrr_unravel(int ndim, const int64_t *shape, const int64_t *strides, int64_t r) {
+    int64_t off = 0;
+    for (int d = ndim - 1; d >= 0; d--) {
+        off += (r % shape[d]) * strides[d];
+        r /= shape[d];
+    }
+    return off;
+}
+
 #endif

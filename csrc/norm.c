@@ -82,13 +82,6 @@ static int is_half(int32_t dtype) { return dtype == BRRR_F16 || dtype == BRRR_BF
 
 /* ---- CPU twin -------------------------------------------------------------------------------- */
 
-static double load_d(int32_t dtype, const void *base, int64_t i) {
-    return dtype == BRRR_F64 ? ((const double *)base)[i] : (double)brrr_load_f32(dtype, base, i);
-}
-static void store_d(int32_t dtype, void *base, int64_t i, double v) {
-    if (dtype == BRRR_F64) ((double *)base)[i] = v;
-    else brrr_store_f32(dtype, base, i, (float)v);
-}
 /* v rounded to dtype (as a store and a load would). */
 static double round_d(int32_t dtype, double v) {
     if (dtype == BRRR_F64) return v;
@@ -101,20 +94,14 @@ static double round_d(int32_t dtype, double v) {
 static int64_t dims_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t i, int rows) {
     const int ndim = rows ? L->row_ndim : L->col_ndim;
     const int64_t *shape = rows ? L->row_shape : L->col_shape, *strides = rows ? v->row_strides : v->col_strides;
-    if (ndim == 1) return i * strides[0];
-    int64_t off = 0;
-    for (int d = ndim - 1; d >= 0; d--) {
-        off += (i % shape[d]) * strides[d];
-        i /= shape[d];
-    }
-    return off;
+    return ndim == 1 ? i * strides[0] : brrr_unravel(ndim, shape, strides, i);
 }
 static int64_t row_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t r) { return dims_off(L, v, r, 1); }
 static int64_t col_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t c) { return dims_off(L, v, c, 0); }
 
 /* Element j of a row-by-column view at row offset `base`. */
 #define AT(view, base, j) ((base) + col_off(L, &L->view, (j)))
-#define PARAM(view, j, fill) (L->view.data ? load_d(L->weight_dtype, L->view.data, col_off(L, &L->view, (j))) : (fill))
+#define PARAM(view, j, fill) (L->view.data ? brrr_load_f64(L->weight_dtype, L->view.data, col_off(L, &L->view, (j))) : (fill))
 
 static void cpu_norm_fwd(const brrr_norm_launch *L) {
     const int32_t dt = L->dtype, acc = acc_dtype(dt);
@@ -125,16 +112,16 @@ static void cpu_norm_fwd(const brrr_norm_launch *L) {
         const int64_t ohs = row_off(L, &L->residual_out, r), oout = row_off(L, &L->out, r);
         double shift = 0.0, s = 0.0, q = 0.0;
         for (int64_t j = 0; j < n; j++) {
-            double h = load_d(dt, L->x.data, AT(x, ox, j));
+            double h = brrr_load_f64(dt, L->x.data, AT(x, ox, j));
             if (residual) {
-                h = round_d(dt, h + load_d(dt, L->residual.data, AT(residual, ores, j)));
-                store_d(dt, L->residual_out.data, AT(residual_out, ohs, j), h);
+                h = round_d(dt, h + brrr_load_f64(dt, L->residual.data, AT(residual, ores, j)));
+                brrr_store_f64(dt, L->residual_out.data, AT(residual_out, ohs, j), h);
             }
             if (layer && j == 0) shift = h;
             s += layer ? h - shift : h * h;
         }
 /* h at column j once the residual sum is stored. */
-#define H(j) (residual ? load_d(dt, L->residual_out.data, AT(residual_out, ohs, j)) : load_d(dt, L->x.data, AT(x, ox, j)))
+#define H(j) (residual ? brrr_load_f64(dt, L->residual_out.data, AT(residual_out, ohs, j)) : brrr_load_f64(dt, L->x.data, AT(x, ox, j)))
         const double mean = layer ? s / (double)n : 0.0;
         if (layer) {
             for (int64_t j = 0; j < n; j++) {
@@ -143,12 +130,12 @@ static void cpu_norm_fwd(const brrr_norm_launch *L) {
             }
         }
         const double rstd = 1.0 / sqrt((layer ? q : s) / (double)n + L->eps);
-        if (L->mean.data) store_d(acc, L->mean.data, row_off(L, &L->mean, r), mean);
-        if (L->rstd.data) store_d(acc, L->rstd.data, row_off(L, &L->rstd, r), rstd);
+        if (L->mean.data) brrr_store_f64(acc, L->mean.data, row_off(L, &L->mean, r), mean);
+        if (L->rstd.data) brrr_store_f64(acc, L->rstd.data, row_off(L, &L->rstd, r), rstd);
         for (int64_t j = 0; j < n; j++) {
             const double xhat = (layer ? H(j) - shift - mean : H(j)) * rstd, w = PARAM(weight, j, 1.0);
             const double y = L->llama ? round_d(dt, xhat) * w : xhat * w + PARAM(bias, j, 0.0);
-            store_d(dt, L->out.data, AT(out, oout, j), y);
+            brrr_store_f64(dt, L->out.data, AT(out, oout, j), y);
         }
 #undef H
     }
@@ -162,11 +149,11 @@ static void cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b
     for (int64_t r = 0; r < L->rows; r++) {
         const int64_t ox = row_off(L, &L->x, r), ody = row_off(L, &L->grad_out, r);
         const int64_t ogr = row_off(L, &L->grad_residual, r), odx = row_off(L, &L->grad_x, r);
-        const double rstd = load_d(acc, L->rstd.data, row_off(L, &L->rstd, r));
-        const double mean = layer ? load_d(acc, L->mean.data, row_off(L, &L->mean, r)) : 0.0;
-        const double shift = layer ? load_d(dt, L->x.data, ox) : 0.0;
-#define XHAT(j) ((layer ? load_d(dt, L->x.data, AT(x, ox, j)) - shift - mean : load_d(dt, L->x.data, AT(x, ox, j))) * rstd)
-#define DY(j) load_d(dt, L->grad_out.data, AT(grad_out, ody, j))
+        const double rstd = brrr_load_f64(acc, L->rstd.data, row_off(L, &L->rstd, r));
+        const double mean = layer ? brrr_load_f64(acc, L->mean.data, row_off(L, &L->mean, r)) : 0.0;
+        const double shift = layer ? brrr_load_f64(dt, L->x.data, ox) : 0.0;
+#define XHAT(j) ((layer ? brrr_load_f64(dt, L->x.data, AT(x, ox, j)) - shift - mean : brrr_load_f64(dt, L->x.data, AT(x, ox, j))) * rstd)
+#define DY(j) brrr_load_f64(dt, L->grad_out.data, AT(grad_out, ody, j))
         double s1 = 0.0, s2 = 0.0;
         for (int64_t j = 0; j < n; j++) {
             const double g = DY(j) * PARAM(weight, j, 1.0);
@@ -177,8 +164,8 @@ static void cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b
         for (int64_t j = 0; j < n; j++) {
             const double xhat = XHAT(j), dy = DY(j), g = dy * PARAM(weight, j, 1.0);
             double dx = rstd * (g - xhat * c1 - c2);
-            if (L->grad_residual.data) dx += load_d(dt, L->grad_residual.data, AT(grad_residual, ogr, j));
-            store_d(dt, L->grad_x.data, AT(grad_x, odx, j), dx);
+            if (L->grad_residual.data) dx += brrr_load_f64(dt, L->grad_residual.data, AT(grad_residual, ogr, j));
+            brrr_store_f64(dt, L->grad_x.data, AT(grad_x, odx, j), dx);
             if (acc_w) acc_w[j] += dy * (L->llama ? round_d(dt, xhat) : xhat);
             if (acc_b) acc_b[j] += dy;
         }
@@ -186,8 +173,8 @@ static void cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b
 #undef DY
     }
     for (int64_t j = 0; j < n; j++) {
-        if (acc_w) store_d(L->weight_dtype, L->grad_weight.data, col_off(L, &L->grad_weight, j), acc_w[j]);
-        if (acc_b) store_d(L->weight_dtype, L->grad_bias.data, col_off(L, &L->grad_bias, j), acc_b[j]);
+        if (acc_w) brrr_store_f64(L->weight_dtype, L->grad_weight.data, col_off(L, &L->grad_weight, j), acc_w[j]);
+        if (acc_b) brrr_store_f64(L->weight_dtype, L->grad_bias.data, col_off(L, &L->grad_bias, j), acc_b[j]);
     }
 }
 

@@ -38,21 +38,10 @@ typedef struct {
     int64_t col_stride[4]; /* x, out, cos, sin */
 } brrr_rotary_launch;
 
-static double load_d(int32_t dtype, const void *base, int64_t i) {
-    return dtype == BRRR_F64 ? ((const double *)base)[i] : (double)brrr_load_f32(dtype, base, i);
-}
-static void store_d(int32_t dtype, void *base, int64_t i, double v) {
-    if (dtype == BRRR_F64) ((double *)base)[i] = v;
-    else brrr_store_f32(dtype, base, i, (float)v);
-}
 
+/* Offset of row r in a row-strided view (over the merged row shape). */
 static int64_t row_offset(const brrr_rotary_launch *L, const int64_t *strides, int64_t r) {
-    int64_t off = 0;
-    for (int d = L->row_ndim - 1; d >= 0; d--) {
-        off += (r % L->row_shape[d]) * strides[d];
-        r /= L->row_shape[d];
-    }
-    return off;
+    return brrr_unravel(L->row_ndim, L->row_shape, strides, r);
 }
 
 /* In float32 for every dtype but float64, as the kernels compute; each pair read before written. */
@@ -63,9 +52,9 @@ static void cpu_rotary(const brrr_rotary_launch *L) {
         const int64_t ox = row_offset(L, L->x.strides, r), oo = row_offset(L, L->out.strides, r);
         const int64_t oc = row_offset(L, L->cos.strides, r), os = row_offset(L, L->sin.strides, r);
         for (int64_t j = 0; j < h; j++) {
-            const double a = load_d(dt, L->x.data, ox + j * cs[0]), b = load_d(dt, L->x.data, ox + (j + h) * cs[0]);
-            const double c_lo = load_d(dt, L->cos.data, oc + j * cs[2]), c_hi = load_d(dt, L->cos.data, oc + (j + h) * cs[2]);
-            const double s_lo = load_d(dt, L->sin.data, os + j * cs[3]), s_hi = load_d(dt, L->sin.data, os + (j + h) * cs[3]);
+            const double a = brrr_load_f64(dt, L->x.data, ox + j * cs[0]), b = brrr_load_f64(dt, L->x.data, ox + (j + h) * cs[0]);
+            const double c_lo = brrr_load_f64(dt, L->cos.data, oc + j * cs[2]), c_hi = brrr_load_f64(dt, L->cos.data, oc + (j + h) * cs[2]);
+            const double s_lo = brrr_load_f64(dt, L->sin.data, os + j * cs[3]), s_hi = brrr_load_f64(dt, L->sin.data, os + (j + h) * cs[3]);
             double lo, hi;
             if (dt == BRRR_F64) {
                 lo = L->backward ? a * c_lo + b * s_hi : a * c_lo - b * s_lo;
@@ -75,8 +64,8 @@ static void cpu_rotary(const brrr_rotary_launch *L) {
                 lo = L->backward ? (double)(fa * (float)c_lo + fb * (float)s_hi) : (double)(fa * (float)c_lo - fb * (float)s_lo);
                 hi = L->backward ? (double)(fb * (float)c_hi - fa * (float)s_lo) : (double)(fb * (float)c_hi + fa * (float)s_hi);
             }
-            store_d(dt, L->out.data, oo + j * cs[1], lo);
-            store_d(dt, L->out.data, oo + (j + h) * cs[1], hi);
+            brrr_store_f64(dt, L->out.data, oo + j * cs[1], lo);
+            brrr_store_f64(dt, L->out.data, oo + (j + h) * cs[1], hi);
         }
     }
 }

@@ -34,13 +34,6 @@
 
 static int32_t acc_dtype(int32_t dtype) { return dtype == BRRR_F64 ? BRRR_F64 : BRRR_F32; }
 
-static double load_d(int32_t dtype, const void *base, int64_t i) {
-    return dtype == BRRR_F64 ? ((const double *)base)[i] : (double)brrr_load_f32(dtype, base, i);
-}
-static void store_d(int32_t dtype, void *base, int64_t i, double v) {
-    if (dtype == BRRR_F64) ((double *)base)[i] = v;
-    else brrr_store_f32(dtype, base, i, (float)v);
-}
 static int64_t load_index(int32_t dtype, const void *base, int64_t i) {
     switch (dtype) {
     case BRRR_I32: return ((const int32_t *)base)[i];
@@ -49,14 +42,9 @@ static int64_t load_index(int32_t dtype, const void *base, int64_t i) {
     }
 }
 
-/* Offsets of row r in the row-strided views, unravelled over the merged row shape. */
+/* Offset of row r in a row-strided view (over the merged row shape). */
 static int64_t row_offset(const brrr_xent_launch *L, const int64_t *strides, int64_t r) {
-    int64_t off = 0;
-    for (int d = L->row_ndim - 1; d >= 0; d--) {
-        off += (r % L->row_shape[d]) * strides[d];
-        r /= L->row_shape[d];
-    }
-    return off;
+    return brrr_unravel(L->row_ndim, L->row_shape, strides, r);
 }
 
 /* ---- CPU twin ---------------------------------------------------------------------------------- */
@@ -73,48 +61,48 @@ static void cpu_xent_fwd(const brrr_xent_launch *L) {
             const int64_t base = row_offset(L, L->logits_rows, r);
             double m = -INFINITY, s = 0.0, sx = 0.0;
             for (int64_t c = 0; c < C; c++) {
-                const double v = load_d(L->dtype, L->logits, base + c * cs);
+                const double v = brrr_load_f64(L->dtype, L->logits, base + c * cs);
                 if (v > m || v != v) m = v;
                 if (m != m) break;
             }
             for (int64_t c = 0; c < C; c++) {
-                const double v = load_d(L->dtype, L->logits, base + c * cs);
+                const double v = brrr_load_f64(L->dtype, L->logits, base + c * cs);
                 s += exp(v - m);
                 sx += v;
             }
             /* t is a class: check_targets ran first. lse relative to the shift: brrr_cuda.h. */
-            const double x_t = load_d(L->dtype, L->logits, base + t * cs), shift = isfinite(x_t) ? x_t : 0.0;
+            const double x_t = brrr_load_f64(L->dtype, L->logits, base + t * cs), shift = isfinite(x_t) ? x_t : 0.0;
             lse = (m - shift) + log(s);
             loss = (1.0 - L->smoothing) * (lse - (x_t - shift));
             if (L->smoothing != 0.0) loss += L->smoothing * (lse - (sx / (double)C - shift)); /* 0 * inf: NaN */
             counted++;
         }
-        store_d(acc, L->lse, r, lse);
-        store_d(acc, L->loss, r, loss);
+        brrr_store_f64(acc, L->lse, r, lse);
+        brrr_store_f64(acc, L->loss, r, loss);
         sum += loss;
     }
-    if (L->total) store_d(acc, L->total, 0, L->mean ? sum / (double)counted : sum);
-    if (L->count_out) store_d(acc, L->count_out, 0, (double)counted);
+    if (L->total) brrr_store_f64(acc, L->total, 0, L->mean ? sum / (double)counted : sum);
+    if (L->count_out) brrr_store_f64(acc, L->count_out, 0, (double)counted);
 }
 
 static void cpu_xent_bwd(const brrr_xent_launch *L) {
     const int32_t acc = acc_dtype(L->dtype);
     const int64_t C = L->classes;
-    const double divisor = L->count ? load_d(acc, L->count, 0) : 1.0;
+    const double divisor = L->count ? brrr_load_f64(acc, L->count, 0) : 1.0;
     for (int64_t r = 0; r < L->rows; r++) {
         const int64_t t = load_index(L->target_dtype, L->target, row_offset(L, L->target_rows, r));
         const int64_t in = row_offset(L, L->logits_rows, r), out = row_offset(L, L->grad_rows, r);
         if (t == L->ignore_index) {
-            for (int64_t c = 0; c < C; c++) store_d(L->dtype, L->grad_logits, out + c * L->grad_class_stride, 0.0);
+            for (int64_t c = 0; c < C; c++) brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, 0.0);
             continue;
         }
-        const double g = load_d(acc, L->grad_loss, row_offset(L, L->grad_loss_rows, r)) / divisor;
-        const double lse = load_d(acc, L->lse, r), uniform = L->smoothing / (double)C;
-        const double x_t = load_d(L->dtype, L->logits, in + t * L->logits_class_stride), shift = isfinite(x_t) ? x_t : 0.0;
+        const double g = brrr_load_f64(acc, L->grad_loss, row_offset(L, L->grad_loss_rows, r)) / divisor;
+        const double lse = brrr_load_f64(acc, L->lse, r), uniform = L->smoothing / (double)C;
+        const double x_t = brrr_load_f64(L->dtype, L->logits, in + t * L->logits_class_stride), shift = isfinite(x_t) ? x_t : 0.0;
         for (int64_t c = 0; c < C; c++) {
-            const double p = exp((load_d(L->dtype, L->logits, in + c * L->logits_class_stride) - shift) - lse);
+            const double p = exp((brrr_load_f64(L->dtype, L->logits, in + c * L->logits_class_stride) - shift) - lse);
             const double hot = c == t ? 1.0 - L->smoothing : 0.0;
-            store_d(L->dtype, L->grad_logits, out + c * L->grad_class_stride, g * (p - uniform - hot));
+            brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, g * (p - uniform - hot));
         }
     }
 }
