@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import nn as brrr_nn
-from ._registry import _torch_rms_norm, _torch_rotary, registry
+from ._registry import TORCH_FUNCTIONS, _torch_rms_norm, _torch_rotary, registry
 
 _ORIGINAL = "_brrr_original_class"
 _ORIGINAL_LOSS = "_brrr_original_loss_attributes"  # what setting loss_function changed in __dict__
@@ -372,7 +372,7 @@ def _route(name):
         return lambda input, approximate="none": registry("gelu", input, approximate=approximate)
     if name == "silu":
         def silu(input, inplace=False):
-            return registry("silu", input) if not inplace else _ROUTED_FROM["silu"](input, inplace=True)
+            return registry("silu", input) if not inplace else TORCH_FUNCTIONS["silu"](input, inplace=True)
         return silu
     if name == "layer_norm":
         return lambda input, normalized_shape, weight=None, bias=None, eps=1e-5: registry(
@@ -381,7 +381,7 @@ def _route(name):
         def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                           reduction="mean", label_smoothing=0.0):
             if size_average is not None or reduce is not None:  # the deprecated pair: torch's own
-                return _ROUTED_FROM["cross_entropy"](input, target, weight, size_average, ignore_index, reduce,
+                return TORCH_FUNCTIONS["cross_entropy"](input, target, weight, size_average, ignore_index, reduce,
                                                      reduction, label_smoothing)
             return registry("cross_entropy", input, target, weight, ignore_index=ignore_index, reduction=reduction,
                             label_smoothing=label_smoothing)
@@ -392,8 +392,7 @@ def _route(name):
     raise AssertionError(name)
 
 
-_ROUTED_FROM = {name: getattr(F, name) for name in ("gelu", "silu", "layer_norm", "rms_norm", "cross_entropy")}
-_ROUTES = {name: _route(name) for name in _ROUTED_FROM}
+_ROUTES = {name: _route(name) for name in TORCH_FUNCTIONS}
 
 
 @contextlib.contextmanager

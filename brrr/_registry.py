@@ -108,9 +108,10 @@ def _add_rms_norm_ok(x, residual, normalized_shape, weight=None, *args, **kwargs
 
 
 _CLASS_INDICES = (torch.int64, torch.int32, torch.uint8)
-# torch's own functions, bound now: brrr.use_fused rebinds F.* to routes into this registry, and a
-# fallback that looked them up at call time would route back here without end.
-_F_CROSS_ENTROPY, _F_RMS_NORM = F.cross_entropy, F.rms_norm
+# torch.nn.functional's own functions, bound at import: brrr.use_fused rebinds these names of F to
+# routes into this registry, so a reference that looked them up at call time would route back
+# into the registry, without end where it is the op's own fallback.
+TORCH_FUNCTIONS = {name: getattr(F, name) for name in ("gelu", "silu", "layer_norm", "rms_norm", "cross_entropy")}
 
 
 def _cross_entropy_ok(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
@@ -125,8 +126,9 @@ def _cross_entropy_ok(input, target, weight=None, ignore_index=-100, reduction="
 def _torch_cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
                          dtype=None):
     """dtype: the loss's dtype, as brrr.cross_entropy takes it (the input is cast to it first)."""
-    return _F_CROSS_ENTROPY(input if dtype is None else input.to(dtype), target, weight, ignore_index=ignore_index,
-                            reduction=reduction, label_smoothing=label_smoothing)
+    return TORCH_FUNCTIONS["cross_entropy"](input if dtype is None else input.to(dtype), target, weight,
+                                            ignore_index=ignore_index, reduction=reduction,
+                                            label_smoothing=label_smoothing)
 
 
 def _rotary_ok(x, cos, sin):
@@ -148,7 +150,7 @@ def _torch_rotary(x, cos, sin):
 
 def _torch_rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
     if cast_order == "torch":
-        return _F_RMS_NORM(x, normalized_shape, weight, eps)
+        return TORCH_FUNCTIONS["rms_norm"](x, normalized_shape, weight, eps)
     # Llama's order: normalise in fp32, round to x's dtype, then scale.
     dims = tuple(range(-len(tuple(normalized_shape)), 0))
     h = x.float()
@@ -159,7 +161,7 @@ def _torch_rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="t
 
 def _torch_add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
     h = x + residual
-    return F.layer_norm(h, normalized_shape, weight, bias, eps), h
+    return TORCH_FUNCTIONS["layer_norm"](h, normalized_shape, weight, bias, eps), h
 
 
 def _torch_add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):

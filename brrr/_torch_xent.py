@@ -32,10 +32,11 @@ def _forward_impl(logits: Tensor, target: Tensor, ignore_index: int, label_smoot
                   reduction: str) -> list[Tensor]:
     acc, shape, device = _acc(logits), target.shape, logits.device
     lse, rows = torch.empty(shape, dtype=acc, device=device), torch.empty(shape, dtype=acc, device=device)
-    total, count = torch.empty((), dtype=acc, device=device), torch.empty((), dtype=acc, device=device)
-    _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, rows,
-                         None if reduction == "none" else total, count, _stream(logits, None))
-    return [rows if reduction == "none" else total, lse, count]
+    total = None if reduction == "none" else torch.empty((), dtype=acc, device=device)
+    count = torch.empty((), dtype=acc, device=device)
+    _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, rows, total, count,
+                         _stream(logits, None))
+    return [rows if total is None else total, lse, count]
 
 
 def _forward_fake(logits, target, ignore_index, label_smoothing, reduction):
@@ -74,7 +75,7 @@ def _backward_in_torch_ops(grad, logits, target, lse, count, ignore_index, label
     classes = logits.shape[-1]
     target = target.long()  # compared in int64, as the kernel does (a uint8 target would wrap -100)
     counted = target != ignore_index
-    index = torch.where(counted & (target >= 0) & (target < classes), target, 0).long()  # lse is NaN where invalid
+    index = torch.where(counted & (target >= 0) & (target < classes), target, 0)  # lse is NaN where invalid
     x = logits.to(lse.dtype)
     x_t = x.gather(-1, index.unsqueeze(-1)).squeeze(-1)
     shift = torch.where(torch.isfinite(x_t), x_t, 0.0)

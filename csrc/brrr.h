@@ -101,8 +101,9 @@ int brrr_cuda_result(int error, const char *op);
 
 /* Merge the dims of `count` tensors that share the iteration shape: drops size-1 dims, orders
  * dims by the first tensor's strides (outermost first), and merges dims that are contiguous in
- * every tensor. strides[k] holds tensor k's strides over `shape` (0 for broadcast dims) and is
- * rewritten; returns the new rank, or -1 (ValueError) above BRRR_MAX_DIMS. */
+ * every tensor (brrr_merge_in_order over the reordered dims). strides[k] holds tensor k's
+ * strides over `shape` (0 for broadcast dims) and is rewritten; returns the new rank, or -1
+ * (ValueError) above BRRR_MAX_DIMS. */
 int brrr_coalesce(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_MAX_RANK]);
 
 /* Merge each dim into the previous one where every tensor steps over the previous dim exactly as

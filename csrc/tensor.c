@@ -585,21 +585,7 @@ int brrr_coalesce(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_M
         for (int i = 0; i < n; i++) tmp[i] = strides[k][order[i]];
         memcpy(strides[k], tmp, sizeof(int64_t) * (size_t)n);
     }
-    /* Merge dim i into dim i-1 when every tensor steps over dim i-1 exactly as over the whole of i. */
-    int out = 0;
-    for (int i = 0; i < n; i++) {
-        int mergeable = out > 0;
-        for (int k = 0; mergeable && k < count; k++)
-            mergeable = strides[k][out - 1] == strides[k][i] * new_shape[i];
-        if (mergeable) {
-            new_shape[out - 1] *= new_shape[i];
-            for (int k = 0; k < count; k++) strides[k][out - 1] = strides[k][i];
-        } else {
-            new_shape[out] = new_shape[i];
-            for (int k = 0; k < count; k++) strides[k][out] = strides[k][i];
-            out++;
-        }
-    }
+    int out = brrr_merge_in_order(n, new_shape, count, strides);
     if (out == 0) { /* a single element (or every dim of size 1) */
         new_shape[0] = 1;
         for (int k = 0; k < count; k++) strides[k][0] = 1;
