@@ -60,7 +60,8 @@ def main():
     parser.add_argument("--variants", default="unpatched eager,unpatched compile,patched eager,patched compile")
     args = parser.parse_args()
     for name in args.models:
-        base, patched, _ = build(name)
+        base, patched, report = build(name)
+        print(f"\n{name}: {report}")
         tokens = torch.randint(0, 32000, (args.batch, SEQ), device="cuda")
         for variant in args.variants.split(","):
             label, mode = variant.split()

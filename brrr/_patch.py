@@ -13,8 +13,7 @@ candidate formula, so a look-alike that computes something else is left alone.
 A model library's `apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers' Llama-style
 rotary embedding), found in the module that defines one of the model's classes and checked on a
 probe, is replaced there by brrr's: that rebinds a function of the library's module, so every
-model of that module runs brrr's until unpatch (the report says so). CPU models only for now:
-brrr's rotary has no CUDA kernel yet.
+model of that module runs brrr's until unpatch (the report says so).
 
 A model whose forward takes `labels` and whose `loss_function` behaves like a causal language
 model's loss (Hugging Face's ForCausalLMLoss: shift the labels by one, cross-entropy over the
@@ -293,7 +292,7 @@ def _rebind_rotary(model, device, report):
         if fn is rotary_pos_emb:
             report.left.append((name, where, "already brrr's"))
         elif not supported:
-            report.left.append((name, where, f"brrr's rotary has no {device.type} kernel yet"))
+            report.left.append((name, where, f"brrr's rotary has no {device.type} kernel"))
         elif _behaves_like_rotary_pos_emb(fn, device):
             setattr(library, _ROTARY_NAME, rotary_pos_emb)
             model.__dict__.setdefault(_REBOUND, []).append((library, _ROTARY_NAME, fn))

@@ -317,5 +317,4 @@ for _name, _ref, _impl, _ok in [
     ("cross_entropy", _torch_cross_entropy, cross_entropy, _cross_entropy_ok),
     ("rotary", _torch_rotary, rotary, _rotary_ok),
 ]:
-    registry.register(_name, _ref, _impl, _ok, compiled="kernel" if _name in _KERNEL_UNDER_COMPILE else "inductor",
-                      devices=("cpu",) if _name == "rotary" else ("cpu", "cuda"))  # rotary: no CUDA kernel yet
+    registry.register(_name, _ref, _impl, _ok, compiled="kernel" if _name in _KERNEL_UNDER_COMPILE else "inductor")

@@ -9,9 +9,6 @@ rounding to the storage dtype; brrr takes one pass, in float32 (float64 for floa
 once. The backward is the same kernel transposed (the op is linear in x). cos and sin have x's
 dtype, broadcast to x's shape with x's last dim; they get no gradient (transformers computes them
 under no_grad; brrr.registry sends inputs whose cos or sin require grad to PyTorch).
-
-CPU only for now: CUDA tensors raise NotImplementedError; the CUDA kernel is on the branch
-rotary-cuda until its tests have run on a GPU.
 """
 
 from . import _C

@@ -1,15 +1,4 @@
-/* Rotary position embedding: the glue and the CPU twin. CPU only for now: a CUDA kernel exists on
- * the branch rotary-cuda and lands once its tests have run on a GPU.
- *
- * x (..., D) with D = 2h is rotated pairwise, element j with element j + h, by the angles whose
- * cos and sin (broadcast to x's shape) are given, as Llama-style models do
- * (x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[h:], x[:h])), for j < h:
- *     out[j]     = x[j] cos[j] - x[j + h] sin[j]
- *     out[j + h] = x[j + h] cos[j + h] + x[j] sin[j + h]
- * and the backward (transpose) with x = grad_out:
- *     out[j]     = x[j] cos[j] + x[j + h] sin[j + h]
- *     out[j + h] = x[j + h] cos[j + h] - x[j] sin[j]
- * Math in float32 (float64 for float64), each value rounded once.
+/* Rotary position embedding: the glue and the CPU twin (formulas: brrr_cuda.h).
  *
  * _C.rotary(x, cos, sin, out, backward, stream) -> out
  *     x (..., D), D even; cos and sin of x's dtype, broadcastable to x's shape (as NumPy
@@ -25,18 +14,6 @@
 
 #include <numpy/arrayobject.h>
 #include <string.h>
-
-/* The leading dims coalesced into row_shape (x, out, cos, sin each with its row strides, 0 where
- * broadcast), and the stride of each one's last dim. */
-typedef struct {
-    int32_t dtype; /* brrr_dtype of every tensor */
-    int32_t backward;
-    int32_t row_ndim; /* >= 1 */
-    int64_t rows, half;
-    int64_t row_shape[BRRR_MAX_DIMS];
-    brrr_view x, out, cos, sin;
-    int64_t col_stride[4]; /* x, out, cos, sin */
-} brrr_rotary_launch;
 
 
 /* Offset of row r in a row-strided view (over the merged row shape). */
@@ -103,11 +80,6 @@ PyObject *brrr_py_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nar
     PyObject *result = NULL, *out_obj = args[3];
 
     if (brrr_tensor_import(&call, args[0], "x", 0, &x) < 0) goto done;
-    if (x.device_type != kDLCPU) {
-        PyErr_SetString(PyExc_NotImplementedError, "argument x: rotary has no CUDA kernel yet (brrr.registry and "
-                        "brrr.patch keep PyTorch's rotary embedding on CUDA)");
-        goto done;
-    }
     if (x.ndim == 0 || x.shape[x.ndim - 1] % 2 != 0) {
         PyErr_SetString(PyExc_ValueError, "argument x: expected a tensor of shape (..., D) with D even");
         goto done;
@@ -171,9 +143,22 @@ PyObject *brrr_py_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nar
             memcpy(v[k]->strides, strides[k], sizeof(int64_t) * (size_t)n);
         }
     }
-    Py_BEGIN_ALLOW_THREADS
-    cpu_rotary(&L);
-    Py_END_ALLOW_THREADS
+    if (x.device_type == kDLCPU) {
+        Py_BEGIN_ALLOW_THREADS
+        cpu_rotary(&L);
+        Py_END_ALLOW_THREADS
+        goto done;
+    }
+#if BRRR_WITH_CUDA
+    {
+        void *stream = brrr_call_stream(&call);
+        int err;
+        Py_BEGIN_ALLOW_THREADS
+        err = brrr_cuda_rotary(&L, x.device_id, stream);
+        Py_END_ALLOW_THREADS
+        if (brrr_cuda_result(err, "rotary") < 0) goto fail;
+    }
+#endif
     goto done;
 fail:
     Py_CLEAR(result);

@@ -217,6 +217,30 @@ int brrr_cuda_xent_fwd(const brrr_xent_launch *launch, int device, void *stream)
 int brrr_cuda_xent_bwd(const brrr_xent_launch *launch, int device, void *stream);
 /* ---- end softmax cross-entropy ---- */
 
+/* ---- rotary position embedding (csrc/rotary.c, cuda/rotary.cu) -----------------------------
+ * x (..., D) with D = 2h is rotated pairwise, element j with element j + h, by the angles whose
+ * cos and sin (broadcast to x's shape) are given, as Llama-style models do
+ * (x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[h:], x[:h])), for j < h:
+ *     out[j]     = x[j] cos[j] - x[j + h] sin[j]
+ *     out[j + h] = x[j + h] cos[j + h] + x[j] sin[j + h]
+ * and the backward (transpose) with x = grad_out:
+ *     out[j]     = x[j] cos[j] + x[j + h] sin[j + h]
+ *     out[j + h] = x[j + h] cos[j + h] - x[j] sin[j]
+ * The leading dims are coalesced into row_shape (x, out, cos, sin each with its row strides, 0
+ * where broadcast); math in float32 (float64 for float64), rounded once. */
+typedef struct {
+    int32_t dtype;    /* brrr_dtype of every tensor */
+    int32_t backward;
+    int32_t row_ndim; /* >= 1 */
+    int64_t rows, half;
+    int64_t row_shape[BRRR_MAX_DIMS];
+    brrr_view x, out, cos, sin;      /* strides over row_shape */
+    int64_t col_stride[4];           /* x, out, cos, sin: the stride of the last dim */
+} brrr_rotary_launch;
+
+int brrr_cuda_rotary(const brrr_rotary_launch *launch, int device, void *stream);
+/* ---- end rotary ---- */
+
 int brrr_cuda_device_count(int *count);
 int brrr_cuda_runtime_version(int *version);
 int brrr_cuda_driver_version(int *version);

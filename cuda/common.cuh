@@ -68,6 +68,29 @@ __device__ __forceinline__ int64_t row_offset(const Launch &L, const int64_t *s,
     return off;
 }
 
+// Offsets of row r in N views at once (strides[i] over a row shape of ndim dims, innermost
+// last): r is decomposed once, in Index arithmetic. Kernels pass uint32_t where the host checked
+// that the rows fit: 64-bit divisions are subroutine calls, which cost registers wherever they appear.
+template <typename Index, int MAX_DIMS, int N>
+__device__ __forceinline__ void unravel_offsets(int ndim, const int64_t *shape, int64_t r,
+                                                const int64_t *const (&strides)[N], int64_t (&off)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) off[i] = r * strides[i][0];
+    if (ndim == 1) return;
+#pragma unroll
+    for (int i = 0; i < N; ++i) off[i] = 0;
+    Index rest = (Index)r;
+#pragma unroll
+    for (int d = MAX_DIMS - 1; d >= 0; --d) {
+        if (d < ndim) {
+            const Index n = (Index)shape[d], q = rest / n, at = rest - q * n;
+#pragma unroll
+            for (int i = 0; i < N; ++i) off[i] += (int64_t)at * strides[i][d];
+            rest = q;
+        }
+    }
+}
+
 // A row kernel's per-slice partial of a column sum: each warp's sums `acc` (its rows, in order)
 // go through shared memory and warp 0 adds them up in warp order into part[col .. col + VEC), so
 // the result is bitwise reproducible. The whole block calls it (it holds a barrier).

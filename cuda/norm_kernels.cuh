@@ -130,27 +130,15 @@ __device__ __forceinline__ int64_t col_offset(const brrr_norm_launch &L, const b
     return dims_offset<false>(L, v, c);
 }
 
-// Offsets of row r in N views at once, for the row kernels: r is decomposed over the coalesced
-// row shape once, in 32 bits (row_config sends more rows than that, in several dims, elsewhere):
-// 64-bit divisions are subroutine calls, which cost registers wherever they appear.
+// Offsets of row r in N views at once, for the row kernels, decomposed in 32 bits (row_config
+// sends more rows than that, in several dims, elsewhere).
 template <int N>
 __device__ __forceinline__ void row_offsets(const brrr_norm_launch &L, int64_t r, const brrr_norm_view *const (&v)[N],
                                             int64_t (&off)[N]) {
+    const int64_t *strides[N];
 #pragma unroll
-    for (int i = 0; i < N; ++i) off[i] = r * v[i]->row_strides[0];
-    if (L.row_ndim == 1) return;
-#pragma unroll
-    for (int i = 0; i < N; ++i) off[i] = 0;
-    uint32_t rest = (uint32_t)r;
-#pragma unroll
-    for (int d = BRRR_NORM_MAX_DIMS - 1; d >= 0; --d) {
-        if (d < L.row_ndim) {
-            const uint32_t n = (uint32_t)L.row_shape[d], q = rest / n, at = rest - q * n;
-#pragma unroll
-            for (int i = 0; i < N; ++i) off[i] += (int64_t)at * v[i]->row_strides[d];
-            rest = q;
-        }
-    }
+    for (int i = 0; i < N; ++i) strides[i] = v[i]->row_strides;
+    unravel_offsets<uint32_t, BRRR_NORM_MAX_DIMS>(L.row_ndim, L.row_shape, r, strides, off);
 }
 
 // Element `col` (in the fast path's contiguous columns; 0 elsewhere) of row r, NULL when absent.

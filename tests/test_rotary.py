@@ -1,9 +1,8 @@
 """brrr.rotary and brrr.apply_rotary_pos_emb: outputs and gradients against a float64 reference
 (x * cos + rotate_half(x) * sin) on fresh random inputs, broadcast cos/sin, strided views (the
 transposed heads of an attention block), head dims whose half is not a multiple of a 16-byte
-pack, NumPy, errors, opcheck, torch.compile, and brrr.patch rebinding a model library's
-apply_rotary_pos_emb (tests/rope_model.py) and unpatch restoring it. CPU only: on CUDA (no kernel
-yet) the op raises and the registry and patch keep PyTorch's."""
+pack (scalar path on CUDA), NumPy, errors, opcheck, torch.compile, and brrr.patch rebinding a
+model library's apply_rotary_pos_emb (tests/rope_model.py) and unpatch restoring it."""
 
 import copy
 
@@ -14,7 +13,7 @@ import torch
 import brrr
 import rope_model
 from brrr import _C
-from helpers import DTYPES, TOLERANCE, random
+from helpers import DEVICES, DTYPES, TOLERANCE, random
 
 
 def reference(x, cos, sin):
@@ -37,7 +36,7 @@ CASES = [  # x shape, cos/sin shape
 ]
 
 
-@pytest.mark.parametrize("device", ["cpu"])  # no CUDA kernel yet
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,angle_shape", CASES)
 def test_matches_reference(device, dtype, shape, angle_shape):
@@ -56,7 +55,7 @@ def test_matches_reference(device, dtype, shape, angle_shape):
         assert torch.equal(brrr.rotary(x, cos, sin), out.detach())
 
 
-@pytest.mark.parametrize("device", ["cpu"])  # no CUDA kernel yet
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_strided_heads_and_apply_rotary_pos_emb(device, dtype):
     """q and k as attention blocks make them (a transposed view), against transformers' code."""
@@ -75,7 +74,7 @@ def test_strided_heads_and_apply_rotary_pos_emb(device, dtype):
                                brrr.rotary(q.contiguous(), cos[:, None], sin[:, None]), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("device", ["cpu"])  # no CUDA kernel yet
+@pytest.mark.parametrize("device", DEVICES)
 def test_c_layer_writes_every_element_and_in_place(device):
     x = random((3, 5, 12), torch.float32, device)
     cos, sin = random((5, 12), torch.float32, device), random((5, 12), torch.float32, device)
@@ -128,9 +127,10 @@ def test_errors():
     assert op.resolve(x, c.clone().requires_grad_(), c) is op.reference  # PyTorch's, which has the gradient
 
 
-def test_opcheck_and_compile():
-    x = torch.randn(2, 3, 4, 6, requires_grad=True)
-    cos, sin = torch.randn(3, 1, 6), torch.randn(3, 1, 6)
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_and_compile(device):
+    x = torch.randn(2, 3, 4, 6, device=device, requires_grad=True)
+    cos, sin = torch.randn(3, 1, 6, device=device), torch.randn(3, 1, 6, device=device)
     for backward in (False, True):
         torch.library.opcheck(torch.ops.brrr.rotary.default, (x, cos, sin, backward))
     torch._dynamo.reset()
@@ -142,7 +142,37 @@ def test_opcheck_and_compile():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("device", ["cpu"])  # no CUDA kernel yet
+@pytest.mark.cuda
+def test_cuda_graph_capture_and_replay():
+    """Forward and backward captured once, replayed on new inputs copied into the static ones."""
+    q = torch.randn(2, 4, 16, 64, device="cuda", requires_grad=True)
+    cos, sin = torch.randn(2, 16, 64, device="cuda"), torch.randn(2, 16, 64, device="cuda")
+    grad = torch.randn(2, 4, 16, 64, device="cuda")
+
+    def step():
+        out, _ = brrr.apply_rotary_pos_emb(q, q, cos, sin)
+        return out, torch.autograd.grad(out, q, grad)[0]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_grad = step()
+    for _ in range(2):
+        with torch.no_grad():
+            q.copy_(torch.randn_like(q))
+            cos.copy_(torch.randn_like(cos))
+            sin.copy_(torch.randn_like(sin))
+            grad.copy_(torch.randn_like(grad))
+        graph.replay()
+        out, grad_q = step()
+        assert torch.equal(static_out, out) and torch.equal(static_grad, grad_q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_patch_rebinds_the_library_function_and_unpatch_restores_it(device, monkeypatch):
     torch.manual_seed(0)
     model = rope_model.RopeModel().to(device)
@@ -171,18 +201,4 @@ def test_patch_rebinds_the_library_function_and_unpatch_restores_it(device, monk
         q * cos[:, None] - rope_model.rotate_half(q) * sin[:, None], k * cos[:, None] - rope_model.rotate_half(k) * sin[:, None]))
     report = brrr.patch(model)
     assert ("", "rope_model.apply_rotary_pos_emb", "behaves like no rotary embedding") in report.left
-    brrr.unpatch(model)
-
-
-@pytest.mark.cuda
-def test_cuda_raises_and_patch_keeps_pytorchs_rotary():
-    x, c = torch.randn(2, 3, 8, device="cuda"), torch.randn(3, 8, device="cuda")
-    with pytest.raises(NotImplementedError, match="argument x: rotary has no CUDA kernel yet"):
-        brrr.rotary(x, c, c)
-    assert brrr.registry.lookup("rotary").resolve(x, c, c) is brrr.registry.lookup("rotary").reference
-    model = rope_model.RopeModel().cuda()
-    original = rope_model.apply_rotary_pos_emb
-    report = brrr.patch(model)
-    assert ("", "rope_model.apply_rotary_pos_emb", "brrr's rotary has no cuda kernel yet") in report.left
-    assert rope_model.apply_rotary_pos_emb is original
     brrr.unpatch(model)

@@ -1,0 +1,89 @@
+"""Rotary position embedding (transformers' apply_rotary_pos_emb on q and k) against PyTorch
+eager (the library's own formula) and torch.compile, in one run.
+
+GPU: Llama-shaped attention inputs, batch 32 x 512 tokens, bfloat16 and float32: 16 heads of 64
+with q and k the transposed views attention blocks make of their projections (B, S, H, D) ->
+(B, H, S, D), and 8 heads of 128 contiguous. CPU, or BRRR_BENCH_QUICK=1: a quick smoke version
+without torch.compile.
+
+bytes_moved is the fewest bytes a pass must move: forward reads q and k and writes their rotations
+(4 passes over one of them) plus cos and sin once (they broadcast over the heads); forward+backward
+also reads both output gradients and writes both input gradients (8 passes, cos and sin twice).
+brrr's results are checked against the float64 reference of tests/test_rotary.py first.
+"""
+
+import os
+
+import pytest
+import torch
+
+import brrr
+from harness import compiled, device, on_gpu, time_ms
+from test_rotary import reference
+
+QUICK = not on_gpu() or os.environ.get("BRRR_BENCH_QUICK") == "1"
+BATCH, SEQ = (32, 512) if not QUICK else (2, 16)
+LAYOUTS = [("transposed", 16, 64), ("contiguous", 8, 128)] if not QUICK else [("transposed", 4, 16)]
+MAX_TIME_S = 2.0 if not QUICK else 0.1
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def eager_apply_rotary_pos_emb(q, k, cos, sin):
+    """transformers' Llama apply_rotary_pos_emb."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _inputs(layout, heads, dim, dtype):
+    def one():
+        if layout == "transposed":
+            t = torch.randn(BATCH, SEQ, heads, dim, device=device(), dtype=dtype).transpose(1, 2)
+        else:
+            t = torch.randn(BATCH, heads, SEQ, dim, device=device(), dtype=dtype)
+        return t.requires_grad_()
+
+    angles = torch.randn(BATCH, SEQ, dim // 2, device=device()).repeat(1, 1, 2) * 10
+    return one(), one(), angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("layout,heads,dim", LAYOUTS)
+def test_rotary(recorder, layout, heads, dim, dtype):
+    q, k, cos, sin = _inputs(layout, heads, dim, dtype)
+    with torch.no_grad():
+        ours = brrr.apply_rotary_pos_emb(q, k, cos, sin)
+        for got, x in zip(ours, (q, k)):
+            expected = reference(x.double(), cos.double()[:, None], sin.double()[:, None])
+            assert _rel_err(got, expected) < TOL[dtype]
+    grads = [torch.randn_like(t) for t in ours]
+    impls = {"brrr": brrr.apply_rotary_pos_emb, "eager": eager_apply_rotary_pos_emb,
+             "compile": None if QUICK else compiled(eager_apply_rotary_pos_emb)}
+    unit = q.numel() * q.element_size()
+    angle_bytes = 2 * cos.numel() * cos.element_size()
+    for impl, fn in impls.items():
+        if fn is None:
+            continue
+        with torch.no_grad():
+            fwd_ms = time_ms(lambda: fn(q, k, cos, sin), max_time_s=MAX_TIME_S)
+
+        def step():
+            return torch.autograd.grad(fn(q, k, cos, sin), (q, k), grads)
+
+        if impl == "brrr":
+            expected_grads = torch.autograd.grad(eager_apply_rotary_pos_emb(q, k, cos, sin), (q, k), grads)
+            for got, want in zip(step(), expected_grads):
+                assert _rel_err(got, want) < TOL[dtype]
+        common = dict(family="rotary", op=f"apply_rotary_pos_emb {layout} {heads}x{dim}", dtype=dtype,
+                      shape=tuple(q.shape), impl=impl)
+        recorder.add_timing(pass_="fwd", ms=fwd_ms, bytes_moved=4 * unit + angle_bytes, **common)
+        recorder.add_timing(pass_="fwd+bwd", ms=time_ms(step, max_time_s=MAX_TIME_S),
+                            bytes_moved=8 * unit + 2 * angle_bytes, **common)
