@@ -180,6 +180,12 @@ FUSED = {
                    shapes=lambda r, h: [(r, 2 * h)], passes=(3, 8)),
     "geglu": dict(brrr=lambda x: brrr.geglu(x), eager=lambda x: F.gelu(x[..., :x.shape[-1] // 2]) * x[..., x.shape[-1] // 2:],
                   shapes=lambda r, h: [(r, 2 * h)], passes=(3, 8)),
+    # Separate gate and up projections (Llama's MLP): the same passes, through the GLU backward kernel.
+    "swiglu_two_inputs": dict(brrr=lambda g, u: brrr.swiglu(g, u), eager=lambda g, u: F.silu(g) * u,
+                              shapes=lambda r, h: [(r, h), (r, h)], passes=(3, 8)),
+    "geglu_tanh_two_inputs": dict(brrr=lambda g, u: brrr.geglu(g, u, approximate="tanh"),
+                                  eager=lambda g, u: F.gelu(g, approximate="tanh") * u,
+                                  shapes=lambda r, h: [(r, h), (r, h)], passes=(3, 8)),
 }
 
 
