@@ -53,6 +53,26 @@ def kernel_profile(step):
     return gpu_us, launches, top_gpu, top_cpu, brrr_cpu
 
 
+def gpu_gaps(step, top=10):
+    """Where the GPU waits between kernels in two back-to-back steps: the idle time per step and
+    the largest gaps with the kernels on either side (CUPTI timestamps; CUDA activity only, so
+    the profiler adds little host time of its own)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    gaps, busy_until, previous = [], None, None
+    for e in kernels:
+        if busy_until is not None and e.time_range.start > busy_until:
+            gaps.append((e.time_range.start - busy_until, previous.name, e.name))
+        if busy_until is None or e.time_range.end > busy_until:
+            busy_until, previous = e.time_range.end, e
+    idle = sum(g for g, _, _ in gaps) / 2
+    return idle, sorted(gaps, reverse=True)[:top]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("models", nargs="*", default=list(MODELS))
@@ -79,6 +99,10 @@ def main():
                   f"in {launches} launches, graph breaks {breaks}")
             for line in first_synchronising_call(step) or ["none"]:
                 print(f"   first sync: {line}")
+            idle, gaps = gpu_gaps(step)
+            print(f"   gpu idle between kernels: {idle:.1f} us per step; largest gaps of two steps:")
+            for gap, before, after in gaps:
+                print(f"   gap {gap:8.1f} us  after {before[:60]}  before {after[:60]}")
             for e in top_gpu:
                 print(f"   gpu {e.self_device_time_total:9.1f} us  x{e.count:<4d} {e.key[:100]}")
             for e in top_cpu:

@@ -64,8 +64,8 @@ def test_two_input_glu(device, dtype, activation):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", list(GLUS))
 @pytest.mark.parametrize("up_grad", [True, False])
-def test_glu_backward_kernel_matches_the_generic_chain_bitwise(dtype, activation, up_grad):
-    """The GLU's own backward kernel against the generic chain kernel (the same program with a
+def test_glu_kernels_match_the_generic_chain_bitwise(dtype, activation, up_grad):
+    """The GLU's own kernels against the generic chain kernels (the same program with a
     trailing multiply by 1, which changes no value but is not a GLU), over several blocks and a
     tail that is not a whole pack."""
     n = 3 * 256 * 2 * 8 + 5
@@ -74,10 +74,11 @@ def test_glu_backward_kernel_matches_the_generic_chain_bitwise(dtype, activation
     results = []
     for fn in (GLUS[activation], generic):
         g, u = gate.clone().requires_grad_(), up.clone().requires_grad_(up_grad)
-        fn(g, u).backward(grad)
-        results.append((g.grad, u.grad))
-    (gg, ug), (gg_ref, ug_ref) = results
-    assert torch.equal(gg, gg_ref)
+        out = fn(g, u)
+        out.backward(grad)
+        results.append((out, g.grad, u.grad))
+    (out, gg, ug), (out_ref, gg_ref, ug_ref) = results
+    assert torch.equal(out, out_ref) and torch.equal(gg, gg_ref)
     assert (ug is None and ug_ref is None) if not up_grad else torch.equal(ug, ug_ref)
 
 
