@@ -202,3 +202,16 @@ def test_patch_rebinds_the_library_function_and_unpatch_restores_it(device, monk
     report = brrr.patch(model)
     assert ("", "rope_model.apply_rotary_pos_emb", "behaves like no rotary embedding") in report.left
     brrr.unpatch(model)
+
+
+@pytest.mark.parametrize("angle_shape,supported", [((1, 1, 5, 8), True), ((5, 8), True), ((2, 3, 5, 8), True),
+                                                   ((4, 5, 8), False), ((1, 3, 5, 4), False), ((1, 2, 3, 5, 8), False),
+                                                   ((1, 5, 1), False)])
+def test_registry_takes_only_angles_that_broadcast_to_x(angle_shape, supported):
+    x = torch.randn(2, 3, 5, 8)
+    angle = torch.randn(angle_shape)
+    op = brrr.registry.lookup("rotary")
+    assert (op.resolve(x, angle, angle) is op.implementation) == supported
+    if supported:
+        torch.testing.assert_close(brrr.registry("rotary", x, angle, angle),
+                                   reference(x.double(), angle.double(), angle.double()).float())
