@@ -80,6 +80,20 @@ def host_us_per_call(fn, calls=2000, rounds=5):
     return statistics.median(per_round)
 
 
+def kernel_ms(fn):
+    """The summed device time of the kernels one call of fn() launches (torch.profiler; GPU only).
+    Where a call's host time exceeds its kernels', time_ms measures the host: this does not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+
+
 _COPY_GBPS = None
 
 
@@ -172,6 +186,8 @@ def markdown_table(rows):
             return f"{peer['ms'] / b['ms']:.2f}x" if b and peer and peer.get("ms") and b.get("ms") else "-"
 
         frac = f"{100 * b['frac_floor']:.0f}%" if b and b.get("frac_floor") else "-"
+        if b and b.get("kernel_frac_floor"):
+            frac += f" (kernels {100 * b['kernel_frac_floor']:.0f}%)"
         lines.append(f"| {op} | {dtype} | {'x'.join(map(str, shape))} | {pass_} | {ms(b)} | {ms(e)} | {ms(c)} | "
                      f"{frac} | {ratio(e)} | {ratio(c)} |")
     return "\n".join(lines) + "\n"

@@ -10,11 +10,10 @@ import sys
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import brrr
 from brrr import _patch, registry
-from harness import compiled, on_gpu, time_ms
+from harness import compiled, kernel_ms, on_gpu, time_ms
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not on_gpu(), reason="model benchmarks run on the GPU")
@@ -45,15 +44,6 @@ def gpt2():
 
 MODELS = {"llama": llama, "gpt2": gpt2, "llama_2048": llama_2048}
 TRAINING = [(name, batch) for name in ("llama", "gpt2") for batch in BATCHES] + [("llama_2048", BATCHES[-1])]
-
-
-def kernel_ms(step):
-    """The summed device time of one step's kernels (torch.profiler)."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
 
 
 def build(name):

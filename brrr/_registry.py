@@ -209,9 +209,10 @@ class Op:
     def resolve(self, *args, **kwargs):
         """The callable that will run for these arguments."""
         device = _device_of(args)
-        override = self.overrides.get(device, self.overrides.get(None))
-        if override is not None:
-            return override
+        if self.overrides:
+            override = self.overrides.get(device, self.overrides.get(None))
+            if override is not None:
+                return override
         if self.compiled == "inductor" and torch.compiler.is_compiling():
             return self.reference
         if device in self.devices and self.supports(*args, **kwargs):
@@ -226,7 +227,7 @@ class Op:
 def _device_of(args):
     for a in args:
         if isinstance(a, torch.Tensor):
-            return a.device.type
+            return "cuda" if a.is_cuda else a.device.type  # is_cuda: no torch.device made
     return None
 
 
@@ -293,7 +294,8 @@ class Registry:
         self.lookup(name).unsupported = mode
 
     def __call__(self, name, *args, **kwargs):
-        return self.lookup(name).resolve(*args, **kwargs)(*args, **kwargs)
+        op = self._ops.get(name) or self.lookup(name)  # lookup raises the error for an unknown name
+        return op.resolve(*args, **kwargs)(*args, **kwargs)
 
 
 def _check_compiled_mode(mode):
