@@ -81,12 +81,11 @@ def host_us_per_call(fn, calls=2000, rounds=5):
 
 
 def kernel_ms(fn):
-    """The summed device time of the kernels one call of fn() launches (torch.profiler; GPU only).
-    Where a call's host time exceeds its kernels', time_ms measures the host: this does not."""
+    """The summed device time of the kernels one call of fn() launches (torch.profiler; GPU only;
+    call it warm, after time_ms). Where a call's host time exceeds its kernels', time_ms measures
+    the host: this does not."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()

@@ -86,13 +86,14 @@ def test_rotary(recorder, layout, heads, dim, dtype):
                 assert _rel_err(got, want) < TOL[dtype]
         common = dict(family="rotary", op=f"apply_rotary_pos_emb {layout} {heads}x{dim}", dtype=dtype,
                       shape=tuple(q.shape), impl=impl)
+        step_ms = time_ms(step, max_time_s=MAX_TIME_S)
         kernels = {}
         if on_gpu():  # these calls are short enough for the host to set their time: the kernels' own
             with torch.no_grad():
                 kernels["fwd"] = kernel_ms(lambda: fn(q, k, cos, sin))
             kernels["fwd+bwd"] = kernel_ms(step)
         for pass_, ms, moved in (("fwd", fwd_ms, 4 * unit + angle_bytes),
-                                 ("fwd+bwd", time_ms(step, max_time_s=MAX_TIME_S), 8 * unit + 2 * angle_bytes)):
+                                 ("fwd+bwd", step_ms, 8 * unit + 2 * angle_bytes)):
             row = recorder.add_timing(pass_=pass_, ms=ms, bytes_moved=moved, kernel_ms=kernels.get(pass_), **common)
             if pass_ in kernels:
                 row["kernel_frac_floor"] = row["floor_ms"] / kernels[pass_]
