@@ -8,9 +8,17 @@ in Python it was made), and the kernels and host-side ops that cost the most.
 
     PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/model_profile.py [--batch 8] [--variants
         "unpatched eager,patched compile"] [llama] [gpt2]
+
+--host-phases: instead, for eager steps at each --batch (comma-separated), the host's time in the
+forward call and in backward() (the GPU synchronised before each step, so neither waits on an
+earlier step) and the GPU's tail after backward() returns, unpatched, patched, and patched with
+one group of swaps (norms, activations, gated MLPs, the loss, rotary) reverted: what each group
+adds to or takes from the host's time.
 """
 
 import argparse
+import statistics
+import time
 import traceback
 import warnings
 
@@ -18,6 +26,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from harness import compiled, time_ms
+import brrr
+from brrr import _patch
 from test_bench_models import BATCHES, MODELS, SEQ, build, set_patched, step_fn
 
 
@@ -73,12 +83,86 @@ def gpu_gaps(step, top=10):
     return idle, sorted(gaps, reverse=True)[:top]
 
 
+def host_phases(model, tokens, reps=30):
+    """Median host ms in the forward call and in backward(), and the GPU's ms after backward()
+    returns, each step starting on an idle GPU."""
+    fwd, bwd, tail = [], [], []
+    for i in range(reps + 5):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model(input_ids=tokens, labels=tokens, use_cache=False)
+        t1 = time.perf_counter()
+        out.loss.backward()
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        if i >= 5:
+            fwd.append(t1 - t0), bwd.append(t2 - t1), tail.append(t3 - t2)
+    return tuple(statistics.median(v) * 1e3 for v in (fwd, bwd, tail))
+
+
+_GROUPS = {"norms": ("RMSNorm", "LayerNorm"), "activations": ("gelu", "silu", "relu", "sigmoid", "tanh"),
+           "gated MLPs": ("gated MLP",)}
+
+
+def revert(model, report, group):
+    """Undo one group of brrr.patch's swaps on `model` (a benchmark's ablation, not an API); how
+    many it undid."""
+    undone = 0
+    names = {name for name, _, new in report.swapped if any(new.startswith(p) or new.startswith("brrr.nn." + p)
+                                                          for p in _GROUPS.get(group, ()))}
+    for name, module in model.named_modules():
+        if name in names and _patch._ORIGINAL in module.__dict__:
+            module.__class__ = module.__dict__.pop(_patch._ORIGINAL)
+            undone += 1
+        if group == "the loss" and _patch._ORIGINAL_LOSS in module.__dict__:
+            for key, value in module.__dict__.pop(_patch._ORIGINAL_LOSS).items():
+                if value is _patch._MISSING:
+                    del module.__dict__[key]
+                else:
+                    module.__dict__[key] = value
+            undone += 1
+    if group == "rotary":
+        for library, name, original in model.__dict__.pop(_patch._REBOUND, []):
+            setattr(library, name, original)
+            undone += 1
+    return undone
+
+
+def main_host_phases(args):
+    for name in args.models:
+        for batch in (int(b) for b in args.batch.split(",")):
+            tokens = torch.randint(0, 32000, (batch, SEQ), device="cuda")
+            base, patched = build(name)
+            rows = [("unpatched", base, None)] + [("patched" + (f" without {g}" if g else ""), patched, g)
+                                                 for g in (None, "norms", "activations", "gated MLPs", "the loss",
+                                                           "rotary")]
+            print(f"\n== {name} {batch}x{SEQ} eager, host ms per step (medians): forward call, backward(), "
+                  "GPU tail after backward()")
+            for label, model, group in rows:
+                if model is patched:
+                    report = brrr.patch(patched)
+                    if group is not None and not revert(patched, report, group):
+                        brrr.unpatch(patched)
+                        continue  # nothing of that group in this model
+                f, b, t = host_phases(model, tokens)
+                print(f"   {label:30s} fwd {f:7.3f}  bwd {b:7.3f}  tail {t:7.3f}  total {f + b + t:7.3f}")
+                if model is patched:
+                    brrr.unpatch(patched)
+            set_patched(patched, False)  # checks nothing of brrr's is left in the library
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("models", nargs="*", default=list(MODELS))
-    parser.add_argument("--batch", type=int, default=BATCHES[0])
+    parser.add_argument("--batch", default=str(BATCHES[0]))
+    parser.add_argument("--host-phases", action="store_true")
     parser.add_argument("--variants", default="unpatched eager,unpatched compile,patched eager,patched compile")
     args = parser.parse_args()
+    if args.host_phases:
+        return main_host_phases(args)
+    args.batch = int(args.batch)
     for name in args.models:
         base, patched = build(name)
         tokens = torch.randint(0, 32000, (args.batch, SEQ), device="cuda")
