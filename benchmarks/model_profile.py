@@ -14,10 +14,15 @@ forward call and in backward() (the GPU synchronised before each step, so neithe
 earlier step) and the GPU's tail after backward() returns, unpatched, patched, and patched with
 one group of swaps (norms, activations, gated MLPs, the loss, rotary) reverted: what each group
 adds to or takes from the host's time.
+
+--host-modules: for eager steps, unpatched and patched, at each --batch: the host's time inside
+each module's forward call and every call in a step that synchronises with the GPU; a module whose
+host time grows with the batch waits for the GPU there.
 """
 
 import argparse
 import statistics
+import sys
 import time
 import traceback
 import warnings
@@ -130,6 +135,87 @@ def revert(model, report, group):
     return undone
 
 
+def synchronising_calls(step):
+    """Every call in one step that synchronises with the GPU (torch's sync debug mode set to warn):
+    [(Python location, count)]."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    counts = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}"
+            counts[where] = counts.get(where, 0) + 1
+    return sorted(counts.items())
+
+
+def host_by_module(model, tokens, reps=20):
+    """Median host ms inside each module's forward call (hooks around it, inclusive of its
+    children), and in the model library's create_causal_mask, over eager steps each starting on an
+    idle GPU: where the forward's host time goes, and which calls wait for the GPU."""
+    spans, starts = {}, {}
+    handles = []
+    for name, module in model.named_modules():
+        def pre(mod, args, name=name):
+            starts[name] = time.perf_counter()
+
+        def post(mod, args, out, name=name):
+            spans.setdefault(name, []).append(time.perf_counter() - starts[name])
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    library = sys.modules[type(model).__module__]
+    original_mask = getattr(library, "create_causal_mask", None)
+    if original_mask is not None:
+        def timed_mask(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return original_mask(*a, **k)
+            finally:
+                spans.setdefault("<create_causal_mask>", []).append(time.perf_counter() - t0)
+        library.create_causal_mask = timed_mask
+    try:
+        for i in range(reps + 5):
+            if i == 5:
+                spans.clear()
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            out = model(input_ids=tokens, labels=tokens, use_cache=False)
+            out.loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        if original_mask is not None:
+            library.create_causal_mask = original_mask
+    torch.cuda.synchronize()
+    return {name: sum(v) / reps * 1e3 for name, v in spans.items()}
+
+
+def main_host_modules(args):
+    for name in args.models:
+        base, patched = build(name)
+        for label, model in (("unpatched", base), ("patched", patched)):
+            set_patched(patched, label == "patched")
+            per_batch = {}
+            for batch in (int(b) for b in args.batch.split(",")):
+                tokens = torch.randint(0, 32000, (batch, SEQ), device="cuda")
+                per_batch[batch] = host_by_module(model, tokens)
+                syncs = synchronising_calls(step_fn(model, tokens))
+                print(f"\n{name} {label} eager {batch}x{SEQ}: synchronising calls per step: {syncs or 'none'}")
+            batches = list(per_batch)
+            print(f"== {name} {label} eager: host ms per step inside each module's forward (inclusive), "
+                  f"batches {batches}")
+            for module_name in sorted(per_batch[batches[0]], key=lambda n: -per_batch[batches[-1]].get(n, 0)):
+                if per_batch[batches[-1]].get(module_name, 0) < 0.02:
+                    continue
+                times = "  ".join(f"{per_batch[b].get(module_name, 0):7.3f}" for b in batches)
+                print(f"   {module_name or '<root>':40s} {times}")
+        set_patched(patched, False)
+
+
 def main_host_phases(args):
     for name in args.models:
         for batch in (int(b) for b in args.batch.split(",")):
@@ -158,10 +244,13 @@ def main():
     parser.add_argument("models", nargs="*", default=list(MODELS))
     parser.add_argument("--batch", default=str(BATCHES[0]))
     parser.add_argument("--host-phases", action="store_true")
+    parser.add_argument("--host-modules", action="store_true")
     parser.add_argument("--variants", default="unpatched eager,unpatched compile,patched eager,patched compile")
     args = parser.parse_args()
     if args.host_phases:
         return main_host_phases(args)
+    if args.host_modules:
+        return main_host_modules(args)
     args.batch = int(args.batch)
     for name in args.models:
         base, patched = build(name)

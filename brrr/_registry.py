@@ -31,12 +31,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import _C
-from .chain import gelu, relu, sigmoid, silu, tanh
+from . import _C, _torch, _torch_norm
+from ._torch_rotary import rotary as _brrr_rotary
+from .chain import _GELU, _GELU_TANH, _RELU, _SIGMOID, _SILU, _TANH
 from .dropout import bias_dropout_add
-from .glu import bias_gelu, bias_silu, geglu, swiglu
-from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
-from .rotary import rotary
+from .glu import _gelu_name, bias_gelu, bias_silu
+from .norm import llama_order
 from .xent import REDUCTIONS, cross_entropy
 
 
@@ -105,6 +105,34 @@ def _add_norm_ok(x, residual, normalized_shape, weight=None, bias=None, *args, *
 
 def _add_rms_norm_ok(x, residual, normalized_shape, weight=None, *args, **kwargs):
     return _tensor_ok(x) and _same_kind(x, residual) and residual.shape == x.shape and _norm_params_ok(x, weight)
+
+
+# brrr's implementations for the torch tensors the checks above let through: the torch layer of
+# brrr.gelu, brrr.layer_norm, ... called directly, without the public functions' framework
+# dispatch (host time: the registry sits on every patched module's forward).
+
+def _unary(chain):
+    return lambda x: _torch.chain(chain, x, (), None, None)
+
+
+def _gelu(x, approximate="none"):
+    return _torch.chain(_GELU_TANH if approximate == "tanh" else _GELU, x, (), None, None)
+
+
+def _glu(activation):
+    return lambda gate, up=None: _torch.glu(activation, gate, up, None)
+
+
+def _geglu(gate, up=None, approximate="none"):
+    return _torch.glu(_gelu_name(approximate), gate, up, None)
+
+
+def _rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+    return _torch_norm.rms_norm(x, normalized_shape, weight, eps, llama_order(cast_order))
+
+
+def _add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+    return _torch_norm.add_rms_norm(x, residual, normalized_shape, weight, eps, llama_order(cast_order))
 
 
 _CLASS_INDICES = (torch.int64, torch.int32, torch.uint8)
@@ -308,21 +336,21 @@ _KERNEL_UNDER_COMPILE = {"cross_entropy", "bias_dropout_add"}
 
 registry = Registry()
 for _name, _ref, _impl, _ok in [
-    ("relu", torch.relu, relu, _unary_ok),
-    ("gelu", F.gelu, gelu, _gelu_ok),
-    ("silu", F.silu, silu, _unary_ok),
-    ("sigmoid", torch.sigmoid, sigmoid, _unary_ok),
-    ("tanh", torch.tanh, tanh, _unary_ok),
+    ("relu", torch.relu, _unary(_RELU), _unary_ok),
+    ("gelu", F.gelu, _gelu, _gelu_ok),
+    ("silu", F.silu, _unary(_SILU), _unary_ok),
+    ("sigmoid", torch.sigmoid, _unary(_SIGMOID), _unary_ok),
+    ("tanh", torch.tanh, _unary(_TANH), _unary_ok),
     ("bias_gelu", _torch_bias_act(F.gelu), bias_gelu, _bias_ok),
     ("bias_silu", _torch_bias_act(F.silu), bias_silu, _bias_ok),
     ("bias_dropout_add", _torch_bias_dropout_add, bias_dropout_add, _bias_dropout_add_ok),
-    ("swiglu", _torch_glu(F.silu), swiglu, _glu_ok),
-    ("geglu", _torch_glu(F.gelu), geglu, _glu_ok),
-    ("layer_norm", F.layer_norm, layer_norm, _layer_norm_ok),
-    ("rms_norm", _torch_rms_norm, rms_norm, _rms_norm_ok),
-    ("add_layer_norm", _torch_add_layer_norm, add_layer_norm, _add_norm_ok),
-    ("add_rms_norm", _torch_add_rms_norm, add_rms_norm, _add_rms_norm_ok),
+    ("swiglu", _torch_glu(F.silu), _glu("silu"), _glu_ok),
+    ("geglu", _torch_glu(F.gelu), _geglu, _glu_ok),
+    ("layer_norm", F.layer_norm, _torch_norm.layer_norm, _layer_norm_ok),
+    ("rms_norm", _torch_rms_norm, _rms_norm, _rms_norm_ok),
+    ("add_layer_norm", _torch_add_layer_norm, _torch_norm.add_layer_norm, _add_norm_ok),
+    ("add_rms_norm", _torch_add_rms_norm, _add_rms_norm, _add_rms_norm_ok),
     ("cross_entropy", _torch_cross_entropy, cross_entropy, _cross_entropy_ok),
-    ("rotary", _torch_rotary, rotary, _rotary_ok),
+    ("rotary", _torch_rotary, _brrr_rotary, _rotary_ok),
 ]:
     registry.register(_name, _ref, _impl, _ok, compiled="kernel" if _name in _KERNEL_UNDER_COMPILE else "inductor")

@@ -13,7 +13,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _C
 from ._ops import define
-from ._torch import _eager_out, _needs_autograd, _stream
+from ._torch import _eager_out, _needs_autograd, _stream, lean_apply
 
 Tensor = torch.Tensor
 
@@ -82,6 +82,9 @@ class _BiasDropoutAddFunction(torch.autograd.Function):
         return (*_grads(ctx, grad, _backward_impl), None, None, None)
 
 
+_apply_bias_dropout_add = lean_apply(_BiasDropoutAddFunction)
+
+
 def bias_dropout_add(x, bias, residual, p, seed, offset):
     """brrr.bias_dropout_add on torch tensors (arguments checked): the custom op under
     torch.compile, the autograd.Function when autograd records, else straight to brrr._C."""
@@ -91,5 +94,5 @@ def bias_dropout_add(x, bias, residual, p, seed, offset):
     if torch.compiler.is_compiling():
         return _bias_dropout_add(x, bias, residual, p, seed, offset)
     if _needs_autograd(x, (bias, residual)):
-        return _BiasDropoutAddFunction.apply(x, bias, residual, p, seed, offset)
+        return _apply_bias_dropout_add(x, bias, residual, p, seed, offset)
     return _forward_impl(x, bias, residual, p, seed, offset)

@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _C
 from ._ops import define
-from ._torch import _EXCHANGE_API, _eager_out, _needs_autograd, _stream
+from ._torch import _EXCHANGE_API, _eager_out, _needs_autograd, _stream, lean_apply
 from .norm import default_rms_eps, normalized_ndim
 
 Tensor = torch.Tensor
@@ -36,12 +36,39 @@ def _shape_list(normalized_shape):
 
 # ---- forward ops --------------------------------------------------------------------------------
 
+def _stat_args(x, k, n):
+    """The statistics arguments of a forward: True (brrr._C allocates and returns them: each
+    torch.empty is a few microseconds of Python), or new tensors where it cannot (no exchange
+    table: torch before 2.10)."""
+    return (True,) * n if _EXCHANGE_API else tuple(_stats(x, k) for _ in range(n))
+
+
+def _with_stats(result, stats):
+    """A forward's result with its statistics after it: (out, [h,] *stats)."""
+    if _EXCHANGE_API:
+        return result
+    return (*result, *stats) if isinstance(result, tuple) else (result, *stats)
+
+
+def _layer_norm_fwd(x, k, weight, bias, eps, residual):
+    """(out, [h,] mean, rstd): LayerNorm of x (of h = x + residual) over its last k dims."""
+    stats = _stat_args(x, k, 2)
+    h = None if residual is None else _eager_out(x)
+    return _with_stats(_C.layer_norm_fwd(x, k, weight, bias, eps, _eager_out(x), *stats, residual, h,
+                                         _stream(x, None)), stats)
+
+
+def _rms_norm_fwd(x, k, weight, eps, llama, residual):
+    """(out, [h,] rstd): RMSNorm of x (of h = x + residual) over its last k dims."""
+    stats = _stat_args(x, k, 1)
+    h = None if residual is None else _eager_out(x)
+    return _with_stats(_C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), *stats, residual, h,
+                                       _stream(x, None)), stats)
+
+
 def _layer_norm_impl(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
                   eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    k = normalized_ndim(x.shape, normalized_shape)
-    mean, rstd = _stats(x, k), _stats(x, k)
-    out = _C.layer_norm_fwd(x, k, weight, bias, eps, _eager_out(x), mean, rstd, None, None, _stream(x, None))
-    return out, mean, rstd
+    return _layer_norm_fwd(x, normalized_ndim(x.shape, normalized_shape), weight, bias, eps, None)
 
 
 def _layer_norm_fake(x, normalized_shape, weight, bias, eps):
@@ -51,11 +78,7 @@ def _layer_norm_fake(x, normalized_shape, weight, bias, eps):
 
 def _add_layer_norm_impl(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
                       bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    k = normalized_ndim(x.shape, normalized_shape)
-    mean, rstd = _stats(x, k), _stats(x, k)
-    out, h = _C.layer_norm_fwd(x, k, weight, bias, eps, _eager_out(x), mean, rstd, residual, _eager_out(x),
-                               _stream(x, None))
-    return out, h, mean, rstd
+    return _layer_norm_fwd(x, normalized_ndim(x.shape, normalized_shape), weight, bias, eps, residual)
 
 
 def _add_layer_norm_fake(x, residual, normalized_shape, weight, bias, eps):
@@ -65,10 +88,7 @@ def _add_layer_norm_fake(x, residual, normalized_shape, weight, bias, eps):
 
 def _rms_norm_impl(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float,
                 llama: bool) -> tuple[Tensor, Tensor]:
-    k = normalized_ndim(x.shape, normalized_shape)
-    rstd = _stats(x, k)
-    out = _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), rstd, None, None, _stream(x, None))
-    return out, rstd
+    return _rms_norm_fwd(x, normalized_ndim(x.shape, normalized_shape), weight, eps, llama, None)
 
 
 def _rms_norm_fake(x, normalized_shape, weight, eps, llama):
@@ -77,10 +97,7 @@ def _rms_norm_fake(x, normalized_shape, weight, eps, llama):
 
 def _add_rms_norm_impl(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float,
                     llama: bool) -> tuple[Tensor, Tensor, Tensor]:
-    k = normalized_ndim(x.shape, normalized_shape)
-    rstd = _stats(x, k)
-    out, h = _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), rstd, residual, _eager_out(x), _stream(x, None))
-    return out, h, rstd
+    return _rms_norm_fwd(x, normalized_ndim(x.shape, normalized_shape), weight, eps, llama, residual)
 
 
 def _add_rms_norm_fake(x, residual, normalized_shape, weight, eps, llama):
@@ -102,17 +119,23 @@ def _partials(x, k, n_grads, dtype):
 def _norm_grads(x, k, grad_out, grad_residual, weight, bias, mean, rstd, llama, need_weight, need_bias):
     """(grad of the normalised input, grad_weight or None, grad_bias or None) in one backward
     launch; mean None: RMSNorm. x: the normalised input the forward saved (h for the fused forms)."""
-    grad_weight = torch.empty_like(weight) if need_weight else None
-    grad_bias = torch.empty_like(bias) if need_bias else None
+    # True: brrr._C allocates it (like weight, so a bias gradient only where there is a weight).
+    grad_weight = (True if _EXCHANGE_API else torch.empty_like(weight)) if need_weight else None
+    grad_bias = (True if _EXCHANGE_API and weight is not None else torch.empty_like(bias)) if need_bias else None
     partials = _partials(x, k, need_weight + need_bias, rstd.dtype)
     stream = _stream(x, None)
     if mean is None:
-        grad_x = _C.rms_norm_bwd(x, k, grad_out, grad_residual, weight, rstd, llama, _eager_out(x), grad_weight,
+        result = _C.rms_norm_bwd(x, k, grad_out, grad_residual, weight, rstd, llama, _eager_out(x), grad_weight,
                                  partials, stream)
     else:
-        grad_x = _C.layer_norm_bwd(x, k, grad_out, grad_residual, weight, mean, rstd, _eager_out(x), grad_weight,
+        result = _C.layer_norm_bwd(x, k, grad_out, grad_residual, weight, mean, rstd, _eager_out(x), grad_weight,
                                    grad_bias, partials, stream)
-    return grad_x, grad_weight, grad_bias
+    if grad_weight is not True and grad_bias is not True:
+        return result, grad_weight, grad_bias
+    allocated = iter(result[1:])
+    grad_weight = next(allocated) if grad_weight is True else grad_weight
+    grad_bias = next(allocated) if grad_bias is True else grad_bias
+    return result[0], grad_weight, grad_bias
 
 
 def _norm_backward_impl(x: Tensor, grad_out: Tensor, grad_residual: Optional[Tensor], weight: Optional[Tensor],
@@ -208,13 +231,13 @@ _add_rms_norm = define("add_rms_norm", _add_rms_norm_impl, _add_rms_norm_fake, _
 # than a 16384 x 4096 norm's kernels take on the H200. They are kept lean, as the chain's are:
 # one differentiable output per result (the statistics are saved, not returned, so autograd
 # tracks and materialises no gradient for them), the normalised dims as a count, brrr._C
-# allocating what it can (outputs like a contiguous x, the CUDA backward's partials).
+# allocating what it can (outputs like a contiguous x, the statistics, the parameter gradients,
+# the CUDA backward's partials), applied through lean_apply.
 
 class _EagerLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, k, eps):
-        mean, rstd = _stats(x, k), _stats(x, k)
-        out = _C.layer_norm_fwd(x, k, weight, bias, eps, _eager_out(x), mean, rstd, None, None, _stream(x, None))
+        out, mean, rstd = _layer_norm_fwd(x, k, weight, bias, eps, None)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.k = k
         return out
@@ -231,9 +254,7 @@ class _EagerLayerNorm(torch.autograd.Function):
 class _EagerAddLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, k, eps):
-        mean, rstd = _stats(x, k), _stats(x, k)
-        out, h = _C.layer_norm_fwd(x, k, weight, bias, eps, _eager_out(x), mean, rstd, residual, _eager_out(x),
-                                   _stream(x, None))
+        out, h, mean, rstd = _layer_norm_fwd(x, k, weight, bias, eps, residual)
         ctx.save_for_backward(h, weight, bias, mean, rstd)
         ctx.k = k
         ctx.set_materialize_grads(False)
@@ -253,8 +274,7 @@ class _EagerAddLayerNorm(torch.autograd.Function):
 class _EagerRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, k, eps, llama):
-        rstd = _stats(x, k)
-        out = _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), rstd, None, None, _stream(x, None))
+        out, rstd = _rms_norm_fwd(x, k, weight, eps, llama, None)
         ctx.save_for_backward(x, weight, rstd)
         ctx.k, ctx.llama = k, llama
         return out
@@ -271,9 +291,7 @@ class _EagerRMSNorm(torch.autograd.Function):
 class _EagerAddRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, k, eps, llama):
-        rstd = _stats(x, k)
-        out, h = _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), rstd, residual, _eager_out(x),
-                                 _stream(x, None))
+        out, h, rstd = _rms_norm_fwd(x, k, weight, eps, llama, residual)
         ctx.save_for_backward(h, weight, rstd)
         ctx.k, ctx.llama = k, llama
         ctx.set_materialize_grads(False)
@@ -290,44 +308,48 @@ class _EagerAddRMSNorm(torch.autograd.Function):
         return dh, dh, gw, None, None, None
 
 
-# ---- entry points (brrr.norm dispatches torch tensors here) ---------------------------------------
+_apply_layer_norm, _apply_add_layer_norm = lean_apply(_EagerLayerNorm), lean_apply(_EagerAddLayerNorm)
+_apply_rms_norm, _apply_add_rms_norm = lean_apply(_EagerRMSNorm), lean_apply(_EagerAddRMSNorm)
+
+
+# ---- entry points (brrr.norm and the registry dispatch torch tensors here) ------------------------
 # torch.compile takes the custom ops, eager autograd the Functions, and everything else goes
 # straight to brrr._C.
 
-def layer_norm(x, normalized_shape, weight, bias, eps):
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     if torch.compiler.is_compiling():
         return _layer_norm(x, _shape_list(normalized_shape), weight, bias, float(eps))[0]
     k = normalized_ndim(x.shape, normalized_shape)
     if _needs_autograd(x, (weight, bias)):
-        return _EagerLayerNorm.apply(x, weight, bias, k, float(eps))
+        return _apply_layer_norm(x, weight, bias, k, float(eps))
     return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _eager_out(x), None, None, None, None, _stream(x, None))
 
 
-def add_layer_norm(x, residual, normalized_shape, weight, bias, eps):
+def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
     if torch.compiler.is_compiling():
         return tuple(_add_layer_norm(x, residual, _shape_list(normalized_shape), weight, bias, float(eps))[:2])
     k = normalized_ndim(x.shape, normalized_shape)
     if _needs_autograd(x, (residual, weight, bias)):
-        return _EagerAddLayerNorm.apply(x, residual, weight, bias, k, float(eps))
+        return _apply_add_layer_norm(x, residual, weight, bias, k, float(eps))
     return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _eager_out(x), None, None, residual, _eager_out(x),
                              _stream(x, None))
 
 
-def rms_norm(x, normalized_shape, weight, eps, llama):
+def rms_norm(x, normalized_shape, weight=None, eps=None, llama=False):
     eps = default_rms_eps(x.dtype) if eps is None else float(eps)
     if torch.compiler.is_compiling():
         return _rms_norm(x, _shape_list(normalized_shape), weight, eps, llama)[0]
     k = normalized_ndim(x.shape, normalized_shape)
     if _needs_autograd(x, (weight,)):
-        return _EagerRMSNorm.apply(x, weight, k, eps, llama)
+        return _apply_rms_norm(x, weight, k, eps, llama)
     return _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), None, None, None, _stream(x, None))
 
 
-def add_rms_norm(x, residual, normalized_shape, weight, eps, llama):
+def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, llama=False):
     eps = default_rms_eps(x.dtype) if eps is None else float(eps)
     if torch.compiler.is_compiling():
         return tuple(_add_rms_norm(x, residual, _shape_list(normalized_shape), weight, eps, llama)[:2])
     k = normalized_ndim(x.shape, normalized_shape)
     if _needs_autograd(x, (residual, weight)):
-        return _EagerAddRMSNorm.apply(x, residual, weight, k, eps, llama)
+        return _apply_add_rms_norm(x, residual, weight, k, eps, llama)
     return _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), None, residual, _eager_out(x), _stream(x, None))

@@ -7,7 +7,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _C
 from ._ops import define
-from ._torch import _eager_out, _needs_autograd, _stream
+from ._torch import _eager_out, _needs_autograd, _stream, lean_apply
 
 Tensor = torch.Tensor
 
@@ -48,6 +48,9 @@ class _RotaryFunction(torch.autograd.Function):
         return _impl(grad, cos, sin, True), None, None
 
 
+_apply_rotary = lean_apply(_RotaryFunction)
+
+
 def rotary(x, cos, sin):
     """brrr.rotary on torch tensors: the custom op under torch.compile, the autograd.Function
     when autograd records, else straight to brrr._C."""
@@ -58,5 +61,5 @@ def rotary(x, cos, sin):
     if torch.compiler.is_compiling():
         return _rotary(x, cos, sin, False)
     if _needs_autograd(x):
-        return _RotaryFunction.apply(x, cos, sin)
+        return _apply_rotary(x, cos, sin)
     return _impl(x, cos, sin, False)

@@ -18,7 +18,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _C
 from ._ops import define
-from ._torch import _EXCHANGE_API, _needs_autograd, _stream
+from ._torch import _EXCHANGE_API, _needs_autograd, _stream, lean_apply
 from .xent import check_rank
 
 Tensor = torch.Tensor
@@ -30,12 +30,17 @@ def _acc(logits):
 
 def _forward_impl(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
                   reduction: str) -> list[Tensor]:
-    acc, shape, device = _acc(logits), target.shape, logits.device
-    lse, rows = torch.empty(shape, dtype=acc, device=device), torch.empty(shape, dtype=acc, device=device)
-    total = None if reduction == "none" else torch.empty((), dtype=acc, device=device)
-    count = torch.empty((), dtype=acc, device=device)
-    _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, rows, total, count,
-                         _stream(logits, None))
+    total = None if reduction == "none" else True
+    if _EXCHANGE_API:  # brrr._C allocates the outputs (True): no torch.empty per output
+        lse, rows, total, count = _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, True,
+                                                       True, total, True, -1)
+    else:
+        acc, shape, device = _acc(logits), target.shape, logits.device
+        lse, rows = torch.empty(shape, dtype=acc, device=device), torch.empty(shape, dtype=acc, device=device)
+        total = None if total is None else torch.empty((), dtype=acc, device=device)
+        count = torch.empty((), dtype=acc, device=device)
+        _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, rows, total, count,
+                             _stream(logits, None))
     return [rows if total is None else total, lse, count]
 
 
@@ -122,6 +127,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
                 None, None, None, None)
 
 
+_apply_cross_entropy = lean_apply(_CrossEntropyFunction)
+
+
 def cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype):
     """brrr.cross_entropy on torch tensors (arguments checked): the custom op under torch.compile,
     the autograd.Function when autograd records, else straight to brrr._C."""
@@ -130,7 +138,7 @@ def cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype
     if torch.compiler.is_compiling():
         loss = _cross_entropy(logits, target, ignore_index, label_smoothing, reduction)[0]
     elif _needs_autograd(logits):
-        loss = _CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, reduction)
+        loss = _apply_cross_entropy(logits, target, ignore_index, label_smoothing, reduction)
     else:
         loss = _forward_impl(logits, target, ignore_index, label_smoothing, reduction)[0]
     dtype = input.dtype if dtype is None else dtype

@@ -65,16 +65,16 @@ static PyMethodDef methods[] = {
      "chain_bwd(program, x, grad_out, grad_x, operands, grad_operands, partials, stream) -> grad_x"},
     {"layer_norm_fwd", (PyCFunction)(void (*)(void))brrr_py_layer_norm_fwd, METH_FASTCALL,
      "layer_norm_fwd(x, norm_ndim, weight, bias, eps, out, mean, rstd, residual, residual_out, stream) -> out, "
-     "or (out, residual_out)"},
+     "or (out, residual_out), then mean and rstd where they were True (allocated here)"},
     {"layer_norm_bwd", (PyCFunction)(void (*)(void))brrr_py_layer_norm_bwd, METH_FASTCALL,
      "layer_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, mean, rstd, grad_x, grad_weight, grad_bias, "
-     "partials, stream) -> grad_x"},
+     "partials, stream) -> grad_x, then grad_weight and grad_bias where they were True (allocated here)"},
     {"rms_norm_fwd", (PyCFunction)(void (*)(void))brrr_py_rms_norm_fwd, METH_FASTCALL,
      "rms_norm_fwd(x, norm_ndim, weight, eps, llama, out, rstd, residual, residual_out, stream) -> out, "
-     "or (out, residual_out)"},
+     "or (out, residual_out), then rstd where it was True (allocated here)"},
     {"rms_norm_bwd", (PyCFunction)(void (*)(void))brrr_py_rms_norm_bwd, METH_FASTCALL,
      "rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, grad_x, grad_weight, partials, "
-     "stream) -> grad_x"},
+     "stream) -> grad_x, then grad_weight where it was True (allocated here)"},
     {"norm_partial_rows", (PyCFunction)(void (*)(void))brrr_py_norm_partial_rows, METH_FASTCALL,
      "norm_partial_rows(rows, cols) -> int: rows of the CUDA backward's partials scratch per weight/bias gradient."},
     {"dropout_fwd", (PyCFunction)(void (*)(void))brrr_py_dropout_fwd, METH_FASTCALL,
@@ -82,7 +82,8 @@ static PyMethodDef methods[] = {
     {"dropout_bwd", (PyCFunction)(void (*)(void))brrr_py_dropout_bwd, METH_FASTCALL,
      "dropout_bwd(grad_out, grad_x, grad_bias, partials, p, seed, offset, stream) -> grad_x"},
     {"cross_entropy_fwd", (PyCFunction)(void (*)(void))brrr_py_xent_fwd, METH_FASTCALL,
-     "cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, loss, total, count, stream)"},
+     "cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, loss, total, count, stream) "
+     "-> None, or (lse, loss, total, count) when any of them is True (allocated here)"},
     {"cross_entropy_bwd", (PyCFunction)(void (*)(void))brrr_py_xent_bwd, METH_FASTCALL,
      "cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, grad_loss, count, grad_logits, stream) "
      "-> grad_logits"},

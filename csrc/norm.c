@@ -17,7 +17,10 @@
  * _C.norm_partial_rows(rows, cols) -> P
  *
  * Optional tensors are None: weight, bias, residual; mean and rstd in the forward (not saved);
- * grad_residual, grad_weight, grad_bias in the backward. For the fused residual forms the
+ * grad_residual, grad_weight, grad_bias in the backward. True for mean and rstd (forward) or
+ * grad_weight and grad_bias (backward, with weight given) allocates them here, by x's framework
+ * (DLPack's C exchange table), and the call returns them after its usual result, in that order:
+ * (out, [residual_out,] mean, rstd) or (grad_x, grad_weight, grad_bias), less what was not asked. For the fused residual forms the
  * backward's x is the forward's residual_out. partials (CUDA only, when a weight or bias gradient
  * is asked for): a 1-D float32 tensor (float64 for float64 x) of at least
  * n_grads * norm_partial_rows(rows, cols) * cols elements. out, residual_out and grad_x may be
@@ -259,6 +262,32 @@ static int writes(const norm_request *q, int s) {
     return s >= S_FIRST_OUTPUT || (!q->backward && (s == S_MEAN || s == S_RSTD));
 }
 
+/* The slots that True asks this call to allocate: the forward's statistics, the backward's
+ * parameter gradients (which the caller would otherwise allocate with a framework call each). */
+static int allocatable(const norm_request *q, int s) {
+    return q->backward ? (s == S_GRAD_WEIGHT || s == S_GRAD_BIAS) : (s == S_MEAN || s == S_RSTD);
+}
+
+/* A new tensor for slot s, by x's framework: a row statistic in the accumulation dtype, or a
+ * parameter gradient like weight (which must be given: it fixes the parameters' dtype). */
+static PyObject *new_slot(brrr_call *call, PyObject *x_obj, int s, const brrr_tensor *x, const brrr_tensor *lead_ref,
+                          const brrr_tensor *norm_ref, const brrr_tensor *weight) {
+    brrr_tensor like = SLOT_KIND[s] == K_ROW ? *lead_ref : *norm_ref;
+    if (SLOT_KIND[s] == K_COL && weight->name == NULL) {
+        PyErr_Format(PyExc_ValueError, "argument %s: True (allocate it here) needs weight, whose dtype it takes",
+                     SLOT_NAME[s]);
+        return NULL;
+    }
+    like.dtype = SLOT_KIND[s] == K_ROW ? acc_dtype(x->dtype) : weight->dtype;
+    like.device_type = x->device_type;
+    like.device_id = x->device_id;
+    PyObject *obj = brrr_new_like(call, x_obj, &like);
+    if (obj == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_TypeError, "argument %s: True (allocate it here) is taken only for tensors of frameworks "
+                     "with DLPack's C exchange table", SLOT_NAME[s]);
+    return obj;
+}
+
 static PyObject *norm_call(PyObject *module, norm_request *q) {
     brrr_call call = {brrr_get_state(module), q->stream, 0, NULL};
     brrr_tensor t[S_COUNT];
@@ -306,7 +335,15 @@ static PyObject *norm_call(PyObject *module, norm_request *q) {
     for (int s = S_RESIDUAL; s < S_PARTIALS; s++) {
         if (!takes[s]) continue;
         PyObject *obj = q->obj[s];
-        if (!present(q, s)) {
+        if (obj == Py_True) {
+            if (!allocatable(q, s)) {
+                PyErr_Format(PyExc_TypeError, "argument %s: True (allocate it here) is taken only for mean and rstd "
+                             "in the forward and grad_weight and grad_bias in the backward", SLOT_NAME[s]);
+                goto done;
+            }
+            obj = owned[s] = new_slot(&call, q->obj[S_X], s, x, &lead_ref, &norm_ref, &t[S_WEIGHT]);
+            if (obj == NULL) goto done;
+        } else if (!present(q, s)) {
             if (!needs[s]) continue;
             if (SLOT_KIND[s] == K_DATA && writes(q, s))
                 obj = owned[s] = PyArray_Check(q->obj[S_X])
@@ -420,12 +457,22 @@ static PyObject *norm_call(PyObject *module, norm_request *q) {
         }
     }
 
-    PyObject *first = q->backward ? (owned[S_GRAD_X] ? owned[S_GRAD_X] : q->obj[S_GRAD_X])
-                                  : (owned[S_OUT] ? owned[S_OUT] : q->obj[S_OUT]);
-    if (!q->backward && t[S_RESIDUAL].name)
-        result = PyTuple_Pack(2, first, owned[S_RESIDUAL_OUT] ? owned[S_RESIDUAL_OUT] : q->obj[S_RESIDUAL_OUT]);
-    else
-        result = Py_NewRef(first);
+    {
+        /* out (or grad_x), residual_out when a residual was given, then what True asked for. */
+        PyObject *items[5];
+        int n = 0;
+        const int first = q->backward ? S_GRAD_X : S_OUT;
+        items[n++] = owned[first] ? owned[first] : q->obj[first];
+        if (!q->backward && t[S_RESIDUAL].name)
+            items[n++] = owned[S_RESIDUAL_OUT] ? owned[S_RESIDUAL_OUT] : q->obj[S_RESIDUAL_OUT];
+        for (int s = S_MEAN; s <= S_GRAD_BIAS; s++)
+            if (takes[s] && q->obj[s] == Py_True) items[n++] = owned[s];
+        if (n == 1) {
+            result = Py_NewRef(items[0]);
+        } else if ((result = PyTuple_New(n)) != NULL) {
+            for (int i = 0; i < n; i++) PyTuple_SET_ITEM(result, i, Py_NewRef(items[i]));
+        }
+    }
 done:
     PyMem_RawFree(acc);
     for (int s = 0; s < S_COUNT; s++) {

@@ -6,7 +6,8 @@
  * (formulas: brrr_cuda.h). The CPU twin computes the same function in float64.
  *
  * _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, loss, total,
- *                      count, stream) -> None
+ *                      count, stream) -> None, or (lse, loss, total, count) when any of them is True:
+ *     True allocates that output here, by the logits' framework (DLPack's C exchange table).
  *     lse, loss: the target's shape, contiguous, in the accumulation dtype (float32, float64 for
  *     float64 logits): per row its log-sum-exp less the target's logit where that is finite, and
  *     its loss (0 for both where ignored).
@@ -201,6 +202,7 @@ static PyObject *xent_call(PyObject *module, const xent_request *q) {
     brrr_tensor t[T_N];
     memset(t, 0, sizeof t);
     PyObject *result = NULL, *grad_obj = NULL; /* grad_obj: a new reference */
+    PyObject *owned[4] = {NULL, NULL, NULL, NULL}; /* the forward's outputs allocated here */
     brrr_tensor *logits = &t[T_LOGITS], *target = &t[T_TARGET];
 
     if (brrr_tensor_import(&call, q->logits, "logits", 0, logits) < 0) goto done;
@@ -219,18 +221,41 @@ static PyObject *xent_call(PyObject *module, const xent_request *q) {
         memcpy(rows.shape, logits->shape, sizeof(int64_t) * (size_t)rows.ndim);
         if (brrr_check_same_shape(target, &rows) < 0) goto done;
     }
-    if (brrr_tensor_import(&call, q->lse, "lse", !q->backward, &t[T_LSE]) < 0 ||
+    /* The forward's outputs; True asks for one to be allocated here. */
+    PyObject *outs[4] = {q->lse, q->loss, q->total, q->count};
+    int allocated = 0;
+    if (!q->backward) {
+        static const char *const names[4] = {"lse", "loss", "total", "count"};
+        for (int k = 0; k < 4; k++) {
+            if (outs[k] != Py_True) continue;
+            brrr_tensor like;
+            memset(&like, 0, sizeof like);
+            like.ndim = k < 2 ? target->ndim : 0;
+            memcpy(like.shape, target->shape, sizeof(int64_t) * (size_t)like.ndim);
+            like.dtype = acc_dtype(logits->dtype);
+            like.device_type = logits->device_type;
+            like.device_id = logits->device_id;
+            outs[k] = owned[k] = brrr_new_like(&call, q->logits, &like);
+            if (outs[k] == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_TypeError, "argument %s: True (allocate it here) is taken only for tensors of "
+                                 "frameworks with DLPack's C exchange table", names[k]);
+                goto done;
+            }
+            allocated = 1;
+        }
+    }
+    if (brrr_tensor_import(&call, outs[0], "lse", !q->backward, &t[T_LSE]) < 0 ||
         check_row_tensor(&t[T_LSE], target, logits, 1) < 0)
         goto done;
     if (!q->backward) {
-        if (brrr_tensor_import(&call, q->loss, "loss", 1, &t[T_LOSS]) < 0 ||
+        if (brrr_tensor_import(&call, outs[1], "loss", 1, &t[T_LOSS]) < 0 ||
             check_row_tensor(&t[T_LOSS], target, logits, 1) < 0)
             goto done;
         const char *names[2] = {"total", "count"};
-        PyObject *objs[2] = {q->total, q->count};
         for (int k = 0; k < 2; k++)
-            if (objs[k] != Py_None && (brrr_tensor_import(&call, objs[k], names[k], 1, &t[T_TOTAL + k]) < 0 ||
-                                       check_scalar(&t[T_TOTAL + k], logits) < 0))
+            if (outs[2 + k] != Py_None && (brrr_tensor_import(&call, outs[2 + k], names[k], 1, &t[T_TOTAL + k]) < 0 ||
+                                           check_scalar(&t[T_TOTAL + k], logits) < 0))
                 goto done;
         /* Outputs must not share memory with each other or with the inputs. */
         for (int a = T_LSE; a <= T_COUNT; a++)
@@ -292,8 +317,13 @@ static PyObject *xent_call(PyObject *module, const xent_request *q) {
         int64_t *strides[4] = {L.logits_rows, L.target_rows, L.grad_rows, L.grad_loss_rows};
         if (xent_layout(&L, target, views, strides, 4) < 0) goto done;
     }
-    result = q->backward ? grad_obj : Py_None;
-    Py_INCREF(result);
+    if (q->backward || !allocated) {
+        result = Py_NewRef(q->backward ? grad_obj : Py_None);
+    } else if ((result = PyTuple_New(4)) != NULL) {
+        for (int k = 0; k < 4; k++) PyTuple_SET_ITEM(result, k, Py_NewRef(outs[k]));
+    } else {
+        goto done;
+    }
 
     if (logits->device_type == kDLCPU) {
         if (check_targets(&L) < 0) goto fail;
@@ -319,6 +349,7 @@ fail:
     Py_CLEAR(result);
 done:
     for (int k = 0; k < T_N; k++) brrr_tensor_release(&t[k]);
+    for (int k = 0; k < 4; k++) Py_XDECREF(owned[k]);
     Py_XDECREF(grad_obj);
     return result;
 }

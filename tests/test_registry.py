@@ -310,6 +310,13 @@ def test_registry_lookup_override_and_fallback():
                                    F.cross_entropy(x.double(), target))
     finally:
         registry.reset()
+    # brrr's implementations check what the support checks leave to them, as brrr's functions do.
+    with pytest.raises(ValueError, match="argument approximate"):
+        registry("geglu", x, approximate="fast")
+    with pytest.raises(ValueError, match="argument cast_order"):
+        registry("rms_norm", x, (8,), cast_order="fp32")
+    torch.testing.assert_close(registry("geglu", x, approximate="tanh"), brrr.geglu(x, approximate="tanh"), rtol=0,
+                               atol=0)
     with pytest.raises(ValueError, match="argument mode"):
         registry.on_unsupported("gelu", "ignore")
     with pytest.raises(TypeError, match="argument implementation"):
