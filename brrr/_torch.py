@@ -52,6 +52,20 @@ def lean_apply(function):
     return apply
 
 
+def lean_once_differentiable(backward):
+    """torch's once_differentiable, less its no_grad block where grad mode is already off: the
+    autograd engine runs a backward so unless create_graph=True, which gets torch's (a second
+    backward through brrr's kernels then raises)."""
+    checked = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            return checked(ctx, *grads)
+        return backward(ctx, *grads)
+    return wrapper
+
+
 def _stream(x, stream):
     if stream is not None:
         return stream
@@ -133,7 +147,7 @@ class _ChainFunction(torch.autograd.Function):
         return _C.chain_fwd(c.program, x, _eager_out(x), operands, _stream(x, None))
 
     @staticmethod
-    @once_differentiable
+    @lean_once_differentiable
     def backward(ctx, grad):
         x, *operands = ctx.saved_tensors
         grad_x, grad_operands = _chain_grads(ctx.program, x, grad, operands, ctx.needs_input_grad[2:])
@@ -237,7 +251,7 @@ class _GluFunction(torch.autograd.Function):
         return _glu_forward(activation, x, up, None)
 
     @staticmethod
-    @once_differentiable
+    @lean_once_differentiable
     def backward(ctx, grad):
         x, up = ctx.saved_tensors
         grads = _glu_grads(ctx.activation, x, up, grad, ctx.needs_input_grad[2])

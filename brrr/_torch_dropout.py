@@ -9,11 +9,10 @@ the mask again and returns [grad_x] (+ [grad_bias]); grad_residual is the incomi
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _C
 from ._ops import define
-from ._torch import _eager_out, _needs_autograd, _stream, lean_apply
+from ._torch import _eager_out, _needs_autograd, _stream, lean_apply, lean_once_differentiable
 
 Tensor = torch.Tensor
 
@@ -77,7 +76,7 @@ class _BiasDropoutAddFunction(torch.autograd.Function):
         return _forward_impl(x, bias, residual, p, seed, offset)
 
     @staticmethod
-    @once_differentiable
+    @lean_once_differentiable
     def backward(ctx, grad):
         return (*_grads(ctx, grad, _backward_impl), None, None, None)
 

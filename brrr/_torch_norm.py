@@ -13,11 +13,10 @@ import math
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _C
 from ._ops import define
-from ._torch import _EXCHANGE_API, _eager_out, _needs_autograd, _stream, lean_apply
+from ._torch import _EXCHANGE_API, _eager_out, _needs_autograd, _stream, lean_apply, lean_once_differentiable
 from .norm import default_rms_eps, normalized_ndim
 
 Tensor = torch.Tensor
@@ -243,7 +242,7 @@ class _EagerLayerNorm(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @lean_once_differentiable
     def backward(ctx, grad_out):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         _, need_weight, need_bias, _, _ = ctx.needs_input_grad
@@ -261,7 +260,7 @@ class _EagerAddLayerNorm(torch.autograd.Function):
         return out, h
 
     @staticmethod
-    @once_differentiable
+    @lean_once_differentiable
     def backward(ctx, grad_out, grad_h):
         if grad_out is None:
             return grad_h, grad_h, None, None, None, None
@@ -280,7 +279,7 @@ class _EagerRMSNorm(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @lean_once_differentiable
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
         need_weight = ctx.needs_input_grad[1]
@@ -298,7 +297,7 @@ class _EagerAddRMSNorm(torch.autograd.Function):
         return out, h
 
     @staticmethod
-    @once_differentiable
+    @lean_once_differentiable
     def backward(ctx, grad_out, grad_h):
         if grad_out is None:
             return grad_h, grad_h, None, None, None, None

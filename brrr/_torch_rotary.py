@@ -3,11 +3,10 @@ autograd (brrr._ops), an eager autograd.Function, and the direct call into brrr.
 records nothing. The gradient with respect to x is the same op with `backward` flipped."""
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _C
 from ._ops import define
-from ._torch import _eager_out, _needs_autograd, _stream, lean_apply
+from ._torch import _eager_out, _needs_autograd, _stream, lean_apply, lean_once_differentiable
 
 Tensor = torch.Tensor
 
@@ -42,7 +41,7 @@ class _RotaryFunction(torch.autograd.Function):
         return _impl(x, cos, sin, False)
 
     @staticmethod
-    @once_differentiable
+    @lean_once_differentiable
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         return _impl(grad, cos, sin, True), None, None

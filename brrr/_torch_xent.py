@@ -14,11 +14,10 @@ than once) and the backward the same formula in PyTorch ops, which inductor fuse
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _C
 from ._ops import define
-from ._torch import _EXCHANGE_API, _needs_autograd, _stream, lean_apply
+from ._torch import _EXCHANGE_API, _needs_autograd, _stream, lean_apply, lean_once_differentiable
 from .xent import check_rank
 
 Tensor = torch.Tensor
@@ -120,7 +119,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
+    @lean_once_differentiable
     def backward(ctx, grad):
         logits, target, lse, count = ctx.saved_tensors
         return (_backward_impl(grad, logits, target, lse, count, ctx.ignore_index, ctx.label_smoothing),

@@ -161,3 +161,28 @@ def test_without_exchange_table_same_results(device, monkeypatch):
         assert len(got) == len(expected[name])
         for a, e in zip(got, expected[name]):
             assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(a, e), name
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "cross_entropy",
+                                  "swiglu", "gelu"])
+def test_eager_backward_refuses_double_backward(name):
+    """With create_graph=True each backward runs under torch's once_differentiable: given an
+    upstream gradient that requires grad (here, of a square), its gradients record an error node,
+    so a second backward raises instead of silently missing terms."""
+    fn, leaves = next((f, ls) for n, f, ls in _steps("cpu") if n == name)
+    leaves = [t.detach().double().requires_grad_() if t.is_floating_point() else t for t in leaves]
+    outputs = fn(*leaves)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    (g,) = torch.autograd.grad(sum(o.square().sum() for o in outputs), leaves[:1], create_graph=True)
+    assert g.requires_grad  # recorded (the error node), not an untracked result
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+
+
+def test_rotary_backward_refuses_double_backward():
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    cos, sin = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    (g,) = torch.autograd.grad(brrr.rotary(x, cos, sin).square().sum(), x, create_graph=True)
+    assert g.requires_grad
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
