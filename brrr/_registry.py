@@ -49,7 +49,8 @@ _CUDA = _C.cuda_available()  # asked once: torch.compile must not meet a C call 
 
 
 def _device_ok(t):
-    return t.device.type == "cpu" or (t.device.type == "cuda" and _CUDA)
+    # is_cpu / is_cuda: no torch.device object made (these checks run on every registry call)
+    return t.is_cpu or (t.is_cuda and _CUDA)
 
 
 def _tensor_ok(x):
@@ -61,11 +62,21 @@ def _same_kind(x, *others):
                for o in others)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _norm_params_ok(x, *params):
     # Weight and bias in x's dtype, or float32 for half inputs (as autocast leaves them).
-    return all(p is None or (isinstance(p, torch.Tensor) and p.device == x.device and
-                             (p.dtype == x.dtype or (p.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16))))
-               for p in params)
+    device = None
+    for p in params:
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor) or not (p.dtype == x.dtype or (p.dtype == torch.float32 and x.dtype in _HALF)):
+            return False
+        device = x.device if device is None else device
+        if p.device != device:
+            return False
+    return True
 
 
 def _unary_ok(x, *args, **kwargs):
