@@ -35,9 +35,11 @@ _functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None)
 
 def lean_apply(function):
     """function.apply less torch's Python wrapper around its C entry (signature binding, and
-    functorch's dead-wrapper check run over every argument by a generator): about 4 us of the ~30
-    of a norm's eager forward on this project's CPU machine. Calls inside functorch transforms, and
-    functorch's tensors (which the wrapper unwraps), take function.apply."""
+    functorch's dead-wrapper unwrapping run over every argument by a generator): about 4 us of the
+    ~30 of a norm's eager forward on this project's CPU machine. Calls inside functorch transforms
+    take function.apply. So do tensors leaked from a finished transform (dead functorch wrappers,
+    which the wrapper unwraps): brrr._C cannot read one, and its import fails before anything runs,
+    so they are looked for only when the direct call raised."""
     if _C_FUNCTION_APPLY is None or _functorch_active is None or _functorch_wrapped is None:
         return function.apply
     direct, wrapped_apply = _C_FUNCTION_APPLY.__get__(None, function), function.apply
@@ -45,10 +47,12 @@ def lean_apply(function):
     def apply(*args):
         if _functorch_active():
             return wrapped_apply(*args)
-        for a in args:
-            if isinstance(a, torch.Tensor) and _functorch_wrapped(a):
+        try:
+            return direct(*args)
+        except RuntimeError:
+            if any(isinstance(a, torch.Tensor) and _functorch_wrapped(a) for a in args):
                 return wrapped_apply(*args)
-        return direct(*args)
+            raise
     return apply
 
 

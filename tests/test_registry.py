@@ -455,3 +455,27 @@ def test_cuda_graph_capture_of_a_patched_training_step():
         torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, eager_grads[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_register_a_users_op():
+    """An op registered by the user: its implementation where its check and its devices take the
+    arguments, else its reference; a second registration of the name is refused."""
+    calls = []
+
+    def double(x):
+        calls.append(x.device.type)
+        return x + x
+
+    try:
+        registry.register("test_double", lambda x: x * 2, double, lambda x: isinstance(x, torch.Tensor),
+                          devices=("cpu",))
+        x = torch.randn(4)
+        torch.testing.assert_close(registry("test_double", x), 2 * x)
+        assert calls == ["cpu"]
+        meta = torch.empty(4, device="meta")  # a device the op was not registered for
+        assert registry.lookup("test_double").resolve(meta) is registry.lookup("test_double").reference
+        assert registry("test_double", meta).device.type == "meta" and calls == ["cpu"]
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register("test_double", lambda x: x, double, lambda x: True)
+    finally:
+        registry._ops.pop("test_double", None)
