@@ -13,7 +13,7 @@ import torch
 
 import brrr
 from brrr import _patch, registry
-from harness import compiled, kernel_ms, on_gpu, time_ms
+from harness import compiled, host_us_per_call, kernel_ms, on_gpu, time_ms
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not on_gpu(), reason="model benchmarks run on the GPU")
@@ -107,6 +107,20 @@ def test_patched_model(recorder, name):
                  swapped=len(report.swapped), left=len(report.left))
     set_patched(patched, False)
     assert logit_err < 2e-2 and abs(lossa.item() - lossb.item()) < 2e-2 and grad_err < 5e-2
+
+
+def test_host_speed(recorder):
+    """This run's host speed, for comparing runs: each device call gets a machine whose host may
+    be faster or slower, and a patched eager step waits on its host. The host time of a tiny eager
+    LayerNorm forward+backward (its kernels take microseconds)."""
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    w, b = torch.ones(64, device="cuda", requires_grad=True), torch.zeros(64, device="cuda", requires_grad=True)
+    g = torch.ones_like(x)
+    us = host_us_per_call(lambda: torch.autograd.grad(torch.nn.functional.layer_norm(x, (64,), w, b), (x, w, b), g),
+                          calls=500)
+    recorder.add(family="model", op="host probe", impl="eager layer_norm fwd+bwd, 8 x 64", host_us=us)
+    print(f"host probe: {us:.1f} us per tiny eager LayerNorm forward+backward")
+    assert us > 0
 
 
 @pytest.mark.parametrize("name,batch", TRAINING)
