@@ -155,7 +155,7 @@ def synchronising_calls(step):
 
 
 def host_by_module(model, tokens, reps=20):
-    """Median host ms inside each module's forward call (hooks around it, inclusive of its
+    """Mean host ms per step inside each module's forward call (hooks around it, inclusive of its
     children), and in the model library's create_causal_mask, over eager steps each starting on an
     idle GPU: where the forward's host time goes, and which calls wait for the GPU."""
     spans, starts = {}, {}
