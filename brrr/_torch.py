@@ -35,8 +35,8 @@ _functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None)
 
 def lean_apply(function):
     """function.apply less torch's Python wrapper around its C entry (signature binding, and
-    functorch's dead-wrapper unwrapping run over every argument by a generator): about 4 us of the
-    ~30 of a norm's eager forward on this project's CPU machine. Calls inside functorch transforms
+    functorch's dead-wrapper unwrapping run over every argument by a generator): about 3 us of the
+    ~25 of a norm module's eager forward on this project's CPU machine. Calls inside functorch transforms
     take function.apply. So do tensors leaked from a finished transform (dead functorch wrappers,
     which the wrapper unwraps): brrr._C cannot read one, and its import fails before anything runs,
     so they are looked for only when the direct call raised."""
