@@ -73,6 +73,9 @@ int brrr_index_import(brrr_call *call, PyObject *obj, const char *name, brrr_ten
  * like_obj through its C exchange table (for PyTorch: its caching allocator, on the current
  * stream). NULL with an exception on failure; NULL without one when the framework has no table. */
 PyObject *brrr_new_like(brrr_call *call, PyObject *like_obj, const brrr_tensor *like);
+/* The same for a tensor of ndim dims `shape` and brrr dtype `dtype`, on the device of `on`. */
+PyObject *brrr_new_shaped(brrr_call *call, PyObject *like_obj, const brrr_tensor *on, int ndim, const int64_t *shape,
+                          int32_t dtype);
 
 /* A call's `stream` argument: an int, a cudaStream_t or -1 for the framework's current one. */
 int brrr_parse_stream(PyObject *obj, long long *stream);

@@ -272,16 +272,15 @@ static int allocatable(const norm_request *q, int s) {
  * parameter gradient like weight (which must be given: it fixes the parameters' dtype). */
 static PyObject *new_slot(brrr_call *call, PyObject *x_obj, int s, const brrr_tensor *x, const brrr_tensor *lead_ref,
                           const brrr_tensor *norm_ref, const brrr_tensor *weight) {
-    brrr_tensor like = SLOT_KIND[s] == K_ROW ? *lead_ref : *norm_ref;
-    if (SLOT_KIND[s] == K_COL && weight->name == NULL) {
+    const int row = SLOT_KIND[s] == K_ROW;
+    if (!row && weight->name == NULL) {
         PyErr_Format(PyExc_ValueError, "argument %s: True (allocate it here) needs weight, whose dtype it takes",
                      SLOT_NAME[s]);
         return NULL;
     }
-    like.dtype = SLOT_KIND[s] == K_ROW ? acc_dtype(x->dtype) : weight->dtype;
-    like.device_type = x->device_type;
-    like.device_id = x->device_id;
-    PyObject *obj = brrr_new_like(call, x_obj, &like);
+    const brrr_tensor *shape = row ? lead_ref : norm_ref;
+    PyObject *obj = brrr_new_shaped(call, x_obj, x, shape->ndim, shape->shape,
+                                    row ? acc_dtype(x->dtype) : weight->dtype);
     if (obj == NULL && !PyErr_Occurred())
         PyErr_Format(PyExc_TypeError, "argument %s: True (allocate it here) is taken only for tensors of frameworks "
                      "with DLPack's C exchange table", SLOT_NAME[s]);
@@ -376,16 +375,8 @@ static PyObject *norm_call(PyObject *module, norm_request *q) {
         brrr_tensor *p = &t[S_PARTIALS];
         PyObject *obj = q->obj[S_PARTIALS];
         if (!present(q, S_PARTIALS)) {
-            if (q->stream < 0) {
-                brrr_tensor like;
-                memset(&like, 0, sizeof like);
-                like.ndim = 1;
-                like.shape[0] = want;
-                like.dtype = acc_dtype(x->dtype);
-                like.device_type = x->device_type;
-                like.device_id = x->device_id;
-                obj = owned[S_PARTIALS] = brrr_new_like(&call, q->obj[S_X], &like);
-            }
+            if (q->stream < 0)
+                obj = owned[S_PARTIALS] = brrr_new_shaped(&call, q->obj[S_X], x, 1, &want, acc_dtype(x->dtype));
             if (obj == NULL || obj == Py_None) {
                 if (!PyErr_Occurred())
                     PyErr_Format(PyExc_TypeError, "argument partials: required on CUDA for a weight or bias gradient "

@@ -189,6 +189,18 @@ PyObject *brrr_new_like(brrr_call *call, PyObject *like_obj, const brrr_tensor *
     return (PyObject *)obj;
 }
 
+PyObject *brrr_new_shaped(brrr_call *call, PyObject *like_obj, const brrr_tensor *on, int ndim, const int64_t *shape,
+                          int32_t dtype) {
+    brrr_tensor like;
+    memset(&like, 0, sizeof like);
+    like.ndim = ndim;
+    memcpy(like.shape, shape, sizeof(int64_t) * (size_t)ndim);
+    like.dtype = dtype;
+    like.device_type = on->device_type;
+    like.device_id = on->device_id;
+    return brrr_new_like(call, like_obj, &like);
+}
+
 static int import_numpy(PyArrayObject *arr, int index, brrr_tensor *t) {
     int type_num = PyArray_TYPE(arr);
     if (!PyArray_ISNBO(PyArray_DESCR(arr)->byteorder)) {

@@ -228,14 +228,8 @@ static PyObject *xent_call(PyObject *module, const xent_request *q) {
         static const char *const names[4] = {"lse", "loss", "total", "count"};
         for (int k = 0; k < 4; k++) {
             if (outs[k] != Py_True) continue;
-            brrr_tensor like;
-            memset(&like, 0, sizeof like);
-            like.ndim = k < 2 ? target->ndim : 0;
-            memcpy(like.shape, target->shape, sizeof(int64_t) * (size_t)like.ndim);
-            like.dtype = acc_dtype(logits->dtype);
-            like.device_type = logits->device_type;
-            like.device_id = logits->device_id;
-            outs[k] = owned[k] = brrr_new_like(&call, q->logits, &like);
+            outs[k] = owned[k] = brrr_new_shaped(&call, q->logits, logits, k < 2 ? target->ndim : 0, target->shape,
+                                                 acc_dtype(logits->dtype));
             if (outs[k] == NULL) {
                 if (!PyErr_Occurred())
                     PyErr_Format(PyExc_TypeError, "argument %s: True (allocate it here) is taken only for tensors of "
