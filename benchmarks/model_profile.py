@@ -177,14 +177,13 @@ def host_by_module(model, tokens, reps=20):
             finally:
                 spans.setdefault("<create_causal_mask>", []).append(time.perf_counter() - t0)
         library.create_causal_mask = timed_mask
+    step = step_fn(model, tokens)
     try:
         for i in range(reps + 5):
             if i == 5:
                 spans.clear()
-            model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
-            out = model(input_ids=tokens, labels=tokens, use_cache=False)
-            out.loss.backward()
+            step()
     finally:
         for h in handles:
             h.remove()
