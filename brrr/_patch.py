@@ -10,10 +10,12 @@ matched by type. Other modules (the RMSNorm, activation and gated-MLP classes of
 are matched by behaviour: their forward is run once on a random probe and compared with the
 candidate formula, so a look-alike that computes something else is left alone.
 
-A model library's `apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers' Llama-style
-rotary embedding), found in the module that defines one of the model's classes and checked on a
-probe, is replaced there by brrr's: that rebinds a function of the library's module, so every
-model of that module runs brrr's until unpatch (the report says so).
+A module whose forward calls a global `apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers'
+Llama-style attention) that behaves like the rotary embedding on a probe gets the same forward
+with brrr's rotary in that one global's place. Only the patched model's modules see it: the model
+library's module is not touched, so other models of that library keep their own. The forward's
+other globals are a copy taken when patching, so rebinding one of them in the library afterwards
+does not reach a patched module until it is unpatched and patched again.
 
 A model whose forward takes `labels` and whose `loss_function` behaves like a causal language
 model's loss (Hugging Face's ForCausalLMLoss: shift the labels by one, cross-entropy over the
@@ -28,8 +30,9 @@ unaffected.
 """
 
 import contextlib
+import dis
 import inspect
-import sys
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +43,6 @@ from ._registry import TORCH_FUNCTIONS, _torch_rms_norm, _torch_rotary, registry
 
 _ORIGINAL = "_brrr_original_class"
 _ORIGINAL_LOSS = "_brrr_original_loss_attributes"  # what setting loss_function changed in __dict__
-_REBOUND = "_brrr_rebound_functions"  # on the patched model: [(library module, name, original)]
 _ROTARY_NAME = "apply_rotary_pos_emb"
 _MISSING = object()
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
@@ -277,28 +279,39 @@ def _behaves_like_rotary_pos_emb(fn, device):
         isinstance(a, torch.Tensor) and _close(a, b) for a, b in zip(got, expected))
 
 
-def _rebind_rotary(model, device, report):
-    """Replace apply_rotary_pos_emb in the modules that define the model's classes (for a model
-    on a device brrr's rotary has a kernel for)."""
-    seen = set()
-    supported = device.type in registry.lookup("rotary").devices
-    for name, module in model.named_modules():
-        library = sys.modules.get(type(module).__module__)
-        fn = getattr(library, _ROTARY_NAME, None)
-        if fn is None or not callable(fn) or library.__name__ in seen:
-            continue
-        seen.add(library.__name__)
-        where = f"{library.__name__}.{_ROTARY_NAME}"
-        if fn is rotary_pos_emb:
-            report.left.append((name, where, "already brrr's"))
-        elif not supported:
-            report.left.append((name, where, f"brrr's rotary has no {device.type} kernel"))
-        elif _behaves_like_rotary_pos_emb(fn, device):
-            setattr(library, _ROTARY_NAME, rotary_pos_emb)
-            model.__dict__.setdefault(_REBOUND, []).append((library, _ROTARY_NAME, fn))
-            report.swapped.append((name, where, "brrr rotary (a module function: every model of that module)"))
-        else:
-            report.left.append((name, where, "behaves like no rotary embedding"))
+def _calls_global(function, name):
+    return any(ins.opname == "LOAD_GLOBAL" and ins.argval == name for ins in dis.get_instructions(function))
+
+
+def _try_rotary_forward(module, device, made):
+    """(subclass, what) when module's forward calls a global apply_rotary_pos_emb that brrr can
+    replace, (None, why) when it calls one that is left, (None, None) when it calls none. The
+    subclasses are made anew by each patch (their forward's globals are copied then) and shared
+    through `made` by the modules of one class."""
+    cls = type(module)
+    if cls in made:
+        return made[cls]
+    forward = cls.forward
+    inner = inspect.unwrap(forward)
+    if not isinstance(inner, types.FunctionType) or not _calls_global(inner, _ROTARY_NAME):
+        return None, None
+    if inner is not forward:
+        return None, f"its forward calls {_ROTARY_NAME} but is wrapped by a decorator, which brrr cannot rebuild"
+    fn = forward.__globals__.get(_ROTARY_NAME)
+    if fn is rotary_pos_emb:
+        return None, f"its forward's {_ROTARY_NAME} is already brrr's"
+    if device.type not in registry.lookup("rotary").devices:
+        return None, f"brrr's rotary has no {device.type} kernel"
+    if not callable(fn) or not _behaves_like_rotary_pos_emb(fn, device):
+        return None, f"its forward's {_ROTARY_NAME} behaves like no rotary embedding"
+    scope = dict(forward.__globals__)
+    scope[_ROTARY_NAME] = rotary_pos_emb
+    rebuilt = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
+    rebuilt.__kwdefaults__ = forward.__kwdefaults__
+    rebuilt.__qualname__, rebuilt.__doc__ = forward.__qualname__, forward.__doc__
+    made[cls] = type(f"Brrr{cls.__name__}", (cls,), {"forward": rebuilt, "__module__": __name__}), \
+        f"brrr rotary (its forward's {_ROTARY_NAME})"
+    return made[cls]
 
 
 def patch(model):
@@ -310,6 +323,7 @@ def patch(model):
     if not dtype.is_floating_point:
         dtype = torch.float32
     report = PatchReport()
+    rotary_classes = {}
     for name, module in model.named_modules():
         cls = type(module)
         loss = _try_loss_function(module, device)
@@ -323,7 +337,9 @@ def patch(model):
             _swap(module, twin)
             report.swapped.append((name, cls.__name__, f"brrr.nn.{twin.__name__}"))
             continue
-        new_class, what = _try_glu_mlp(module, device, dtype)
+        new_class, what = _try_rotary_forward(module, device, rotary_classes)
+        if new_class is None and what is None:
+            new_class, what = _try_glu_mlp(module, device, dtype)
         if new_class is None and what is not None:
             report.left.append((name, cls.__name__, what))
             continue
@@ -339,18 +355,13 @@ def patch(model):
         if new_class is not None:
             _swap(module, new_class)
             report.swapped.append((name, cls.__name__, what))
-    _rebind_rotary(model, device, report)
     return report
 
 
 def unpatch(model):
-    """Give every module brrr.patch swapped its original class (and loss_function) back, and the
-    library functions it rebound; returns how many it restored."""
+    """Give every module brrr.patch swapped its original class (and loss_function) back; returns
+    how many it restored."""
     restored = 0
-    for library, name, original in model.__dict__.pop(_REBOUND, []):
-        if getattr(library, name, None) is rotary_pos_emb:
-            setattr(library, name, original)
-            restored += 1
     for module in model.modules():
         changed = module.__dict__.pop(_ORIGINAL_LOSS, None)
         for key, value in (changed or {}).items():

@@ -1,6 +1,6 @@
 """A tiny attention model with rotary embeddings, written as transformers' Llama writes them: a
-module-level apply_rotary_pos_emb that brrr.patch finds and rebinds (kept out of test_registry's
-module, whose models must not see a rebinding)."""
+module-level apply_rotary_pos_emb that the attention's forward calls as a global, which brrr.patch
+replaces in the patched modules' forward."""
 
 import torch
 import torch.nn as nn

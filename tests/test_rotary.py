@@ -1,10 +1,12 @@
 """brrr.rotary and brrr.apply_rotary_pos_emb: outputs and gradients against a float64 reference
 (x * cos + rotate_half(x) * sin) on fresh random inputs, broadcast cos/sin, strided views (the
 transposed heads of an attention block), head dims whose half is not a multiple of a 16-byte
-pack (scalar path on CUDA), NumPy, errors, opcheck, torch.compile, and brrr.patch rebinding a
-model library's apply_rotary_pos_emb (tests/rope_model.py) and unpatch restoring it."""
+pack (scalar path on CUDA), NumPy, errors, opcheck, torch.compile, and brrr.patch giving a
+model's attention modules brrr's rotary in place of their library's apply_rotary_pos_emb
+(tests/rope_model.py) without touching the library, and unpatch restoring them."""
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -173,35 +175,87 @@ def test_cuda_graph_capture_and_replay():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_patch_rebinds_the_library_function_and_unpatch_restores_it(device, monkeypatch):
+def test_patch_gives_the_models_attention_brrrs_rotary_and_leaves_the_library(device, monkeypatch):
     torch.manual_seed(0)
     model = rope_model.RopeModel().to(device)
     reference_model = copy.deepcopy(model)
+    other_model = copy.deepcopy(model)  # never patched: it must keep the library's function
     tokens = torch.randint(0, 61, (2, 11), device=device)
     expected = reference_model(tokens)
     original = rope_model.apply_rotary_pos_emb
+    calls = []
+    op = brrr.registry.lookup("rotary")
+    monkeypatch.setattr(op, "implementation", _counting(op.implementation, calls))
     report = brrr.patch(model)
     try:
-        assert ("", "rope_model.apply_rotary_pos_emb",
-                "brrr rotary (a module function: every model of that module)") in report.swapped, str(report)
-        assert rope_model.apply_rotary_pos_emb is not original
+        swapped = [(name, why) for name, cls, why in report.swapped if cls == "RopeAttention"]
+        assert swapped == [(f"layers.{i}", "brrr rotary (its forward's apply_rotary_pos_emb)") for i in range(2)], \
+            str(report)
+        assert rope_model.apply_rotary_pos_emb is original
         out = model(tokens)
+        assert len(calls) == 4  # q and k of each layer: the patched forward runs brrr's
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
         ref_grads = torch.autograd.grad(expected.square().sum(), list(reference_model.parameters()))
         for a, b in zip(grads, ref_grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        other_model(tokens)
+        assert len(calls) == 4, "a model that was not patched ran brrr's rotary"
         again = brrr.patch(model)
-        assert ("", "rope_model.apply_rotary_pos_emb", "already brrr's") in again.left
+        assert [why for name, _, why in again.left if name == "layers.0"] == ["already patched"]
     finally:
         brrr.unpatch(model)
-    assert rope_model.apply_rotary_pos_emb is original
+    assert type(model.layers[0]) is rope_model.RopeAttention
+    model(tokens)
+    assert len(calls) == 4
     # A look-alike with the other rotation sense is left alone.
     monkeypatch.setattr(rope_model, "apply_rotary_pos_emb", lambda q, k, cos, sin, *a, **kw: (
         q * cos[:, None] - rope_model.rotate_half(q) * sin[:, None], k * cos[:, None] - rope_model.rotate_half(k) * sin[:, None]))
     report = brrr.patch(model)
-    assert ("", "rope_model.apply_rotary_pos_emb", "behaves like no rotary embedding") in report.left
+    assert ("layers.0", "RopeAttention", "its forward's apply_rotary_pos_emb behaves like no rotary embedding") \
+        in report.left, str(report)
     brrr.unpatch(model)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_patched_rope_model_compiles_without_graph_breaks(device):
+    torch.manual_seed(0)
+    model = rope_model.RopeModel().to(device)
+    tokens = torch.randint(0, 61, (2, 11), device=device)
+    expected = model(tokens)
+    brrr.patch(model)
+    try:
+        torch._dynamo.reset()
+        assert torch._dynamo.explain(model)(tokens).graph_break_count == 0
+        compiled = torch.compile(model, fullgraph=True)
+        torch.testing.assert_close(compiled(tokens), expected, rtol=1e-5, atol=1e-5)
+        grads = torch.autograd.grad(compiled(tokens).square().sum(), list(model.parameters()))
+        ref_grads = torch.autograd.grad(expected.square().sum(), list(model.parameters()))
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    finally:
+        brrr.unpatch(model)
+        torch._dynamo.reset()
+
+
+def _counting(fn, calls):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return counted
+
+
+def test_patch_leaves_a_decorated_forward_that_calls_the_rotary():
+    class Wrapped(rope_model.RopeAttention):
+        @functools.wraps(rope_model.RopeAttention.forward)
+        def forward(self, *args, **kwargs):
+            return rope_model.RopeAttention.forward(self, *args, **kwargs)
+
+    model = torch.nn.Sequential(Wrapped())
+    report = brrr.patch(model)
+    assert ("0", "Wrapped", "its forward calls apply_rotary_pos_emb but is wrapped by a decorator, which brrr "
+            "cannot rebuild") in report.left, str(report)
+    assert type(model[0]) is Wrapped
 
 
 @pytest.mark.parametrize("angle_shape,supported", [((1, 1, 5, 8), True), ((5, 8), True), ((2, 3, 5, 8), True),
