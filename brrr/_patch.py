@@ -261,7 +261,7 @@ def _try_loss_function(module, device):
 def rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """transformers' apply_rotary_pos_emb through brrr's rotary (see brrr.apply_rotary_pos_emb)."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return registry("rotary", q, cos, sin), registry("rotary", k, cos, sin)
+    return registry("rotary_qk", q, k, cos, sin)
 
 
 def _behaves_like_rotary_pos_emb(fn, device):
@@ -300,7 +300,7 @@ def _try_rotary_forward(module, device, made):
     fn = forward.__globals__.get(_ROTARY_NAME)
     if fn is rotary_pos_emb:
         return None, f"its forward's {_ROTARY_NAME} is already brrr's"
-    if device.type not in registry.lookup("rotary").devices:
+    if device.type not in registry.lookup("rotary_qk").devices:
         return None, f"brrr's rotary has no {device.type} kernel"
     if not callable(fn) or not _behaves_like_rotary_pos_emb(fn, device):
         return None, f"its forward's {_ROTARY_NAME} behaves like no rotary embedding"

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _C, _torch, _torch_norm
-from ._torch_rotary import rotary as _brrr_rotary
+from ._torch_rotary import rotary as _brrr_rotary, rotary_qk as _brrr_rotary_qk
 from .chain import _GELU, _GELU_TANH, _RELU, _SIGMOID, _SILU, _TANH
 from .dropout import bias_dropout_add
 from .glu import _gelu_name, bias_gelu, bias_silu
@@ -175,7 +175,16 @@ def _rotary_ok(x, cos, sin):
         return False
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return False  # brrr gives cos and sin no gradient
-    return _angle_fits(cos, x.shape) and _angle_fits(sin, x.shape)
+    return _angles_fit(cos, sin, x.shape)
+
+
+def _rotary_qk_ok(q, k, cos, sin):
+    return (_rotary_ok(q, cos, sin) and _tensor_ok(k) and k.dtype == q.dtype and k.device == q.device and
+            (k.shape == q.shape or (k.dim() == q.dim() and k.shape[-1] == q.shape[-1] and _angles_fit(cos, sin, k.shape))))
+
+
+def _angles_fit(cos, sin, shape):
+    return _angle_fits(cos, shape) and (sin.shape == cos.shape or _angle_fits(sin, shape))
 
 
 def _angle_fits(angle, shape):
@@ -191,6 +200,10 @@ def _angle_fits(angle, shape):
 def _torch_rotary(x, cos, sin):
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _torch_rotary_qk(q, k, cos, sin):
+    return _torch_rotary(q, cos, sin), _torch_rotary(k, cos, sin)
 
 
 def _torch_rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
@@ -363,5 +376,6 @@ for _name, _ref, _impl, _ok in [
     ("add_rms_norm", _torch_add_rms_norm, _add_rms_norm, _add_rms_norm_ok),
     ("cross_entropy", _torch_cross_entropy, cross_entropy, _cross_entropy_ok),
     ("rotary", _torch_rotary, _brrr_rotary, _rotary_ok),
+    ("rotary_qk", _torch_rotary_qk, _brrr_rotary_qk, _rotary_qk_ok),
 ]:
     registry.register(_name, _ref, _impl, _ok, compiled="kernel" if _name in _KERNEL_UNDER_COMPILE else "inductor")

@@ -47,18 +47,48 @@ class _RotaryFunction(torch.autograd.Function):
         return _impl(grad, cos, sin, True), None, None
 
 
-_apply_rotary = lean_apply(_RotaryFunction)
+class _RotaryPairFunction(torch.autograd.Function):
+    """q and k rotated by the same cos and sin under one autograd node: one Function applied and
+    one backward called per attention layer instead of two (host time, the overhead regime)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.set_materialize_grads(False)
+        return _impl(q, cos, sin, False), _impl(k, cos, sin, False)
+
+    @staticmethod
+    @lean_once_differentiable
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        return (None if grad_q is None else _impl(grad_q, cos, sin, True),
+                None if grad_k is None else _impl(grad_k, cos, sin, True), None, None)
+
+
+_apply_rotary, _apply_rotary_pair = lean_apply(_RotaryFunction), lean_apply(_RotaryPairFunction)
+
+
+def _refuse_angle_gradients(cos, sin):
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (cos, sin)):
+        name = "cos" if cos.requires_grad else "sin"
+        raise ValueError(f"argument {name}: brrr.rotary gives no gradient for cos and sin (they require grad here; "
+                         "brrr.registry sends such inputs to PyTorch)")
 
 
 def rotary(x, cos, sin):
     """brrr.rotary on torch tensors: the custom op under torch.compile, the autograd.Function
     when autograd records, else straight to brrr._C."""
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (cos, sin)):
-        name = "cos" if cos.requires_grad else "sin"
-        raise ValueError(f"argument {name}: brrr.rotary gives no gradient for cos and sin (they require grad here; "
-                         "brrr.registry sends such inputs to PyTorch)")
+    _refuse_angle_gradients(cos, sin)
     if torch.compiler.is_compiling():
         return _rotary(x, cos, sin, False)
     if _needs_autograd(x):
         return _apply_rotary(x, cos, sin)
     return _impl(x, cos, sin, False)
+
+
+def rotary_qk(q, k, cos, sin):
+    """(rotary(q, cos, sin), rotary(k, cos, sin)), one autograd node for both where both need one."""
+    _refuse_angle_gradients(cos, sin)
+    if not torch.compiler.is_compiling() and _needs_autograd(q) and k.requires_grad:
+        return _apply_rotary_pair(q, k, cos, sin)
+    return rotary(q, cos, sin), rotary(k, cos, sin)

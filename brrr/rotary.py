@@ -31,9 +31,10 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     unsqueeze_dim, then both q and k are rotated. position_ids is unused, as there."""
     torch = torch_if_tensor(q)
     if torch is not None:
-        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    else:
-        import numpy as np
+        from . import _torch_rotary
 
-        cos, sin = np.expand_dims(cos, unsqueeze_dim), np.expand_dims(sin, unsqueeze_dim)
+        return _torch_rotary.rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
+    import numpy as np
+
+    cos, sin = np.expand_dims(cos, unsqueeze_dim), np.expand_dims(sin, unsqueeze_dim)
     return rotary(q, cos, sin), rotary(k, cos, sin)

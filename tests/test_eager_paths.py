@@ -183,3 +183,14 @@ def test_rotary_backward_refuses_double_backward():
     assert g.requires_grad
     with pytest.raises(RuntimeError, match="once_differentiable"):
         g.sum().backward()
+
+
+def test_rotary_pair_backward_refuses_double_backward():
+    q, k = (torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    cos, sin = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    rq, rk = brrr.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)
+    assert rq.grad_fn is rk.grad_fn  # one node for both
+    (g,) = torch.autograd.grad((rq.square() + rk.square()).sum(), q, create_graph=True)
+    assert g.requires_grad
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()

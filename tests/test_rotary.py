@@ -77,6 +77,58 @@ def test_strided_heads_and_apply_rotary_pos_emb(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("k_heads", [4, 2, 1])  # grouped-query attention: fewer key heads
+@pytest.mark.parametrize("needs", ["both", "q", "k", "q only used"])
+def test_apply_rotary_pos_emb_gradients(device, dtype, k_heads, needs):
+    """q and k share one autograd node where both need gradients: each gradient against the
+    float64 reference, including an output that takes no part in the loss (its gradient None)."""
+    b, t, d = 2, 7, 16
+    q, k = random((b, 4, t, d), dtype, device), random((b, k_heads, t, d), dtype, device)
+    angles = random((b, t, d), torch.float32, device, -5, 5)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    ql, kl = q.clone().requires_grad_(needs != "k"), k.clone().requires_grad_(needs != "q")
+    ours = brrr.apply_rotary_pos_emb(ql, kl, cos, sin)
+    rq, rk = q.double().cpu().requires_grad_(), k.double().cpu().requires_grad_()
+    theirs = rope_model.apply_rotary_pos_emb(rq, rk, cos.double().cpu(), sin.double().cpu())
+    for a, e, leaf in zip(ours, theirs, (ql, kl)):
+        check(a, e, dtype, scale=3)
+        assert a.requires_grad == leaf.requires_grad
+    used = [i for i, leaf in enumerate((ql, kl)) if leaf.requires_grad][:1 if needs == "q only used" else 2]
+    grads = [random(ours[i].shape, dtype, device) for i in used]
+    torch.autograd.backward([ours[i] for i in used], grads)
+    torch.autograd.backward([theirs[i] for i in used], [g.double().cpu() for g in grads])
+    for leaf, ref in zip((ql, kl), (rq, rk)):
+        if leaf.requires_grad and ref.grad is not None:
+            check(leaf.grad, ref.grad, dtype, scale=3)
+        else:
+            assert leaf.grad is None
+    if needs == "q only used":
+        assert kl.grad is None and ql.grad is not None
+
+
+def test_rotary_qk_registry_op():
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
+    cos, sin = torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8)
+    op = brrr.registry.lookup("rotary_qk")
+    assert op.resolve(q, k, cos, sin) is op.implementation
+    assert op.resolve(q, k.double(), cos, sin) is op.reference  # mixed dtypes: PyTorch promotes them
+    assert op.resolve(q, k[..., :4], cos, sin) is op.reference  # k's head dim differs from the angles'
+    assert op.resolve(q, torch.randn(2, 2, 3, 8), cos, sin) is op.reference  # the angles do not fit k
+    for a, e in zip(brrr.registry("rotary_qk", q, k, cos, sin), op.reference(q, k, cos, sin)):
+        torch.testing.assert_close(a, e)
+    torch._dynamo.reset()
+    f = lambda q, k: sum(t.square().sum() for t in brrr.apply_rotary_pos_emb(q, k, cos[:, 0], sin[:, 0]))  # noqa: E731
+    ql, kl = q.clone().requires_grad_(), k.clone().requires_grad_()
+    assert torch._dynamo.explain(f)(ql, kl).graph_break_count == 0
+    out = torch.compile(f, fullgraph=True)(ql, kl)
+    torch.testing.assert_close(out, f(ql, kl))
+    for a, e in zip(torch.autograd.grad(out, (ql, kl)), torch.autograd.grad(f(ql, kl), (ql, kl))):
+        torch.testing.assert_close(a, e)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_c_layer_writes_every_element_and_in_place(device):
     x = random((3, 5, 12), torch.float32, device)
     cos, sin = random((5, 12), torch.float32, device), random((5, 12), torch.float32, device)
@@ -184,7 +236,7 @@ def test_patch_gives_the_models_attention_brrrs_rotary_and_leaves_the_library(de
     expected = reference_model(tokens)
     original = rope_model.apply_rotary_pos_emb
     calls = []
-    op = brrr.registry.lookup("rotary")
+    op = brrr.registry.lookup("rotary_qk")
     monkeypatch.setattr(op, "implementation", _counting(op.implementation, calls))
     report = brrr.patch(model)
     try:
@@ -193,21 +245,21 @@ def test_patch_gives_the_models_attention_brrrs_rotary_and_leaves_the_library(de
             str(report)
         assert rope_model.apply_rotary_pos_emb is original
         out = model(tokens)
-        assert len(calls) == 4  # q and k of each layer: the patched forward runs brrr's
+        assert len(calls) == 2  # once a layer: the patched forward runs brrr's
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
         ref_grads = torch.autograd.grad(expected.square().sum(), list(reference_model.parameters()))
         for a, b in zip(grads, ref_grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         other_model(tokens)
-        assert len(calls) == 4, "a model that was not patched ran brrr's rotary"
+        assert len(calls) == 2, "a model that was not patched ran brrr's rotary"
         again = brrr.patch(model)
         assert [why for name, _, why in again.left if name == "layers.0"] == ["already patched"]
     finally:
         brrr.unpatch(model)
     assert type(model.layers[0]) is rope_model.RopeAttention
     model(tokens)
-    assert len(calls) == 4
+    assert len(calls) == 2
     # A look-alike with the other rotation sense is left alone.
     monkeypatch.setattr(rope_model, "apply_rotary_pos_emb", lambda q, k, cos, sin, *a, **kw: (
         q * cos[:, None] - rope_model.rotate_half(q) * sin[:, None], k * cos[:, None] - rope_model.rotate_half(k) * sin[:, None]))
