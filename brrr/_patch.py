@@ -52,11 +52,13 @@ _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 class PatchReport:
     swapped: list = field(default_factory=list)  # (module name, original class, replacement)
     left: list = field(default_factory=list)  # (module name, class, reason)
+    notes: list = field(default_factory=list)  # what else the user should know, as sentences
 
     def __str__(self):
         lines = [f"brrr.patch: swapped {len(self.swapped)} module(s), left {len(self.left)}"]
         lines += [f"  swapped {name or '<root>'}: {cls} -> {new}" for name, cls, new in self.swapped]
         lines += [f"  left    {name or '<root>'}: {cls} ({why})" for name, cls, why in self.left]
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -355,6 +357,10 @@ def patch(model):
         if new_class is not None:
             _swap(module, new_class)
             report.swapped.append((name, cls.__name__, what))
+    if device.type == "cpu" and report.swapped and any(registry.lookup(n).cpu == "pytorch" for n in registry.names()):
+        report.notes.append("the model is on the CPU, where the registry runs PyTorch's functions unless told "
+                            "registry.on_cpu(name, 'kernel'): brrr's CPU code is its CUDA kernels' reference twin, "
+                            "not a fast CPU kernel. brrr's kernels run once the model is on a GPU.")
     return report
 
 

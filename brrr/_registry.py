@@ -8,6 +8,7 @@
     registry.reset("gelu")                   # back to brrr's
     registry.on_unsupported("gelu", "raise") # unsupported input: UnsupportedError, not a fallback
     registry.under_compile("rms_norm", "kernel")  # brrr's kernel in compiled graphs too
+    registry.on_cpu("gelu", "kernel")        # brrr's CPU code for CPU tensors (default: PyTorch's)
 
 Under torch.compile an op runs one of two ways. "kernel": brrr's custom op sits in the graph as
 one opaque node. "inductor": the PyTorch function it replaces is traced instead, so that inductor
@@ -18,6 +19,14 @@ measured in compiled training steps of transformers' Llama and GPT-2 on an H200
 prevents, and its SwiGLU backward took 108 us a layer against brrr's 191 us); cross_entropy (its
 forward reads the logits once, inductor's twice) and bias_dropout_add (its reference draws its
 mask from torch's generator, not from the seed) to "kernel".
+
+On CPU tensors brrr's ops run the PyTorch function they replace, unless set to "kernel" (ops a
+user registers run their implementation there, as on any device they list): brrr's CPU
+code is the reference twin of its CUDA kernels (it computes the same function, for tests and
+NumPy), not a fast CPU kernel; PyTorch's vectorised CPU kernels ran 17 to 32 times faster on this
+project's CPU machine (a 256 x 1024 GELU, SiLU and LayerNorm, one thread:
+benchmarks/results/local/cpu-twins-2026-12-01.txt). So a model patched or built with brrr.nn keeps
+PyTorch's CPU speed until it moves to the GPU.
 
 An input brrr does not support (a dtype or device it has no kernel for, mixed dtypes that
 PyTorch would promote, a CUDA tensor in a build without CUDA) goes to the PyTorch function the op
@@ -257,6 +266,8 @@ class Op:
     overrides: dict = field(default_factory=dict)  # device type (or None for all) -> callable
     compiled: str = "kernel"  # under torch.compile: "kernel" (brrr's op) or "inductor" (the reference)
     default_compiled: str = "kernel"
+    cpu: str = "kernel"  # on CPU tensors: "kernel" (the implementation) or "pytorch" (the reference)
+    default_cpu: str = "kernel"
 
     def resolve(self, *args, **kwargs):
         """The callable that will run for these arguments."""
@@ -266,6 +277,8 @@ class Op:
             if override is not None:
                 return override
         if self.compiled == "inductor" and torch.compiler.is_compiling():
+            return self.reference
+        if device == "cpu" and self.cpu == "pytorch":
             return self.reference
         if device in self.devices and self.supports(*args, **kwargs):
             return self.implementation
@@ -294,12 +307,14 @@ class Registry:
     def __init__(self):
         self._ops = {}
 
-    def register(self, name, reference, implementation, supports, devices=("cpu", "cuda"), compiled="kernel"):
+    def register(self, name, reference, implementation, supports, devices=("cpu", "cuda"), compiled="kernel",
+                 cpu="kernel"):
         if name in self._ops:
             raise ValueError(f"argument name: op {name!r} is already registered (override it instead)")
         _check_compiled_mode(compiled)
+        _check_cpu_mode(cpu)
         self._ops[name] = Op(name, reference, implementation, supports, tuple(devices), compiled=compiled,
-                             default_compiled=compiled)
+                             default_compiled=compiled, cpu=cpu, default_cpu=cpu)
         return self._ops[name]
 
     def lookup(self, name) -> Op:
@@ -326,18 +341,26 @@ class Registry:
         self.lookup(name).overrides[device] = implementation
 
     def reset(self, name=None):
-        """Drop overrides, restore falling back and the default under torch.compile (for one op,
-        or every op)."""
+        """Drop overrides, restore falling back, the default under torch.compile and PyTorch's
+        function on CPU (for one op, or every op)."""
         for op in ([self.lookup(name)] if name is not None else self._ops.values()):
             op.overrides.clear()
             op.unsupported = "fallback"
             op.compiled = op.default_compiled
+            op.cpu = op.default_cpu
 
     def under_compile(self, name, mode):
         """'kernel' (brrr's op in the compiled graph) or 'inductor' (the PyTorch function, for
         inductor to fuse) for `name` under torch.compile. Takes effect at the next compilation."""
         _check_compiled_mode(mode)
         self.lookup(name).compiled = mode
+
+    def on_cpu(self, name, mode):
+        """'pytorch' (the PyTorch function: the default of brrr's ops) or 'kernel' (the op's
+        implementation: brrr's CPU code, the twin of its CUDA kernels and many times slower than
+        PyTorch's; the default of ops a user registers) for `name` on CPU tensors."""
+        _check_cpu_mode(mode)
+        self.lookup(name).cpu = mode
 
     def on_unsupported(self, name, mode):
         """'fallback' (to the PyTorch function) or 'raise' (UnsupportedError) for inputs brrr lacks."""
@@ -348,6 +371,11 @@ class Registry:
     def __call__(self, name, *args, **kwargs):
         op = self._ops.get(name) or self.lookup(name)  # lookup raises the error for an unknown name
         return op.resolve(*args, **kwargs)(*args, **kwargs)
+
+
+def _check_cpu_mode(mode):
+    if mode not in ("pytorch", "kernel"):
+        raise ValueError(f"argument mode: expected 'pytorch' or 'kernel', got {mode!r}")
 
 
 def _check_compiled_mode(mode):
@@ -378,4 +406,5 @@ for _name, _ref, _impl, _ok in [
     ("rotary", _torch_rotary, _brrr_rotary, _rotary_ok),
     ("rotary_qk", _torch_rotary_qk, _brrr_rotary_qk, _rotary_qk_ok),
 ]:
-    registry.register(_name, _ref, _impl, _ok, compiled="kernel" if _name in _KERNEL_UNDER_COMPILE else "inductor")
+    registry.register(_name, _ref, _impl, _ok, compiled="kernel" if _name in _KERNEL_UNDER_COMPILE else "inductor",
+                      cpu="pytorch")

@@ -17,3 +17,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def brrr_cpu_kernels():
+    """The registry runs brrr's CPU code on CPU tensors in these tests (its default there is
+    PyTorch's function): CI has no GPU, so the CPU twins are what its tests of brrr.nn, brrr.patch
+    and the registry exercise. test_registry checks the default itself."""
+    if torch is None:
+        yield
+        return
+    from helpers import cpu_kernels
+
+    cpu_kernels()
+    yield
+    brrr.registry.reset()

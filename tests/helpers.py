@@ -42,3 +42,20 @@ def random(shape, dtype, device, low=-3.0, high=3.0, generator=None):
 
 def as_numpy64(x):
     return np.asarray(x.detach().to("cpu", torch.float64))
+
+
+def cpu_kernels(names=None):
+    """brrr's CPU code for CPU tensors in the registry (the suite's setting, see conftest; the
+    registry's default there is PyTorch's function)."""
+    from brrr import registry
+
+    for name in names or registry.names():
+        registry.on_cpu(name, "kernel")
+
+
+def reset_registry(name=None):
+    """registry.reset, with the suite's CPU setting after it."""
+    from brrr import registry
+
+    registry.reset(name)
+    cpu_kernels([name] if name else None)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import brrr
 from brrr import registry
 from brrr import causal_lm_loss
-from helpers import DEVICES
+from helpers import DEVICES, reset_registry
 
 
 class LlamaStyleRMSNorm(nn.Module):
@@ -289,7 +289,7 @@ def test_registry_lookup_override_and_fallback():
         registry.override("gelu", lambda t, approximate="none": calls.append(t) or F.gelu(t, approximate=approximate))
         brrr.nn.GELU()(x)
         assert len(calls) == 1
-        registry.reset("gelu")
+        reset_registry("gelu")
         brrr.nn.GELU()(x)
         assert len(calls) == 1
         # Mixed dtypes: brrr has no kernel, PyTorch promotes; the registry falls back ...
@@ -309,7 +309,7 @@ def test_registry_lookup_override_and_fallback():
         torch.testing.assert_close(registry("cross_entropy", x, target, dtype=torch.float64),
                                    F.cross_entropy(x.double(), target))
     finally:
-        registry.reset()
+        reset_registry()
     # brrr's implementations check what the support checks leave to them, as brrr's functions do.
     with pytest.raises(ValueError, match="argument approximate"):
         registry("geglu", x, approximate="fast")
@@ -336,7 +336,7 @@ def test_use_fused_routes_functional_calls():
         assert F.gelu is original
         assert len(seen) == 2
     finally:
-        registry.reset()
+        reset_registry()
     with brrr.use_fused():
         assert F.layer_norm is not original_layer_norm
         torch.testing.assert_close(F.layer_norm(x, (16,)), original_layer_norm(x, (16,)), rtol=1e-5, atol=1e-5)
@@ -363,7 +363,7 @@ def test_use_fused_routes_functional_calls():
         assert seen[-1] == 2 and F.cross_entropy is original_cross_entropy
         torch.testing.assert_close(loss, F.cross_entropy(x, target, label_smoothing=0.1), rtol=1e-5, atol=1e-6)
     finally:
-        registry.reset()
+        reset_registry()
 
 
 @pytest.mark.parametrize("style", ["llama", "gelu"])
@@ -415,10 +415,10 @@ def test_under_compile_chooses_brrr_kernels_or_inductor():
         registry.under_compile("swiglu", "kernel")
         registry.under_compile("cross_entropy", "inductor")
         assert brrr_ops_in_compiled_graph(model, tokens, tokens) == {"brrr.glu.default", "brrr.rms_norm.default"}
-        registry.reset()
+        reset_registry()
         assert registry.lookup("rms_norm").compiled == "inductor" and registry.lookup("cross_entropy").compiled == "kernel"
     finally:
-        registry.reset()
+        reset_registry()
     with pytest.raises(ValueError, match="argument mode"):
         registry.under_compile("gelu", "eager")
 
@@ -479,3 +479,30 @@ def test_register_a_users_op():
             registry.register("test_double", lambda x: x, double, lambda x: True)
     finally:
         registry._ops.pop("test_double", None)
+
+
+def test_cpu_tensors_run_pytorch_unless_asked_for_brrrs_cpu_code():
+    """The registry's default on CPU tensors is PyTorch's function (brrr's CPU code is the CUDA
+    kernels' twin, not a fast kernel); the rest of this suite asks for brrr's (conftest)."""
+    registry.reset()  # the defaults, as a user has them
+    try:
+        x = torch.randn(5, 8)
+        for name in registry.names():
+            assert registry.lookup(name).cpu == "pytorch"
+        op = registry.lookup("gelu")
+        assert op.resolve(x) is op.reference
+        assert torch.equal(brrr.nn.GELU()(x), F.gelu(x))
+        model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8))
+        report = brrr.patch(model)
+        assert len(report.swapped) == 2 and any("registry.on_cpu(name, 'kernel')" in n for n in report.notes)
+        assert "note: the model is on the CPU" in str(report)
+        brrr.unpatch(model)
+        registry.on_cpu("gelu", "kernel")
+        assert op.resolve(x) is op.implementation
+        assert op.resolve(x, approximate="fast") is op.reference  # still only what brrr supports
+        with pytest.raises(ValueError, match="argument mode"):
+            registry.on_cpu("gelu", "fast")
+        registry.reset("gelu")
+        assert op.cpu == "pytorch"
+    finally:
+        reset_registry()
