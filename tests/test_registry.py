@@ -403,6 +403,43 @@ def brrr_ops_in_compiled_graph(fn, *args):
     return {str(node.target) for gm in graphs for node in gm.graph.nodes if str(node.target).startswith("brrr.")}
 
 
+def test_compiling_before_patching_gives_the_same_results():
+    """torch.compile, then brrr.patch, then unpatch, on the same compiled model: dynamo's guards
+    on the modules' classes and the loss attribute make it trace again each time, so the compiled
+    model runs brrr's ops after patching and PyTorch's after unpatching, with the eager results."""
+    torch.manual_seed(8)
+    model = TinyCausalLM("llama")
+    perturb(model)
+    tokens = torch.randint(0, 97, (2, 8))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if str(n.target).startswith("brrr.")})
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    try:
+        registry.under_compile("rms_norm", "kernel")
+        expected_logits, expected_loss = model(tokens, tokens)
+        logits, loss = compiled(tokens, tokens)
+        assert graphs == [set()]
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
+        brrr.patch(model)
+        patched_logits, patched_loss = compiled(tokens, tokens)
+        assert len(graphs) == 2 and graphs[1] == {"brrr.rms_norm.default", "brrr.cross_entropy.default"}, graphs
+        torch.testing.assert_close(patched_logits, expected_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(patched_loss, expected_loss, rtol=1e-5, atol=1e-5)
+        brrr.unpatch(model)
+        logits, loss = compiled(tokens, tokens)
+        assert all(not ops for ops in graphs[2:])  # the first graph again, or a new one without brrr
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
+    finally:
+        brrr.unpatch(model)
+        reset_registry()
+        torch._dynamo.reset()
+
+
 def test_under_compile_chooses_brrr_kernels_or_inductor():
     torch.manual_seed(7)
     model = TinyCausalLM("llama")
