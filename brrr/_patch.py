@@ -309,8 +309,9 @@ def _try_rotary_forward(module, device, made):
     scope = dict(forward.__globals__)
     scope[_ROTARY_NAME] = rotary_pos_emb
     rebuilt = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
-    rebuilt.__kwdefaults__ = forward.__kwdefaults__
+    rebuilt.__kwdefaults__, rebuilt.__annotations__ = forward.__kwdefaults__, forward.__annotations__
     rebuilt.__qualname__, rebuilt.__doc__ = forward.__qualname__, forward.__doc__
+    rebuilt.__dict__.update(forward.__dict__)
     made[cls] = type(f"Brrr{cls.__name__}", (cls,), {"forward": rebuilt, "__module__": __name__}), \
         f"brrr rotary (its forward's {_ROTARY_NAME})"
     return made[cls]
