@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import nn as brrr_nn
+from .rotary import apply_rotary_pos_emb as brrr_apply_rotary_pos_emb
 from ._registry import TORCH_FUNCTIONS, _torch_rms_norm, _torch_rotary, registry
 
 _ORIGINAL = "_brrr_original_class"
@@ -260,10 +261,33 @@ def _try_loss_function(module, device):
     return True, "loss_function: brrr causal-LM cross_entropy"
 
 
-def rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    """transformers' apply_rotary_pos_emb through brrr's rotary (see brrr.apply_rotary_pos_emb)."""
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return registry("rotary_qk", q, k, cos, sin)
+def _rotary_through_brrr(original):
+    """A replacement for a library's apply_rotary_pos_emb(q, k, cos, sin, ...) that behaved like
+    the rotary embedding on the probe: brrr's rotary_qk (through the registry) for the calls it
+    takes, and `original` itself for the rest: arguments other than unsqueeze_dim (or a
+    position_ids of None), angles that rotate only part of the head dim (GPT-NeoX's partial
+    rotary), inputs the registry sends to PyTorch. The extra arguments are read by the original's
+    own signature: most of transformers' take unsqueeze_dim fifth, some position_ids."""
+    extra = list(inspect.signature(original).parameters.values())[4:]
+    names = [p.name for p in extra]
+    default_dim = next((p.default for p in extra if p.name == "unsqueeze_dim"), 1)
+    op = registry.lookup("rotary_qk")
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        given = dict(zip(names, args)) if len(args) <= len(names) else None
+        if given is not None and not kwargs.keys() - {"unsqueeze_dim", "position_ids"}:
+            given.update(kwargs)
+            dim = given.get("unsqueeze_dim", default_dim)
+            if given.get("position_ids") is None and given.keys() <= {"unsqueeze_dim", "position_ids"} \
+                    and isinstance(dim, int) and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor):
+                c, s = cos.unsqueeze(dim), sin.unsqueeze(dim)
+                fn = op.resolve(q, k, c, s)
+                if fn is not op.reference:
+                    return fn(q, k, c, s)
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb._brrr_original = original
+    return apply_rotary_pos_emb
 
 
 def _behaves_like_rotary_pos_emb(fn, device):
@@ -300,14 +324,21 @@ def _try_rotary_forward(module, device, made):
     if inner is not forward:
         return None, f"its forward calls {_ROTARY_NAME} but is wrapped by a decorator, which brrr cannot rebuild"
     fn = forward.__globals__.get(_ROTARY_NAME)
-    if fn is rotary_pos_emb:
+    if fn is brrr_apply_rotary_pos_emb:
         return None, f"its forward's {_ROTARY_NAME} is already brrr's"
     if device.type not in registry.lookup("rotary_qk").devices:
         return None, f"brrr's rotary has no {device.type} kernel"
     if not callable(fn) or not _behaves_like_rotary_pos_emb(fn, device):
         return None, f"its forward's {_ROTARY_NAME} behaves like no rotary embedding"
+    try:
+        replacement = _rotary_through_brrr(fn)
+    except (TypeError, ValueError):  # no signature to read its extra arguments by
+        return None, f"its forward's {_ROTARY_NAME} has no signature brrr can read"
     scope = dict(forward.__globals__)
-    scope[_ROTARY_NAME] = rotary_pos_emb
+    scope[_ROTARY_NAME] = replacement
+    # Without the module's name torch.compile reads these globals from this dict, not from the
+    # module it would import by that name (whose apply_rotary_pos_emb is the library's).
+    scope.pop("__name__", None)
     rebuilt = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
     rebuilt.__kwdefaults__, rebuilt.__annotations__ = forward.__kwdefaults__, forward.__annotations__
     rebuilt.__qualname__, rebuilt.__doc__ = forward.__qualname__, forward.__doc__

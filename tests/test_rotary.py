@@ -14,7 +14,8 @@ import torch
 
 import brrr
 import rope_model
-from brrr import _C
+import rope_variants
+from brrr import _C, _patch
 from helpers import DEVICES, DTYPES, TOLERANCE, random
 
 
@@ -279,6 +280,12 @@ def test_patched_rope_model_compiles_without_graph_breaks(device):
     try:
         torch._dynamo.reset()
         assert torch._dynamo.explain(model)(tokens).graph_break_count == 0
+        graphs = []
+        counted = torch.compile(model, fullgraph=True, backend=lambda gm, inputs: graphs.append(gm) or gm.forward)
+        for _ in range(3):
+            torch.testing.assert_close(counted(tokens), expected, rtol=1e-5, atol=1e-5)
+        assert len(graphs) == 1  # its guards hold from call to call: no recompilation
+        torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True)
         torch.testing.assert_close(compiled(tokens), expected, rtol=1e-5, atol=1e-5)
         grads = torch.autograd.grad(compiled(tokens).square().sum(), list(model.parameters()))
@@ -288,6 +295,51 @@ def test_patched_rope_model_compiles_without_graph_breaks(device):
     finally:
         brrr.unpatch(model)
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("rotary_dims,heads_dim,brrrs", [(8, 1, True), (8, 2, True), (4, 1, False)])
+def test_patched_rotary_follows_the_librarys_signature_and_falls_back_to_it(rotary_dims, heads_dim, brrrs,
+                                                                            monkeypatch):
+    """unsqueeze_dim passed by position is read by the library function's signature; angles over
+    part of the head dim (GPT-NeoX's partial rotary) go to the library's own function."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(rope_variants.VariantAttention(rotary_dims, heads_dim))
+    x = torch.randn(2, 5, 32)
+    expected = model(x)
+    calls = []
+    op = brrr.registry.lookup("rotary_qk")
+    monkeypatch.setattr(op, "implementation", _counting(op.implementation, calls))
+    report = brrr.patch(model)
+    try:
+        assert [why for _, _, why in report.swapped] == ["brrr rotary (its forward's apply_rotary_pos_emb)"]
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+        assert len(calls) == (1 if brrrs else 0)
+    finally:
+        brrr.unpatch(model)
+
+
+def test_patched_rotary_gives_calls_it_cannot_read_to_the_library():
+    seen = []
+
+    def library_rotary(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        seen.append(position_ids)
+        return rope_model.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    replacement = _patch._rotary_through_brrr(library_rotary)
+    q, k, cos, sin = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    expected = rope_model.apply_rotary_pos_emb(q, k, cos, sin)
+    for args, kwargs, library_called in [((), {}, False), ((None, 1), {}, False), ((), {"unsqueeze_dim": 1}, False),
+                                         ((torch.arange(5),), {}, True), ((), {"position_ids": torch.arange(5)}, True),
+                                         ((None, 1, "extra"), {}, True)]:
+        seen.clear()
+        if len(args) > 2:  # more arguments than the library takes: its own error, not a silent drop
+            with pytest.raises(TypeError):
+                replacement(q, k, cos, sin, *args, **kwargs)
+            assert not seen
+            continue
+        for a, e in zip(replacement(q, k, cos, sin, *args, **kwargs), expected):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+        assert bool(seen) == library_called, (args, kwargs)
 
 
 def _counting(fn, calls):

@@ -1,0 +1,41 @@
+"""Attention modules whose rotary embedding brrr.patch must treat with care, as transformers
+writes them: GPT-NeoX's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) rotates only the
+first cos.shape[-1] dims of each head (partial rotary), and some models keep heads in dim 2 and
+pass unsqueeze_dim=2 by position."""
+
+import torch
+import torch.nn as nn
+
+from rope_model import rotate_half
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
+    k_embed = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
+    return q_embed, k_embed
+
+
+class VariantAttention(nn.Module):
+    """q and k from one projection, rotated with angles over `rotary_dims` of each head's dims,
+    heads in dim 1 (unsqueeze_dim by default) or dim 2 (passed by position)."""
+
+    def __init__(self, rotary_dims, heads_dim, hidden=32, heads=4):
+        super().__init__()
+        self.heads, self.head_dim, self.rotary_dims, self.heads_dim = heads, hidden // heads, rotary_dims, heads_dim
+        self.qk = nn.Linear(hidden, 2 * hidden, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k = self.qk(x).view(b, t, 2, self.heads, self.head_dim).unbind(2)  # (b, t, h, d)
+        angles = torch.arange(t, dtype=x.dtype)[None, :, None] * torch.linspace(0.1, 1, self.rotary_dims)
+        cos, sin = angles.cos().expand(b, t, -1), angles.sin().expand(b, t, -1)
+        if self.heads_dim == 1:
+            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        else:
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, 2)
+        return q.sum(-1) + k.sum(-1)
