@@ -1,0 +1,87 @@
+"""brrr.patch on models of a popular model library (transformers, pinned for CI in
+requirements-test.txt), built from small configs with random weights on the CPU: what it swaps
+and leaves, and logits, loss and every parameter gradient against the unpatched model, in float32
+and, for a Llama and a GPT-2, bfloat16 (the dtype's rounding: the RMSNorm cast order is the model's)."""
+
+import copy
+
+import pytest
+import torch
+
+import brrr
+
+transformers = pytest.importorskip("transformers")
+
+DECODER = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8)
+SMALL = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+# name: (config, model class, config arguments, what patch must swap, what it must leave)
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", DECODER,
+              {"RMSNorm (llama cast order)", "gated MLP (swiglu)", "brrr rotary (its forward's apply_rotary_pos_emb)",
+               "loss_function: brrr causal-LM cross_entropy"}, set()),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", DECODER,
+              {"RMSNorm (llama cast order)", "gated MLP (swiglu)", "brrr rotary (its forward's apply_rotary_pos_emb)"},
+              set()),
+    # Gemma's RMSNorm scales by (1 + weight): a look-alike brrr must leave.
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", DECODER, {"gated MLP (geglu)"},
+              {("GemmaRMSNorm", "behaves like no RMSNorm")}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(DECODER, pad_token_id=0), {"RMSNorm (llama cast order)"}, set()),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4),
+             {"brrr.nn.LayerNorm", "gelu", "loss_function: brrr causal-LM cross_entropy"}, set()),
+    # Partial rotary (a quarter of each head): brrr's replacement hands it to the library's function.
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL,
+                 {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb)"}, set()),
+    "bert": ("BertConfig", "BertForMaskedLM", SMALL, {"brrr.nn.LayerNorm", "gelu"},
+             {("BertForMaskedLM", "loss_function behaves like no causal-LM cross-entropy")}),
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(vocab_size=101, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                           num_heads=4),
+           {"RMSNorm (llama cast order)", "brrr.nn.ReLU"}, set()),
+}
+DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
+            "attention_dropout", "dropout_rate", "hidden_dropout")
+
+
+def build(name, dtype):
+    config_name, model_name, kwargs, _, _ = MODELS[name]
+    config = getattr(transformers, config_name)(**kwargs)
+    for attribute in DROPOUTS:  # off: the comparison must be deterministic
+        if hasattr(config, attribute):
+            setattr(config, attribute, 0.0)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).train()
+    with torch.no_grad():  # norm weights away from 1 and biases away from 0, so that ignoring them shows
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.to(dtype)
+
+
+def run(model, name, tokens):
+    extra = {"decoder_input_ids": tokens} if name == "t5" else {}
+    out = model(input_ids=tokens, labels=tokens, **extra)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return out.logits, out.loss, torch.autograd.grad(out.loss, params, allow_unused=True)
+
+
+@pytest.mark.parametrize("name,dtype", [(n, torch.float32) for n in MODELS] +
+                         [("llama", torch.bfloat16), ("gpt2", torch.bfloat16)], ids=str)
+def test_patched_model_matches_the_unpatched_one(name, dtype):
+    base = build(name, dtype)
+    patched = copy.deepcopy(base)
+    report = brrr.patch(patched)
+    _, _, _, must_swap, must_leave = MODELS[name]
+    assert must_swap <= {what for _, _, what in report.swapped}, str(report)
+    assert must_leave <= {(cls, why) for _, cls, why in report.left}, str(report)
+    tokens = torch.randint(0, 101, (2, 7))
+    logits, loss, grads = run(base, name, tokens)
+    p_logits, p_loss, p_grads = run(patched, name, tokens)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(p_logits, logits, **tol)
+    torch.testing.assert_close(p_loss, loss, **tol)
+    for (n, _), a, b in zip(base.named_parameters(), p_grads, grads):
+        if b is None:
+            assert a is None, n
+        else:
+            torch.testing.assert_close(a, b, **tol, msg=n)
+    brrr.unpatch(patched)
+    assert [type(m) for m in patched.modules()] == [type(m) for m in base.modules()]
