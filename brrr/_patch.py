@@ -120,6 +120,10 @@ def _glu_mlp_forward(self, x):
     return self.down_proj(registry(self._brrr_op, self.gate_proj(x), self.up_proj(x), **dict(self._brrr_kwargs)))
 
 
+def _fused_glu_mlp_forward(self, x):
+    return self.down_proj(registry(self._brrr_op, self.gate_up_proj(x), **dict(self._brrr_kwargs)))
+
+
 _ACTIVATIONS = [  # (op, kwargs, reference)
     ("gelu", (), lambda t: F.gelu(t)),
     ("gelu", (("approximate", "tanh"),), lambda t: F.gelu(t, approximate="tanh")),
@@ -168,21 +172,35 @@ def _try_norm(module, device, dtype):
 
 
 def _try_glu_mlp(module, device, dtype):
-    gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
-    act = getattr(module, "act_fn", None)
-    if not all(isinstance(m, torch.nn.Linear) for m in (gate, up, down)) or act is None:
+    """Llama's gated MLP, down(act(gate(x)) * up(x)), or Phi-3's with one projection for both,
+    down(up * act(gate)) where gate, up = gate_up(x).chunk(2, -1)."""
+    gate, up, down, gate_up = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj"))
+    act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
+    fused = isinstance(gate_up, torch.nn.Linear) and gate is None and up is None
+    projections = (gate_up, down) if fused else (gate, up, down)
+    if not all(isinstance(m, torch.nn.Linear) for m in projections) or act is None:
         return None, None
-    activation = _match_activation(act, gate.weight.device, gate.weight.dtype)
+    first = projections[0]
+    activation = _match_activation(act, first.weight.device, first.weight.dtype)
     if activation not in _GLU_OF:
         return None, "gated MLP whose activation is not silu or gelu"
-    x = torch.randn(2, 3, gate.in_features, device=gate.weight.device, dtype=gate.weight.dtype)
+    x = torch.randn(2, 3, first.in_features, device=first.weight.device, dtype=first.weight.dtype)
     y = _probe(module, x)
     with torch.no_grad():
-        expected = None if y is None else down(act(gate(x)) * up(x))
+        if y is None:
+            expected = None
+        elif fused:
+            g, u = gate_up(x).chunk(2, dim=-1)
+            expected = down(u * act(g))
+        else:
+            expected = down(act(gate(x)) * up(x))
     if y is None or not _close(y, expected):
-        return None, "gated MLP whose forward is not down(act(gate(x)) * up(x))"
+        formula = "down(up * act(gate)) of gate_up(x)" if fused else "down(act(gate(x)) * up(x))"
+        return None, f"gated MLP whose forward is not {formula}"
     op, kwargs = _GLU_OF[activation]
-    return _subclass(type(module), op, _glu_mlp_forward, _brrr_op=op, _brrr_kwargs=kwargs), f"gated MLP ({op})"
+    forward = _fused_glu_mlp_forward if fused else _glu_mlp_forward
+    return (_subclass(type(module), op + (" fused" if fused else ""), forward, _brrr_op=op, _brrr_kwargs=kwargs),
+            f"gated MLP ({op}{', one gate_up projection' if fused else ''})")
 
 
 def _try_activation(module, device, dtype):

@@ -26,7 +26,8 @@ MODELS = {
     # Gemma's RMSNorm scales by (1 + weight): a look-alike brrr must leave.
     "gemma": ("GemmaConfig", "GemmaForCausalLM", DECODER, {"gated MLP (geglu)"},
               {("GemmaRMSNorm", "behaves like no RMSNorm")}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(DECODER, pad_token_id=0), {"RMSNorm (llama cast order)"}, set()),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(DECODER, pad_token_id=0),
+             {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)"}, set()),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4),
              {"brrr.nn.LayerNorm", "gelu", "loss_function: brrr causal-LM cross_entropy"}, set()),
     # Partial rotary (a quarter of each head): brrr's replacement hands it to the library's function.

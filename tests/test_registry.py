@@ -55,6 +55,23 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class FusedGatedMLP(nn.Module):
+    """Phi-3's: one projection for gate and up; `swap` multiplies the halves the other way round."""
+
+    def __init__(self, hidden, inner, swap=False):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.activation_fn = nn.GELU(approximate="tanh")
+        self.swap = swap
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.swap:
+            gate, up = up, gate
+        return self.down_proj(up * self.activation_fn(gate))
+
+
 class GeluMLP(nn.Module):
     def __init__(self, hidden, inner, act):
         super().__init__()
@@ -238,6 +255,24 @@ def test_patch_report_leaves_look_alikes_and_unpatch_restores():
     assert not again.swapped and ("1", "BrrrLlamaStyleRMSNorm", "already patched") in again.left
     assert brrr.unpatch(model) == 1
     assert [type(m) for m in model] == classes
+
+
+def test_patch_takes_a_gated_mlp_with_one_gate_up_projection():
+    torch.manual_seed(5)
+    model = nn.Sequential(FusedGatedMLP(16, 24), FusedGatedMLP(16, 24, swap=True))
+    reference = copy.deepcopy(model)
+    report = brrr.patch(model)
+    assert ("0", "FusedGatedMLP", "gated MLP (geglu, one gate_up projection)") in report.swapped, str(report)
+    assert ("1", "FusedGatedMLP", "gated MLP whose forward is not down(up * act(gate)) of gate_up(x)") in report.left
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    out, expected = model[0](x), reference[0](x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), [x, *model[0].parameters()])
+    expected_grads = torch.autograd.grad(expected.square().sum(), [x, *reference[0].parameters()])
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    brrr.unpatch(model)
+    assert type(model[0]) is FusedGatedMLP
 
 
 def test_state_dict_round_trips_both_ways():
