@@ -6,9 +6,11 @@
 
 A module is swapped by changing its class to a subclass whose forward calls the registry, so its
 parameters, buffers, hooks and state_dict stay exactly as they were. torch.nn's own classes are
-matched by type. Other modules (the RMSNorm, activation and gated-MLP classes of model libraries)
-are matched by behaviour: their forward is run once on a random probe and compared with the
-candidate formula, so a look-alike that computes something else is left alone.
+matched by type. Other modules (the RMSNorm, activation and gated-MLP classes of model libraries,
+with one gate and one up projection or Phi-3's single gate_up projection, and BERT's post-norm
+residual LayerNorm(dropout(dense(h)) + input), which runs brrr's add_layer_norm) are matched by
+behaviour: their forward is run once on a random probe and compared with the candidate formula,
+so a look-alike that computes something else is left alone.
 
 A module whose forward calls a global `apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers'
 Llama-style attention) that behaves like the rotary embedding on a probe gets the same forward
@@ -120,6 +122,12 @@ def _glu_mlp_forward(self, x):
     return self.down_proj(registry(self._brrr_op, self.gate_proj(x), self.up_proj(x), **dict(self._brrr_kwargs)))
 
 
+def _residual_layer_norm_forward(self, hidden_states, input_tensor):
+    norm = self.LayerNorm
+    return registry("add_layer_norm", self.dropout(self.dense(hidden_states)), input_tensor, norm.normalized_shape,
+                    norm.weight, norm.bias, norm.eps)[0]
+
+
 def _fused_glu_mlp_forward(self, x):
     return self.down_proj(registry(self._brrr_op, self.gate_up_proj(x), **dict(self._brrr_kwargs)))
 
@@ -201,6 +209,34 @@ def _try_glu_mlp(module, device, dtype):
     forward = _fused_glu_mlp_forward if fused else _glu_mlp_forward
     return (_subclass(type(module), op + (" fused" if fused else ""), forward, _brrr_op=op, _brrr_kwargs=kwargs),
             f"gated MLP ({op}{', one gate_up projection' if fused else ''})")
+
+
+def _try_residual_layer_norm(module):
+    """BERT's post-norm residual (BertSelfOutput, BertOutput and their copies in some 45 of
+    transformers' models): LayerNorm(dropout(dense(h)) + input), the add and the norm in one pass.
+    (None, None) for a module without those three parts."""
+    dense, norm, dropout = (getattr(module, n, None) for n in ("dense", "LayerNorm", "dropout"))
+    if not (isinstance(dense, torch.nn.Linear) and isinstance(norm, torch.nn.LayerNorm)
+            and isinstance(dropout, torch.nn.Dropout)):
+        return None, None
+    w = dense.weight
+    h = torch.randn(2, 3, dense.in_features, device=w.device, dtype=w.dtype)
+    residual = torch.randn(2, 3, dense.out_features, device=w.device, dtype=w.dtype)
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()  # the probe without dropout
+    try:
+        with torch.no_grad():
+            y = module(h, residual)
+            expected = F.layer_norm(dense(h) + residual, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    except Exception:  # noqa: BLE001 - a module that cannot take the probe is simply not a match
+        y = None
+    finally:
+        for m, training in modes:
+            m.training = training
+    if not isinstance(y, torch.Tensor) or not _close(y, expected):
+        return None, "behaves like no LayerNorm(dropout(dense(h)) + input)"
+    return (_subclass(type(module), "residual_layer_norm", _residual_layer_norm_forward),
+            "LayerNorm with its residual add (add_layer_norm)")
 
 
 def _try_activation(module, device, dtype):
@@ -392,6 +428,8 @@ def patch(model):
         new_class, what = _try_rotary_forward(module, device, rotary_classes)
         if new_class is None and what is None:
             new_class, what = _try_glu_mlp(module, device, dtype)
+        if new_class is None and what is None:
+            new_class, what = _try_residual_layer_norm(module)
         if new_class is None and what is not None:
             report.left.append((name, cls.__name__, what))
             continue

@@ -33,7 +33,8 @@ MODELS = {
     # Partial rotary (a quarter of each head): brrr's replacement hands it to the library's function.
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL,
                  {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb)"}, set()),
-    "bert": ("BertConfig", "BertForMaskedLM", SMALL, {"brrr.nn.LayerNorm", "gelu"},
+    "bert": ("BertConfig", "BertForMaskedLM", SMALL,
+             {"brrr.nn.LayerNorm", "gelu", "LayerNorm with its residual add (add_layer_norm)"},
              {("BertForMaskedLM", "loss_function behaves like no causal-LM cross-entropy")}),
     "t5": ("T5Config", "T5ForConditionalGeneration", dict(vocab_size=101, d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                                            num_heads=4),

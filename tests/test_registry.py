@@ -72,6 +72,23 @@ class FusedGatedMLP(nn.Module):
         return self.down_proj(up * self.activation_fn(gate))
 
 
+class PostNormResidual(nn.Module):
+    """BERT's BertSelfOutput; `norm_first` adds the residual after the norm (a look-alike)."""
+
+    def __init__(self, inner, hidden, p=0.1, norm_first=False):
+        super().__init__()
+        self.dense = nn.Linear(inner, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=1e-12)
+        self.dropout = nn.Dropout(p)
+        self.norm_first = norm_first
+
+    def forward(self, hidden_states, input_tensor):
+        hidden_states = self.dropout(self.dense(hidden_states))
+        if self.norm_first:
+            return self.LayerNorm(hidden_states) + input_tensor
+        return self.LayerNorm(hidden_states + input_tensor)
+
+
 class GeluMLP(nn.Module):
     def __init__(self, hidden, inner, act):
         super().__init__()
@@ -273,6 +290,33 @@ def test_patch_takes_a_gated_mlp_with_one_gate_up_projection():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     brrr.unpatch(model)
     assert type(model[0]) is FusedGatedMLP
+
+
+def test_patch_fuses_a_post_norm_residual_add_into_the_layer_norm():
+    torch.manual_seed(9)
+    model = nn.ModuleList([PostNormResidual(24, 16), PostNormResidual(24, 16, norm_first=True)])
+    perturb(model)
+    model[0].LayerNorm.weight.data.add_(torch.randn(16) * 0.3)
+    reference = copy.deepcopy(model)
+    model[0].dropout.eval()  # patch keeps every submodule's mode
+    report = brrr.patch(model)
+    assert model[0].training and not model[0].dropout.training
+    model[0].dropout.train()
+    assert ("0", "PostNormResidual", "LayerNorm with its residual add (add_layer_norm)") in report.swapped, str(report)
+    assert ("1", "PostNormResidual", "behaves like no LayerNorm(dropout(dense(h)) + input)") in report.left
+    h, residual = torch.randn(3, 5, 24, requires_grad=True), torch.randn(3, 5, 16, requires_grad=True)
+    torch.manual_seed(10)  # training: the same dropout draws from torch's generator as the original's
+    out = model[0](h, residual)
+    torch.manual_seed(10)
+    expected = reference[0](h, residual)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    inputs = [h, residual]
+    grads = torch.autograd.grad(out.square().sum(), inputs + list(model[0].parameters()))
+    expected_grads = torch.autograd.grad(expected.square().sum(), inputs + list(reference[0].parameters()))
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    brrr.unpatch(model)
+    assert type(model[0]) is PostNormResidual and type(model[0].LayerNorm) is nn.LayerNorm
 
 
 def test_state_dict_round_trips_both_ways():
