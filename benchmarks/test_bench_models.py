@@ -3,7 +3,7 @@
 the summed time of its kernels and its peak memory for unpatched/patched x eager/torch.compile,
 at 4096 and 16384 tokens per step (and a wider Llama at 16384). A step whose time exceeds its kernels' by far waits on the
 host (Python, dispatch, launches): at 4096 tokens every variant does on the H200's host. GPU only
-(the CPU smoke run has no transformers)."""
+(tests/test_model_libraries.py checks patched models on the CPU)."""
 
 import copy
 
@@ -41,8 +41,17 @@ def gpt2():
     return transformers.GPT2LMHeadModel(cfg)
 
 
-MODELS = {"llama": llama, "gpt2": gpt2, "llama_2048": llama_2048}
-TRAINING = [(name, batch) for name in ("llama", "gpt2") for batch in BATCHES] + [("llama_2048", BATCHES[-1])]
+def bert():
+    """BERT-base's width, 2 layers: post-norm blocks, where brrr.patch fuses each residual add into
+    its LayerNorm (add_layer_norm); masked-LM loss over every token (transformers' own)."""
+    cfg = transformers.BertConfig(vocab_size=32000, hidden_size=768, intermediate_size=3072, num_hidden_layers=2,
+                                  num_attention_heads=12, max_position_embeddings=SEQ, attn_implementation="sdpa")
+    return transformers.BertForMaskedLM(cfg)
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "llama_2048": llama_2048, "bert": bert}
+TRAINING = [(name, batch) for name in ("llama", "gpt2") for batch in BATCHES] + [("llama_2048", BATCHES[-1]),
+                                                                                ("bert", BATCHES[-1])]
 
 
 def build(name):
@@ -77,7 +86,7 @@ def step_fn(model, tokens):
     return step
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
 def test_patched_model(recorder, name):
     base, patched = build(name)
     tokens = torch.randint(0, 32000, (BATCHES[0], SEQ), device="cuda")
