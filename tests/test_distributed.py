@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import brrr
+from helpers import cpu_kernels
 from test_registry import TinyGPT, perturb
 
 STEPS, WORLD = 3, 2
@@ -38,6 +39,7 @@ def train(model, tokens):
 
 def _worker(rank, style, init_file, tokens, out_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    cpu_kernels()  # brrr's CPU code, as in the test's own process (conftest's fixture does not run here)
     try:
         model = build(style)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
