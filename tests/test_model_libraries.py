@@ -1,7 +1,8 @@
 """brrr.patch on models of a popular model library (transformers, pinned for CI in
 requirements-test.txt), built from small configs with random weights on the CPU: what it swaps
 and leaves, and logits, loss and every parameter gradient against the unpatched model, in float32
-and, for a Llama and a GPT-2, bfloat16 (the dtype's rounding: the RMSNorm cast order is the model's)."""
+and, for a Llama and a GPT-2, bfloat16 (the dtype's rounding: the RMSNorm cast order is the model's);
+and torch.compile(fullgraph=True) of each patched model without a graph break."""
 
 import copy
 
@@ -87,3 +88,33 @@ def test_patched_model_matches_the_unpatched_one(name, dtype):
             torch.testing.assert_close(a, b, **tol, msg=n)
     brrr.unpatch(patched)
     assert [type(m) for m in patched.modules()] == [type(m) for m in base.modules()]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_patched_model_compiles_without_graph_breaks(name):
+    """torch.compile(fullgraph=True) of the patched model's loss: no graph break, and the loss and
+    gradients of eager (aot_eager: dynamo and autograd's tracing, without inductor's codegen)."""
+    model = build(name, torch.float32)
+    brrr.patch(model)
+    tokens = torch.randint(0, 101, (2, 7))
+    extra = {"decoder_input_ids": tokens} if name == "t5" else {}
+
+    def loss_of(tokens):
+        return model(input_ids=tokens, labels=tokens, **extra).loss
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch._dynamo.reset()
+    try:
+        explanation = torch._dynamo.explain(loss_of)(tokens)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        compiled = torch.compile(loss_of, fullgraph=True, backend="aot_eager")(tokens)
+        eager = loss_of(tokens)
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(compiled, params, allow_unused=True),
+                        torch.autograd.grad(eager, params, allow_unused=True)):
+            if a is None or b is None:
+                assert a is None and b is None
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
