@@ -103,7 +103,11 @@ def test_patched_model(recorder, name):
         results[label] = (out.logits.float(), out.loss.float(), {n: p.grad.float() for n, p in model.named_parameters()})
     (la, lossa, ga), (lb, lossb, gb) = results["unpatched"], results["patched"]
     logit_err = ((la - lb).norm() / la.norm()).item()
-    grad_err = max(((ga[n] - gb[n]).norm() / ga[n].norm().clamp_min(1e-30)).item() for n in ga)
+    # Relative to each gradient, but not below a thousandth of the largest: a gradient that is zero
+    # in exact arithmetic (BERT's attention key bias: softmax ignores a per-query constant) is
+    # rounding noise in either model, and its relative difference means nothing.
+    floor = 1e-3 * max(g.norm() for g in ga.values())
+    grad_err = max(((ga[n] - gb[n]).norm() / torch.maximum(ga[n].norm(), floor)).item() for n in ga)
     recorder.add(family="model", op=name, check="patched vs unpatched", logits_rel_err=logit_err,
                  loss_unpatched=lossa.item(), loss_patched=lossb.item(), max_grad_rel_err=grad_err,
                  swapped=len(report.swapped), left=len(report.left))
