@@ -12,12 +12,16 @@ residual LayerNorm(dropout(dense(h)) + input), which runs brrr's add_layer_norm)
 behaviour: their forward is run once on a random probe and compared with the candidate formula,
 so a look-alike that computes something else is left alone.
 
-A module whose forward calls a global `apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers'
-Llama-style attention) that behaves like the rotary embedding on a probe gets the same forward
-with brrr's rotary in that one global's place. Only the patched model's modules see it: the model
-library's module is not touched, so other models of that library keep their own. The forward's
-other globals are a copy taken when patching, so rebinding one of them in the library afterwards
-does not reach a patched module until it is unpatched and patched again.
+Some globals a module's forward uses are replaced for that module alone: a global
+`apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers' Llama-style attention) that behaves
+like the rotary embedding on a probe becomes brrr's rotary, and torch's `CrossEntropyLoss`, which
+transformers' masked-LM, sequence-to-sequence and classification heads build inside their forward,
+becomes brrr.nn.CrossEntropyLoss. The module gets a subclass whose forward is the same code run
+with a copy of its globals in which only those names differ (and decorators that hold the function
+they wrap in a closure, such as transformers' can_return_tuple, rebuilt around it). The model
+library's module is not touched, so other models of that library keep their own. The copy is
+taken when patching, so rebinding one of its globals in the library afterwards does not reach a
+patched module until it is unpatched and patched again.
 
 A model whose forward takes `labels` and whose `loss_function` behaves like a causal language
 model's loss (Hugging Face's ForCausalLMLoss: shift the labels by one, cross-entropy over the
@@ -47,6 +51,7 @@ from ._registry import TORCH_FUNCTIONS, _torch_rms_norm, _torch_rotary, registry
 _ORIGINAL = "_brrr_original_class"
 _ORIGINAL_LOSS = "_brrr_original_loss_attributes"  # what setting loss_function changed in __dict__
 _ROTARY_NAME = "apply_rotary_pos_emb"
+_LOSS_CLASS_NAME = "CrossEntropyLoss"
 _MISSING = object()
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -88,12 +93,20 @@ def _close(a, b):
     return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
 
 
-def _probe(module, x):
+def _probe(module, *inputs, eval_mode=False):
+    """module's output on the probe inputs, None when it raises or returns no tensor. eval_mode: with
+    dropout off (every submodule's mode restored after), for a module whose dropout brrr keeps."""
+    modes = [(m, m.training) for m in module.modules()] if eval_mode else []
+    if eval_mode:
+        module.eval()
     try:
         with torch.no_grad():
-            y = module(x)
+            y = module(*inputs)
     except Exception:  # noqa: BLE001 - a module that cannot take the probe is simply not a match
         return None
+    finally:
+        for m, training in modes:
+            m.training = training
     return y if isinstance(y, torch.Tensor) else None
 
 
@@ -222,18 +235,10 @@ def _try_residual_layer_norm(module):
     w = dense.weight
     h = torch.randn(2, 3, dense.in_features, device=w.device, dtype=w.dtype)
     residual = torch.randn(2, 3, dense.out_features, device=w.device, dtype=w.dtype)
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()  # the probe without dropout
-    try:
-        with torch.no_grad():
-            y = module(h, residual)
-            expected = F.layer_norm(dense(h) + residual, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-    except Exception:  # noqa: BLE001 - a module that cannot take the probe is simply not a match
-        y = None
-    finally:
-        for m, training in modes:
-            m.training = training
-    if not isinstance(y, torch.Tensor) or not _close(y, expected):
+    y = _probe(module, h, residual, eval_mode=True)
+    with torch.no_grad():
+        expected = F.layer_norm(dense(h) + residual, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    if y is None or not _close(y, expected):
         return None, "behaves like no LayerNorm(dropout(dense(h)) + input)"
     return (_subclass(type(module), "residual_layer_norm", _residual_layer_norm_forward),
             "LayerNorm with its residual add (add_layer_norm)")
@@ -363,21 +368,58 @@ def _calls_global(function, name):
     return any(ins.opname == "LOAD_GLOBAL" and ins.argval == name for ins in dis.get_instructions(function))
 
 
-def _try_rotary_forward(module, device, made):
-    """(subclass, what) when module's forward calls a global apply_rotary_pos_emb that brrr can
-    replace, (None, why) when it calls one that is left, (None, None) when it calls none. The
-    subclasses are made anew by each patch (their forward's globals are copied then) and shared
-    through `made` by the modules of one class."""
-    cls = type(module)
-    if cls in made:
-        return made[cls]
-    forward = cls.forward
-    inner = inspect.unwrap(forward)
-    if not isinstance(inner, types.FunctionType) or not _calls_global(inner, _ROTARY_NAME):
-        return None, None
-    if inner is not forward:
-        return None, f"its forward calls {_ROTARY_NAME} but is wrapped by a decorator, which brrr cannot rebuild"
-    fn = forward.__globals__.get(_ROTARY_NAME)
+def _copy_function(function, scope, closure):
+    """function's code run with the globals `scope` and the closure cells `closure`."""
+    copy = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__, closure)
+    copy.__kwdefaults__, copy.__annotations__ = function.__kwdefaults__, function.__annotations__
+    copy.__qualname__, copy.__doc__ = function.__qualname__, function.__doc__
+    copy.__dict__.update(function.__dict__)
+    return copy
+
+
+def _decorators(forward):
+    """[forward, what it wraps, ..., the innermost function] (functools.wraps's __wrapped__), or
+    None when a layer is no plain function or does not hold the next in one of its closure cells
+    (then brrr cannot rebuild it around a new innermost function)."""
+    chain = [forward]
+    while "__wrapped__" in getattr(chain[-1], "__dict__", {}):
+        chain.append(chain[-1].__wrapped__)
+    if not all(isinstance(f, types.FunctionType) for f in chain):
+        return None
+    for wrapper, wrapped in zip(chain, chain[1:]):
+        if [_cell_holds(c, wrapped) for c in wrapper.__closure__ or ()].count(True) != 1:
+            return None
+    return chain
+
+
+def _cell_holds(cell, value):
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
+
+
+def _rebuild_forward(chain, replacements):
+    """The forward whose decorator chain is `chain`, with `replacements` in its innermost
+    function's globals (a copy of them; the model library's module is not touched) and each
+    decorator rebuilt around the new function."""
+    inner = chain[-1]
+    scope = dict(inner.__globals__)
+    scope.update(replacements)
+    # Without the module's name torch.compile reads these globals from this dict, not from the
+    # module it would import by that name (which holds the library's own functions).
+    scope.pop("__name__", None)
+    rebuilt = _copy_function(inner, scope, inner.__closure__)
+    for wrapper, wrapped in zip(reversed(chain[:-1]), reversed(chain[1:])):
+        closure = tuple(types.CellType(rebuilt) if _cell_holds(c, wrapped) else c for c in wrapper.__closure__)
+        outer = _copy_function(wrapper, wrapper.__globals__, closure)
+        outer.__wrapped__ = rebuilt
+        rebuilt = outer
+    return rebuilt
+
+
+def _rotary_replacement(fn, device):
+    """(brrr's replacement for the library's apply_rotary_pos_emb `fn`, what) or (None, why)."""
     if fn is brrr_apply_rotary_pos_emb:
         return None, f"its forward's {_ROTARY_NAME} is already brrr's"
     if device.type not in registry.lookup("rotary_qk").devices:
@@ -385,20 +427,54 @@ def _try_rotary_forward(module, device, made):
     if not callable(fn) or not _behaves_like_rotary_pos_emb(fn, device):
         return None, f"its forward's {_ROTARY_NAME} behaves like no rotary embedding"
     try:
-        replacement = _rotary_through_brrr(fn)
+        return _rotary_through_brrr(fn), f"brrr rotary (its forward's {_ROTARY_NAME})"
     except (TypeError, ValueError):  # no signature to read its extra arguments by
         return None, f"its forward's {_ROTARY_NAME} has no signature brrr can read"
-    scope = dict(forward.__globals__)
-    scope[_ROTARY_NAME] = replacement
-    # Without the module's name torch.compile reads these globals from this dict, not from the
-    # module it would import by that name (whose apply_rotary_pos_emb is the library's).
-    scope.pop("__name__", None)
-    rebuilt = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
-    rebuilt.__kwdefaults__, rebuilt.__annotations__ = forward.__kwdefaults__, forward.__annotations__
-    rebuilt.__qualname__, rebuilt.__doc__ = forward.__qualname__, forward.__doc__
-    rebuilt.__dict__.update(forward.__dict__)
-    made[cls] = type(f"Brrr{cls.__name__}", (cls,), {"forward": rebuilt, "__module__": __name__}), \
-        f"brrr rotary (its forward's {_ROTARY_NAME})"
+
+
+def _loss_class_replacement(cls, device):
+    """brrr.nn.CrossEntropyLoss for a forward that builds torch's CrossEntropyLoss (as
+    transformers' masked-LM, sequence-to-sequence and classification heads do)."""
+    if cls is not torch.nn.CrossEntropyLoss:
+        return None, None
+    return brrr_nn.CrossEntropyLoss, f"brrr.nn.CrossEntropyLoss (its forward's {_LOSS_CLASS_NAME})"
+
+
+# The globals of a forward brrr can replace: name -> (replacement, what) or (None, why) or (None, None).
+_FORWARD_GLOBALS = {_ROTARY_NAME: _rotary_replacement, _LOSS_CLASS_NAME: _loss_class_replacement}
+
+
+def _try_forward_globals(module, device, made):
+    """(subclass, what) when module's forward uses a global brrr can replace (apply_rotary_pos_emb
+    or CrossEntropyLoss), (None, why) when it uses one that is left, (None, None) when it uses
+    none. The subclasses are made anew by each patch (their forward's globals are copied then) and
+    shared through `made` by the modules of one class."""
+    cls = type(module)
+    if cls in made:
+        return made[cls]
+    forward = cls.forward
+    inner = inspect.unwrap(forward)
+    used = [name for name in _FORWARD_GLOBALS if isinstance(inner, types.FunctionType) and _calls_global(inner, name)]
+    if not used:
+        return None, None
+    chain = _decorators(forward)
+    if chain is None:
+        made[cls] = None, (f"its forward uses {' and '.join(used)} but is wrapped by a decorator that brrr cannot "
+                           "rebuild (one that does not hold the function it wraps in a closure cell)")
+        return made[cls]
+    replacements, whats, whys = {}, [], []
+    for name in used:
+        replacement, what = _FORWARD_GLOBALS[name](inner.__globals__.get(name), device)
+        if replacement is not None:
+            replacements[name] = replacement
+            whats.append(what)
+        elif what is not None:
+            whys.append(what)
+    if not replacements:
+        made[cls] = (None, "; ".join(whys)) if whys else (None, None)
+        return made[cls]
+    rebuilt = _rebuild_forward(chain, replacements)
+    made[cls] = type(f"Brrr{cls.__name__}", (cls,), {"forward": rebuilt, "__module__": __name__}), "; ".join(whats)
     return made[cls]
 
 
@@ -411,7 +487,7 @@ def patch(model):
     if not dtype.is_floating_point:
         dtype = torch.float32
     report = PatchReport()
-    rotary_classes = {}
+    forward_classes = {}
     for name, module in model.named_modules():
         cls = type(module)
         loss = _try_loss_function(module, device)
@@ -425,7 +501,7 @@ def patch(model):
             _swap(module, twin)
             report.swapped.append((name, cls.__name__, f"brrr.nn.{twin.__name__}"))
             continue
-        new_class, what = _try_rotary_forward(module, device, rotary_classes)
+        new_class, what = _try_forward_globals(module, device, forward_classes)
         if new_class is None and what is None:
             new_class, what = _try_glu_mlp(module, device, dtype)
         if new_class is None and what is None:

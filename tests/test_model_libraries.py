@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 DECODER = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=8)
 SMALL = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+LOSS_BUILT_IN_FORWARD = "brrr.nn.CrossEntropyLoss (its forward's CrossEntropyLoss)"
 # name: (config, model class, config arguments, what patch must swap, what it must leave)
 MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", DECODER,
@@ -35,11 +36,11 @@ MODELS = {
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL,
                  {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb)"}, set()),
     "bert": ("BertConfig", "BertForMaskedLM", SMALL,
-             {"brrr.nn.LayerNorm", "gelu", "LayerNorm with its residual add (add_layer_norm)"},
+             {"brrr.nn.LayerNorm", "gelu", "LayerNorm with its residual add (add_layer_norm)", LOSS_BUILT_IN_FORWARD},
              {("BertForMaskedLM", "loss_function behaves like no causal-LM cross-entropy")}),
     "t5": ("T5Config", "T5ForConditionalGeneration", dict(vocab_size=101, d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                                            num_heads=4),
-           {"RMSNorm (llama cast order)", "brrr.nn.ReLU"}, set()),
+           {"RMSNorm (llama cast order)", "brrr.nn.ReLU", LOSS_BUILT_IN_FORWARD}, set()),
 }
 DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
             "attention_dropout", "dropout_rate", "hidden_dropout")
@@ -95,7 +96,7 @@ def test_patched_model_compiles_without_graph_breaks(name):
     """torch.compile(fullgraph=True) of the patched model's loss: no graph break, and the loss and
     gradients of eager (aot_eager: dynamo and autograd's tracing, without inductor's codegen)."""
     model = build(name, torch.float32)
-    brrr.patch(model)
+    report = brrr.patch(model)
     tokens = torch.randint(0, 101, (2, 7))
     extra = {"decoder_input_ids": tokens} if name == "t5" else {}
 
@@ -107,6 +108,9 @@ def test_patched_model_compiles_without_graph_breaks(name):
     try:
         explanation = torch._dynamo.explain(loss_of)(tokens)
         assert explanation.graph_break_count == 0, explanation.break_reasons
+        ops = {str(n.target) for g in explanation.graphs for n in g.graph.nodes}
+        swaps_loss = any("CrossEntropyLoss" in what or "loss_function" in what for _, _, what in report.swapped)
+        assert ("brrr.cross_entropy.default" in ops) == swaps_loss  # brrr's kernel under compile by default
         compiled = torch.compile(loss_of, fullgraph=True, backend="aot_eager")(tokens)
         eager = loss_of(tokens)
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)

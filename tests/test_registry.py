@@ -2,11 +2,13 @@
 loss, as Hugging Face models compute it)."""
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn import CrossEntropyLoss
 
 import brrr
 from brrr import registry
@@ -317,6 +319,70 @@ def test_patch_fuses_a_post_norm_residual_add_into_the_layer_norm():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     brrr.unpatch(model)
     assert type(model[0]) is PostNormResidual and type(model[0].LayerNorm) is nn.LayerNorm
+
+
+def returns_loss_first(forward):
+    """A decorator like transformers' can_return_tuple: it holds the forward in its closure."""
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        logits, loss = forward(self, *args, **kwargs)
+        return loss, logits
+    return wrapper
+
+
+class MaskedLMHead(nn.Module):
+    """A masked-LM head as transformers writes it: torch's CrossEntropyLoss built in the forward,
+    which a decorator wraps."""
+
+    def __init__(self, hidden, vocab):
+        super().__init__()
+        self.decoder = nn.Linear(hidden, vocab)
+
+    @returns_loss_first
+    def forward(self, h, labels, **loss_options):
+        logits = self.decoder(h)
+        return logits, CrossEntropyLoss(**loss_options)(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+@pytest.mark.parametrize("loss_options", [{}, {"label_smoothing": 0.1, "reduction": "sum"},
+                                          {"weight": torch.rand(23) + 0.5}], ids=["mean", "sum", "class weights"])
+def test_patch_swaps_a_cross_entropy_loss_built_in_the_forward(monkeypatch, loss_options):
+    torch.manual_seed(11)
+    model, unpatched = MaskedLMHead(16, 23), MaskedLMHead(16, 23)
+    unpatched.load_state_dict(model.state_dict())
+    report = brrr.patch(model)
+    assert ("", "MaskedLMHead", "brrr.nn.CrossEntropyLoss (its forward's CrossEntropyLoss)") in report.swapped
+    assert globals()["CrossEntropyLoss"] is nn.CrossEntropyLoss  # this module's global is untouched
+    h, labels = torch.randn(3, 7, 16, requires_grad=True), torch.randint(0, 23, (3, 7))
+    labels[1, 2:5] = -100
+    op, calls = registry.lookup("cross_entropy"), []
+    kernel = op.implementation
+    monkeypatch.setattr(op, "implementation", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    loss, logits = model(h, labels, **loss_options)
+    assert calls == ([] if "weight" in loss_options else [1])  # per-class weights: PyTorch's
+    expected_loss, expected_logits = unpatched(h, labels, **loss_options)
+    assert len(calls) <= 1  # the unpatched model's loss is torch's
+    torch.testing.assert_close(logits, expected_logits)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(loss, [h, *model.parameters()])
+    expected_grads = torch.autograd.grad(expected_loss, [h, *unpatched.parameters()])
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    brrr.unpatch(model)
+    assert type(model) is MaskedLMHead
+
+
+def test_patch_leaves_a_forward_whose_decorator_it_cannot_rebuild():
+    class Wrapped(MaskedLMHead):
+        @functools.wraps(MaskedLMHead.forward)
+        def forward(self, *args, **kwargs):  # calls the forward it wraps through a global, not a closure
+            return MaskedLMHead.forward(self, *args, **kwargs)
+
+    model = Wrapped(16, 23)
+    report = brrr.patch(model)
+    assert ("", "Wrapped", "its forward uses CrossEntropyLoss but is wrapped by a decorator that brrr cannot rebuild "
+            "(one that does not hold the function it wraps in a closure cell)") in report.left, str(report)
+    assert type(model) is Wrapped
 
 
 def test_state_dict_round_trips_both_ways():

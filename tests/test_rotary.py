@@ -357,8 +357,8 @@ def test_patch_leaves_a_decorated_forward_that_calls_the_rotary():
 
     model = torch.nn.Sequential(Wrapped())
     report = brrr.patch(model)
-    assert ("0", "Wrapped", "its forward calls apply_rotary_pos_emb but is wrapped by a decorator, which brrr "
-            "cannot rebuild") in report.left, str(report)
+    assert ("0", "Wrapped", "its forward uses apply_rotary_pos_emb but is wrapped by a decorator that brrr cannot "
+            "rebuild (one that does not hold the function it wraps in a closure cell)") in report.left, str(report)
     assert type(model[0]) is Wrapped
 
 
