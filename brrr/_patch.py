@@ -10,7 +10,9 @@ matched by type. Other modules (the RMSNorm, activation and gated-MLP classes of
 with one gate and one up projection or Phi-3's single gate_up projection, and BERT's post-norm
 residual LayerNorm(dropout(dense(h)) + input), which runs brrr's add_layer_norm) are matched by
 behaviour: their forward is run once on a random probe and compared with the candidate formula,
-so a look-alike that computes something else is left alone.
+so a look-alike that computes something else is left alone. The children such a module's new
+forward computes itself (a gated MLP's activation, the residual block's LayerNorm) are left as
+they are, and the report says so.
 
 Some globals a module's forward uses are replaced for that module alone: a global
 `apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers' Llama-style attention) that behaves
@@ -196,7 +198,8 @@ def _try_glu_mlp(module, device, dtype):
     """Llama's gated MLP, down(act(gate(x)) * up(x)), or Phi-3's with one projection for both,
     down(up * act(gate)) where gate, up = gate_up(x).chunk(2, -1)."""
     gate, up, down, gate_up = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj"))
-    act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
+    act_name = next((n for n in ("act_fn", "activation_fn") if getattr(module, n, None) is not None), None)
+    act = getattr(module, act_name) if act_name else None
     fused = isinstance(gate_up, torch.nn.Linear) and gate is None and up is None
     projections = (gate_up, down) if fused else (gate, up, down)
     if not all(isinstance(m, torch.nn.Linear) for m in projections) or act is None:
@@ -220,7 +223,8 @@ def _try_glu_mlp(module, device, dtype):
         return None, f"gated MLP whose forward is not {formula}"
     op, kwargs = _GLU_OF[activation]
     forward = _fused_glu_mlp_forward if fused else _glu_mlp_forward
-    return (_subclass(type(module), op + (" fused" if fused else ""), forward, _brrr_op=op, _brrr_kwargs=kwargs),
+    return (_subclass(type(module), op + (" fused" if fused else ""), forward, _brrr_op=op, _brrr_kwargs=kwargs,
+                      _brrr_computes=(act_name,)),
             f"gated MLP ({op}{', one gate_up projection' if fused else ''})")
 
 
@@ -240,7 +244,7 @@ def _try_residual_layer_norm(module):
         expected = F.layer_norm(dense(h) + residual, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
     if y is None or not _close(y, expected):
         return None, "behaves like no LayerNorm(dropout(dense(h)) + input)"
-    return (_subclass(type(module), "residual_layer_norm", _residual_layer_norm_forward),
+    return (_subclass(type(module), "residual_layer_norm", _residual_layer_norm_forward, _brrr_computes=("LayerNorm",)),
             "LayerNorm with its residual add (add_layer_norm)")
 
 
@@ -488,8 +492,13 @@ def patch(model):
         dtype = torch.float32
     report = PatchReport()
     forward_classes = {}
+    computed_by_parent = {}  # a child a swapped parent's forward computes itself -> the parent's name
     for name, module in model.named_modules():
         cls = type(module)
+        if name in computed_by_parent:
+            report.left.append((name, cls.__name__, f"computed by its parent's brrr forward "
+                                                    f"({computed_by_parent[name] or '<root>'})"))
+            continue
         loss = _try_loss_function(module, device)
         if loss is not None:
             (report.swapped if loss[0] else report.left).append((name, cls.__name__, loss[1]))
@@ -521,6 +530,8 @@ def patch(model):
         if new_class is not None:
             _swap(module, new_class)
             report.swapped.append((name, cls.__name__, what))
+            for child in getattr(new_class, "_brrr_computes", ()):
+                computed_by_parent[f"{name}.{child}" if name else child] = name
     if device.type == "cpu" and report.swapped and any(registry.lookup(n).cpu == "pytorch" for n in registry.names()):
         report.notes.append("the model is on the CPU, where the registry runs PyTorch's functions unless told "
                             "registry.on_cpu(name, 'kernel'): brrr's CPU code is its CUDA kernels' reference twin, "

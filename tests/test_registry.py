@@ -193,7 +193,7 @@ def loss_and_grads(model, tokens):
 
 
 EXPECTED_SWAPS = {
-    "llama": {"LlamaStyleRMSNorm": 5, "GatedMLP": 2, "SiLU": 2},
+    "llama": {"LlamaStyleRMSNorm": 5, "GatedMLP": 2},  # each GatedMLP's act_fn is left: its brrr forward fuses it
     "gpt2": {"LayerNorm": 5, "NewGELU": 2},
     "gelu": {"LayerNorm": 5, "GELU": 2},
 }
@@ -212,6 +212,9 @@ def test_patched_model_matches(device, style):
     for _, cls, _ in report.swapped:
         counts[cls] = counts.get(cls, 0) + 1
     assert counts == EXPECTED_SWAPS[style], str(report)
+    if style == "llama":
+        assert ("blocks.0.mlp.act_fn", "SiLU", "computed by its parent's brrr forward (blocks.0.mlp)") in report.left
+        assert type(model.blocks[0].mlp.act_fn) is nn.SiLU
     logits, loss, grads = loss_and_grads(model, tokens)
     ref_logits, ref_loss, ref_grads = loss_and_grads(reference, tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
@@ -317,6 +320,8 @@ def test_patch_fuses_a_post_norm_residual_add_into_the_layer_norm():
     expected_grads = torch.autograd.grad(expected.square().sum(), inputs + list(reference[0].parameters()))
     for a, b in zip(grads, expected_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert ("0.LayerNorm", "LayerNorm", "computed by its parent's brrr forward (0)") in report.left
+    assert type(model[0].LayerNorm) is nn.LayerNorm and type(model[1].LayerNorm) is brrr.nn.LayerNorm
     brrr.unpatch(model)
     assert type(model[0]) is PostNormResidual and type(model[0].LayerNorm) is nn.LayerNorm
 
