@@ -349,6 +349,23 @@ class MaskedLMHead(nn.Module):
         return logits, CrossEntropyLoss(**loss_options)(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
+class PostNormMaskedLM(nn.Module):
+    """BERT's patterns: post-norm residual blocks, and a masked-LM head that builds its loss."""
+
+    def __init__(self, vocab=97, hidden=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(PostNormResidual(hidden, hidden, p=0.0) for _ in range(2))
+        self.head = MaskedLMHead(hidden, vocab)
+
+    def forward(self, tokens, labels):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h, h)
+        loss, logits = self.head(h, labels)
+        return logits, loss
+
+
 @pytest.mark.parametrize("loss_options", [{}, {"label_smoothing": 0.1, "reduction": "sum"},
                                           {"weight": torch.rand(23) + 0.5}], ids=["mean", "sum", "class weights"])
 def test_patch_swaps_a_cross_entropy_loss_built_in_the_forward(monkeypatch, loss_options):
@@ -611,12 +628,16 @@ def test_under_compile_chooses_brrr_kernels_or_inductor():
 
 
 @pytest.mark.cuda
-def test_cuda_graph_capture_of_a_patched_training_step():
-    """The step of a patched TinyCausalLM: brrr's norms, gated MLPs and cross-entropy."""
+@pytest.mark.parametrize("style", ["llama", "bert"])
+def test_cuda_graph_capture_of_a_patched_training_step(style):
+    """The step of a patched TinyCausalLM (brrr's RMSNorms, gated MLPs and causal-LM loss) or
+    PostNormMaskedLM (add_layer_norm, and the loss its forward builds)."""
     torch.manual_seed(4)
-    model = TinyCausalLM("llama").cuda()
+    model = (TinyCausalLM("llama") if style == "llama" else PostNormMaskedLM()).cuda()
     perturb(model)
-    brrr.patch(model)
+    swapped = {what for _, _, what in brrr.patch(model).swapped}
+    assert style == "llama" or {"LayerNorm with its residual add (add_layer_norm)",
+                                "brrr.nn.CrossEntropyLoss (its forward's CrossEntropyLoss)"} <= swapped
     tokens = torch.randint(0, 97, (4, 32), device="cuda")
     model.zero_grad()
     eager_loss = model(tokens, tokens)[1]
