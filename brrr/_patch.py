@@ -456,12 +456,11 @@ def _try_forward_globals(module, device, made):
     cls = type(module)
     if cls in made:
         return made[cls]
-    forward = cls.forward
-    inner = inspect.unwrap(forward)
+    chain = _decorators(cls.forward)
+    inner = chain[-1] if chain else inspect.unwrap(cls.forward)
     used = [name for name in _FORWARD_GLOBALS if isinstance(inner, types.FunctionType) and _calls_global(inner, name)]
     if not used:
         return None, None
-    chain = _decorators(forward)
     if chain is None:
         made[cls] = None, (f"its forward uses {' and '.join(used)} but is wrapped by a decorator that brrr cannot "
                            "rebuild (one that does not hold the function it wraps in a closure cell)")
