@@ -9,7 +9,9 @@ parameters, buffers, hooks and state_dict stay exactly as they were. torch.nn's 
 matched by type. Other modules (the RMSNorm, activation and gated-MLP classes of model libraries,
 with one gate and one up projection or Phi-3's single gate_up projection, and BERT's post-norm
 residual LayerNorm(dropout(dense(h)) + input), which runs brrr's add_layer_norm) are matched by
-behaviour: their forward is run once on a random probe and compared with the candidate formula,
+behaviour: their forward is run once on a random probe and compared with the candidate formulas
+(the nearest of those within the probe dtype's tolerance: in bfloat16, tanh and erf GELU or
+Llama's and torch's RMSNorm cast orders are all within it; activations are probed in float32),
 so a look-alike that computes something else is left alone. The children such a module's new
 forward computes itself (a gated MLP's activation, the residual block's LayerNorm) are left as
 they are, and the report says so.
@@ -159,18 +161,34 @@ _GLU_OF = {("silu", ()): ("swiglu", ()), ("gelu", ()): ("geglu", ()),
            ("gelu", (("approximate", "tanh"),)): ("geglu", (("approximate", "tanh"),))}
 
 
-def _match_activation(fn, device, dtype):
-    x = torch.randn(257, device=device, dtype=dtype) * 3
+def _closest(y, candidates):
+    """The key of the (key, expected) candidate that is _close to y and nearest it, the first on
+    a tie; None when none is close. A low-precision probe can be close to several: Llama's and
+    torch's RMSNorm cast orders differ only in rounding."""
+    best, best_error = None, None
+    for key, expected in candidates:
+        if _close(y, expected):
+            error = (y.float() - expected.float()).abs().max().item()
+            if best_error is None or error < best_error:
+                best, best_error = key, error
+    return best
+
+
+def _match_activation(fn, device):
+    """(op, kwargs) of the activation fn computes, or None. Probed in float32, where erf and tanh
+    GELU differ by more than the tolerance (in bfloat16 they are within its rounding)."""
+    x = torch.randn(257, device=device) * 3
     y = _probe(fn, x)
     if y is None:
         return None
-    for op, kwargs, ref in _ACTIVATIONS:
-        if _close(y, ref(x)):
-            return op, kwargs
-    return None
+    return _closest(y, (((op, kwargs), ref(x)) for op, kwargs, ref in _ACTIVATIONS))
 
 
-def _try_norm(module, device, dtype):
+def _activation_name(op, kwargs):
+    return op + "".join(f" ({key}={value!r})" for key, value in kwargs)
+
+
+def _try_norm(module):
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or list(module.children()):
         return None, "not a norm (needs a 1-d weight and no children)"
@@ -187,14 +205,15 @@ def _try_norm(module, device, dtype):
         if _close(y, F.layer_norm(x, weight.shape, weight, bias, e)):
             return _subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps), "LayerNorm"
         return None, "behaves like no LayerNorm"
-    for order in ("llama", "torch"):
-        if _close(y, _torch_rms_norm(x, weight.shape, weight, e, cast_order=order)):
-            return (_subclass(type(module), "rms_norm", _rms_norm_forward, _brrr_eps=eps, _brrr_cast_order=order),
-                    f"RMSNorm ({order} cast order)")
-    return None, "behaves like no RMSNorm"
+    order = _closest(y, ((order, _torch_rms_norm(x, weight.shape, weight, e, cast_order=order))
+                         for order in ("llama", "torch")))
+    if order is None:
+        return None, "behaves like no RMSNorm"
+    return (_subclass(type(module), "rms_norm", _rms_norm_forward, _brrr_eps=eps, _brrr_cast_order=order),
+            f"RMSNorm ({order} cast order)")
 
 
-def _try_glu_mlp(module, device, dtype):
+def _try_glu_mlp(module):
     """Llama's gated MLP, down(act(gate(x)) * up(x)), or Phi-3's with one projection for both,
     down(up * act(gate)) where gate, up = gate_up(x).chunk(2, -1)."""
     gate, up, down, gate_up = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj"))
@@ -205,7 +224,7 @@ def _try_glu_mlp(module, device, dtype):
     if not all(isinstance(m, torch.nn.Linear) for m in projections) or act is None:
         return None, None
     first = projections[0]
-    activation = _match_activation(act, first.weight.device, first.weight.dtype)
+    activation = _match_activation(act, first.weight.device)
     if activation not in _GLU_OF:
         return None, "gated MLP whose activation is not silu or gelu"
     x = torch.randn(2, 3, first.in_features, device=first.weight.device, dtype=first.weight.dtype)
@@ -248,15 +267,15 @@ def _try_residual_layer_norm(module):
             "LayerNorm with its residual add (add_layer_norm)")
 
 
-def _try_activation(module, device, dtype):
+def _try_activation(module, device):
     if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)) \
             or list(module.children()):
         return None
-    match = _match_activation(module, device, dtype)
+    match = _match_activation(module, device)
     if match is None:
         return None
     op, kwargs = match
-    return _subclass(type(module), op, _activation_forward, _brrr_op=op, _brrr_kwargs=kwargs), op
+    return _subclass(type(module), op, _activation_forward, _brrr_op=op, _brrr_kwargs=kwargs), _activation_name(op, kwargs)
 
 
 def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
@@ -486,9 +505,7 @@ def patch(model):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"argument model: expected a torch.nn.Module, got {type(model).__name__}")
     first = next(model.parameters(), None)
-    device, dtype = (first.device, first.dtype) if first is not None else (torch.device("cpu"), torch.float32)
-    if not dtype.is_floating_point:
-        dtype = torch.float32
+    device = first.device if first is not None else torch.device("cpu")
     report = PatchReport()
     forward_classes = {}
     computed_by_parent = {}  # a child a swapped parent's forward computes itself -> the parent's name
@@ -511,19 +528,19 @@ def patch(model):
             continue
         new_class, what = _try_forward_globals(module, device, forward_classes)
         if new_class is None and what is None:
-            new_class, what = _try_glu_mlp(module, device, dtype)
+            new_class, what = _try_glu_mlp(module)
         if new_class is None and what is None:
             new_class, what = _try_residual_layer_norm(module)
         if new_class is None and what is not None:
             report.left.append((name, cls.__name__, what))
             continue
         if new_class is None and hasattr(module, "weight") and _eps_attribute(module) is not None:
-            new_class, what = _try_norm(module, device, dtype)
+            new_class, what = _try_norm(module)
             if new_class is None:
                 report.left.append((name, cls.__name__, what))
                 continue
         if new_class is None:
-            found = _try_activation(module, device, dtype)
+            found = _try_activation(module, device)
             if found is not None:
                 new_class, what = found
         if new_class is not None:

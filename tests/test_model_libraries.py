@@ -31,7 +31,7 @@ MODELS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(DECODER, pad_token_id=0),
              {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)"}, set()),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4),
-             {"brrr.nn.LayerNorm", "gelu", "loss_function: brrr causal-LM cross_entropy"}, set()),
+             {"brrr.nn.LayerNorm", "gelu (approximate='tanh')", "loss_function: brrr causal-LM cross_entropy"}, set()),
     # Partial rotary (a quarter of each head): brrr's replacement hands it to the library's function.
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL,
                  {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb)"}, set()),

@@ -279,6 +279,31 @@ def test_patch_report_leaves_look_alikes_and_unpatch_restores():
     assert [type(m) for m in model] == classes
 
 
+class TorchOrderRMSNorm(LlamaStyleRMSNorm):
+    """An RMSNorm with torch's cast order: scaled before the result is rounded to x's dtype."""
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_patch_matches_the_exact_formula_in_low_precision(dtype):
+    """In bfloat16 tanh and erf GELU, and Llama's and torch's RMSNorm cast orders, are within
+    the dtype's rounding of each other: patch must still take the model's own."""
+    torch.manual_seed(12)
+    model = nn.Sequential(NewGELU(), nn.Sequential(), LlamaStyleRMSNorm(64), TorchOrderRMSNorm(64)).to(dtype)
+    with torch.no_grad():
+        for norm in model[2:]:
+            norm.weight.copy_(torch.randn(64) * 2)
+    report = brrr.patch(model)
+    assert ("0", "NewGELU", "gelu (approximate='tanh')") in report.swapped, str(report)
+    assert ("2", "LlamaStyleRMSNorm", "RMSNorm (llama cast order)") in report.swapped, str(report)
+    assert ("3", "TorchOrderRMSNorm", "RMSNorm (torch cast order)") in report.swapped or dtype == torch.float32, \
+        str(report)  # in float32 the two orders are one function, and the first is taken
+    assert model[0]._brrr_kwargs == (("approximate", "tanh"),) and model[3]._brrr_cast_order == (
+        "llama" if dtype == torch.float32 else "torch")
+
+
 def test_patch_takes_a_gated_mlp_with_one_gate_up_projection():
     torch.manual_seed(5)
     model = nn.Sequential(FusedGatedMLP(16, 24), FusedGatedMLP(16, 24, swap=True))
