@@ -311,8 +311,8 @@ class Registry:
                  cpu="kernel"):
         if name in self._ops:
             raise ValueError(f"argument name: op {name!r} is already registered (override it instead)")
-        _check_compiled_mode(compiled)
-        _check_cpu_mode(cpu)
+        _check_choice("compiled", compiled, _COMPILED_MODES)
+        _check_choice("cpu", cpu, _CPU_MODES)
         self._ops[name] = Op(name, reference, implementation, supports, tuple(devices), compiled=compiled,
                              default_compiled=compiled, cpu=cpu, default_cpu=cpu)
         return self._ops[name]
@@ -352,20 +352,19 @@ class Registry:
     def under_compile(self, name, mode):
         """'kernel' (brrr's op in the compiled graph) or 'inductor' (the PyTorch function, for
         inductor to fuse) for `name` under torch.compile. Takes effect at the next compilation."""
-        _check_compiled_mode(mode)
+        _check_choice("mode", mode, _COMPILED_MODES)
         self.lookup(name).compiled = mode
 
     def on_cpu(self, name, mode):
         """'pytorch' (the PyTorch function: the default of brrr's ops) or 'kernel' (the op's
         implementation: brrr's CPU code, the twin of its CUDA kernels and many times slower than
         PyTorch's; the default of ops a user registers) for `name` on CPU tensors."""
-        _check_cpu_mode(mode)
+        _check_choice("mode", mode, _CPU_MODES)
         self.lookup(name).cpu = mode
 
     def on_unsupported(self, name, mode):
         """'fallback' (to the PyTorch function) or 'raise' (UnsupportedError) for inputs brrr lacks."""
-        if mode not in ("fallback", "raise"):
-            raise ValueError(f"argument mode: expected 'fallback' or 'raise', got {mode!r}")
+        _check_choice("mode", mode, ("fallback", "raise"))
         self.lookup(name).unsupported = mode
 
     def __call__(self, name, *args, **kwargs):
@@ -373,14 +372,13 @@ class Registry:
         return op.resolve(*args, **kwargs)(*args, **kwargs)
 
 
-def _check_cpu_mode(mode):
-    if mode not in ("pytorch", "kernel"):
-        raise ValueError(f"argument mode: expected 'pytorch' or 'kernel', got {mode!r}")
+_COMPILED_MODES = ("kernel", "inductor")
+_CPU_MODES = ("pytorch", "kernel")
 
 
-def _check_compiled_mode(mode):
-    if mode not in ("kernel", "inductor"):
-        raise ValueError(f"argument mode: expected 'kernel' or 'inductor', got {mode!r}")
+def _check_choice(argument, value, choices):
+    if value not in choices:
+        raise ValueError(f"argument {argument}: expected {' or '.join(map(repr, choices))}, got {value!r}")
 
 
 # What stays brrr's kernel under torch.compile (see the module docstring); the rest is inductor's.

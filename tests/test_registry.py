@@ -710,6 +710,11 @@ def test_register_a_users_op():
         assert registry("test_double", meta).device.type == "meta" and calls == ["cpu"]
         with pytest.raises(ValueError, match="already registered"):
             registry.register("test_double", lambda x: x, double, lambda x: True)
+        with pytest.raises(ValueError, match="argument compiled: expected 'kernel' or 'inductor', got 'eager'"):
+            registry.register("test_other", lambda x: x, double, lambda x: True, compiled="eager")
+        with pytest.raises(ValueError, match="argument cpu: expected 'pytorch' or 'kernel', got 'fast'"):
+            registry.register("test_other", lambda x: x, double, lambda x: True, cpu="fast")
+        assert "test_other" not in registry
     finally:
         registry._ops.pop("test_double", None)
 
