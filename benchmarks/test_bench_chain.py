@@ -125,7 +125,7 @@ def test_host_overhead(recorder):
             "brrr out=": lambda: brrr_f(x, out=out),
             # The pieces of brrr's call path, to see where host time goes.
             "piece: torch.empty_like": lambda: torch.empty_like(x),
-            "piece: brrr._C.chain_fwd": lambda: brrr._C.chain_fwd(program, x, out, (), -1),
+            "piece: brrr._C.chain_fwd": lambda: brrr._C.chain_fwd(x, out, program, ()),
         }
         if comp is not None:
             comp(x)

@@ -79,7 +79,7 @@ def _stream(x, stream):
 
 
 def _chain_impl(x: torch.Tensor, operands: list[torch.Tensor], ops: str, scalars: list[float]) -> torch.Tensor:
-    return _C.chain_fwd(_program(ops, tuple(scalars)), x, _eager_out(x), tuple(operands), _stream(x, None))
+    return _C.chain_fwd(x, _eager_out(x), _program(ops, tuple(scalars)), tuple(operands), _stream(x, None))[0]
 
 
 def _chain_fake(x, operands, ops, scalars):
@@ -99,7 +99,7 @@ def _chain_grads(program, x, grad, operands, needs):
         rows = x.numel() // cols
         partials = torch.empty(len(operands) * _C.chain_partial_rows(rows) * cols, device=x.device,
                                dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-    _C.chain_bwd(program, x, grad, grad_x, tuple(operands), grad_operands, partials, _stream(x, None))
+    _C.chain_bwd(x, grad, grad_x, partials, program, tuple(operands), grad_operands, _stream(x, None))
     return grad_x, grad_operands
 
 
@@ -148,7 +148,7 @@ class _ChainFunction(torch.autograd.Function):
     def forward(ctx, c, x, *operands):
         ctx.save_for_backward(x, *operands)
         ctx.program = c.program
-        return _C.chain_fwd(c.program, x, _eager_out(x), operands, _stream(x, None))
+        return _C.chain_fwd(x, _eager_out(x), c.program, operands, _stream(x, None))[0]
 
     @staticmethod
     @lean_once_differentiable
@@ -178,7 +178,7 @@ def chain(c, x, operands, out, stream):
         return _apply_chain(c, x, *operands)
     if out is None:
         out = _eager_out(x)  # keeps a strided input's layout; brrr._C allocates contiguous ones
-    return _C.chain_fwd(c.program, x, out, operands, -1 if stream is None and _EXCHANGE_API else _stream(x, stream))
+    return _C.chain_fwd(x, out, c.program, operands, -1 if stream is None and _EXCHANGE_API else _stream(x, stream))[0]
 
 
 def _split(x):
@@ -201,10 +201,10 @@ def _glu_grads(activation, x, up, grad, need_up):
     if up is None:  # both halves of one gradient, written by one kernel
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         (gate, up_half), (grad_gate, grad_up) = _split(x), _split(grad_x)
-        _C.chain_bwd(program, gate, grad, grad_gate, (up_half,), (grad_up,), None, _stream(x, None))
+        _C.chain_bwd(gate, grad, grad_gate, None, program, (up_half,), (grad_up,), _stream(x, None))
         return [grad_x]
     grad_gate, grad_up = torch.empty_like(x), torch.empty_like(up) if need_up else None
-    _C.chain_bwd(program, x, grad, grad_gate, (up,), (grad_up,), None, _stream(x, None))
+    _C.chain_bwd(x, grad, grad_gate, None, program, (up,), (grad_up,), _stream(x, None))
     return [grad_gate, grad_up]
 
 
@@ -242,7 +242,7 @@ def _glu_forward(activation, gate, up, out):
     g, u = _split(gate) if up is None else (gate, up)
     if out is None and not _EXCHANGE_API:
         out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-    return _C.chain_fwd(_program(activation + ",mul_tensor", (0.0, 0.0)), g, out, (u,), _stream(g, None))
+    return _C.chain_fwd(g, out, _program(activation + ",mul_tensor", (0.0, 0.0)), (u,), _stream(g, None))[0]
 
 
 class _GluFunction(torch.autograd.Function):

@@ -12,26 +12,29 @@ import torch
 
 from . import _C
 from ._ops import define
-from ._torch import _eager_out, _needs_autograd, _stream, lean_apply, lean_once_differentiable
+from ._torch import _EXCHANGE_API, _eager_out, _needs_autograd, _stream, lean_apply, lean_once_differentiable
 
 Tensor = torch.Tensor
 
 
 def _forward_impl(x: Tensor, bias: Optional[Tensor], residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
-    return _C.dropout_fwd(x, bias, residual, _eager_out(x), p, seed, offset, _stream(x, None))
+    return _C.dropout_fwd(x, bias, residual, _eager_out(x), p=p, seed=seed, offset=offset, stream=_stream(x, None))[0]
 
 
 def _backward_impl(grad: Tensor, p: float, seed: int, offset: int, bias_grad: bool) -> list[Tensor]:
     """[grad_x] or [grad_x, grad_bias]: the mask of (p, seed, offset) applied to grad."""
-    grad_x = torch.empty_like(grad)
-    grad_bias = grad.new_empty(grad.shape[-1:]) if bias_grad else None
-    partials = None
-    if bias_grad and grad.is_cuda:
-        cols = grad.shape[-1]
-        rows = grad.numel() // cols if cols else 0
-        partials = grad.new_empty(_C.chain_partial_rows(rows) * cols,
-                                  dtype=torch.float64 if grad.dtype == torch.float64 else torch.float32)
-    _C.dropout_bwd(grad, grad_x, grad_bias, partials, p, seed, offset, _stream(grad, None))
+    grad_bias = partials = None
+    if bias_grad and _EXCHANGE_API:  # brrr._C allocates grad_bias (True) and the CUDA partials
+        grad_bias = True
+    elif bias_grad:
+        grad_bias = grad.new_empty(grad.shape[-1:])
+        if grad.is_cuda:
+            cols = grad.shape[-1]
+            rows = grad.numel() // cols if cols else 0
+            partials = grad.new_empty(_C.chain_partial_rows(rows) * cols,
+                                      dtype=torch.float64 if grad.dtype == torch.float64 else torch.float32)
+    grad_x, grad_bias = _C.dropout_bwd(grad, _eager_out(grad), grad_bias, partials, p=p, seed=seed, offset=offset,
+                                       stream=_stream(grad, None))
     return [grad_x] if grad_bias is None else [grad_x, grad_bias]
 
 

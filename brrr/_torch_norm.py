@@ -42,32 +42,26 @@ def _stat_args(x, k, n):
     return (True,) * n if _EXCHANGE_API else tuple(_stats(x, k) for _ in range(n))
 
 
-def _with_stats(result, stats):
-    """A forward's result with its statistics after it: (out, [h,] *stats)."""
-    if _EXCHANGE_API:
-        return result
-    return (*result, *stats) if isinstance(result, tuple) else (result, *stats)
-
-
 def _layer_norm_fwd(x, k, weight, bias, eps, residual):
-    """(out, [h,] mean, rstd): LayerNorm of x (of h = x + residual) over its last k dims."""
-    stats = _stat_args(x, k, 2)
+    """(out, h or None, mean, rstd): LayerNorm of x (of h = x + residual) over its last k dims."""
+    mean, rstd = _stat_args(x, k, 2)
     h = None if residual is None else _eager_out(x)
-    return _with_stats(_C.layer_norm_fwd(x, k, weight, bias, eps, _eager_out(x), *stats, residual, h,
-                                         _stream(x, None)), stats)
+    return _C.layer_norm_fwd(x, weight, bias, residual, _eager_out(x), h, mean, rstd, norm_ndim=k, eps=eps,
+                             stream=_stream(x, None))
 
 
 def _rms_norm_fwd(x, k, weight, eps, llama, residual):
-    """(out, [h,] rstd): RMSNorm of x (of h = x + residual) over its last k dims."""
-    stats = _stat_args(x, k, 1)
+    """(out, h or None, rstd): RMSNorm of x (of h = x + residual) over its last k dims."""
+    rstd, = _stat_args(x, k, 1)
     h = None if residual is None else _eager_out(x)
-    return _with_stats(_C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), *stats, residual, h,
-                                       _stream(x, None)), stats)
+    return _C.rms_norm_fwd(x, weight, residual, _eager_out(x), h, rstd, norm_ndim=k, eps=eps, llama=llama,
+                           stream=_stream(x, None))
 
 
 def _layer_norm_impl(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
                   eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _layer_norm_fwd(x, normalized_ndim(x.shape, normalized_shape), weight, bias, eps, None)
+    out, _, mean, rstd = _layer_norm_fwd(x, normalized_ndim(x.shape, normalized_shape), weight, bias, eps, None)
+    return out, mean, rstd
 
 
 def _layer_norm_fake(x, normalized_shape, weight, bias, eps):
@@ -87,7 +81,8 @@ def _add_layer_norm_fake(x, residual, normalized_shape, weight, bias, eps):
 
 def _rms_norm_impl(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float,
                 llama: bool) -> tuple[Tensor, Tensor]:
-    return _rms_norm_fwd(x, normalized_ndim(x.shape, normalized_shape), weight, eps, llama, None)
+    out, _, rstd = _rms_norm_fwd(x, normalized_ndim(x.shape, normalized_shape), weight, eps, llama, None)
+    return out, rstd
 
 
 def _rms_norm_fake(x, normalized_shape, weight, eps, llama):
@@ -124,17 +119,11 @@ def _norm_grads(x, k, grad_out, grad_residual, weight, bias, mean, rstd, llama, 
     partials = _partials(x, k, need_weight + need_bias, rstd.dtype)
     stream = _stream(x, None)
     if mean is None:
-        result = _C.rms_norm_bwd(x, k, grad_out, grad_residual, weight, rstd, llama, _eager_out(x), grad_weight,
-                                 partials, stream)
-    else:
-        result = _C.layer_norm_bwd(x, k, grad_out, grad_residual, weight, mean, rstd, _eager_out(x), grad_weight,
-                                   grad_bias, partials, stream)
-    if grad_weight is not True and grad_bias is not True:
-        return result, grad_weight, grad_bias
-    allocated = iter(result[1:])
-    grad_weight = next(allocated) if grad_weight is True else grad_weight
-    grad_bias = next(allocated) if grad_bias is True else grad_bias
-    return result[0], grad_weight, grad_bias
+        grad_x, grad_weight = _C.rms_norm_bwd(x, grad_out, grad_residual, weight, rstd, _eager_out(x), grad_weight,
+                                              partials, norm_ndim=k, llama=llama, stream=stream)
+        return grad_x, grad_weight, None
+    return _C.layer_norm_bwd(x, grad_out, grad_residual, weight, mean, rstd, _eager_out(x), grad_weight, grad_bias,
+                             partials, norm_ndim=k, stream=stream)
 
 
 def _norm_backward_impl(x: Tensor, grad_out: Tensor, grad_residual: Optional[Tensor], weight: Optional[Tensor],
@@ -236,7 +225,7 @@ _add_rms_norm = define("add_rms_norm", _add_rms_norm_impl, _add_rms_norm_fake, _
 class _EagerLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, k, eps):
-        out, mean, rstd = _layer_norm_fwd(x, k, weight, bias, eps, None)
+        out, _, mean, rstd = _layer_norm_fwd(x, k, weight, bias, eps, None)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.k = k
         return out
@@ -273,7 +262,7 @@ class _EagerAddLayerNorm(torch.autograd.Function):
 class _EagerRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, k, eps, llama):
-        out, rstd = _rms_norm_fwd(x, k, weight, eps, llama, None)
+        out, _, rstd = _rms_norm_fwd(x, k, weight, eps, llama, None)
         ctx.save_for_backward(x, weight, rstd)
         ctx.k, ctx.llama = k, llama
         return out
@@ -321,7 +310,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     k = normalized_ndim(x.shape, normalized_shape)
     if _needs_autograd(x, (weight, bias)):
         return _apply_layer_norm(x, weight, bias, k, float(eps))
-    return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _eager_out(x), None, None, None, None, _stream(x, None))
+    return _C.layer_norm_fwd(x, weight, bias, out=_eager_out(x), norm_ndim=k, eps=float(eps),
+                             stream=_stream(x, None))[0]
 
 
 def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -330,8 +320,8 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
     k = normalized_ndim(x.shape, normalized_shape)
     if _needs_autograd(x, (residual, weight, bias)):
         return _apply_add_layer_norm(x, residual, weight, bias, k, float(eps))
-    return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _eager_out(x), None, None, residual, _eager_out(x),
-                             _stream(x, None))
+    return _C.layer_norm_fwd(x, weight, bias, residual, _eager_out(x), _eager_out(x), norm_ndim=k, eps=float(eps),
+                             stream=_stream(x, None))[:2]
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, llama=False):
@@ -341,7 +331,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, llama=False):
     k = normalized_ndim(x.shape, normalized_shape)
     if _needs_autograd(x, (weight,)):
         return _apply_rms_norm(x, weight, k, eps, llama)
-    return _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), None, None, None, _stream(x, None))
+    return _C.rms_norm_fwd(x, weight, out=_eager_out(x), norm_ndim=k, eps=eps, llama=llama, stream=_stream(x, None))[0]
 
 
 def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, llama=False):
@@ -351,4 +341,5 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, llama=Fal
     k = normalized_ndim(x.shape, normalized_shape)
     if _needs_autograd(x, (residual, weight)):
         return _apply_add_rms_norm(x, residual, weight, k, eps, llama)
-    return _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), None, residual, _eager_out(x), _stream(x, None))
+    return _C.rms_norm_fwd(x, weight, residual, _eager_out(x), _eager_out(x), norm_ndim=k, eps=eps, llama=llama,
+                           stream=_stream(x, None))[:2]

@@ -12,7 +12,7 @@ Tensor = torch.Tensor
 
 
 def _impl(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
-    return _C.rotary(x, cos, sin, _eager_out(x), backward, _stream(x, None))
+    return _C.rotary(x, cos, sin, _eager_out(x), backward, _stream(x, None))[0]
 
 
 def _fake(x, cos, sin, backward):

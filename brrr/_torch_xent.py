@@ -30,16 +30,17 @@ def _acc(logits):
 def _forward_impl(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
                   reduction: str) -> list[Tensor]:
     total = None if reduction == "none" else True
-    if _EXCHANGE_API:  # brrr._C allocates the outputs (True): no torch.empty per output
-        lse, rows, total, count = _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, True,
-                                                       True, total, True, -1)
+    if _EXCHANGE_API:  # brrr._C allocates the outputs (None, True): no torch.empty per output
+        lse = rows = None
+        count = True
     else:
         acc, shape, device = _acc(logits), target.shape, logits.device
         lse, rows = torch.empty(shape, dtype=acc, device=device), torch.empty(shape, dtype=acc, device=device)
         total = None if total is None else torch.empty((), dtype=acc, device=device)
         count = torch.empty((), dtype=acc, device=device)
-        _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, rows, total, count,
-                             _stream(logits, None))
+    lse, rows, total, count = _C.cross_entropy_fwd(logits, target, lse, rows, total, count, ignore_index=ignore_index,
+                                                   label_smoothing=label_smoothing, reduction=reduction,
+                                                   stream=_stream(logits, None))
     return [rows if total is None else total, lse, count]
 
 
@@ -52,8 +53,8 @@ def _forward_fake(logits, target, ignore_index, label_smoothing, reduction):
 def _backward_impl(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Optional[Tensor],
                    ignore_index: int, label_smoothing: float) -> Tensor:
     grad_logits = None if _EXCHANGE_API and logits.is_contiguous() else torch.empty_like(logits)
-    return _C.cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, grad, count, grad_logits,
-                                _stream(logits, None))
+    return _C.cross_entropy_bwd(logits, target, lse, grad, count, grad_logits, ignore_index=ignore_index,
+                                label_smoothing=label_smoothing, stream=_stream(logits, None))[0]
 
 
 def _backward_fake(grad, logits, target, lse, count, ignore_index, label_smoothing):

@@ -54,7 +54,7 @@ class Chain:
             if out is None:
                 raise TypeError(f"argument out: required for inputs of type {type(x).__name__} "
                                 "(it has no __array_namespace__ to allocate with)")
-        return _C.chain_fwd(self.program, x, out, operands, -1 if stream is None else stream)
+        return _C.chain_fwd(x, out, self.program, operands, -1 if stream is None else stream)[0]
 
     def __repr__(self):
         return "brrr.chain(" + ", ".join(repr(s) for s in self.steps) + ")"

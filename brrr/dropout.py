@@ -64,4 +64,4 @@ def bias_dropout_add(x, bias, residual, p, training=True, seed=None, offset=0):
     if seed is None:
         raise TypeError("argument seed: required for inputs that are not PyTorch tensors")
     out = None if type(x).__module__ == "numpy" else empty_like(x)  # brrr._C allocates NumPy outputs
-    return _C.dropout_fwd(x, bias, residual, out, p, int(seed), int(offset), -1)
+    return _C.dropout_fwd(x, bias, residual, out, p=p, seed=int(seed), offset=int(offset))[0]

@@ -66,7 +66,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
 
         return _torch_norm.layer_norm(x, normalized_shape, weight, bias, eps)
     k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
-    return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _out_like(x), None, None, None, None, -1)
+    return _C.layer_norm_fwd(x, weight, bias, out=_out_like(x), norm_ndim=k, eps=float(eps))[0]
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
@@ -79,7 +79,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
         return _torch_norm.rms_norm(x, normalized_shape, weight, eps, llama)
     k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
     eps = default_rms_eps(x.dtype) if eps is None else float(eps)
-    return _C.rms_norm_fwd(x, k, weight, eps, llama, _out_like(x), None, None, None, -1)
+    return _C.rms_norm_fwd(x, weight, out=_out_like(x), norm_ndim=k, eps=eps, llama=llama)[0]
 
 
 def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -90,7 +90,7 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
 
         return _torch_norm.add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
     k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
-    return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _out_like(x), None, None, residual, _out_like(x), -1)
+    return _C.layer_norm_fwd(x, weight, bias, residual, _out_like(x), _out_like(x), norm_ndim=k, eps=float(eps))[:2]
 
 
 def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
@@ -102,4 +102,4 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_o
         return _torch_norm.add_rms_norm(x, residual, normalized_shape, weight, eps, llama)
     k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
     eps = default_rms_eps(x.dtype) if eps is None else float(eps)
-    return _C.rms_norm_fwd(x, k, weight, eps, llama, _out_like(x), None, residual, _out_like(x), -1)
+    return _C.rms_norm_fwd(x, weight, residual, _out_like(x), _out_like(x), norm_ndim=k, eps=eps, llama=llama)[:2]

@@ -23,7 +23,7 @@ def rotary(x, cos, sin):
 
         return _torch_rotary.rotary(x, cos, sin)
     out = None if type(x).__module__ == "numpy" else empty_like(x)  # brrr._C allocates NumPy outputs
-    return _C.rotary(x, cos, sin, out, False, -1)
+    return _C.rotary(x, cos, sin, out, False)[0]
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):

@@ -68,11 +68,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                         f"{type(input).__name__} (brrr._C.cross_entropy_fwd takes any DLPack tensor)")
     check_rank(input.ndim)
     logits = input if input.ndim <= 2 else np.moveaxis(input, 1, -1)
-    shape = logits.shape[:-1]
-    acc = np.float64 if input.dtype == np.float64 else np.float32
-    lse, loss = np.empty(shape, acc), np.empty(shape, acc)
-    total = None if reduction == "none" else np.empty((), acc)
-    _C.cross_entropy_fwd(logits, target, int(ignore_index), float(label_smoothing), reduction, lse, loss, total,
-                         None, -1)
+    _, loss, total, _ = _C.cross_entropy_fwd(logits, target, total=reduction != "none" or None,
+                                             ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
+                                             reduction=reduction)
     result = loss if total is None else total
     return result.astype(input.dtype if dtype is None else dtype, copy=False)

@@ -7,14 +7,14 @@
  * chain rule in registers; a bias gradient is a reduction over rows, summed in a fixed order.
  *
  * _C.chain_program(steps) -> bytes           validate and pack a program
- * _C.chain_fwd(program, x, out, operands, stream) -> out
- * _C.chain_bwd(program, x, grad_out, grad_x, operands, grad_operands, partials, stream) -> grad_x
  * _C.chain_partial_rows(rows) -> P           rows of the fp32 scratch a bias gradient needs on CUDA
+ * _C.chain_fwd, _C.chain_bwd                 the ops (specs at the end); the operands come as a
+ *                                            tuple, one per tensor step, and so do their gradients
  */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
-#include "brrr.h"
+#include "op.h"
 
 #include <math.h>
 #include <numpy/arrayobject.h>
@@ -226,37 +226,11 @@ static void cpu_chain_run(const cpu_chain *c, int backward) {
     }
 }
 
-/* ---- the Python entry points ---------------------------------------------------------------- */
-
-typedef struct {
-    brrr_tensor x, out, grad_out;
-    brrr_tensor operands[BRRR_MAX_CHAIN_OPERANDS];
-    brrr_tensor grad_operands[BRRR_MAX_CHAIN_OPERANDS];
-    brrr_tensor partials;
-} chain_args;
-
-static void chain_args_release(chain_args *a) {
-    brrr_tensor_release(&a->x);
-    brrr_tensor_release(&a->out);
-    brrr_tensor_release(&a->grad_out);
-    for (int b = 0; b < BRRR_MAX_CHAIN_OPERANDS; b++) {
-        brrr_tensor_release(&a->operands[b]);
-        brrr_tensor_release(&a->grad_operands[b]);
-    }
-    brrr_tensor_release(&a->partials);
-}
+/* ---- the ops ---------------------------------------------------------------------------------- */
 
 static const char *const OPERAND_NAMES[] = {"operands[0]", "operands[1]", "operands[2]", "operands[3]"};
 static const char *const GRAD_OPERAND_NAMES[] = {"grad_operands[0]", "grad_operands[1]", "grad_operands[2]",
                                                  "grad_operands[3]"};
-
-/* An output argument like `like`: same device, dtype and shape, no self-overlap. */
-static int check_output(const brrr_tensor *out, const brrr_tensor *like) {
-    if (brrr_check_same_device(out, like) < 0 || brrr_check_same_dtype(out, like) < 0 ||
-        brrr_check_same_shape(out, like) < 0 || brrr_check_no_internal_overlap(out) < 0)
-        return -1;
-    return 0;
-}
 
 /* Is operand b a vector along x's last dim (and not simply x-shaped)? -1 on a shape error. */
 static int operand_kind(const brrr_tensor *op, const brrr_tensor *x) {
@@ -293,232 +267,229 @@ PyObject *brrr_py_chain_partial_rows(PyObject *module, PyObject *arg) {
     return PyLong_FromLongLong(brrr_bias_partial_rows(rows));
 }
 
-/* The shared body of forward (backward == 0) and backward. */
-static PyObject *chain_call(PyObject *module, PyObject *const *args, int backward) {
+enum { F_X, F_OUT };                            /* forward slots */
+enum { B_X, B_GRAD_OUT, B_GRAD_X, B_PARTIALS }; /* backward slots */
+enum { A_PROGRAM, A_OPERANDS, A_GRAD_OPERANDS };
+
+static int is_backward(const brrr_op_call *c) { return c->spec->n_args == 3; }
+/* The operands, then their gradients, take the slots after the spec's own. */
+static int operand_slot(const brrr_op_call *c, int b) { return c->spec->n_slots + b; }
+static int grad_operand_slot(const brrr_op_call *c, int b) { return c->spec->n_slots + BRRR_MAX_CHAIN_OPERANDS + b; }
+
+static int chain_check(brrr_op_call *c) {
     brrr_chain_program prog;
-    if (parse_program(args[0], &prog) < 0) return NULL;
-    PyObject *x_obj = args[1], *grad_out_obj = backward ? args[2] : NULL, *out_obj = args[backward ? 3 : 2];
-    PyObject *operands = args[backward ? 4 : 3], *grad_operands = backward ? args[5] : NULL;
-    PyObject *partials_obj = backward ? args[6] : NULL, *stream_obj = args[backward ? 7 : 4];
-    const char *out_name = backward ? "grad_x" : "out";
-    (void)partials_obj; /* read by the CUDA path only */
+    if (parse_program(c->arg[A_PROGRAM].o, &prog) < 0) return -1;
+    PyObject *operands = c->arg[A_OPERANDS].o, *grads = is_backward(c) ? c->arg[A_GRAD_OPERANDS].o : NULL;
     if (!PyTuple_Check(operands) || PyTuple_GET_SIZE(operands) != prog.n_operands) {
         PyErr_Format(PyExc_ValueError, "argument operands: expected a tuple of %d tensors (one per tensor step)",
                      (int)prog.n_operands);
-        return NULL;
+        return -1;
     }
-    if (backward && (!PyTuple_Check(grad_operands) || PyTuple_GET_SIZE(grad_operands) != prog.n_operands)) {
+    if (grads && (!PyTuple_Check(grads) || PyTuple_GET_SIZE(grads) != prog.n_operands)) {
         PyErr_Format(PyExc_ValueError, "argument grad_operands: expected a tuple of %d tensors or None",
                      (int)prog.n_operands);
-        return NULL;
+        return -1;
     }
-    long long stream_arg;
-    if (brrr_parse_stream(stream_obj, &stream_arg) < 0) return NULL;
-    brrr_call call = {brrr_get_state(module), stream_arg, 0, NULL};
-    chain_args a;
-    memset(&a, 0, sizeof a);
-    PyObject *result = NULL;
-    int vector[BRRR_MAX_CHAIN_OPERANDS] = {0}, any_vector_grad = 0;
-    double *acc = NULL;
-
-    if (brrr_tensor_import(&call, x_obj, "x", 0, &a.x) < 0) goto done;
-    if (backward) {
-        if (brrr_tensor_import(&call, grad_out_obj, "grad_out", 0, &a.grad_out) < 0 ||
-            brrr_check_same_device(&a.grad_out, &a.x) < 0 || brrr_check_same_dtype(&a.grad_out, &a.x) < 0 ||
-            brrr_check_same_shape(&a.grad_out, &a.x) < 0)
-            goto done;
-    }
-    if (out_obj == Py_None) {
-        out_obj = PyArray_Check(x_obj) ? PyArray_NewLikeArray((PyArrayObject *)x_obj, NPY_KEEPORDER, NULL, 0)
-                                       : brrr_new_like(&call, x_obj, &a.x);
-        if (out_obj == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_TypeError, "argument %s: required for inputs of type %.200s (brrr._C allocates "
-                             "NumPy arrays and tensors of frameworks with DLPack's C exchange table)", out_name,
-                             Py_TYPE(x_obj)->tp_name);
-            goto done;
-        }
-    } else {
-        Py_INCREF(out_obj);
-    }
-    result = out_obj;
-    if (brrr_tensor_import(&call, out_obj, out_name, 1, &a.out) < 0 || check_output(&a.out, &a.x) < 0 ||
-        brrr_check_no_overlap(&a.out, &a.x, 1) < 0 || (backward && brrr_check_no_overlap(&a.out, &a.grad_out, 1) < 0))
-        goto fail;
+    const brrr_tensor *x = &c->t[0];
     for (int b = 0; b < prog.n_operands; b++) {
-        brrr_tensor *op = &a.operands[b];
-        if (brrr_tensor_import(&call, PyTuple_GET_ITEM(operands, b), OPERAND_NAMES[b], 0, op) < 0 ||
-            brrr_check_same_device(op, &a.x) < 0 || brrr_check_same_dtype(op, &a.x) < 0 ||
-            (vector[b] = operand_kind(op, &a.x)) < 0 || brrr_check_no_overlap(&a.out, op, !vector[b]) < 0)
-            goto fail;
-        PyObject *g = backward ? PyTuple_GET_ITEM(grad_operands, b) : Py_None;
+        brrr_tensor *op = &c->t[operand_slot(c, b)];
+        if (brrr_op_import_extra(c, operand_slot(c, b), PyTuple_GET_ITEM(operands, b), OPERAND_NAMES[b], 0) < 0 ||
+            brrr_check_same_dtype(op, x) < 0 || operand_kind(op, x) < 0)
+            return -1;
+        PyObject *g = grads ? PyTuple_GET_ITEM(grads, b) : Py_None;
         if (g == Py_None) continue;
-        brrr_tensor *gt = &a.grad_operands[b];
-        if (brrr_tensor_import(&call, g, GRAD_OPERAND_NAMES[b], 1, gt) < 0 || check_output(gt, op) < 0 ||
-            brrr_check_no_overlap(gt, &a.out, 0) < 0 || brrr_check_no_overlap(gt, &a.x, 0) < 0 ||
-            brrr_check_no_overlap(gt, &a.grad_out, 0) < 0)
-            goto fail;
-        for (int c = 0; c < prog.n_operands; c++)
-            if (brrr_check_no_overlap(gt, &a.operands[c], 0) < 0) goto fail;
-        for (int c = 0; c < b; c++)
-            if (brrr_check_no_overlap(gt, &a.grad_operands[c], 0) < 0) goto fail;
-        any_vector_grad |= vector[b];
+        brrr_tensor *gt = &c->t[grad_operand_slot(c, b)];
+        if (brrr_op_import_extra(c, grad_operand_slot(c, b), g, GRAD_OPERAND_NAMES[b], 1) < 0 ||
+            brrr_check_same_dtype(gt, op) < 0 || brrr_check_same_shape(gt, op) < 0 ||
+            brrr_check_no_internal_overlap(gt) < 0)
+            return -1;
     }
+    return 0;
+}
 
+/* Does operand b get a gradient that is a column sum (a vector operand)? */
+static int vector_grad(const brrr_op_call *c, int b) {
+    const brrr_tensor *op = &c->t[operand_slot(c, b)];
+    return is_backward(c) && brrr_has(c, grad_operand_slot(c, b)) && !(op->ndim == c->t[0].ndim);
+}
+
+static int64_t chain_scratch(const brrr_op_call *c) {
+    int n_operands = 0, any = 0;
+    for (int b = 0; b < BRRR_MAX_CHAIN_OPERANDS; b++) {
+        n_operands += brrr_has(c, operand_slot(c, b));
+        any |= vector_grad(c, b);
+    }
+    const int64_t last = c->t[0].ndim ? c->t[0].shape[c->t[0].ndim - 1] : 1;
+    return any && c->t[0].numel > 0 ? brrr_bias_partial_rows(c->t[0].numel / last) * last * n_operands : 0;
+}
+
+static int chain_cuda(brrr_op_call *c, brrr_chain_launch *L, int rank, int64_t *shape,
+                      int64_t (*strides)[BRRR_MAX_RANK], const int *vector, int any_vector_grad);
+
+static int chain_run(brrr_op_call *c) {
+    const int backward = is_backward(c);
     brrr_chain_launch L;
     memset(&L, 0, sizeof L);
-    L.program = prog;
-    L.dtype = a.x.dtype;
-    L.numel = a.x.numel;
-    L.x.data = a.x.data;
-    L.out.data = a.out.data;
-    L.grad_out.data = a.grad_out.data;
-    for (int b = 0; b < prog.n_operands; b++) {
-        L.operands[b].data = a.operands[b].data;
-        L.grad_operands[b].data = a.grad_operands[b].data;
+    if (parse_program(c->arg[A_PROGRAM].o, &L.program) < 0) return -1;
+    const brrr_chain_program *prog = &L.program;
+    const brrr_tensor *x = &c->t[0], *out = &c->t[backward ? B_GRAD_X : F_OUT];
+    int vector[BRRR_MAX_CHAIN_OPERANDS] = {0}, any_vector_grad = 0;
+    L.dtype = x->dtype;
+    L.numel = x->numel;
+    L.x.data = x->data;
+    L.out.data = out->data;
+    L.grad_out.data = backward ? c->t[B_GRAD_OUT].data : NULL;
+    for (int b = 0; b < prog->n_operands; b++) {
+        const brrr_tensor *op = &c->t[operand_slot(c, b)];
+        vector[b] = op->ndim != x->ndim;
+        any_vector_grad |= vector_grad(c, b);
+        L.operands[b].data = op->data;
+        L.grad_operands[b].data = c->t[grad_operand_slot(c, b)].data;
     }
-    if (L.numel == 0) goto done;
+    if (L.numel == 0) return 0;
 
-    int rank = a.x.ndim > 0 ? a.x.ndim : 1;
+    int rank = x->ndim > 0 ? x->ndim : 1;
     int64_t shape[BRRR_MAX_RANK] = {1};
     int64_t strides[T_COUNT][BRRR_MAX_RANK];
     memset(strides, 0, sizeof strides);
-    if (a.x.ndim > 0) memcpy(shape, a.x.shape, sizeof(int64_t) * (size_t)rank);
-    strides_over_x(&a.x, 0, rank, strides[T_X]);
-    strides_over_x(&a.out, 0, rank, strides[T_OUT]);
-    if (backward) strides_over_x(&a.grad_out, 0, rank, strides[T_GRAD_OUT]);
-    for (int b = 0; b < prog.n_operands; b++) {
-        strides_over_x(&a.operands[b], vector[b], rank, strides[T_OPERANDS + b]);
-        if (a.grad_operands[b].data) strides_over_x(&a.grad_operands[b], vector[b], rank, strides[T_GRAD_OPERANDS + b]);
+    if (x->ndim > 0) memcpy(shape, x->shape, sizeof(int64_t) * (size_t)rank);
+    strides_over_x(x, 0, rank, strides[T_X]);
+    strides_over_x(out, 0, rank, strides[T_OUT]);
+    if (backward) strides_over_x(&c->t[B_GRAD_OUT], 0, rank, strides[T_GRAD_OUT]);
+    for (int b = 0; b < prog->n_operands; b++) {
+        strides_over_x(&c->t[operand_slot(c, b)], vector[b], rank, strides[T_OPERANDS + b]);
+        if (L.grad_operands[b].data)
+            strides_over_x(&c->t[grad_operand_slot(c, b)], vector[b], rank, strides[T_GRAD_OPERANDS + b]);
     }
+    if (!brrr_on_cpu(c)) return chain_cuda(c, &L, rank, shape, strides, vector, any_vector_grad);
 
-    if (a.x.device_type == kDLCPU) {
-        int64_t cols = shape[rank - 1];
-        if (any_vector_grad) {
-            acc = PyMem_RawCalloc((size_t)(prog.n_operands * cols), sizeof(double));
-            if (acc == NULL) { PyErr_NoMemory(); goto fail; }
-        }
-        cpu_chain c = {&L, rank, shape, strides, {0}, acc};
-        memcpy(c.vector_operand, vector, sizeof vector);
-        Py_BEGIN_ALLOW_THREADS
-        cpu_chain_run(&c, backward);
-        for (int b = 0; acc && b < prog.n_operands; b++) {
-            if (!vector[b] || !a.grad_operands[b].data) continue;
-            for (int64_t j = 0; j < cols; j++) {
-                int64_t at = j * a.grad_operands[b].strides[0];
-                if (L.dtype == BRRR_F64) ((double *)L.grad_operands[b].data)[at] = acc[b * cols + j];
-                else brrr_store_f32(L.dtype, L.grad_operands[b].data, at, (float)acc[b * cols + j]);
-            }
-        }
-        Py_END_ALLOW_THREADS
-        goto done;
+    const int64_t cols = shape[rank - 1];
+    double *acc = NULL;
+    if (any_vector_grad && (acc = PyMem_RawCalloc((size_t)(prog->n_operands * cols), sizeof(double))) == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
-#if BRRR_WITH_CUDA
-    {
-        /* CUDA: the glue chooses the layout. A bias gradient needs rows intact (the last dim
-         * stays last, the leading dims coalesce among themselves); everything else coalesces
-         * freely, ordered by the output's strides so that writes stay coalesced. */
-        int tensor_ids[T_COUNT], count = 0;
-        tensor_ids[count++] = T_OUT;
-        tensor_ids[count++] = T_X;
-        if (backward) tensor_ids[count++] = T_GRAD_OUT;
-        for (int b = 0; b < prog.n_operands; b++) tensor_ids[count++] = T_OPERANDS + b;
-        for (int b = 0; b < prog.n_operands; b++)
-            if (a.grad_operands[b].data && !vector[b]) tensor_ids[count++] = T_GRAD_OPERANDS + b;
-        int64_t packed[T_COUNT][BRRR_MAX_RANK];
-        for (int i = 0; i < count; i++) memcpy(packed[i], strides[tensor_ids[i]], sizeof packed[i]);
-        int nd;
-        if (any_vector_grad) {
-            int64_t last = shape[rank - 1];
-            nd = brrr_coalesce(rank - 1, shape, count, packed);
-            if (nd < 0) goto fail;
-            if (nd + 1 > BRRR_MAX_DIMS) {
-                PyErr_Format(PyExc_ValueError, "argument x: too many non-mergeable leading dims");
-                goto fail;
-            }
-            shape[nd] = last;
-            for (int i = 0; i < count; i++) packed[i][nd] = strides[tensor_ids[i]][rank - 1];
-            nd += 1;
-            if (brrr_tensor_import(&call, partials_obj, "partials", 1, &a.partials) < 0) goto fail;
-            L.partial_rows = brrr_bias_partial_rows(L.numel / last);
-            int64_t want = L.partial_rows * last * prog.n_operands;
-            int32_t acc_dtype = L.dtype == BRRR_F64 ? BRRR_F64 : BRRR_F32;
-            if (brrr_check_same_device(&a.partials, &a.x) < 0) goto fail;
-            if (a.partials.dtype != acc_dtype || a.partials.numel < want || a.partials.ndim != 1 || a.partials.strides[0] != 1) {
-                PyErr_Format(PyExc_ValueError, "argument partials: expected a contiguous 1-d %s tensor of at least %lld "
-                             "elements (chain_partial_rows(rows) * row_length * n_operands)", brrr_dtype_name(acc_dtype),
-                             (long long)want);
-                goto fail;
-            }
-            L.partials = a.partials.data;
-            L.row_layout = 1;
-        } else {
-            nd = brrr_coalesce(rank, shape, count, packed);
-            if (nd < 0) goto fail;
+    cpu_chain run = {&L, rank, shape, strides, {0}, acc};
+    memcpy(run.vector_operand, vector, sizeof vector);
+    Py_BEGIN_ALLOW_THREADS
+    cpu_chain_run(&run, backward);
+    for (int b = 0; acc && b < prog->n_operands; b++) {
+        if (!vector[b] || !L.grad_operands[b].data) continue;
+        const int64_t stride = c->t[grad_operand_slot(c, b)].strides[0];
+        for (int64_t j = 0; j < cols; j++) {
+            if (L.dtype == BRRR_F64) ((double *)L.grad_operands[b].data)[j * stride] = acc[b * cols + j];
+            else brrr_store_f32(L.dtype, L.grad_operands[b].data, j * stride, (float)acc[b * cols + j]);
         }
-        L.ndim = nd;
-        memcpy(L.shape, shape, sizeof(int64_t) * (size_t)nd);
-        for (int i = 0; i < count; i++) {
-            brrr_view *v = tensor_ids[i] == T_OUT ? &L.out : tensor_ids[i] == T_X ? &L.x
-                         : tensor_ids[i] == T_GRAD_OUT ? &L.grad_out
-                         : tensor_ids[i] < T_GRAD_OPERANDS ? &L.operands[tensor_ids[i] - T_OPERANDS]
-                                                           : &L.grad_operands[tensor_ids[i] - T_GRAD_OPERANDS];
-            memcpy(v->strides, packed[i], sizeof v->strides);
-        }
-        for (int b = 0; b < prog.n_operands; b++) {
-            L.operand_is_vector[b] = vector[b];
-            if (vector[b] && a.grad_operands[b].data) L.grad_operands[b].strides[0] = a.grad_operands[b].strides[0];
-        }
-        /* Dense row-major over the launch shape (vectors: stride 1 along the last dim only). */
-        int contiguous = 1;
-        for (int i = 0; contiguous && i < count; i++) {
-            int64_t expect = 1;
-            int is_vec = tensor_ids[i] >= T_OPERANDS && tensor_ids[i] < T_GRAD_OPERANDS && vector[tensor_ids[i] - T_OPERANDS];
-            for (int d = nd - 1; contiguous && d >= 0; d--) {
-                int64_t want = is_vec && d < nd - 1 ? 0 : expect;
-                if (packed[i][d] != want && L.shape[d] != 1) contiguous = 0;
-                expect *= L.shape[d];
-            }
-        }
-        L.contiguous = contiguous;
-        L.row_length = L.shape[nd - 1];
-        /* Rows of dense columns (a bias, halves of a GLU input, sliced rows) take the row
-         * kernels: no index division, and a bias is read once per thread. */
-        if (!L.row_layout && nd == 2 && L.row_length >= 64) {
-            int dense_columns = 1;
-            for (int i = 0; i < count; i++) dense_columns &= packed[i][1] == 1;
-            L.row_layout = dense_columns;
-        }
-        void *stream = brrr_call_stream(&call);
-        int err;
-        Py_BEGIN_ALLOW_THREADS
-        err = backward ? brrr_cuda_chain_bwd(&L, a.x.device_id, stream) : brrr_cuda_chain_fwd(&L, a.x.device_id, stream);
-        Py_END_ALLOW_THREADS
-        if (brrr_cuda_result(err, backward ? "chain_bwd" : "chain_fwd") < 0) goto fail;
     }
-#endif
-    goto done;
-fail:
-    Py_CLEAR(result);
-done:
+    Py_END_ALLOW_THREADS
     PyMem_RawFree(acc);
-    chain_args_release(&a);
-    return result;
+    return 0;
 }
 
-PyObject *brrr_py_chain_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "chain_fwd(program, x, out, operands, stream) takes 5 arguments (%zd given)", nargs);
-        return NULL;
+/* CUDA: the glue chooses the layout. A bias gradient needs rows intact (the last dim stays last,
+ * the leading dims coalesce among themselves); everything else coalesces freely, ordered by the
+ * output's strides so that writes stay coalesced. */
+static int chain_cuda(brrr_op_call *c, brrr_chain_launch *L, int rank, int64_t *shape,
+                      int64_t (*strides)[BRRR_MAX_RANK], const int *vector, int any_vector_grad) {
+    const int backward = is_backward(c), n_operands = L->program.n_operands;
+    int tensor_ids[T_COUNT], count = 0;
+    tensor_ids[count++] = T_OUT;
+    tensor_ids[count++] = T_X;
+    if (backward) tensor_ids[count++] = T_GRAD_OUT;
+    for (int b = 0; b < n_operands; b++) tensor_ids[count++] = T_OPERANDS + b;
+    for (int b = 0; b < n_operands; b++)
+        if (L->grad_operands[b].data && !vector[b]) tensor_ids[count++] = T_GRAD_OPERANDS + b;
+    int64_t packed[T_COUNT][BRRR_MAX_RANK];
+    for (int i = 0; i < count; i++) memcpy(packed[i], strides[tensor_ids[i]], sizeof packed[i]);
+    int nd;
+    if (any_vector_grad) {
+        const int64_t last = shape[rank - 1];
+        nd = brrr_coalesce(rank - 1, shape, count, packed);
+        if (nd < 0) return -1;
+        if (nd + 1 > BRRR_MAX_DIMS) {
+            PyErr_Format(PyExc_ValueError, "argument x: too many non-mergeable leading dims");
+            return -1;
+        }
+        shape[nd] = last;
+        for (int i = 0; i < count; i++) packed[i][nd] = strides[tensor_ids[i]][rank - 1];
+        nd += 1;
+        L->partials = c->t[B_PARTIALS].data;
+        L->partial_rows = brrr_bias_partial_rows(L->numel / last);
+        L->row_layout = 1;
+    } else {
+        nd = brrr_coalesce(rank, shape, count, packed);
+        if (nd < 0) return -1;
     }
-    return chain_call(module, args, 0);
+    L->ndim = nd;
+    memcpy(L->shape, shape, sizeof(int64_t) * (size_t)nd);
+    for (int i = 0; i < count; i++) {
+        brrr_view *v = tensor_ids[i] == T_OUT ? &L->out : tensor_ids[i] == T_X ? &L->x
+                     : tensor_ids[i] == T_GRAD_OUT ? &L->grad_out
+                     : tensor_ids[i] < T_GRAD_OPERANDS ? &L->operands[tensor_ids[i] - T_OPERANDS]
+                                                       : &L->grad_operands[tensor_ids[i] - T_GRAD_OPERANDS];
+        memcpy(v->strides, packed[i], sizeof v->strides);
+    }
+    for (int b = 0; b < n_operands; b++) {
+        L->operand_is_vector[b] = vector[b];
+        if (vector[b] && L->grad_operands[b].data) L->grad_operands[b].strides[0] = c->t[grad_operand_slot(c, b)].strides[0];
+    }
+    /* Dense row-major over the launch shape (vectors: stride 1 along the last dim only). */
+    int contiguous = 1;
+    for (int i = 0; contiguous && i < count; i++) {
+        int64_t expect = 1;
+        const int is_vec = tensor_ids[i] >= T_OPERANDS && tensor_ids[i] < T_GRAD_OPERANDS &&
+                           vector[tensor_ids[i] - T_OPERANDS];
+        for (int d = nd - 1; contiguous && d >= 0; d--) {
+            const int64_t want = is_vec && d < nd - 1 ? 0 : expect;
+            if (packed[i][d] != want && L->shape[d] != 1) contiguous = 0;
+            expect *= L->shape[d];
+        }
+    }
+    L->contiguous = contiguous;
+    L->row_length = L->shape[nd - 1];
+    /* Rows of dense columns (a bias, halves of a GLU input, sliced rows) take the row kernels: no
+     * index division, and a bias is read once per thread. */
+    if (!L->row_layout && nd == 2 && L->row_length >= 64) {
+        int dense_columns = 1;
+        for (int i = 0; i < count; i++) dense_columns &= packed[i][1] == 1;
+        L->row_layout = dense_columns;
+    }
+    if (backward) BRRR_RETURN_CUDA(c, brrr_cuda_chain_bwd, L);
+    BRRR_RETURN_CUDA(c, brrr_cuda_chain_fwd, L);
 }
 
-PyObject *brrr_py_chain_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "chain_bwd(program, x, grad_out, grad_x, operands, grad_operands, partials, "
-                     "stream) takes 8 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    return chain_call(module, args, 1);
-}
+#define PROGRAM {"program", BRRR_ARG_OBJECT, 0, 0, NULL, "the bytes returned by chain_program()"}
+#define OPERANDS {"operands", BRRR_ARG_OBJECT, 0, 0, NULL, "a tuple of tensors"}
+
+static const brrr_op_spec CHAIN_FWD = {
+    .name = "chain_fwd",
+    .doc = "out = the chain `program` applied to every element of x, its tensor steps taking `operands` (x's "
+           "shape, or a vector along its last dim) in order. out may be x or an x-shaped operand.",
+    .n_slots = 2,
+    .slots = {{"x", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"out", BRRR_WRITE | BRRR_ALLOC | BRRR_INPLACE, BRRR_SHAPE_X, BRRR_DTYPE_X, -1}},
+    .n_args = 2,
+    .args = {PROGRAM, OPERANDS},
+    .split_arg = -1,
+    .check = chain_check,
+    .run = chain_run,
+};
+
+static const brrr_op_spec CHAIN_BWD = {
+    .name = "chain_bwd",
+    .doc = "grad_x = grad_out * d chain / dx, recomputing the chain from x; and for every operand whose entry of "
+           "grad_operands is a tensor, its gradient (a vector operand's summed over rows in a fixed order).",
+    .n_slots = 4,
+    .slots = {{"x", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"grad_out", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"grad_x", BRRR_WRITE | BRRR_ALLOC | BRRR_INPLACE, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"partials", BRRR_WRITE, BRRR_SHAPE_SCRATCH, BRRR_DTYPE_ACC, -1}},
+    .n_args = 3,
+    .args = {PROGRAM, OPERANDS, {"grad_operands", BRRR_ARG_OBJECT, 0, 0, NULL, "a tuple of tensors or None"}},
+    .split_arg = -1,
+    .check = chain_check,
+    .scratch = chain_scratch,
+    .run = chain_run,
+};
+
+const brrr_op_spec *const brrr_chain_ops[] = {&CHAIN_FWD, &CHAIN_BWD, NULL};

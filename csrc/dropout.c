@@ -11,20 +11,15 @@
  * the backward likewise gives grad_out * 0. Math in float32 (float64 for float64), each step
  * rounded on its own (no FMA: the CUDA kernels round the same way).
  *
- * _C.dropout_fwd(x, bias, residual, out, p, seed, offset, stream) -> out
- * _C.dropout_bwd(grad_out, grad_x, grad_bias, partials, p, seed, offset, stream) -> grad_x
- *     grad_x = keep * grad_out / (1 - p); grad_bias (optional): grad_x summed over all but the
- *     last dim, in a fixed order (bitwise reproducible)
- *
- * bias, grad_bias: None or shape x.shape[-1:]; residual: None or x's shape; out and grad_x may be
- * None for NumPy arrays and frameworks with DLPack's C exchange table (allocated here,
- * contiguous). seed and offset: ints in [0, 2^64). partials (CUDA, with grad_bias): a contiguous
- * 1-D float32 tensor (float64 for float64) of at least chain_partial_rows(rows) * cols elements.
+ * The two ops (specs at the end): the forward as above, the backward grad_x = keep * grad_out /
+ * (1 - p) and, where asked for, grad_bias: grad_x summed over all but the last dim in a fixed
+ * order (bitwise reproducible; on CUDA through a `partials` scratch of
+ * brrr_bias_partial_rows(rows) * cols elements, allocated here unless the caller passes one).
  */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
-#include "brrr.h"
+#include "op.h"
 
 #include <numpy/arrayobject.h>
 #include <string.h>
@@ -70,7 +65,7 @@ static void cpu_dropout(const brrr_dropout_launch *L, double *acc) {
     }
 }
 
-/* ---- layout ------------------------------------------------------------------------------------ */
+/* ---- layout and launch ------------------------------------------------------------------------- */
 
 /* Fill L's shape and the strides of x, residual and out. With row_layout the last dim stays a
  * dim of its own (the rows kernel of the bias gradient needs it); else everything merges. */
@@ -110,211 +105,116 @@ static int dropout_layout(brrr_dropout_launch *L, const brrr_tensor *x, const br
     return 0;
 }
 
-/* ---- the shared body --------------------------------------------------------------------------- */
+enum { F_X, F_BIAS, F_RESIDUAL, F_OUT };          /* forward slots */
+enum { B_GRAD_OUT, B_GRAD_X, B_GRAD_BIAS, B_PARTIALS }; /* backward slots */
+enum { A_P, A_SEED, A_OFFSET };
 
-typedef struct {
-    int backward;
-    PyObject *x, *bias, *residual, *out, *grad_bias, *partials; /* borrowed; Py_None: absent */
-    double p;
-    unsigned long long seed, offset;
-    long long stream;
-} dropout_request;
-
-/* bias or grad_bias: x's device and dtype, shape x.shape[-1:]. */
-static int import_column_vector(brrr_call *call, PyObject *obj, const char *name, int writable, const brrr_tensor *x,
-                                brrr_tensor *t) {
-    if (brrr_tensor_import(call, obj, name, writable, t) < 0 || brrr_check_same_device(t, x) < 0 ||
-        brrr_check_same_dtype(t, x) < 0)
-        return -1;
+/* A bias, or its gradient, runs along x's last dim: a 0-d x has none. */
+static int dropout_check(brrr_op_call *c) {
+    const int bias = c->spec->slots[1].flags & BRRR_WRITE ? B_GRAD_BIAS : F_BIAS;
+    const brrr_tensor *x = &c->t[0];
+    PyObject *given = c->obj[bias];
+    if (given == NULL || given == Py_None) return 0;
     if (x->ndim == 0) {
-        PyErr_Format(PyExc_ValueError, "argument %s: %s is 0-d, so it has no last dim to broadcast along", name, x->name);
+        PyErr_Format(PyExc_ValueError, "argument %s: %s is 0-d, so it has no last dim to broadcast along",
+                     c->spec->slots[bias].name, x->name);
         return -1;
     }
-    brrr_tensor last;
-    memset(&last, 0, sizeof last);
-    last.name = strcmp(x->name, "x") == 0 ? "x.shape[-1:]" : "grad_out.shape[-1:]";
-    last.ndim = 1;
-    last.shape[0] = x->shape[x->ndim - 1];
-    if (brrr_check_same_shape(t, &last) < 0) return -1;
-    return writable ? brrr_check_no_internal_overlap(t) : 0;
+    return bias == F_BIAS ? brrr_check_same_shape(&c->t[F_BIAS], &c->cols) : 0;
 }
 
-static PyObject *dropout_call(PyObject *module, const dropout_request *q) {
-    brrr_call call = {brrr_get_state(module), q->stream, 0, NULL};
-    brrr_tensor x, bias, res, out, grad_bias, partials;
-    memset(&x, 0, sizeof x);
-    memset(&bias, 0, sizeof bias);
-    memset(&res, 0, sizeof res);
-    memset(&out, 0, sizeof out);
-    memset(&grad_bias, 0, sizeof grad_bias);
-    memset(&partials, 0, sizeof partials);
-    PyObject *result = NULL, *out_obj = q->out;
-    double *acc = NULL;
-    const char *out_name = q->backward ? "grad_x" : "out";
+static int64_t dropout_scratch(const brrr_op_call *c) {
+    return brrr_has(c, B_GRAD_BIAS) && c->n_rows ? brrr_bias_partial_rows(c->n_rows) * c->n_cols : 0;
+}
 
-    if (brrr_tensor_import(&call, q->x, q->backward ? "grad_out" : "x", 0, &x) < 0) goto done;
-    if (q->bias != Py_None && import_column_vector(&call, q->bias, "bias", 0, &x, &bias) < 0) goto done;
-    if (q->residual != Py_None &&
-        (brrr_tensor_import(&call, q->residual, "residual", 0, &res) < 0 || brrr_check_same_device(&res, &x) < 0 ||
-         brrr_check_same_dtype(&res, &x) < 0 || brrr_check_same_shape(&res, &x) < 0))
-        goto done;
-    if (out_obj == Py_None) {
-        out_obj = PyArray_Check(q->x) ? PyArray_NewLikeArray((PyArrayObject *)q->x, NPY_KEEPORDER, NULL, 0)
-                                      : brrr_new_like(&call, q->x, &x);
-        if (out_obj == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_TypeError, "argument %s: required for inputs of type %.200s (brrr._C allocates "
-                             "NumPy arrays and tensors of frameworks with DLPack's C exchange table)", out_name,
-                             Py_TYPE(q->x)->tp_name);
-            goto done;
-        }
-    } else {
-        Py_INCREF(out_obj);
-    }
-    result = out_obj;
-    /* Each output element is written from the same element of x and residual only: an
-     * identical view of either may be written in place. */
-    if (brrr_tensor_import(&call, out_obj, out_name, 1, &out) < 0 || brrr_check_same_device(&out, &x) < 0 ||
-        brrr_check_same_dtype(&out, &x) < 0 || brrr_check_same_shape(&out, &x) < 0 ||
-        brrr_check_no_internal_overlap(&out) < 0 || brrr_check_no_overlap(&out, &x, 1) < 0 ||
-        brrr_check_no_overlap(&out, &res, 1) < 0 || brrr_check_no_overlap(&out, &bias, 0) < 0)
-        goto fail;
-    if (q->grad_bias != Py_None &&
-        (import_column_vector(&call, q->grad_bias, "grad_bias", 1, &x, &grad_bias) < 0 ||
-         brrr_check_no_overlap(&grad_bias, &x, 0) < 0 || brrr_check_no_overlap(&grad_bias, &out, 0) < 0))
-        goto fail;
-
+static int dropout_run(brrr_op_call *c, int backward) {
+    const brrr_tensor *x = &c->t[0], *out = &c->t[backward ? B_GRAD_X : F_OUT];
+    const brrr_tensor *bias = backward ? NULL : &c->t[F_BIAS], *res = backward ? NULL : &c->t[F_RESIDUAL];
+    const brrr_tensor *grad_bias = backward ? &c->t[B_GRAD_BIAS] : NULL;
+    const double p = c->arg[A_P].f;
+    brrr_tensor none;
+    memset(&none, 0, sizeof none);
     brrr_dropout_launch L;
     memset(&L, 0, sizeof L);
-    L.dtype = x.dtype;
-    L.numel = x.numel;
-    L.cols = x.ndim ? x.shape[x.ndim - 1] : 1;
-    L.seed = q->seed;
-    L.offset = q->offset;
-    L.threshold = q->p >= 1.0 ? (uint64_t)1 << 32 : (uint64_t)(q->p * 4294967296.0); /* exact, then floor */
-    L.scale = q->p >= 1.0 ? 0.0 : 1.0 / (1.0 - q->p);
-    L.x.data = x.data;
-    L.out.data = out.data;
-    L.residual.data = res.data;
-    L.bias = bias.data;
-    L.bias_stride = bias.name ? bias.strides[0] : 0;
-    L.grad_bias = grad_bias.data;
-    L.grad_bias_stride = grad_bias.name ? grad_bias.strides[0] : 0;
-    L.row_layout = grad_bias.name != NULL;
-    const int64_t rows = L.cols ? L.numel / L.cols : 0;
-    if (L.numel > 0 && dropout_layout(&L, &x, &res, &out) < 0) goto fail;
-    if (L.numel == 0 && (!grad_bias.name || L.cols == 0)) goto done; /* nothing to write */
-
-    if (x.device_type == kDLCPU) {
-        if (grad_bias.name && (acc = PyMem_RawCalloc((size_t)L.cols, sizeof(double))) == NULL) {
-            PyErr_NoMemory();
-            goto fail;
-        }
-        Py_BEGIN_ALLOW_THREADS
-        cpu_dropout(&L, acc);
-        for (int64_t c = 0; acc && c < L.cols; c++) {
-            if (L.dtype == BRRR_F64) ((double *)L.grad_bias)[c * L.grad_bias_stride] = acc[c];
-            else brrr_store_f32(L.dtype, L.grad_bias, c * L.grad_bias_stride, (float)acc[c]);
-        }
-        Py_END_ALLOW_THREADS
-        goto done;
+    L.dtype = x->dtype;
+    L.numel = x->numel;
+    L.cols = x->ndim ? x->shape[x->ndim - 1] : 1;
+    L.seed = c->arg[A_SEED].u;
+    L.offset = c->arg[A_OFFSET].u;
+    L.threshold = p >= 1.0 ? (uint64_t)1 << 32 : (uint64_t)(p * 4294967296.0); /* exact, then floor */
+    L.scale = p >= 1.0 ? 0.0 : 1.0 / (1.0 - p);
+    L.x.data = x->data;
+    L.out.data = out->data;
+    if (bias && bias->name) {
+        L.bias = bias->data;
+        L.bias_stride = bias->strides[0];
     }
-#if BRRR_WITH_CUDA
-    if (grad_bias.name) {
-        L.partial_rows = rows ? brrr_bias_partial_rows(rows) : 0;
-        const int64_t want = L.partial_rows * L.cols;
-        const int32_t acc_dtype = L.dtype == BRRR_F64 ? BRRR_F64 : BRRR_F32;
-        if (q->partials == Py_None) {
-            PyErr_Format(PyExc_TypeError, "argument partials: required on CUDA with grad_bias (a contiguous 1-D %s "
-                         "tensor of at least %lld elements)", brrr_dtype_name(acc_dtype), (long long)want);
-            goto fail;
-        }
-        if (brrr_tensor_import(&call, q->partials, "partials", 1, &partials) < 0 ||
-            brrr_check_same_device(&partials, &x) < 0)
-            goto fail;
-        if (partials.dtype != acc_dtype || partials.ndim != 1 || partials.numel < want ||
-            (partials.numel > 1 && partials.strides[0] != 1)) {
-            PyErr_Format(PyExc_ValueError, "argument partials: expected a contiguous 1-D %s tensor of at least %lld "
-                         "elements (chain_partial_rows(rows) * cols)", brrr_dtype_name(acc_dtype), (long long)want);
-            goto fail;
-        }
-        if (brrr_check_no_overlap(&partials, &x, 0) < 0 || brrr_check_no_overlap(&partials, &out, 0) < 0 ||
-            brrr_check_no_overlap(&partials, &grad_bias, 0) < 0)
-            goto fail;
-        L.partials = partials.data;
+    if (grad_bias && grad_bias->name) {
+        L.grad_bias = grad_bias->data;
+        L.grad_bias_stride = grad_bias->strides[0];
+        L.row_layout = 1;
+        L.partials = c->t[B_PARTIALS].data;
+        L.partial_rows = c->n_rows ? brrr_bias_partial_rows(c->n_rows) : 0;
     }
-    {
-        void *stream = brrr_call_stream(&call);
-        int err;
-        Py_BEGIN_ALLOW_THREADS
-        err = brrr_cuda_dropout(&L, x.device_id, stream);
-        Py_END_ALLOW_THREADS
-        if (brrr_cuda_result(err, q->backward ? "dropout_bwd" : "dropout_fwd") < 0) goto fail;
+    if (res) L.residual.data = res->data;
+    if (L.numel > 0 && dropout_layout(&L, x, res ? res : &none, out) < 0) return -1;
+    if (L.numel == 0 && (!L.grad_bias || L.cols == 0)) return 0; /* nothing to write */
+    if (!brrr_on_cpu(c)) BRRR_RETURN_CUDA(c, brrr_cuda_dropout, &L);
+    double *acc = L.grad_bias ? PyMem_RawCalloc((size_t)L.cols, sizeof(double)) : NULL;
+    if (L.grad_bias && acc == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
-#else
-    (void)rows;
-#endif
-    goto done;
-fail:
-    Py_CLEAR(result);
-done:
+    Py_BEGIN_ALLOW_THREADS
+    cpu_dropout(&L, acc);
+    for (int64_t j = 0; acc && j < L.cols; j++) {
+        if (L.dtype == BRRR_F64) ((double *)L.grad_bias)[j * L.grad_bias_stride] = acc[j];
+        else brrr_store_f32(L.dtype, L.grad_bias, j * L.grad_bias_stride, (float)acc[j]);
+    }
+    Py_END_ALLOW_THREADS
     PyMem_RawFree(acc);
-    brrr_tensor_release(&x);
-    brrr_tensor_release(&bias);
-    brrr_tensor_release(&res);
-    brrr_tensor_release(&out);
-    brrr_tensor_release(&grad_bias);
-    brrr_tensor_release(&partials);
-    return result;
+    return 0;
 }
 
-/* ---- argument parsing -------------------------------------------------------------------------- */
+static int dropout_fwd_run(brrr_op_call *c) { return dropout_run(c, 0); }
+static int dropout_bwd_run(brrr_op_call *c) { return dropout_run(c, 1); }
 
-static int parse_scalars(PyObject *p, PyObject *seed, PyObject *offset, PyObject *stream, dropout_request *q) {
-    q->p = PyFloat_AsDouble(p);
-    if (q->p == -1.0 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_TypeError, "argument p: expected a float");
-        return -1;
-    }
-    if (!(q->p >= 0.0 && q->p <= 1.0)) { /* NaN too */
-        PyErr_Format(PyExc_ValueError, "argument p: dropout probability has to be between 0 and 1, got %R", p);
-        return -1;
-    }
-    PyObject *ints[2] = {seed, offset};
-    const char *names[2] = {"seed", "offset"};
-    unsigned long long *values[2] = {&q->seed, &q->offset};
-    for (int k = 0; k < 2; k++) {
-        if (!PyLong_Check(ints[k])) {
-            PyErr_Format(PyExc_TypeError, "argument %s: expected an int, got %.200s", names[k], Py_TYPE(ints[k])->tp_name);
-            return -1;
-        }
-        *values[k] = PyLong_AsUnsignedLongLong(ints[k]);
-        if (*values[k] == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Format(PyExc_ValueError, "argument %s: expected an int in [0, 2**64), got %R", names[k], ints[k]);
-            return -1;
-        }
-    }
-    return brrr_parse_stream(stream, &q->stream);
-}
+#define DROPOUT_ARGS                                                                                                 \
+    {{"p", BRRR_ARG_FLOAT, 0, 1, NULL, "a dropout probability between 0 and 1"},                                     \
+     {"seed", BRRR_ARG_UINT64, 0, 0, NULL, "an int in [0, 2**64)"},                                                  \
+     {"offset", BRRR_ARG_UINT64, 0, 0, NULL, "an int in [0, 2**64)"}}
 
-PyObject *brrr_py_dropout_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "dropout_fwd(x, bias, residual, out, p, seed, offset, stream) takes 8 arguments "
-                     "(%zd given)", nargs);
-        return NULL;
-    }
-    dropout_request q = {0, args[0], args[1], args[2], args[3], Py_None, Py_None, 0.0, 0, 0, 0};
-    if (parse_scalars(args[4], args[5], args[6], args[7], &q) < 0) return NULL;
-    return dropout_call(module, &q);
-}
+static const brrr_op_spec DROPOUT_FWD = {
+    .name = "dropout_fwd",
+    .doc = "out = residual + dropout(x + bias, p): bias along x's last dim and residual optional; the mask from "
+           "Philox4x32-10 keyed by seed at the element's row-major index and offset. out may be x or residual.",
+    .n_slots = 4,
+    .slots = {{"x", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"bias", BRRR_OPTIONAL, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
+              {"residual", BRRR_OPTIONAL, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"out", BRRR_WRITE | BRRR_ALLOC | BRRR_INPLACE, BRRR_SHAPE_X, BRRR_DTYPE_X, -1}},
+    .n_args = 3,
+    .args = DROPOUT_ARGS,
+    .split_arg = -1,
+    .check = dropout_check,
+    .run = dropout_fwd_run,
+};
 
-PyObject *brrr_py_dropout_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "dropout_bwd(grad_out, grad_x, grad_bias, partials, p, seed, offset, stream) "
-                     "takes 8 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    dropout_request q = {1, args[0], Py_None, Py_None, args[1], args[2], args[3], 0.0, 0, 0, 0};
-    if (parse_scalars(args[4], args[5], args[6], args[7], &q) < 0) return NULL;
-    return dropout_call(module, &q);
-}
+static const brrr_op_spec DROPOUT_BWD = {
+    .name = "dropout_bwd",
+    .doc = "grad_x = keep * grad_out / (1 - p) with dropout_fwd's mask, and where asked for (True allocates it) "
+           "grad_bias, grad_x summed over all but the last dim in a fixed order.",
+    .n_slots = 4,
+    .slots = {{"grad_out", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"grad_x", BRRR_WRITE | BRRR_ALLOC | BRRR_INPLACE, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"grad_bias", BRRR_WRITE | BRRR_OPTIONAL | BRRR_ALLOC, BRRR_SHAPE_COLS, BRRR_DTYPE_X, -1},
+              {"partials", BRRR_WRITE, BRRR_SHAPE_SCRATCH, BRRR_DTYPE_ACC, -1}},
+    .n_args = 3,
+    .args = DROPOUT_ARGS,
+    .split_arg = -1,
+    .check = dropout_check,
+    .scratch = dropout_scratch,
+    .run = dropout_bwd_run,
+};
+
+const brrr_op_spec *const brrr_dropout_ops[] = {&DROPOUT_FWD, &DROPOUT_BWD, NULL};

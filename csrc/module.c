@@ -1,25 +1,19 @@
 /* brrr._C: module definition (multi-phase init, per-module state, no mutable globals). */
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
-#include "brrr.h"
+#include "op.h"
 
 #include <numpy/arrayobject.h>
 
 PyObject *brrr_py_chain_op_names(PyObject *module, PyObject *unused);
 PyObject *brrr_py_chain_program(PyObject *module, PyObject *steps);
 PyObject *brrr_py_chain_partial_rows(PyObject *module, PyObject *rows);
-PyObject *brrr_py_chain_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *brrr_py_chain_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *brrr_py_layer_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *brrr_py_layer_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *brrr_py_rms_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *brrr_py_rms_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *brrr_py_norm_partial_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *brrr_py_dropout_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *brrr_py_dropout_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *brrr_py_xent_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *brrr_py_xent_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *brrr_py_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+
+extern const brrr_op_spec *const brrr_norm_ops[], *const brrr_rotary_ops[], *const brrr_xent_ops[],
+    *const brrr_dropout_ops[], *const brrr_chain_ops[];
+static const brrr_op_spec *const *const FAMILIES[] = {brrr_norm_ops, brrr_rotary_ops, brrr_xent_ops, brrr_dropout_ops,
+                                                        brrr_chain_ops};
 
 brrr_state *brrr_get_state(PyObject *module) { return (brrr_state *)PyModule_GetState(module); }
 
@@ -59,36 +53,8 @@ static PyMethodDef methods[] = {
     {"chain_program", brrr_py_chain_program, METH_O, "chain_program(steps) -> bytes: validate and pack a chain."},
     {"chain_partial_rows", brrr_py_chain_partial_rows, METH_O,
      "chain_partial_rows(rows) -> int: rows of the fp32 scratch a CUDA bias gradient needs per operand."},
-    {"chain_fwd", (PyCFunction)(void (*)(void))brrr_py_chain_fwd, METH_FASTCALL,
-     "chain_fwd(program, x, out, operands, stream) -> out"},
-    {"chain_bwd", (PyCFunction)(void (*)(void))brrr_py_chain_bwd, METH_FASTCALL,
-     "chain_bwd(program, x, grad_out, grad_x, operands, grad_operands, partials, stream) -> grad_x"},
-    {"layer_norm_fwd", (PyCFunction)(void (*)(void))brrr_py_layer_norm_fwd, METH_FASTCALL,
-     "layer_norm_fwd(x, norm_ndim, weight, bias, eps, out, mean, rstd, residual, residual_out, stream) -> out, "
-     "or (out, residual_out), then mean and rstd where they were True (allocated here)"},
-    {"layer_norm_bwd", (PyCFunction)(void (*)(void))brrr_py_layer_norm_bwd, METH_FASTCALL,
-     "layer_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, mean, rstd, grad_x, grad_weight, grad_bias, "
-     "partials, stream) -> grad_x, then grad_weight and grad_bias where they were True (allocated here)"},
-    {"rms_norm_fwd", (PyCFunction)(void (*)(void))brrr_py_rms_norm_fwd, METH_FASTCALL,
-     "rms_norm_fwd(x, norm_ndim, weight, eps, llama, out, rstd, residual, residual_out, stream) -> out, "
-     "or (out, residual_out), then rstd where it was True (allocated here)"},
-    {"rms_norm_bwd", (PyCFunction)(void (*)(void))brrr_py_rms_norm_bwd, METH_FASTCALL,
-     "rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, grad_x, grad_weight, partials, "
-     "stream) -> grad_x, then grad_weight where it was True (allocated here)"},
     {"norm_partial_rows", (PyCFunction)(void (*)(void))brrr_py_norm_partial_rows, METH_FASTCALL,
      "norm_partial_rows(rows, cols) -> int: rows of the CUDA backward's partials scratch per weight/bias gradient."},
-    {"dropout_fwd", (PyCFunction)(void (*)(void))brrr_py_dropout_fwd, METH_FASTCALL,
-     "dropout_fwd(x, bias, residual, out, p, seed, offset, stream) -> out = residual + dropout(x + bias, p)"},
-    {"dropout_bwd", (PyCFunction)(void (*)(void))brrr_py_dropout_bwd, METH_FASTCALL,
-     "dropout_bwd(grad_out, grad_x, grad_bias, partials, p, seed, offset, stream) -> grad_x"},
-    {"cross_entropy_fwd", (PyCFunction)(void (*)(void))brrr_py_xent_fwd, METH_FASTCALL,
-     "cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, loss, total, count, stream) "
-     "-> None, or (lse, loss, total, count) when any of them is True (allocated here)"},
-    {"cross_entropy_bwd", (PyCFunction)(void (*)(void))brrr_py_xent_bwd, METH_FASTCALL,
-     "cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, grad_loss, count, grad_logits, stream) "
-     "-> grad_logits"},
-    {"rotary", (PyCFunction)(void (*)(void))brrr_py_rotary, METH_FASTCALL,
-     "rotary(x, cos, sin, out, backward, stream) -> out: x * cos + rotate_half(x) * sin (or its transpose)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -105,6 +71,8 @@ static int module_exec(PyObject *module) {
         PyModule_AddIntConstant(module, "MAX_CHAIN_STEPS", BRRR_MAX_CHAIN_STEPS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_CHAIN_OPERANDS", BRRR_MAX_CHAIN_OPERANDS) < 0)
         return -1;
+    for (size_t f = 0; f < sizeof FAMILIES / sizeof FAMILIES[0]; f++)
+        if (brrr_add_ops(module, FAMILIES[f]) < 0) return -1;
     return 0;
 }
 

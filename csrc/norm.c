@@ -7,81 +7,60 @@
  * convention that `mean` is saved relative to the row's first element, are in
  * cuda/norm_kernels.cuh and brrr_cuda.h; the CPU twin computes the same function in float64.
  *
- * _C.layer_norm_fwd(x, norm_ndim, weight, bias, eps, out, mean, rstd, residual, residual_out, stream)
- * _C.rms_norm_fwd(x, norm_ndim, weight, eps, llama, out, rstd, residual, residual_out, stream)
- *     -> out, or (out, residual_out) when a residual is given
- * _C.layer_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, mean, rstd, grad_x, grad_weight,
- *                   grad_bias, partials, stream) -> grad_x
- * _C.rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, grad_x, grad_weight,
- *                 partials, stream) -> grad_x
- * _C.norm_partial_rows(rows, cols) -> P
- *
- * Optional tensors are None: weight, bias, residual; mean and rstd in the forward (not saved);
- * grad_residual, grad_weight, grad_bias in the backward. True for mean and rstd (forward) or
- * grad_weight and grad_bias (backward, with weight given) allocates them here, by x's framework
- * (DLPack's C exchange table), and the call returns them after its usual result, in that order:
- * (out, [residual_out,] mean, rstd) or (grad_x, grad_weight, grad_bias), less what was not asked. For the fused residual forms the
- * backward's x is the forward's residual_out. partials (CUDA only, when a weight or bias gradient
- * is asked for): a 1-D float32 tensor (float64 for float64 x) of at least
- * n_grads * norm_partial_rows(rows, cols) * cols elements. out, residual_out and grad_x may be
- * None for NumPy arrays and for tensors of frameworks with DLPack's C exchange table (PyTorch
- * 2.10+): they are then allocated here, contiguous, by x's framework. So may partials, for such
- * tensors on the framework's current stream (stream -1): scratch, given back when the call
- * returns, which the framework's stream-ordered allocator reuses only for work queued after it.
+ * The four ops (specs at the end) take and return tensors by name; the backward's x is the
+ * normalised input: for the fused residual forms, the forward's residual_out. Their CUDA
+ * backward with a weight or bias gradient takes a `partials` scratch (allocated here on the
+ * framework's current stream unless the caller passes one): n_grads * norm_partial_rows(rows,
+ * cols) * cols elements of the accumulation dtype.
  */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
-#include "brrr.h"
+#include "op.h"
 
 #include <math.h>
 #include <numpy/arrayobject.h>
 #include <string.h>
 
-/* Every tensor argument of the family, inputs first. */
+/* What a slot is to the launch, whichever op it belongs to. */
 enum {
-    S_X, S_RESIDUAL, S_WEIGHT, S_BIAS, S_GRAD_OUT, S_GRAD_RESIDUAL, S_MEAN, S_RSTD, /* inputs (stats: bwd) */
-    S_OUT, S_RESIDUAL_OUT, S_GRAD_X, S_GRAD_WEIGHT, S_GRAD_BIAS, S_PARTIALS,         /* outputs */
-    S_COUNT
+    R_X, R_RESIDUAL, R_WEIGHT, R_BIAS, R_GRAD_OUT, R_GRAD_RESIDUAL, R_MEAN, R_RSTD,
+    R_OUT, R_RESIDUAL_OUT, R_GRAD_X, R_GRAD_WEIGHT, R_GRAD_BIAS, R_PARTIALS,
+    R_COUNT
 };
-#define S_FIRST_OUTPUT S_OUT
 
-/* How a slot is indexed: rows by columns, rows only, columns only, or flat scratch. */
+/* How a role is indexed: rows by columns, rows only, columns only, or flat scratch. */
 enum { K_DATA, K_ROW, K_COL, K_FLAT };
-static const int SLOT_KIND[S_COUNT] = {K_DATA, K_DATA, K_COL, K_COL, K_DATA, K_DATA, K_ROW, K_ROW,
+static const int ROLE_KIND[R_COUNT] = {K_DATA, K_DATA, K_COL, K_COL, K_DATA, K_DATA, K_ROW, K_ROW,
                                        K_DATA, K_DATA, K_DATA, K_COL, K_COL, K_FLAT};
-static const char *const SLOT_NAME[S_COUNT] = {"x", "residual", "weight", "bias", "grad_out", "grad_residual",
-                                               "mean", "rstd", "out", "residual_out", "grad_x", "grad_weight",
-                                               "grad_bias", "partials"};
 
+/* A norm op: its spec, and the role of each of its slots. */
 typedef struct {
-    int backward, rms, llama;
-    long long norm_ndim, stream;
-    double eps;
-    PyObject *obj[S_COUNT]; /* borrowed; NULL or Py_None: absent */
-} norm_request;
+    brrr_op_spec spec;
+    int backward, rms;
+    int8_t role[BRRR_OP_MAX_SLOTS];
+} norm_op;
 
-static brrr_norm_view *slot_view(brrr_norm_launch *L, int s) {
-    switch (s) {
-    case S_X: return &L->x;
-    case S_RESIDUAL: return &L->residual;
-    case S_WEIGHT: return &L->weight;
-    case S_BIAS: return &L->bias;
-    case S_GRAD_OUT: return &L->grad_out;
-    case S_GRAD_RESIDUAL: return &L->grad_residual;
-    case S_MEAN: return &L->mean;
-    case S_RSTD: return &L->rstd;
-    case S_OUT: return &L->out;
-    case S_RESIDUAL_OUT: return &L->residual_out;
-    case S_GRAD_X: return &L->grad_x;
-    case S_GRAD_WEIGHT: return &L->grad_weight;
-    case S_GRAD_BIAS: return &L->grad_bias;
+static brrr_norm_view *role_view(brrr_norm_launch *L, int r) {
+    switch (r) {
+    case R_X: return &L->x;
+    case R_RESIDUAL: return &L->residual;
+    case R_WEIGHT: return &L->weight;
+    case R_BIAS: return &L->bias;
+    case R_GRAD_OUT: return &L->grad_out;
+    case R_GRAD_RESIDUAL: return &L->grad_residual;
+    case R_MEAN: return &L->mean;
+    case R_RSTD: return &L->rstd;
+    case R_OUT: return &L->out;
+    case R_RESIDUAL_OUT: return &L->residual_out;
+    case R_GRAD_X: return &L->grad_x;
+    case R_GRAD_WEIGHT: return &L->grad_weight;
+    case R_GRAD_BIAS: return &L->grad_bias;
     default: return NULL;
     }
 }
 
 static int acc_dtype(int32_t dtype) { return dtype == BRRR_F64 ? BRRR_F64 : BRRR_F32; }
-static int is_half(int32_t dtype) { return dtype == BRRR_F16 || dtype == BRRR_BF16; }
 
 /* ---- CPU twin -------------------------------------------------------------------------------- */
 
@@ -184,54 +163,20 @@ static void cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b
 #undef AT
 #undef PARAM
 
-/* ---- checks and layout ----------------------------------------------------------------------- */
+/* ---- layout and launch ------------------------------------------------------------------------- */
 
-/* weight, bias and their gradients: x's dtype, or float32 for float16/bfloat16 x. */
-static int check_param_dtype(const brrr_tensor *t, const brrr_tensor *x) {
-    if (t->dtype == x->dtype || (t->dtype == BRRR_F32 && is_half(x->dtype))) return 0;
-    PyErr_Format(PyExc_TypeError, "argument %s: dtype %s does not go with x of dtype %s (expected %s%s)", t->name,
-                 brrr_dtype_name(t->dtype), brrr_dtype_name(x->dtype), brrr_dtype_name(x->dtype),
-                 is_half(x->dtype) ? " or float32" : "");
-    return -1;
-}
-
-static int check_acc_dtype(const brrr_tensor *t, const brrr_tensor *x) {
-    if (t->dtype == acc_dtype(x->dtype)) return 0;
-    PyErr_Format(PyExc_TypeError, "argument %s: expected dtype %s (the accumulation dtype for x of dtype %s), got %s",
-                 t->name, brrr_dtype_name(acc_dtype(x->dtype)), brrr_dtype_name(x->dtype), brrr_dtype_name(t->dtype));
-    return -1;
-}
-
-/* The checks of one slot against x; lead_ref and norm_ref carry x's leading and normalised shapes. */
-static int check_slot(int s, const brrr_tensor *t, const brrr_tensor *x, const brrr_tensor *lead_ref,
-                      const brrr_tensor *norm_ref, int written) {
-    if (brrr_check_same_device(t, x) < 0) return -1;
-    switch (SLOT_KIND[s]) {
-    case K_DATA:
-        if (brrr_check_same_dtype(t, x) < 0 || brrr_check_same_shape(t, x) < 0) return -1;
-        break;
-    case K_ROW:
-        if (check_acc_dtype(t, x) < 0 || brrr_check_same_shape(t, lead_ref) < 0) return -1;
-        break;
-    case K_COL:
-        if (check_param_dtype(t, x) < 0 || brrr_check_same_shape(t, norm_ref) < 0) return -1;
-        break;
-    default: break;
-    }
-    return written ? brrr_check_no_internal_overlap(t) : 0;
-}
-
-/* Coalesce the row dims (or column dims) of every present slot of the given kinds into L. */
-static int coalesce_into(brrr_norm_launch *L, brrr_tensor *t, int rows, int lead, int k) {
-    int64_t shape[BRRR_MAX_RANK], strides[S_COUNT][BRRR_MAX_RANK];
-    int ids[S_COUNT], count = 0, ndim = rows ? lead : k;
+/* Coalesce the row dims (or column dims) of every given tensor of the matching kinds into L.
+ * t[r]: the tensor in role r, or NULL. */
+static int coalesce_into(brrr_norm_launch *L, const brrr_tensor *const *t, int rows, int lead, int k) {
+    int64_t shape[BRRR_MAX_RANK], strides[R_COUNT][BRRR_MAX_RANK];
+    int ids[R_COUNT], count = 0, ndim = rows ? lead : k;
     const int other = rows ? K_ROW : K_COL;
-    memcpy(shape, t[S_X].shape + (rows ? 0 : lead), sizeof(int64_t) * (size_t)ndim);
-    for (int s = 0; s < S_COUNT; s++) { /* S_X first: its strides order the dims */
-        if (t[s].name == NULL || (SLOT_KIND[s] != K_DATA && SLOT_KIND[s] != other)) continue;
-        const int64_t *src = t[s].strides + (SLOT_KIND[s] == K_DATA && !rows ? lead : 0);
+    memcpy(shape, t[R_X]->shape + (rows ? 0 : lead), sizeof(int64_t) * (size_t)ndim);
+    for (int r = 0; r < R_COUNT; r++) { /* R_X first: its strides order the dims */
+        if (t[r] == NULL || (ROLE_KIND[r] != K_DATA && ROLE_KIND[r] != other)) continue;
+        const int64_t *src = t[r]->strides + (ROLE_KIND[r] == K_DATA && !rows ? lead : 0);
         memcpy(strides[count], src, sizeof(int64_t) * (size_t)ndim);
-        ids[count++] = s;
+        ids[count++] = r;
     }
     int nd = brrr_coalesce(ndim, shape, count, strides);
     if (nd < 0) return -1;
@@ -248,309 +193,158 @@ static int coalesce_into(brrr_norm_launch *L, brrr_tensor *t, int rows, int lead
         memcpy(L->col_shape, shape, sizeof(int64_t) * (size_t)nd);
     }
     for (int i = 0; i < count; i++)
-        memcpy(rows ? slot_view(L, ids[i])->row_strides : slot_view(L, ids[i])->col_strides, strides[i],
+        memcpy(rows ? role_view(L, ids[i])->row_strides : role_view(L, ids[i])->col_strides, strides[i],
                sizeof(int64_t) * (size_t)nd);
     return 0;
 }
 
-/* ---- the shared body --------------------------------------------------------------------------- */
+static const norm_op *as_norm(const brrr_op_call *c) { return (const norm_op *)c->spec; }
 
-static int present(const norm_request *q, int s) { return q->obj[s] != NULL && q->obj[s] != Py_None; }
-
-/* Written by the op: the output slots, and the statistics in the forward. */
-static int writes(const norm_request *q, int s) {
-    return s >= S_FIRST_OUTPUT || (!q->backward && (s == S_MEAN || s == S_RSTD));
+/* The tensors of the call by role (NULL where absent). */
+static void by_role(const brrr_op_call *c, const brrr_tensor **t) {
+    for (int r = 0; r < R_COUNT; r++) t[r] = NULL;
+    for (int s = 0; s < c->spec->n_slots; s++)
+        if (brrr_has(c, s)) t[as_norm(c)->role[s]] = &c->t[s];
 }
 
-/* The slots that True asks this call to allocate: the forward's statistics, the backward's
- * parameter gradients (which the caller would otherwise allocate with a framework call each). */
-static int allocatable(const norm_request *q, int s) {
-    return q->backward ? (s == S_GRAD_WEIGHT || s == S_GRAD_BIAS) : (s == S_MEAN || s == S_RSTD);
+static int n_grads(const brrr_op_call *c) {
+    const brrr_tensor *t[R_COUNT];
+    by_role(c, t);
+    return (t[R_GRAD_WEIGHT] != NULL) + (t[R_GRAD_BIAS] != NULL);
 }
 
-/* A new tensor for slot s, by x's framework: a row statistic in the accumulation dtype, or a
- * parameter gradient like weight (which must be given: it fixes the parameters' dtype). */
-static PyObject *new_slot(brrr_call *call, PyObject *x_obj, int s, const brrr_tensor *x, const brrr_tensor *lead_ref,
-                          const brrr_tensor *norm_ref, const brrr_tensor *weight) {
-    const int row = SLOT_KIND[s] == K_ROW;
-    if (!row && weight->name == NULL) {
-        PyErr_Format(PyExc_ValueError, "argument %s: True (allocate it here) needs weight, whose dtype it takes",
-                     SLOT_NAME[s]);
-        return NULL;
-    }
-    const brrr_tensor *shape = row ? lead_ref : norm_ref;
-    PyObject *obj = brrr_new_shaped(call, x_obj, x, shape->ndim, shape->shape,
-                                    row ? acc_dtype(x->dtype) : weight->dtype);
-    if (obj == NULL && !PyErr_Occurred())
-        PyErr_Format(PyExc_TypeError, "argument %s: True (allocate it here) is taken only for tensors of frameworks "
-                     "with DLPack's C exchange table", SLOT_NAME[s]);
-    return obj;
+static int norm_check(brrr_op_call *c) {
+    const brrr_tensor *t[R_COUNT];
+    by_role(c, t);
+    for (int s = 0; s < c->spec->n_slots; s++) /* grad_weight takes weight's place */
+        if (as_norm(c)->role[s] == R_GRAD_WEIGHT && c->obj[s] && c->obj[s] != Py_None && t[R_WEIGHT] == NULL) {
+            PyErr_SetString(PyExc_ValueError, "argument grad_weight: given without weight");
+            return -1;
+        }
+    return 0;
 }
 
-static PyObject *norm_call(PyObject *module, norm_request *q) {
-    brrr_call call = {brrr_get_state(module), q->stream, 0, NULL};
-    brrr_tensor t[S_COUNT];
-    memset(t, 0, sizeof t);
-    PyObject *owned[S_COUNT] = {NULL}; /* allocated here: outputs, the partials scratch */
-    PyObject *result = NULL;
-    double *acc = NULL;
-    brrr_tensor *x = &t[S_X];
+static int64_t norm_scratch(const brrr_op_call *c) {
+    return n_grads(c) * brrr_norm_partial_rows(c->n_rows, c->n_cols) * c->n_cols;
+}
 
-    if (brrr_tensor_import(&call, q->obj[S_X], "x", 0, x) < 0) goto done;
-    if (q->norm_ndim < 1 || q->norm_ndim > x->ndim) {
-        PyErr_Format(PyExc_ValueError, "argument norm_ndim: expected 1 <= norm_ndim <= x.ndim (%d), got %lld",
-                     (int)x->ndim, q->norm_ndim);
-        goto done;
-    }
-    const int k = (int)q->norm_ndim, lead = x->ndim - k;
-    brrr_tensor lead_ref, norm_ref;
-    memset(&lead_ref, 0, sizeof lead_ref);
-    memset(&norm_ref, 0, sizeof norm_ref);
-    lead_ref.name = "x.shape[:-norm_ndim]";
-    lead_ref.ndim = lead;
-    memcpy(lead_ref.shape, x->shape, sizeof(int64_t) * (size_t)lead);
-    norm_ref.name = "x.shape[-norm_ndim:] (the normalised shape)";
-    norm_ref.ndim = k;
-    memcpy(norm_ref.shape, x->shape + lead, sizeof(int64_t) * (size_t)k);
-    int64_t rows = 1, cols = 1;
-    for (int d = 0; d < lead; d++) rows *= x->shape[d];
-    for (int d = lead; d < x->ndim; d++) cols *= x->shape[d];
-
-    /* Which slots this op takes, and which of them it requires. */
-    int takes[S_COUNT] = {0}, needs[S_COUNT] = {0};
-    if (q->backward) {
-        takes[S_GRAD_OUT] = needs[S_GRAD_OUT] = takes[S_RSTD] = needs[S_RSTD] = takes[S_GRAD_X] = needs[S_GRAD_X] = 1;
-        takes[S_GRAD_RESIDUAL] = takes[S_WEIGHT] = takes[S_GRAD_WEIGHT] = 1;
-        takes[S_MEAN] = needs[S_MEAN] = takes[S_GRAD_BIAS] = !q->rms;
-    } else {
-        takes[S_RESIDUAL] = takes[S_WEIGHT] = takes[S_RSTD] = takes[S_OUT] = needs[S_OUT] = 1;
-        takes[S_BIAS] = takes[S_MEAN] = !q->rms;
-        takes[S_RESIDUAL_OUT] = needs[S_RESIDUAL_OUT] = present(q, S_RESIDUAL);
-        if (present(q, S_RESIDUAL_OUT) && !present(q, S_RESIDUAL)) {
-            PyErr_SetString(PyExc_ValueError, "argument residual_out: given without residual");
-            goto done;
-        }
-    }
-    for (int s = S_RESIDUAL; s < S_PARTIALS; s++) {
-        if (!takes[s]) continue;
-        PyObject *obj = q->obj[s];
-        if (obj == Py_True) {
-            if (!allocatable(q, s)) {
-                PyErr_Format(PyExc_TypeError, "argument %s: True (allocate it here) is taken only for mean and rstd "
-                             "in the forward and grad_weight and grad_bias in the backward", SLOT_NAME[s]);
-                goto done;
-            }
-            obj = owned[s] = new_slot(&call, q->obj[S_X], s, x, &lead_ref, &norm_ref, &t[S_WEIGHT]);
-            if (obj == NULL) goto done;
-        } else if (!present(q, s)) {
-            if (!needs[s]) continue;
-            if (SLOT_KIND[s] == K_DATA && writes(q, s))
-                obj = owned[s] = PyArray_Check(q->obj[S_X])
-                    ? PyArray_NewLikeArray((PyArrayObject *)q->obj[S_X], NPY_KEEPORDER, NULL, 0)
-                    : brrr_new_like(&call, q->obj[S_X], x);
-            if (obj == NULL || obj == Py_None) {
-                if (!PyErr_Occurred())
-                    PyErr_Format(PyExc_TypeError, "argument %s: required%s", SLOT_NAME[s],
-                                 writes(q, s) ? " for inputs of this type (brrr._C allocates NumPy arrays and tensors "
-                                                "of frameworks with DLPack's C exchange table)" : "");
-                goto done;
-            }
-        }
-        if (brrr_tensor_import(&call, obj, SLOT_NAME[s], writes(q, s), &t[s]) < 0 ||
-            check_slot(s, &t[s], x, &lead_ref, &norm_ref, writes(q, s)) < 0)
-            goto done;
-    }
-    /* Parameters and their gradients share one dtype. */
-    const brrr_tensor *param = t[S_WEIGHT].name ? &t[S_WEIGHT] : t[S_BIAS].name ? &t[S_BIAS] : t[S_GRAD_BIAS].name ? &t[S_GRAD_BIAS] : NULL;
-    for (int s = S_WEIGHT; param && s <= S_GRAD_BIAS; s++)
-        if (SLOT_KIND[s] == K_COL && t[s].name && brrr_check_same_dtype(&t[s], param) < 0) goto done;
-    if (t[S_GRAD_WEIGHT].name && !t[S_WEIGHT].name) {
-        PyErr_SetString(PyExc_ValueError, "argument grad_weight: given without weight");
-        goto done;
-    }
-    const int n_grads = (t[S_GRAD_WEIGHT].name != NULL) + (t[S_GRAD_BIAS].name != NULL);
-    const int64_t partial_rows = brrr_norm_partial_rows(rows, cols);
-    if (x->device_type == kDLCUDA && n_grads > 0) {
-        const int64_t want = n_grads * partial_rows * cols;
-        brrr_tensor *p = &t[S_PARTIALS];
-        PyObject *obj = q->obj[S_PARTIALS];
-        if (!present(q, S_PARTIALS)) {
-            if (q->stream < 0)
-                obj = owned[S_PARTIALS] = brrr_new_shaped(&call, q->obj[S_X], x, 1, &want, acc_dtype(x->dtype));
-            if (obj == NULL || obj == Py_None) {
-                if (!PyErr_Occurred())
-                    PyErr_Format(PyExc_TypeError, "argument partials: required on CUDA for a weight or bias gradient "
-                                 "(a 1-D tensor of at least %lld elements) unless brrr._C can allocate it: x from a "
-                                 "framework with DLPack's C exchange table, on its current stream", (long long)want);
-                goto done;
-            }
-        }
-        if (brrr_tensor_import(&call, obj, "partials", 1, p) < 0 || brrr_check_same_device(p, x) < 0 ||
-            check_acc_dtype(p, x) < 0)
-            goto done;
-        if (p->ndim != 1 || p->numel < want || (p->numel > 1 && p->strides[0] != 1)) {
-            PyErr_Format(PyExc_ValueError, "argument partials: expected a contiguous 1-D tensor of at least %lld "
-                         "elements (n_grads * norm_partial_rows(rows, cols) * cols)", (long long)want);
-            goto done;
-        }
-    }
-    /* No written tensor may share memory with any other argument. */
-    for (int o = 0; o < S_COUNT; o++) {
-        if (t[o].name == NULL || !writes(q, o)) continue;
-        for (int i = 0; i < S_COUNT; i++)
-            if (i != o && t[i].name && brrr_check_no_overlap(&t[o], &t[i], 0) < 0) goto done;
-    }
-
+static int norm_run(brrr_op_call *c) {
+    const norm_op *op = as_norm(c);
+    const brrr_tensor *t[R_COUNT];
+    by_role(c, t);
+    const int k = c->split, lead = t[R_X]->ndim - k, grads = n_grads(c);
+    const int32_t param_dtype = t[R_WEIGHT] ? t[R_WEIGHT]->dtype : t[R_BIAS] ? t[R_BIAS]->dtype
+                              : t[R_GRAD_WEIGHT] ? t[R_GRAD_WEIGHT]->dtype : t[R_GRAD_BIAS] ? t[R_GRAD_BIAS]->dtype
+                                                                                          : t[R_X]->dtype;
     brrr_norm_launch L;
     memset(&L, 0, sizeof L);
-    L.dtype = x->dtype;
-    L.weight_dtype = param ? param->dtype : x->dtype;
-    L.rms = q->rms;
-    L.llama = q->rms && q->llama;
-    L.rows = rows;
-    L.cols = cols;
-    L.eps = q->eps;
-    L.partial_rows_max = partial_rows;
-    L.partials = t[S_PARTIALS].data;
-    if (coalesce_into(&L, t, 1, lead, k) < 0 || coalesce_into(&L, t, 0, lead, k) < 0) goto done;
-    for (int s = 0; s < S_COUNT; s++)
-        if (t[s].name && slot_view(&L, s)) slot_view(&L, s)->data = t[s].data;
+    L.dtype = t[R_X]->dtype;
+    L.weight_dtype = param_dtype;
+    L.rms = op->rms;
+    L.llama = op->rms && c->arg[op->backward ? 1 : 2].i;
+    L.rows = c->n_rows;
+    L.cols = c->n_cols;
+    L.eps = op->backward ? 0.0 : c->arg[1].f;
+    L.partial_rows_max = brrr_norm_partial_rows(c->n_rows, c->n_cols);
+    L.partials = t[R_PARTIALS] ? t[R_PARTIALS]->data : NULL;
+    if (coalesce_into(&L, t, 1, lead, k) < 0 || coalesce_into(&L, t, 0, lead, k) < 0) return -1;
+    for (int r = 0; r < R_COUNT; r++)
+        if (t[r] && role_view(&L, r)) role_view(&L, r)->data = t[r]->data;
     L.contiguous_cols = L.col_ndim == 1;
-    for (int s = 0; s < S_COUNT; s++) /* the gradients of weight and bias are written at any stride */
-        if (t[s].name && (SLOT_KIND[s] == K_DATA || s == S_WEIGHT || s == S_BIAS) && slot_view(&L, s)->col_strides[0] != 1)
+    for (int r = 0; r < R_COUNT; r++) /* the gradients of weight and bias are written at any stride */
+        if (t[r] && (ROLE_KIND[r] == K_DATA || r == R_WEIGHT || r == R_BIAS) && role_view(&L, r)->col_strides[0] != 1)
             L.contiguous_cols = 0;
-
-    if (cols > 0 && (rows > 0 || n_grads > 0)) {
-        if (x->device_type == kDLCPU) {
-            if (q->backward && n_grads > 0) {
-                acc = PyMem_RawCalloc((size_t)(2 * cols), sizeof(double));
-                if (acc == NULL) {
-                    PyErr_NoMemory();
-                    goto done;
-                }
-            }
-            double *acc_w = acc && t[S_GRAD_WEIGHT].name ? acc : NULL, *acc_b = acc && t[S_GRAD_BIAS].name ? acc + cols : NULL;
-            Py_BEGIN_ALLOW_THREADS
-            if (q->backward) cpu_norm_bwd(&L, acc_w, acc_b);
-            else cpu_norm_fwd(&L);
-            Py_END_ALLOW_THREADS
-        } else {
-#if BRRR_WITH_CUDA
-            void *stream = brrr_call_stream(&call);
-            int err;
-            Py_BEGIN_ALLOW_THREADS
-            err = q->backward ? brrr_cuda_norm_bwd(&L, x->device_id, stream) : brrr_cuda_norm_fwd(&L, x->device_id, stream);
-            Py_END_ALLOW_THREADS
-            const char *op = q->backward ? (q->rms ? "rms_norm_bwd" : "layer_norm_bwd")
-                                         : (q->rms ? "rms_norm_fwd" : "layer_norm_fwd");
-            if (brrr_cuda_result(err, op) < 0) goto done;
-#endif
-        }
+    if (L.cols == 0 || (L.rows == 0 && grads == 0)) return 0;
+    if (!brrr_on_cpu(c)) {
+        if (op->backward) BRRR_RETURN_CUDA(c, brrr_cuda_norm_bwd, &L);
+        BRRR_RETURN_CUDA(c, brrr_cuda_norm_fwd, &L);
     }
-
-    {
-        /* out (or grad_x), residual_out when a residual was given, then what True asked for. */
-        PyObject *items[5];
-        int n = 0;
-        const int first = q->backward ? S_GRAD_X : S_OUT;
-        items[n++] = owned[first] ? owned[first] : q->obj[first];
-        if (!q->backward && t[S_RESIDUAL].name)
-            items[n++] = owned[S_RESIDUAL_OUT] ? owned[S_RESIDUAL_OUT] : q->obj[S_RESIDUAL_OUT];
-        for (int s = S_MEAN; s <= S_GRAD_BIAS; s++)
-            if (takes[s] && q->obj[s] == Py_True) items[n++] = owned[s];
-        if (n == 1) {
-            result = Py_NewRef(items[0]);
-        } else if ((result = PyTuple_New(n)) != NULL) {
-            for (int i = 0; i < n; i++) PyTuple_SET_ITEM(result, i, Py_NewRef(items[i]));
-        }
+    if (!op->backward) {
+        BRRR_RUN_CPU(cpu_norm_fwd, &L);
+        return 0;
     }
-done:
+    double *acc = grads ? PyMem_RawCalloc((size_t)(2 * L.cols), sizeof(double)) : NULL;
+    if (grads && acc == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    double *acc_w = t[R_GRAD_WEIGHT] ? acc : NULL, *acc_b = t[R_GRAD_BIAS] ? acc + L.cols : NULL;
+    Py_BEGIN_ALLOW_THREADS
+    cpu_norm_bwd(&L, acc_w, acc_b);
+    Py_END_ALLOW_THREADS
     PyMem_RawFree(acc);
-    for (int s = 0; s < S_COUNT; s++) {
-        brrr_tensor_release(&t[s]);
-        Py_XDECREF(owned[s]);
-    }
-    return result;
+    return 0;
 }
 
-/* ---- argument parsing ---------------------------------------------------------------------------- */
+/* ---- the ops ------------------------------------------------------------------------------------- */
 
-/* Non-tensor positional arguments, by the negative codes that stand for them in an entry's list. */
-enum { A_NORM_NDIM = -1, A_EPS = -2, A_LLAMA = -3, A_STREAM = -4 };
+#define SLOT(name, flags, shape, dtype) {name, flags, BRRR_SHAPE_##shape, BRRR_DTYPE_##dtype, -1}
+#define OUT_WHEN(name, when) {name, BRRR_WRITE | BRRR_OPTIONAL | BRRR_ALLOC, BRRR_SHAPE_X, BRRR_DTYPE_X, when}
+#define NORM_NDIM {"norm_ndim", BRRR_ARG_INT, -9e18, 9e18, NULL, "an int (len(normalized_shape))"}
+#define EPS {"eps", BRRR_ARG_FLOAT, 0, INFINITY, NULL, "a float >= 0"}
+#define LLAMA {"llama", BRRR_ARG_BOOL, 0, 0, NULL, "a bool"}
+#define STAT(name) SLOT(name, BRRR_WRITE | BRRR_OPTIONAL | BRRR_ALLOC, ROWS, ACC)
+#define PARAM_GRAD(name) SLOT(name, BRRR_WRITE | BRRR_OPTIONAL | BRRR_ALLOC, COLS, PARAM)
 
-typedef struct {
-    const char *signature;
-    int backward, rms, nargs;
-    int arg[12]; /* per positional argument: its slot, or an A_ code */
-} norm_entry;
+static const norm_op LAYER_NORM_FWD = {
+    {.name = "layer_norm_fwd",
+     .doc = "LayerNorm of x (of h = x + residual, written to residual_out) over its last norm_ndim dims: out = (h - "
+            "mean) * rstd * weight + bias. mean (less the row's first element) and rstd per row where asked for "
+            "(True allocates them).",
+     .n_slots = 8,
+     .slots = {SLOT("x", 0, X, X), SLOT("weight", BRRR_OPTIONAL, COLS, PARAM), SLOT("bias", BRRR_OPTIONAL, COLS, PARAM),
+               SLOT("residual", BRRR_OPTIONAL, X, X), SLOT("out", BRRR_WRITE | BRRR_ALLOC, X, X),
+               OUT_WHEN("residual_out", 3), STAT("mean"), STAT("rstd")},
+     .n_args = 2, .args = {NORM_NDIM, EPS}, .split_arg = 0,
+     .check = norm_check, .scratch = norm_scratch, .run = norm_run},
+    0, 0, {R_X, R_WEIGHT, R_BIAS, R_RESIDUAL, R_OUT, R_RESIDUAL_OUT, R_MEAN, R_RSTD},
+};
 
-static const norm_entry LAYER_NORM_FWD = {
-    "layer_norm_fwd(x, norm_ndim, weight, bias, eps, out, mean, rstd, residual, residual_out, stream)", 0, 0, 11,
-    {S_X, A_NORM_NDIM, S_WEIGHT, S_BIAS, A_EPS, S_OUT, S_MEAN, S_RSTD, S_RESIDUAL, S_RESIDUAL_OUT, A_STREAM}};
-static const norm_entry RMS_NORM_FWD = {
-    "rms_norm_fwd(x, norm_ndim, weight, eps, llama, out, rstd, residual, residual_out, stream)", 0, 1, 10,
-    {S_X, A_NORM_NDIM, S_WEIGHT, A_EPS, A_LLAMA, S_OUT, S_RSTD, S_RESIDUAL, S_RESIDUAL_OUT, A_STREAM}};
-static const norm_entry LAYER_NORM_BWD = {
-    "layer_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, mean, rstd, grad_x, grad_weight, grad_bias, "
-    "partials, stream)", 1, 0, 12,
-    {S_X, A_NORM_NDIM, S_GRAD_OUT, S_GRAD_RESIDUAL, S_WEIGHT, S_MEAN, S_RSTD, S_GRAD_X, S_GRAD_WEIGHT, S_GRAD_BIAS,
-     S_PARTIALS, A_STREAM}};
-static const norm_entry RMS_NORM_BWD = {
-    "rms_norm_bwd(x, norm_ndim, grad_out, grad_residual, weight, rstd, llama, grad_x, grad_weight, partials, stream)",
-    1, 1, 11,
-    {S_X, A_NORM_NDIM, S_GRAD_OUT, S_GRAD_RESIDUAL, S_WEIGHT, S_RSTD, A_LLAMA, S_GRAD_X, S_GRAD_WEIGHT, S_PARTIALS,
-     A_STREAM}};
+static const norm_op RMS_NORM_FWD = {
+    {.name = "rms_norm_fwd",
+     .doc = "RMSNorm of x (of h = x + residual, written to residual_out) over its last norm_ndim dims: out = h * rstd "
+            "* weight, or with llama round(round(h * rstd) * weight). rstd per row where asked for (True allocates "
+            "it).",
+     .n_slots = 6,
+     .slots = {SLOT("x", 0, X, X), SLOT("weight", BRRR_OPTIONAL, COLS, PARAM), SLOT("residual", BRRR_OPTIONAL, X, X),
+               SLOT("out", BRRR_WRITE | BRRR_ALLOC, X, X), OUT_WHEN("residual_out", 2), STAT("rstd")},
+     .n_args = 3, .args = {NORM_NDIM, EPS, LLAMA}, .split_arg = 0,
+     .check = norm_check, .scratch = norm_scratch, .run = norm_run},
+    0, 1, {R_X, R_WEIGHT, R_RESIDUAL, R_OUT, R_RESIDUAL_OUT, R_RSTD},
+};
 
-static PyObject *norm_entry_call(PyObject *module, const norm_entry *e, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != e->nargs) {
-        PyErr_Format(PyExc_TypeError, "%s takes %d arguments (%zd given)", e->signature, e->nargs, nargs);
-        return NULL;
-    }
-    norm_request q;
-    memset(&q, 0, sizeof q);
-    q.backward = e->backward;
-    q.rms = e->rms;
-    for (int i = 0; i < e->nargs; i++) {
-        PyObject *a = args[i];
-        switch (e->arg[i]) {
-        case A_NORM_NDIM:
-            q.norm_ndim = PyLong_AsLongLong(a);
-            if (q.norm_ndim == -1 && PyErr_Occurred()) {
-                PyErr_SetString(PyExc_TypeError, "argument norm_ndim: expected an int (len(normalized_shape))");
-                return NULL;
-            }
-            break;
-        case A_EPS:
-            q.eps = PyFloat_AsDouble(a);
-            if (q.eps == -1.0 && PyErr_Occurred()) {
-                PyErr_SetString(PyExc_TypeError, "argument eps: expected a float");
-                return NULL;
-            }
-            break;
-        case A_LLAMA:
-            if ((q.llama = PyObject_IsTrue(a)) < 0) return NULL;
-            break;
-        case A_STREAM:
-            if (brrr_parse_stream(a, &q.stream) < 0) return NULL;
-            break;
-        default: q.obj[e->arg[i]] = a; break;
-        }
-    }
-    return norm_call(module, &q);
-}
+static const norm_op LAYER_NORM_BWD = {
+    {.name = "layer_norm_bwd",
+     .doc = "The gradients of layer_norm_fwd from the normalised input x (the forward's residual_out for the fused "
+            "form) and its mean and rstd: grad_x (plus grad_residual where given), and the weight and bias "
+            "gradients where asked for (True allocates them), summed over rows in a fixed order.",
+     .n_slots = 10,
+     .slots = {SLOT("x", 0, X, X), SLOT("grad_out", 0, X, X), SLOT("grad_residual", BRRR_OPTIONAL, X, X),
+               SLOT("weight", BRRR_OPTIONAL, COLS, PARAM), SLOT("mean", 0, ROWS, ACC), SLOT("rstd", 0, ROWS, ACC),
+               SLOT("grad_x", BRRR_WRITE | BRRR_ALLOC, X, X), PARAM_GRAD("grad_weight"), PARAM_GRAD("grad_bias"),
+               SLOT("partials", BRRR_WRITE, SCRATCH, ACC)},
+     .n_args = 1, .args = {NORM_NDIM}, .split_arg = 0,
+     .check = norm_check, .scratch = norm_scratch, .run = norm_run},
+    1, 0, {R_X, R_GRAD_OUT, R_GRAD_RESIDUAL, R_WEIGHT, R_MEAN, R_RSTD, R_GRAD_X, R_GRAD_WEIGHT, R_GRAD_BIAS, R_PARTIALS},
+};
 
-PyObject *brrr_py_layer_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    return norm_entry_call(module, &LAYER_NORM_FWD, args, nargs);
-}
-PyObject *brrr_py_rms_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    return norm_entry_call(module, &RMS_NORM_FWD, args, nargs);
-}
-PyObject *brrr_py_layer_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    return norm_entry_call(module, &LAYER_NORM_BWD, args, nargs);
-}
-PyObject *brrr_py_rms_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    return norm_entry_call(module, &RMS_NORM_BWD, args, nargs);
-}
+static const norm_op RMS_NORM_BWD = {
+    {.name = "rms_norm_bwd",
+     .doc = "The gradients of rms_norm_fwd from the normalised input x (the forward's residual_out for the fused "
+            "form) and its rstd: grad_x (plus grad_residual where given), and the weight gradient where asked for "
+            "(True allocates it), summed over rows in a fixed order.",
+     .n_slots = 8,
+     .slots = {SLOT("x", 0, X, X), SLOT("grad_out", 0, X, X), SLOT("grad_residual", BRRR_OPTIONAL, X, X),
+               SLOT("weight", BRRR_OPTIONAL, COLS, PARAM), SLOT("rstd", 0, ROWS, ACC),
+               SLOT("grad_x", BRRR_WRITE | BRRR_ALLOC, X, X), PARAM_GRAD("grad_weight"),
+               SLOT("partials", BRRR_WRITE, SCRATCH, ACC)},
+     .n_args = 2, .args = {NORM_NDIM, LLAMA}, .split_arg = 0,
+     .check = norm_check, .scratch = norm_scratch, .run = norm_run},
+    1, 1, {R_X, R_GRAD_OUT, R_GRAD_RESIDUAL, R_WEIGHT, R_RSTD, R_GRAD_X, R_GRAD_WEIGHT, R_PARTIALS},
+};
+
+const brrr_op_spec *const brrr_norm_ops[] = {&LAYER_NORM_FWD.spec, &RMS_NORM_FWD.spec, &LAYER_NORM_BWD.spec,
+                                             &RMS_NORM_BWD.spec, NULL};
 
 PyObject *brrr_py_norm_partial_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;

@@ -1,16 +1,11 @@
 /* Rotary position embedding: the glue and the CPU twin (formulas: brrr_cuda.h).
  *
- * _C.rotary(x, cos, sin, out, backward, stream) -> out
- *     x (..., D), D even; cos and sin of x's dtype, broadcastable to x's shape (as NumPy
- *     broadcasts, from the last dim) and with D as their last dim; out: x's shape and dtype, or
- *     None for NumPy arrays and tensors of frameworks with DLPack's C exchange table (allocated
- *     here, contiguous). out may be x itself (each pair is read before it is written).
- *     backward: the transposed rotation (the gradient with respect to x, given x = grad_out).
+ * _C.rotary(x, cos, sin, out=None, backward) -> (out,): see the spec at the end.
  */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
-#include "brrr.h"
+#include "op.h"
 
 #include <numpy/arrayobject.h>
 #include <string.h>
@@ -47,9 +42,8 @@ static void cpu_rotary(const brrr_rotary_launch *L) {
     }
 }
 
-/* cos or sin: x's device and dtype, broadcastable to x's shape, D as its last dim. */
+/* cos or sin: broadcastable to x's shape, D as its last dim. */
 static int check_angle(const brrr_tensor *t, const brrr_tensor *x) {
-    if (brrr_check_same_device(t, x) < 0 || brrr_check_same_dtype(t, x) < 0) return -1;
     int ok = t->ndim >= 1 && t->ndim <= x->ndim && t->shape[t->ndim - 1] == x->shape[x->ndim - 1];
     for (int d = 1; ok && d < t->ndim; d++) {
         const int64_t size = t->shape[t->ndim - 1 - d], want = x->shape[x->ndim - 1 - d];
@@ -63,109 +57,74 @@ static int check_angle(const brrr_tensor *t, const brrr_tensor *x) {
     return 0;
 }
 
-PyObject *brrr_py_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "rotary(x, cos, sin, out, backward, stream) takes 6 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    long long stream_arg;
-    const int backward = PyObject_IsTrue(args[4]);
-    if (backward < 0 || brrr_parse_stream(args[5], &stream_arg) < 0) return NULL;
-    brrr_call call = {brrr_get_state(module), stream_arg, 0, NULL};
-    brrr_tensor x, c, s, out;
-    memset(&x, 0, sizeof x);
-    memset(&c, 0, sizeof c);
-    memset(&s, 0, sizeof s);
-    memset(&out, 0, sizeof out);
-    PyObject *result = NULL, *out_obj = args[3];
+enum { S_X, S_COS, S_SIN, S_OUT };
 
-    if (brrr_tensor_import(&call, args[0], "x", 0, &x) < 0) goto done;
-    if (x.ndim == 0 || x.shape[x.ndim - 1] % 2 != 0) {
+static int rotary_check(brrr_op_call *c) {
+    const brrr_tensor *x = &c->t[S_X];
+    if (x->ndim == 0 || x->shape[x->ndim - 1] % 2 != 0) {
         PyErr_SetString(PyExc_ValueError, "argument x: expected a tensor of shape (..., D) with D even");
-        goto done;
+        return -1;
     }
-    if (brrr_tensor_import(&call, args[1], "cos", 0, &c) < 0 || check_angle(&c, &x) < 0 ||
-        brrr_tensor_import(&call, args[2], "sin", 0, &s) < 0 || check_angle(&s, &x) < 0)
-        goto done;
-    if (out_obj == Py_None) {
-        out_obj = PyArray_Check(args[0]) ? PyArray_NewLikeArray((PyArrayObject *)args[0], NPY_CORDER, NULL, 0)
-                                         : brrr_new_like(&call, args[0], &x);
-        if (out_obj == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_TypeError, "argument out: required for inputs of type %.200s (brrr._C allocates "
-                             "NumPy arrays and tensors of frameworks with DLPack's C exchange table)",
-                             Py_TYPE(args[0])->tp_name);
-            goto done;
-        }
-    } else {
-        Py_INCREF(out_obj);
-    }
-    result = out_obj;
-    if (brrr_tensor_import(&call, out_obj, "out", 1, &out) < 0 || brrr_check_same_device(&out, &x) < 0 ||
-        brrr_check_same_dtype(&out, &x) < 0 || brrr_check_same_shape(&out, &x) < 0 ||
-        brrr_check_no_internal_overlap(&out) < 0 || brrr_check_no_overlap(&out, &x, 1) < 0 ||
-        brrr_check_no_overlap(&out, &c, 0) < 0 || brrr_check_no_overlap(&out, &s, 0) < 0)
-        goto fail;
-    if (x.numel == 0) goto done;
+    return check_angle(&c->t[S_COS], x) < 0 || check_angle(&c->t[S_SIN], x) < 0 ? -1 : 0;
+}
 
+static int rotary_run(brrr_op_call *c) {
+    const brrr_tensor *x = &c->t[S_X];
+    if (x->numel == 0) return 0;
     brrr_rotary_launch L;
     memset(&L, 0, sizeof L);
-    L.dtype = x.dtype;
-    L.backward = backward;
-    L.half = x.shape[x.ndim - 1] / 2;
-    L.rows = x.numel / (2 * L.half);
-    {
-        /* Leading dims: x's, with cos and sin broadcast (stride 0) where they lack or have size 1. */
-        const int lead = x.ndim - 1;
-        const brrr_tensor *views[4] = {&x, &out, &c, &s};
-        int64_t shape[BRRR_MAX_RANK], strides[4][BRRR_MAX_RANK];
-        memcpy(shape, x.shape, sizeof(int64_t) * (size_t)lead);
-        for (int k = 0; k < 4; k++) {
-            const brrr_tensor *t = views[k];
-            for (int d = 0; d < lead; d++) {
-                const int td = d - (x.ndim - t->ndim); /* t's dim aligned with x's dim d, from the right */
-                strides[k][d] = td >= 0 && t->shape[td] != 1 ? t->strides[td] : 0;
-            }
-            L.col_stride[k] = t->strides[t->ndim - 1];
+    L.dtype = x->dtype;
+    L.backward = (int32_t)c->arg[0].i;
+    L.half = x->shape[x->ndim - 1] / 2;
+    L.rows = x->numel / (2 * L.half);
+    /* Leading dims: x's, with cos and sin broadcast (stride 0) where they lack or have size 1. */
+    const int lead = x->ndim - 1, slots[4] = {S_X, S_OUT, S_COS, S_SIN};
+    int64_t shape[BRRR_MAX_RANK], strides[4][BRRR_MAX_RANK];
+    memcpy(shape, x->shape, sizeof(int64_t) * (size_t)lead);
+    for (int k = 0; k < 4; k++) {
+        const brrr_tensor *t = &c->t[slots[k]];
+        for (int d = 0; d < lead; d++) {
+            const int td = d - (x->ndim - t->ndim); /* t's dim aligned with x's dim d, from the right */
+            strides[k][d] = td >= 0 && t->shape[td] != 1 ? t->strides[td] : 0;
         }
-        int n = lead ? brrr_coalesce(lead, shape, 4, strides) : 0;
-        if (n < 0) goto fail;
-        if (n == 0) {
-            shape[0] = 1;
-            for (int k = 0; k < 4; k++) strides[k][0] = 0;
-            n = 1;
-        }
-        L.row_ndim = n;
-        memcpy(L.row_shape, shape, sizeof(int64_t) * (size_t)n);
-        brrr_view *v[4] = {&L.x, &L.out, &L.cos, &L.sin};
-        for (int k = 0; k < 4; k++) {
-            v[k]->data = views[k]->data;
-            memcpy(v[k]->strides, strides[k], sizeof(int64_t) * (size_t)n);
-        }
+        L.col_stride[k] = t->strides[t->ndim - 1];
     }
-    if (x.device_type == kDLCPU) {
-        Py_BEGIN_ALLOW_THREADS
-        cpu_rotary(&L);
-        Py_END_ALLOW_THREADS
-        goto done;
+    int n = lead ? brrr_coalesce(lead, shape, 4, strides) : 0;
+    if (n < 0) return -1;
+    if (n == 0) {
+        shape[0] = 1;
+        for (int k = 0; k < 4; k++) strides[k][0] = 0;
+        n = 1;
     }
-#if BRRR_WITH_CUDA
-    {
-        void *stream = brrr_call_stream(&call);
-        int err;
-        Py_BEGIN_ALLOW_THREADS
-        err = brrr_cuda_rotary(&L, x.device_id, stream);
-        Py_END_ALLOW_THREADS
-        if (brrr_cuda_result(err, "rotary") < 0) goto fail;
+    L.row_ndim = n;
+    memcpy(L.row_shape, shape, sizeof(int64_t) * (size_t)n);
+    brrr_view *v[4] = {&L.x, &L.out, &L.cos, &L.sin};
+    for (int k = 0; k < 4; k++) {
+        v[k]->data = c->t[slots[k]].data;
+        memcpy(v[k]->strides, strides[k], sizeof(int64_t) * (size_t)n);
     }
-#endif
-    goto done;
-fail:
-    Py_CLEAR(result);
-done:
-    brrr_tensor_release(&x);
-    brrr_tensor_release(&c);
-    brrr_tensor_release(&s);
-    brrr_tensor_release(&out);
-    return result;
+    if (brrr_on_cpu(c)) {
+        BRRR_RUN_CPU(cpu_rotary, &L);
+        return 0;
+    }
+    BRRR_RETURN_CUDA(c, brrr_cuda_rotary, &L);
 }
+
+static const brrr_op_spec ROTARY = {
+    .name = "rotary",
+    .doc = "x * cos + rotate_half(x) * sin over x's last dim D (even); cos and sin broadcast to x's shape with D as "
+           "their last dim. backward: the transposed rotation (the gradient with respect to x, given x = grad_out). "
+           "out may be x itself.",
+    .n_slots = 4,
+    .slots = {{"x", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"cos", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
+              {"sin", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
+              {"out", BRRR_WRITE | BRRR_ALLOC | BRRR_INPLACE, BRRR_SHAPE_X, BRRR_DTYPE_X, -1}},
+    .n_args = 1,
+    .args = {{"backward", BRRR_ARG_BOOL, 0, 0, NULL, "a bool"}},
+    .split_arg = -1,
+    .check = rotary_check,
+    .run = rotary_run,
+};
+
+const brrr_op_spec *const brrr_rotary_ops[] = {&ROTARY, NULL};

@@ -190,7 +190,7 @@ def test_torch_tensor_that_requires_grad_is_taken_by_the_custom_op():
 def test_producer_refusal_names_the_argument():
     sparse = torch.randn(3, 3).to_sparse()
     with pytest.raises(Exception, match="argument x: "):
-        _C.chain_fwd(COS.program, sparse, torch.empty(3, 3), (), -1)
+        _C.chain_fwd(sparse, torch.empty(3, 3), COS.program, ())
 
 
 def test_gil_is_released_during_cpu_work():

@@ -285,7 +285,7 @@ def test_nonfinite_forward_matches_torch_product(device, dtype, p):
     assert_close(out, ref, dtype, scale=2.0)
     assert torch.equal(torch.isnan(out.cpu()), torch.isnan(ref)) and torch.equal(torch.isinf(out.cpu()), torch.isinf(ref))
     # Without a residual the dropped finite elements keep x's sign, as x * 0 does.
-    plain = _C.dropout_fwd(x, b, None, None, p, seed, 0, -1)
+    plain = _C.dropout_fwd(x, b, p=p, seed=seed, offset=0)[0]
     ref = reference_out(x, b, None, keep, p)
     assert_close(plain, ref, dtype, scale=2.0)
     zeros = ref == 0
@@ -470,36 +470,38 @@ def test_argument_errors():
 def test_c_argument_errors():
     x, r, b = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
     out = torch.zeros(4, 8)
-    with pytest.raises(ValueError, match="argument p: dropout probability"):
-        _C.dropout_fwd(x, b, r, out, 2.0, 1, 0, -1)
+    with pytest.raises(ValueError, match="argument p: expected a dropout probability between 0 and 1"):
+        _C.dropout_fwd(x, b, r, out, 2.0, 1, 0)
     with pytest.raises(ValueError, match=r"argument seed: expected an int in \[0, 2\*\*64\)"):
-        _C.dropout_fwd(x, b, r, out, 0.5, -1, 0, -1)
+        _C.dropout_fwd(x, b, r, out, 0.5, -1, 0)
     with pytest.raises(TypeError, match="argument offset: expected an int"):
-        _C.dropout_fwd(x, b, r, out, 0.5, 1, 0.0, -1)
+        _C.dropout_fwd(x, b, r, out, 0.5, 1, 0.0)
     with pytest.raises(TypeError, match="argument stream"):
         _C.dropout_fwd(x, b, r, out, 0.5, 1, 0, "default")
-    with pytest.raises(TypeError, match="takes 8 arguments"):
-        _C.dropout_fwd(x, b, r, out, 0.5, 1, 0)
+    with pytest.raises(TypeError, match="missing argument 'offset'"):
+        _C.dropout_fwd(x, b, r, out, 0.5, 1)
+    with pytest.raises(TypeError, match="takes at most 8 arguments"):
+        _C.dropout_fwd(x, b, r, out, 0.5, 1, 0, -1, None)
     base = torch.randn(40)
     with pytest.raises(ValueError, match="argument out overlaps input x"):
-        _C.dropout_fwd(base[:32].view(4, 8), b, r, base[1:33].view(4, 8), 0.5, 1, 0, -1)
+        _C.dropout_fwd(base[:32].view(4, 8), b, r, base[1:33].view(4, 8), 0.5, 1, 0)
     with pytest.raises(ValueError, match="argument out overlaps input bias"):
-        _C.dropout_fwd(x, base[:8], r, base[:32].view(4, 8), 0.5, 1, 0, -1)
+        _C.dropout_fwd(x, base[:8], r, base[:32].view(4, 8), 0.5, 1, 0)
     with pytest.raises(ValueError, match="argument out: output has overlapping elements"):
-        _C.dropout_fwd(x, b, r, torch.zeros(8).expand(4, 8), 0.5, 1, 0, -1)
+        _C.dropout_fwd(x, b, r, torch.zeros(8).expand(4, 8), 0.5, 1, 0)
     with pytest.raises(ValueError, match="argument grad_bias has shape"):
-        _C.dropout_bwd(x, out, torch.zeros(7), None, 0.5, 1, 0, -1)
+        _C.dropout_bwd(x, out, torch.zeros(7), None, 0.5, 1, 0)
     with pytest.raises(ValueError, match="argument grad_bias overlaps input grad_out"):
-        _C.dropout_bwd(x, out, x[0], None, 0.5, 1, 0, -1)
+        _C.dropout_bwd(x, out, x[0], None, 0.5, 1, 0)
     read_only = np.zeros((4, 8), np.float32)
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="argument out: output is read-only"):
-        _C.dropout_fwd(np.ones((4, 8), np.float32), None, None, read_only, 0.5, 1, 0, -1)
+        _C.dropout_fwd(np.ones((4, 8), np.float32), None, None, read_only, 0.5, 1, 0)
     assert not out.any(), "an output was written by a call that failed"
     # In place into the residual (an identical view), and no residual at all, are allowed.
     expected = brrr.bias_dropout_add(x, b, r, 0.5, seed=1)
-    assert _C.dropout_fwd(x, b, r, r, 0.5, 1, 0, -1) is r and torch.equal(r, expected)
-    assert torch.equal(_C.dropout_fwd(x, b, None, None, 0.5, 1, 0, -1),
+    assert _C.dropout_fwd(x, b, r, r, 0.5, 1, 0)[0] is r and torch.equal(r, expected)
+    assert torch.equal(_C.dropout_fwd(x, b, None, None, 0.5, 1, 0)[0],
                        brrr.bias_dropout_add(x, b, torch.zeros_like(x), 0.5, seed=1))
 
 
@@ -510,10 +512,15 @@ def test_cuda_argument_errors():
         brrr.bias_dropout_add(x, b, r.cpu(), 0.5, seed=1)
     with pytest.raises(ValueError, match="argument bias is on cpu but x is on cuda"):
         brrr.bias_dropout_add(x, b.cpu(), r, 0.5, seed=1)
+    # partials=None: allocated by brrr._C on torch's current stream, required on any other
+    grad_x, grad_b = _C.dropout_bwd(x, None, True, None, 0.5, 1, 0)
+    given = torch.empty(_C.chain_partial_rows(4) * 8, device="cuda")
+    assert torch.equal(grad_b, _C.dropout_bwd(x, None, True, given, 0.5, 1, 0)[1])
     with pytest.raises(TypeError, match="argument partials: required on CUDA"):
-        _C.dropout_bwd(x, torch.empty_like(x), torch.empty_like(b), None, 0.5, 1, 0, -1)
-    with pytest.raises(ValueError, match="argument partials: expected a contiguous 1-D float32"):
-        _C.dropout_bwd(x, torch.empty_like(x), torch.empty_like(b), torch.empty(3, device="cuda"), 0.5, 1, 0, -1)
+        _C.dropout_bwd(x, torch.empty_like(x), torch.empty_like(b), None, 0.5, 1, 0,
+                       torch.cuda.current_stream().cuda_stream)
+    with pytest.raises(ValueError, match="argument partials: expected a contiguous 1-D tensor"):
+        _C.dropout_bwd(x, torch.empty_like(x), torch.empty_like(b), torch.empty(3, device="cuda"), 0.5, 1, 0)
 
 
 # ---- CUDA against the CPU twin ------------------------------------------------------------------------
@@ -581,7 +588,7 @@ def test_cuda_nonfinite_matches_cpu(dtype, shape, layout):
             bd = b.to(device).requires_grad_() if b is not None else None
             out = brrr.bias_dropout_add(xd, bd, view(base_r.to(device)), p, seed=seed, offset=offset)
             grads = torch.autograd.grad(out, [t for t in (xd, bd) if t is not None], view(base_g.to(device)))
-            plain = _C.dropout_fwd(xd.detach(), bd.detach() if bd is not None else None, None, None, p, seed, offset, -1)
+            plain = _C.dropout_fwd(xd.detach(), bd.detach() if bd is not None else None, p=p, seed=seed, offset=offset)[0]
             results.append([out, plain, *grads])
         cpu, cuda = results
         for name, a, e in zip(("out", "no residual", "grad_x"), cuda, cpu):

@@ -4,6 +4,7 @@ wrapper) and its fall-back for functorch's tensors; and the same results from th
 before 2.10 takes (no DLPack exchange table: Python allocates what brrr._C cannot).
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,17 +25,17 @@ def test_norm_forward_allocates_statistics(device, dtype, residual):
     w, b = random((24,), dtype, device), random((24,), dtype, device)
     res = r if residual else None
     given = [torch.full((3, 5), float("nan"), dtype=_stat_dtype(dtype), device=device) for _ in range(2)]
-    expected = _C.layer_norm_fwd(x, 1, w, b, 1e-5, None, *given, res, None, -1)
-    got = _C.layer_norm_fwd(x, 1, w, b, 1e-5, None, True, True, res, None, -1)
-    expected = (expected if residual else (expected,)) + tuple(given)
-    assert len(got) == len(expected)
+    expected = _C.layer_norm_fwd(x, w, b, res, None, None, *given, norm_ndim=1, eps=1e-5)
+    got = _C.layer_norm_fwd(x, w, b, res, mean=True, rstd=True, norm_ndim=1, eps=1e-5)
+    assert len(got) == len(expected) == 4 and (got[1] is None) == (not residual) and expected[2:] == tuple(given)
     for a, e in zip(got, expected):
-        assert a.shape == e.shape and a.dtype == e.dtype and a.device == e.device and torch.equal(a, e)
+        assert a is e is None or (a.shape == e.shape and a.dtype == e.dtype and a.device == e.device
+                                  and torch.equal(a, e))
     rstd = torch.full((3, 5), float("nan"), dtype=_stat_dtype(dtype), device=device)
-    expected = _C.rms_norm_fwd(x, 1, w, 1e-6, False, None, rstd, res, None, -1)
-    got = _C.rms_norm_fwd(x, 1, w, 1e-6, False, None, True, res, None, -1)
-    expected = (expected if residual else (expected,)) + (rstd,)
-    assert len(got) == len(expected) and all(torch.equal(a, e) for a, e in zip(got, expected))
+    expected = _C.rms_norm_fwd(x, w, res, None, None, rstd, norm_ndim=1, eps=1e-6, llama=False)
+    got = _C.rms_norm_fwd(x, w, res, rstd=True, norm_ndim=1, eps=1e-6, llama=False)
+    assert len(got) == len(expected) == 3 and expected[2] is rstd
+    assert all(a is e is None or torch.equal(a, e) for a, e in zip(got, expected))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -49,30 +50,34 @@ def test_norm_backward_allocates_parameter_gradients(device, dtype, param_dtype)
     partials = None
     if device == "cuda":
         partials = torch.empty(2 * _C.norm_partial_rows(7, 40) * 40, device=device)
-    gx = _C.layer_norm_bwd(x, 1, g, None, w, mean, rstd, None, gw, gb, partials, -1)
+    gx = _C.layer_norm_bwd(x, g, None, w, mean, rstd, None, gw, gb, partials, norm_ndim=1)[0]
     for asked in [(True, True), (True, None), (None, True)]:
-        got = _C.layer_norm_bwd(x, 1, g, None, w, mean, rstd, None, *asked, partials, -1)
+        got = _C.layer_norm_bwd(x, g, None, w, mean, rstd, None, *asked, partials, norm_ndim=1)
         assert torch.equal(got[0], gx)
-        for a, e in zip(got[1:], [e for e, want in zip((gw, gb), asked) if want]):
-            assert a.dtype == pd and a.shape == (40,) and torch.equal(a, e)
-    got_x, got_w = _C.rms_norm_bwd(x, 1, g, None, w, rstd, False, None, True, partials, -1)
-    assert got_w.dtype == pd and torch.equal(got_x, _C.rms_norm_bwd(x, 1, g, None, w, rstd, False, None, None,
-                                                                     None, -1))
+        for a, e, want in zip(got[1:], (gw, gb), asked):
+            assert a is None if not want else (a.dtype == pd and a.shape == (40,) and torch.equal(a, e))
+    got_x, got_w = _C.rms_norm_bwd(x, g, None, w, rstd, None, True, partials, norm_ndim=1, llama=False)
+    assert got_w.dtype == pd and torch.equal(got_x, _C.rms_norm_bwd(x, g, None, w, rstd, norm_ndim=1,
+                                                                     llama=False)[0])
 
 
 def test_norm_allocation_errors():
     x = random((4, 8), torch.float32, "cpu")
     _, mean, rstd = torch.ops.brrr.layer_norm(x, [8], None, None, 1e-5)
-    with pytest.raises(TypeError, match="argument out: True .* taken only for mean and rstd"):
-        _C.layer_norm_fwd(x, 1, None, None, 1e-5, True, None, None, None, None, -1)
-    with pytest.raises(TypeError, match="argument mean: True .* taken only for mean and rstd in the forward"):
-        _C.layer_norm_bwd(x, 1, x, None, None, True, rstd, None, None, None, None, -1)
-    with pytest.raises(ValueError, match="argument grad_bias: True .* needs weight"):
-        _C.layer_norm_bwd(x, 1, x, None, None, mean, rstd, None, None, True, None, -1)
-    with pytest.raises(TypeError, match="argument rstd: True .* frameworks with DLPack's C exchange table"):
-        _C.rms_norm_fwd(Producer(x), 1, None, 1e-5, False, torch.empty_like(x), True, None, None, -1)
-    with pytest.raises(TypeError, match="argument mean: True .* frameworks with DLPack's C exchange table"):
-        _C.layer_norm_fwd(x.numpy(), 1, None, None, 1e-5, None, True, None, None, None, -1)
+    with pytest.raises(TypeError, match="argument out: True .* not taken for this argument"):
+        _C.layer_norm_fwd(x, out=True, norm_ndim=1, eps=1e-5)
+    with pytest.raises(TypeError, match="argument mean: expected a tensor or array implementing __dlpack__, got bool"):
+        _C.layer_norm_bwd(x, x, None, None, True, rstd, norm_ndim=1)
+    with pytest.raises(ValueError, match="argument grad_bias: cannot be allocated here without a parameter"):
+        _C.layer_norm_bwd(x, x, None, None, mean, rstd, grad_bias=True, norm_ndim=1)
+    with pytest.raises(TypeError, match="argument rstd: brrr._C allocates outputs only for NumPy arrays and tensors "
+                                        "of frameworks with DLPack's C exchange table"):
+        _C.rms_norm_fwd(Producer(x), out=torch.empty_like(x), rstd=True, norm_ndim=1, eps=1e-5, llama=False)
+    # NumPy arrays get their statistics allocated too, with NumPy
+    out, _, mean_np, rstd_np = _C.layer_norm_fwd(x.numpy(), mean=True, rstd=True, norm_ndim=1, eps=1e-5)
+    assert isinstance(mean_np, np.ndarray) and mean_np.dtype == np.float32 and mean_np.shape == (4,)
+    np.testing.assert_array_equal(rstd_np, rstd.numpy())
+    np.testing.assert_array_equal(out, torch.ops.brrr.layer_norm(x, [8], None, None, 1e-5)[0].numpy())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -84,20 +89,23 @@ def test_cross_entropy_forward_allocates_outputs(device, reduction):
     nan = dict(dtype=torch.float32, device=device)
     given = [torch.full((9,), float("nan"), **nan), torch.full((9,), float("nan"), **nan),
              None if reduction == "none" else torch.full((), float("nan"), **nan), torch.full((), float("nan"), **nan)]
-    assert _C.cross_entropy_fwd(logits, target, -100, 0.1, reduction, *given, -1) is None
-    asked = [True, True, None if reduction == "none" else True, True]
-    got = _C.cross_entropy_fwd(logits, target, -100, 0.1, reduction, *asked, -1)
+    args = dict(ignore_index=-100, label_smoothing=0.1, reduction=reduction)
+    assert all(a is e for a, e in zip(_C.cross_entropy_fwd(logits, target, *given, **args), given))
+    asked = [None, None, None if reduction == "none" else True, True]  # None: a required output
+    got = _C.cross_entropy_fwd(logits, target, *asked, **args)
     assert len(got) == 4
     for a, e in zip(got, given):
         assert (a is None) == (e is None)
         if e is not None:
             assert a.dtype == e.dtype and a.shape == e.shape and a.device == e.device and torch.equal(a, e)
     # Given and allocated mixed: the given one is returned as it was.
-    mixed = _C.cross_entropy_fwd(logits, target, -100, 0.1, reduction, given[0], True, asked[2], True, -1)
+    mixed = _C.cross_entropy_fwd(logits, target, given[0], None, asked[2], True, **args)
     assert mixed[0] is given[0]
-    with pytest.raises(TypeError, match="argument lse: True .* frameworks with DLPack's C exchange table"):
-        _C.cross_entropy_fwd(Producer(logits.float().cpu()), target.cpu(), -100, 0.0, reduction, True, True,
-                             asked[2], True, -1)
+    with pytest.raises(TypeError, match="argument lse: True .* not taken"):
+        _C.cross_entropy_fwd(logits, target, True, **args)
+    with pytest.raises(TypeError, match="argument lse: brrr._C allocates outputs only for NumPy arrays and tensors "
+                                        "of frameworks with DLPack's C exchange table"):
+        _C.cross_entropy_fwd(Producer(logits.float().cpu()), target.cpu(), None, None, asked[2], True, **args)
 
 
 def test_lean_apply_takes_functorch_tensors_to_function_apply():

@@ -20,9 +20,9 @@ def test_argument_errors(device):
     cases = [
         (lambda: GELU(None), TypeError, "argument x: expected a tensor or array implementing __dlpack__, got NoneType"),
         (lambda: GELU([1.0, 2.0]), TypeError, "argument x: expected a tensor or array implementing __dlpack__, got list"),
-        (lambda: _C.chain_fwd(GELU.program, None, out, (), -1), TypeError, "argument x: expected a tensor or array, got None"),
+        (lambda: _C.chain_fwd(None, out, GELU.program, ()), TypeError, "argument x: expected a tensor or array, got None"),
         (lambda: GELU(x, out=[0.0]), TypeError, "argument out: expected a tensor or array implementing __dlpack__"),
-        (lambda: _C.chain_fwd(GELU.program, [1.0], out, (), -1), TypeError, "argument x: expected a tensor or array implementing __dlpack__, got list"),
+        (lambda: _C.chain_fwd([1.0], out, GELU.program, ()), TypeError, "argument x: expected a tensor or array implementing __dlpack__, got list"),
         (lambda: GELU(x, out=torch.zeros(4, 6, device=device)), ValueError, r"argument out has shape \(4, 6\) but x has shape \(4, 5\)"),
         (lambda: GELU(x, out=torch.zeros(20, device=device)), ValueError, r"argument out has shape \(20,\)"),
         (lambda: GELU(x, out=torch.zeros(4, 5, device=device, dtype=torch.float64)), ValueError, "argument out has dtype float64 but x has dtype float32"),
@@ -33,11 +33,11 @@ def test_argument_errors(device):
         (lambda: BIAS_GELU(x, torch.zeros(4, device=device)), ValueError, r"argument operands\[0\]: shape must be x's shape or \(5,\)"),
         (lambda: BIAS_GELU(x, torch.zeros(5, device=device, dtype=torch.float64)), ValueError, r"argument operands\[0\] has dtype float64"),
         (lambda: BIAS_GELU(x), TypeError, "takes 1 tensor operand"),
-        (lambda: _C.chain_fwd(BIAS_GELU.program, x, out, (), -1), ValueError, "argument operands: expected a tuple of 1 tensors"),
-        (lambda: _C.chain_fwd(GELU.program, x, out, (), "stream"), TypeError, "argument stream: expected an int"),
-        (lambda: _C.chain_fwd(b"short", x, out, (), -1), TypeError, "argument program: expected the bytes"),
-        (lambda: _C.chain_fwd(b"\xff" * len(GELU.program), x, out, (), -1), ValueError, "argument program: malformed"),
-        (lambda: _C.chain_fwd(GELU.program, x, out, ()), TypeError, "takes 5 arguments"),
+        (lambda: _C.chain_fwd(x, out, BIAS_GELU.program, ()), ValueError, "argument operands: expected a tuple of 1 tensors"),
+        (lambda: _C.chain_fwd(x, out, GELU.program, (), "stream"), TypeError, "argument stream: expected an int"),
+        (lambda: _C.chain_fwd(x, out, b"short", ()), TypeError, "argument program: expected the bytes"),
+        (lambda: _C.chain_fwd(x, out, b"\xff" * len(GELU.program), ()), ValueError, "argument program: malformed"),
+        (lambda: _C.chain_fwd(x, out, GELU.program), TypeError, "missing argument 'operands'"),
         (lambda: brrr.gelu(x, approximate="fast"), ValueError, "argument approximate"),
     ]
     for call, exc, message in cases:

@@ -332,9 +332,9 @@ def test_every_output_element_is_written(device, dtype, kind, cols, strided_out)
     h = poisoned_like(x)
     mean, rstd = (torch.full((rows,), float("nan"), dtype=stat, device=device) for _ in range(2))
     if kind == "layer_norm":
-        _C.layer_norm_fwd(x, 1, w, b, 1e-5, out, mean, rstd, residual, h, -1)
+        _C.layer_norm_fwd(x, w, b, residual, out, h, mean, rstd, norm_ndim=1, eps=1e-5)
     else:
-        _C.rms_norm_fwd(x, 1, w, 1e-5, False, out, rstd, residual, h, -1)
+        _C.rms_norm_fwd(x, w, residual, out, h, rstd, norm_ndim=1, eps=1e-5, llama=False)
     ref_x, ref_r, ref_w, ref_b = (t if t is None else t.double().cpu().requires_grad_() for t in (x, residual, w, b))
     ref_out, ref_h = reference(kind, dtype, ref_x, ref_r, (cols,), ref_w, ref_b, 1e-5)
     check("out", out, ref_out, dtype)
@@ -345,9 +345,9 @@ def test_every_output_element_is_written(device, dtype, kind, cols, strided_out)
     n_grads = 1 + (b is not None)
     partials = torch.full((n_grads * _C.norm_partial_rows(rows, cols) * cols,), float("nan"), dtype=stat, device=device)
     if kind == "layer_norm":
-        _C.layer_norm_bwd(h, 1, g_out, g_res, w, mean, rstd, grad_x, grad_w, grad_b, partials, -1)
+        _C.layer_norm_bwd(h, g_out, g_res, w, mean, rstd, grad_x, grad_w, grad_b, partials, norm_ndim=1)
     else:
-        _C.rms_norm_bwd(h, 1, g_out, g_res, w, rstd, False, grad_x, grad_w, partials, -1)
+        _C.rms_norm_bwd(h, g_out, g_res, w, rstd, grad_x, grad_w, partials, norm_ndim=1, llama=False)
     upstream = [g_out.double().cpu(), g_res.double().cpu()]
     torch.autograd.backward([ref_out, ref_h], upstream)
     scale_x, _, scale_w, scale_b = gradient_scales(kind, dtype, ref_h.detach(), (cols,), ref_w, 1e-5, upstream)
@@ -532,42 +532,46 @@ def test_c_argument_errors():
     x = random((4, 8), torch.float32, "cpu")
     out, stats = torch.empty_like(x), torch.empty(4)
     with pytest.raises(ValueError, match="argument norm_ndim"):
-        _C.layer_norm_fwd(x, 0, None, None, 1e-5, out, None, None, None, None, -1)
+        _C.layer_norm_fwd(x, out=out, norm_ndim=0, eps=1e-5)
     with pytest.raises(ValueError, match="argument norm_ndim"):
-        _C.rms_norm_fwd(x, 3, None, 1e-5, False, out, None, None, None, -1)
+        _C.rms_norm_fwd(x, out=out, norm_ndim=3, eps=1e-5, llama=False)
     with pytest.raises(ValueError, match="argument out overlaps input x"):
-        _C.layer_norm_fwd(x, 1, None, None, 1e-5, x, None, None, None, None, -1)
+        _C.layer_norm_fwd(x, out=x, norm_ndim=1, eps=1e-5)
     with pytest.raises(ValueError, match="argument mean overlaps input rstd"):
-        _C.layer_norm_fwd(x, 1, None, None, 1e-5, out, stats, stats, None, None, -1)
+        _C.layer_norm_fwd(x, out=out, mean=stats, rstd=stats, norm_ndim=1, eps=1e-5)
     with pytest.raises(TypeError, match="argument mean: expected dtype float32"):
-        _C.layer_norm_fwd(x, 1, None, None, 1e-5, out, stats.double(), None, None, None, -1)
+        _C.layer_norm_fwd(x, out=out, mean=stats.double(), norm_ndim=1, eps=1e-5)
     with pytest.raises(ValueError, match="argument rstd has shape"):
-        _C.layer_norm_fwd(x, 1, None, None, 1e-5, out, None, torch.empty(5), None, None, -1)
+        _C.layer_norm_fwd(x, out=out, rstd=torch.empty(5), norm_ndim=1, eps=1e-5)
     with pytest.raises(ValueError, match="argument residual_out: given without residual"):
-        _C.layer_norm_fwd(x, 1, None, None, 1e-5, out, None, None, None, torch.empty_like(x), -1)
-    with pytest.raises(TypeError, match="argument residual_out: required for inputs of this type"):
-        _C.rms_norm_fwd(Producer(x), 1, None, 1e-5, False, out, None, x.clone(), None, -1)
-    y, h = _C.rms_norm_fwd(x, 1, None, 1e-5, False, None, None, x, None, -1)  # allocated by torch
+        _C.layer_norm_fwd(x, out=out, residual_out=torch.empty_like(x), norm_ndim=1, eps=1e-5)
+    with pytest.raises(TypeError, match="argument residual_out: brrr._C allocates outputs only for NumPy arrays"):
+        _C.rms_norm_fwd(Producer(x), residual=x.clone(), out=out, norm_ndim=1, eps=1e-5, llama=False)
+    y, h, _ = _C.rms_norm_fwd(x, residual=x, norm_ndim=1, eps=1e-5, llama=False)  # allocated by torch
     assert torch.equal(h, x + x) and y.shape == x.shape
     with pytest.raises(ValueError, match="argument out: output has overlapping elements"):
-        _C.rms_norm_fwd(x, 1, None, 1e-5, False, torch.empty(8).expand(4, 8), None, None, None, -1)
-    with pytest.raises(TypeError, match="takes 11 arguments"):
-        _C.layer_norm_fwd(x, 1)
+        _C.rms_norm_fwd(x, out=torch.empty(8).expand(4, 8), norm_ndim=1, eps=1e-5, llama=False)
+    with pytest.raises(TypeError, match="missing argument 'norm_ndim'"):
+        _C.layer_norm_fwd(x)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'norm_dims'"):
+        _C.layer_norm_fwd(x, norm_dims=1, norm_ndim=1, eps=1e-5)
+    with pytest.raises(TypeError, match="multiple values for argument 'weight'"):
+        _C.layer_norm_fwd(x, None, weight=None, norm_ndim=1, eps=1e-5)
     with pytest.raises(TypeError, match="argument eps"):
-        _C.rms_norm_fwd(x, 1, None, "tiny", False, out, None, None, None, -1)
+        _C.rms_norm_fwd(x, out=out, norm_ndim=1, eps="tiny", llama=False)
     with pytest.raises(TypeError, match="argument stream"):
-        _C.rms_norm_fwd(x, 1, None, 1e-5, False, out, None, None, None, "default")
+        _C.rms_norm_fwd(x, out=out, norm_ndim=1, eps=1e-5, llama=False, stream="default")
     _, mean, rstd = torch.ops.brrr.layer_norm(x, [8], None, None, 1e-5)
     with pytest.raises(ValueError, match="argument grad_weight: given without weight"):
-        _C.layer_norm_bwd(x, 1, x, None, None, mean, rstd, out, torch.empty(8), None, None, -1)
-    with pytest.raises(TypeError, match="argument mean: required"):
-        _C.layer_norm_bwd(x, 1, x, None, None, None, rstd, out, None, None, None, -1)
+        _C.layer_norm_bwd(x, x, None, None, mean, rstd, out, torch.empty(8), norm_ndim=1)
+    with pytest.raises(TypeError, match="argument mean: expected a tensor or array, got None"):
+        _C.layer_norm_bwd(x, x, None, None, None, rstd, out, norm_ndim=1)
     with pytest.raises(ValueError, match="argument grad_x overlaps input grad_out"):
-        _C.layer_norm_bwd(x, 1, out, None, None, mean, rstd, out, None, None, None, -1)
+        _C.layer_norm_bwd(x, out, None, None, mean, rstd, out, norm_ndim=1)
     read_only = np.zeros((4, 8), np.float32)
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="argument out: output is read-only"):
-        _C.layer_norm_fwd(np.ones((4, 8), np.float32), 1, None, None, 1e-5, read_only, None, None, None, None, -1)
+        _C.layer_norm_fwd(np.ones((4, 8), np.float32), out=read_only, norm_ndim=1, eps=1e-5)
 
 
 @pytest.mark.cuda
@@ -579,14 +583,14 @@ def test_cuda_argument_errors():
     with pytest.raises(ValueError, match="argument weight is on cpu but x is on cuda"):
         brrr.layer_norm(x, (8,), w.cpu())
     # partials=None: allocated by brrr._C on torch's current stream, required on any other
-    torch.testing.assert_close(_C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, None, grad_w, None, None, -1),
-                               _C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, grad_x, grad_w, None,
-                                                 torch.empty(1024, device="cuda"), -1))
+    torch.testing.assert_close(_C.layer_norm_bwd(x, x, None, w, mean, rstd, None, grad_w, norm_ndim=1)[0],
+                               _C.layer_norm_bwd(x, x, None, w, mean, rstd, grad_x, grad_w, None,
+                                                 torch.empty(1024, device="cuda"), norm_ndim=1)[0])
     with pytest.raises(TypeError, match="argument partials: required on CUDA"):
-        _C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, grad_x, grad_w, None, None,
-                          torch.cuda.current_stream().cuda_stream)
+        _C.layer_norm_bwd(x, x, None, w, mean, rstd, grad_x, grad_w, norm_ndim=1,
+                          stream=torch.cuda.current_stream().cuda_stream)
     with pytest.raises(ValueError, match="argument partials: expected a contiguous 1-D tensor"):
-        _C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, grad_x, grad_w, None, torch.empty(3, device="cuda"), -1)
+        _C.layer_norm_bwd(x, x, None, w, mean, rstd, grad_x, grad_w, None, torch.empty(3, device="cuda"), norm_ndim=1)
     with pytest.raises(TypeError, match="argument partials: expected dtype float32"):
-        _C.layer_norm_bwd(x, 1, x, None, w, mean, rstd, grad_x, grad_w, None,
-                          torch.empty(1024, dtype=torch.float64, device="cuda"), -1)
+        _C.layer_norm_bwd(x, x, None, w, mean, rstd, grad_x, grad_w, None,
+                          torch.empty(1024, dtype=torch.float64, device="cuda"), norm_ndim=1)

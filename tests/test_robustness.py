@@ -77,7 +77,7 @@ def test_fuzz_chain_entry_point(case):
     x_before, ops_before = x_buf.copy(), [o.copy() for o in operands]
     program = _C.chain_program(steps)
     try:
-        result = _C.chain_fwd(program, x, out, tuple(operands), -1)
+        result = _C.chain_fwd(x, out, program, tuple(operands))[0]
     except ERRORS as error:
         event(f"refused with {type(error).__name__}")
         assert "argument" in str(error) or "views with more than" in str(error), error
@@ -113,10 +113,10 @@ def test_misaligned_and_hostile_arguments_are_refused():
     x = np.ones(4, np.float32)
     for bad in (None, 3, "x", [1.0], object(), np.ones(4, np.complex64), np.ones(4, np.int8)):
         with pytest.raises(ERRORS):
-            _C.chain_fwd(brrr.chain("cos").program, bad, x, (), -1)
+            _C.chain_fwd(bad, x, brrr.chain("cos").program, ())
         if bad is not None:  # out=None means "allocate one"
             with pytest.raises(ERRORS):
-                _C.chain_fwd(brrr.chain("cos").program, x, bad, (), -1)
+                _C.chain_fwd(x, bad, brrr.chain("cos").program, ())
     np.testing.assert_array_equal(x, np.ones(4, np.float32))
 
 
@@ -163,7 +163,7 @@ def test_no_leak_over_100k_calls():
 
     def calls(n):
         for _ in range(n):
-            _C.chain_fwd(program, x_np, out_np, (), -1)
+            _C.chain_fwd(x_np, out_np, program, ())
             f(x_np)
             f(x_t.detach())
         for _ in range(n // 20):  # autograd paths: forward and backward of a chain and a norm

@@ -134,20 +134,20 @@ def test_c_layer_writes_every_element_and_in_place(device):
     x = random((3, 5, 12), torch.float32, device)
     cos, sin = random((5, 12), torch.float32, device), random((5, 12), torch.float32, device)
     out = torch.full_like(x, float("nan"))
-    _C.rotary(x, cos, sin, out, False, -1)
+    _C.rotary(x, cos, sin, out, False)
     check(out, reference(x.double(), cos.double(), sin.double()), torch.float32)
     buffer = torch.full((3, 5, 24), float("nan"), device=device)
-    _C.rotary(x, cos, sin, buffer[..., ::2], True, -1)  # the transpose, into a strided view
+    _C.rotary(x, cos, sin, buffer[..., ::2], True)  # the transpose, into a strided view
     assert torch.isnan(buffer[..., 1::2]).all()
     y = x.clone()
-    _C.rotary(y, cos, sin, y, False, -1)  # in place
+    _C.rotary(y, cos, sin, y, backward=False)  # in place
     torch.testing.assert_close(y, out, rtol=0, atol=0)
     # backward(forward(x)) = x where j and j + h share an angle (as transformers builds them): a
     # rotation's transpose is its inverse
     half_angles = random((5, 6), torch.float32, device, -3, 3)
     angles = torch.cat((half_angles, half_angles), dim=-1)
     c, s = angles.cos(), angles.sin()
-    back = _C.rotary(_C.rotary(x, c, s, None, False, -1), c, s, None, True, -1)
+    back = _C.rotary(_C.rotary(x, c, s, backward=False)[0], c, s, backward=True)[0]
     torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
 
 

@@ -347,7 +347,8 @@ def test_every_output_element_is_written(device, dtype, classes, reduction):
         return torch.full(shape, float("nan"), dtype=dt, device=device)
 
     lse, loss, total, count = nan((rows,)), nan((rows,)), nan(()), nan(())
-    _C.cross_entropy_fwd(x, t, -100, eps, reduction, lse, loss, None if reduction == "none" else total, count, -1)
+    _C.cross_entropy_fwd(x, t, lse, loss, None if reduction == "none" else total, count, ignore_index=-100,
+                         label_smoothing=eps, reduction=reduction)
     check("lse", lse[keep], saved_lse(x, t)[keep.cpu()], acc)
     assert not lse[~keep].any() and not loss[~keep].any(), "lse or loss of an ignored row is not 0"
     check("loss", loss, reference(x, t, -100, "none", eps)[1], acc)
@@ -358,18 +359,18 @@ def test_every_output_element_is_written(device, dtype, classes, reduction):
     g = random((rows,) if reduction == "none" else (), acc, device)
     divisor = count if reduction == "mean" else None
     buffer = nan((rows, 2 * classes), dtype)
-    _C.cross_entropy_bwd(x, t, -100, eps, lse, g, divisor, buffer[:, ::2], -1)
+    _C.cross_entropy_bwd(x, t, lse, g, divisor, buffer[:, ::2], ignore_index=-100, label_smoothing=eps)
     ref_leaf, ref = reference(x, t, -100, reduction, eps)
     ref.backward(g.double().cpu())
     scale = g.abs().max().item() / (int(keep.sum().item()) if reduction == "mean" else 1)
     check("grad", buffer[:, ::2], ref_leaf.grad, dtype, scale=scale)
     assert torch.isnan(buffer[:, 1::2]).all(), "the backward wrote outside grad_logits"
     dense = nan((rows, classes), dtype)
-    _C.cross_entropy_bwd(x, t, -100, eps, lse, g, divisor, dense, -1)
+    _C.cross_entropy_bwd(x, t, lse, g, divisor, dense, ignore_index=-100, label_smoothing=eps)
     check("grad (contiguous)", dense, ref_leaf.grad, dtype, scale=scale)
     # Not in place: every element of a row needs the row's target logit, read by other threads.
     with pytest.raises(ValueError, match="argument grad_logits"):
-        _C.cross_entropy_bwd(x, t, -100, eps, lse, g, divisor, x, -1)
+        _C.cross_entropy_bwd(x, t, lse, g, divisor, x, ignore_index=-100, label_smoothing=eps)
 
 
 # ---- inf, NaN, all ignored, no rows -------------------------------------------------------------
