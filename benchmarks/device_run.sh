@@ -20,6 +20,13 @@ BENCH=${2:-benchmarks}
   python3 -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$RESULTS/env.txt"
 
+# Peers that the H200 image lacks travel as wheels in .whl/ (named in the call's carry list):
+# Liger-Kernel, pure Python on the image's triton.
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
 start=$(date +%s)
 if ! BRRR_CUDA_ARCHS=90 python3 setup.py build_ext --inplace --force > /tmp/brrr-build.log 2>&1; then
   grep -E "error|Error" /tmp/brrr-build.log | head -40
@@ -28,6 +35,7 @@ if ! BRRR_CUDA_ARCHS=90 python3 setup.py build_ext --inplace --force > /tmp/brrr
 fi
 echo "build: $(( $(date +%s) - start )) s"
 python3 -c "import brrr; print(brrr.build_info())"
+python3 -c "import liger_kernel; print('liger-kernel', getattr(liger_kernel, '__version__', 'present'))" 2>/dev/null | tee -a "$RESULTS/env.txt"
 
 status=0
 if [ "$TESTS" != "none" ]; then

@@ -26,6 +26,7 @@ from .dropout import bias_dropout_add
 from .diagnose import diagnose
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .rotary import apply_rotary_pos_emb, rotary
+from .softmax import log_softmax, softmax
 from .xent import cross_entropy
 
 __version__ = "0.1.0"
@@ -65,7 +66,10 @@ def __getattr__(name):
 
 
 if "torch" in sys.modules:
-    from . import _torch, _torch_dropout, _torch_norm, _torch_rotary, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
+    from . import _torch, _torch_dropout, _torch_norm, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
+
+    for _family in ("rotary", "softmax"):
+        sys.modules[f"{__name__}.{_family}"]._torch()
 
 __all__ = [
     "Chain",
@@ -93,11 +97,13 @@ __all__ = [
     "exp",
     "gelu",
     "layer_norm",
+    "log_softmax",
     "relu",
     "rms_norm",
     "rotary",
     "sigmoid",
     "silu",
     "sin",
+    "softmax",
     "tanh",
 ]

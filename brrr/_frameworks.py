@@ -35,3 +35,15 @@ def empty_like(x):
     if namespace is None:
         return None
     return namespace().empty_like(x)
+
+
+def torch_integration(build):
+    """A family module's PyTorch integration: build() (which imports torch) runs once, on the
+    first call of the function this returns, so that `import brrr` never imports torch."""
+    built = []
+
+    def get():
+        if not built:
+            built.append(build())
+        return built[0]
+    return get

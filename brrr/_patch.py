@@ -596,6 +596,8 @@ def _route(name):
     if name == "rms_norm":
         return lambda input, normalized_shape, weight=None, eps=None: registry(
             "rms_norm", input, normalized_shape, weight, eps)
+    if name in ("softmax", "log_softmax"):
+        return lambda input, dim=None, _stacklevel=3, dtype=None: registry(name, input, dim, _stacklevel, dtype)
     raise AssertionError(name)
 
 
@@ -604,7 +606,7 @@ _ROUTES = {name: _route(name) for name in TORCH_FUNCTIONS}
 
 @contextlib.contextmanager
 def use_fused():
-    """Within the block, torch.nn.functional.gelu, silu, layer_norm, rms_norm and cross_entropy
+    """Within the block, torch.nn.functional.gelu, silu, layer_norm, rms_norm, cross_entropy, softmax and log_softmax
     (and the torch.nn modules that call them) run brrr's kernels for the inputs brrr supports. Not
     thread-safe: it rebinds the functions of torch.nn.functional for the whole process."""
     previous = {name: getattr(F, name) for name in _ROUTES}

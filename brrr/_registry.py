@@ -41,11 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from . import _C, _torch, _torch_norm
-from ._torch_rotary import rotary as _brrr_rotary, rotary_qk as _brrr_rotary_qk
+from .rotary import _torch as _rotary_family
 from .chain import _GELU, _GELU_TANH, _RELU, _SIGMOID, _SILU, _TANH
 from .dropout import bias_dropout_add
 from .glu import _gelu_name, bias_gelu, bias_silu
 from .norm import llama_order
+from .softmax import _torch as _softmax_family
 from .xent import REDUCTIONS, cross_entropy
 
 
@@ -55,6 +56,8 @@ class UnsupportedError(TypeError):
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _CUDA = _C.cuda_available()  # asked once: torch.compile must not meet a C call in the dispatch
+_softmax_torch = _softmax_family()
+_brrr_rotary, _brrr_rotary_qk = _rotary_family().rotary, _rotary_family().rotary_qk
 
 
 def _device_ok(t):
@@ -159,7 +162,8 @@ _CLASS_INDICES = (torch.int64, torch.int32, torch.uint8)
 # torch.nn.functional's own functions, bound at import: brrr.use_fused rebinds these names of F to
 # routes into this registry, so a reference that looked them up at call time would route back
 # into the registry, without end where it is the op's own fallback.
-TORCH_FUNCTIONS = {name: getattr(F, name) for name in ("gelu", "silu", "layer_norm", "rms_norm", "cross_entropy")}
+TORCH_FUNCTIONS = {name: getattr(F, name) for name in ("gelu", "silu", "layer_norm", "rms_norm", "cross_entropy",
+                                                       "softmax", "log_softmax")}
 
 
 def _cross_entropy_ok(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
@@ -177,6 +181,17 @@ def _torch_cross_entropy(input, target, weight=None, ignore_index=-100, reductio
     return TORCH_FUNCTIONS["cross_entropy"](input if dtype is None else input.to(dtype), target, weight,
                                             ignore_index=ignore_index, reduction=reduction,
                                             label_smoothing=label_smoothing)
+
+
+def _softmax_ok(input, dim=None, _stacklevel=3, dtype=None):
+    return _tensor_ok(input) and isinstance(dim, int) and -max(input.dim(), 1) <= dim < max(input.dim(), 1) and \
+        dtype in (None,) + _FLOATS
+
+
+def _softmax(log):
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+        return _softmax_torch.softmax(input, dim % max(input.dim(), 1), dtype, log)
+    return softmax
 
 
 def _rotary_ok(x, cos, sin):
@@ -403,6 +418,8 @@ for _name, _ref, _impl, _ok in [
     ("cross_entropy", _torch_cross_entropy, cross_entropy, _cross_entropy_ok),
     ("rotary", _torch_rotary, _brrr_rotary, _rotary_ok),
     ("rotary_qk", _torch_rotary_qk, _brrr_rotary_qk, _rotary_qk_ok),
+    ("softmax", TORCH_FUNCTIONS["softmax"], _softmax(False), _softmax_ok),
+    ("log_softmax", TORCH_FUNCTIONS["log_softmax"], _softmax(True), _softmax_ok),
 ]:
     registry.register(_name, _ref, _impl, _ok, compiled="kernel" if _name in _KERNEL_UNDER_COMPILE else "inductor",
                       cpu="pytorch")

@@ -1,5 +1,5 @@
 """PyTorch integration: brrr's ops as torch.library custom operators with fake kernels and
-registered autograd (defined by brrr._ops), so that torch.compile traces them without graph breaks.
+registered autograd (defined by brrr._op), so that torch.compile traces them without graph breaks.
 
 Eager calls that need no gradient skip the dispatcher and go straight to brrr._C (the overhead
 regime: a custom-op round trip costs more host time than the kernel it launches on small
@@ -10,14 +10,9 @@ through the DLPack exchange table's allocator (torch 2.10+, outputs like a conti
 import functools
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from . import _C
-from ._ops import define
-
-# torch 2.10+ publishes DLPack's C exchange table, from which brrr._C reads tensors and the
-# current stream without Python; older releases need the stream passed explicitly.
-_EXCHANGE_API = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+from . import _C, _op
+from ._op import define, lean_apply, lean_once_differentiable, needs_autograd, out_like, stream
 
 
 @functools.lru_cache(maxsize=1024)
@@ -27,59 +22,8 @@ def _program(ops, scalars):
     return _C.chain_program([(o, s) if o in ("add", "mul") else o for o, s in zip(names, scalars)])
 
 
-_C_FUNCTION_APPLY = torch._C._FunctionBase.__dict__.get("apply")
-_functorch = getattr(torch._C, "_functorch", None)
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-_functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None)
-
-
-def lean_apply(function):
-    """function.apply less torch's Python wrapper around its C entry (signature binding, and
-    functorch's dead-wrapper unwrapping run over every argument by a generator): about 3 us of the
-    ~25 of a norm module's eager forward on this project's CPU machine. Calls inside functorch transforms
-    take function.apply. So do tensors leaked from a finished transform (dead functorch wrappers,
-    which the wrapper unwraps): brrr._C cannot read one, and its import fails before anything runs,
-    so they are looked for only when the direct call raised."""
-    if _C_FUNCTION_APPLY is None or _functorch_active is None or _functorch_wrapped is None:
-        return function.apply
-    direct, wrapped_apply = _C_FUNCTION_APPLY.__get__(None, function), function.apply
-
-    def apply(*args):
-        if _functorch_active():
-            return wrapped_apply(*args)
-        try:
-            return direct(*args)
-        except RuntimeError:
-            if any(isinstance(a, torch.Tensor) and _functorch_wrapped(a) for a in args):
-                return wrapped_apply(*args)
-            raise
-    return apply
-
-
-def lean_once_differentiable(backward):
-    """torch's once_differentiable, less its no_grad block where grad mode is already off: the
-    autograd engine runs a backward so unless create_graph=True, which gets torch's (a second
-    backward through brrr's kernels then raises)."""
-    checked = once_differentiable(backward)
-
-    @functools.wraps(backward)
-    def wrapper(ctx, *grads):
-        if torch.is_grad_enabled():
-            return checked(ctx, *grads)
-        return backward(ctx, *grads)
-    return wrapper
-
-
-def _stream(x, stream):
-    if stream is not None:
-        return stream
-    if _EXCHANGE_API or not x.is_cuda:
-        return -1
-    return torch.cuda.current_stream(x.device).cuda_stream
-
-
 def _chain_impl(x: torch.Tensor, operands: list[torch.Tensor], ops: str, scalars: list[float]) -> torch.Tensor:
-    return _C.chain_fwd(x, _eager_out(x), _program(ops, tuple(scalars)), tuple(operands), _stream(x, None))[0]
+    return _C.chain_fwd(x, out_like(x), _program(ops, tuple(scalars)), tuple(operands), stream(x))[0]
 
 
 def _chain_fake(x, operands, ops, scalars):
@@ -99,7 +43,7 @@ def _chain_grads(program, x, grad, operands, needs):
         rows = x.numel() // cols
         partials = torch.empty(len(operands) * _C.chain_partial_rows(rows) * cols, device=x.device,
                                dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-    _C.chain_bwd(x, grad, grad_x, partials, program, tuple(operands), grad_operands, _stream(x, None))
+    _C.chain_bwd(x, grad, grad_x, partials, program, tuple(operands), grad_operands, stream(x))
     return grad_x, grad_operands
 
 
@@ -132,13 +76,6 @@ chain_backward_op = define("chain_backward", _chain_backward_impl, _chain_backwa
 _chain_default = define("chain", _chain_impl, _chain_fake, _chain_backward, _chain_setup_context)
 
 
-def _needs_autograd(x, others=()):
-    """Whether autograd records an op on x and `others` (tensors or None); cheap first, as this is
-    the overhead regime's hot path."""
-    return torch.is_grad_enabled() and (x.requires_grad or (
-        bool(others) and any(o is not None and o.requires_grad for o in others)))
-
-
 class _ChainFunction(torch.autograd.Function):
     """Eager autograd for a chain, without the custom op's dispatcher and Python layers: they cost
     about 200 µs of host time per forward+backward (measured on this project's CPU machine), more
@@ -148,7 +85,7 @@ class _ChainFunction(torch.autograd.Function):
     def forward(ctx, c, x, *operands):
         ctx.save_for_backward(x, *operands)
         ctx.program = c.program
-        return _C.chain_fwd(x, _eager_out(x), c.program, operands, _stream(x, None))[0]
+        return _C.chain_fwd(x, out_like(x), c.program, operands, stream(x))[0]
 
     @staticmethod
     @lean_once_differentiable
@@ -161,24 +98,19 @@ class _ChainFunction(torch.autograd.Function):
 _apply_chain = lean_apply(_ChainFunction)
 
 
-def _eager_out(x):
-    """None where brrr._C can allocate the output itself (contiguous x, exchange table)."""
-    return None if _EXCHANGE_API and x.is_contiguous() else torch.empty_like(x)
-
-
-def chain(c, x, operands, out, stream):
+def chain(c, x, operands, out, cuda_stream):
     """Apply Chain `c` to torch tensors: the custom op under torch.compile, an autograd.Function
     when autograd records, else straight to brrr._C (the overhead regime's hot path)."""
     compiling = torch.compiler.is_compiling()
-    if compiling or _needs_autograd(x, operands):
+    if compiling or needs_autograd(x, operands):
         if out is not None:
             raise ValueError("argument out: not supported when autograd records the op or under torch.compile")
         if compiling:
             return _chain_default(x, list(operands), c.op_names, c.scalars)
         return _apply_chain(c, x, *operands)
     if out is None:
-        out = _eager_out(x)  # keeps a strided input's layout; brrr._C allocates contiguous ones
-    return _C.chain_fwd(x, out, c.program, operands, -1 if stream is None and _EXCHANGE_API else _stream(x, stream))[0]
+        out = out_like(x)  # keeps a strided input's layout; brrr._C allocates contiguous ones
+    return _C.chain_fwd(x, out, c.program, operands, stream(x) if cuda_stream is None else cuda_stream)[0]
 
 
 def _split(x):
@@ -201,10 +133,10 @@ def _glu_grads(activation, x, up, grad, need_up):
     if up is None:  # both halves of one gradient, written by one kernel
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         (gate, up_half), (grad_gate, grad_up) = _split(x), _split(grad_x)
-        _C.chain_bwd(gate, grad, grad_gate, None, program, (up_half,), (grad_up,), _stream(x, None))
+        _C.chain_bwd(gate, grad, grad_gate, None, program, (up_half,), (grad_up,), stream(x))
         return [grad_x]
     grad_gate, grad_up = torch.empty_like(x), torch.empty_like(up) if need_up else None
-    _C.chain_bwd(x, grad, grad_gate, None, program, (up,), (grad_up,), _stream(x, None))
+    _C.chain_bwd(x, grad, grad_gate, None, program, (up,), (grad_up,), stream(x))
     return [grad_gate, grad_up]
 
 
@@ -240,9 +172,9 @@ _glu_default = define("glu", _glu_impl, _glu_fake, _glu_backward, _glu_setup_con
 
 def _glu_forward(activation, gate, up, out):
     g, u = _split(gate) if up is None else (gate, up)
-    if out is None and not _EXCHANGE_API:
+    if out is None and not _op.EXCHANGE_API:
         out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-    return _C.chain_fwd(g, out, _program(activation + ",mul_tensor", (0.0, 0.0)), (u,), _stream(g, None))[0]
+    return _C.chain_fwd(g, out, _program(activation + ",mul_tensor", (0.0, 0.0)), (u,), stream(g))[0]
 
 
 class _GluFunction(torch.autograd.Function):
@@ -271,7 +203,7 @@ def glu(activation, gate, up, out):
     if up is None and gate.shape[-1] % 2:
         raise ValueError(f"argument x: the last dim must be even to split into gate and up halves, got {gate.shape[-1]}")
     compiling = torch.compiler.is_compiling()
-    if compiling or _needs_autograd(gate, (up,) if up is not None else ()):
+    if compiling or needs_autograd(gate, (up,) if up is not None else ()):
         if out is not None:
             raise ValueError("argument out: not supported when autograd records the op or under torch.compile")
         if compiling:

@@ -1,5 +1,5 @@
 """PyTorch integration of bias_dropout_add: torch.library operators with fake kernels and
-registered autograd (brrr._ops) (torch.compile traces them without graph breaks), an eager autograd.Function,
+registered autograd (brrr._op) (torch.compile traces them without graph breaks), an eager autograd.Function,
 and the direct call into brrr._C when autograd records nothing.
 
 Nothing is saved for the backward but p, seed and offset: brrr::bias_dropout_add_backward draws
@@ -10,21 +10,20 @@ from typing import Optional
 
 import torch
 
-from . import _C
-from ._ops import define
-from ._torch import _EXCHANGE_API, _eager_out, _needs_autograd, _stream, lean_apply, lean_once_differentiable
+from . import _C, _op
+from ._op import define, lean_apply, lean_once_differentiable, needs_autograd, out_like, stream
 
 Tensor = torch.Tensor
 
 
 def _forward_impl(x: Tensor, bias: Optional[Tensor], residual: Tensor, p: float, seed: int, offset: int) -> Tensor:
-    return _C.dropout_fwd(x, bias, residual, _eager_out(x), p=p, seed=seed, offset=offset, stream=_stream(x, None))[0]
+    return _C.dropout_fwd(x, bias, residual, out_like(x), p=p, seed=seed, offset=offset, stream=stream(x))[0]
 
 
 def _backward_impl(grad: Tensor, p: float, seed: int, offset: int, bias_grad: bool) -> list[Tensor]:
     """[grad_x] or [grad_x, grad_bias]: the mask of (p, seed, offset) applied to grad."""
     grad_bias = partials = None
-    if bias_grad and _EXCHANGE_API:  # brrr._C allocates grad_bias (True) and the CUDA partials
+    if bias_grad and _op.EXCHANGE_API:  # brrr._C allocates grad_bias (True) and the CUDA partials
         grad_bias = True
     elif bias_grad:
         grad_bias = grad.new_empty(grad.shape[-1:])
@@ -33,8 +32,8 @@ def _backward_impl(grad: Tensor, p: float, seed: int, offset: int, bias_grad: bo
             rows = grad.numel() // cols if cols else 0
             partials = grad.new_empty(_C.chain_partial_rows(rows) * cols,
                                       dtype=torch.float64 if grad.dtype == torch.float64 else torch.float32)
-    grad_x, grad_bias = _C.dropout_bwd(grad, _eager_out(grad), grad_bias, partials, p=p, seed=seed, offset=offset,
-                                       stream=_stream(grad, None))
+    grad_x, grad_bias = _C.dropout_bwd(grad, out_like(grad), grad_bias, partials, p=p, seed=seed, offset=offset,
+                                       stream=stream(grad))
     return [grad_x] if grad_bias is None else [grad_x, grad_bias]
 
 
@@ -95,6 +94,6 @@ def bias_dropout_add(x, bias, residual, p, seed, offset):
         seed = int(torch.randint(2**63 - 1, (1,)).item())
     if torch.compiler.is_compiling():
         return _bias_dropout_add(x, bias, residual, p, seed, offset)
-    if _needs_autograd(x, (bias, residual)):
+    if needs_autograd(x, (bias, residual)):
         return _apply_bias_dropout_add(x, bias, residual, p, seed, offset)
     return _forward_impl(x, bias, residual, p, seed, offset)

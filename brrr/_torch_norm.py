@@ -1,5 +1,5 @@
 """PyTorch integration of the norm family: torch.library operators with fake kernels and
-registered autograd (brrr._ops; torch.compile traces them without graph breaks), and the eager
+registered autograd (brrr._op; torch.compile traces them without graph breaks), and the eager
 fast path that calls brrr._C directly when autograd records nothing.
 
 The forward ops return, besides their results, what the backward needs per row (mean relative to
@@ -14,9 +14,8 @@ from typing import Optional
 
 import torch
 
-from . import _C
-from ._ops import define
-from ._torch import _EXCHANGE_API, _eager_out, _needs_autograd, _stream, lean_apply, lean_once_differentiable
+from . import _C, _op
+from ._op import define, lean_apply, lean_once_differentiable, needs_autograd, out_like, stream
 from .norm import default_rms_eps, normalized_ndim
 
 Tensor = torch.Tensor
@@ -39,23 +38,23 @@ def _stat_args(x, k, n):
     """The statistics arguments of a forward: True (brrr._C allocates and returns them: each
     torch.empty is a few microseconds of Python), or new tensors where it cannot (no exchange
     table: torch before 2.10)."""
-    return (True,) * n if _EXCHANGE_API else tuple(_stats(x, k) for _ in range(n))
+    return (True,) * n if _op.EXCHANGE_API else tuple(_stats(x, k) for _ in range(n))
 
 
 def _layer_norm_fwd(x, k, weight, bias, eps, residual):
     """(out, h or None, mean, rstd): LayerNorm of x (of h = x + residual) over its last k dims."""
     mean, rstd = _stat_args(x, k, 2)
-    h = None if residual is None else _eager_out(x)
-    return _C.layer_norm_fwd(x, weight, bias, residual, _eager_out(x), h, mean, rstd, norm_ndim=k, eps=eps,
-                             stream=_stream(x, None))
+    h = None if residual is None else out_like(x)
+    return _C.layer_norm_fwd(x, weight, bias, residual, out_like(x), h, mean, rstd, norm_ndim=k, eps=eps,
+                             stream=stream(x))
 
 
 def _rms_norm_fwd(x, k, weight, eps, llama, residual):
     """(out, h or None, rstd): RMSNorm of x (of h = x + residual) over its last k dims."""
     rstd, = _stat_args(x, k, 1)
-    h = None if residual is None else _eager_out(x)
-    return _C.rms_norm_fwd(x, weight, residual, _eager_out(x), h, rstd, norm_ndim=k, eps=eps, llama=llama,
-                           stream=_stream(x, None))
+    h = None if residual is None else out_like(x)
+    return _C.rms_norm_fwd(x, weight, residual, out_like(x), h, rstd, norm_ndim=k, eps=eps, llama=llama,
+                           stream=stream(x))
 
 
 def _layer_norm_impl(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
@@ -103,7 +102,7 @@ def _add_rms_norm_fake(x, residual, normalized_shape, weight, eps, llama):
 def _partials(x, k, n_grads, dtype):
     """The CUDA backward's scratch for n_grads weight/bias gradients, where brrr._C cannot allocate
     it (no exchange table: torch before 2.10); None elsewhere."""
-    if _EXCHANGE_API or not n_grads or not x.is_cuda:
+    if _op.EXCHANGE_API or not n_grads or not x.is_cuda:
         return None
     cols = math.prod(x.shape[x.dim() - k:])
     rows = x.numel() // cols if cols else 0
@@ -114,16 +113,16 @@ def _norm_grads(x, k, grad_out, grad_residual, weight, bias, mean, rstd, llama, 
     """(grad of the normalised input, grad_weight or None, grad_bias or None) in one backward
     launch; mean None: RMSNorm. x: the normalised input the forward saved (h for the fused forms)."""
     # True: brrr._C allocates it (like weight, so a bias gradient only where there is a weight).
-    grad_weight = (True if _EXCHANGE_API else torch.empty_like(weight)) if need_weight else None
-    grad_bias = (True if _EXCHANGE_API and weight is not None else torch.empty_like(bias)) if need_bias else None
+    grad_weight = (True if _op.EXCHANGE_API else torch.empty_like(weight)) if need_weight else None
+    grad_bias = (True if _op.EXCHANGE_API and weight is not None else torch.empty_like(bias)) if need_bias else None
     partials = _partials(x, k, need_weight + need_bias, rstd.dtype)
-    stream = _stream(x, None)
+    cuda_stream = stream(x)
     if mean is None:
-        grad_x, grad_weight = _C.rms_norm_bwd(x, grad_out, grad_residual, weight, rstd, _eager_out(x), grad_weight,
-                                              partials, norm_ndim=k, llama=llama, stream=stream)
+        grad_x, grad_weight = _C.rms_norm_bwd(x, grad_out, grad_residual, weight, rstd, out_like(x), grad_weight,
+                                              partials, norm_ndim=k, llama=llama, stream=cuda_stream)
         return grad_x, grad_weight, None
-    return _C.layer_norm_bwd(x, grad_out, grad_residual, weight, mean, rstd, _eager_out(x), grad_weight, grad_bias,
-                             partials, norm_ndim=k, stream=stream)
+    return _C.layer_norm_bwd(x, grad_out, grad_residual, weight, mean, rstd, out_like(x), grad_weight, grad_bias,
+                             partials, norm_ndim=k, stream=cuda_stream)
 
 
 def _norm_backward_impl(x: Tensor, grad_out: Tensor, grad_residual: Optional[Tensor], weight: Optional[Tensor],
@@ -308,20 +307,20 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     if torch.compiler.is_compiling():
         return _layer_norm(x, _shape_list(normalized_shape), weight, bias, float(eps))[0]
     k = normalized_ndim(x.shape, normalized_shape)
-    if _needs_autograd(x, (weight, bias)):
+    if needs_autograd(x, (weight, bias)):
         return _apply_layer_norm(x, weight, bias, k, float(eps))
-    return _C.layer_norm_fwd(x, weight, bias, out=_eager_out(x), norm_ndim=k, eps=float(eps),
-                             stream=_stream(x, None))[0]
+    return _C.layer_norm_fwd(x, weight, bias, out=out_like(x), norm_ndim=k, eps=float(eps),
+                             stream=stream(x))[0]
 
 
 def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
     if torch.compiler.is_compiling():
         return tuple(_add_layer_norm(x, residual, _shape_list(normalized_shape), weight, bias, float(eps))[:2])
     k = normalized_ndim(x.shape, normalized_shape)
-    if _needs_autograd(x, (residual, weight, bias)):
+    if needs_autograd(x, (residual, weight, bias)):
         return _apply_add_layer_norm(x, residual, weight, bias, k, float(eps))
-    return _C.layer_norm_fwd(x, weight, bias, residual, _eager_out(x), _eager_out(x), norm_ndim=k, eps=float(eps),
-                             stream=_stream(x, None))[:2]
+    return _C.layer_norm_fwd(x, weight, bias, residual, out_like(x), out_like(x), norm_ndim=k, eps=float(eps),
+                             stream=stream(x))[:2]
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, llama=False):
@@ -329,9 +328,9 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, llama=False):
     if torch.compiler.is_compiling():
         return _rms_norm(x, _shape_list(normalized_shape), weight, eps, llama)[0]
     k = normalized_ndim(x.shape, normalized_shape)
-    if _needs_autograd(x, (weight,)):
+    if needs_autograd(x, (weight,)):
         return _apply_rms_norm(x, weight, k, eps, llama)
-    return _C.rms_norm_fwd(x, weight, out=_eager_out(x), norm_ndim=k, eps=eps, llama=llama, stream=_stream(x, None))[0]
+    return _C.rms_norm_fwd(x, weight, out=out_like(x), norm_ndim=k, eps=eps, llama=llama, stream=stream(x))[0]
 
 
 def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, llama=False):
@@ -339,7 +338,7 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, llama=Fal
     if torch.compiler.is_compiling():
         return tuple(_add_rms_norm(x, residual, _shape_list(normalized_shape), weight, eps, llama)[:2])
     k = normalized_ndim(x.shape, normalized_shape)
-    if _needs_autograd(x, (residual, weight)):
+    if needs_autograd(x, (residual, weight)):
         return _apply_add_rms_norm(x, residual, weight, k, eps, llama)
-    return _C.rms_norm_fwd(x, weight, residual, _eager_out(x), _eager_out(x), norm_ndim=k, eps=eps, llama=llama,
-                           stream=_stream(x, None))[:2]
+    return _C.rms_norm_fwd(x, weight, residual, out_like(x), out_like(x), norm_ndim=k, eps=eps, llama=llama,
+                           stream=stream(x))[:2]

@@ -1,5 +1,5 @@
 """PyTorch integration of cross_entropy: a torch.library operator with a fake kernel and
-registered autograd (brrr._ops; torch.compile traces it without graph breaks), an eager
+registered autograd (brrr._op; torch.compile traces it without graph breaks), an eager
 autograd.Function, and the direct call into brrr._C when autograd records nothing.
 
 brrr::cross_entropy takes logits with the class dim last and returns [loss, lse, count]: the
@@ -15,9 +15,8 @@ from typing import Optional
 
 import torch
 
-from . import _C
-from ._ops import define
-from ._torch import _EXCHANGE_API, _needs_autograd, _stream, lean_apply, lean_once_differentiable
+from . import _C, _op
+from ._op import define, lean_apply, lean_once_differentiable, needs_autograd, out_like, stream
 from .xent import check_rank
 
 Tensor = torch.Tensor
@@ -30,7 +29,7 @@ def _acc(logits):
 def _forward_impl(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
                   reduction: str) -> list[Tensor]:
     total = None if reduction == "none" else True
-    if _EXCHANGE_API:  # brrr._C allocates the outputs (None, True): no torch.empty per output
+    if _op.EXCHANGE_API:  # brrr._C allocates the outputs (None, True): no torch.empty per output
         lse = rows = None
         count = True
     else:
@@ -40,7 +39,7 @@ def _forward_impl(logits: Tensor, target: Tensor, ignore_index: int, label_smoot
         count = torch.empty((), dtype=acc, device=device)
     lse, rows, total, count = _C.cross_entropy_fwd(logits, target, lse, rows, total, count, ignore_index=ignore_index,
                                                    label_smoothing=label_smoothing, reduction=reduction,
-                                                   stream=_stream(logits, None))
+                                                   stream=stream(logits))
     return [rows if total is None else total, lse, count]
 
 
@@ -52,9 +51,9 @@ def _forward_fake(logits, target, ignore_index, label_smoothing, reduction):
 
 def _backward_impl(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Optional[Tensor],
                    ignore_index: int, label_smoothing: float) -> Tensor:
-    grad_logits = None if _EXCHANGE_API and logits.is_contiguous() else torch.empty_like(logits)
+    grad_logits = None if _op.EXCHANGE_API and logits.is_contiguous() else torch.empty_like(logits)
     return _C.cross_entropy_bwd(logits, target, lse, grad, count, grad_logits, ignore_index=ignore_index,
-                                label_smoothing=label_smoothing, stream=_stream(logits, None))[0]
+                                label_smoothing=label_smoothing, stream=stream(logits))[0]
 
 
 def _backward_fake(grad, logits, target, lse, count, ignore_index, label_smoothing):
@@ -137,7 +136,7 @@ def cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype
     logits = input if input.dim() <= 2 else input.movedim(1, -1)
     if torch.compiler.is_compiling():
         loss = _cross_entropy(logits, target, ignore_index, label_smoothing, reduction)[0]
-    elif _needs_autograd(logits):
+    elif needs_autograd(logits):
         loss = _apply_cross_entropy(logits, target, ignore_index, label_smoothing, reduction)
     else:
         loss = _forward_impl(logits, target, ignore_index, label_smoothing, reduction)[0]

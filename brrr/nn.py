@@ -77,6 +77,17 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
                         reduction=self.reduction, label_smoothing=self.label_smoothing)
 
 
+class Softmax(torch.nn.Softmax):
+    def forward(self, input):
+        return registry("softmax", input, self.dim)
+
+
+class LogSoftmax(torch.nn.LogSoftmax):
+    def forward(self, input):
+        return registry("log_softmax", input, self.dim)
+
+
 # The torch.nn classes brrr.patch swaps exactly (their subclasses are checked by behaviour).
 TWINS = {torch.nn.LayerNorm: LayerNorm, torch.nn.RMSNorm: RMSNorm, torch.nn.GELU: GELU, torch.nn.SiLU: SiLU,
-         torch.nn.ReLU: ReLU, torch.nn.Sigmoid: Sigmoid, torch.nn.Tanh: Tanh, torch.nn.CrossEntropyLoss: CrossEntropyLoss}
+         torch.nn.ReLU: ReLU, torch.nn.Sigmoid: Sigmoid, torch.nn.Tanh: Tanh, torch.nn.CrossEntropyLoss: CrossEntropyLoss,
+         torch.nn.Softmax: Softmax, torch.nn.LogSoftmax: LogSoftmax}

@@ -176,7 +176,7 @@ static int check_dtype(const brrr_op_call *c, int s) {
                 return brrr_check_same_dtype(t, &c->t[p]);
         return 0;
     }
-    default: return 0; /* indices: checked on import */
+    default: return 0; /* indices: checked on import; BRRR_DTYPE_ANY: by the family */
     }
 }
 
@@ -345,7 +345,6 @@ static int run_call(brrr_op_call *c, PyObject **values) {
         }
         if (import_slot(c, s, obj) < 0 || check_slot(c, s) < 0) return -1;
     }
-    if (spec->check && spec->check(c) < 0) return -1;
 
     int scratch_slot = -1;
     for (int s = 1; s < spec->n_slots; s++) {
@@ -376,6 +375,7 @@ static int run_call(brrr_op_call *c, PyObject **values) {
         }
         if (import_slot(c, s, obj) < 0 || check_slot(c, s) < 0) return -1;
     }
+    if (spec->check && spec->check(c) < 0) return -1;
     if (scratch_slot >= 0 && !brrr_on_cpu(c)) {
         const int64_t want = spec->scratch ? spec->scratch(c) : 0;
         if (want > 0 && import_scratch(c, scratch_slot, want) < 0) return -1;

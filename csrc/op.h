@@ -10,7 +10,8 @@
  *      keyword (every scalar is required; optional slots default to None, stream to -1);
  *   2. imports each tensor through DLPack (csrc/tensor.c) and checks it against the first slot,
  *      `x`: same device, the slot's dtype rule and shape rule;
- *   3. allocates the outputs the caller left to it, with the framework of x (see BRRR_ALLOC);
+ *   3. allocates the outputs the caller left to it, with the framework of x (see BRRR_ALLOC),
+ *      then calls the family's check;
  *   4. refuses any written tensor that overlaps another argument (BRRR_INPLACE excepted);
  *   5. calls the family's run, without the GIL around the kernels;
  *   6. returns a tuple of the written slots (scratch excepted) in spec order, None where absent.
@@ -53,6 +54,7 @@ typedef enum {
     BRRR_DTYPE_PARAM,  /* x's dtype, or float32 for float16/bfloat16 x; one dtype for all such slots */
     BRRR_DTYPE_ACC,    /* the accumulation dtype: float32, float64 for float64 x */
     BRRR_DTYPE_INDEX,  /* class indices: int64, int32 or uint8 */
+    BRRR_DTYPE_ANY,    /* a float dtype the family checks; allocated in x's */
 } brrr_dtype_rule;
 
 typedef struct {
@@ -112,7 +114,7 @@ typedef struct brrr_op_spec {
     brrr_slot_spec slots[BRRR_OP_MAX_SLOTS]; /* slot 0 is x: a required input */
     brrr_arg_spec args[BRRR_OP_MAX_ARGS];
     int split_arg; /* the BRRR_ARG_INT argument that gives the column dims, or -1 (one) */
-    /* Checks beyond the rules, after the inputs are imported and before the outputs are. */
+    /* Checks beyond the rules, once every slot is imported (outputs allocated). */
     int (*check)(brrr_op_call *c);
     /* Elements of the scratch slot this CUDA call needs (0: none); NULL when the op has none. */
     int64_t (*scratch)(const brrr_op_call *c);

@@ -1,4 +1,4 @@
-"""brrr._ops: the torch.library operators' own autograd kernel, called through torch.ops (as
+"""brrr._op: the torch.library operators' own autograd kernel, called through torch.ops (as
 compiled code calls them): gradients, the refusal of double backward, and the direct call to the
 kernel never bypassing what sits below autograd (dispatch modes, fake tensors)."""
 

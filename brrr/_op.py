@@ -1,0 +1,284 @@
+"""brrr's PyTorch integration, built once for every op: the factory a family module calls.
+
+    op = TorchOp("softmax", forward, fake, save=save, backward=backward, grad_args=(0,))
+    y = op(x, dim, dtype, log)
+
+From one forward (a brrr._C call, returning the op's results and then what only its backward
+needs), its fake (the same, as empty tensors) and its backward formula, TorchOp builds:
+- the torch.library operator brrr::<name> with its fake kernel and registered autograd, which
+  torch.compile traces without a graph break (`define` below);
+- an eager autograd.Function from the same pieces, for training outside torch.compile;
+- the entry that picks one per call: the operator under torch.compile, the Function when autograd
+  records, else the forward itself (the overhead regime's hot path: no dispatcher, no autograd).
+A backward formula calls its backward ops through `run`, which is the op's forward in eager mode
+and the operator under torch.compile, so that the compiled backward sees opaque nodes too.
+
+This module imports torch; family modules load it only once a torch tensor reaches them.
+"""
+
+import functools
+
+import torch
+from torch.autograd.function import once_differentiable
+
+# torch 2.10+ publishes DLPack's C exchange table, from which brrr._C reads tensors and the
+# current stream without Python, and through which it allocates outputs with torch's allocator;
+# older releases need the stream passed and the outputs allocated here.
+EXCHANGE_API = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+
+
+def stream(x):
+    """The stream argument of a brrr._C call on x: -1 (the framework's current stream, read by
+    brrr._C) where it can, else torch's current CUDA stream."""
+    if EXCHANGE_API or not x.is_cuda:
+        return -1
+    return torch.cuda.current_stream(x.device).cuda_stream
+
+
+def out_like(x):
+    """None where brrr._C can allocate an output like x itself (contiguous x, exchange table)."""
+    return None if EXCHANGE_API and x.is_contiguous() else torch.empty_like(x)
+
+
+def needs_autograd(x, others=()):
+    """Whether autograd records an op on x and `others` (tensors or None); cheap first, as this is
+    the overhead regime's hot path."""
+    return torch.is_grad_enabled() and (x.requires_grad or (
+        bool(others) and any(o is not None and o.requires_grad for o in others)))
+
+
+_C_FUNCTION_APPLY = torch._C._FunctionBase.__dict__.get("apply")
+_functorch = getattr(torch._C, "_functorch", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+_functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None)
+
+
+def lean_apply(function):
+    """function.apply less torch's Python wrapper around its C entry (signature binding, and
+    functorch's dead-wrapper unwrapping run over every argument by a generator): about 3 us of the
+    ~25 of a norm module's eager forward on this project's CPU machine. Calls inside functorch transforms
+    take function.apply. So do tensors leaked from a finished transform (dead functorch wrappers,
+    which the wrapper unwraps): brrr._C cannot read one, and its import fails before anything runs,
+    so they are looked for only when the direct call raised."""
+    if _C_FUNCTION_APPLY is None or _functorch_active is None or _functorch_wrapped is None:
+        return function.apply
+    direct, wrapped_apply = _C_FUNCTION_APPLY.__get__(None, function), function.apply
+
+    def apply(*args):
+        if _functorch_active():
+            return wrapped_apply(*args)
+        try:
+            return direct(*args)
+        except RuntimeError:
+            if any(isinstance(a, torch.Tensor) and _functorch_wrapped(a) for a in args):
+                return wrapped_apply(*args)
+            raise
+    return apply
+
+
+def lean_once_differentiable(backward):
+    """torch's once_differentiable, less its no_grad block where grad mode is already off: the
+    autograd engine runs a backward so unless create_graph=True, which gets torch's (a second
+    backward through brrr's kernels then raises)."""
+    checked = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            return checked(ctx, *grads)
+        return backward(ctx, *grads)
+    return wrapper
+
+
+# ---- torch.library operators ----------------------------------------------------------------------
+# What torch.library.custom_op builds, with a leaner autograd kernel. torch.compile's generated code
+# calls each op through the dispatcher, and custom_op's autograd layer costs a second trip from the
+# dispatcher into Python (the redispatch below autograd) on every call, also when nothing records
+# a gradient: measured on this project's CPU machine with no gradient, about 29 us per call above
+# the kernel's own Python, against about 11 us for this module's one trip. That is host time a
+# compiled model pays per brrr op, and on the H200's host a 2-layer model's compiled training step
+# of 4096 tokens is host-bound. The public pieces (infer_schema, register_fake) are used as they are.
+#
+# The autograd kernel, registered at the Autograd key:
+# - when autograd records (grad mode on, a tensor argument requiring grad), it applies an
+#   autograd.Function whose forward runs the op below autograd and whose backward is the op's
+#   formula; for an op with no formula (the backward ops), a second backward raises;
+# - otherwise, when nothing between autograd and the CPU/CUDA kernel would see the call (no
+#   functionalization, fake tensors or Python dispatch modes, as in compiled code at run time), it
+#   calls the kernel directly; else it redispatches below autograd, as custom_op does.
+
+_LIB = torch.library.Library("brrr", "DEF")
+_BELOW_AUTOGRAD = torch._C._after_autograd_keyset - torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+_BACKENDS = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+
+
+def _requires_grad(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                return True
+        elif isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.requires_grad for t in a):
+            return True
+    return False
+
+
+def _flatten(args):
+    """autograd.Function tracks only tensor arguments: lists of tensors are spread out, with the
+    list lengths (None for any other argument) to rebuild them."""
+    flat, lengths = [], []
+    for a in args:
+        if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a):
+            flat.extend(a)
+            lengths.append(len(a))
+        else:
+            flat.append(a)
+            lengths.append(None)
+    return flat, lengths
+
+
+def _unflatten(flat, lengths):
+    args, i = [], 0
+    for n in lengths:
+        args.append(flat[i] if n is None else list(flat[i:i + n]))
+        i += 1 if n is None else n
+    return args
+
+
+def _no_formula(name):
+    def backward(ctx, *grads):
+        raise RuntimeError(f"brrr::{name} has no derivative: brrr's ops support one backward, not double backward")
+    return backward
+
+
+def define(name, impl, fake, backward=None, setup_context=None):
+    """Define brrr::name from impl's annotations (as custom_op does); returns its default overload.
+    backward(ctx, *grads) and setup_context(ctx, inputs, output) as torch.library.register_autograd
+    takes them; without them the op has no derivative."""
+    _LIB.define(name + torch.library.infer_schema(impl, mutates_args=()))
+    for key in ("CPU", "CUDA"):
+        _LIB.impl(name, impl, key)
+    torch.library.register_fake("brrr::" + name, fake, lib=_LIB)
+    op = getattr(torch.ops.brrr, name).default
+    returns_list = str(op._schema.returns[0].type) == "List[Tensor]"
+
+    def below_autograd(keyset, args):
+        below = keyset & _BELOW_AUTOGRAD
+        if below.highestPriorityTypeId() in _BACKENDS:
+            return impl(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(below, *args)
+
+    formula = backward or _no_formula(name)
+
+    def forward(ctx, *flat_and_meta):
+        *flat, lengths, keyset = flat_and_meta
+        args = _unflatten(flat, lengths)
+        output = below_autograd(keyset, args)
+        if setup_context is not None:
+            setup_context(ctx, args, output)
+        ctx.brrr_lengths = lengths
+        # A list would leave autograd's view: its tensors would not record this function.
+        return tuple(output) if isinstance(output, list) else output
+
+    def function_backward(ctx, *grads):
+        # As the formula sees the op's own arguments: one entry per argument, a list's any of its own.
+        needs, i = [], 0
+        for n in ctx.brrr_lengths:
+            needs.append(ctx.needs_input_grad[i] if n is None else any(ctx.needs_input_grad[i:i + n]))
+            i += 1 if n is None else n
+        ctx.needs_input_grad = tuple(needs)
+        grads_in = formula(ctx, *grads)
+        if not isinstance(grads_in, tuple):
+            grads_in = (grads_in,)
+        flat = []
+        for g, n in zip(grads_in, ctx.brrr_lengths):
+            if n is None:
+                flat.append(g if isinstance(g, torch.Tensor) else None)  # e.g. [] for an empty tensor list
+            else:
+                flat.extend(g if g is not None else [None] * n)
+        return (*flat, None, None)
+
+    function = type(f"brrr_{name}", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(function_backward)})
+
+    def autograd_kernel(keyset, *args):
+        if torch.is_grad_enabled() and _requires_grad(args):
+            flat, lengths = _flatten(args)
+            output = function.apply(*flat, lengths, keyset)
+            return list(output) if returns_list else output
+        return below_autograd(keyset, args)
+
+    _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    return op
+
+
+# ---- the factory ------------------------------------------------------------------------------------
+
+class TorchOp:
+    """One op's PyTorch paths, from its forward, fake and backward formula.
+
+    forward(*args) -> tensor or tuple: the op on torch tensors through brrr._C; the first `outputs`
+        results are the op's, the rest (non-differentiable) only what its backward needs.
+    fake(*args): the same results as empty tensors (shape, dtype, device and strides).
+    save(ctx, args, results): ctx.save_for_backward(...) and any attributes of ctx the formula reads.
+    backward(ctx, grads, run) -> one gradient (or None) per argument: grads holds one entry per
+        differentiable result (None where nothing flows); run(op, *args) runs a backward TorchOp.
+    grad_args: the positions of the arguments that may require grad (the entry checks only those).
+    Without backward the op has no derivative (the backward ops themselves).
+    """
+
+    def __init__(self, name, forward, fake, *, save=None, backward=None, outputs=1, grad_args=(0,)):
+        self.name, self.forward, self.outputs, self.grad_args = name, forward, outputs, grad_args
+        self._save, self._formula = save, backward
+        self.op = define(name, forward, fake, self._compiled_backward if backward else None,
+                         self._compiled_setup if backward else None)
+        self._apply = lean_apply(self._eager_function()) if backward else None
+
+    # torch.compile: the operator returns every result; the extra ones are marked non-differentiable.
+    def _compiled_setup(self, ctx, args, output):
+        results = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+        self._save(ctx, args, results)
+        ctx.mark_non_differentiable(*results[self.outputs:])
+        ctx.set_materialize_grads(False)
+
+    def _compiled_backward(self, ctx, *grads):
+        return self._formula(ctx, grads[:self.outputs], _run_compiled)
+
+    def _eager_function(self):
+        op = self
+
+        def forward(ctx, *args):
+            results = op.forward(*args)
+            results = results if isinstance(results, tuple) else (results,)
+            op._save(ctx, args, results)
+            ctx.set_materialize_grads(False)
+            return results[0] if op.outputs == 1 else results[:op.outputs]
+
+        @lean_once_differentiable
+        def backward(ctx, *grads):
+            return op._formula(ctx, grads, _run_eager)
+
+        return type(f"brrr_{self.name}_eager", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def __call__(self, *args):
+        """The op's results (the first `outputs`): the operator under torch.compile, the eager
+        Function when autograd records, else the forward."""
+        if torch.compiler.is_compiling():
+            results = self.op(*args)
+        elif self._apply is not None and torch.is_grad_enabled() and any(
+                args[i] is not None and args[i].requires_grad for i in self.grad_args):
+            return self._apply(*args)
+        else:
+            results = self.forward(*args)
+        if not isinstance(results, (tuple, list)):
+            return results
+        return results[0] if self.outputs == 1 else tuple(results[:self.outputs])
+
+
+def _run_eager(op, *args):
+    return op.forward(*args)
+
+
+def _run_compiled(op, *args):
+    return op.op(*args)

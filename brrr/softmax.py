@@ -1,0 +1,123 @@
+"""Softmax and log-softmax, as torch.nn.functional has them, forward and backward in one pass each:
+
+    y = brrr.softmax(x, dim=-1)                          # exp(x - max) / sum(exp(x - max))
+    y = brrr.log_softmax(x, dim=-1)                      # x - max - log(sum(exp(x - max)))
+    y = brrr.softmax(x, dim=-1, dtype=torch.float32)     # of a bfloat16 x: y in float32, one pass
+
+Math in float32 (float64 for float64), rounded once. dtype: as torch's, x is taken as that dtype
+first; a float32 result of a float16/bfloat16 x is written straight from x. The backward saves
+only y and rematerialises nothing else: grad_x = y * (grad_y - sum(grad_y * y)), or for
+log_softmax grad_x = grad_y - exp(y) * sum(grad_y), one read of y and grad_y and one write.
+Any dim (the kernels see it as the last dim of a view), any strides, rows of any length.
+"""
+
+from . import _C
+from ._frameworks import empty_like, torch_if_tensor, torch_integration
+
+
+def softmax(x, dim=-1, dtype=None):
+    """torch.nn.functional.softmax(x, dim, dtype=dtype) in one pass (see the module)."""
+    return _softmax(x, dim, dtype, False)
+
+
+def log_softmax(x, dim=-1, dtype=None):
+    """torch.nn.functional.log_softmax(x, dim, dtype=dtype) in one pass (see the module)."""
+    return _softmax(x, dim, dtype, True)
+
+
+def reference(x, dim=-1, dtype=None, log=False):
+    """The function, in PyTorch's own ops (the tests' float64 reference, the registry's fallback)."""
+    import torch
+
+    return (torch.log_softmax if log else torch.softmax)(x, dim, dtype=dtype)
+
+
+def _dim(ndim, dim):
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"argument dim: expected an int, got {type(dim).__name__}")
+    rank = max(ndim, 1)
+    if not -rank <= dim < rank:
+        raise IndexError(f"argument dim: {dim} is out of range for a tensor of {ndim} dims")
+    return dim % rank
+
+
+def _softmax(x, dim, dtype, log):
+    if torch_if_tensor(x) is not None:
+        return _torch().softmax(x, _dim(x.ndim, dim), dtype, log)
+    ndim = getattr(x, "ndim", None)
+    if ndim is None:
+        raise TypeError(f"argument x: expected a tensor or array, got {type(x).__name__}")
+    dim = _dim(ndim, dim)
+    if dtype is not None:
+        x = x.astype(dtype)
+    xp = x.__array_namespace__() if hasattr(x, "__array_namespace__") else None
+    moved = ndim > 1 and dim != ndim - 1
+    if moved:
+        x = xp.moveaxis(x, dim, -1)
+    out = None if type(x).__module__ == "numpy" else empty_like(x)  # brrr._C allocates NumPy outputs
+    y = _C.softmax_fwd(x, out, log=log)[0]
+    return xp.moveaxis(y, -1, dim) if moved else y
+
+
+# ---- PyTorch ---------------------------------------------------------------------------------------
+
+@torch_integration
+def _torch():
+    from types import SimpleNamespace
+    from typing import Optional
+
+    import torch
+
+    from ._op import EXCHANGE_API, TorchOp, stream
+
+    Tensor = torch.Tensor
+    halves = (torch.float16, torch.bfloat16)
+
+    def last(t, dim):
+        return t if dim == t.dim() - 1 or t.dim() == 0 else t.movedim(dim, -1)
+
+    def back(t, dim, like):
+        return t if dim == like.dim() - 1 or like.dim() == 0 else t.movedim(-1, dim)
+
+    def new(t, dtype):
+        """The output of a brrr._C call on t (dims already moved): None where brrr._C allocates."""
+        if dtype == t.dtype and EXCHANGE_API and t.is_contiguous():
+            return None
+        return torch.empty(t.shape, dtype=dtype, device=t.device)
+
+    def forward(x: Tensor, dim: int, dtype: Optional[torch.dtype], log: bool) -> Tensor:
+        xt, y_dtype = last(x, dim), x.dtype if dtype is None else dtype
+        if y_dtype != x.dtype and not (x.dtype in halves and y_dtype == torch.float32):
+            xt = xt.to(y_dtype)  # taken as dtype first, as torch does; the kernels fuse only the widening
+        y = _C.softmax_fwd(xt, new(xt, y_dtype), log=log, stream=stream(x))[0]
+        return back(y, dim, x)
+
+    def fake(x, dim, dtype, log):
+        xt = last(x, dim)
+        return back(xt.new_empty(xt.shape, dtype=x.dtype if dtype is None else dtype), dim, x)
+
+    def backward_forward(y: Tensor, grad_y: Tensor, dim: int, x_dtype: torch.dtype, log: bool) -> Tensor:
+        yt, gt = last(y, dim), last(grad_y, dim)
+        direct = x_dtype == y.dtype or (x_dtype in halves and y.dtype == torch.float32)
+        grad = _C.softmax_bwd(yt, gt, new(yt, x_dtype if direct else y.dtype), log=log, stream=stream(y))[0]
+        return back(grad if direct else grad.to(x_dtype), dim, y)
+
+    def backward_fake(y, grad_y, dim, x_dtype, log):
+        yt = last(y, dim)
+        return back(yt.new_empty(yt.shape, dtype=x_dtype), dim, y)
+
+    backward_op = TorchOp("softmax_backward", backward_forward, backward_fake)
+
+    def save(ctx, args, results):
+        x, ctx.dim, _, ctx.log = args
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(results[0])
+
+    def formula(ctx, grads, run):
+        (y,), (grad_y,) = ctx.saved_tensors, grads
+        if grad_y is None or not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        return run(backward_op, y, grad_y, ctx.dim, ctx.x_dtype, ctx.log), None, None, None
+
+    return SimpleNamespace(softmax=TorchOp("softmax", forward, fake, save=save, backward=formula),
+                           backward=backward_op)

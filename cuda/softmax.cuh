@@ -1,0 +1,282 @@
+// Softmax and log-softmax over the last dim, forward and backward: the launch (plain C, shared with
+// csrc/softmax.c) and, for nvcc, the kernels.
+//
+//   forward   y = exp(x - max) / sum(exp(x - max))      (log: y = x - max - log(sum(exp(x - max))))
+//   backward  grad_x = y * (grad_y - sum(grad_y * y))   (log: grad_x = grad_y - exp(y) * sum(grad_y))
+//
+// Rows are every dim but the last (coalesced by the glue into row_shape, each view with its row
+// strides); columns the last dim, at each view's column stride. Math in float32 (float64 for
+// float64); y may have a wider dtype than x (torch's dtype= argument: float32 for float16/bfloat16
+// x), and the backward's grad_y has y's, its grad_x x's.
+//
+// softmax_rows_kernel    one block of at most 512 threads per row, the row in registers (PACKS
+//                        16-byte packs per thread, see max_packs): one read and one write per
+//                        element. For contiguous rows of up to 32768 elements forward and 16384
+//                        backward (float64: half as many).
+// softmax_stream_kernel  one block per row, two passes: an online max and sum (forward) or the dot
+//                        product (backward), then the outputs, reading the row again (from L2
+//                        where it is still there). Any row length and column stride.
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define BRRR_SOFTMAX_MAX_DIMS 8
+
+enum { BRRR_SOFTMAX_IN0, BRRR_SOFTMAX_IN1, BRRR_SOFTMAX_OUT };
+
+typedef struct {
+    int32_t x_dtype;  /* brrr_dtype of x (forward input, backward output) */
+    int32_t y_dtype;  /* of y and grad_y */
+    int32_t log;      /* log_softmax */
+    int32_t backward;
+    int32_t row_ndim; /* >= 1 */
+    int64_t rows, cols;
+    int64_t row_shape[BRRR_SOFTMAX_MAX_DIMS];
+    /* forward: in0 = x, out = y; backward: in0 = y, in1 = grad_y, out = grad_x */
+    const void *in[2];
+    void *out;
+    int64_t row_strides[3][BRRR_SOFTMAX_MAX_DIMS]; /* in0, in1, out, in elements */
+    int64_t col_stride[3];
+} brrr_softmax_launch;
+
+int brrr_cuda_softmax(const brrr_softmax_launch *launch, int device, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#ifdef __CUDACC__
+#include "common.cuh"
+
+namespace brrr {
+namespace softmax {
+
+__device__ __forceinline__ int64_t row_off(const brrr_softmax_launch &L, int k, int64_t r) {
+    if (L.row_ndim == 1) return r * L.row_strides[k][0];
+    int64_t off = 0;
+#pragma unroll
+    for (int d = BRRR_SOFTMAX_MAX_DIMS - 1; d >= 0; --d) {
+        if (d >= L.row_ndim) continue;
+        off += (r % L.row_shape[d]) * L.row_strides[k][d];
+        r /= L.row_shape[d];
+    }
+    return off;
+}
+
+template <typename A> __device__ __forceinline__ A exp_(A v);
+template <> __device__ __forceinline__ float exp_(float v) { return expf(v); }
+template <> __device__ __forceinline__ double exp_(double v) { return exp(v); }
+template <typename A> __device__ __forceinline__ A log_(A v) { return log(v); }
+template <> __device__ __forceinline__ float log_(float v) { return logf(v); }
+
+// -inf would give exp(-inf - -inf) = NaN for rows of -inf: start from the lowest finite value.
+template <typename A> __device__ __forceinline__ A lowest() { return sizeof(A) == 8 ? A(-1.7976931348623157e308) : A(-3.402823466e38f); }
+
+// The block's reduction of v (sum, or max when kMax); every thread gets it. Holds barriers.
+template <bool kMax, typename A>
+__device__ __forceinline__ A block_reduce(A v, A *scratch) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) {
+        const A o = __shfl_xor_sync(0xffffffffu, v, m);
+        v = kMax ? fmax(v, o) : v + o;
+    }
+    const int warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    __syncthreads();  // scratch may still be read from the previous reduction
+    if ((threadIdx.x & 31) == 0) scratch[warp] = v;
+    __syncthreads();
+    v = scratch[0];
+    for (int w = 1; w < warps; ++w) v = kMax ? fmax(v, scratch[w]) : v + scratch[w];
+    return v;
+}
+
+// Online softmax state: running max m and sum of exp(v - m).
+template <typename A> struct Online { A m, s; };
+
+template <typename A>
+__device__ __forceinline__ void absorb(Online<A> &o, A v) {
+    if (v > o.m) {
+        o.s *= exp_(o.m - v);
+        o.m = v;
+    }
+    o.s += exp_(v - o.m);
+}
+
+template <typename A>
+__device__ __forceinline__ Online<A> merge(Online<A> a, Online<A> b) {
+    const A m = fmax(a.m, b.m);
+    return {m, a.s * exp_(a.m - m) + b.s * exp_(b.m - m)};
+}
+
+// Elements per 16-byte access of the wider of the two dtypes.
+template <typename TX, typename TY> constexpr int pack_elems() { return 16 / (sizeof(TX) > sizeof(TY) ? sizeof(TX) : sizeof(TY)); }
+
+// Packs per thread that the row kernel keeps in registers without spilling at 512 threads (128
+// registers each): 64 registers of values forward, twice 32 backward (y and grad_y). One such
+// block fills an SM's register file; its 16-byte loads, all issued before the first reduction,
+// keep enough bytes in flight.
+template <typename TX, typename TY, bool kBackward> constexpr int max_packs() {
+    constexpr int n = 64 / (kBackward ? 2 : 1) / (int)(sizeof(typename Compute<TX>::type) / 4) / pack_elems<TX, TY>();
+    return sizeof(TX) == 8 && n > 4 ? 4 : n;  // float64's address arithmetic spills beyond
+}
+
+// The row held in registers. Forward reads TX and writes TY; backward reads TY twice and writes TX.
+template <typename TX, typename TY, bool kBackward, int PACKS>
+__global__ void __launch_bounds__(512) softmax_rows_kernel(const brrr_softmax_launch L) {
+    using A = typename Compute<TX>::type;
+    constexpr int P = pack_elems<TX, TY>();
+    __shared__ A scratch[32];
+    const int64_t r = blockIdx.x, packs = L.cols / P;
+    A a[PACKS * P];
+    bool have[PACKS];
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) have[k] = threadIdx.x + (int64_t)k * blockDim.x < packs;
+    if (!kBackward) {
+        const TX *x = static_cast<const TX *>(L.in[0]) + row_off(L, 0, r);
+        A m = lowest<A>();
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (have[k]) load_pack<TX, P>(x + (threadIdx.x + (int64_t)k * blockDim.x) * P, a + k * P);
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                if (!have[k]) a[k * P + j] = lowest<A>();
+                m = fmax(m, a[k * P + j]);
+            }
+        }
+        m = block_reduce<true>(m, scratch);
+        A s = A(0);
+#pragma unroll
+        for (int j = 0; j < PACKS * P; ++j) s += exp_(a[j] - m);  // 0 for the padding
+        s = block_reduce<false>(s, scratch);
+        const A shift = m + log_(s), inv = A(1) / s;
+        TY *y = static_cast<TY *>(L.out) + row_off(L, 2, r);
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (!have[k]) continue;
+            A v[P];
+#pragma unroll
+            for (int j = 0; j < P; ++j) v[j] = L.log ? a[k * P + j] - shift : exp_(a[k * P + j] - m) * inv;
+            store_pack<TY, P>(y + (threadIdx.x + (int64_t)k * blockDim.x) * P, v);
+        }
+        return;
+    }
+    const TY *y = static_cast<const TY *>(L.in[0]) + row_off(L, 0, r);
+    const TY *gy = static_cast<const TY *>(L.in[1]) + row_off(L, 1, r);
+    A b[PACKS * P];
+    A dot = A(0);
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) {
+        if (!have[k]) continue;
+        const int64_t pk = threadIdx.x + (int64_t)k * blockDim.x;
+        load_pack<TY, P>(y + pk * P, a + k * P);
+        load_pack<TY, P>(gy + pk * P, b + k * P);
+#pragma unroll
+        for (int j = 0; j < P; ++j) dot += L.log ? b[k * P + j] : b[k * P + j] * a[k * P + j];
+    }
+    dot = block_reduce<false>(dot, scratch);
+    TX *gx = static_cast<TX *>(L.out) + row_off(L, 2, r);
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) {
+        if (!have[k]) continue;
+        A v[P];
+#pragma unroll
+        for (int j = 0; j < P; ++j)
+            v[j] = L.log ? b[k * P + j] - exp_(a[k * P + j]) * dot : a[k * P + j] * (b[k * P + j] - dot);
+        store_pack<TX, P>(gx + (threadIdx.x + (int64_t)k * blockDim.x) * P, v);
+    }
+}
+
+// Two passes over any row: element by element at each view's column stride.
+template <typename TX, typename TY>
+__global__ void __launch_bounds__(1024) softmax_stream_kernel(const brrr_softmax_launch L) {
+    using A = typename Compute<TX>::type;
+    __shared__ A scratch[32];
+    const int64_t r = blockIdx.x, n = L.cols;
+    if (!L.backward) {
+        const TX *x = static_cast<const TX *>(L.in[0]) + row_off(L, 0, r);
+        const int64_t cx = L.col_stride[0], cy = L.col_stride[2];
+        Online<A> o = {lowest<A>(), A(0)};
+        for (int64_t c = threadIdx.x; c < n; c += blockDim.x) absorb(o, (A)to_float(x[c * cx]));
+        const A m = block_reduce<true>(o.m, scratch);
+        const A s = block_reduce<false>(o.s * exp_(o.m - m), scratch);
+        const A shift = m + log_(s), inv = A(1) / s;
+        TY *y = static_cast<TY *>(L.out) + row_off(L, 2, r);
+        for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+            const A v = to_float(x[c * cx]);
+            y[c * cy] = to_storage<TY, A>(L.log ? v - shift : exp_(v - m) * inv);
+        }
+        return;
+    }
+    const TY *y = static_cast<const TY *>(L.in[0]) + row_off(L, 0, r);
+    const TY *gy = static_cast<const TY *>(L.in[1]) + row_off(L, 1, r);
+    const int64_t cy = L.col_stride[0], cg = L.col_stride[1], cx = L.col_stride[2];
+    A dot = A(0);
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+        const A g = to_float(gy[c * cg]);
+        dot += L.log ? g : g * (A)to_float(y[c * cy]);
+    }
+    dot = block_reduce<false>(dot, scratch);
+    TX *gx = static_cast<TX *>(L.out) + row_off(L, 2, r);
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+        const A v = to_float(y[c * cy]), g = to_float(gy[c * cg]);
+        gx[c * cx] = to_storage<TX, A>(L.log ? g - exp_(v) * dot : v * (g - dot));
+    }
+}
+
+// Is every view of the launch contiguous along its columns, its rows 16-byte aligned for packs of P?
+template <typename TX, typename TY>
+inline bool packable(const brrr_softmax_launch &L) {
+    constexpr int P = pack_elems<TX, TY>();
+    if (L.cols % P != 0) return false;
+    const int n = L.backward ? 3 : 2;
+    const size_t sizes[3] = {L.backward ? sizeof(TY) : sizeof(TX), sizeof(TY), L.backward ? sizeof(TX) : sizeof(TY)};
+    for (int i = 0; i < n; ++i) {
+        const int k = i == n - 1 ? 2 : i;
+        const void *p = k == 2 ? L.out : L.in[k];
+        if (L.col_stride[k] != 1 || reinterpret_cast<uintptr_t>(p) % (P * sizes[k]) != 0) return false;
+        for (int d = 0; d < L.row_ndim; ++d)
+            if ((L.row_strides[k][d] * (int64_t)sizes[k]) % (int64_t)(P * sizes[k]) != 0) return false;
+    }
+    return true;
+}
+
+template <typename TX, typename TY, bool kBackward, int PACKS>
+void launch_rows(const brrr_softmax_launch &L, int threads, cudaStream_t stream) {
+    if constexpr (PACKS <= max_packs<TX, TY, kBackward>())
+        softmax_rows_kernel<TX, TY, kBackward, PACKS><<<L.rows, threads, 0, stream>>>(L);
+}
+
+template <typename TX, typename TY, bool kBackward>
+cudaError_t launch_typed(const brrr_softmax_launch &L, cudaStream_t stream) {
+    constexpr int P = pack_elems<TX, TY>(), kMax = max_packs<TX, TY, kBackward>();
+    const int64_t packs = L.cols / P;
+    if (packable<TX, TY>(L) && packs <= 512 * kMax) {
+        // The fewest packs per thread that keep the block at most 512 threads.
+        int per = 1;
+        while (per < kMax && packs > 512 * per) per *= 2;
+        const int threads = (int)((packs + per - 1) / per + 31) / 32 * 32;
+        switch (per) {
+        case 1: launch_rows<TX, TY, kBackward, 1>(L, threads, stream); break;
+        case 2: launch_rows<TX, TY, kBackward, 2>(L, threads, stream); break;
+        case 4: launch_rows<TX, TY, kBackward, 4>(L, threads, stream); break;
+        case 8: launch_rows<TX, TY, kBackward, 8>(L, threads, stream); break;
+        default: launch_rows<TX, TY, kBackward, 16>(L, threads, stream); break;
+        }
+    } else {
+        const int threads = L.cols >= 1024 * 4 ? 1024 : L.cols >= 256 * 4 ? 256 : 128;
+        softmax_stream_kernel<TX, TY><<<L.rows, threads, 0, stream>>>(L);
+    }
+    return cudaGetLastError();
+}
+
+template <typename TX, typename TY>
+cudaError_t launch(const brrr_softmax_launch &L, cudaStream_t stream) {
+    return L.backward ? launch_typed<TX, TY, true>(L, stream) : launch_typed<TX, TY, false>(L, stream);
+}
+
+}  // namespace softmax
+}  // namespace brrr
+#endif

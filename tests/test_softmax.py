@@ -1,0 +1,207 @@
+"""brrr.softmax and brrr.log_softmax: outputs and gradients against float64 PyTorch on fresh random
+inputs (every dim, odd row lengths, rows that take the register kernel and the streaming one on
+CUDA, strided views, dtype=), rows with -inf, NumPy, the C op's argument checks, opcheck,
+torch.compile, the registry, brrr.nn and torch.nn.functional routing."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import brrr
+from brrr import _C
+from helpers import DEVICES, DTYPES, TOLERANCE, assert_close, poisoned_like, random
+
+FUNCTIONS = {False: brrr.softmax, True: brrr.log_softmax}
+
+
+def reference(x, dim, dtype, log):
+    """float64 PyTorch on the CPU of x taken as dtype first (as torch does)."""
+    x = x.detach().cpu()
+    if dtype is not None:
+        x = x.to(dtype)
+    leaf = x.double().requires_grad_()
+    return leaf, (torch.log_softmax if log else torch.softmax)(leaf, dim)
+
+
+def check_op(x, dim, log, dtype=None, grad_scale=4.0):
+    leaf = x.clone().requires_grad_()
+    y = FUNCTIONS[log](leaf, dim, dtype=dtype)
+    out_dtype = x.dtype if dtype is None else dtype
+    assert y.dtype == out_dtype and y.shape == x.shape and y.device == x.device
+    ref_leaf, ref = reference(x, dim, dtype, log)
+    assert_close(y, ref, out_dtype, scale=4)
+    g = random(x.shape, out_dtype, x.device)
+    y.backward(g)
+    ref.backward(g.double().cpu())
+    assert leaf.grad.dtype == x.dtype
+    # The gradient's largest terms are O(|g|), with cancellation in the row sums.
+    assert_close(leaf.grad, ref_leaf.grad, x.dtype if dtype is None else max(dtype, x.dtype, key=_coarseness),
+                 scale=grad_scale * (x.shape[dim] if x.dim() else 1) ** 0.5)
+    with torch.no_grad():
+        assert torch.equal(FUNCTIONS[log](x, dim, dtype=dtype), y.detach())
+
+
+def _coarseness(dtype):
+    return TOLERANCE[dtype]["rtol"]
+
+
+SHAPES = [(3, 5), (4, 1), (2, 3, 4097), (1, 7), (6, 1024), (2, 8192), (5,), ()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("log", [False, True])
+def test_matches_reference(device, dtype, shape, log):
+    x = random(shape, dtype, device, -4, 4)
+    check_op(x, -1, log)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [0, 1, 2, -2])
+@pytest.mark.parametrize("log", [False, True])
+def test_every_dim(device, dim, log):
+    check_op(random((4, 6, 33), torch.float32, device), dim, log)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("log", [False, True])
+def test_dtype_float32_of_half_input(device, dtype, log):
+    """dtype=float32 of a half x: a float32 result, as torch gives, and a half gradient."""
+    check_op(random((7, 1000), dtype, device), -1, log, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("log", [False, True])
+def test_dtype_narrowing_and_widening(device, log):
+    check_op(random((5, 64), torch.float32, device), -1, log, dtype=torch.float16)
+    check_op(random((5, 64), torch.float32, device), 0, log, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("log", [False, True])
+def test_strided_views(device, log):
+    base = random((6, 40, 3), torch.float32, device)
+    check_op(base[:, ::2, 1], -1, log)        # column stride 3 * 2, row stride 120
+    check_op(base.transpose(0, 1)[:, :, 0], 0, log)
+    check_op(base[1:5, 3:35:4], 1, log)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cols", [1, 3, 255, 256, 257, 4095, 4096, 4097, 16384, 16385, 32768, 40000])
+def test_row_lengths_around_the_kernel_switches(device, dtype, cols):
+    """Register kernel up to 32768 (forward) and 16384 (backward) contiguous columns that fill
+    16-byte packs; the streaming kernel for the rest."""
+    check_op(random((3, cols), dtype, device, -6, 6), -1, False, grad_scale=8.0)
+    check_op(random((2, cols), dtype, device, -6, 6), -1, True, grad_scale=8.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_minus_inf_and_all_minus_inf_rows(device):
+    x = random((3, 9), torch.float32, device)
+    x[0, 2] = float("-inf")
+    x[1] = float("-inf")  # torch: NaN everywhere in that row
+    for log in (False, True):
+        y = FUNCTIONS[log](x, -1)
+        ref = (torch.log_softmax if log else torch.softmax)(x.double().cpu(), -1)
+        assert torch.equal(torch.isnan(y.cpu()), torch.isnan(ref)) and torch.equal(torch.isinf(y.cpu()), torch.isinf(ref))
+        finite = torch.isfinite(ref)
+        torch.testing.assert_close(y.cpu().double()[finite], ref[finite], rtol=1e-5, atol=1e-6)
+
+
+def test_numpy():
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        x = rng.standard_normal((4, 7, 5)).astype(dtype)
+        for dim in (0, 1, -1):
+            for log in (False, True):
+                y = FUNCTIONS[log](x, dim)
+                assert type(y) is np.ndarray and y.dtype == dtype
+                ref = reference(torch.from_numpy(x), dim, None, log)[1].detach().numpy()
+                np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+    y = brrr.softmax(rng.standard_normal((3, 4)).astype(np.float32), dtype=np.float64)
+    assert y.dtype == np.float64
+
+
+def test_c_op_writes_every_element_in_place_and_checks_its_arguments():
+    x = random((5, 12), torch.float32, "cpu")
+    out = poisoned_like(x)
+    assert _C.softmax_fwd(x, out, log=False)[0] is out
+    assert_close(out, torch.softmax(x.double(), -1))
+    y = x.clone()
+    _C.softmax_fwd(y, y, log=True)  # in place: each row is read before it is written
+    assert_close(y, torch.log_softmax(x.double(), -1))
+    g = random((5, 12), torch.float32, "cpu")
+    grad = poisoned_like(x)
+    _C.softmax_bwd(out, g, grad, log=False)
+    leaf = x.double().requires_grad_()
+    torch.softmax(leaf, -1).backward(g.double())
+    assert_close(grad, leaf.grad, scale=4)
+    wide = torch.empty(5, 12)
+    _C.softmax_fwd(x.bfloat16(), wide, log=False)
+    with pytest.raises(TypeError, match="argument out: dtype float16 does not go with x of dtype float32"):
+        _C.softmax_fwd(x, torch.empty(5, 12, dtype=torch.float16), log=False)
+    with pytest.raises(TypeError, match="argument grad_x: dtype float64 does not go with y of dtype float32"):
+        _C.softmax_bwd(out, g, torch.empty(5, 12, dtype=torch.float64), log=False)
+    with pytest.raises(ValueError, match="argument grad_y has shape"):
+        _C.softmax_bwd(out, g[:4], log=False)
+    with pytest.raises(ValueError, match="argument out overlaps input x"):
+        _C.softmax_fwd(x[:4], x.as_strided((4, 12), (12, 1), 1), log=False)
+    with pytest.raises(TypeError, match="argument log: expected a bool"):
+        _C.softmax_fwd(x, log=1)
+    with pytest.raises(TypeError, match="missing argument 'log'"):
+        _C.softmax_fwd(x)
+
+
+def test_public_argument_errors():
+    x = torch.randn(3, 4)
+    with pytest.raises(IndexError, match="argument dim: 2 is out of range"):
+        brrr.softmax(x, 2)
+    with pytest.raises(TypeError, match="argument dim: expected an int"):
+        brrr.softmax(x, 1.0)
+    with pytest.raises(TypeError, match="argument x: expected a tensor or array"):
+        brrr.log_softmax([1.0, 2.0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_and_compile(device):
+    for args in [(random((3, 10), torch.float32, device).requires_grad_(), 1, None, False),
+                 (random((4, 3, 5), torch.bfloat16, device).requires_grad_(), 0, torch.float32, True)]:
+        torch.library.opcheck(torch.ops.brrr.softmax.default, args)
+    x = random((4, 33), torch.float32, device).requires_grad_()
+    compiled = torch.compile(lambda t: brrr.log_softmax(t, -1).exp().sum(), fullgraph=True, backend="aot_eager")
+    compiled(x).backward()
+    leaf = x.detach().clone().requires_grad_()
+    torch.log_softmax(leaf, -1).exp().sum().backward()
+    torch.testing.assert_close(x.grad, leaf.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_double_backward_is_refused():
+    x = torch.randn(3, 5, requires_grad=True)
+    (g,) = torch.autograd.grad(brrr.softmax(x, -1).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()
+
+
+def test_registry_nn_and_functional_routing():
+    x = torch.randn(4, 9, requires_grad=True)
+    for name, module, fn in [("softmax", brrr.nn.Softmax(dim=1), F.softmax),
+                             ("log_softmax", brrr.nn.LogSoftmax(dim=1), F.log_softmax)]:
+        calls = []
+        brrr.registry.override(name, lambda *args, **kwargs: calls.append(args) or fn(*args, **kwargs))
+        try:
+            expected = fn(x, 1)
+            torch.testing.assert_close(module(x), expected)
+            with brrr.use_fused():
+                torch.testing.assert_close(F.softmax(x, 1) if name == "softmax" else F.log_softmax(x, 1), expected)
+            assert len(calls) == 2
+        finally:
+            brrr.registry.reset(name)
+        torch.testing.assert_close(brrr.registry(name, x, 1), expected)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 9), torch.nn.Softmax(dim=-1))
+    report = brrr.patch(model)
+    assert isinstance(model[1], brrr.nn.Softmax), report
+    assert brrr.registry("softmax", x, None) is not None  # the legacy implicit dim: PyTorch's
