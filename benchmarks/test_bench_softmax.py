@@ -66,7 +66,13 @@ def test_softmax(recorder, log, dtype, cols):
             return torch.autograd.grad(fn(x), x, dy)
 
         with torch.no_grad():
-            _agree(fn(x), expected, dtype, f"{impl} forward")
+            try:
+                got = fn(x)
+            except RuntimeError as e:  # Liger-Kernel's softmax takes rows of at most 65536
+                recorder.add(family="softmax", op="log_softmax" if log else "softmax", dtype=str(dtype),
+                             shape=[ROWS, cols], impl=impl, unsupported=str(e)[:200])
+                continue
+            _agree(got, expected, dtype, f"{impl} forward")
             fwd_ms = time_ms(lambda: fn(x), max_time_s=MAX_TIME_S)
             fwd_kernels = kernel_ms(lambda: fn(x)) if on_gpu() else None
         _agree(step()[0], expected_grad, dtype, f"{impl} gradient")

@@ -15,7 +15,8 @@
 //                        backward (float64: half as many).
 // softmax_stream_kernel  one block per row, two passes: an online max and sum (forward) or the dot
 //                        product (backward), then the outputs, reading the row again (from L2
-//                        where it is still there). Any row length and column stride.
+//                        where it is still there); 16-byte packs where the views allow, else
+//                        element by element at any column stride. Any row length.
 #pragma once
 
 #include <stdint.h>
@@ -189,24 +190,45 @@ __global__ void __launch_bounds__(512) softmax_rows_kernel(const brrr_softmax_la
     }
 }
 
-// Two passes over any row: element by element at each view's column stride.
-template <typename TX, typename TY>
+// Element c of a view with column stride cs, in packs of P (P > 1: contiguous and aligned) or one
+// by one.
+template <typename T, int P, typename A>
+__device__ __forceinline__ void load_at(const T *p, int64_t c, int64_t cs, A *v) {
+    if constexpr (P > 1) load_pack<T, P>(p + c, v);
+    else v[0] = to_float(p[c * cs]);
+}
+template <typename T, int P, typename A>
+__device__ __forceinline__ void store_at(T *p, int64_t c, int64_t cs, const A *v) {
+    if constexpr (P > 1) store_pack<T, P>(p + c, v);
+    else p[c * cs] = to_storage<T, A>(v[0]);
+}
+
+// Two passes over any row, P elements at a time (P = 1: any column stride).
+template <typename TX, typename TY, int P>
 __global__ void __launch_bounds__(1024) softmax_stream_kernel(const brrr_softmax_launch L) {
     using A = typename Compute<TX>::type;
     __shared__ A scratch[32];
-    const int64_t r = blockIdx.x, n = L.cols;
+    const int64_t r = blockIdx.x, n = L.cols, step = (int64_t)blockDim.x * P;
     if (!L.backward) {
         const TX *x = static_cast<const TX *>(L.in[0]) + row_off(L, 0, r);
         const int64_t cx = L.col_stride[0], cy = L.col_stride[2];
         Online<A> o = {lowest<A>(), A(0)};
-        for (int64_t c = threadIdx.x; c < n; c += blockDim.x) absorb(o, (A)to_float(x[c * cx]));
+        for (int64_t c = threadIdx.x * P; c < n; c += step) {
+            A v[P];
+            load_at<TX, P>(x, c, cx, v);
+#pragma unroll
+            for (int j = 0; j < P; ++j) absorb(o, v[j]);
+        }
         const A m = block_reduce<true>(o.m, scratch);
         const A s = block_reduce<false>(o.s * exp_(o.m - m), scratch);
         const A shift = m + log_(s), inv = A(1) / s;
         TY *y = static_cast<TY *>(L.out) + row_off(L, 2, r);
-        for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-            const A v = to_float(x[c * cx]);
-            y[c * cy] = to_storage<TY, A>(L.log ? v - shift : exp_(v - m) * inv);
+        for (int64_t c = threadIdx.x * P; c < n; c += step) {
+            A v[P];
+            load_at<TX, P>(x, c, cx, v);
+#pragma unroll
+            for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_(v[j] - m) * inv;
+            store_at<TY, P>(y, c, cy, v);
         }
         return;
     }
@@ -214,15 +236,22 @@ __global__ void __launch_bounds__(1024) softmax_stream_kernel(const brrr_softmax
     const TY *gy = static_cast<const TY *>(L.in[1]) + row_off(L, 1, r);
     const int64_t cy = L.col_stride[0], cg = L.col_stride[1], cx = L.col_stride[2];
     A dot = A(0);
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-        const A g = to_float(gy[c * cg]);
-        dot += L.log ? g : g * (A)to_float(y[c * cy]);
+    for (int64_t c = threadIdx.x * P; c < n; c += step) {
+        A v[P], g[P];
+        load_at<TY, P>(gy, c, cg, g);
+        if (!L.log) load_at<TY, P>(y, c, cy, v);
+#pragma unroll
+        for (int j = 0; j < P; ++j) dot += L.log ? g[j] : g[j] * v[j];
     }
     dot = block_reduce<false>(dot, scratch);
     TX *gx = static_cast<TX *>(L.out) + row_off(L, 2, r);
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-        const A v = to_float(y[c * cy]), g = to_float(gy[c * cg]);
-        gx[c * cx] = to_storage<TX, A>(L.log ? g - exp_(v) * dot : v * (g - dot));
+    for (int64_t c = threadIdx.x * P; c < n; c += step) {
+        A v[P], g[P];
+        load_at<TY, P>(y, c, cy, v);
+        load_at<TY, P>(gy, c, cg, g);
+#pragma unroll
+        for (int j = 0; j < P; ++j) v[j] = L.log ? g[j] - exp_(v[j]) * dot : v[j] * (g[j] - dot);
+        store_at<TX, P>(gx, c, cx, v);
     }
 }
 
@@ -267,7 +296,8 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, cudaStream_t stream) {
         }
     } else {
         const int threads = L.cols >= 1024 * 4 ? 1024 : L.cols >= 256 * 4 ? 256 : 128;
-        softmax_stream_kernel<TX, TY><<<L.rows, threads, 0, stream>>>(L);
+        if (packable<TX, TY>(L)) softmax_stream_kernel<TX, TY, P><<<L.rows, threads, 0, stream>>>(L);
+        else softmax_stream_kernel<TX, TY, 1><<<L.rows, threads, 0, stream>>>(L);
     }
     return cudaGetLastError();
 }
