@@ -283,9 +283,11 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, cudaStream_t stream) {
     constexpr int P = pack_elems<TX, TY>(), kMax = max_packs<TX, TY, kBackward>();
     const int64_t packs = L.cols / P;
     if (packable<TX, TY>(L) && packs <= 512 * kMax) {
-        // The fewest packs per thread that keep the block at most 512 threads.
-        int per = 1;
-        while (per < kMax && packs > 512 * per) per *= 2;
+        // As many packs per thread as keep 64 threads or more on the row: several 16-byte loads in
+        // flight per thread, and small blocks, so that several rows share an SM and one row's
+        // reductions overlap another's loads.
+        int per = kMax;
+        while (per > 1 && packs < 64 * per) per /= 2;
         const int threads = (int)((packs + per - 1) / per + 31) / 32 * 32;
         switch (per) {
         case 1: launch_rows<TX, TY, kBackward, 1>(L, threads, stream); break;
