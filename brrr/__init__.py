@@ -66,9 +66,9 @@ def __getattr__(name):
 
 
 if "torch" in sys.modules:
-    from . import _torch, _torch_dropout, _torch_norm, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
+    from . import _torch, _torch_dropout, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
 
-    for _family in ("rotary", "softmax"):
+    for _family in ("norm", "rotary", "softmax"):
         sys.modules[f"{__name__}.{_family}"]._torch()
 
 __all__ = [

@@ -224,11 +224,14 @@ class TorchOp:
     backward(ctx, grads, run) -> one gradient (or None) per argument: grads holds one entry per
         differentiable result (None where nothing flows); run(op, *args) runs a backward TorchOp.
     grad_args: the positions of the arguments that may require grad (the entry checks only those).
+    inference(*args): the op's results where nothing records a gradient, when that is cheaper than
+        the forward (no statistics for a backward); default: the forward.
     Without backward the op has no derivative (the backward ops themselves).
     """
 
-    def __init__(self, name, forward, fake, *, save=None, backward=None, outputs=1, grad_args=(0,)):
+    def __init__(self, name, forward, fake, *, save=None, backward=None, outputs=1, grad_args=(0,), inference=None):
         self.name, self.forward, self.outputs, self.grad_args = name, forward, outputs, grad_args
+        self.inference = inference
         self._save, self._formula = save, backward
         self.op = define(name, forward, fake, self._compiled_backward if backward else None,
                          self._compiled_setup if backward else None)
@@ -269,6 +272,8 @@ class TorchOp:
         elif self._apply is not None and torch.is_grad_enabled() and any(
                 args[i] is not None and args[i].requires_grad for i in self.grad_args):
             return self._apply(*args)
+        elif self.inference is not None:
+            return self.inference(*args)
         else:
             results = self.forward(*args)
         if not isinstance(results, (tuple, list)):

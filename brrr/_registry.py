@@ -40,12 +40,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import _C, _torch, _torch_norm
+from . import _C, _torch
 from .rotary import _torch as _rotary_family
 from .chain import _GELU, _GELU_TANH, _RELU, _SIGMOID, _SILU, _TANH
 from .dropout import bias_dropout_add
 from .glu import _gelu_name, bias_gelu, bias_silu
-from .norm import llama_order
+from .norm import _torch as _norm_family, llama_order
 from .softmax import _torch as _softmax_family
 from .xent import REDUCTIONS, cross_entropy
 
@@ -57,6 +57,7 @@ class UnsupportedError(TypeError):
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _CUDA = _C.cuda_available()  # asked once: torch.compile must not meet a C call in the dispatch
 _softmax_torch = _softmax_family()
+_norm_torch = _norm_family()
 _brrr_rotary, _brrr_rotary_qk = _rotary_family().rotary, _rotary_family().rotary_qk
 
 
@@ -151,11 +152,11 @@ def _geglu(gate, up=None, approximate="none"):
 
 
 def _rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
-    return _torch_norm.rms_norm(x, normalized_shape, weight, eps, llama_order(cast_order))
+    return _norm_torch.rms_norm(x, normalized_shape, weight, eps, llama_order(cast_order))
 
 
 def _add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
-    return _torch_norm.add_rms_norm(x, residual, normalized_shape, weight, eps, llama_order(cast_order))
+    return _norm_torch.add_rms_norm(x, residual, normalized_shape, weight, eps, llama_order(cast_order))
 
 
 _CLASS_INDICES = (torch.int64, torch.int32, torch.uint8)
@@ -411,9 +412,9 @@ for _name, _ref, _impl, _ok in [
     ("bias_dropout_add", _torch_bias_dropout_add, bias_dropout_add, _bias_dropout_add_ok),
     ("swiglu", _torch_glu(F.silu), _glu("silu"), _glu_ok),
     ("geglu", _torch_glu(F.gelu), _geglu, _glu_ok),
-    ("layer_norm", F.layer_norm, _torch_norm.layer_norm, _layer_norm_ok),
+    ("layer_norm", F.layer_norm, _norm_torch.layer_norm, _layer_norm_ok),
     ("rms_norm", _torch_rms_norm, _rms_norm, _rms_norm_ok),
-    ("add_layer_norm", _torch_add_layer_norm, _torch_norm.add_layer_norm, _add_norm_ok),
+    ("add_layer_norm", _torch_add_layer_norm, _norm_torch.add_layer_norm, _add_norm_ok),
     ("add_rms_norm", _torch_add_rms_norm, _add_rms_norm, _add_rms_norm_ok),
     ("cross_entropy", _torch_cross_entropy, cross_entropy, _cross_entropy_ok),
     ("rotary", _torch_rotary, _brrr_rotary, _rotary_ok),

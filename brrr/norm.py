@@ -19,7 +19,7 @@ result in x's dtype.
 """
 
 from . import _C
-from ._frameworks import empty_like, torch_if_tensor
+from ._frameworks import empty_like, torch_if_tensor, torch_integration
 
 CAST_ORDERS = ("torch", "llama")
 
@@ -62,9 +62,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """torch.nn.functional.layer_norm: (x - mean) / sqrt(var + eps) * weight + bias over the
     trailing dims `normalized_shape` (biased variance)."""
     if torch_if_tensor(x) is not None:
-        from . import _torch_norm
-
-        return _torch_norm.layer_norm(x, normalized_shape, weight, bias, eps)
+        return _torch().layer_norm(x, normalized_shape, weight, bias, eps)
     k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
     return _C.layer_norm_fwd(x, weight, bias, out=_out_like(x), norm_ndim=k, eps=float(eps))[0]
 
@@ -74,9 +72,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
     `normalized_shape`; eps=None: see default_rms_eps. cast_order: see the module."""
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
-        from . import _torch_norm
-
-        return _torch_norm.rms_norm(x, normalized_shape, weight, eps, llama)
+        return _torch().rms_norm(x, normalized_shape, weight, eps, llama)
     k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
     eps = default_rms_eps(x.dtype) if eps is None else float(eps)
     return _C.rms_norm_fwd(x, weight, out=_out_like(x), norm_ndim=k, eps=eps, llama=llama)[0]
@@ -86,9 +82,7 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
     """(layer_norm(h), h) with h = x + residual (rounded to x's dtype), in one pass: the pre-norm
     block's residual add and norm. Gradients flow into x and residual through both outputs."""
     if torch_if_tensor(x) is not None:
-        from . import _torch_norm
-
-        return _torch_norm.add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
+        return _torch().add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
     k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
     return _C.layer_norm_fwd(x, weight, bias, residual, _out_like(x), _out_like(x), norm_ndim=k, eps=float(eps))[:2]
 
@@ -97,9 +91,195 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_o
     """(rms_norm(h), h) with h = x + residual (rounded to x's dtype), in one pass."""
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
-        from . import _torch_norm
-
-        return _torch_norm.add_rms_norm(x, residual, normalized_shape, weight, eps, llama)
+        return _torch().add_rms_norm(x, residual, normalized_shape, weight, eps, llama)
     k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
     eps = default_rms_eps(x.dtype) if eps is None else float(eps)
     return _C.rms_norm_fwd(x, weight, residual, _out_like(x), _out_like(x), norm_ndim=k, eps=eps, llama=llama)[:2]
+
+
+# ---- PyTorch: the custom ops brrr::layer_norm, add_layer_norm, rms_norm, add_rms_norm and
+# norm_backward. The forward ops return, besides their results, what the backward needs per row
+# (mean relative to the row's first element, and rstd; float32, float64 for float64 x) as
+# non-differentiable outputs. norm_backward takes the saved normalised input (x, or the new
+# residual h of the fused forms) and returns [grad_x, grad_weight (if asked), grad_bias (if
+# asked)]; the fused forms' backward adds the gradient of h and hands the sum to x and residual.
+
+@torch_integration
+def _torch():
+    import math
+    from types import SimpleNamespace
+    from typing import Optional
+
+    import torch
+
+    from . import _op
+    from ._op import TorchOp, out_like, stream
+
+    Tensor = torch.Tensor
+
+    def stats(x, k):
+        """A per-row statistic: float32, float64 for float64 x."""
+        lead, dtype = x.shape[:x.dim() - k], torch.float64 if x.dtype == torch.float64 else torch.float32
+        return x.new_empty(lead, dtype=dtype)
+
+    def stat_args(x, k, n):
+        """The statistics arguments of a forward: True (brrr._C allocates and returns them: each
+        torch.empty is a few microseconds of Python), or new tensors where it cannot (no exchange
+        table: torch before 2.10)."""
+        return (True,) * n if _op.EXCHANGE_API else tuple(stats(x, k) for _ in range(n))
+
+    def layer_norm_fwd(x, normalized_shape, weight, bias, eps, residual):
+        """(out, h or None, mean, rstd): LayerNorm of x (of h = x + residual)."""
+        k = normalized_ndim(x.shape, normalized_shape)
+        h = None if residual is None else out_like(x)
+        return _C.layer_norm_fwd(x, weight, bias, residual, out_like(x), h, *stat_args(x, k, 2), norm_ndim=k, eps=eps,
+                                 stream=stream(x))
+
+    def rms_norm_fwd(x, normalized_shape, weight, eps, llama, residual):
+        """(out, h or None, rstd): RMSNorm of x (of h = x + residual)."""
+        k = normalized_ndim(x.shape, normalized_shape)
+        h = None if residual is None else out_like(x)
+        return _C.rms_norm_fwd(x, weight, residual, out_like(x), h, *stat_args(x, k, 1), norm_ndim=k, eps=eps,
+                               llama=llama, stream=stream(x))
+
+    def layer_norm(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
+                   eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        out, _, mean, rstd = layer_norm_fwd(x, normalized_shape, weight, bias, eps, None)
+        return out, mean, rstd
+
+    def add_layer_norm(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
+                       bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return layer_norm_fwd(x, normalized_shape, weight, bias, eps, residual)
+
+    def rms_norm(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float,
+                 llama: bool) -> tuple[Tensor, Tensor]:
+        out, _, rstd = rms_norm_fwd(x, normalized_shape, weight, eps, llama, None)
+        return out, rstd
+
+    def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float,
+                     llama: bool) -> tuple[Tensor, Tensor, Tensor]:
+        return rms_norm_fwd(x, normalized_shape, weight, eps, llama, residual)
+
+    # Without gradients: no statistics.
+    def layer_norm_inference(x, normalized_shape, weight, bias, eps):
+        return _C.layer_norm_fwd(x, weight, bias, out=out_like(x), norm_ndim=normalized_ndim(x.shape, normalized_shape),
+                                 eps=eps, stream=stream(x))[0]
+
+    def add_layer_norm_inference(x, residual, normalized_shape, weight, bias, eps):
+        return _C.layer_norm_fwd(x, weight, bias, residual, out_like(x), out_like(x),
+                                 norm_ndim=normalized_ndim(x.shape, normalized_shape), eps=eps, stream=stream(x))[:2]
+
+    def rms_norm_inference(x, normalized_shape, weight, eps, llama):
+        return _C.rms_norm_fwd(x, weight, out=out_like(x), norm_ndim=normalized_ndim(x.shape, normalized_shape),
+                               eps=eps, llama=llama, stream=stream(x))[0]
+
+    def add_rms_norm_inference(x, residual, normalized_shape, weight, eps, llama):
+        return _C.rms_norm_fwd(x, weight, residual, out_like(x), out_like(x),
+                               norm_ndim=normalized_ndim(x.shape, normalized_shape), eps=eps, llama=llama,
+                               stream=stream(x))[:2]
+
+    def fake(*outputs):
+        """A fake kernel: the forward's outputs from x ("x") and its statistics ("stat")."""
+        def fake_kernel(x, *args):
+            k = len(next(a for a in args if isinstance(a, (list, tuple))))
+            return tuple(torch.empty_like(x) if o == "x" else stats(x, k) for o in outputs)
+        return fake_kernel
+
+    # ---- backward
+    def partials(x, k, n_grads, dtype):
+        """The CUDA backward's scratch for n_grads weight/bias gradients, where brrr._C cannot allocate
+        it (no exchange table: torch before 2.10); None elsewhere."""
+        if _op.EXCHANGE_API or not n_grads or not x.is_cuda:
+            return None
+        cols = math.prod(x.shape[x.dim() - k:])
+        rows = x.numel() // cols if cols else 0
+        return torch.empty(n_grads * _C.norm_partial_rows(rows, cols) * cols, dtype=dtype, device=x.device)
+
+    def norm_backward(x: Tensor, grad_out: Tensor, grad_residual: Optional[Tensor], weight: Optional[Tensor],
+                      bias: Optional[Tensor], mean: Optional[Tensor], rstd: Tensor, norm_ndim: int, llama: bool,
+                      weight_grad: bool, bias_grad: bool) -> list[Tensor]:
+        """[grad of the normalised input, grad_weight (if asked), grad_bias (if asked)] in one launch;
+        mean None: RMSNorm. x: the normalised input the forward saved (h for the fused forms)."""
+        k = norm_ndim
+        # True: brrr._C allocates it (like weight, so a bias gradient only where there is a weight).
+        grad_weight = (True if _op.EXCHANGE_API else torch.empty_like(weight)) if weight_grad else None
+        grad_bias = (True if _op.EXCHANGE_API and weight is not None else torch.empty_like(bias)) if bias_grad else None
+        scratch = partials(x, k, weight_grad + bias_grad, rstd.dtype)
+        if mean is None:
+            grads = _C.rms_norm_bwd(x, grad_out, grad_residual, weight, rstd, out_like(x), grad_weight, scratch,
+                                    norm_ndim=k, llama=llama, stream=stream(x))
+        else:
+            grads = _C.layer_norm_bwd(x, grad_out, grad_residual, weight, mean, rstd, out_like(x), grad_weight,
+                                      grad_bias, scratch, norm_ndim=k, stream=stream(x))
+        return [g for g in grads if g is not None]
+
+    def norm_backward_fake(x, grad_out, grad_residual, weight, bias, mean, rstd, norm_ndim, llama, weight_grad,
+                           bias_grad):
+        return [torch.empty_like(x)] + [torch.empty_like(t) for t, need in ((weight, weight_grad), (bias, bias_grad))
+                                        if need]
+
+    backward_op = TorchOp("norm_backward", norm_backward, norm_backward_fake)
+
+    def save(fused, rms):
+        """Save the normalised input (x, or h), the parameters and the statistics."""
+        def save_for_backward(ctx, args, results):
+            normalized_shape = args[2 if fused else 1]
+            ctx.k, ctx.llama = len(normalized_shape), bool(rms and args[-1])
+            h = results[1] if fused else args[0]
+            stats_ = results[2 if fused else 1:]
+            weight = args[3 if fused else 2]
+            bias = None if rms else args[4 if fused else 3]
+            mean, rstd = (None, stats_[0]) if rms else stats_
+            ctx.save_for_backward(h, weight, bias, mean, rstd)
+        return save_for_backward
+
+    def formula(fused, rms):
+        weight_at = 3 if fused else 2
+
+        def backward(ctx, grads, run):
+            h, weight, bias, mean, rstd = ctx.saved_tensors
+            grad_out, grad_h = grads if fused else (grads[0], None)
+            need_weight = ctx.needs_input_grad[weight_at]
+            need_bias = not rms and ctx.needs_input_grad[weight_at + 1]
+            grad_weight = grad_bias = None
+            if grad_out is None:
+                grad_x = grad_h
+            else:
+                got = iter(run(backward_op, h, grad_out, grad_h, weight, bias, mean, rstd, ctx.k, ctx.llama,
+                               need_weight, need_bias))
+                grad_x = next(got)
+                grad_weight = next(got) if need_weight else None
+                grad_bias = next(got) if need_bias else None
+            head = (grad_x, grad_x) if fused else (grad_x,)
+            params = (grad_weight,) if rms else (grad_weight, grad_bias)
+            return (*head, None, *params, None) + ((None,) if rms else ())
+        return backward
+
+    ops = SimpleNamespace()
+    for name, forward, inference, outputs, fused, rms, grad_args in [
+        ("layer_norm", layer_norm, layer_norm_inference, ("x", "stat", "stat"), False, False, (0, 2, 3)),
+        ("add_layer_norm", add_layer_norm, add_layer_norm_inference, ("x", "x", "stat", "stat"), True, False,
+         (0, 1, 3, 4)),
+        ("rms_norm", rms_norm, rms_norm_inference, ("x", "stat"), False, True, (0, 2)),
+        ("add_rms_norm", add_rms_norm, add_rms_norm_inference, ("x", "x", "stat"), True, True, (0, 1, 3)),
+    ]:
+        setattr(ops, name, TorchOp(name, forward, fake(*outputs), save=save(fused, rms), backward=formula(fused, rms),
+                                   outputs=2 if fused else 1, grad_args=grad_args, inference=inference))
+
+    def shape_list(normalized_shape):
+        return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+
+    def rms_eps(x, eps):
+        return default_rms_eps(x.dtype) if eps is None else float(eps)
+
+    return SimpleNamespace(
+        layer_norm=lambda x, normalized_shape, weight=None, bias=None, eps=1e-5: ops.layer_norm(
+            x, shape_list(normalized_shape), weight, bias, float(eps)),
+        add_layer_norm=lambda x, residual, normalized_shape, weight=None, bias=None, eps=1e-5: ops.add_layer_norm(
+            x, residual, shape_list(normalized_shape), weight, bias, float(eps)),
+        rms_norm=lambda x, normalized_shape, weight=None, eps=None, llama=False: ops.rms_norm(
+            x, shape_list(normalized_shape), weight, rms_eps(x, eps), llama),
+        add_rms_norm=lambda x, residual, normalized_shape, weight=None, eps=None, llama=False: ops.add_rms_norm(
+            x, residual, shape_list(normalized_shape), weight, rms_eps(x, eps), llama),
+        backward=backward_op,
+    )

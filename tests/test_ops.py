@@ -12,7 +12,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import brrr
-import brrr._torch_norm  # noqa: F401  (defines the norm ops)
 from helpers import DEVICES, random
 
 ops = torch.ops.brrr
