@@ -31,6 +31,13 @@ def find_cuda_home():
     return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
 
 
+CORE_SOURCES = ("module.c", "op.c", "tensor.c")
+
+
+def op_families():
+    return sorted(f[:-2] for f in os.listdir(os.path.join(ROOT, "csrc")) if f.endswith(".c") and f not in CORE_SOURCES)
+
+
 def cuda_archs():
     archs = [a.strip() for a in os.environ.get("BRRR_CUDA_ARCHS", "80;90").replace(",", ";").split(";")]
     return [a for a in archs if a]
@@ -44,6 +51,8 @@ class BuildExt(build_ext):
         with open(os.path.join(self.build_temp, "brrr_build_config.h"), "w") as f:
             f.write(f'#define BRRR_BUILD_CUDA_ARCHS "{";".join(archs)}"\n')
             f.write(f"#define BRRR_WITH_CUDA {1 if cuda_home else 0}\n")
+            # Every csrc/<family>.c but the core defines brrr_<family>_ops: module.c adds them all.
+            f.write("#define BRRR_FAMILIES(X)" + "".join(f" X({name})" for name in op_families()) + "\n")
         for ext in self.extensions:
             ext.include_dirs.append(self.build_temp)
             if cuda_home:

@@ -10,11 +10,11 @@ PyObject *brrr_py_chain_program(PyObject *module, PyObject *steps);
 PyObject *brrr_py_chain_partial_rows(PyObject *module, PyObject *rows);
 PyObject *brrr_py_norm_partial_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
-extern const brrr_op_spec *const brrr_norm_ops[], *const brrr_rotary_ops[], *const brrr_xent_ops[],
-    *const brrr_dropout_ops[], *const brrr_chain_ops[],
-    *const brrr_softmax_ops[];
-static const brrr_op_spec *const *const FAMILIES[] = {brrr_norm_ops, brrr_rotary_ops, brrr_xent_ops, brrr_dropout_ops,
-                                                        brrr_chain_ops, brrr_softmax_ops};
+/* Every family's ops (BRRR_FAMILIES: written by setup.py from csrc's file names). */
+#define DECLARE_FAMILY(name) extern const brrr_op_spec *const brrr_##name##_ops[];
+BRRR_FAMILIES(DECLARE_FAMILY)
+#define FAMILY_ENTRY(name) brrr_##name##_ops,
+static const brrr_op_spec *const *const FAMILIES[] = {BRRR_FAMILIES(FAMILY_ENTRY)};
 
 brrr_state *brrr_get_state(PyObject *module) { return (brrr_state *)PyModule_GetState(module); }
 
