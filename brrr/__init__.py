@@ -49,7 +49,8 @@ def build_info() -> dict:
 # name in this package, which would hide the registry object and the patch function.
 _LAZY = {"registry": ("_registry", "registry"), "UnsupportedError": ("_registry", "UnsupportedError"),
          "nn": ("nn", None), "patch": ("_patch", "patch"), "unpatch": ("_patch", "unpatch"),
-         "use_fused": ("_patch", "use_fused"), "causal_lm_loss": ("_patch", "causal_lm_loss")}
+         "use_fused": ("_patch", "use_fused"), "causal_lm_loss": ("_patch", "causal_lm_loss"),
+         "graphs": ("graphs", None), "capture_step": ("graphs", "capture_step")}
 
 
 def __getattr__(name):
@@ -70,8 +71,10 @@ if "torch" in sys.modules:
 __all__ = [
     "Chain",
     "UnsupportedError",
+    "capture_step",
     "causal_lm_loss",
     "diagnose",
+    "graphs",
     "nn",
     "patch",
     "registry",
