@@ -11,6 +11,7 @@ verdict on an overhead-bound and a GPU-bound step.
 """
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -211,6 +212,29 @@ def test_diagnose_step_on_the_cpu_tells_overhead_from_compute():
     assert compute.ms > overhead.ms
     with pytest.raises(ValueError, match="not a StepDiagnosis record"):
         StepDiagnosis.from_dict(dict(compute.to_dict(), extra=1))
+
+
+# --- the benchmark's chart -------------------------------------------------------------------
+
+
+def test_plot_draws_step_time_against_tokens_and_leaves_those_rows_out_of_the_speedups(tmp_path):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import plot
+    finally:
+        sys.path.pop(0)
+    rows = [dict(family="graphs", op="llama", dtype="bfloat16", shape=[batch, 512], tokens=batch * 512,
+                 pass_="fwd+bwd", impl=impl, ms=max(fixed, batch * 0.4))
+            for batch in (1, 2, 4, 8, 16, 32, 64)
+            for impl, fixed in (("eager", 8.0), ("compile", 4.2), ("compile reduce-overhead", 2.2), ("brrr", 5.6),
+                                ("brrr captured", 1.1))]
+    rows.append(dict(family="graphs", op="llama", check="diagnose, brrr eager step", verdict="overhead-bound"))
+    (tmp_path / "graphs.json").write_text(json.dumps({"env": {}, "rows": rows}))
+    written, messages = plot.plot_results([str(tmp_path)], str(tmp_path / "plots"))
+    assert [os.path.basename(path) for path in written] == ["step-sweep.png"], messages
+    assert os.path.getsize(written[0]) > 1000
+    assert any("skip speedup plots" in m for m in messages)
 
 
 # --- CUDA: capture and replay of patched model families ------------------------------------
