@@ -8,11 +8,13 @@ through the DLPack exchange table's allocator (torch 2.10+, outputs like a conti
 """
 
 import functools
+import sys
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C
+from ._frameworks import torch_integration_loaded
 from ._ops import define
 
 # torch 2.10+ publishes DLPack's C exchange table, from which brrr._C reads tensors and the
@@ -278,3 +280,6 @@ def glu(activation, gate, up, out):
             return _glu_default(gate, up, activation)
         return _apply_glu(activation, gate, up)
     return _glu_forward(activation, gate, up, out)
+
+
+torch_integration_loaded(sys.modules[__name__])

@@ -162,6 +162,21 @@ def test_cpu_step_returns_every_output_of_the_loss_function():
     torch.testing.assert_close(model[0].weight.grad.double(), expected_grad, rtol=1e-5, atol=1e-6)
 
 
+def test_a_compiled_brrr_op_is_traced_once_in_a_fresh_process():
+    """brrr's dispatch cache (brrr/_frameworks.py) is set when its PyTorch integration loads, not
+    by the first call: set by a first call under torch.compile, it failed dynamo's guard on the
+    next call and the whole model compiled again (seen as a recompile of a patched Llama's
+    step under reduce-overhead on an H200)."""
+    code = ("import torch, brrr\n"
+            "graphs = []\n"
+            "f = torch.compile(lambda x, t: brrr.cross_entropy(x, t), fullgraph=True,\n"
+            "                  backend=lambda gm, example: graphs.append(gm) or gm.forward)\n"
+            "x, t = torch.randn(4, 10), torch.randint(0, 10, (4,))\n"
+            "f(x, t); f(x, t); brrr.cross_entropy(x, t); f(x, t)\n"
+            "assert len(graphs) == 1, len(graphs)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
 # --- diagnose(step, step=True) on the CPU ---------------------------------------------------
 
 
