@@ -127,6 +127,10 @@ def diagnose_step(fn, args, kwargs, step, flops, bytes, scale):  # noqa: A002 - 
         ms, steps = _steps_ms(call, device)
         host_ms = _host_ms(call, device)
         profile = _profile_step(call, device)
+        if device.type == "cuda" and not profile.launches:
+            notes.append("the profiler saw no GPU work in the step: it is judged as a CPU step")
+            device = torch.device("cpu")
+            profile = _profile_step(call, device)
         syncs = _syncs_per_step(torch, call, device) if device.type == "cuda" else None
         busy_fraction = min(1.0, profile.busy_us * 1e-3 / ms) if profile.busy_us is not None else None
         captured_ms = None
@@ -272,7 +276,7 @@ def _syncs_per_step(torch, call, device):
         finally:
             torch.cuda.set_sync_debug_mode(previous)
     _diagnose._sync(device)
-    return sum("synchronizing" in str(w.message) for w in caught)
+    return sum(str(w.message).startswith("called a synchronizing CUDA operation") for w in caught)
 
 
 def _captured_ms(torch, call, device, steps, notes):
@@ -306,13 +310,13 @@ def _judge(ms, host_ms, profile, busy_fraction, dispatch_share, matmul_share):
     duration, percent = _diagnose._duration, _diagnose._percent
     reasons = []
     if busy_fraction is not None:
-        waits = "it waits on the host the rest" if busy_fraction < _diagnose.GPU_BUSY_OVERHEAD else "the GPU is the bottleneck"
+        overhead = busy_fraction < _diagnose.GPU_BUSY_OVERHEAD
+        waits = "it waits on the host the rest" if overhead else "the GPU is the bottleneck"
         reasons.append(f"the GPU is busy {percent(busy_fraction)} of the step ({duration(profile.busy_us * 1e-3)} "
                        f"of {duration(ms)}): {waits}")
         if profile.launches:
             reasons.append(f"the host takes {duration(host_ms)} to issue the step's {profile.launches:g} launches "
                            f"({duration(host_ms / profile.launches)} each)")
-        overhead = busy_fraction < _diagnose.GPU_BUSY_OVERHEAD
     else:
         reasons.append(f"{profile.ops:g} op calls per step at the cost of a tiny autograd op are "
                        f"{percent(dispatch_share)} of the step")
@@ -364,7 +368,8 @@ def _format_report(d):
                                    f"{d.steps}, {d.timer})")]
     if d.gpu_busy_ms is not None:
         lines.append(line("host time per step", f"{duration(d.host_ms)}  (one call, the GPU drained first)"))
-        lines.append(line("GPU busy", f"{duration(d.gpu_busy_ms)} per step = {percent(d.gpu_busy_fraction)} of the step"))
+        lines.append(line("GPU busy", f"{duration(d.gpu_busy_ms)} per step = {percent(d.gpu_busy_fraction)} "
+                                      f"of the step"))
         lines.append(line("launches per step", f"{d.launches_per_step:g}  (kernels, copies and fills)"))
     lines.append(line("op calls per step", f"{d.ops_per_step:g}"
                       + (f"  ({percent(d.dispatch_share)} of the step at the cost of a tiny autograd op)"

@@ -261,7 +261,8 @@ def _checked_count(name, value, minimum):
 
 def _checked_generators(generators):
     if isinstance(generators, torch.Generator) or not hasattr(generators, "__iter__"):
-        raise TypeError(f"argument generators: expected an iterable of torch.Generator, got {type(generators).__name__}")
+        raise TypeError(f"argument generators: expected an iterable of torch.Generator, "
+                        f"got {type(generators).__name__}")
     checked = list(generators)
     for i, generator in enumerate(checked):
         if not isinstance(generator, torch.Generator):
