@@ -8,8 +8,9 @@ and a GPT-2 of the same width, at 2 x 512 tokens, where the step waits on the ho
 from 512 to 32768 tokens per step (batch 1 to 64 of 512): step time against tokens, where each
 regime begins (benchmarks/plot.py draws it: step-sweep.png). Every captured step's loss and
 gradients are checked against the eager step's at every size before it is timed. Each compile
-mode compiles once per model with the batch dimension dynamic (batch 1 compiles again: dynamo
-specialises size 1); its first step's time is recorded. brrr.diagnose(step, step=True) of the
+mode compiles the Llama once for the sweep with the batch dimension dynamic (batch 1 compiles again:
+dynamo specialises size 1; rows say dynamic_batch) and the GPT-2 once with static shapes; first
+steps are timed apart (first_step_s: compiling, or recording graphs). brrr.diagnose(step, step=True) of the
 patched eager step at 2 x 512 says which regime it finds and what the graph gains there.
 CPU, or BRRR_BENCH_QUICK=1: a tiny smoke run, without torch.compile (and on the CPU without the
 captured variants, which need CUDA).
@@ -125,15 +126,17 @@ def test_training_step_regimes(recorder, name, batches):
     base, patched = build(name)
     compiled = {mode: torch.compile(loss_fn_of(base), mode=mode) for mode in ("default", "reduce-overhead")} \
         if COMPILE else {}
+    dynamic_batch = len(batches) > 1  # one compile for the sweep; a single size compiles static
     for batch in batches:
         tokens = torch.randint(0, VOCAB, (batch, SEQ), device=DEVICE)
-        if batch > 1:
+        if dynamic_batch and batch > 1:
             torch._dynamo.mark_dynamic(tokens, 0)
         variants = {"eager": eager_step(base, tokens), "brrr": eager_step(patched, tokens)}
+        checks = {}
         for mode, compiled_loss in compiled.items():
             impl = "compile" if mode == "default" else "compile reduce-overhead"
             variants[impl] = compiled_step(base, compiled_loss, tokens, mode)
-        checks = {}
+            checks[impl] = dict(dynamic_batch=dynamic_batch and batch > 1)
         if CAPTURE:
             for impl, model in (("captured", base), ("brrr captured", patched)):
                 variants[impl], checks[impl] = captured_step(model, tokens, reference_of(model, tokens))
