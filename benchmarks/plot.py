@@ -12,6 +12,11 @@ repeat-sweep.png      FLOP/s and bandwidth against the repeat count of `x * c` r
                       memory-bound, then falling bandwidth and FLOP/s levelling off once compute-bound.
 host-overhead.png     host time per call against size (rows with host_us): the overhead regime, one
                       line per implementation (eager, compile, graph, brrr, ...).
+step-sweep.png        a training step's time against tokens per step (rows with tokens and ms, from
+                      test_bench_graphs.py), one line per variant (eager, compile, compile
+                      reduce-overhead, brrr, brrr captured, ...), a row of panels per model: the
+                      step time (flat while the host sets the pace) and the time per 1000 tokens
+                      (flat once the GPU does). These rows are left out of the speedup plots.
 
 Missing rows or peers skip that plot (or panel) with a message saying why.
 """
@@ -33,7 +38,8 @@ PLAIN_NUMBERS = FuncFormatter(lambda value, _: f"{value:g}")
 BRRR = "brrr"
 REPEAT_KEYS = ("repeats", "repeat")
 # Legend order for the implementations the suite knows; others follow alphabetically.
-IMPL_ORDER = ("eager", "eager cos", "compile", "graph", "brrr", "brrr cos", "brrr out=", "brrr graph")
+IMPL_ORDER = ("eager", "eager cos", "compile", "compile reduce-overhead", "graph", "captured", "liger", "brrr",
+              "brrr cos", "brrr out=", "brrr graph", "brrr captured")
 
 
 def load_results(paths):
@@ -131,7 +137,7 @@ def _grid(panels, width=5.0, height=3.6, columns=3):
 def plot_speedups(rows, out_dir, written, messages):
     """One PNG per family: a panel per (op, dtype, pass), bars of peer ms / brrr ms per size."""
     timing = [r for r in rows if _number(r.get("ms")) and "impl" in r and "op" in r
-              and "host_us" not in r and not _is_repeat_row(r)]
+              and "host_us" not in r and "tokens" not in r and not _is_repeat_row(r)]
     if not timing:
         messages.append("skip speedup plots: no timing rows (family, op, impl, ms)")
         return
@@ -241,6 +247,37 @@ def plot_host_overhead(rows, out_dir, written, messages):
     _save(fig, out_dir, "host-overhead.png", written)
 
 
+def plot_step_sweep(rows, out_dir, written, messages):
+    """Step ms and ms per 1000 tokens against tokens per step, log-log, a line per variant, a row
+    of two panels per model."""
+    sweep = [r for r in rows if _number(r.get("tokens")) and _number(r.get("ms")) and "impl" in r]
+    if not sweep:
+        messages.append("skip step-sweep.png: no training-step rows (tokens, ms)")
+        return
+    by_model = {}
+    for r in sweep:
+        by_model.setdefault(str(r.get("op", "")), []).append(r)
+    fig, axes = plt.subplots(len(by_model), 2, figsize=(12, 4.4 * len(by_model)), squeeze=False,
+                             layout="constrained")
+    for (model, group), (step_ax, token_ax) in zip(sorted(by_model.items()), axes):
+        for impl in sorted({r["impl"] for r in group}, key=_impl_key):
+            points = sorted((r["tokens"], r["ms"]) for r in group if r["impl"] == impl)
+            tokens = [p[0] for p in points]
+            style = "-" if impl.startswith(BRRR) else "--"
+            step_ax.plot(tokens, [p[1] for p in points], style, marker="o", label=impl)
+            token_ax.plot(tokens, [p[1] * 1000 / p[0] for p in points], style, marker="o", label=impl)
+        dtype = group[0].get("dtype", "")
+        for ax, what in ((step_ax, "ms per step"), (token_ax, "ms per 1000 tokens")):
+            _log_axes(ax)
+            ax.set_xlabel("tokens per step")
+            ax.set_ylabel(what)
+            ax.legend(fontsize="small")
+        step_ax.set_title(f"{model} {dtype}: training step (flat: the host sets the pace)")
+        token_ax.set_title(f"{model} {dtype}: time per token (flat: the GPU sets the pace)")
+    fig.suptitle("training step against tokens per step: overhead-bound where the step time is flat")
+    _save(fig, out_dir, "step-sweep.png", written)
+
+
 def _log_axes(ax, x_base=2):
     """Log-log axes whose y ticks read as plain numbers (4000, not 4 x 10^3); minor ticks are
     labelled only when the range spans too few decades to show major ones."""
@@ -265,6 +302,7 @@ def plot_results(paths, out_dir):
     plot_speedups(rows, out_dir, written, messages)
     plot_repeat_sweep(rows, envs, out_dir, written, messages)
     plot_host_overhead(rows, out_dir, written, messages)
+    plot_step_sweep(rows, out_dir, written, messages)
     return written, messages
 
 

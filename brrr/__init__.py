@@ -50,7 +50,8 @@ def build_info() -> dict:
 # name in this package, which would hide the registry object and the patch function.
 _LAZY = {"registry": ("_registry", "registry"), "UnsupportedError": ("_registry", "UnsupportedError"),
          "nn": ("nn", None), "patch": ("_patch", "patch"), "unpatch": ("_patch", "unpatch"),
-         "use_fused": ("_patch", "use_fused"), "causal_lm_loss": ("_patch", "causal_lm_loss")}
+         "use_fused": ("_patch", "use_fused"), "causal_lm_loss": ("_patch", "causal_lm_loss"),
+         "graphs": ("graphs", None), "capture_step": ("graphs", "capture_step")}
 
 
 def __getattr__(name):
@@ -68,14 +69,13 @@ def __getattr__(name):
 if "torch" in sys.modules:
     from . import _torch, _torch_dropout, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
 
-    for _family in ("norm", "rotary", "softmax"):
-        sys.modules[f"{__name__}.{_family}"]._torch()
-
 __all__ = [
     "Chain",
     "UnsupportedError",
+    "capture_step",
     "causal_lm_loss",
     "diagnose",
+    "graphs",
     "nn",
     "patch",
     "registry",

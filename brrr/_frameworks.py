@@ -2,26 +2,33 @@
 
 import sys
 
-_torch_tensor = None  # torch.Tensor once torch has been imported by someone
-_torch_ops = None  # brrr._torch once a torch tensor has been seen
+_torch_tensor = None  # torch.Tensor and brrr._torch (PyTorch integration), set by brrr._torch as
+_torch_ops = None  # it loads (torch_integration_loaded)
 
 
 def torch_ops_if_tensor(x):
-    """brrr._torch (PyTorch integration) when x is a torch.Tensor, else None; cheap on the hot
-    path: the type and the module are looked up once."""
-    global _torch_tensor, _torch_ops
-    if _torch_tensor is None:
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return None
-        _torch_tensor = torch.Tensor
-    if not isinstance(x, _torch_tensor):
-        return None
+    """brrr._torch when x is a torch.Tensor, else None; cheap on the hot path: the type and the
+    module are looked up once, and brrr._torch is imported on the first torch tensor."""
     if _torch_ops is None:
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(x, torch.Tensor):
+            return None
         from . import _torch
 
-        _torch_ops = _torch
-    return _torch_ops
+        torch_integration_loaded(_torch)
+        return _torch
+    return _torch_ops if isinstance(x, _torch_tensor) else None
+
+
+def torch_integration_loaded(module):
+    """Set the two names above to torch.Tensor and brrr._torch; brrr._torch calls this as it loads.
+    Not while torch.compile traces: dynamo guards on the values it read (None), and setting them
+    from a traced call would fail that guard on the next call and compile the whole model again
+    (an import inside a traced call runs for real, so brrr._torch's call is skipped then too)."""
+    global _torch_tensor, _torch_ops
+    torch = sys.modules["torch"]
+    if not torch.compiler.is_compiling():
+        _torch_tensor, _torch_ops = torch.Tensor, module
 
 
 def torch_if_tensor(x):

@@ -8,10 +8,13 @@ through the DLPack exchange table's allocator (torch 2.10+, outputs like a conti
 """
 
 import functools
+import importlib
+import sys
 
 import torch
 
 from . import _C, _op
+from ._frameworks import torch_integration_loaded
 from ._op import define, lean_apply, lean_once_differentiable, needs_autograd, out_like, stream
 
 
@@ -210,3 +213,11 @@ def glu(activation, gate, up, out):
             return _glu_default(gate, up, activation)
         return _apply_glu(activation, gate, up)
     return _glu_forward(activation, gate, up, out)
+
+
+# The families' own PyTorch integrations (their torch.library operators) are built here too, once
+# torch is in use, and never while torch.compile traces a first call (see torch_integration_loaded).
+for _family in ("norm", "rotary", "softmax"):
+    importlib.import_module(f"{__package__}.{_family}")._torch()
+
+torch_integration_loaded(sys.modules[__name__])

@@ -90,6 +90,11 @@ def bias_dropout_add(x, bias, residual, p, seed, offset):
     """brrr.bias_dropout_add on torch tensors (arguments checked): the custom op under
     torch.compile, the autograd.Function when autograd records, else straight to brrr._C."""
     if seed is None:
+        if x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("argument seed: None while a CUDA graph is being captured: the seed drawn now would "
+                               "be part of the graph, and every replay would drop the same elements. In a captured "
+                               "step use torch.nn.functional.dropout (PyTorch's generator is graph-safe), or pass "
+                               "seed= knowing that every replay reuses it")
         # torch's default CPU generator, so that torch.manual_seed makes runs reproducible.
         seed = int(torch.randint(2**63 - 1, (1,)).item())
     if torch.compiler.is_compiling():

@@ -26,9 +26,13 @@ Work per call: `flops=` and `bytes=` when given. Otherwise FLOPs come from the P
 floor: every tensor argument read once and every returned tensor written once. Against that floor
 an unfused chain shows as a low fraction of the copy bandwidth, which is the room fusion can win.
 
-Keyword arguments other than flops, bytes and scale are passed to fn. The default overhead test
-repeats tensor arguments along their leading dimension; pass `scale(args, factor) -> args` when
-that does not fit fn, or `scale=False` to skip it.
+A whole training step (forward, backward, optimizer): `diagnose(step, step=True)` reports host
+time, GPU busy time and launches per step, and where the GPU waits, the step captured in a CUDA
+graph and timed (brrr/_diagnose_step.py); it returns a StepDiagnosis.
+
+Keyword arguments other than flops, bytes, scale and step are passed to fn. The default overhead
+test repeats tensor arguments along their leading dimension; pass `scale(args, factor) -> args`
+when that does not fit fn, or `scale=False` to skip it.
 """
 
 import contextlib
@@ -214,13 +218,18 @@ def _construct(cls, data):
     return cls(**data)
 
 
-def diagnose(fn, *args, flops=None, bytes=None, scale=None, **kwargs):  # noqa: A002 - the documented name
+def diagnose(fn, *args, flops=None, bytes=None, scale=None, step=False, **kwargs):  # noqa: A002 - the documented name
     """Run fn(*args, **kwargs), time it, and say whether it is overhead-, memory- or compute-bound.
 
     flops, bytes: the work of one call, when you know it (otherwise profiler FLOPs and the byte
     floor of the arguments and outputs are used). scale: `scale(args, factor) -> args` for the
-    overhead test, or False to skip it. Returns a Diagnosis.
+    overhead test, or False to skip it. Returns a Diagnosis. step=True: fn is a whole training
+    step; returns a StepDiagnosis (brrr/_diagnose_step.py).
     """
+    if step is not False:
+        from ._diagnose_step import diagnose_step
+
+        return diagnose_step(fn, args, kwargs, step, flops, bytes, scale)
     if not callable(fn):
         raise TypeError(f"argument fn: expected a callable, got {type(fn).__name__}")
     user_flops = _positive_count("flops", flops)

@@ -18,7 +18,9 @@ dropped inf or NaN in the backward's grad_out.
 seed=None draws a seed from PyTorch's default CPU generator (torch.randint(2**63 - 1, (1,))), so
 torch.manual_seed makes runs reproducible; NumPy and other arrays need an explicit seed. Under
 torch.compile that draw is a host value (.item()): dynamo breaks the graph there unless
-torch._dynamo.config.capture_scalar_outputs is set, and an explicit seed keeps one graph.
+torch._dynamo.config.capture_scalar_outputs is set, and an explicit seed keeps one graph. Inside a
+CUDA-graph capture seed=None is refused: a seed drawn on the host would be replayed with the graph,
+one mask for every step (docs/graphs.md).
 Different offsets with one seed give independent masks (a layer index or a step, say). seed and
 offset are ints in [0, 2**63), as torch.library's int arguments are int64.
 """

@@ -1,0 +1,334 @@
+"""A whole training step as one CUDA graph: forward, backward and, optionally, the optimizer step.
+
+    step = brrr.capture_step(lambda tokens: model(input_ids=tokens, labels=tokens).loss, model)
+    for tokens in batches:
+        loss = step(tokens)      # this step's gradients in each p.grad; loss is a tensor on the GPU
+        optimizer.step()         # or capture_step(..., optimizer=optimizer): inside the graph
+
+A small model's step is overhead-bound: the GPU waits while Python, autograd and the dispatcher
+issue hundreds of small launches. Replaying the step as one CUDA graph removes that host work
+(docs/graphs.md has the numbers). This is PyTorch's own recipe (torch.cuda.graph, "whole network
+capture") with its chores done:
+
+- the first `warmup` calls of each input signature (shapes, dtypes, devices, and the non-tensor
+  arguments) run eagerly on a side stream, each a real step on its own inputs; the next call
+  captures the step and replays it; later calls copy their tensors into the graph's static input
+  buffers and replay;
+- every parameter keeps one gradient tensor: zeroed and refilled inside the graph, so each call's
+  gradients are that step's alone (as `zero_grad()` and then `backward()`), whichever graph ran,
+  also after an `optimizer.zero_grad()` that set them to None between calls;
+- a new signature gets its own graph, up to `max_graphs`; past that it runs eagerly with a warning.
+  On the CPU (or with CPU tensors) every call runs eagerly, with a warning.
+
+What a graph replays is what ran when it was captured: a module's train/eval mode, brrr.patch or
+unpatch, a learning rate held as a Python float (torch.optim's capturable optimizers take a tensor
+lr), any Python-side decision. Make a new capture_step after changing them. The returned loss (and
+any other returned tensors) are the graph's output buffers: the next call of the same signature
+overwrites them, so take `.item()` or `.clone()` to keep one. Random numbers drawn by PyTorch
+(dropout) are fresh on each replay: torch.cuda.graph registers the default CUDA generator, and
+`generators=` registers others.
+"""
+
+import warnings
+
+import torch
+
+# Enough eager steps for lazy initialisation (cuBLAS workspaces, autograd streams, optimizer state)
+# to happen before the capture; torch.cuda.make_graphed_callables uses 3 too.
+DEFAULT_WARMUP = 3
+DEFAULT_MAX_GRAPHS = 8
+
+
+def capture_step(loss_fn, parameters, optimizer=None, *, warmup=DEFAULT_WARMUP, max_graphs=DEFAULT_MAX_GRAPHS,
+                 generators=()):
+    """A callable that runs loss_fn(*args, **kwargs), backward and optimizer.step() as a CUDA graph.
+
+    loss_fn: returns the loss (a one-element tensor), or a tuple or list of tensors whose first is
+        the loss (the others, logits say, are returned too).
+    parameters: a torch.nn.Module or an iterable of the tensors whose gradients the step fills.
+    optimizer: a torch.optim optimizer stepped inside the graph after backward, or None. Adam,
+        AdamW and the others with a `capturable` option need capturable=True.
+    warmup: eager steps per input signature before it is captured (at least 1).
+    max_graphs: input signatures captured at most (each graph holds its own activation memory);
+        0 runs every step eagerly.
+    generators: CUDA torch.Generator objects, besides the default one, that the step draws from.
+    """
+    return CapturedStep(loss_fn, parameters, optimizer, warmup, max_graphs, generators)
+
+
+class CapturedStep:
+    """The step capture_step returns; `graphs` counts the signatures captured so far."""
+
+    def __init__(self, loss_fn, parameters, optimizer, warmup, max_graphs, generators):
+        if not callable(loss_fn):
+            raise TypeError(f"argument loss_fn: expected a callable returning the loss, got {type(loss_fn).__name__}")
+        self._loss_fn = loss_fn
+        self._optimizer = _checked_optimizer(optimizer)
+        self._params = _checked_parameters(parameters, self._optimizer)
+        self._warmup = _checked_count("warmup", warmup, minimum=1)
+        self._max_graphs = _checked_count("max_graphs", max_graphs, minimum=0)
+        self._generators = _checked_generators(generators)
+        self._entries = {}      # signature -> _Entry
+        self._grads = None      # [(parameter, its gradient tensor)], fixed at the first capture
+        self._pool = None       # one memory pool for all of this step's graphs
+        self._stream = None     # the side stream of the warm-up steps
+        self._warned_device = False
+
+    @property
+    def graphs(self):
+        return sum(entry.graph is not None for entry in self._entries.values())
+
+    def __repr__(self):
+        return (f"CapturedStep({_name_of(self._loss_fn)}, {len(self._params)} parameters, graphs={self.graphs}, "
+                f"max_graphs={self._max_graphs})")
+
+    def __call__(self, *args, **kwargs):
+        signature = _signature(args, kwargs)
+        entry = self._entries.get(signature)
+        if entry is not None and entry.graph is not None:
+            for static, value in zip(entry.static_tensors, _tensors_of(args, kwargs)):
+                if static is not value:
+                    static.copy_(value)
+            self._restore_grads()
+            entry.graph.replay()
+            return entry.outputs
+        if not self._on_cuda(args, kwargs):
+            return self._run(args, kwargs)
+        self._restore_grads()
+        if entry is None:
+            if len(self._entries) >= self._max_graphs:
+                warnings.warn(f"brrr.capture_step: a new input signature ({_describe(signature)}) past "
+                              f"max_graphs={self._max_graphs}: running it eagerly", stacklevel=2)
+                return self._run(args, kwargs)
+            entry = self._entries[signature] = _Entry()
+        if entry.eager_steps < self._warmup:
+            entry.eager_steps += 1
+            return self._run_on_side_stream(args, kwargs)
+        self._capture(entry, args, kwargs)
+        entry.graph.replay()
+        return entry.outputs
+
+    # -- the eager step ------------------------------------------------------------------------
+
+    def _run(self, args, kwargs):
+        """One step: this step's gradients in place of the previous ones, then the optimizer."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+        outputs = self._loss_fn(*args, **kwargs)
+        _loss_of(outputs).backward()
+        if self._optimizer is not None:
+            self._optimizer.step()
+        return _detached(outputs)
+
+    def _run_on_side_stream(self, args, kwargs):
+        # PyTorch's rule for a step about to be captured: warm it up on a side stream.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            outputs = self._run(args, kwargs)
+        torch.cuda.current_stream().wait_stream(self._stream)
+        return outputs
+
+    def _on_cuda(self, args, kwargs):
+        devices = {t.device.type for t in _tensors_of(args, kwargs)} | {p.device.type for p in self._params}
+        if devices == {"cuda"} and torch.cuda.is_available():
+            return True
+        if not self._warned_device:
+            self._warned_device = True
+            warnings.warn("brrr.capture_step: CUDA graphs need the parameters and the tensor arguments on a CUDA "
+                          f"device (found {sorted(devices)}): running the step eagerly", stacklevel=3)
+        return False
+
+    # -- the captured step ---------------------------------------------------------------------
+
+    def _restore_grads(self):
+        """Each parameter's gradient is the tensor the graphs write, also after someone set it to
+        None or replaced it (optimizer.zero_grad() between calls)."""
+        if self._grads is None:
+            return
+        for p, grad in self._grads:
+            if p.grad is not grad:
+                p.grad = grad
+
+    def _capture(self, entry, args, kwargs):
+        if self._grads is None:
+            self._grads = [(p, p.grad) for p in self._params if p.grad is not None]
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        static_args = tuple(_static_copy(a) for a in args)
+        static_kwargs = {k: _static_copy(v) for k, v in kwargs.items()}
+        graph, outputs = capture(lambda: self._run(static_args, static_kwargs), self._pool, self._generators)
+        entry.outputs = outputs
+        entry.graph = graph
+        entry.static_tensors = list(_tensors_of(static_args, static_kwargs))
+
+
+def capture(fn, pool=None, generators=()):
+    """(graph, fn's return value): fn() captured in a new torch.cuda.CUDAGraph (not run: replay it).
+
+    fn must have run eagerly before, on a side stream (lazy initialisation cannot be captured). If
+    the capture fails, the process is left usable (see _recover_from_failed_capture) and a
+    RuntimeError says what kind of code cannot be captured."""
+    graph = torch.cuda.CUDAGraph()
+    for generator in generators:
+        graph.register_generator_state(generator)
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = fn()
+    except Exception as e:
+        _recover_from_failed_capture(stream, generators)
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        raise RuntimeError(f"brrr: capturing the step in a CUDA graph failed ({type(e).__name__}: {first_line}). "
+                           f"Something in it cannot be captured: a host sync (.item(), .cpu(), printing a tensor, "
+                           f"a data-dependent shape), or a library call that synchronises; docs/graphs.md lists "
+                           f"the known cases") from e
+    return graph, outputs
+
+
+def _recover_from_failed_capture(stream, generators):
+    """A capture that CUDA aborted (a host sync inside it, say) leaves torch.cuda.graph's capture
+    stream current and the generators it registered in capture mode: the next random draw outside a
+    graph raises "Offset increment outside graph capture encountered unexpectedly". Give each
+    generator a fresh state with its seed and offset (PyTorch's graph-safe state API), and the
+    caller its stream back."""
+    torch.cuda.set_stream(stream)
+    for generator in [torch.cuda.default_generators[stream.device.index], *generators]:
+        fresh = torch.Generator(device=generator.device)
+        fresh.set_state(generator.get_state())
+        generator.graphsafe_set_state(fresh.graphsafe_get_state())
+
+
+class _Entry:
+    """One input signature: its eager warm-up count, then its graph and static buffers."""
+
+    def __init__(self):
+        self.eager_steps = 0
+        self.graph = None
+        self.static_tensors = None
+        self.outputs = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _checked_optimizer(optimizer):
+    if optimizer is None:
+        return None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"argument optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    if any(group.get("capturable") is False for group in optimizer.param_groups):
+        raise ValueError(f"argument optimizer: this {type(optimizer).__name__} was made with capturable=False; "
+                         f"stepping it inside a CUDA graph needs capturable=True "
+                         f"(torch.optim.{type(optimizer).__name__}(..., capturable=True))")
+    return optimizer
+
+
+def _checked_parameters(parameters, optimizer):
+    """The distinct tensors whose gradients the step fills: the given ones, then the optimizer's."""
+    if isinstance(parameters, torch.nn.Module):
+        given = [p for p in parameters.parameters() if p.requires_grad]
+    elif isinstance(parameters, torch.Tensor) or not hasattr(parameters, "__iter__"):
+        raise TypeError(f"argument parameters: expected a torch.nn.Module or an iterable of tensors, "
+                        f"got {type(parameters).__name__}")
+    else:
+        given = list(parameters)
+        for i, p in enumerate(given):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"argument parameters: item {i} is a {type(p).__name__}, not a tensor")
+            if not p.requires_grad:
+                raise ValueError(f"argument parameters: item {i} does not require grad")
+    if optimizer is not None:
+        given += [p for group in optimizer.param_groups for p in group["params"]]
+    seen, params = set(), []
+    for p in given:
+        if id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    return params
+
+
+def _checked_count(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"argument {name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"argument {name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _checked_generators(generators):
+    if isinstance(generators, torch.Generator) or not hasattr(generators, "__iter__"):
+        raise TypeError(f"argument generators: expected an iterable of torch.Generator, "
+                        f"got {type(generators).__name__}")
+    checked = list(generators)
+    for i, generator in enumerate(checked):
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"argument generators: item {i} is a {type(generator).__name__}, not a torch.Generator")
+        if generator.device.type != "cuda":
+            raise ValueError(f"argument generators: item {i} is a {generator.device.type} generator; "
+                             f"a CUDA graph registers CUDA generators only")
+    return checked
+
+
+def _signature(args, kwargs):
+    """What a graph is specific to: each tensor's shape, dtype and device, every other argument's
+    value (it is baked into the graph, so it must compare equal to be replayed)."""
+    parts = []
+    for where, value in [(i, a) for i, a in enumerate(args)] + sorted(kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                raise ValueError(f"argument {where}: a captured step takes data, not tensors that require grad "
+                                 f"(the graph's copy of it would get no gradient)")
+            parts.append((where, "tensor", tuple(value.shape), value.dtype, value.device))
+            continue
+        try:
+            hash(value)
+        except TypeError:
+            raise TypeError(f"argument {where}: a {type(value).__name__}; a captured step takes tensors and "
+                            f"hashable constants (ints, floats, strings, None)") from None
+        parts.append((where, "value", value))
+    return tuple(parts)
+
+
+def _describe(signature):
+    """'0: bfloat16 (2, 512) cuda:0, scale=2.0' from a signature."""
+    return ", ".join(f"{where}: {str(rest[1]).removeprefix('torch.')} {rest[0]} {rest[2]}" if kind == "tensor"
+                     else f"{where}={rest[0]!r}" for where, kind, *rest in signature)
+
+
+def _tensors_of(args, kwargs):
+    return [v for v in list(args) + [kwargs[k] for k in sorted(kwargs)] if isinstance(v, torch.Tensor)]
+
+
+def _static_copy(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _loss_of(outputs):
+    loss = outputs[0] if isinstance(outputs, (tuple, list)) and outputs else outputs
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+               else f"a {type(loss).__name__}")
+        raise TypeError(f"argument loss_fn: must return the loss (a one-element tensor) or a tuple of tensors whose "
+                        f"first is the loss; got {got}")
+    if not loss.requires_grad:
+        raise ValueError("argument loss_fn: the loss it returned does not require grad (no parameter reached it)")
+    return loss
+
+
+def _detached(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach()
+    for i, value in enumerate(outputs):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"argument loss_fn: output {i} is a {type(value).__name__}; a captured step returns "
+                            f"tensors only (a replay cannot recompute Python values)")
+    detached = [value.detach() for value in outputs]
+    return tuple(detached) if isinstance(outputs, tuple) else detached
+
+
+def _name_of(fn):
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
