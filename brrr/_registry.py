@@ -14,7 +14,7 @@ Under torch.compile an op runs one of two ways. "kernel": brrr's custom op sits 
 one opaque node. "inductor": the PyTorch function it replaces is traced instead, so that inductor
 fuses it with its neighbours, as it does in an unpatched model. The defaults follow what was
 measured in compiled training steps of transformers' Llama and GPT-2 on an H200
-(benchmarks/results/h200-2026-12-01-s4/): norms, activations and GLUs default to "inductor"
+(benchmarks/results/h200-2026-12-01-e130eba/): norms, activations and GLUs default to "inductor"
 (inductor folds the residual adds and casts around them into its own kernels, which an opaque op
 prevents, and its SwiGLU backward took 108 us a layer against brrr's 191 us); cross_entropy (its
 forward reads the logits once, inductor's twice) and bias_dropout_add (its reference draws its
