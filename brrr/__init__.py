@@ -26,7 +26,7 @@ from .dropout import bias_dropout_add
 from .diagnose import diagnose
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .rotary import apply_rotary_pos_emb, rotary
-from .xent import cross_entropy
+from .xent import cross_entropy, linear_cross_entropy
 
 __version__ = "0.1.0"
 
@@ -65,7 +65,7 @@ def __getattr__(name):
 
 
 if "torch" in sys.modules:
-    from . import _torch, _torch_dropout, _torch_norm, _torch_rotary, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
+    from . import _torch, _torch_dropout, _torch_linear_xent, _torch_norm, _torch_rotary, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
 
 __all__ = [
     "Chain",
@@ -93,6 +93,7 @@ __all__ = [
     "exp",
     "gelu",
     "layer_norm",
+    "linear_cross_entropy",
     "relu",
     "rms_norm",
     "rotary",

@@ -19,6 +19,7 @@ PyObject *brrr_py_dropout_fwd(PyObject *module, PyObject *const *args, Py_ssize_
 PyObject *brrr_py_dropout_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *brrr_py_xent_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *brrr_py_xent_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *brrr_py_xent_fwd_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *brrr_py_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 brrr_state *brrr_get_state(PyObject *module) { return (brrr_state *)PyModule_GetState(module); }
@@ -82,11 +83,15 @@ static PyMethodDef methods[] = {
     {"dropout_bwd", (PyCFunction)(void (*)(void))brrr_py_dropout_bwd, METH_FASTCALL,
      "dropout_bwd(grad_out, grad_x, grad_bias, partials, p, seed, offset, stream) -> grad_x"},
     {"cross_entropy_fwd", (PyCFunction)(void (*)(void))brrr_py_xent_fwd, METH_FASTCALL,
-     "cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, loss, total, count, stream) "
-     "-> None, or (lse, loss, total, count) when any of them is True (allocated here)"},
+     "cross_entropy_fwd(logits, target, ignore_index, label_smoothing, softcap, z_loss, reduction, lse, loss, total, "
+     "count, stream) -> None, or (lse, loss, total, count) when any of them is True (allocated here)"},
     {"cross_entropy_bwd", (PyCFunction)(void (*)(void))brrr_py_xent_bwd, METH_FASTCALL,
-     "cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, grad_loss, count, grad_logits, stream) "
-     "-> grad_logits"},
+     "cross_entropy_bwd(logits, target, ignore_index, label_smoothing, softcap, z_loss, lse, grad_loss, count, "
+     "grad_logits, stream) -> grad_logits"},
+    {"cross_entropy_fwd_bwd", (PyCFunction)(void (*)(void))brrr_py_xent_fwd_bwd, METH_FASTCALL,
+     "cross_entropy_fwd_bwd(logits, target, ignore_index, label_smoothing, softcap, z_loss, loss, grad_loss, count, "
+     "grad_logits, stream) -> grad_logits: the forward's loss per row and the backward's gradient in one pass "
+     "(grad_logits may be logits itself: in place)"},
     {"rotary", (PyCFunction)(void (*)(void))brrr_py_rotary, METH_FASTCALL,
      "rotary(x, cos, sin, out, backward, stream) -> out: x * cos + rotate_half(x) * sin (or its transpose)"},
     {NULL, NULL, 0, NULL},

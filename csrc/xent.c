@@ -4,22 +4,31 @@
  * or uint8). The forward saves one log-sum-exp per row (relative to the target's logit); the
  * backward rematerialises the softmax from logits and lse instead of keeping log-probabilities
  * (formulas: brrr_cuda.h). The CPU twin computes the same function in float64.
+ * Every entry takes softcap (None, or c: the loss sees c * tanh(logits / c)) and z_loss (the
+ * coefficient of each counted row's squared log-sum-exp added to its loss; 0: none).
  *
- * _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, loss, total,
- *                      count, stream) -> None, or (lse, loss, total, count) when any of them is True:
+ * _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, softcap, z_loss, reduction,
+ *                      lse, loss, total, count, stream) -> None, or (lse, loss, total, count) when
+ *                      any of them is True:
  *     True allocates that output here, by the logits' framework (DLPack's C exchange table).
  *     lse, loss: the target's shape, contiguous, in the accumulation dtype (float32, float64 for
  *     float64 logits): per row its log-sum-exp less the target's logit where that is finite, and
  *     its loss (0 for both where ignored).
  *     total, count: None or 0-d, accumulation dtype: the loss summed over rows in a fixed order
  *     (divided by count for reduction "mean"), and the rows whose target is not ignore_index.
- * _C.cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, grad_loss, count,
- *                      grad_logits, stream) -> grad_logits
+ * _C.cross_entropy_bwd(logits, target, ignore_index, label_smoothing, softcap, z_loss, lse,
+ *                      grad_loss, count, grad_logits, stream) -> grad_logits
  *     grad_loss: accumulation dtype, the target's shape (any strides) or 0-d (every row's);
  *     count: None, or the forward's count to divide by (reduction "mean"). grad_logits must not
  *     share memory with logits (every element of a row depends on the row's target logit, which
  *     other threads of the row read), or is None for NumPy arrays and tensors of frameworks with
  *     DLPack's C exchange table (allocated here, contiguous).
+ * _C.cross_entropy_fwd_bwd(logits, target, ignore_index, label_smoothing, softcap, z_loss, loss,
+ *                          grad_loss, count, grad_logits, stream) -> grad_logits
+ *     The forward and the backward in one pass over each row (no lse kept): loss per row as the
+ *     forward's, the gradient as the backward's with grad_loss None meaning 1 for every row. The
+ *     one place where an output may alias an input: grad_logits may be logits itself (the same
+ *     view), and then the gradient replaces the logits; any other overlap raises.
  *
  * A target outside [0, C) that is not ignore_index raises ValueError on the CPU; on CUDA, where
  * checking would mean a device-to-host sync, that row's loss and gradient are NaN.
@@ -50,9 +59,42 @@ static int64_t row_offset(const brrr_xent_launch *L, const int64_t *strides, int
 
 /* ---- CPU twin ---------------------------------------------------------------------------------- */
 
+/* The logit the loss sees (brrr_cuda.h): softcap * tanh(v / softcap), or v without a softcap. */
+static double capped(const brrr_xent_launch *L, double v) { return L->softcap != 0.0 ? L->softcap * tanh(v / L->softcap) : v; }
+
+static double logit(const brrr_xent_launch *L, int64_t base, int64_t c) {
+    return capped(L, brrr_load_f64(L->dtype, L->logits, base + c * L->logits_class_stride));
+}
+
+static double shift_of(double z_t) { return isfinite(z_t) ? z_t : 0.0; }
+
+/* Row r's gradient from its lse (relative to the shift); g: its grad_loss over the count. The row
+ * is read whole before grad_logits is written, element by element after it: in place is fine. */
+static void cpu_grad_row(const brrr_xent_launch *L, int64_t r, int64_t t, double lse, double g) {
+    const int64_t C = L->classes, in = row_offset(L, L->logits_rows, r), out = row_offset(L, L->grad_rows, r);
+    if (t == L->ignore_index) {
+        for (int64_t c = 0; c < C; c++) brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, 0.0);
+        return;
+    }
+    const double shift = shift_of(logit(L, in, t)), uniform = L->smoothing / (double)C;
+    const double p_scale = 1.0 + (L->z_loss != 0.0 ? 2.0 * L->z_loss * (lse + shift) : 0.0);
+    for (int64_t c = 0; c < C; c++) {
+        const double v = brrr_load_f64(L->dtype, L->logits, in + c * L->logits_class_stride), z = capped(L, v);
+        const double dz = L->softcap != 0.0 ? 1.0 - (z / L->softcap) * (z / L->softcap) : 1.0;
+        const double p = exp((z - shift) - lse), hot = c == t ? 1.0 - L->smoothing : 0.0;
+        brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, g * (p * p_scale - uniform - hot) * dz);
+    }
+}
+
+static double grad_scale(const brrr_xent_launch *L, int64_t r, double divisor) {
+    const int32_t acc = acc_dtype(L->dtype);
+    return (L->grad_loss ? brrr_load_f64(acc, L->grad_loss, row_offset(L, L->grad_loss_rows, r)) : 1.0) / divisor;
+}
+
 static void cpu_xent_fwd(const brrr_xent_launch *L) {
     const int32_t acc = acc_dtype(L->dtype);
-    const int64_t C = L->classes, cs = L->logits_class_stride;
+    const int64_t C = L->classes;
+    const double divisor = L->count ? brrr_load_f64(acc, L->count, 0) : 1.0;
     double sum = 0.0;
     int64_t counted = 0;
     for (int64_t r = 0; r < L->rows; r++) {
@@ -60,27 +102,29 @@ static void cpu_xent_fwd(const brrr_xent_launch *L) {
         double lse = 0.0, loss = 0.0;
         if (t != L->ignore_index) {
             const int64_t base = row_offset(L, L->logits_rows, r);
-            double m = -INFINITY, s = 0.0, sx = 0.0;
+            double m = -INFINITY, s = 0.0, sz = 0.0;
             for (int64_t c = 0; c < C; c++) {
-                const double v = brrr_load_f64(L->dtype, L->logits, base + c * cs);
-                if (v > m || v != v) m = v;
+                const double z = logit(L, base, c);
+                if (z > m || z != z) m = z;
                 if (m != m) break;
             }
             for (int64_t c = 0; c < C; c++) {
-                const double v = brrr_load_f64(L->dtype, L->logits, base + c * cs);
-                s += exp(v - m);
-                sx += v;
+                const double z = logit(L, base, c);
+                s += exp(z - m);
+                sz += z;
             }
             /* t is a class: check_targets ran first. lse relative to the shift: brrr_cuda.h. */
-            const double x_t = brrr_load_f64(L->dtype, L->logits, base + t * cs), shift = isfinite(x_t) ? x_t : 0.0;
+            const double z_t = logit(L, base, t), shift = shift_of(z_t);
             lse = (m - shift) + log(s);
-            loss = (1.0 - L->smoothing) * (lse - (x_t - shift));
-            if (L->smoothing != 0.0) loss += L->smoothing * (lse - (sx / (double)C - shift)); /* 0 * inf: NaN */
+            loss = (1.0 - L->smoothing) * (lse - (z_t - shift));
+            if (L->smoothing != 0.0) loss += L->smoothing * (lse - (sz / (double)C - shift)); /* 0 * inf: NaN */
+            if (L->z_loss != 0.0) loss += L->z_loss * (lse + shift) * (lse + shift);
             counted++;
         }
-        brrr_store_f64(acc, L->lse, r, lse);
+        if (L->lse) brrr_store_f64(acc, L->lse, r, lse);
         brrr_store_f64(acc, L->loss, r, loss);
         sum += loss;
+        if (L->grad_logits) cpu_grad_row(L, r, t, lse, t == L->ignore_index ? 0.0 : grad_scale(L, r, divisor));
     }
     if (L->total) brrr_store_f64(acc, L->total, 0, L->mean ? sum / (double)counted : sum);
     if (L->count_out) brrr_store_f64(acc, L->count_out, 0, (double)counted);
@@ -88,23 +132,11 @@ static void cpu_xent_fwd(const brrr_xent_launch *L) {
 
 static void cpu_xent_bwd(const brrr_xent_launch *L) {
     const int32_t acc = acc_dtype(L->dtype);
-    const int64_t C = L->classes;
     const double divisor = L->count ? brrr_load_f64(acc, L->count, 0) : 1.0;
     for (int64_t r = 0; r < L->rows; r++) {
         const int64_t t = load_index(L->target_dtype, L->target, row_offset(L, L->target_rows, r));
-        const int64_t in = row_offset(L, L->logits_rows, r), out = row_offset(L, L->grad_rows, r);
-        if (t == L->ignore_index) {
-            for (int64_t c = 0; c < C; c++) brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, 0.0);
-            continue;
-        }
-        const double g = brrr_load_f64(acc, L->grad_loss, row_offset(L, L->grad_loss_rows, r)) / divisor;
-        const double lse = brrr_load_f64(acc, L->lse, r), uniform = L->smoothing / (double)C;
-        const double x_t = brrr_load_f64(L->dtype, L->logits, in + t * L->logits_class_stride), shift = isfinite(x_t) ? x_t : 0.0;
-        for (int64_t c = 0; c < C; c++) {
-            const double p = exp((brrr_load_f64(L->dtype, L->logits, in + c * L->logits_class_stride) - shift) - lse);
-            const double hot = c == t ? 1.0 - L->smoothing : 0.0;
-            brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, g * (p - uniform - hot));
-        }
+        cpu_grad_row(L, r, t, t == L->ignore_index ? 0.0 : brrr_load_f64(acc, L->lse, r),
+                     t == L->ignore_index ? 0.0 : grad_scale(L, r, divisor));
     }
 }
 
@@ -189,21 +221,47 @@ static int check_targets(const brrr_xent_launch *L) {
 
 /* ---- the shared body --------------------------------------------------------------------------- */
 
+typedef enum { XENT_FWD, XENT_BWD, XENT_FWD_BWD } xent_mode;
+
 typedef struct {
-    int backward, mean;
+    xent_mode mode;
+    int mean;
     PyObject *logits, *target, *lse, *loss, *total, *count, *grad_loss, *grad_logits; /* borrowed */
     long long ignore_index, stream;
-    double smoothing;
+    double smoothing, softcap, z_loss;
 } xent_request;
 
+enum { T_LOGITS, T_TARGET, T_LSE, T_LOSS, T_TOTAL, T_COUNT, T_GRAD_LOSS, T_GRAD, T_N };
+
+/* The slots a mode writes. */
+static int is_output(xent_mode mode, int slot) {
+    switch (mode) {
+    case XENT_FWD: return slot >= T_LSE && slot <= T_COUNT;
+    case XENT_BWD: return slot == T_GRAD;
+    default: return slot == T_LOSS || slot == T_GRAD;
+    }
+}
+
+/* grad_logits: the given tensor, or (None) a new one like logits (a new reference either way). */
+static PyObject *grad_logits_object(brrr_call *call, const xent_request *q, const brrr_tensor *logits) {
+    if (q->grad_logits != Py_None) return Py_NewRef(q->grad_logits);
+    PyObject *grad = PyArray_Check(q->logits) ? PyArray_NewLikeArray((PyArrayObject *)q->logits, NPY_CORDER, NULL, 0)
+                                              : brrr_new_like(call, q->logits, logits);
+    if (grad == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_TypeError, "argument grad_logits: required for logits of type %.200s (brrr._C allocates "
+                     "NumPy arrays and tensors of frameworks with DLPack's C exchange table)", Py_TYPE(q->logits)->tp_name);
+    return grad;
+}
+
 static PyObject *xent_call(PyObject *module, const xent_request *q) {
+    static const char *const op_names[] = {"cross_entropy_fwd", "cross_entropy_bwd", "cross_entropy_fwd_bwd"};
     brrr_call call = {brrr_get_state(module), q->stream, 0, NULL};
-    enum { T_LOGITS, T_TARGET, T_LSE, T_LOSS, T_TOTAL, T_COUNT, T_GRAD_LOSS, T_GRAD, T_N };
     brrr_tensor t[T_N];
     memset(t, 0, sizeof t);
     PyObject *result = NULL, *grad_obj = NULL; /* grad_obj: a new reference */
     PyObject *owned[4] = {NULL, NULL, NULL, NULL}; /* the forward's outputs allocated here */
     brrr_tensor *logits = &t[T_LOGITS], *target = &t[T_TARGET];
+    const int forward = q->mode != XENT_BWD, gradient = q->mode != XENT_FWD;
 
     if (brrr_tensor_import(&call, q->logits, "logits", 0, logits) < 0) goto done;
     if (logits->ndim == 0 || logits->shape[logits->ndim - 1] == 0) {
@@ -224,7 +282,7 @@ static PyObject *xent_call(PyObject *module, const xent_request *q) {
     /* The forward's outputs; True asks for one to be allocated here. */
     PyObject *outs[4] = {q->lse, q->loss, q->total, q->count};
     int allocated = 0;
-    if (!q->backward) {
+    if (q->mode == XENT_FWD) {
         static const char *const names[4] = {"lse", "loss", "total", "count"};
         for (int k = 0; k < 4; k++) {
             if (outs[k] != Py_True) continue;
@@ -239,51 +297,43 @@ static PyObject *xent_call(PyObject *module, const xent_request *q) {
             allocated = 1;
         }
     }
-    if (brrr_tensor_import(&call, outs[0], "lse", !q->backward, &t[T_LSE]) < 0 ||
-        check_row_tensor(&t[T_LSE], target, logits, 1) < 0)
+    if (q->mode != XENT_FWD_BWD && (brrr_tensor_import(&call, outs[0], "lse", forward, &t[T_LSE]) < 0 ||
+                                    check_row_tensor(&t[T_LSE], target, logits, 1) < 0))
         goto done;
-    if (!q->backward) {
-        if (brrr_tensor_import(&call, outs[1], "loss", 1, &t[T_LOSS]) < 0 ||
-            check_row_tensor(&t[T_LOSS], target, logits, 1) < 0)
-            goto done;
+    if (forward && (brrr_tensor_import(&call, outs[1], "loss", 1, &t[T_LOSS]) < 0 ||
+                    check_row_tensor(&t[T_LOSS], target, logits, 1) < 0))
+        goto done;
+    if (q->mode == XENT_FWD) {
         const char *names[2] = {"total", "count"};
         for (int k = 0; k < 2; k++)
             if (outs[2 + k] != Py_None && (brrr_tensor_import(&call, outs[2 + k], names[k], 1, &t[T_TOTAL + k]) < 0 ||
                                            check_scalar(&t[T_TOTAL + k], logits) < 0))
                 goto done;
-        /* Outputs must not share memory with each other or with the inputs. */
-        for (int a = T_LSE; a <= T_COUNT; a++)
-            for (int b = 0; b < a; b++)
-                if (t[a].name && t[b].name && brrr_check_no_overlap(&t[a], &t[b], 0) < 0) goto done;
     } else {
-        if (brrr_tensor_import(&call, q->grad_loss, "grad_loss", 0, &t[T_GRAD_LOSS]) < 0) goto done;
-        if (t[T_GRAD_LOSS].ndim != 0 && check_row_tensor(&t[T_GRAD_LOSS], target, logits, 0) < 0) goto done;
-        if (t[T_GRAD_LOSS].ndim == 0 && check_scalar(&t[T_GRAD_LOSS], logits) < 0) goto done;
+        /* The forward with the gradient takes grad_loss None: 1 for every row. */
+        if (q->mode == XENT_BWD || q->grad_loss != Py_None) {
+            brrr_tensor *g = &t[T_GRAD_LOSS];
+            if (brrr_tensor_import(&call, q->grad_loss, "grad_loss", 0, g) < 0) goto done;
+            if (g->ndim != 0 ? check_row_tensor(g, target, logits, 0) < 0 : check_scalar(g, logits) < 0) goto done;
+        }
         if (q->count != Py_None && (brrr_tensor_import(&call, q->count, "count", 0, &t[T_COUNT]) < 0 ||
                                     check_scalar(&t[T_COUNT], logits) < 0))
             goto done;
-        grad_obj = q->grad_logits;
-        if (grad_obj == Py_None) {
-            grad_obj = PyArray_Check(q->logits) ? PyArray_NewLikeArray((PyArrayObject *)q->logits, NPY_CORDER, NULL, 0)
-                                                : brrr_new_like(&call, q->logits, logits);
-            if (grad_obj == NULL) {
-                if (!PyErr_Occurred())
-                    PyErr_Format(PyExc_TypeError, "argument grad_logits: required for logits of type %.200s (brrr._C "
-                                 "allocates NumPy arrays and tensors of frameworks with DLPack's C exchange table)",
-                                 Py_TYPE(q->logits)->tp_name);
-                goto done;
-            }
-        } else {
-            Py_INCREF(grad_obj);
-        }
+        if ((grad_obj = grad_logits_object(&call, q, logits)) == NULL) goto done;
         if (brrr_tensor_import(&call, grad_obj, "grad_logits", 1, &t[T_GRAD]) < 0 ||
             brrr_check_same_device(&t[T_GRAD], logits) < 0 || brrr_check_same_dtype(&t[T_GRAD], logits) < 0 ||
-            brrr_check_same_shape(&t[T_GRAD], logits) < 0 || brrr_check_no_internal_overlap(&t[T_GRAD]) < 0 ||
-            brrr_check_no_overlap(&t[T_GRAD], logits, 0) < 0)
+            brrr_check_same_shape(&t[T_GRAD], logits) < 0 || brrr_check_no_internal_overlap(&t[T_GRAD]) < 0)
             goto done;
-        for (int a = T_TARGET; a < T_GRAD; a++)
-            if (t[a].name && brrr_check_no_overlap(&t[T_GRAD], &t[a], 0) < 0) goto done;
     }
+    /* Outputs share no memory with each other or with the inputs. The one exception, asked for by
+     * passing logits itself as grad_logits: the forward with the gradient, in place (the row is
+     * read whole before it is written, brrr_cuda.h); the backward reads the target logit while
+     * other threads write the row. */
+    for (int a = 0; a < T_N; a++)
+        for (int b = 0; b < T_N; b++)
+            if (a != b && t[a].name && t[b].name && is_output(q->mode, a) && (!is_output(q->mode, b) || b < a) &&
+                brrr_check_no_overlap(&t[a], &t[b], q->mode == XENT_FWD_BWD && a == T_GRAD && b == T_LOGITS) < 0)
+                goto done;
 
     brrr_xent_launch L;
     memset(&L, 0, sizeof L);
@@ -294,25 +344,27 @@ static PyObject *xent_call(PyObject *module, const xent_request *q) {
     L.rows = target->numel;
     L.ignore_index = q->ignore_index;
     L.smoothing = q->smoothing;
+    L.softcap = q->softcap;
+    L.z_loss = q->z_loss;
     L.logits = logits->data;
     L.target = target->data;
     L.logits_class_stride = logits->strides[logits->ndim - 1];
     L.lse = t[T_LSE].data;
     L.loss = t[T_LOSS].data;
     L.total = t[T_TOTAL].data;
-    L.count_out = q->backward ? NULL : t[T_COUNT].data;
-    L.count = q->backward ? t[T_COUNT].data : NULL;
+    L.count_out = gradient ? NULL : t[T_COUNT].data;
+    L.count = gradient ? t[T_COUNT].data : NULL;
     L.grad_loss = t[T_GRAD_LOSS].data;
     L.grad_logits = t[T_GRAD].data;
-    L.grad_class_stride = q->backward ? t[T_GRAD].strides[logits->ndim - 1] : 0;
+    L.grad_class_stride = gradient ? t[T_GRAD].strides[logits->ndim - 1] : 0;
     {
-        const brrr_tensor *views[4] = {logits, target, q->backward ? &t[T_GRAD] : NULL,
-                                       q->backward && t[T_GRAD_LOSS].ndim ? &t[T_GRAD_LOSS] : NULL};
+        const brrr_tensor *views[4] = {logits, target, gradient ? &t[T_GRAD] : NULL,
+                                       t[T_GRAD_LOSS].ndim ? &t[T_GRAD_LOSS] : NULL};
         int64_t *strides[4] = {L.logits_rows, L.target_rows, L.grad_rows, L.grad_loss_rows};
         if (xent_layout(&L, target, views, strides, 4) < 0) goto done;
     }
-    if (q->backward || !allocated) {
-        result = Py_NewRef(q->backward ? grad_obj : Py_None);
+    if (gradient || !allocated) {
+        result = Py_NewRef(gradient ? grad_obj : Py_None);
     } else if ((result = PyTuple_New(4)) != NULL) {
         for (int k = 0; k < 4; k++) PyTuple_SET_ITEM(result, k, Py_NewRef(outs[k]));
     } else {
@@ -322,8 +374,8 @@ static PyObject *xent_call(PyObject *module, const xent_request *q) {
     if (logits->device_type == kDLCPU) {
         if (check_targets(&L) < 0) goto fail;
         Py_BEGIN_ALLOW_THREADS
-        if (q->backward) cpu_xent_bwd(&L);
-        else cpu_xent_fwd(&L);
+        if (forward) cpu_xent_fwd(&L);
+        else cpu_xent_bwd(&L);
         Py_END_ALLOW_THREADS
         goto done;
     }
@@ -332,11 +384,12 @@ static PyObject *xent_call(PyObject *module, const xent_request *q) {
         void *stream = brrr_call_stream(&call);
         int err;
         Py_BEGIN_ALLOW_THREADS
-        err = q->backward ? brrr_cuda_xent_bwd(&L, logits->device_id, stream)
-                          : brrr_cuda_xent_fwd(&L, logits->device_id, stream);
+        err = forward ? brrr_cuda_xent_fwd(&L, logits->device_id, stream) : brrr_cuda_xent_bwd(&L, logits->device_id, stream);
         Py_END_ALLOW_THREADS
-        if (brrr_cuda_result(err, q->backward ? "cross_entropy_bwd" : "cross_entropy_fwd") < 0) goto fail;
+        if (brrr_cuda_result(err, op_names[q->mode]) < 0) goto fail;
     }
+#else
+    (void)op_names;
 #endif
     goto done;
 fail:
@@ -350,7 +403,19 @@ done:
 
 /* ---- argument parsing -------------------------------------------------------------------------- */
 
-static int parse_common(PyObject *ignore_index, PyObject *smoothing, PyObject *stream, xent_request *q) {
+static int parse_real(PyObject *obj, const char *name, double *value) {
+    *value = PyFloat_AsDouble(obj);
+    if (*value == -1.0 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_TypeError, "argument %s: expected a float, got %.200s", name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* The arguments every entry takes: ignore_index, label_smoothing in [0, 1], softcap None or > 0
+ * (0 in the launch: none), z_loss >= 0, stream. */
+static int parse_common(PyObject *ignore_index, PyObject *smoothing, PyObject *softcap, PyObject *z_loss,
+                        PyObject *stream, xent_request *q) {
     if (!PyLong_Check(ignore_index) || PyBool_Check(ignore_index)) {
         PyErr_Format(PyExc_TypeError, "argument ignore_index: expected an int, got %.200s",
                      Py_TYPE(ignore_index)->tp_name);
@@ -361,27 +426,37 @@ static int parse_common(PyObject *ignore_index, PyObject *smoothing, PyObject *s
         PyErr_Format(PyExc_ValueError, "argument ignore_index: expected an int64, got %R", ignore_index);
         return -1;
     }
-    q->smoothing = PyFloat_AsDouble(smoothing);
-    if (q->smoothing == -1.0 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_TypeError, "argument label_smoothing: expected a float");
-        return -1;
-    }
+    if (parse_real(smoothing, "label_smoothing", &q->smoothing) < 0) return -1;
     if (!(q->smoothing >= 0.0 && q->smoothing <= 1.0)) { /* NaN too */
         PyErr_Format(PyExc_ValueError, "argument label_smoothing: expected a float in [0, 1], got %R", smoothing);
+        return -1;
+    }
+    q->softcap = 0.0;
+    if (softcap != Py_None) {
+        if (parse_real(softcap, "softcap", &q->softcap) < 0) return -1;
+        if (!(q->softcap > 0.0 && isfinite(q->softcap))) {
+            PyErr_Format(PyExc_ValueError, "argument softcap: expected None or a finite float > 0, got %R", softcap);
+            return -1;
+        }
+    }
+    if (parse_real(z_loss, "z_loss", &q->z_loss) < 0) return -1;
+    if (!(q->z_loss >= 0.0 && isfinite(q->z_loss))) {
+        PyErr_Format(PyExc_ValueError, "argument z_loss: expected a finite float >= 0, got %R", z_loss);
         return -1;
     }
     return brrr_parse_stream(stream, &q->stream);
 }
 
 PyObject *brrr_py_xent_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10) {
-        PyErr_Format(PyExc_TypeError, "cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, "
-                     "lse, loss, total, count, stream) takes 10 arguments (%zd given)", nargs);
+    if (nargs != 12) {
+        PyErr_Format(PyExc_TypeError, "cross_entropy_fwd(logits, target, ignore_index, label_smoothing, softcap, "
+                     "z_loss, reduction, lse, loss, total, count, stream) takes 12 arguments (%zd given)", nargs);
         return NULL;
     }
-    xent_request q = {0, 0, args[0], args[1], args[5], args[6], args[7], args[8], Py_None, Py_None, 0, 0, 0.0};
-    if (parse_common(args[2], args[3], args[9], &q) < 0) return NULL;
-    PyObject *reduction = args[4];
+    xent_request q = {XENT_FWD, 0, args[0], args[1], args[7], args[8], args[9], args[10], Py_None, Py_None, 0, 0,
+                      0.0, 0.0, 0.0};
+    if (parse_common(args[2], args[3], args[4], args[5], args[11], &q) < 0) return NULL;
+    PyObject *reduction = args[6];
     if (!PyUnicode_Check(reduction) || (PyUnicode_CompareWithASCIIString(reduction, "mean") != 0 &&
                                         PyUnicode_CompareWithASCIIString(reduction, "sum") != 0 &&
                                         PyUnicode_CompareWithASCIIString(reduction, "none") != 0)) {
@@ -393,12 +468,25 @@ PyObject *brrr_py_xent_fwd(PyObject *module, PyObject *const *args, Py_ssize_t n
 }
 
 PyObject *brrr_py_xent_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_Format(PyExc_TypeError, "cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, "
-                     "grad_loss, count, grad_logits, stream) takes 9 arguments (%zd given)", nargs);
+    if (nargs != 11) {
+        PyErr_Format(PyExc_TypeError, "cross_entropy_bwd(logits, target, ignore_index, label_smoothing, softcap, "
+                     "z_loss, lse, grad_loss, count, grad_logits, stream) takes 11 arguments (%zd given)", nargs);
         return NULL;
     }
-    xent_request q = {1, 0, args[0], args[1], args[4], Py_None, Py_None, args[6], args[5], args[7], 0, 0, 0.0};
-    if (parse_common(args[2], args[3], args[8], &q) < 0) return NULL;
+    xent_request q = {XENT_BWD, 0, args[0], args[1], args[6], Py_None, Py_None, args[8], args[7], args[9], 0, 0,
+                      0.0, 0.0, 0.0};
+    if (parse_common(args[2], args[3], args[4], args[5], args[10], &q) < 0) return NULL;
+    return xent_call(module, &q);
+}
+
+PyObject *brrr_py_xent_fwd_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11) {
+        PyErr_Format(PyExc_TypeError, "cross_entropy_fwd_bwd(logits, target, ignore_index, label_smoothing, softcap, "
+                     "z_loss, loss, grad_loss, count, grad_logits, stream) takes 11 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    xent_request q = {XENT_FWD_BWD, 0, args[0], args[1], Py_None, args[6], Py_None, args[8], args[7], args[9], 0, 0,
+                      0.0, 0.0, 0.0};
+    if (parse_common(args[2], args[3], args[4], args[5], args[10], &q) < 0) return NULL;
     return xent_call(module, &q);
 }

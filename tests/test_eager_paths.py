@@ -84,20 +84,20 @@ def test_cross_entropy_forward_allocates_outputs(device, reduction):
     nan = dict(dtype=torch.float32, device=device)
     given = [torch.full((9,), float("nan"), **nan), torch.full((9,), float("nan"), **nan),
              None if reduction == "none" else torch.full((), float("nan"), **nan), torch.full((), float("nan"), **nan)]
-    assert _C.cross_entropy_fwd(logits, target, -100, 0.1, reduction, *given, -1) is None
+    assert _C.cross_entropy_fwd(logits, target, -100, 0.1, None, 0.0, reduction, *given, -1) is None
     asked = [True, True, None if reduction == "none" else True, True]
-    got = _C.cross_entropy_fwd(logits, target, -100, 0.1, reduction, *asked, -1)
+    got = _C.cross_entropy_fwd(logits, target, -100, 0.1, None, 0.0, reduction, *asked, -1)
     assert len(got) == 4
     for a, e in zip(got, given):
         assert (a is None) == (e is None)
         if e is not None:
             assert a.dtype == e.dtype and a.shape == e.shape and a.device == e.device and torch.equal(a, e)
     # Given and allocated mixed: the given one is returned as it was.
-    mixed = _C.cross_entropy_fwd(logits, target, -100, 0.1, reduction, given[0], True, asked[2], True, -1)
+    mixed = _C.cross_entropy_fwd(logits, target, -100, 0.1, None, 0.0, reduction, given[0], True, asked[2], True, -1)
     assert mixed[0] is given[0]
     with pytest.raises(TypeError, match="argument lse: True .* frameworks with DLPack's C exchange table"):
-        _C.cross_entropy_fwd(Producer(logits.float().cpu()), target.cpu(), -100, 0.0, reduction, True, True,
-                             asked[2], True, -1)
+        _C.cross_entropy_fwd(Producer(logits.float().cpu()), target.cpu(), -100, 0.0, None, 0.0, reduction, True,
+                             True, asked[2], True, -1)
 
 
 def test_lean_apply_takes_functorch_tensors_to_function_apply():

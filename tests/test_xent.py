@@ -347,7 +347,8 @@ def test_every_output_element_is_written(device, dtype, classes, reduction):
         return torch.full(shape, float("nan"), dtype=dt, device=device)
 
     lse, loss, total, count = nan((rows,)), nan((rows,)), nan(()), nan(())
-    _C.cross_entropy_fwd(x, t, -100, eps, reduction, lse, loss, None if reduction == "none" else total, count, -1)
+    _C.cross_entropy_fwd(x, t, -100, eps, None, 0.0, reduction, lse, loss, None if reduction == "none" else total,
+                         count, -1)
     check("lse", lse[keep], saved_lse(x, t)[keep.cpu()], acc)
     assert not lse[~keep].any() and not loss[~keep].any(), "lse or loss of an ignored row is not 0"
     check("loss", loss, reference(x, t, -100, "none", eps)[1], acc)
@@ -358,18 +359,18 @@ def test_every_output_element_is_written(device, dtype, classes, reduction):
     g = random((rows,) if reduction == "none" else (), acc, device)
     divisor = count if reduction == "mean" else None
     buffer = nan((rows, 2 * classes), dtype)
-    _C.cross_entropy_bwd(x, t, -100, eps, lse, g, divisor, buffer[:, ::2], -1)
+    _C.cross_entropy_bwd(x, t, -100, eps, None, 0.0, lse, g, divisor, buffer[:, ::2], -1)
     ref_leaf, ref = reference(x, t, -100, reduction, eps)
     ref.backward(g.double().cpu())
     scale = g.abs().max().item() / (int(keep.sum().item()) if reduction == "mean" else 1)
     check("grad", buffer[:, ::2], ref_leaf.grad, dtype, scale=scale)
     assert torch.isnan(buffer[:, 1::2]).all(), "the backward wrote outside grad_logits"
     dense = nan((rows, classes), dtype)
-    _C.cross_entropy_bwd(x, t, -100, eps, lse, g, divisor, dense, -1)
+    _C.cross_entropy_bwd(x, t, -100, eps, None, 0.0, lse, g, divisor, dense, -1)
     check("grad (contiguous)", dense, ref_leaf.grad, dtype, scale=scale)
     # Not in place: every element of a row needs the row's target logit, read by other threads.
     with pytest.raises(ValueError, match="argument grad_logits"):
-        _C.cross_entropy_bwd(x, t, -100, eps, lse, g, divisor, x, -1)
+        _C.cross_entropy_bwd(x, t, -100, eps, None, 0.0, lse, g, divisor, x, -1)
 
 
 # ---- inf, NaN, all ignored, no rows -------------------------------------------------------------
@@ -531,7 +532,7 @@ def test_ops_are_registered():
     assert hasattr(torch.ops.brrr, "cross_entropy_backward")
     schema = str(torch.ops.brrr.cross_entropy.default._schema)
     assert re.fullmatch(r"brrr::cross_entropy\(Tensor logits, Tensor target, (Sym)?[Ii]nt ignore_index, "
-                        r"float label_smoothing, str reduction\) -> Tensor\[\]", schema), schema
+                        r"float label_smoothing, float\? softcap, float z_loss, str reduction\) -> Tensor\[\]", schema), schema
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -545,7 +546,7 @@ def test_op_outputs(device, dtype):
     keep = t != -100
     ref_lse = saved_lse(x, t)
     for reduction in REDUCTIONS:
-        loss, lse, count = torch.ops.brrr.cross_entropy(x, t, -100, 0.1, reduction)
+        loss, lse, count = torch.ops.brrr.cross_entropy(x, t, -100, 0.1, None, 0.0, reduction)
         assert loss.dtype == stat and lse.dtype == stat and lse.shape == (6, 5) and count.shape == ()
         assert loss.shape == (() if reduction != "none" else (6, 5))
         assert int(count.item()) == int(keep.sum().item())
@@ -561,10 +562,11 @@ def test_opcheck(device):
     x = random((6, 5, 32), torch.float32, device, low=-10.0, high=10.0).requires_grad_()
     t = make_targets((6, 5), 32, device, IGNORE[0])
     for reduction in REDUCTIONS:
-        torch.library.opcheck(op, (x, t, -100, 0.0, reduction), test_utils=utils)
-        torch.library.opcheck(op, (x, t.clamp_min(0), 3, 0.1, reduction), test_utils=utils)
+        torch.library.opcheck(op, (x, t, -100, 0.0, None, 0.0, reduction), test_utils=utils)
+        torch.library.opcheck(op, (x, t.clamp_min(0), 3, 0.1, None, 0.0, reduction), test_utils=utils)
     x2 = random((9, 7), torch.bfloat16, device).requires_grad_()
-    torch.library.opcheck(op, (x2, torch.randint(0, 7, (9,), device=device, dtype=torch.int32), -100, 0.2, "mean"),
+    torch.library.opcheck(op, (x2, torch.randint(0, 7, (9,), device=device, dtype=torch.int32), -100, 0.2, None, 0.0,
+                                    "mean"),
                           test_utils=utils)
 
 
