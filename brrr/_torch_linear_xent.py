@@ -169,10 +169,10 @@ def _scaled_in_torch_ops(grad_acc, g, dtype):
 def _scaled_by_slices(grad_acc, g, dtype):
     """grad_acc * g rounded once to `dtype`, a slice of rows at a time: no whole float32 copy of a
     gradient (and on CUDA a half-precision tensor times a float32 0-d one rounds the factor to
-    half precision first). In place where grad_acc is in `dtype` already."""
+    half precision first). A new tensor: a second backward (retain_graph) finds grad_acc as saved."""
     if grad_acc.dtype == dtype == g.dtype:
-        return grad_acc.mul_(g)
-    out = grad_acc if grad_acc.dtype == dtype else torch.empty(grad_acc.shape, dtype=dtype, device=grad_acc.device)
+        return grad_acc * g
+    out = torch.empty(grad_acc.shape, dtype=dtype, device=grad_acc.device)
     row_elements = grad_acc[0].numel() if grad_acc.dim() > 1 else 1
     rows = chunk_rows(row_elements, g.element_size(), _SCALE_SLICE_BYTES)
     for start in range(0, grad_acc.shape[0], rows):

@@ -77,6 +77,21 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
                         reduction=self.reduction, label_smoothing=self.label_smoothing)
 
 
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """The cross-entropy of a linear layer's output, brrr.linear_cross_entropy: forward(input,
+    weight, target, bias=None) never holds the logits whole (no torch.nn twin)."""
+
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0):
+        super().__init__()
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.softcap, self.z_loss = softcap, z_loss
+
+    def forward(self, input, weight, target, bias=None):
+        return registry("linear_cross_entropy", input, weight, target, bias, ignore_index=self.ignore_index,
+                        reduction=self.reduction, label_smoothing=self.label_smoothing, softcap=self.softcap,
+                        z_loss=self.z_loss)
+
+
 # The torch.nn classes brrr.patch swaps exactly (their subclasses are checked by behaviour).
 TWINS = {torch.nn.LayerNorm: LayerNorm, torch.nn.RMSNorm: RMSNorm, torch.nn.GELU: GELU, torch.nn.SiLU: SiLU,
          torch.nn.ReLU: ReLU, torch.nn.Sigmoid: Sigmoid, torch.nn.Tanh: Tanh, torch.nn.CrossEntropyLoss: CrossEntropyLoss}
