@@ -278,23 +278,44 @@ def _try_activation(module, device):
     return _subclass(type(module), op, _activation_forward, _brrr_op=op, _brrr_kwargs=kwargs), _activation_name(op, kwargs)
 
 
+def _shifted_labels(labels, ignore_index, shift_labels):
+    """The targets of a causal LM: each position's next label (the last position ignored)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels.reshape(-1)
+
+
+def _per_item(loss, num_items_in_batch):
+    if num_items_in_batch is None:
+        return loss
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
 def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
                    **kwargs):
     """Hugging Face's ForCausalLMLoss through brrr's cross_entropy: labels shifted by one (the last
     position ignored), the loss in float32 without a float32 copy of the logits, the mean over
     counted tokens, or the sum divided by num_items_in_batch when that is given."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     logits = logits.reshape(-1, vocab_size)
-    shift_labels = shift_labels.reshape(-1).to(logits.device)
+    shift_labels = _shifted_labels(labels, ignore_index, shift_labels).to(logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = registry("cross_entropy", logits, shift_labels, ignore_index=ignore_index, reduction=reduction,
                     dtype=torch.float32)
-    if num_items_in_batch is not None:
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
+    return _per_item(loss, num_items_in_batch)
+
+
+def causal_lm_linear_loss(hidden_states, head, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                          softcap=None):
+    """causal_lm_loss of the logits head(hidden_states) (softcapped as Gemma 2 caps them), through
+    brrr's linear_cross_entropy: the logits are never held whole."""
+    hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
+    shift_labels = _shifted_labels(labels, ignore_index, shift_labels).to(hidden_states.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = registry("linear_cross_entropy", hidden_states, head.weight, shift_labels, head.bias,
+                    ignore_index=ignore_index, reduction=reduction, softcap=softcap, dtype=torch.float32)
+    return _per_item(loss, num_items_in_batch)
 
 
 def _behaves_like_causal_lm_loss(fn, device):
@@ -341,6 +362,105 @@ def _try_loss_function(module, device):
     module.__dict__[_ORIGINAL_LOSS] = {k: before.get(k, _MISSING) for k, v in module.__dict__.items()
                                        if before.get(k, _MISSING) is not v}
     return True, "loss_function: brrr causal-LM cross_entropy"
+
+
+# A causal LM's training step with labels, fused (patch's fused_linear_cross_entropy): its head
+# only hands its input over, and the loss comes from brrr's linear_cross_entropy. The head holds a
+# list that the model's forward arms (appends None) around its own forward; an armed head puts its
+# input there and returns logits of width 0, which the model's forward passes through as usual.
+_PENDING = "_brrr_pending"
+_LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
+def _deferring_head_forward(self, x):
+    pending = self.__dict__[_PENDING]
+    if not pending:
+        return F.linear(x, self.weight, self.bias)
+    pending[-1] = x
+    return x.new_empty(x.shape[:-1] + (0,))
+
+
+def _fused_linear_loss_forward(original):
+    """The model's forward: unchanged unless training with labels (a keyword, as Hugging Face's
+    Trainer passes them); then run without labels with the head deferring, and the loss of the
+    head's input through causal_lm_linear_loss. The output has that loss and no logits (None)."""
+    def forward(self, *args, **kwargs):
+        labels = kwargs.get("labels")
+        if labels is None or not self.training:
+            return original(self, *args, **kwargs)
+        head = self.get_output_embeddings()
+        pending = head.__dict__[_PENDING]
+        pending.append(None)
+        try:
+            out = original(self, *args, **dict(kwargs, labels=None))
+            hidden_states = pending[-1]
+        finally:
+            pending.clear()
+        if hidden_states is None:
+            raise RuntimeError(f"brrr.patch: {type(self).__name__}'s forward did not call its output embeddings "
+                               "(brrr.unpatch the model, or patch it with fused_linear_cross_entropy=False)")
+        loss = causal_lm_linear_loss(hidden_states, head, labels, softcap=self._brrr_softcap,
+                                     **{k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs})
+        if isinstance(out, tuple):  # return_dict=False: to_tuple of the output below
+            return (loss,) + out[1:]
+        return type(out)(**{k: v for k, v in out.items() if k != "logits"}, loss=loss)
+    forward._brrr_original = original
+    return forward
+
+
+def _logits_transform(module, head, device):
+    """(True, softcap or None) when module's forward returns its head's output as the logits, or
+    capped as Gemma 2 caps them (config.final_logit_softcapping); (False, why) otherwise. Probed:
+    a forward of 2 tokens (in eval mode, every submodule's mode restored) whose head returns
+    logits that a softcap of 30 changes by far more than rounding."""
+    cap = getattr(getattr(module, "config", None), "final_logit_softcapping", None)
+    probe = {}
+
+    def replace_logits(_module, _inputs, output):
+        rows = output.shape[:-1].numel()
+        probe["logits"] = torch.linspace(-60.0, 60.0, rows * 7, device=output.device).reshape(
+            *output.shape[:-1], 7).to(output.dtype)
+        return probe["logits"]
+
+    handle = head.register_forward_hook(replace_logits)
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        with torch.no_grad():
+            out = module(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
+    except Exception:  # noqa: BLE001 - a model that cannot take the probe is simply not a match
+        return False, "its forward did not take a probe of 2 input_ids"
+    finally:
+        handle.remove()
+        for m, training in modes:
+            m.training = training
+    logits = getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor) or "logits" not in probe:
+        return False, "its forward returned no logits from its output embeddings"
+    p = probe["logits"]
+    candidates = [((True, None), p)]
+    if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0:
+        candidates.append(((True, float(cap)), (cap * torch.tanh(p.float() / cap)).to(p.dtype)))
+    found = _closest(logits, candidates)
+    return found or (False, "its logits are not its head's output (nor softcapped by config.final_logit_softcapping)")
+
+
+def _try_fused_linear_loss(module, device):
+    """(model class, head, head class, what) for a causal LM whose loss was swapped and whose head
+    brrr's linear_cross_entropy can take, else (None, None, None, why)."""
+    get_head = getattr(module, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if type(head) is not torch.nn.Linear:
+        return None, None, None, "fused linear cross-entropy: no torch.nn.Linear output embeddings"
+    fits, softcap = _logits_transform(module, head, device)
+    if not fits:
+        return None, None, None, f"fused linear cross-entropy: {softcap}"
+    cls = type(module)
+    model_class = _subclass(cls, "fused_linear_loss", _fused_linear_loss_forward(cls.forward), _brrr_softcap=softcap)
+    head_class = _subclass(type(head), "deferring_head", _deferring_head_forward)
+    cap = "" if softcap is None else f", its softcap {softcap:g} fused"
+    return (model_class, head, head_class,
+            f"fused linear cross-entropy (training with labels: the loss from the head's input{cap}, logits None)")
 
 
 def _rotary_through_brrr(original):
@@ -500,8 +620,12 @@ def _try_forward_globals(module, device, made):
     return made[cls]
 
 
-def patch(model):
-    """Swap every module of `model` that brrr fuses, in place; returns a PatchReport."""
+def patch(model, *, fused_linear_cross_entropy=True):
+    """Swap every module of `model` that brrr fuses, in place; returns a PatchReport.
+
+    fused_linear_cross_entropy: a causal LM whose loss is swapped (see the module) computes that
+    loss, in training with labels, from its head's input through brrr.linear_cross_entropy, and
+    its output's logits are then None; in eval mode or without labels it returns them as before."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"argument model: expected a torch.nn.Module, got {type(model).__name__}")
     first = next(model.parameters(), None)
@@ -509,8 +633,11 @@ def patch(model):
     report = PatchReport()
     forward_classes = {}
     computed_by_parent = {}  # a child a swapped parent's forward computes itself -> the parent's name
+    deferring_heads = set()  # the heads of fused linear losses, reported with their model
     for name, module in model.named_modules():
         cls = type(module)
+        if module in deferring_heads:
+            continue
         if name in computed_by_parent:
             report.left.append((name, cls.__name__, f"computed by its parent's brrr forward "
                                                     f"({computed_by_parent[name] or '<root>'})"))
@@ -518,6 +645,21 @@ def patch(model):
         loss = _try_loss_function(module, device)
         if loss is not None:
             (report.swapped if loss[0] else report.left).append((name, cls.__name__, loss[1]))
+            if loss[0] and fused_linear_cross_entropy and _ORIGINAL not in module.__dict__:
+                model_class, head, head_class, what = _try_fused_linear_loss(module, device)
+                if model_class is None:
+                    report.left.append((name, cls.__name__, what))
+                else:
+                    _swap(module, model_class)
+                    _swap(head, head_class)
+                    head.__dict__[_PENDING] = []
+                    deferring_heads.add(head)
+                    head_name = next(n for n, m in module.named_modules() if m is head)
+                    report.swapped.append((name, cls.__name__, what))
+                    report.swapped.append((f"{name}.{head_name}" if name else head_name, "Linear",
+                                           "its logits left to the fused linear cross-entropy in training with "
+                                           "labels"))
+                    continue
         if _ORIGINAL in module.__dict__:
             report.left.append((name, cls.__name__, "already patched"))
             continue
@@ -570,6 +712,7 @@ def unpatch(model):
         original = module.__dict__.pop(_ORIGINAL, None)
         if original is not None:
             module.__class__ = original
+            module.__dict__.pop(_PENDING, None)
             restored += 1
     return restored
 

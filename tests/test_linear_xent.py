@@ -358,3 +358,117 @@ def test_cuda_graph_capture_of_a_training_step():
         expected_grads = torch.autograd.grad(expected, fresh)
         for a, e in zip(outputs, (expected,) + expected_grads):
             torch.testing.assert_close(a, e)
+
+
+# ---- brrr.patch: causal LMs' training loss ---------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+TINY = dict(vocab_size=211, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8)
+
+
+def tiny(name, dtype=torch.float32, device="cpu", **config):
+    torch.manual_seed(0)
+    model = getattr(transformers, name + "ForCausalLM")(getattr(transformers, name + "Config")(**TINY, **config))
+    with torch.no_grad():  # norm weights away from 1, so that ignoring them shows
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.to(device, dtype).train()
+
+
+def loss_and_grads(model, tokens, **kwargs):
+    out = model(input_ids=tokens, labels=tokens, **kwargs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return out, torch.autograd.grad(out.loss, params)
+
+
+@pytest.mark.parametrize("name,softcap", [("Llama", None), ("Gemma2", 30.0), ("Gemma2", 3.0)])
+def test_patched_causal_lm_trains_on_the_fused_loss(name, softcap):
+    """Training with labels: the loss and every gradient of the unpatched model (Gemma 2's
+    final-logit softcap, 30 and a tight 3, taken into the loss), also per item
+    (num_items_in_batch) and with return_dict=False; no logits returned, none of their size
+    saved for the backward. In eval mode or without labels: the unpatched model's logits."""
+    import copy
+
+    base = tiny(name, **({} if softcap is None else {"final_logit_softcapping": softcap}))
+    patched = copy.deepcopy(base)
+    report = brrr.patch(patched)
+    fused = "fused linear cross-entropy (training with labels: the loss from the head's input" + (
+        "" if softcap is None else f", its softcap {softcap:g} fused") + ", logits None)"
+    assert fused in {what for _, _, what in report.swapped}, str(report)
+    tokens = torch.randint(0, 211, (2, 9))
+    tokens[0, 3] = -100
+    ids = tokens.clamp_min(0)
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(11)}):
+        out, grads = loss_and_grads(base, ids, **kwargs)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s.shape) or s, lambda s: s):
+            p_out = patched(input_ids=ids, labels=tokens, **kwargs)
+        assert p_out.logits is None
+        assert not [s for s in saved if s[-1:] == (211,) and s.numel() >= ids.numel() * 211], saved
+        p_grads = torch.autograd.grad(p_out.loss, [p for p in patched.parameters() if p.requires_grad])
+        ref = base(input_ids=ids, labels=tokens, **kwargs).loss
+        torch.testing.assert_close(p_out.loss, ref, rtol=1e-5, atol=1e-6)
+        base_grads = torch.autograd.grad(ref, [p for p in base.parameters() if p.requires_grad])
+        for (n, _), a, b in zip(base.named_parameters(), p_grads, base_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=n)
+        del out, grads
+    as_tuple = patched(input_ids=ids, labels=tokens, return_dict=False)
+    torch.testing.assert_close(as_tuple[0], base(input_ids=ids, labels=tokens).loss, rtol=1e-5, atol=1e-6)
+    assert not any(isinstance(o, torch.Tensor) and o.shape[-1:] == (211,) for o in as_tuple)
+    torch.testing.assert_close(patched(input_ids=ids).logits, base(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    patched.eval()
+    base.eval()
+    eval_out, ref_out = patched(input_ids=ids, labels=tokens), base(input_ids=ids, labels=tokens)
+    torch.testing.assert_close(eval_out.logits, ref_out.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eval_out.loss, ref_out.loss, rtol=1e-5, atol=1e-6)
+    assert brrr.unpatch(patched) > 0
+    assert [type(m) for m in patched.modules()] == [type(m) for m in base.modules()]
+    assert all("_brrr_pending" not in m.__dict__ for m in patched.modules())
+
+
+def test_patch_leaves_logits_it_cannot_fuse_and_can_be_told_to_keep_them():
+    """Cohere scales its logits (logit_scale): the head is left, the loss swapped as before;
+    fused_linear_cross_entropy=False keeps a Llama's logits in training."""
+    cohere = tiny("Cohere", logit_scale=0.5)
+    report = brrr.patch(cohere)
+    assert ("", "CohereForCausalLM", "fused linear cross-entropy: its logits are not its head's output (nor "
+            "softcapped by config.final_logit_softcapping)") in report.left, str(report)
+    tokens = torch.randint(0, 211, (2, 7))
+    assert cohere(input_ids=tokens, labels=tokens).logits is not None
+    llama = tiny("Llama")
+    report = brrr.patch(llama, fused_linear_cross_entropy=False)
+    assert not any("fused linear" in what for _, _, what in report.swapped + report.left), str(report)
+    assert llama(input_ids=tokens, labels=tokens).logits.shape == (2, 7, 211)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_of_a_patched_step_with_the_fused_loss():
+    """A bf16 Llama's patched training step captured in one CUDA graph: replays give eager's loss
+    and gradients."""
+    model = tiny("Llama", torch.bfloat16, "cuda")
+    brrr.patch(model)
+    tokens = torch.randint(0, 211, (4, 64), device="cuda")
+    params = [p for p in model.parameters() if p.requires_grad]
+    eager = model(input_ids=tokens, labels=tokens).loss
+    eager_grads = torch.autograd.grad(eager, params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model(input_ids=tokens, labels=tokens).loss.backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+    for _ in range(2):
+        for p in params:
+            p.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(loss, eager.detach())
+        for p, g in zip(params, eager_grads):
+            torch.testing.assert_close(p.grad, g)
