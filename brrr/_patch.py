@@ -30,7 +30,12 @@ patched module until it is unpatched and patched again.
 A model whose forward takes `labels` and whose `loss_function` behaves like a causal language
 model's loss (Hugging Face's ForCausalLMLoss: shift the labels by one, cross-entropy over the
 vocabulary in float32, mean over the counted tokens or sum / num_items_in_batch; checked on a
-probe) gets brrr's instead: the same loss without the float32 copy of the logits.
+probe) gets brrr's instead: the same loss without the float32 copy of the logits. Where its output
+embeddings are a torch.nn.Linear whose output the forward returns as the logits (or softcaps, as
+Gemma 2 does by config.final_logit_softcapping; probed), a training call with `labels` computes
+that loss from the head's input with brrr.linear_cross_entropy, never the logits, and returns
+logits None (docs/linear-cross-entropy.md); eval mode or no labels returns them as before.
+patch(model, fused_linear_cross_entropy=False) keeps them in training too.
 
     with brrr.use_fused():        # route torch.nn.functional's gelu/silu/layer_norm/rms_norm
         y = model(x)              # and cross_entropy through brrr for the inputs it supports

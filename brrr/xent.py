@@ -2,6 +2,7 @@
 
     loss = brrr.cross_entropy(logits, target)          # torch.nn.functional.cross_entropy
     loss = brrr.cross_entropy(logits, target, dtype=torch.float32)   # as F.cross_entropy(logits.float(), target)
+    loss = brrr.linear_cross_entropy(hidden, weight, target)         # of hidden @ weight.T, never held whole
 
 One pass forward (reads the logits once, keeps one log-sum-exp per row) and one backward (reads
 the logits, writes their gradient). PyTorch's eager path writes the log-probabilities, and a

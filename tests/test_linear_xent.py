@@ -2,10 +2,12 @@
 F.cross_entropy(input.double() @ weight.double().T + bias) (with the softcap and z-loss written
 out) on fresh random inputs: rows that are not a multiple of the chunk, class counts on both sides
 of the kernels' switches, every reduction, ignore_index (all rows ignored too), label smoothing,
-softcap, z_loss, every dtype, 3-d and non-contiguous inputs, frozen parameters; the weight gradient
-bitwise the same run to run; what autograd saves (no logits); the torch.library op (opcheck,
-torch.compile without graph breaks); argument errors. CUDA only: CPU against CUDA, and a CUDA graph
-capture and replay of a training step.
+softcap, z_loss, every dtype, 3-d, unbatched, empty and non-contiguous inputs, frozen parameters;
+the weight gradient bitwise the same run to run; what autograd saves (no logits); the
+torch.library op (opcheck, torch.compile without graph breaks); argument errors; the registry
+entry and brrr.nn module. brrr.patch on transformers' Llama, Gemma 2 (its softcap) and Cohere
+(left): the patched model's loss and every gradient against the unpatched model's. CUDA only:
+a vocabulary of 32000, and CUDA graph captures of the op's and of a patched model's training step.
 """
 
 import pytest
@@ -154,6 +156,22 @@ def test_shapes_layouts_and_frozen_parameters(device, dtype):
     t8 = t.clone()
     t8[t8 == -100] = 255
     compare(x, w, t8.to(torch.uint8), b, what="uint8 target", budget=budget, ignore_index=255)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unbatched_input_and_no_rows(device):
+    """input (H,) with a 0-d target, as F.linear and F.cross_entropy take them; no rows: mean NaN
+    (as torch), sum 0, gradients zero."""
+    x, w, b = make(1, 8, 33, torch.float32, device)
+    for reduction in REDUCTIONS:
+        compare(x[0].detach().requires_grad_(), w, torch.tensor(5, device=device), b, what="unbatched",
+                reduction=reduction, label_smoothing=0.1)
+        empty = x[:0].detach().requires_grad_()
+        loss = brrr.linear_cross_entropy(empty, w, torch.zeros(0, dtype=torch.int64, device=device), b,
+                                         reduction=reduction)
+        assert loss.shape == ((0,) if reduction == "none" else ()) and (reduction != "mean" or torch.isnan(loss))
+        grads = torch.autograd.grad(loss.sum(), (empty, w, b))
+        assert grads[0].shape == (0, 8) and not grads[1].any() and not grads[2].any()
 
 
 @pytest.mark.parametrize("device", DEVICES)
