@@ -49,7 +49,8 @@ def build_info() -> dict:
 # name in this package, which would hide the registry object and the patch function.
 _LAZY = {"registry": ("_registry", "registry"), "UnsupportedError": ("_registry", "UnsupportedError"),
          "nn": ("nn", None), "patch": ("_patch", "patch"), "unpatch": ("_patch", "unpatch"),
-         "use_fused": ("_patch", "use_fused"), "causal_lm_loss": ("_patch", "causal_lm_loss")}
+         "use_fused": ("_patch", "use_fused"), "causal_lm_loss": ("_patch", "causal_lm_loss"),
+         "remat": ("remat", None), "norm_linear": ("remat", "norm_linear"), "glu_linear": ("remat", "glu_linear")}
 
 
 def __getattr__(name):
@@ -71,6 +72,9 @@ __all__ = [
     "Chain",
     "UnsupportedError",
     "causal_lm_loss",
+    "glu_linear",
+    "norm_linear",
+    "remat",
     "diagnose",
     "nn",
     "patch",

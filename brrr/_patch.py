@@ -35,7 +35,9 @@ embeddings are a torch.nn.Linear whose output the forward returns as the logits 
 Gemma 2 does by config.final_logit_softcapping; probed), a training call with `labels` computes
 that loss from the head's input with brrr.linear_cross_entropy, never the logits, and returns
 logits None (docs/linear-cross-entropy.md); eval mode or no labels returns them as before.
-patch(model, fused_linear_cross_entropy=False) keeps them in training too.
+patch(model, fused_linear_cross_entropy=False) keeps them in training too. patch(model, remat=True)
+has the backward recompute the swapped norms' and GLUs' outputs instead of their linear layers
+saving them (brrr.remat, docs/remat.md).
 
     with brrr.use_fused():        # route torch.nn.functional's gelu/silu/layer_norm/rms_norm
         y = model(x)              # and cross_entropy through brrr for the inputs it supports
@@ -54,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from . import nn as brrr_nn
+from . import remat as brrr_remat
 from .rotary import apply_rotary_pos_emb as brrr_apply_rotary_pos_emb
 from ._registry import TORCH_FUNCTIONS, _torch_rms_norm, _torch_rotary, registry
 
@@ -128,20 +131,32 @@ def _eps_attribute(module):
 
 
 def _rms_norm_forward(self, x):
-    return registry("rms_norm", x, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
-                    cast_order=self._brrr_cast_order)
+    out = registry("rms_norm", x, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
+                   cast_order=self._brrr_cast_order)
+    return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
 
 
 def _layer_norm_forward(self, x):
-    return registry("layer_norm", x, self.weight.shape, self.weight, self.bias, getattr(self, self._brrr_eps))
+    out = registry("layer_norm", x, self.weight.shape, self.weight, self.bias, getattr(self, self._brrr_eps))
+    return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
 
 
 def _activation_forward(self, x):
     return registry(self._brrr_op, x, **dict(self._brrr_kwargs))
 
 
+def _glu_of(self, *gate_up):
+    return registry(self._brrr_op, *gate_up, **dict(self._brrr_kwargs))
+
+
+def _down_of_glu(self, *gate_up):
+    """down_proj(act(gate) * up); with remat, the product tagged to be recomputed, not saved."""
+    out = _glu_of(self, *gate_up)
+    return self.down_proj(brrr_remat.tag(out, self._brrr_glu, *gate_up) if self._brrr_remat else out)
+
+
 def _glu_mlp_forward(self, x):
-    return self.down_proj(registry(self._brrr_op, self.gate_proj(x), self.up_proj(x), **dict(self._brrr_kwargs)))
+    return _down_of_glu(self, self.gate_proj(x), self.up_proj(x))
 
 
 def _residual_layer_norm_forward(self, hidden_states, input_tensor):
@@ -151,7 +166,7 @@ def _residual_layer_norm_forward(self, hidden_states, input_tensor):
 
 
 def _fused_glu_mlp_forward(self, x):
-    return self.down_proj(registry(self._brrr_op, self.gate_up_proj(x), **dict(self._brrr_kwargs)))
+    return _down_of_glu(self, self.gate_up_proj(x))
 
 
 _ACTIVATIONS = [  # (op, kwargs, reference)
@@ -193,7 +208,7 @@ def _activation_name(op, kwargs):
     return op + "".join(f" ({key}={value!r})" for key, value in kwargs)
 
 
-def _try_norm(module):
+def _try_norm(module, remat):
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or list(module.children()):
         return None, "not a norm (needs a 1-d weight and no children)"
@@ -208,17 +223,18 @@ def _try_norm(module):
     e = getattr(module, eps)
     if isinstance(bias, torch.nn.Parameter):
         if _close(y, F.layer_norm(x, weight.shape, weight, bias, e)):
-            return _subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps), "LayerNorm"
+            return (_subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps, _brrr_remat=remat),
+                    "LayerNorm")
         return None, "behaves like no LayerNorm"
     order = _closest(y, ((order, _torch_rms_norm(x, weight.shape, weight, e, cast_order=order))
                          for order in ("llama", "torch")))
     if order is None:
         return None, "behaves like no RMSNorm"
-    return (_subclass(type(module), "rms_norm", _rms_norm_forward, _brrr_eps=eps, _brrr_cast_order=order),
-            f"RMSNorm ({order} cast order)")
+    return (_subclass(type(module), "rms_norm", _rms_norm_forward, _brrr_eps=eps, _brrr_cast_order=order,
+                      _brrr_remat=remat), f"RMSNorm ({order} cast order)")
 
 
-def _try_glu_mlp(module):
+def _try_glu_mlp(module, remat):
     """Llama's gated MLP, down(act(gate(x)) * up(x)), or Phi-3's with one projection for both,
     down(up * act(gate)) where gate, up = gate_up(x).chunk(2, -1)."""
     gate, up, down, gate_up = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj"))
@@ -248,7 +264,7 @@ def _try_glu_mlp(module):
     op, kwargs = _GLU_OF[activation]
     forward = _fused_glu_mlp_forward if fused else _glu_mlp_forward
     return (_subclass(type(module), op + (" fused" if fused else ""), forward, _brrr_op=op, _brrr_kwargs=kwargs,
-                      _brrr_computes=(act_name,)),
+                      _brrr_computes=(act_name,), _brrr_remat=remat, _brrr_glu=_glu_of),
             f"gated MLP ({op}{', one gate_up projection' if fused else ''})")
 
 
@@ -625,12 +641,16 @@ def _try_forward_globals(module, device, made):
     return made[cls]
 
 
-def patch(model, *, fused_linear_cross_entropy=True):
+def patch(model, *, fused_linear_cross_entropy=True, remat=False):
     """Swap every module of `model` that brrr fuses, in place; returns a PatchReport.
 
     fused_linear_cross_entropy: a causal LM whose loss is swapped (see the module) computes that
     loss, in training with labels, from its head's input through brrr.linear_cross_entropy, and
-    its output's logits are then None; in eval mode or without labels it returns them as before."""
+    its output's logits are then None; in eval mode or without labels it returns them as before.
+    remat: the outputs of the norms and gated MLPs it swaps are recomputed in the backward instead
+    of saved by the linear layers they feed (brrr.remat; its torch.nn.Linear modules become
+    brrr.nn.RematLinear); the report says how many bytes per token that saves. Off by default:
+    its time cost (one memory-bound pass per norm and GLU) is not measured yet."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"argument model: expected a torch.nn.Module, got {type(model).__name__}")
     first = next(model.parameters(), None)
@@ -639,6 +659,7 @@ def patch(model, *, fused_linear_cross_entropy=True):
     forward_classes = {}
     computed_by_parent = {}  # a child a swapped parent's forward computes itself -> the parent's name
     deferring_heads = set()  # the heads of fused linear losses, reported with their model
+    remat_bytes = {"norm": [0, 0], "GLU": [0, 0]}  # outputs recomputed, not saved: count, bytes per token
     for name, module in model.named_modules():
         cls = type(module)
         if module in deferring_heads:
@@ -673,16 +694,20 @@ def patch(model, *, fused_linear_cross_entropy=True):
             _swap(module, twin)
             report.swapped.append((name, cls.__name__, f"brrr.nn.{twin.__name__}"))
             continue
+        if remat and cls is torch.nn.Linear:
+            _swap(module, brrr_nn.RematLinear)
+            report.swapped.append((name, cls.__name__, "brrr.nn.RematLinear (remat)"))
+            continue
         new_class, what = _try_forward_globals(module, device, forward_classes)
         if new_class is None and what is None:
-            new_class, what = _try_glu_mlp(module)
+            new_class, what = _try_glu_mlp(module, remat)
         if new_class is None and what is None:
             new_class, what = _try_residual_layer_norm(module)
         if new_class is None and what is not None:
             report.left.append((name, cls.__name__, what))
             continue
         if new_class is None and hasattr(module, "weight") and _eps_attribute(module) is not None:
-            new_class, what = _try_norm(module)
+            new_class, what = _try_norm(module, remat)
             if new_class is None:
                 report.left.append((name, cls.__name__, what))
                 continue
@@ -695,6 +720,16 @@ def patch(model, *, fused_linear_cross_entropy=True):
             report.swapped.append((name, cls.__name__, what))
             for child in getattr(new_class, "_brrr_computes", ()):
                 computed_by_parent[f"{name}.{child}" if name else child] = name
+            if getattr(new_class, "_brrr_remat", False):
+                kind, out = ("GLU", module.down_proj.in_features) if hasattr(module, "down_proj") else ("norm", module.weight.numel())
+                remat_bytes[kind][0] += 1
+                remat_bytes[kind][1] += out * module.weight.element_size() if kind == "norm" else \
+                    out * module.down_proj.weight.element_size()
+    if remat:
+        (norms, norm_bytes), (glus, glu_bytes) = remat_bytes["norm"], remat_bytes["GLU"]
+        report.notes.append(f"remat: the backward recomputes the outputs of {norms} norms and {glus} gated MLPs' GLUs "
+                            f"instead of saving them for their linear layers: {norm_bytes + glu_bytes} bytes per token "
+                            "not held from the forward to the backward")
     if device.type == "cpu" and report.swapped and any(registry.lookup(n).cpu == "pytorch" for n in registry.names()):
         report.notes.append("the model is on the CPU, where the registry runs PyTorch's functions unless told "
                             "registry.on_cpu(name, 'kernel'): brrr's CPU code is its CUDA kernels' reference twin, "

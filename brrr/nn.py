@@ -7,6 +7,7 @@ constructor), whose forward runs brrr's fused kernels through the registry.
 
 import torch
 
+from . import remat
 from ._registry import registry
 
 
@@ -90,6 +91,15 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         return registry("linear_cross_entropy", input, weight, target, bias, ignore_index=self.ignore_index,
                         reduction=self.reduction, label_smoothing=self.label_smoothing, softcap=self.softcap,
                         z_loss=self.z_loss)
+
+
+class RematLinear(torch.nn.Linear):
+    """torch.nn.Linear that, fed a norm's or a GLU's output tagged by brrr.remat (as brrr.patch's
+    remat=True tags them), saves what recomputes that output in the backward instead of the
+    output itself (brrr.remat.linear); any other input as torch.nn.Linear."""
+
+    def forward(self, x):
+        return remat.linear(x, self.weight, self.bias)
 
 
 # The torch.nn classes brrr.patch swaps exactly (their subclasses are checked by behaviour).
