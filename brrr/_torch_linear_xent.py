@@ -74,10 +74,15 @@ def _run_chunks(x, weight, target, bias, ignore_index, label_smoothing, softcap,
     gradient = any(needs)
     lse = None if gradient else torch.empty_like(loss_rows)
     stream = _stream(x, None)
+    # One chunk's logits, the only vocabulary-sized buffer, reused by every chunk.
+    buffer = x.new_empty((min(rows_per_chunk, x.shape[0]), weight.shape[0]))
     for start in range(0, x.shape[0], rows_per_chunk):
         end = min(start + rows_per_chunk, x.shape[0])
-        xs, ts = x[start:end], target[start:end]
-        logits = torch.mm(xs, weight.t()) if bias is None else torch.addmm(bias, xs, weight.t())
+        xs, ts, logits = x[start:end], target[start:end], buffer[:end - start]
+        if bias is None:
+            torch.mm(xs, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, xs, weight.t(), out=logits)
         if not gradient:
             _C.cross_entropy_fwd(logits, ts, ignore_index, label_smoothing, softcap, z_loss, "none", lse[start:end],
                                  loss_rows[start:end], None, None, stream)
