@@ -188,7 +188,7 @@ def _torch_cross_entropy(input, target, weight=None, ignore_index=-100, reductio
                                             reduction="none" if z_loss else reduction, label_smoothing=label_smoothing)
     if not z_loss:
         return loss
-    counted = target != ignore_index
+    counted = target.long() != ignore_index  # in int64: a uint8 target would wrap a negative ignore_index
     loss = loss + torch.where(counted, z_loss * torch.logsumexp(x, dim=1 if x.dim() >= 2 else 0) ** 2, 0.0)
     if reduction == "none":
         return loss
