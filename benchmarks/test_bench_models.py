@@ -100,7 +100,9 @@ def test_patched_model(recorder, name):
         model.zero_grad(set_to_none=True)
         out = model(input_ids=tokens, labels=tokens, use_cache=False)
         out.loss.backward()
-        results[label] = (out.logits.float(), out.loss.float(), {n: p.grad.float() for n, p in model.named_parameters()})
+        with torch.no_grad():  # a patched causal LM returns no logits in training with labels
+            logits = model(input_ids=tokens, use_cache=False).logits.float()
+        results[label] = (logits, out.loss.float(), {n: p.grad.float() for n, p in model.named_parameters()})
     (la, lossa, ga), (lb, lossb, gb) = results["unpatched"], results["patched"]
     logit_err = ((la - lb).norm() / la.norm()).item()
     # Relative to each gradient, but not below a thousandth of the largest: a gradient that is zero

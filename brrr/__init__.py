@@ -27,7 +27,7 @@ from .diagnose import diagnose
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .rotary import apply_rotary_pos_emb, rotary
 from .softmax import log_softmax, softmax
-from .xent import cross_entropy
+from .xent import cross_entropy, linear_cross_entropy
 
 __version__ = "0.1.0"
 
@@ -51,7 +51,8 @@ def build_info() -> dict:
 _LAZY = {"registry": ("_registry", "registry"), "UnsupportedError": ("_registry", "UnsupportedError"),
          "nn": ("nn", None), "patch": ("_patch", "patch"), "unpatch": ("_patch", "unpatch"),
          "use_fused": ("_patch", "use_fused"), "causal_lm_loss": ("_patch", "causal_lm_loss"),
-         "graphs": ("graphs", None), "capture_step": ("graphs", "capture_step")}
+         "graphs": ("graphs", None), "capture_step": ("graphs", "capture_step"),
+         "remat": ("remat", None), "norm_linear": ("remat", "norm_linear"), "glu_linear": ("remat", "glu_linear")}
 
 
 def __getattr__(name):
@@ -67,13 +68,16 @@ def __getattr__(name):
 
 
 if "torch" in sys.modules:
-    from . import _torch, _torch_dropout, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
+    from . import _torch, _torch_dropout, _torch_linear_xent, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
 
 __all__ = [
     "Chain",
     "UnsupportedError",
     "capture_step",
     "causal_lm_loss",
+    "glu_linear",
+    "norm_linear",
+    "remat",
     "diagnose",
     "graphs",
     "nn",
@@ -97,6 +101,7 @@ __all__ = [
     "exp",
     "gelu",
     "layer_norm",
+    "linear_cross_entropy",
     "log_softmax",
     "relu",
     "rms_norm",

@@ -30,7 +30,14 @@ patched module until it is unpatched and patched again.
 A model whose forward takes `labels` and whose `loss_function` behaves like a causal language
 model's loss (Hugging Face's ForCausalLMLoss: shift the labels by one, cross-entropy over the
 vocabulary in float32, mean over the counted tokens or sum / num_items_in_batch; checked on a
-probe) gets brrr's instead: the same loss without the float32 copy of the logits.
+probe) gets brrr's instead: the same loss without the float32 copy of the logits. Where its output
+embeddings are a torch.nn.Linear whose output the forward returns as the logits (or softcaps, as
+Gemma 2 does by config.final_logit_softcapping; probed), a training call with `labels` computes
+that loss from the head's input with brrr.linear_cross_entropy, never the logits, and returns
+logits None (docs/linear-cross-entropy.md); eval mode or no labels returns them as before.
+patch(model, fused_linear_cross_entropy=False) keeps them in training too. patch(model, remat=True)
+has the backward recompute the swapped norms' and GLUs' outputs instead of their linear layers
+saving them (brrr.remat, docs/remat.md).
 
     with brrr.use_fused():        # route torch.nn.functional's gelu/silu/layer_norm/rms_norm
         y = model(x)              # and cross_entropy through brrr for the inputs it supports
@@ -49,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from . import nn as brrr_nn
+from . import remat as brrr_remat
 from .rotary import apply_rotary_pos_emb as brrr_apply_rotary_pos_emb
 from ._registry import TORCH_FUNCTIONS, _torch_rms_norm, _torch_rotary, registry
 
@@ -123,20 +131,32 @@ def _eps_attribute(module):
 
 
 def _rms_norm_forward(self, x):
-    return registry("rms_norm", x, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
-                    cast_order=self._brrr_cast_order)
+    out = registry("rms_norm", x, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
+                   cast_order=self._brrr_cast_order)
+    return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
 
 
 def _layer_norm_forward(self, x):
-    return registry("layer_norm", x, self.weight.shape, self.weight, self.bias, getattr(self, self._brrr_eps))
+    out = registry("layer_norm", x, self.weight.shape, self.weight, self.bias, getattr(self, self._brrr_eps))
+    return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
 
 
 def _activation_forward(self, x):
     return registry(self._brrr_op, x, **dict(self._brrr_kwargs))
 
 
+def _glu_of(self, *gate_up):
+    return registry(self._brrr_op, *gate_up, **dict(self._brrr_kwargs))
+
+
+def _down_of_glu(self, *gate_up):
+    """down_proj(act(gate) * up); with remat, the product tagged to be recomputed, not saved."""
+    out = _glu_of(self, *gate_up)
+    return self.down_proj(brrr_remat.tag(out, self._brrr_glu, *gate_up) if self._brrr_remat else out)
+
+
 def _glu_mlp_forward(self, x):
-    return self.down_proj(registry(self._brrr_op, self.gate_proj(x), self.up_proj(x), **dict(self._brrr_kwargs)))
+    return _down_of_glu(self, self.gate_proj(x), self.up_proj(x))
 
 
 def _residual_layer_norm_forward(self, hidden_states, input_tensor):
@@ -146,7 +166,7 @@ def _residual_layer_norm_forward(self, hidden_states, input_tensor):
 
 
 def _fused_glu_mlp_forward(self, x):
-    return self.down_proj(registry(self._brrr_op, self.gate_up_proj(x), **dict(self._brrr_kwargs)))
+    return _down_of_glu(self, self.gate_up_proj(x))
 
 
 _ACTIVATIONS = [  # (op, kwargs, reference)
@@ -188,7 +208,7 @@ def _activation_name(op, kwargs):
     return op + "".join(f" ({key}={value!r})" for key, value in kwargs)
 
 
-def _try_norm(module):
+def _try_norm(module, remat):
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or list(module.children()):
         return None, "not a norm (needs a 1-d weight and no children)"
@@ -203,17 +223,18 @@ def _try_norm(module):
     e = getattr(module, eps)
     if isinstance(bias, torch.nn.Parameter):
         if _close(y, F.layer_norm(x, weight.shape, weight, bias, e)):
-            return _subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps), "LayerNorm"
+            return (_subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps, _brrr_remat=remat),
+                    "LayerNorm")
         return None, "behaves like no LayerNorm"
     order = _closest(y, ((order, _torch_rms_norm(x, weight.shape, weight, e, cast_order=order))
                          for order in ("llama", "torch")))
     if order is None:
         return None, "behaves like no RMSNorm"
-    return (_subclass(type(module), "rms_norm", _rms_norm_forward, _brrr_eps=eps, _brrr_cast_order=order),
-            f"RMSNorm ({order} cast order)")
+    return (_subclass(type(module), "rms_norm", _rms_norm_forward, _brrr_eps=eps, _brrr_cast_order=order,
+                      _brrr_remat=remat), f"RMSNorm ({order} cast order)")
 
 
-def _try_glu_mlp(module):
+def _try_glu_mlp(module, remat):
     """Llama's gated MLP, down(act(gate(x)) * up(x)), or Phi-3's with one projection for both,
     down(up * act(gate)) where gate, up = gate_up(x).chunk(2, -1)."""
     gate, up, down, gate_up = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj"))
@@ -243,7 +264,7 @@ def _try_glu_mlp(module):
     op, kwargs = _GLU_OF[activation]
     forward = _fused_glu_mlp_forward if fused else _glu_mlp_forward
     return (_subclass(type(module), op + (" fused" if fused else ""), forward, _brrr_op=op, _brrr_kwargs=kwargs,
-                      _brrr_computes=(act_name,)),
+                      _brrr_computes=(act_name,), _brrr_remat=remat, _brrr_glu=_glu_of),
             f"gated MLP ({op}{', one gate_up projection' if fused else ''})")
 
 
@@ -278,23 +299,44 @@ def _try_activation(module, device):
     return _subclass(type(module), op, _activation_forward, _brrr_op=op, _brrr_kwargs=kwargs), _activation_name(op, kwargs)
 
 
+def _shifted_labels(labels, ignore_index, shift_labels):
+    """The targets of a causal LM: each position's next label (the last position ignored)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels.reshape(-1)
+
+
+def _per_item(loss, num_items_in_batch):
+    if num_items_in_batch is None:
+        return loss
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
 def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
                    **kwargs):
     """Hugging Face's ForCausalLMLoss through brrr's cross_entropy: labels shifted by one (the last
     position ignored), the loss in float32 without a float32 copy of the logits, the mean over
     counted tokens, or the sum divided by num_items_in_batch when that is given."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     logits = logits.reshape(-1, vocab_size)
-    shift_labels = shift_labels.reshape(-1).to(logits.device)
+    shift_labels = _shifted_labels(labels, ignore_index, shift_labels).to(logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = registry("cross_entropy", logits, shift_labels, ignore_index=ignore_index, reduction=reduction,
                     dtype=torch.float32)
-    if num_items_in_batch is not None:
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
+    return _per_item(loss, num_items_in_batch)
+
+
+def causal_lm_linear_loss(hidden_states, head, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                          softcap=None):
+    """causal_lm_loss of the logits head(hidden_states) (softcapped as Gemma 2 caps them), through
+    brrr's linear_cross_entropy: the logits are never held whole."""
+    hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
+    shift_labels = _shifted_labels(labels, ignore_index, shift_labels).to(hidden_states.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = registry("linear_cross_entropy", hidden_states, head.weight, shift_labels, head.bias,
+                    ignore_index=ignore_index, reduction=reduction, softcap=softcap, dtype=torch.float32)
+    return _per_item(loss, num_items_in_batch)
 
 
 def _behaves_like_causal_lm_loss(fn, device):
@@ -341,6 +383,105 @@ def _try_loss_function(module, device):
     module.__dict__[_ORIGINAL_LOSS] = {k: before.get(k, _MISSING) for k, v in module.__dict__.items()
                                        if before.get(k, _MISSING) is not v}
     return True, "loss_function: brrr causal-LM cross_entropy"
+
+
+# A causal LM's training step with labels, fused (patch's fused_linear_cross_entropy): its head
+# only hands its input over, and the loss comes from brrr's linear_cross_entropy. The head holds a
+# list that the model's forward arms (appends None) around its own forward; an armed head puts its
+# input there and returns logits of width 0, which the model's forward passes through as usual.
+_PENDING = "_brrr_pending"
+_LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
+def _deferring_head_forward(self, x):
+    pending = self.__dict__[_PENDING]
+    if not pending:
+        return F.linear(x, self.weight, self.bias)
+    pending[-1] = x
+    return x.new_empty(x.shape[:-1] + (0,))
+
+
+def _fused_linear_loss_forward(original):
+    """The model's forward: unchanged unless training with labels (a keyword, as Hugging Face's
+    Trainer passes them); then run without labels with the head deferring, and the loss of the
+    head's input through causal_lm_linear_loss. The output has that loss and no logits (None)."""
+    def forward(self, *args, **kwargs):
+        labels = kwargs.get("labels")
+        if labels is None or not self.training:
+            return original(self, *args, **kwargs)
+        head = self.get_output_embeddings()
+        pending = head.__dict__[_PENDING]
+        pending.append(None)
+        try:
+            out = original(self, *args, **dict(kwargs, labels=None))
+            hidden_states = pending[-1]
+        finally:
+            pending.clear()
+        if hidden_states is None:
+            raise RuntimeError(f"brrr.patch: {type(self).__name__}'s forward did not call its output embeddings "
+                               "(brrr.unpatch the model, or patch it with fused_linear_cross_entropy=False)")
+        loss = causal_lm_linear_loss(hidden_states, head, labels, softcap=self._brrr_softcap,
+                                     **{k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs})
+        if isinstance(out, tuple):  # return_dict=False: to_tuple of the output below
+            return (loss,) + out[1:]
+        return type(out)(**{k: v for k, v in out.items() if k != "logits"}, loss=loss)
+    forward._brrr_original = original
+    return forward
+
+
+def _logits_transform(module, head, device):
+    """(True, softcap or None) when module's forward returns its head's output as the logits, or
+    capped as Gemma 2 caps them (config.final_logit_softcapping); (False, why) otherwise. Probed:
+    a forward of 2 tokens (in eval mode, every submodule's mode restored) whose head returns
+    logits that a softcap of 30 changes by far more than rounding."""
+    cap = getattr(getattr(module, "config", None), "final_logit_softcapping", None)
+    probe = {}
+
+    def replace_logits(_module, _inputs, output):
+        rows = output.shape[:-1].numel()
+        probe["logits"] = torch.linspace(-60.0, 60.0, rows * 7, device=output.device).reshape(
+            *output.shape[:-1], 7).to(output.dtype)
+        return probe["logits"]
+
+    handle = head.register_forward_hook(replace_logits)
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        with torch.no_grad():
+            out = module(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
+    except Exception:  # noqa: BLE001 - a model that cannot take the probe is simply not a match
+        return False, "its forward did not take a probe of 2 input_ids"
+    finally:
+        handle.remove()
+        for m, training in modes:
+            m.training = training
+    logits = getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor) or "logits" not in probe:
+        return False, "its forward returned no logits from its output embeddings"
+    p = probe["logits"]
+    candidates = [((True, None), p)]
+    if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0:
+        candidates.append(((True, float(cap)), (cap * torch.tanh(p.float() / cap)).to(p.dtype)))
+    found = _closest(logits, candidates)
+    return found or (False, "its logits are not its head's output (nor softcapped by config.final_logit_softcapping)")
+
+
+def _try_fused_linear_loss(module, device):
+    """(model class, head, head class, what) for a causal LM whose loss was swapped and whose head
+    brrr's linear_cross_entropy can take, else (None, None, None, why)."""
+    get_head = getattr(module, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if type(head) is not torch.nn.Linear:
+        return None, None, None, "fused linear cross-entropy: no torch.nn.Linear output embeddings"
+    fits, softcap = _logits_transform(module, head, device)
+    if not fits:
+        return None, None, None, f"fused linear cross-entropy: {softcap}"
+    cls = type(module)
+    model_class = _subclass(cls, "fused_linear_loss", _fused_linear_loss_forward(cls.forward), _brrr_softcap=softcap)
+    head_class = _subclass(type(head), "deferring_head", _deferring_head_forward)
+    cap = "" if softcap is None else f", its softcap {softcap:g} fused"
+    return (model_class, head, head_class,
+            f"fused linear cross-entropy (training with labels: the loss from the head's input{cap}, logits None)")
 
 
 def _rotary_through_brrr(original):
@@ -500,8 +641,16 @@ def _try_forward_globals(module, device, made):
     return made[cls]
 
 
-def patch(model):
-    """Swap every module of `model` that brrr fuses, in place; returns a PatchReport."""
+def patch(model, *, fused_linear_cross_entropy=True, remat=False):
+    """Swap every module of `model` that brrr fuses, in place; returns a PatchReport.
+
+    fused_linear_cross_entropy: a causal LM whose loss is swapped (see the module) computes that
+    loss, in training with labels, from its head's input through brrr.linear_cross_entropy, and
+    its output's logits are then None; in eval mode or without labels it returns them as before.
+    remat: the outputs of the norms and gated MLPs it swaps are recomputed in the backward instead
+    of saved by the linear layers they feed (brrr.remat; its torch.nn.Linear modules become
+    brrr.nn.RematLinear); the report says how many bytes per token that saves. Off by default:
+    its time cost (one memory-bound pass per norm and GLU) is not measured yet."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"argument model: expected a torch.nn.Module, got {type(model).__name__}")
     first = next(model.parameters(), None)
@@ -509,8 +658,12 @@ def patch(model):
     report = PatchReport()
     forward_classes = {}
     computed_by_parent = {}  # a child a swapped parent's forward computes itself -> the parent's name
+    deferring_heads = set()  # the heads of fused linear losses, reported with their model
+    remat_bytes = {"norm": [0, 0], "GLU": [0, 0]}  # outputs recomputed, not saved: count, bytes per token
     for name, module in model.named_modules():
         cls = type(module)
+        if module in deferring_heads:
+            continue
         if name in computed_by_parent:
             report.left.append((name, cls.__name__, f"computed by its parent's brrr forward "
                                                     f"({computed_by_parent[name] or '<root>'})"))
@@ -518,6 +671,21 @@ def patch(model):
         loss = _try_loss_function(module, device)
         if loss is not None:
             (report.swapped if loss[0] else report.left).append((name, cls.__name__, loss[1]))
+            if loss[0] and fused_linear_cross_entropy and _ORIGINAL not in module.__dict__:
+                model_class, head, head_class, what = _try_fused_linear_loss(module, device)
+                if model_class is None:
+                    report.left.append((name, cls.__name__, what))
+                else:
+                    _swap(module, model_class)
+                    _swap(head, head_class)
+                    head.__dict__[_PENDING] = []
+                    deferring_heads.add(head)
+                    head_name = next(n for n, m in module.named_modules() if m is head)
+                    report.swapped.append((name, cls.__name__, what))
+                    report.swapped.append((f"{name}.{head_name}" if name else head_name, "Linear",
+                                           "its logits left to the fused linear cross-entropy in training with "
+                                           "labels"))
+                    continue
         if _ORIGINAL in module.__dict__:
             report.left.append((name, cls.__name__, "already patched"))
             continue
@@ -526,16 +694,20 @@ def patch(model):
             _swap(module, twin)
             report.swapped.append((name, cls.__name__, f"brrr.nn.{twin.__name__}"))
             continue
+        if remat and cls is torch.nn.Linear:
+            _swap(module, brrr_nn.RematLinear)
+            report.swapped.append((name, cls.__name__, "brrr.nn.RematLinear (remat)"))
+            continue
         new_class, what = _try_forward_globals(module, device, forward_classes)
         if new_class is None and what is None:
-            new_class, what = _try_glu_mlp(module)
+            new_class, what = _try_glu_mlp(module, remat)
         if new_class is None and what is None:
             new_class, what = _try_residual_layer_norm(module)
         if new_class is None and what is not None:
             report.left.append((name, cls.__name__, what))
             continue
         if new_class is None and hasattr(module, "weight") and _eps_attribute(module) is not None:
-            new_class, what = _try_norm(module)
+            new_class, what = _try_norm(module, remat)
             if new_class is None:
                 report.left.append((name, cls.__name__, what))
                 continue
@@ -548,6 +720,16 @@ def patch(model):
             report.swapped.append((name, cls.__name__, what))
             for child in getattr(new_class, "_brrr_computes", ()):
                 computed_by_parent[f"{name}.{child}" if name else child] = name
+            if getattr(new_class, "_brrr_remat", False):
+                kind, out = ("GLU", module.down_proj.in_features) if hasattr(module, "down_proj") else ("norm", module.weight.numel())
+                remat_bytes[kind][0] += 1
+                remat_bytes[kind][1] += out * module.weight.element_size() if kind == "norm" else \
+                    out * module.down_proj.weight.element_size()
+    if remat:
+        (norms, norm_bytes), (glus, glu_bytes) = remat_bytes["norm"], remat_bytes["GLU"]
+        report.notes.append(f"remat: the backward recomputes the outputs of {norms} norms and {glus} gated MLPs' GLUs "
+                            f"instead of saving them for their linear layers: {norm_bytes + glu_bytes} bytes per token "
+                            "not held from the forward to the backward")
     if device.type == "cpu" and report.swapped and any(registry.lookup(n).cpu == "pytorch" for n in registry.names()):
         report.notes.append("the model is on the CPU, where the registry runs PyTorch's functions unless told "
                             "registry.on_cpu(name, 'kernel'): brrr's CPU code is its CUDA kernels' reference twin, "
@@ -570,6 +752,7 @@ def unpatch(model):
         original = module.__dict__.pop(_ORIGINAL, None)
         if original is not None:
             module.__class__ = original
+            module.__dict__.pop(_PENDING, None)
             restored += 1
     return restored
 

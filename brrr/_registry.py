@@ -17,8 +17,9 @@ measured in compiled training steps of transformers' Llama and GPT-2 on an H200
 (benchmarks/results/h200-2026-12-01-e130eba/): norms, activations and GLUs default to "inductor"
 (inductor folds the residual adds and casts around them into its own kernels, which an opaque op
 prevents, and its SwiGLU backward took 108 us a layer against brrr's 191 us); cross_entropy (its
-forward reads the logits once, inductor's twice) and bias_dropout_add (its reference draws its
-mask from torch's generator, not from the seed) to "kernel".
+forward reads the logits once, inductor's twice), linear_cross_entropy (inductor's would hold the
+logits whole) and bias_dropout_add (its reference draws its mask from torch's generator, not from
+the seed) to "kernel".
 
 On CPU tensors brrr's ops run the PyTorch function they replace, unless set to "kernel" (ops a
 user registers run their implementation there, as on any device they list): brrr's CPU
@@ -47,7 +48,7 @@ from .dropout import bias_dropout_add
 from .glu import _gelu_name, bias_gelu, bias_silu
 from .norm import _torch as _norm_family, llama_order
 from .softmax import _torch as _softmax_family
-from .xent import REDUCTIONS, cross_entropy
+from .xent import REDUCTIONS, cross_entropy, linear_cross_entropy
 
 
 class UnsupportedError(TypeError):
@@ -168,20 +169,52 @@ TORCH_FUNCTIONS = {name: getattr(F, name) for name in ("gelu", "silu", "layer_no
 
 
 def _cross_entropy_ok(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
-                      dtype=None):
+                      dtype=None, **options):
     if not _tensor_ok(input) or input.dim() == 0 or weight is not None or reduction not in REDUCTIONS:
         return False
     rows = input.shape[:1] + input.shape[2:] if input.dim() >= 2 else ()
+    return _targets_ok(input, target, rows) and dtype in (None, torch.float32, torch.float64, input.dtype)
+
+
+def _targets_ok(input, target, rows):
     return (isinstance(target, torch.Tensor) and target.dtype in _CLASS_INDICES and target.device == input.device
-            and target.shape == rows and dtype in (None, torch.float32, torch.float64, input.dtype))
+            and target.shape == rows)
 
 
 def _torch_cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
-                         dtype=None):
-    """dtype: the loss's dtype, as brrr.cross_entropy takes it (the input is cast to it first)."""
-    return TORCH_FUNCTIONS["cross_entropy"](input if dtype is None else input.to(dtype), target, weight,
-                                            ignore_index=ignore_index, reduction=reduction,
-                                            label_smoothing=label_smoothing)
+                         softcap=None, z_loss=0.0, dtype=None):
+    """dtype: the loss's dtype, as brrr.cross_entropy takes it (the input is cast to it first);
+    softcap and z_loss as brrr.cross_entropy defines them (the z-loss's mean over the counted
+    rows, also with per-class weights)."""
+    x = input if dtype is None else input.to(dtype)
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    loss = TORCH_FUNCTIONS["cross_entropy"](x, target, weight, ignore_index=ignore_index,
+                                            reduction="none" if z_loss else reduction, label_smoothing=label_smoothing)
+    if not z_loss:
+        return loss
+    counted = target.long() != ignore_index  # in int64: a uint8 target would wrap a negative ignore_index
+    loss = loss + torch.where(counted, z_loss * torch.logsumexp(x, dim=1 if x.dim() >= 2 else 0) ** 2, 0.0)
+    if reduction == "none":
+        return loss
+    return loss.sum() / counted.sum() if reduction == "mean" else loss.sum()
+
+
+def _linear_cross_entropy_ok(input, weight, target, bias=None, *, reduction="mean", dtype=None, **options):
+    return (_tensor_ok(input) and input.dim() >= 1 and isinstance(weight, torch.Tensor) and _same_kind(input, weight, bias)
+            and weight.dim() == 2 and weight.shape[1] == input.shape[-1] and weight.shape[0] > 0
+            and (bias is None or bias.shape == weight.shape[:1]) and reduction in REDUCTIONS
+            and _targets_ok(input, target, input.shape[:-1]) and dtype in (None, torch.float32, torch.float64, input.dtype))
+
+
+def _torch_linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
+                                label_smoothing=0.0, softcap=None, z_loss=0.0, dtype=None, logits_budget=None):
+    """The logits in full (logits_budget is brrr's alone)."""
+    logits = F.linear(input, weight, bias)
+    loss = _torch_cross_entropy(logits.reshape(-1, weight.shape[0]), target.reshape(-1), ignore_index=ignore_index,
+                                reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                                dtype=dtype)
+    return loss.reshape(target.shape) if reduction == "none" else loss
 
 
 def _softmax_ok(input, dim=None, _stacklevel=3, dtype=None):
@@ -398,7 +431,7 @@ def _check_choice(argument, value, choices):
 
 
 # What stays brrr's kernel under torch.compile (see the module docstring); the rest is inductor's.
-_KERNEL_UNDER_COMPILE = {"cross_entropy", "bias_dropout_add"}
+_KERNEL_UNDER_COMPILE = {"cross_entropy", "linear_cross_entropy", "bias_dropout_add"}
 
 registry = Registry()
 for _name, _ref, _impl, _ok in [
@@ -417,6 +450,7 @@ for _name, _ref, _impl, _ok in [
     ("add_layer_norm", _torch_add_layer_norm, _norm_torch.add_layer_norm, _add_norm_ok),
     ("add_rms_norm", _torch_add_rms_norm, _add_rms_norm, _add_rms_norm_ok),
     ("cross_entropy", _torch_cross_entropy, cross_entropy, _cross_entropy_ok),
+    ("linear_cross_entropy", _torch_linear_cross_entropy, linear_cross_entropy, _linear_cross_entropy_ok),
     ("rotary", _torch_rotary, _brrr_rotary, _rotary_ok),
     ("rotary_qk", _torch_rotary_qk, _brrr_rotary_qk, _rotary_qk_ok),
     ("softmax", TORCH_FUNCTIONS["softmax"], _softmax(False), _softmax_ok),

@@ -7,6 +7,7 @@ constructor), whose forward runs brrr's fused kernels through the registry.
 
 import torch
 
+from . import remat
 from ._registry import registry
 
 
@@ -85,6 +86,30 @@ class Softmax(torch.nn.Softmax):
 class LogSoftmax(torch.nn.LogSoftmax):
     def forward(self, input):
         return registry("log_softmax", input, self.dim)
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """The cross-entropy of a linear layer's output, brrr.linear_cross_entropy: forward(input,
+    weight, target, bias=None) never holds the logits whole (no torch.nn twin)."""
+
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0):
+        super().__init__()
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.softcap, self.z_loss = softcap, z_loss
+
+    def forward(self, input, weight, target, bias=None):
+        return registry("linear_cross_entropy", input, weight, target, bias, ignore_index=self.ignore_index,
+                        reduction=self.reduction, label_smoothing=self.label_smoothing, softcap=self.softcap,
+                        z_loss=self.z_loss)
+
+
+class RematLinear(torch.nn.Linear):
+    """torch.nn.Linear that, fed a norm's or a GLU's output tagged by brrr.remat (as brrr.patch's
+    remat=True tags them), saves what recomputes that output in the backward instead of the
+    output itself (brrr.remat.linear); any other input as torch.nn.Linear."""
+
+    def forward(self, x):
+        return remat.linear(x, self.weight, self.bias)
 
 
 # The torch.nn classes brrr.patch swaps exactly (their subclasses are checked by behaviour).

@@ -33,6 +33,12 @@ static const char *param_name(const brrr_op_spec *spec, int i) {
 
 static int parse_arg(const brrr_arg_spec *a, PyObject *v, brrr_arg *out) {
     switch (a->type) {
+    case BRRR_ARG_OPTIONAL_FLOAT:
+        if (v == Py_None) {
+            out->f = 0.0;
+            return 0;
+        }
+        /* fall through */
     case BRRR_ARG_FLOAT:
         if (!PyFloat_Check(v) && !(PyLong_Check(v) && !PyBool_Check(v))) {
             PyErr_Format(PyExc_TypeError, "argument %s: expected %s, got %.200s", a->name, a->expect,
@@ -125,7 +131,7 @@ static int bind(op_object *self, PyObject *const *args, size_t nargsf, PyObject 
         return -1;
     }
     for (int a = 0; a < spec->n_args; a++)
-        if (values[spec->n_slots + a] == NULL) {
+        if (values[spec->n_slots + a] == NULL && !spec->args[a].has_default) {
             PyErr_Format(PyExc_TypeError, "brrr._C.%s() missing argument '%s'", spec->name, spec->args[a].name);
             return -1;
         }
@@ -326,8 +332,13 @@ static int output_wanted(const brrr_op_call *c, int s, PyObject *obj) {
 
 static int run_call(brrr_op_call *c, PyObject **values) {
     const brrr_op_spec *spec = c->spec;
-    for (int a = 0; a < spec->n_args; a++)
-        if (parse_arg(&spec->args[a], values[spec->n_slots + a], &c->arg[a]) < 0) return -1;
+    for (int a = 0; a < spec->n_args; a++) {
+        const brrr_arg_spec *arg = &spec->args[a];
+        PyObject *v = values[spec->n_slots + a];
+        if (v == NULL && arg->type == BRRR_ARG_FLOAT) c->arg[a].f = arg->default_value;
+        else if (v == NULL) c->arg[a].i = (long long)arg->default_value; /* OPTIONAL_FLOAT: None is 0 */
+        else if (parse_arg(arg, v, &c->arg[a]) < 0) return -1;
+    }
     PyObject *stream = values[spec->n_slots + spec->n_args];
     if (stream != NULL && brrr_parse_stream(stream, &c->call.stream_arg) < 0) return -1;
     for (int s = 0; s < spec->n_slots; s++) c->obj[s] = values[s];
@@ -524,9 +535,16 @@ static PyObject *make_doc(const brrr_op_spec *spec) {
     } while (0)
     ADD(PyUnicode_FromFormat("%s(", spec->name));
     for (int i = 0; i < n_params(spec); i++) {
-        const int optional = i < spec->n_slots && ((spec->slots[i].flags & (BRRR_OPTIONAL | BRRR_WRITE)) != 0);
-        ADD(PyUnicode_FromFormat("%s%s%s", i ? ", " : "", param_name(spec, i),
-                                 optional ? "=None" : i == n_params(spec) - 1 ? "=-1" : ""));
+        char dflt[48] = "";
+        const brrr_arg_spec *arg = i >= spec->n_slots && i < spec->n_slots + spec->n_args ? &spec->args[i - spec->n_slots]
+                                                                                          : NULL;
+        if (i < spec->n_slots && (spec->slots[i].flags & (BRRR_OPTIONAL | BRRR_WRITE)))
+            snprintf(dflt, sizeof dflt, "=None");
+        else if (arg && arg->has_default)
+            snprintf(dflt, sizeof dflt, arg->type == BRRR_ARG_OPTIONAL_FLOAT ? "=None" : "=%g", arg->default_value);
+        else if (i == n_params(spec) - 1)
+            snprintf(dflt, sizeof dflt, "=-1");
+        ADD(PyUnicode_FromFormat("%s%s%s", i ? ", " : "", param_name(spec, i), dflt));
     }
     ADD(PyUnicode_FromString(") -> ("));
     PyObject *outs = names_tuple(spec, 1);

@@ -7,7 +7,8 @@
  * name. A call
  *
  *   1. parses its arguments: slots first, then the scalars, then `stream`, by position or by
- *      keyword (every scalar is required; optional slots default to None, stream to -1);
+ *      keyword (optional slots default to None, stream to -1, scalars to their spec's default
+ *      where it has one);
  *   2. imports each tensor through DLPack (csrc/tensor.c) and checks it against the first slot,
  *      `x`: same device, the slot's dtype rule and shape rule;
  *   3. allocates the outputs the caller left to it, with the framework of x (see BRRR_ALLOC),
@@ -68,6 +69,7 @@ typedef struct {
 
 typedef enum {
     BRRR_ARG_FLOAT,  /* a real number in [lo, hi] (NaN refused where lo <= hi are finite) */
+    BRRR_ARG_OPTIONAL_FLOAT, /* None (the value 0: none), or a real number in [lo, hi] */
     BRRR_ARG_INT,    /* an int in [lo, hi] */
     BRRR_ARG_UINT64, /* an int in [0, 2**64) */
     BRRR_ARG_BOOL,
@@ -81,6 +83,8 @@ typedef struct {
     double lo, hi;
     const char *const *choices; /* BRRR_ARG_CHOICE: NULL-terminated */
     const char *expect;         /* what the value should be, for errors ("a float in [0, 1]") */
+    uint8_t has_default;        /* may be left out: then `default_value` (BRRR_ARG_OPTIONAL_FLOAT: None) */
+    double default_value;
 } brrr_arg_spec;
 
 typedef union {

@@ -4,14 +4,19 @@
  * or uint8). The forward saves one log-sum-exp per row (relative to the target's logit); the
  * backward rematerialises the softmax from logits and lse instead of keeping log-probabilities
  * (formulas: brrr_cuda.h). The CPU twin computes the same function in float64.
+ * Every entry takes softcap (None, or c: the loss sees c * tanh(logits / c)) and z_loss (the
+ * coefficient of each counted row's squared log-sum-exp added to its loss; 0: none).
  *
- * The two ops (specs at the end) take and return tensors by name. The forward writes per row its
- * log-sum-exp less the target's logit where that is finite (lse) and its loss (0 for both where
+ * The three ops (specs at the end) take and return tensors by name. The forward writes per row
+ * its log-sum-exp less the target's logit where that is finite (lse) and its loss (0 for both where
  * ignored), and where asked for the loss summed over rows in a fixed order (total; divided by
- * count for reduction "mean") and the rows whose target is not ignore_index (count). The
- * backward takes grad_loss of the target's shape (any strides) or 0-d (every row's), and count
- * to divide by for reduction "mean". grad_logits must not share memory with logits: every
- * element of a row depends on the row's target logit, which other threads of the row read.
+ * count for reduction "mean") and the rows whose target is not ignore_index (count). The backward
+ * takes grad_loss of the target's shape (any strides) or 0-d (every row's), and count to divide
+ * by for reduction "mean"; its grad_logits must not share memory with logits: every element of a
+ * row depends on the row's target logit, which other threads of the row read. cross_entropy_fwd_bwd
+ * is both in one pass over each row (no lse kept; grad_loss None: 1 for every row), and the one
+ * op whose output may be an input: grad_logits may be logits itself (the same view), the gradient
+ * then replacing the logits.
  *
  * A target outside [0, C) that is not ignore_index raises ValueError on the CPU; on CUDA, where
  * checking would mean a device-to-host sync, that row's loss and gradient are NaN.
@@ -21,6 +26,7 @@
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "op.h"
 
+#include <float.h>
 #include <math.h>
 #include <numpy/arrayobject.h>
 #include <string.h>
@@ -42,9 +48,42 @@ static int64_t row_offset(const brrr_xent_launch *L, const int64_t *strides, int
 
 /* ---- CPU twin ---------------------------------------------------------------------------------- */
 
+/* The logit the loss sees (brrr_cuda.h): softcap * tanh(v / softcap), or v without a softcap. */
+static double capped(const brrr_xent_launch *L, double v) { return L->softcap != 0.0 ? L->softcap * tanh(v / L->softcap) : v; }
+
+static double logit(const brrr_xent_launch *L, int64_t base, int64_t c) {
+    return capped(L, brrr_load_f64(L->dtype, L->logits, base + c * L->logits_class_stride));
+}
+
+static double shift_of(double z_t) { return isfinite(z_t) ? z_t : 0.0; }
+
+/* Row r's gradient from its lse (relative to the shift); g: its grad_loss over the count. The row
+ * is read whole before grad_logits is written, element by element after it: in place is fine. */
+static void cpu_grad_row(const brrr_xent_launch *L, int64_t r, int64_t t, double lse, double g) {
+    const int64_t C = L->classes, in = row_offset(L, L->logits_rows, r), out = row_offset(L, L->grad_rows, r);
+    if (t == L->ignore_index) {
+        for (int64_t c = 0; c < C; c++) brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, 0.0);
+        return;
+    }
+    const double shift = shift_of(logit(L, in, t)), uniform = L->smoothing / (double)C;
+    const double p_scale = 1.0 + (L->z_loss != 0.0 ? 2.0 * L->z_loss * (lse + shift) : 0.0);
+    for (int64_t c = 0; c < C; c++) {
+        const double v = brrr_load_f64(L->dtype, L->logits, in + c * L->logits_class_stride), z = capped(L, v);
+        const double dz = L->softcap != 0.0 ? 1.0 - (z / L->softcap) * (z / L->softcap) : 1.0;
+        const double p = exp((z - shift) - lse), hot = c == t ? 1.0 - L->smoothing : 0.0;
+        brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, g * (p * p_scale - uniform - hot) * dz);
+    }
+}
+
+static double grad_scale(const brrr_xent_launch *L, int64_t r, double divisor) {
+    const int32_t acc = acc_dtype(L->dtype);
+    return (L->grad_loss ? brrr_load_f64(acc, L->grad_loss, row_offset(L, L->grad_loss_rows, r)) : 1.0) / divisor;
+}
+
 static void cpu_xent_fwd(const brrr_xent_launch *L) {
     const int32_t acc = acc_dtype(L->dtype);
-    const int64_t C = L->classes, cs = L->logits_class_stride;
+    const int64_t C = L->classes;
+    const double divisor = L->count ? brrr_load_f64(acc, L->count, 0) : 1.0;
     double sum = 0.0;
     int64_t counted = 0;
     for (int64_t r = 0; r < L->rows; r++) {
@@ -52,27 +91,29 @@ static void cpu_xent_fwd(const brrr_xent_launch *L) {
         double lse = 0.0, loss = 0.0;
         if (t != L->ignore_index) {
             const int64_t base = row_offset(L, L->logits_rows, r);
-            double m = -INFINITY, s = 0.0, sx = 0.0;
+            double m = -INFINITY, s = 0.0, sz = 0.0;
             for (int64_t c = 0; c < C; c++) {
-                const double v = brrr_load_f64(L->dtype, L->logits, base + c * cs);
-                if (v > m || v != v) m = v;
+                const double z = logit(L, base, c);
+                if (z > m || z != z) m = z;
                 if (m != m) break;
             }
             for (int64_t c = 0; c < C; c++) {
-                const double v = brrr_load_f64(L->dtype, L->logits, base + c * cs);
-                s += exp(v - m);
-                sx += v;
+                const double z = logit(L, base, c);
+                s += exp(z - m);
+                sz += z;
             }
             /* t is a class: check_targets ran first. lse relative to the shift: brrr_cuda.h. */
-            const double x_t = brrr_load_f64(L->dtype, L->logits, base + t * cs), shift = isfinite(x_t) ? x_t : 0.0;
+            const double z_t = logit(L, base, t), shift = shift_of(z_t);
             lse = (m - shift) + log(s);
-            loss = (1.0 - L->smoothing) * (lse - (x_t - shift));
-            if (L->smoothing != 0.0) loss += L->smoothing * (lse - (sx / (double)C - shift)); /* 0 * inf: NaN */
+            loss = (1.0 - L->smoothing) * (lse - (z_t - shift));
+            if (L->smoothing != 0.0) loss += L->smoothing * (lse - (sz / (double)C - shift)); /* 0 * inf: NaN */
+            if (L->z_loss != 0.0) loss += L->z_loss * (lse + shift) * (lse + shift);
             counted++;
         }
-        brrr_store_f64(acc, L->lse, r, lse);
+        if (L->lse) brrr_store_f64(acc, L->lse, r, lse);
         brrr_store_f64(acc, L->loss, r, loss);
         sum += loss;
+        if (L->grad_logits) cpu_grad_row(L, r, t, lse, t == L->ignore_index ? 0.0 : grad_scale(L, r, divisor));
     }
     if (L->total) brrr_store_f64(acc, L->total, 0, L->mean ? sum / (double)counted : sum);
     if (L->count_out) brrr_store_f64(acc, L->count_out, 0, (double)counted);
@@ -80,23 +121,11 @@ static void cpu_xent_fwd(const brrr_xent_launch *L) {
 
 static void cpu_xent_bwd(const brrr_xent_launch *L) {
     const int32_t acc = acc_dtype(L->dtype);
-    const int64_t C = L->classes;
     const double divisor = L->count ? brrr_load_f64(acc, L->count, 0) : 1.0;
     for (int64_t r = 0; r < L->rows; r++) {
         const int64_t t = load_index(L->target_dtype, L->target, row_offset(L, L->target_rows, r));
-        const int64_t in = row_offset(L, L->logits_rows, r), out = row_offset(L, L->grad_rows, r);
-        if (t == L->ignore_index) {
-            for (int64_t c = 0; c < C; c++) brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, 0.0);
-            continue;
-        }
-        const double g = brrr_load_f64(acc, L->grad_loss, row_offset(L, L->grad_loss_rows, r)) / divisor;
-        const double lse = brrr_load_f64(acc, L->lse, r), uniform = L->smoothing / (double)C;
-        const double x_t = brrr_load_f64(L->dtype, L->logits, in + t * L->logits_class_stride), shift = isfinite(x_t) ? x_t : 0.0;
-        for (int64_t c = 0; c < C; c++) {
-            const double p = exp((brrr_load_f64(L->dtype, L->logits, in + c * L->logits_class_stride) - shift) - lse);
-            const double hot = c == t ? 1.0 - L->smoothing : 0.0;
-            brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, g * (p - uniform - hot));
-        }
+        cpu_grad_row(L, r, t, t == L->ignore_index ? 0.0 : brrr_load_f64(acc, L->lse, r),
+                     t == L->ignore_index ? 0.0 : grad_scale(L, r, divisor));
     }
 }
 
@@ -143,9 +172,11 @@ static int check_targets(const brrr_xent_launch *L) {
     return 0;
 }
 
-enum { F_LOGITS, F_TARGET, F_LSE, F_LOSS, F_TOTAL, F_COUNT };               /* forward slots */
-enum { B_LOGITS, B_TARGET, B_LSE, B_GRAD_LOSS, B_COUNT, B_GRAD_LOGITS };   /* backward slots */
-enum { A_IGNORE_INDEX, A_SMOOTHING, A_REDUCTION };
+enum { F_LOGITS, F_TARGET, F_LSE, F_LOSS, F_TOTAL, F_COUNT };             /* forward slots */
+enum { B_LOGITS, B_TARGET, B_LSE, B_GRAD_LOSS, B_COUNT, B_GRAD_LOGITS };  /* backward slots */
+enum { FB_LOGITS, FB_TARGET, FB_LOSS, FB_GRAD_LOSS, FB_COUNT, FB_GRAD_LOGITS }; /* forward + backward slots */
+enum { A_IGNORE_INDEX, A_SMOOTHING, A_SOFTCAP, A_Z_LOSS, A_REDUCTION };
+typedef enum { XENT_FWD, XENT_BWD, XENT_FWD_BWD } xent_mode;
 
 static int xent_check(brrr_op_call *c) {
     const brrr_tensor *logits = &c->t[0];
@@ -158,14 +189,16 @@ static int xent_check(brrr_op_call *c) {
 }
 
 /* grad_loss: the target's shape, or 0-d (the same for every row). */
-static int xent_bwd_check(brrr_op_call *c) {
-    if (xent_check(c) < 0) return -1;
-    const brrr_tensor *g = &c->t[B_GRAD_LOSS];
-    return g->ndim == 0 ? 0 : brrr_check_same_shape(g, &c->t[B_TARGET]);
+static int check_grad_loss(const brrr_op_call *c, int slot) {
+    const brrr_tensor *g = &c->t[slot];
+    return g->name == NULL || g->ndim == 0 ? 0 : brrr_check_same_shape(g, &c->t[1]);
 }
 
-static int xent_run(brrr_op_call *c, int backward) {
-    const brrr_tensor *logits = &c->t[0], *target = &c->t[F_TARGET];
+static int xent_bwd_check(brrr_op_call *c) { return xent_check(c) < 0 ? -1 : check_grad_loss(c, B_GRAD_LOSS); }
+static int xent_fwd_bwd_check(brrr_op_call *c) { return xent_check(c) < 0 ? -1 : check_grad_loss(c, FB_GRAD_LOSS); }
+
+static int xent_run(brrr_op_call *c, xent_mode mode) {
+    const brrr_tensor *logits = &c->t[0], *target = &c->t[1];
     brrr_xent_launch L;
     memset(&L, 0, sizeof L);
     L.dtype = logits->dtype;
@@ -174,47 +207,55 @@ static int xent_run(brrr_op_call *c, int backward) {
     L.rows = target->numel;
     L.ignore_index = c->arg[A_IGNORE_INDEX].i;
     L.smoothing = c->arg[A_SMOOTHING].f;
+    L.softcap = c->arg[A_SOFTCAP].f;
+    L.z_loss = c->arg[A_Z_LOSS].f;
     L.logits = logits->data;
     L.target = target->data;
     L.logits_class_stride = logits->strides[logits->ndim - 1];
-    L.lse = c->t[F_LSE].data;
     const brrr_tensor *grad = NULL, *grad_loss = NULL;
-    if (backward) {
-        grad = &c->t[B_GRAD_LOGITS];
-        grad_loss = &c->t[B_GRAD_LOSS];
-        L.count = c->t[B_COUNT].data;
-        L.grad_loss = grad_loss->data;
-        L.grad_logits = grad->data;
-        L.grad_class_stride = grad->strides[logits->ndim - 1];
-    } else {
+    if (mode == XENT_FWD) {
         L.mean = c->arg[A_REDUCTION].i == 0;
+        L.lse = c->t[F_LSE].data;
         L.loss = c->t[F_LOSS].data;
         L.total = c->t[F_TOTAL].data;
         L.count_out = c->t[F_COUNT].data;
+    } else {
+        const int g = mode == XENT_BWD ? B_GRAD_LOGITS : FB_GRAD_LOGITS;
+        grad = &c->t[g];
+        grad_loss = &c->t[mode == XENT_BWD ? B_GRAD_LOSS : FB_GRAD_LOSS];
+        L.lse = mode == XENT_BWD ? c->t[B_LSE].data : NULL;
+        L.loss = mode == XENT_BWD ? NULL : c->t[FB_LOSS].data;
+        L.count = c->t[mode == XENT_BWD ? B_COUNT : FB_COUNT].data;
+        L.grad_loss = grad_loss->data;
+        L.grad_logits = grad->data;
+        L.grad_class_stride = grad->strides[logits->ndim - 1];
     }
     const brrr_tensor *views[4] = {logits, target, grad, grad_loss && grad_loss->ndim ? grad_loss : NULL};
     int64_t *strides[4] = {L.logits_rows, L.target_rows, L.grad_rows, L.grad_loss_rows};
     if (xent_layout(&L, target, views, strides, 4) < 0) return -1;
     if (brrr_on_cpu(c)) {
         if (check_targets(&L) < 0) return -1;
-        if (backward) BRRR_RUN_CPU(cpu_xent_bwd, &L);
-        else BRRR_RUN_CPU(cpu_xent_fwd, &L);
+        if (mode == XENT_BWD) BRRR_RUN_CPU(cpu_xent_bwd, &L);
+        else BRRR_RUN_CPU(cpu_xent_fwd, &L); /* with grad_logits: the gradient too */
         return 0;
     }
-    if (backward) BRRR_RETURN_CUDA(c, brrr_cuda_xent_bwd, &L);
+    if (mode == XENT_BWD) BRRR_RETURN_CUDA(c, brrr_cuda_xent_bwd, &L);
     BRRR_RETURN_CUDA(c, brrr_cuda_xent_fwd, &L);
 }
 
-static int xent_fwd_run(brrr_op_call *c) { return xent_run(c, 0); }
-static int xent_bwd_run(brrr_op_call *c) { return xent_run(c, 1); }
+static int xent_fwd_run(brrr_op_call *c) { return xent_run(c, XENT_FWD); }
+static int xent_bwd_run(brrr_op_call *c) { return xent_run(c, XENT_BWD); }
+static int xent_fwd_bwd_run(brrr_op_call *c) { return xent_run(c, XENT_FWD_BWD); }
 
 static const char *const REDUCTIONS[] = {"mean", "sum", "none", NULL};
 #define ROW_STAT(name) {name, BRRR_WRITE | BRRR_ALLOC | BRRR_CONTIG, BRRR_SHAPE_ROWS, BRRR_DTYPE_ACC, -1}
 #define SUM(name) {name, BRRR_WRITE | BRRR_OPTIONAL | BRRR_ALLOC, BRRR_SHAPE_SCALAR, BRRR_DTYPE_ACC, -1}
 #define IGNORE_INDEX {"ignore_index", BRRR_ARG_INT, -9.2e18, 9.2e18, NULL, "an int64"}
 #define SMOOTHING {"label_smoothing", BRRR_ARG_FLOAT, 0, 1, NULL, "a float in [0, 1]"}
+#define SOFTCAP {"softcap", BRRR_ARG_OPTIONAL_FLOAT, DBL_MIN, DBL_MAX, NULL, "None or a finite float > 0", 1, 0.0}
+#define Z_LOSS {"z_loss", BRRR_ARG_FLOAT, 0, DBL_MAX, NULL, "a finite float >= 0", 1, 0.0}
 
-static const brrr_op_spec XENT_FWD = {
+static const brrr_op_spec FORWARD = {
     .name = "cross_entropy_fwd",
     .doc = "Softmax cross-entropy over the last dim of logits (..., C) with a class index per row in target: per "
            "row lse and loss, and where asked for (True allocates them) the loss summed over rows (total) and "
@@ -223,15 +264,15 @@ static const brrr_op_spec XENT_FWD = {
     .slots = {{"logits", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
               {"target", 0, BRRR_SHAPE_ROWS, BRRR_DTYPE_INDEX, -1},
               ROW_STAT("lse"), ROW_STAT("loss"), SUM("total"), SUM("count")},
-    .n_args = 3,
-    .args = {IGNORE_INDEX, SMOOTHING,
+    .n_args = 5,
+    .args = {IGNORE_INDEX, SMOOTHING, SOFTCAP, Z_LOSS,
              {"reduction", BRRR_ARG_CHOICE, 0, 0, REDUCTIONS, "'mean', 'sum' or 'none'"}},
     .split_arg = -1,
     .check = xent_check,
     .run = xent_fwd_run,
 };
 
-static const brrr_op_spec XENT_BWD = {
+static const brrr_op_spec BACKWARD = {
     .name = "cross_entropy_bwd",
     .doc = "The gradient of cross_entropy_fwd's loss with respect to logits, rematerialising the softmax from "
            "logits and the saved lse; grad_loss per row or 0-d, count to divide by for reduction 'mean'.",
@@ -242,11 +283,29 @@ static const brrr_op_spec XENT_BWD = {
               {"grad_loss", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_ACC, -1},
               {"count", BRRR_OPTIONAL, BRRR_SHAPE_SCALAR, BRRR_DTYPE_ACC, -1},
               {"grad_logits", BRRR_WRITE | BRRR_ALLOC, BRRR_SHAPE_X, BRRR_DTYPE_X, -1}},
-    .n_args = 2,
-    .args = {IGNORE_INDEX, SMOOTHING},
+    .n_args = 4,
+    .args = {IGNORE_INDEX, SMOOTHING, SOFTCAP, Z_LOSS},
     .split_arg = -1,
     .check = xent_bwd_check,
     .run = xent_bwd_run,
 };
 
-const brrr_op_spec *const brrr_xent_ops[] = {&XENT_FWD, &XENT_BWD, NULL};
+static const brrr_op_spec FORWARD_BACKWARD = {
+    .name = "cross_entropy_fwd_bwd",
+    .doc = "cross_entropy_fwd's per-row loss and cross_entropy_bwd's gradient in one pass over each row (no lse "
+           "kept); grad_loss None: 1 for every row. grad_logits may be logits itself: the gradient replaces them.",
+    .n_slots = 6,
+    .slots = {{"logits", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"target", 0, BRRR_SHAPE_ROWS, BRRR_DTYPE_INDEX, -1},
+              ROW_STAT("loss"),
+              {"grad_loss", BRRR_OPTIONAL, BRRR_SHAPE_FAMILY, BRRR_DTYPE_ACC, -1},
+              {"count", BRRR_OPTIONAL, BRRR_SHAPE_SCALAR, BRRR_DTYPE_ACC, -1},
+              {"grad_logits", BRRR_WRITE | BRRR_ALLOC | BRRR_INPLACE, BRRR_SHAPE_X, BRRR_DTYPE_X, -1}},
+    .n_args = 4,
+    .args = {IGNORE_INDEX, SMOOTHING, SOFTCAP, Z_LOSS},
+    .split_arg = -1,
+    .check = xent_fwd_bwd_check,
+    .run = xent_fwd_bwd_run,
+};
+
+const brrr_op_spec *const brrr_xent_ops[] = {&FORWARD, &BACKWARD, &FORWARD_BACKWARD, NULL};

@@ -172,23 +172,31 @@ int brrr_cuda_dropout(const brrr_dropout_launch *launch, int device, void *strea
 
 /* ---- softmax cross-entropy (csrc/xent.c, cuda/xent*.cu) ----------------------------------
  * logits are rows (their leading dims, coalesced into row_shape) by `classes` (the last dim, at
- * class_stride), target holds one class index per row. Forward, per row r with target t and
- * shift s = logits[r, t] where that is finite (else 0):
- *     lse[r]  = log(sum_c exp(logits[r, c])) - s          (the row's nll where s = logits[r, t])
- *     loss[r] = (1 - smoothing) * (lse[r] - (logits[r, t] - s))
- *               + smoothing * (lse[r] - (mean_c logits[r, c] - s))
+ * class_stride), target holds one class index per row. The loss sees z = softcap * tanh(logits /
+ * softcap) (Gemma 2's final-logit softcap) when softcap is not 0, else z = logits. Forward, per
+ * row r with target t and shift s = z[r, t] where that is finite (else 0):
+ *     lse[r]  = log(sum_c exp(z[r, c])) - s          (the row's nll where s = z[r, t])
+ *     loss[r] = (1 - smoothing) * (lse[r] - (z[r, t] - s))
+ *               + smoothing * (lse[r] - (mean_c z[r, c] - s))
+ *               + z_loss * (lse[r] + s)^2              (PaLM's z-loss on the log-normaliser)
  * and 0 for both where t == ignore_index, NaN where t is outside [0, classes). lse is kept
- * relative to s so that the backward's logits[r, c] - s - lse[r] rounds at the scale of the
+ * relative to s so that the backward's z[r, c] - s - lse[r] rounds at the scale of the
  * softmax, not at the scale of a large offset common to the row. Then, when total
  * or count is given, one block sums loss over rows in a fixed order: *total = the sum (the sum /
  * count for mean), *count = the rows whose target is not ignore_index.
- * Backward: grad_logits[r, c] = g_r * (exp(logits[r, c] - s - lse[r]) - smoothing / classes
- * - (1 - smoothing) * [c == t]), g_r = grad_loss[r] (a 0-d grad_loss: the same for every row),
- * divided by *count when count is given (mean); 0 for ignored rows.
+ * Backward, with p = exp(z[r, c] - s - lse[r]):
+ *     grad_logits[r, c] = g_r * (p * (1 + 2 z_loss (lse[r] + s)) - smoothing / classes
+ *                                - (1 - smoothing) * [c == t]) * dz/dlogits[r, c]
+ * (dz/dlogits = 1 - (z / softcap)^2 with a softcap, else 1), g_r = grad_loss[r] (a 0-d grad_loss:
+ * the same for every row; none, in the forward: 1), divided by *count when count is given
+ * (mean); 0 for ignored rows.
  * lse and loss are contiguous over rows (logical row order) in the accumulation dtype (float32,
  * float64 for float64 logits); grad_loss (strided), total and count have that dtype too.
- * grad_logits never shares memory with logits (every element of a row needs the row's target
- * logit, which the row's threads read at different times). */
+ * The backward's grad_logits never shares memory with logits (every element of a row needs the
+ * row's target logit, which the row's threads read at different times). The forward writes the
+ * gradient too when grad_logits is given (the fused forward and backward: lse may then be NULL);
+ * it reads the target logit and the whole row before any thread of the row writes, so there
+ * grad_logits may be logits itself (in place). */
 #define BRRR_XENT_MAX_DIMS 8
 
 typedef struct {
@@ -200,15 +208,17 @@ typedef struct {
     int64_t row_shape[BRRR_XENT_MAX_DIMS];
     int64_t ignore_index;
     double smoothing;
+    double softcap;           /* 0: none */
+    double z_loss;            /* 0: none */
     const void *logits, *target;
     int64_t logits_rows[BRRR_XENT_MAX_DIMS], target_rows[BRRR_XENT_MAX_DIMS];
     int64_t logits_class_stride;
-    void *lse, *loss;         /* [rows] */
+    void *lse, *loss;         /* [rows]; forward with gradient: lse NULL or [rows] */
     void *total, *count_out;  /* forward: each NULL or 0-d */
-    const void *grad_loss;    /* backward: [rows] at grad_loss_rows strides (all 0 for a 0-d one) */
+    const void *grad_loss;    /* [rows] at grad_loss_rows strides (all 0 for a 0-d one); NULL in the forward: 1 */
     int64_t grad_loss_rows[BRRR_XENT_MAX_DIMS];
-    const void *count;        /* backward: NULL or the forward's count */
-    void *grad_logits;
+    const void *count;        /* backward, forward with gradient: NULL or the count to divide by */
+    void *grad_logits;        /* forward: NULL, or the gradient to write in the same pass */
     int64_t grad_rows[BRRR_XENT_MAX_DIMS];
     int64_t grad_class_stride;
 } brrr_xent_launch;

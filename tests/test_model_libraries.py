@@ -2,7 +2,9 @@
 requirements-test.txt), built from small configs with random weights on the CPU: what it swaps
 and leaves, and logits, loss and every parameter gradient against the unpatched model, in float32
 and, for a Llama and a GPT-2, bfloat16 (the dtype's rounding: the RMSNorm cast order is the model's);
-and torch.compile(fullgraph=True) of each patched model without a graph break."""
+and torch.compile(fullgraph=True) of each patched model without a graph break. A patched causal LM
+computes its training loss with brrr's fused linear cross-entropy and returns no logits then: its
+logits are compared from a call without labels."""
 
 import copy
 
@@ -17,24 +19,26 @@ DECODER = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_
                num_key_value_heads=2, head_dim=8)
 SMALL = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 LOSS_BUILT_IN_FORWARD = "brrr.nn.CrossEntropyLoss (its forward's CrossEntropyLoss)"
+FUSED = "fused linear cross-entropy (training with labels: the loss from the head's input, logits None)"
 # name: (config, model class, config arguments, what patch must swap, what it must leave)
 MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", DECODER,
               {"RMSNorm (llama cast order)", "gated MLP (swiglu)", "brrr rotary (its forward's apply_rotary_pos_emb)",
-               "loss_function: brrr causal-LM cross_entropy"}, set()),
+               "loss_function: brrr causal-LM cross_entropy", FUSED}, set()),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", DECODER,
-              {"RMSNorm (llama cast order)", "gated MLP (swiglu)", "brrr rotary (its forward's apply_rotary_pos_emb)"},
-              set()),
+              {"RMSNorm (llama cast order)", "gated MLP (swiglu)", "brrr rotary (its forward's apply_rotary_pos_emb)",
+               FUSED}, set()),
     # Gemma's RMSNorm scales by (1 + weight): a look-alike brrr must leave.
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", DECODER, {"gated MLP (geglu)"},
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", DECODER, {"gated MLP (geglu)", FUSED},
               {("GemmaRMSNorm", "behaves like no RMSNorm")}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(DECODER, pad_token_id=0),
-             {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)"}, set()),
+             {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)", FUSED}, set()),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4),
-             {"brrr.nn.LayerNorm", "gelu (approximate='tanh')", "loss_function: brrr causal-LM cross_entropy"}, set()),
+             {"brrr.nn.LayerNorm", "gelu (approximate='tanh')", "loss_function: brrr causal-LM cross_entropy", FUSED},
+             set()),
     # Partial rotary (a quarter of each head): brrr's replacement hands it to the library's function.
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL,
-                 {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb)"}, set()),
+                 {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb)", FUSED}, set()),
     "bert": ("BertConfig", "BertForMaskedLM", SMALL,
              {"brrr.nn.LayerNorm", "gelu", "LayerNorm with its residual add (add_layer_norm)", LOSS_BUILT_IN_FORWARD},
              {("BertForMaskedLM", "loss_function behaves like no causal-LM cross-entropy")}),
@@ -61,10 +65,15 @@ def build(name, dtype):
 
 
 def run(model, name, tokens):
+    """(logits, loss, gradients, the logits of the training call with labels): the logits of a
+    training call without labels, as a patched causal LM returns none with labels."""
     extra = {"decoder_input_ids": tokens} if name == "t5" else {}
     out = model(input_ids=tokens, labels=tokens, **extra)
     params = [p for p in model.parameters() if p.requires_grad]
-    return out.logits, out.loss, torch.autograd.grad(out.loss, params, allow_unused=True)
+    grads = torch.autograd.grad(out.loss, params, allow_unused=True)
+    with torch.no_grad():
+        logits = model(input_ids=tokens, **extra).logits
+    return logits, out.loss, grads, out.logits
 
 
 @pytest.mark.parametrize("name,dtype", [(n, torch.float32) for n in MODELS] +
@@ -77,10 +86,14 @@ def test_patched_model_matches_the_unpatched_one(name, dtype):
     assert must_swap <= {what for _, _, what in report.swapped}, str(report)
     assert must_leave <= {(cls, why) for _, cls, why in report.left}, str(report)
     tokens = torch.randint(0, 101, (2, 7))
-    logits, loss, grads = run(base, name, tokens)
-    p_logits, p_loss, p_grads = run(patched, name, tokens)
+    logits, loss, grads, with_labels = run(base, name, tokens)
+    p_logits, p_loss, p_grads, p_with_labels = run(patched, name, tokens)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(p_logits, logits, **tol)
+    fused = FUSED in {what for _, _, what in report.swapped}
+    assert (p_with_labels is None) == fused and with_labels is not None
+    if not fused:
+        torch.testing.assert_close(p_with_labels, with_labels, **tol)
     torch.testing.assert_close(p_loss, loss, **tol)
     for (n, _), a, b in zip(base.named_parameters(), p_grads, grads):
         if b is None:
@@ -109,8 +122,10 @@ def test_patched_model_compiles_without_graph_breaks(name):
         explanation = torch._dynamo.explain(loss_of)(tokens)
         assert explanation.graph_break_count == 0, explanation.break_reasons
         ops = {str(n.target) for g in explanation.graphs for n in g.graph.nodes}
-        swaps_loss = any("CrossEntropyLoss" in what or "loss_function" in what for _, _, what in report.swapped)
-        assert ("brrr.cross_entropy.default" in ops) == swaps_loss  # brrr's kernel under compile by default
+        swapped = {what for _, _, what in report.swapped}
+        swaps_loss = any("CrossEntropyLoss" in what or "loss_function" in what for what in swapped)
+        loss_op = "brrr.linear_cross_entropy.default" if FUSED in swapped else "brrr.cross_entropy.default"
+        assert (loss_op in ops) == swaps_loss  # brrr's kernel under compile by default
         compiled = torch.compile(loss_of, fullgraph=True, backend="aot_eager")(tokens)
         eager = loss_of(tokens)
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)

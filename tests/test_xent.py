@@ -34,12 +34,27 @@ IGNORE = [("default", -100), ("in range", 3), ("negative", -1)]
 
 # ---- references -------------------------------------------------------------------------------
 
-def reference(x, target, ignore_index=-100, reduction="mean", label_smoothing=0.0):
-    """(leaf, loss): F.cross_entropy in float64 on a CPU float64 leaf holding x's values."""
+def reference(x, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0):
+    """(leaf, loss): F.cross_entropy in float64 on a CPU float64 leaf holding x's values, of
+    softcap * tanh(x / softcap) with a softcap, plus z_loss * logsumexp^2 for each counted row."""
     leaf = x.detach().to("cpu", torch.float64).requires_grad_()
-    loss = F.cross_entropy(leaf, target.to("cpu", torch.int64), ignore_index=ignore_index, reduction=reduction,
-                           label_smoothing=label_smoothing)
-    return leaf, loss
+    return leaf, reference_loss(leaf, target, ignore_index, reduction, label_smoothing, softcap, z_loss)
+
+
+def reference_loss(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
+                   z_loss=0.0):
+    """The loss brrr.cross_entropy computes, written out in PyTorch ops (class dim 1 as torch's)."""
+    z = logits if softcap is None else softcap * torch.tanh(logits / softcap)
+    target = target.to(z.device, torch.int64)
+    if z_loss == 0.0:
+        return F.cross_entropy(z, target, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
+    rows = F.cross_entropy(z, target, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    counted = target != ignore_index
+    rows = rows + torch.where(counted, z_loss * torch.logsumexp(z, dim=0 if z.dim() == 1 else 1) ** 2, 0.0)
+    if reduction == "none":
+        return rows
+    return rows.sum() / counted.sum() if reduction == "mean" else rows.sum()
 
 
 def check(name, actual, expected, dtype, slack=1.0, scale=None, extra=0.0):
@@ -86,15 +101,16 @@ def counted(target, ignore_index):
 
 
 def compare(x, target, reduction="mean", label_smoothing=0.0, ignore_index=-100, slack=1.0, what="", g=None,
-            extra=0.0):
+            extra=0.0, softcap=None, z_loss=0.0):
     """brrr and the reference on the same values: the loss, and the input gradient for the upstream
     gradient g (random by default); ignored rows must be exactly 0 in both (reduction none)."""
     dtype = x.dtype
     leaf = x.detach().requires_grad_()  # keeps x's strides
     loss = brrr.cross_entropy(leaf, target, ignore_index=ignore_index, reduction=reduction,
-                              label_smoothing=label_smoothing)
-    ref_leaf, ref = reference(x, target, ignore_index, reduction, label_smoothing)
-    where = f"{what} reduction={reduction} label_smoothing={label_smoothing} ignore_index={ignore_index}"
+                              label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss)
+    ref_leaf, ref = reference(x, target, ignore_index, reduction, label_smoothing, softcap, z_loss)
+    where = (f"{what} reduction={reduction} label_smoothing={label_smoothing} ignore_index={ignore_index} "
+             f"softcap={softcap} z_loss={z_loss}")
     assert isinstance(loss, torch.Tensor) and loss.dtype == dtype and loss.device == x.device, where
     assert loss.shape == ref.shape, (where, loss.shape, ref.shape)
     check(f"loss ({where})", loss, ref, dtype, slack, extra=extra)
@@ -140,6 +156,63 @@ def test_full_label_smoothing(device, dtype, classes):
     for reduction in REDUCTIONS:
         x = random((9, classes), dtype, device, low=-10.0, high=10.0)
         compare(x, make_targets((9,), classes, device, IGNORE[0]), reduction, 1.0)
+
+
+# (softcap, z_loss): Gemma 2's final-logit cap (30) and a tight one (3: most logits of [-10, 10]
+# saturate, the gradient through tanh is small), PaLM's z-loss coefficient (1e-4) and a large one.
+CAPS = [(30.0, 0.0), (3.0, 0.0), (None, 1e-4), (None, 0.3), (3.0, 0.3)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("classes,rows", [(1, 3), (7, 257), (65, 3), (1001, 257), (4097, 65)])
+@pytest.mark.parametrize("softcap,z_loss", CAPS)
+def test_softcap_and_z_loss_match_torch(device, dtype, classes, rows, softcap, z_loss):
+    """softcap and z_loss against F.cross_entropy of softcap * tanh(x / softcap) plus z_loss times
+    each counted row's squared logsumexp, in float64: every reduction, with and without label
+    smoothing, ignored rows (their gradient exactly 0)."""
+    for reduction in REDUCTIONS:
+        for label_smoothing in (0.0, 0.1):
+            x = random((rows, classes), dtype, device, low=-10.0, high=10.0)
+            t = make_targets((rows,), classes, device, IGNORE[0])
+            compare(x, t, reduction, label_smoothing, softcap=softcap, z_loss=z_loss, what=f"({rows}, {classes})")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_softcap_and_z_loss_on_views_and_spatial_inputs(device, dtype):
+    """The transformed logits through every layout the kernels read: strided classes, unaligned
+    row heads, (N, C, d) inputs; and +-inf logits, which the softcap maps to +-softcap."""
+    for name, x in _views(dtype, device):
+        x2 = x if x.dim() == 2 else x.movedim(-1, 1)
+        lead = x.shape[:-1]
+        t = make_targets(lead if x.dim() == 2 else (lead[0],) + lead[1:], x.shape[-1], device, IGNORE[0])
+        compare(x2, t, "mean", 0.1, softcap=5.0, z_loss=0.01, what=name)
+    x = random((6, 33), torch.float64, "cpu", low=-10.0, high=10.0)
+    x[1, 4], x[2, 9] = float("inf"), -float("inf")
+    t = torch.randint(0, 33, (6,))
+    for reduction in REDUCTIONS:
+        loss, grad = compare(x.to(device, dtype), t.to(device), reduction, 0.0, softcap=5.0, z_loss=0.01, what="inf")
+        assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("softcap,z_loss", CAPS)
+def test_softcap_and_z_loss_gradcheck(softcap, z_loss):
+    x = random((5, 7), torch.float64, "cpu").requires_grad_()
+    t = torch.tensor([1, -100, 6, 0, 3])
+    for reduction in REDUCTIONS:
+        assert torch.autograd.gradcheck(lambda x: brrr.cross_entropy(
+            x, t, reduction=reduction, label_smoothing=0.2, softcap=softcap, z_loss=z_loss), (x,))
+
+
+def test_softcap_of_none_and_zero_z_loss_change_nothing():
+    """softcap=None and z_loss=0 are the plain loss, bitwise."""
+    x = random((33, 1001), torch.float32, "cpu", low=-10.0, high=10.0).requires_grad_()
+    t = make_targets((33,), 1001, "cpu", IGNORE[0])
+    plain = brrr.cross_entropy(x, t, label_smoothing=0.1)
+    explicit = brrr.cross_entropy(x, t, label_smoothing=0.1, softcap=None, z_loss=0.0)
+    assert torch.equal(plain, explicit)
+    assert torch.equal(torch.autograd.grad(plain, x)[0], torch.autograd.grad(explicit, x)[0])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -373,6 +446,62 @@ def test_every_output_element_is_written(device, dtype, classes, reduction):
         _C.cross_entropy_bwd(x, t, lse, g, divisor, x, ignore_index=-100, label_smoothing=eps)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("classes", [7, 65, 1001, 4097])
+def test_forward_with_gradient_entry(device, dtype, classes):
+    """_C.cross_entropy_fwd_bwd: each row's loss and its gradient in one pass (grad_loss None: 1
+    per row; a 0-d or per-row grad_loss; the count or none), into a strided view of a NaN buffer
+    (its other elements stay NaN), into a dense one, and in place over a copy of the logits
+    (bitwise the dense result); with softcap and z_loss. A grad_logits that overlaps the logits
+    without being them raises, as does an output over an input."""
+    from brrr import _C
+
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    rows, eps = 37, 0.1
+    x = random((rows, classes), dtype, device, low=-10.0, high=10.0)
+    t = make_targets((rows,), classes, device, IGNORE[0])
+    keep = t != -100
+
+    def nan(shape, dt=acc):
+        return torch.full(shape, float("nan"), dtype=dt, device=device)
+
+    count = keep.sum().to(acc)
+    for softcap, z_loss in [(None, 0.0), (3.0, 0.3)]:
+        for g, divisor in [(None, None), (None, count), (random((), acc, device), count), (random((rows,), acc, device), None)]:
+            what = f"softcap={softcap} z_loss={z_loss} grad_loss={None if g is None else tuple(g.shape)}"
+            args = dict(ignore_index=-100, label_smoothing=eps, softcap=softcap, z_loss=z_loss)
+            loss, buffer = nan((rows,)), nan((rows, 2 * classes), dtype)
+            _C.cross_entropy_fwd_bwd(x, t, loss, g, divisor, buffer[:, ::2], **args)
+            ref_leaf, ref = reference(x, t, -100, "none", eps, softcap, z_loss)
+            check(f"loss ({what})", loss, ref, acc)
+            weights = torch.ones(rows, dtype=torch.float64) if g is None else g.double().cpu().expand(rows)
+            if divisor is not None:
+                weights = weights / divisor.item()
+            ref.backward(weights)
+            check(f"grad ({what})", buffer[:, ::2], ref_leaf.grad, dtype, scale=weights.abs().max().item())
+            assert torch.isnan(buffer[:, 1::2]).all(), "the forward wrote outside grad_logits"
+            dense, dense_loss = nan((rows, classes), dtype), nan((rows,))
+            _C.cross_entropy_fwd_bwd(x, t, dense_loss, g, divisor, dense, **args)
+            in_place, in_place_loss = x.clone(), nan((rows,))
+            _C.cross_entropy_fwd_bwd(in_place, t, in_place_loss, g, divisor, in_place, **args)
+            assert torch.equal(in_place, dense) and torch.equal(in_place_loss, dense_loss), what
+    strided = random((rows, 2 * classes), dtype, device, low=-10.0, high=10.0)[:, ::2]
+    expected = nan((rows, classes), dtype)
+    capped = dict(ignore_index=-100, label_smoothing=eps, softcap=3.0, z_loss=0.3)
+    _C.cross_entropy_fwd_bwd(strided, t, nan((rows,)), None, count, expected, **capped)
+    _C.cross_entropy_fwd_bwd(strided, t, nan((rows,)), None, count, strided, **capped)
+    assert torch.equal(strided, expected), "in place over a strided view"
+    shifted = random((rows + 1, classes), dtype, device)
+    with pytest.raises(ValueError, match="argument grad_logits"):
+        _C.cross_entropy_fwd_bwd(shifted[:-1], t, nan((rows,)), None, None, shifted[1:], ignore_index=-100,
+                                 label_smoothing=eps)
+    if dtype == acc:  # an output over an input: the loss over the logits' first elements
+        with pytest.raises(ValueError, match="argument loss"):
+            _C.cross_entropy_fwd_bwd(x, t, x.flatten()[:rows], None, None, nan((rows, classes), dtype),
+                                     ignore_index=-100, label_smoothing=eps)
+
+
 # ---- inf, NaN, all ignored, no rows -------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -532,7 +661,7 @@ def test_ops_are_registered():
     assert hasattr(torch.ops.brrr, "cross_entropy_backward")
     schema = str(torch.ops.brrr.cross_entropy.default._schema)
     assert re.fullmatch(r"brrr::cross_entropy\(Tensor logits, Tensor target, (Sym)?[Ii]nt ignore_index, "
-                        r"float label_smoothing, str reduction\) -> Tensor\[\]", schema), schema
+                        r"float label_smoothing, float\? softcap, float z_loss, str reduction\) -> Tensor\[\]", schema), schema
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -546,7 +675,7 @@ def test_op_outputs(device, dtype):
     keep = t != -100
     ref_lse = saved_lse(x, t)
     for reduction in REDUCTIONS:
-        loss, lse, count = torch.ops.brrr.cross_entropy(x, t, -100, 0.1, reduction)
+        loss, lse, count = torch.ops.brrr.cross_entropy(x, t, -100, 0.1, None, 0.0, reduction)
         assert loss.dtype == stat and lse.dtype == stat and lse.shape == (6, 5) and count.shape == ()
         assert loss.shape == (() if reduction != "none" else (6, 5))
         assert int(count.item()) == int(keep.sum().item())
@@ -562,10 +691,11 @@ def test_opcheck(device):
     x = random((6, 5, 32), torch.float32, device, low=-10.0, high=10.0).requires_grad_()
     t = make_targets((6, 5), 32, device, IGNORE[0])
     for reduction in REDUCTIONS:
-        torch.library.opcheck(op, (x, t, -100, 0.0, reduction), test_utils=utils)
-        torch.library.opcheck(op, (x, t.clamp_min(0), 3, 0.1, reduction), test_utils=utils)
+        torch.library.opcheck(op, (x, t, -100, 0.0, None, 0.0, reduction), test_utils=utils)
+        torch.library.opcheck(op, (x, t.clamp_min(0), 3, 0.1, None, 0.0, reduction), test_utils=utils)
     x2 = random((9, 7), torch.bfloat16, device).requires_grad_()
-    torch.library.opcheck(op, (x2, torch.randint(0, 7, (9,), device=device, dtype=torch.int32), -100, 0.2, "mean"),
+    torch.library.opcheck(op, (x2, torch.randint(0, 7, (9,), device=device, dtype=torch.int32), -100, 0.2, None, 0.0,
+                                    "mean"),
                           test_utils=utils)
 
 

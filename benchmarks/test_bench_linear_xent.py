@@ -1,0 +1,184 @@
+"""brrr.linear_cross_entropy, alone and in training steps, against eager, torch.compile and
+Liger-Kernel (when liger_kernel is importable), in one run: time and peak memory.
+
+- The op: hidden states 16384 x 4096 bf16 and a vocabulary of 128256 (Llama 3), forward and
+  backward (the gradients of the input and the weight), the mean loss as Hugging Face's causal-LM
+  loss computes it: F.cross_entropy(F.linear(x, w).float(), t) for eager and torch.compile,
+  LigerFusedLinearCrossEntropyLoss, brrr.linear_cross_entropy(..., dtype=torch.float32).
+- A training step (forward and backward, bf16 weights) of a Llama-style model from transformers'
+  config (2 layers, hidden 2048, random weights) at vocabularies 32000, 128256 and 256000 and
+  4 x 2048 and 2 x 8192 tokens: unpatched eager and compiled, brrr.patch eager and compiled,
+  Liger-Kernel's Llama patch with its cross-entropy and with its fused linear cross-entropy.
+Each row has the median time (CUDA events) and the step's peak memory above what was allocated
+before it (torch.cuda.max_memory_allocated). Loss and gradients are checked against eager first.
+CPU, or BRRR_BENCH_QUICK=1: a quick smoke version at small sizes, without torch.compile.
+
+    python -m pytest benchmarks/test_bench_linear_xent.py -q -s
+"""
+
+import contextlib
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import brrr
+from harness import compiled, device, on_gpu, time_ms
+
+QUICK = not on_gpu() or os.environ.get("BRRR_BENCH_QUICK") == "1"
+DTYPE = torch.bfloat16 if on_gpu() else torch.float32
+OP_CASES = [(16384, 4096, 128256)] if not QUICK else [(256, 64, 1000)]
+STEP_CASES = ([(v, b, s) for v in (32000, 128256, 256000) for b, s in ((4, 2048), (2, 8192))] if not QUICK
+              else [(1000, 2, 64)])
+MAX_TIME_S = 2.0 if not QUICK else 0.2
+
+try:
+    import liger_kernel.transformers as liger
+except ImportError:
+    liger = None
+try:
+    import transformers
+except ImportError:
+    transformers = None
+
+
+def peak_bytes(fn):
+    """Bytes allocated at the peak of fn() above those allocated before it (None off the GPU)."""
+    if not on_gpu():
+        fn()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def eager_loss(x, w, t):
+    return F.cross_entropy(F.linear(x, w).float(), t)
+
+
+def brrr_loss(x, w, t):
+    return brrr.linear_cross_entropy(x, w, t, dtype=torch.float32)
+
+
+def relative_error(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("rows,hidden,vocab", OP_CASES, ids=lambda v: str(v))
+def test_linear_cross_entropy(recorder, rows, hidden, vocab):
+    g = torch.Generator(device=device()).manual_seed(0)
+    x = (torch.randn(rows, hidden, device=device(), generator=g)).to(DTYPE).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=device(), generator=g) / hidden**0.5).to(DTYPE).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), device=device(), generator=g)
+    t[torch.rand(rows, device=device(), generator=g) < 0.1] = -100
+    impls = {"brrr": brrr_loss, "eager": eager_loss}
+    if not QUICK:
+        impls["compile"] = compiled(eager_loss)
+    if liger is not None and on_gpu():
+        liger_module = liger.LigerFusedLinearCrossEntropyLoss()
+        impls["liger"] = lambda x, w, t: liger_module(w, x, t)
+
+    expected = eager_loss(x, w, t)
+    expected_grads = torch.autograd.grad(expected, (x, w))
+    loss = brrr_loss(x, w, t)
+    grads = torch.autograd.grad(loss, (x, w))
+    assert abs(loss.item() - expected.item()) <= 1e-2 * abs(expected.item())
+    for name, a, e in zip(("input", "weight"), grads, expected_grads):
+        assert relative_error(a, e) < 2e-2, f"gradient of {name}: brrr disagrees with eager"
+    del expected_grads, grads
+
+    for impl, fn in impls.items():
+        def step():
+            torch.autograd.grad(fn(x, w, t), (x, w))
+
+        peak = peak_bytes(step)
+        ms = time_ms(step, warmup=3, reps=20, max_time_s=MAX_TIME_S)
+        recorder.add(family="linear_xent", op="linear_cross_entropy", dtype=str(DTYPE).replace("torch.", ""),
+                     shape=[rows, hidden, vocab], pass_="fwd+bwd", impl=impl, ms=ms, peak_bytes=peak)
+        print(f"linear_cross_entropy {rows}x{hidden}x{vocab} {impl:8s} {ms:9.3f} ms  peak "
+              f"{'-' if peak is None else f'{peak / 2**30:.2f} GiB'}")
+
+
+def llama(vocab, seq):
+    hidden, inner, heads, kv_heads = (2048, 5632, 32, 8) if not QUICK else (64, 128, 4, 2)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inner, num_hidden_layers=2,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(device(), DTYPE).train()
+
+
+@contextlib.contextmanager
+def liger_patched(model, fused):
+    """Liger-Kernel's Llama patch on `model` (its fused linear cross-entropy, or its cross-entropy),
+    undone after: it also rebinds names in transformers' Llama module and torch.nn.functional."""
+    from transformers.models.llama import modeling_llama
+
+    saved_module = dict(vars(modeling_llama))
+    saved_forward = modeling_llama.LlamaForCausalLM.forward
+    saved_cross_entropy = F.cross_entropy
+    try:
+        liger.apply_liger_kernel_to_llama(cross_entropy=not fused, fused_linear_cross_entropy=fused, model=model)
+        yield model
+    finally:
+        vars(modeling_llama).update(saved_module)
+        modeling_llama.LlamaForCausalLM.forward = saved_forward
+        F.cross_entropy = saved_cross_entropy
+
+
+def step_fn(model, tokens):
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=tokens, labels=tokens, use_cache=False)
+        out.loss.backward()
+        return out.loss
+    return step
+
+
+def measure(recorder, case, impl, model, tokens, compile_it=False):
+    torch._dynamo.reset()
+    step = step_fn(compiled(model) if compile_it else model, tokens)
+    step()  # warm-up (and compilation)
+    peak = peak_bytes(step)
+    ms = time_ms(step, warmup=2, reps=10, max_time_s=MAX_TIME_S)
+    vocab, batch, seq = case
+    recorder.add(family="linear_xent", op="llama training step", dtype=str(DTYPE).replace("torch.", ""),
+                 shape=[batch, seq, vocab], pass_="step", impl=impl, ms=ms, peak_bytes=peak)
+    print(f"llama step vocab {vocab} {batch}x{seq} {impl:24s} {ms:9.3f} ms  peak "
+          f"{'-' if peak is None else f'{peak / 2**30:.2f} GiB'}")
+
+
+@pytest.mark.skipif(transformers is None, reason="needs transformers")
+@pytest.mark.parametrize("vocab,batch,seq", STEP_CASES, ids=lambda v: str(v))
+def test_training_step(recorder, vocab, batch, seq):
+    base = llama(vocab, seq)
+    tokens = torch.randint(0, vocab, (batch, seq), device=device())
+    patched = copy.deepcopy(base)
+    brrr.patch(patched)
+
+    # The patched step's loss and gradients against the unpatched one's.
+    losses, grads = [], []
+    for model in (base, patched):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append([p.grad for p in model.parameters()])
+    assert abs(losses[0] - losses[1]) <= 2e-2 * abs(losses[0])
+    assert max(relative_error(b, a) for a, b in zip(*grads)) < 5e-2
+    del grads
+
+    case = (vocab, batch, seq)
+    measure(recorder, case, "unpatched eager", base, tokens)
+    measure(recorder, case, "brrr.patch eager", patched, tokens)
+    if not QUICK:
+        measure(recorder, case, "unpatched compile", base, tokens, compile_it=True)
+        measure(recorder, case, "brrr.patch compile", patched, tokens, compile_it=True)
+    if liger is not None and on_gpu():
+        for fused, impl in ((False, "liger cross_entropy"), (True, "liger fused linear CE")):
+            with liger_patched(copy.deepcopy(base), fused) as model:
+                measure(recorder, case, impl, model, tokens)

@@ -1,0 +1,108 @@
+"""Rematerialisation across op boundaries: the input of a linear layer recomputed in the backward
+from tensors that are saved anyway, instead of being saved by the linear layer itself.
+
+    q, k, v = brrr.norm_linear(norm, x, [w_q, w_k, w_v])   # linear(norm(x), w) for each w
+    y = brrr.glu_linear(gate, up, w_down)                   # linear(silu(gate) * up, w_down)
+
+A linear layer saves its input for its weight gradient. In a pre-norm decoder layer that input
+is a norm's output (the q/k/v and gate/up projections' inputs) or a GLU's output (the down
+projection's), a tensor of its own that nothing else saves: the norm's backward needs its input
+and statistics, the GLU's its gate and up. Here the linear layers save those instead, which are
+held anyway, and the backward recomputes the norm's or the GLU's output from them once (one
+memory-bound pass), shared by every linear layer it feeds, and drops it when the last of them is
+done. The results and gradients are those of the plain composition: brrr's kernels compute the
+same bits again.
+
+norm: a deterministic function of x alone (e.g. functools.partial(brrr.rms_norm,
+normalized_shape=..., weight=w, eps=...) or a norm module). Under torch.compile these are the
+plain composition: AOTAutograd's partitioner decides what to recompute there.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+class Recompute:
+    """How a linear layer's input is made again in the backward: fn(*inputs), where the inputs are
+    tensors the producer's backward saves anyway; the value while the consumers' backward need it."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.value = None
+        self.pending = 0  # consumers whose backward has not run yet
+
+
+def tag(output, fn, *inputs):
+    """Mark `output` (= fn(*inputs), bitwise) as recomputable for the linear layers it feeds
+    (linear()); where autograd records it, outside torch.compile."""
+    if output.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        output._brrr_recompute = (Recompute(fn), inputs)
+    return output
+
+
+class _RematLinear(torch.autograd.Function):
+    """F.linear(h, weight, bias) that saves the inputs of h's recomputation, not h."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, recompute, *inputs):
+        ctx.recompute, ctx.has_bias = recompute, bias is not None
+        recompute.pending += 1
+        ctx.save_for_backward(weight, *inputs)
+        return F.linear(h, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, *inputs = ctx.saved_tensors
+        recompute = ctx.recompute
+        if recompute.value is None:
+            with torch.no_grad():
+                recompute.value = recompute.fn(*inputs)
+        h = recompute.value
+        recompute.pending -= 1
+        if recompute.pending == 0:
+            recompute.value = None
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_h = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = rows.t().mm(h.reshape(-1, h.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return (grad_h, grad_weight, grad_bias, None) + (None,) * len(inputs)
+
+
+def linear(h, weight, bias=None):
+    """F.linear(h, weight, bias), saving the inputs of h's recomputation instead of h where h was
+    tagged (and autograd records the call, outside torch.compile)."""
+    recipe = getattr(h, "_brrr_recompute", None)
+    if recipe is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return F.linear(h, weight, bias)
+    recompute, inputs = recipe
+    return _RematLinear.apply(h, weight, bias, recompute, *inputs)
+
+
+def norm_linear(norm, x, weights, biases=None):
+    """[F.linear(norm(x), w, b) for each weight w (and bias b)], norm(x) recomputed in the
+    backward (once, for all of them) instead of saved."""
+    biases = [None] * len(weights) if biases is None else biases
+    if len(biases) != len(weights):
+        raise ValueError(f"argument biases: expected {len(weights)} (one per weight), got {len(biases)}")
+    h = tag(norm(x), norm, x)
+    return [linear(h, w, b) for w, b in zip(weights, biases)]
+
+
+def glu_linear(gate, up, weight, bias=None, *, activation="silu"):
+    """F.linear(act(gate) * up, weight, bias) (act: "silu", "gelu" or "gelu_tanh"; up None: gate
+    split in halves along its last dim), the GLU's output recomputed in the backward from gate and
+    up (which the GLU's backward saves) instead of saved by the linear layer."""
+    from ._registry import registry
+
+    if activation not in _GLUS:
+        raise ValueError(f"argument activation: expected 'silu', 'gelu' or 'gelu_tanh', got {activation!r}")
+    op, kwargs = _GLUS[activation]
+
+    def act(*gate_up):
+        return registry(op, *gate_up, **kwargs)
+
+    inputs = (gate,) if up is None else (gate, up)
+    return linear(tag(act(*inputs), act, *inputs), weight, bias)
+
+
+_GLUS = {"silu": ("swiglu", {}), "gelu": ("geglu", {}), "gelu_tanh": ("geglu", {"approximate": "tanh"})}

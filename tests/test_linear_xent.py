@@ -1,0 +1,494 @@
+"""brrr.linear_cross_entropy: the loss and the gradients of input, weight and bias against
+F.cross_entropy(input.double() @ weight.double().T + bias) (with the softcap and z-loss written
+out) on fresh random inputs: rows that are not a multiple of the chunk, class counts on both sides
+of the kernels' switches, every reduction, ignore_index (all rows ignored too), label smoothing,
+softcap, z_loss, every dtype, 3-d, unbatched, empty and non-contiguous inputs, frozen parameters;
+the weight gradient bitwise the same run to run; what autograd saves (no logits); the
+torch.library op (opcheck, torch.compile without graph breaks); argument errors; the registry
+entry and brrr.nn module. brrr.patch on transformers' Llama, Gemma 2 (its softcap) and Cohere
+(left): the patched model's loss and every gradient against the unpatched model's. CUDA only:
+a vocabulary of 32000, and CUDA graph captures of the op's and of a patched model's training step.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import brrr
+from helpers import DEVICES, DTYPES, TOLERANCE, random
+from test_xent import IGNORE, make_targets, reference_loss
+
+REDUCTIONS = ["mean", "sum", "none"]
+# (rows, hidden, classes): class counts that take each of the kernels' row widths (8 threads up
+# to 64 classes, a warp up to 4096, a block above), odd ones (unaligned rows), one row, one class.
+SHAPES = [(1, 3, 1), (3, 1, 7), (257, 16, 7), (257, 8, 65), (129, 24, 1001), (65, 5, 4097)]
+
+
+def reference(x, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
+              z_loss=0.0):
+    """(leaves, logits, loss): the float64 reference on CPU leaves holding the values of x, weight,
+    bias, and its logits (for the size of the terms each gradient sums)."""
+    leaves = [None if p is None else p.detach().to("cpu", torch.float64).requires_grad_() for p in (x, weight, bias)]
+    logits = F.linear(leaves[0], leaves[1], leaves[2])
+    loss = reference_loss(logits.reshape(-1, weight.shape[0]), target.reshape(-1).cpu(), ignore_index,
+                          reduction, label_smoothing, softcap, z_loss)
+    return leaves, logits, loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def check(name, actual, expected, terms, dtype):
+    """Elementwise: |actual - expected| <= rtol * terms + atol * max(terms), with the storage
+    dtype's tolerance; `terms` is the sum of the absolute values of the terms each element adds up
+    (the gradients are sums over classes or rows, rounded in the storage dtype term by term)."""
+    tol = TOLERANCE[dtype]
+    actual64 = actual.detach().to("cpu", torch.float64)
+    assert actual64.shape == expected.shape, (name, actual64.shape, expected.shape)
+    # never below the spacing of the dtype's subnormals (the result itself is rounded to them)
+    subnormal = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+    bound = tol["rtol"] * terms + max(tol["atol"] * (terms.max().item() if terms.numel() else 0.0), subnormal)
+    error = (actual64 - expected).abs()
+    bad = ~(error <= bound) & ~(actual64.isnan() & expected.isnan())
+    assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.numel()} elements off, the worst by "
+                           f"{(error - bound)[bad].max().item():.3g} (error {error[bad].max().item():.3g})")
+
+
+def compare(x, weight, target, bias=None, what="", g=None, budget=None, **options):
+    """brrr and the reference: the loss, and the gradients of x, weight and bias (those that
+    require grad) for the upstream gradient g (random by default). Returns (loss, grads)."""
+    dtype = x.dtype
+    leaves = [None if p is None else p.detach().requires_grad_(p.requires_grad) for p in (x, weight, bias)]
+    extra = {} if budget is None else {"logits_budget": budget}
+    loss = brrr.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], **options, **extra)
+    ref_leaves, logits, ref = reference(x, weight, target, bias, **options)
+    where = f"{what} {options}"
+    assert loss.dtype == dtype and loss.device == x.device and loss.shape == ref.shape, where
+    finite = ref[torch.isfinite(ref)]
+    scale = max(finite.abs().max().item() if finite.numel() else 0.0, 1.0)
+    check(f"loss ({where})", loss, ref.detach(), torch.full_like(ref, scale), dtype)
+    wanted = [(name, a, r) for name, a, r in zip(("input", "weight", "bias"), leaves, ref_leaves)
+              if a is not None and a.requires_grad]
+    if not wanted:
+        return loss, ()
+    g = random(loss.shape, dtype, x.device) if g is None else g
+    grads = torch.autograd.grad(loss, [a for _, a, _ in wanted], g)
+    ref_grads = torch.autograd.grad(ref, [logits] + [r for _, _, r in wanted], g.double().cpu(), allow_unused=True)
+    # Each logit's gradient is rounded to the storage dtype: for float16 below its normal range, to
+    # a spacing of 2^-24 (the gradient of a mean over many rows is there, as in torch's float16).
+    g_logits = ref_grads[0].abs().reshape(-1, weight.shape[0])
+    if dtype == torch.float16:
+        g_logits = g_logits + 2.0**-24 / TOLERANCE[dtype]["rtol"]
+    x64, w64 = (p.detach().to("cpu", torch.float64).abs() for p in (x.reshape(-1, x.shape[-1]), weight))
+    terms = {"input": (g_logits @ w64).reshape(x.shape), "weight": g_logits.t() @ x64, "bias": g_logits.sum(0)}
+    for (name, a, _), grad, ref_grad in zip(wanted, grads, ref_grads[1:]):
+        assert grad.dtype == a.dtype and grad.shape == a.shape, (where, name)
+        check(f"grad of {name} ({where})", grad, torch.zeros(a.shape, dtype=torch.float64) if ref_grad is None
+              else ref_grad, terms[name], dtype)
+    return loss, grads
+
+
+def make(rows, hidden, classes, dtype, device, bias=True):
+    """x, weight, bias with logits of a few units: x in [-1, 1], weight scaled by 3 / sqrt(hidden)."""
+    x = random((rows, hidden), dtype, device, low=-1.0, high=1.0).requires_grad_()
+    w = (random((classes, hidden), torch.float64, "cpu", low=-1.0, high=1.0) * 3 / hidden**0.5).to(device, dtype)
+    b = random((classes,), dtype, device, low=-1.0, high=1.0).requires_grad_() if bias else None
+    return x, w.requires_grad_(), b
+
+
+def chunk_budget(rows_per_chunk, classes, dtype):
+    return rows_per_chunk * classes * torch.finfo(dtype).bits // 8
+
+
+# ---- loss and gradients against torch ---------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,hidden,classes", SHAPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_matches_torch(device, dtype, rows, hidden, classes, reduction):
+    """Chunks of 7 rows (the row counts are not multiples of it) and of 1, every option."""
+    x, w, b = make(rows, hidden, classes, dtype, device)
+    for budget_rows, options in [(7, {}), (7, dict(label_smoothing=0.1)), (1, dict(softcap=2.0)),
+                                 (7, dict(z_loss=0.1, label_smoothing=0.1)), (7, dict(softcap=30.0, z_loss=1e-4))]:
+        t = make_targets((rows,), classes, device, IGNORE[0])
+        compare(x, w, t, b, what=f"{rows}x{hidden}x{classes}", budget=chunk_budget(budget_rows, classes, dtype),
+                reduction=reduction, **options)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("ignore", IGNORE, ids=[name for name, _ in IGNORE])
+def test_ignore_index(device, dtype, ignore):
+    x, w, b = make(37, 8, 33, dtype, device)
+    for reduction in REDUCTIONS:
+        t = make_targets((37,), 33, device, ignore)
+        compare(x, w, t, b, budget=chunk_budget(5, 33, dtype), reduction=reduction, ignore_index=ignore[1],
+                label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_all_rows_ignored(device, dtype):
+    """mean over no counted rows: NaN (as torch), gradients 0; sum and none: 0."""
+    x, w, b = make(9, 8, 33, dtype, device)
+    t = torch.full((9,), -100, device=device)
+    for reduction in REDUCTIONS:
+        loss = brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, z_loss=0.1, logits_budget=4 * 33 * 4)
+        assert torch.isnan(loss).all() if reduction == "mean" else not loss.detach().any()
+        grads = torch.autograd.grad(loss, (x, w, b), torch.ones_like(loss))
+        assert all(not g.any() for g in grads), reduction
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_shapes_layouts_and_frozen_parameters(device, dtype):
+    """(batch, seq, hidden) inputs, non-contiguous inputs, weights and targets, no bias, a frozen
+    weight (its gradient is never computed) or a frozen input, int32 and uint8 targets."""
+    x, w, b = make(24, 16, 65, dtype, device)
+    t = make_targets((24,), 65, device, IGNORE[0])
+    budget = chunk_budget(5, 65, dtype)
+    for reduction in REDUCTIONS:
+        compare(x.reshape(4, 6, 16), w, t.reshape(4, 6), b, what="3-d", budget=budget, reduction=reduction)
+        compare(x.t().contiguous().t(), w.t().contiguous().t(), t, None, what="transposed storage, no bias",
+                budget=budget, reduction=reduction)
+        wide = random((24, 32), dtype, device, low=-1.0, high=1.0)
+        compare(wide[:, ::2].requires_grad_(), w, make_targets((48,), 65, device, IGNORE[0])[::2], b,
+                what="strided x and target", budget=budget, reduction=reduction)
+        compare(x, w.detach(), t, b, what="frozen weight", budget=budget, reduction=reduction)
+        compare(x.detach(), w, t, b.detach(), what="frozen input and bias", budget=budget, reduction=reduction)
+        compare(x, w, t.to(torch.int32), b, what="int32 target", budget=budget, reduction=reduction)
+    t8 = t.clone()
+    t8[t8 == -100] = 255
+    compare(x, w, t8.to(torch.uint8), b, what="uint8 target", budget=budget, ignore_index=255)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unbatched_input_and_no_rows(device):
+    """input (H,) with a 0-d target, as F.linear and F.cross_entropy take them; no rows: mean NaN
+    (as torch), sum 0, gradients zero."""
+    x, w, b = make(1, 8, 33, torch.float32, device)
+    for reduction in REDUCTIONS:
+        compare(x[0].detach().requires_grad_(), w, torch.tensor(5, device=device), b, what="unbatched",
+                reduction=reduction, label_smoothing=0.1)
+        empty = x[:0].detach().requires_grad_()
+        loss = brrr.linear_cross_entropy(empty, w, torch.zeros(0, dtype=torch.int64, device=device), b,
+                                         reduction=reduction)
+        assert loss.shape == ((0,) if reduction == "none" else ()) and (reduction != "mean" or torch.isnan(loss))
+        grads = torch.autograd.grad(loss.sum(), (empty, w, b))
+        assert grads[0].shape == (0, 8) and not grads[1].any() and not grads[2].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loss_dtype_and_no_grad_path(device):
+    """dtype= gives the loss in float32 for a bf16 input; without autograd the loss is the same bits."""
+    x, w, b = make(33, 8, 101, torch.bfloat16, device)
+    t = make_targets((33,), 101, device, IGNORE[0])
+    for reduction in REDUCTIONS:
+        loss = brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, dtype=torch.float32, softcap=5.0,
+                                         logits_budget=4000)
+        assert loss.dtype == torch.float32
+        with torch.no_grad():
+            quiet = brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, dtype=torch.float32, softcap=5.0,
+                                              logits_budget=4000)
+        assert torch.equal(loss.detach(), quiet), reduction
+        _, _, ref = reference(x, w, t, b, reduction=reduction, softcap=5.0)
+        torch.testing.assert_close(loss.detach().double().cpu(), ref.detach(), **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_deterministic(device, dtype):
+    """Two calls: bitwise the same loss and gradients (the weight's summed over many chunks)."""
+    rows, hidden, classes = (4099, 256, 32000) if device == "cuda" else (301, 32, 1001)
+    x, w, b = make(rows, hidden, classes, dtype, device)
+    t = make_targets((rows,), classes, device, IGNORE[0])
+    runs = []
+    for _ in range(2):
+        loss = brrr.linear_cross_entropy(x, w, t, b, label_smoothing=0.1, z_loss=1e-4,
+                                         logits_budget=chunk_budget(97, classes, dtype))
+        runs.append((loss.detach(),) + torch.autograd.grad(loss, (x, w, b)))
+    for a, c in zip(*runs):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_gradcheck(reduction):
+    x, w, b = make(5, 3, 7, torch.float64, "cpu")
+    t = torch.tensor([1, -100, 6, 0, 3])
+    assert torch.autograd.gradcheck(lambda x, w, b: brrr.linear_cross_entropy(
+        x, w, t, b, reduction=reduction, label_smoothing=0.2, softcap=2.0, z_loss=0.1, logits_budget=2 * 7 * 8),
+        (x, w, b))
+
+
+def test_chunk_size_follows_the_budget():
+    """The rows per chunk are the budget over a row of logits, at least 1."""
+    from brrr._torch_linear_xent import chunk_rows
+
+    assert chunk_rows(128256, 2, 2**28) == 2**28 // (128256 * 2)
+    assert chunk_rows(32000, 4, 2**28) == 2**28 // (32000 * 4)
+    assert chunk_rows(32000, 2, 10) == 1
+
+
+def test_saves_no_logits():
+    """Only the gradients (input's size, weight's in float32) are saved, nothing of the logits' size."""
+    rows, hidden, classes = 256, 8, 1000
+    x, w, b = make(rows, hidden, classes, torch.float32, "cpu")
+    t = make_targets((rows,), classes, "cpu", IGNORE[0])
+    for reduction in REDUCTIONS:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+            loss = brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, logits_budget=16 * classes * 4)
+        assert saved and max(s.numel() for s in saved) < rows * classes // 8, [s.shape for s in saved]
+        assert sum(s.numel() for s in saved if s.is_floating_point()) <= x.numel() + w.numel() + b.numel() + 1
+        torch.autograd.grad(loss, (x, w, b), torch.ones_like(loss))
+
+
+# ---- the torch.library op ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    op = torch.ops.brrr.linear_cross_entropy.default
+    x, w, b = make(9, 4, 11, torch.float32, device)
+    t = make_targets((9,), 11, device, IGNORE[0])
+    for reduction in REDUCTIONS:
+        for options in [(-100, 0.0, None, 0.0), (-100, 0.1, 3.0, 0.1)]:
+            torch.library.opcheck(op, (x, w, t, b, *options, reduction, 4, [True, True, True]), test_utils=utils)
+        torch.library.opcheck(op, (x, w.detach(), t, None, -100, 0.0, None, 0.0, reduction, 2, [True, False, False]),
+                              test_utils=utils)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_torch_compile_without_graph_breaks(reduction):
+    """fullgraph compile (aot_eager and inductor): the same loss and gradients as eager, and the
+    op in the graph once."""
+    torch._dynamo.reset()
+    x, w, b = make(21, 8, 37, torch.float32, "cpu")
+    t = make_targets((3, 7), 37, "cpu", IGNORE[0])
+
+    def f(x, w, b):
+        return brrr.linear_cross_entropy(x.reshape(3, 7, 8), w, t, b, reduction=reduction, softcap=5.0,
+                                         z_loss=1e-3, logits_budget=8 * 37 * 4).sum()
+
+    explained = torch._dynamo.explain(f)(x, w, b)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained
+    ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes}
+    assert "brrr.linear_cross_entropy.default" in ops
+    eager = f(x, w, b)
+    eager_grads = torch.autograd.grad(eager, (x, w, b))
+    for backend in ("aot_eager", "inductor"):
+        compiled = torch.compile(f, backend=backend, fullgraph=True)
+        out = compiled(x, w, b)
+        torch.testing.assert_close(out, eager)
+        for a, e in zip(torch.autograd.grad(out, (x, w, b)), eager_grads):
+            torch.testing.assert_close(a, e)
+        torch._dynamo.reset()
+
+
+# ---- argument errors ------------------------------------------------------------------------------
+
+def test_argument_errors():
+    x, w, b = make(4, 3, 5, torch.float32, "cpu")
+    t = torch.tensor([0, 4, -100, 2])
+    lce = brrr.linear_cross_entropy
+    cases = [
+        (lambda: lce(x, w, t, reduction="avg"), ValueError, "reduction"),
+        (lambda: lce(x, w, t, label_smoothing=1.5), ValueError, "label_smoothing"),
+        (lambda: lce(x, w, t, softcap=0.0), ValueError, "softcap"),
+        (lambda: lce(x, w, t, softcap=-30.0), ValueError, "softcap"),
+        (lambda: lce(x, w, t, softcap=float("nan")), ValueError, "softcap"),
+        (lambda: lce(x, w, t, softcap="30"), TypeError, "softcap"),
+        (lambda: lce(x, w, t, z_loss=-1e-4), ValueError, "z_loss"),
+        (lambda: lce(x, w, t, z_loss=float("inf")), ValueError, "z_loss"),
+        (lambda: lce(x, w, t, ignore_index=1.0), TypeError, "ignore_index"),
+        (lambda: lce(x, w, t, logits_budget=0), ValueError, "logits_budget"),
+        (lambda: lce(x.numpy(force=True), w, t), TypeError, "input"),
+        (lambda: lce(x, w.numpy(force=True), t), TypeError, "weight"),
+        (lambda: lce(x, w[:, :2], t), ValueError, "weight"),
+        (lambda: lce(x, w[0], t), ValueError, "weight"),
+        (lambda: lce(x, w, t, b[:4]), ValueError, "bias"),
+        (lambda: lce(x, w.double(), t), TypeError, "weight"),
+        (lambda: lce(x, w, t, b.double()), TypeError, "bias"),
+        (lambda: lce(x.int(), w, t), TypeError, "input"),
+        (lambda: lce(x[0, 0], w, t), ValueError, "input"),
+        (lambda: lce(x, w, t.float()), TypeError, "target"),
+        (lambda: lce(x, w, t[:3]), ValueError, "target"),
+        (lambda: lce(x, w, torch.tensor([0, 5, 1, 2])), ValueError, "target"),  # out of range: the CPU checks
+    ]
+    for call, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            call()
+
+
+def test_registry_and_module():
+    """The registry's linear_cross_entropy and brrr.nn.LinearCrossEntropyLoss: brrr's op, and its
+    PyTorch reference as the fallback, the same loss."""
+    from brrr import registry
+
+    x, w, b = make(9, 4, 11, torch.float32, "cpu")
+    t = make_targets((9,), 11, "cpu", IGNORE[0])
+    op = registry.lookup("linear_cross_entropy")
+    options = dict(reduction="sum", label_smoothing=0.1, softcap=3.0, z_loss=0.01)
+    fused = registry("linear_cross_entropy", x, w, t, b, **options)
+    torch.testing.assert_close(fused, op.reference(x, w, t, b, **options))
+    assert op.resolve(x, w, t, b, **options) is brrr.linear_cross_entropy
+    assert op.resolve(x, w.double(), t, b, **options) is op.reference  # mixed dtypes: PyTorch's
+    module = brrr.nn.LinearCrossEntropyLoss(**options)
+    torch.testing.assert_close(module(x, w, t, b), fused)
+
+
+# ---- CUDA -----------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_cuda_matches_cpu_at_size(dtype):
+    """A vocabulary of 32000 (a block per row), rows that do not fill the last chunk."""
+    x, w, b = make(1031, 64, 32000, dtype, "cpu")
+    t = make_targets((1031,), 32000, "cpu", IGNORE[0])
+    for reduction in REDUCTIONS:
+        compare(x.cuda(), w.cuda(), t.cuda(), b.cuda(), what="cuda", budget=chunk_budget(256, 32000, dtype),
+                reduction=reduction, softcap=30.0, z_loss=1e-4, label_smoothing=0.1)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_of_a_training_step():
+    """forward and backward captured once and replayed on new data: the gradients of eager."""
+    x, w, b = make(515, 64, 4097, torch.bfloat16, "cuda")
+    t = make_targets((515,), 4097, "cuda", IGNORE[0])
+    static = [x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_(),
+              b.detach().clone().requires_grad_()]
+
+    def step():
+        loss = brrr.linear_cross_entropy(*static[:2], t, static[2], softcap=30.0, logits_budget=2**20)
+        return (loss,) + torch.autograd.grad(loss, static)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    for _ in range(2):
+        fresh = make(515, 64, 4097, torch.bfloat16, "cuda")
+        for s, f in zip(static, fresh):
+            s.data.copy_(f)
+        t.copy_(make_targets((515,), 4097, "cuda", IGNORE[0]))
+        graph.replay()
+        expected = brrr.linear_cross_entropy(*fresh[:2], t, fresh[2], softcap=30.0, logits_budget=2**20)
+        expected_grads = torch.autograd.grad(expected, fresh)
+        for a, e in zip(outputs, (expected,) + expected_grads):
+            torch.testing.assert_close(a, e)
+
+
+# ---- brrr.patch: causal LMs' training loss ---------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+TINY = dict(vocab_size=211, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8)
+
+
+def tiny(name, dtype=torch.float32, device="cpu", **config):
+    torch.manual_seed(0)
+    model = getattr(transformers, name + "ForCausalLM")(getattr(transformers, name + "Config")(**TINY, **config))
+    with torch.no_grad():  # norm weights away from 1, so that ignoring them shows
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.to(device, dtype).train()
+
+
+def loss_and_grads(model, tokens, **kwargs):
+    out = model(input_ids=tokens, labels=tokens, **kwargs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return out, torch.autograd.grad(out.loss, params)
+
+
+@pytest.mark.parametrize("name,softcap", [("Llama", None), ("Gemma2", 30.0), ("Gemma2", 3.0)])
+def test_patched_causal_lm_trains_on_the_fused_loss(name, softcap):
+    """Training with labels: the loss and every gradient of the unpatched model (Gemma 2's
+    final-logit softcap, 30 and a tight 3, taken into the loss), also per item
+    (num_items_in_batch) and with return_dict=False; no logits returned, none of their size
+    saved for the backward. In eval mode or without labels: the unpatched model's logits."""
+    import copy
+
+    base = tiny(name, **({} if softcap is None else {"final_logit_softcapping": softcap}))
+    patched = copy.deepcopy(base)
+    report = brrr.patch(patched)
+    fused = "fused linear cross-entropy (training with labels: the loss from the head's input" + (
+        "" if softcap is None else f", its softcap {softcap:g} fused") + ", logits None)"
+    assert fused in {what for _, _, what in report.swapped}, str(report)
+    tokens = torch.randint(0, 211, (2, 9))
+    tokens[0, 3] = -100
+    ids = tokens.clamp_min(0)
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(11)}):
+        out, grads = loss_and_grads(base, ids, **kwargs)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s.shape) or s, lambda s: s):
+            p_out = patched(input_ids=ids, labels=tokens, **kwargs)
+        assert p_out.logits is None
+        assert not [s for s in saved if s[-1:] == (211,) and s.numel() >= ids.numel() * 211], saved
+        p_grads = torch.autograd.grad(p_out.loss, [p for p in patched.parameters() if p.requires_grad])
+        ref = base(input_ids=ids, labels=tokens, **kwargs).loss
+        torch.testing.assert_close(p_out.loss, ref, rtol=1e-5, atol=1e-6)
+        base_grads = torch.autograd.grad(ref, [p for p in base.parameters() if p.requires_grad])
+        for (n, _), a, b in zip(base.named_parameters(), p_grads, base_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=n)
+        del out, grads
+    as_tuple = patched(input_ids=ids, labels=tokens, return_dict=False)
+    torch.testing.assert_close(as_tuple[0], base(input_ids=ids, labels=tokens).loss, rtol=1e-5, atol=1e-6)
+    assert not any(isinstance(o, torch.Tensor) and o.shape[-1:] == (211,) for o in as_tuple)
+    torch.testing.assert_close(patched(input_ids=ids).logits, base(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    patched.eval()
+    base.eval()
+    eval_out, ref_out = patched(input_ids=ids, labels=tokens), base(input_ids=ids, labels=tokens)
+    torch.testing.assert_close(eval_out.logits, ref_out.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eval_out.loss, ref_out.loss, rtol=1e-5, atol=1e-6)
+    assert brrr.unpatch(patched) > 0
+    assert [type(m) for m in patched.modules()] == [type(m) for m in base.modules()]
+    assert all("_brrr_pending" not in m.__dict__ for m in patched.modules())
+
+
+def test_patch_leaves_logits_it_cannot_fuse_and_can_be_told_to_keep_them():
+    """Cohere scales its logits (logit_scale): the head is left, the loss swapped as before;
+    fused_linear_cross_entropy=False keeps a Llama's logits in training."""
+    cohere = tiny("Cohere", logit_scale=0.5)
+    report = brrr.patch(cohere)
+    assert ("", "CohereForCausalLM", "fused linear cross-entropy: its logits are not its head's output (nor "
+            "softcapped by config.final_logit_softcapping)") in report.left, str(report)
+    tokens = torch.randint(0, 211, (2, 7))
+    assert cohere(input_ids=tokens, labels=tokens).logits is not None
+    llama = tiny("Llama")
+    report = brrr.patch(llama, fused_linear_cross_entropy=False)
+    assert not any("fused linear" in what for _, _, what in report.swapped + report.left), str(report)
+    assert llama(input_ids=tokens, labels=tokens).logits.shape == (2, 7, 211)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_of_a_patched_step_with_the_fused_loss():
+    """A bf16 Llama's patched training step captured in one CUDA graph: replays give eager's loss
+    and gradients."""
+    model = tiny("Llama", torch.bfloat16, "cuda")
+    brrr.patch(model)
+    tokens = torch.randint(0, 211, (4, 64), device="cuda")
+    params = [p for p in model.parameters() if p.requires_grad]
+    eager = model(input_ids=tokens, labels=tokens).loss
+    eager_grads = torch.autograd.grad(eager, params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model(input_ids=tokens, labels=tokens).loss.backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+    for _ in range(2):
+        for p in params:
+            p.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(loss, eager.detach())
+        for p, g in zip(params, eager_grads):
+            torch.testing.assert_close(p.grad, g)
