@@ -13,6 +13,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C
+from ._args import last_dim
 from ._ops import define
 
 # torch 2.10+ publishes DLPack's C exchange table, from which brrr._C reads tensors and the
@@ -132,9 +133,22 @@ chain_backward_op = define("chain_backward", _chain_backward_impl, _chain_backwa
 _chain_default = define("chain", _chain_impl, _chain_fake, _chain_backward, _chain_setup_context)
 
 
+def check_torch(values, names):
+    """The other tensor arguments of a call whose x is a torch tensor: torch tensors or None, as
+    the tensors of one call come from one framework (docs/errors.md). TypeError naming the first
+    that is not."""
+    for value, name in zip(values, names):
+        if value is not None and not isinstance(value, torch.Tensor):
+            if not hasattr(value, "__dlpack__"):
+                raise TypeError(f"argument {name}: expected a tensor or array implementing __dlpack__, got "
+                                f"{type(value).__name__}")
+            raise TypeError(f"argument {name}: expected a torch.Tensor like the call's first tensor (the tensors "
+                            f"of one call come from one framework), got {type(value).__name__}")
+
+
 def _needs_autograd(x, others=()):
-    """Whether autograd records an op on x and `others` (tensors or None); cheap first, as this is
-    the overhead regime's hot path."""
+    """Whether autograd records an op on x and `others` (tensors or None, checked by check_torch);
+    cheap first, as this is the overhead regime's hot path."""
     return torch.is_grad_enabled() and (x.requires_grad or (
         bool(others) and any(o is not None and o.requires_grad for o in others)))
 
@@ -166,9 +180,16 @@ def _eager_out(x):
     return None if _EXCHANGE_API and x.is_contiguous() else torch.empty_like(x)
 
 
+_OPERAND_NAMES = tuple(f"operands[{i}]" for i in range(_C.MAX_CHAIN_OPERANDS))
+
+
 def chain(c, x, operands, out, stream):
     """Apply Chain `c` to torch tensors: the custom op under torch.compile, an autograd.Function
     when autograd records, else straight to brrr._C (the overhead regime's hot path)."""
+    if operands:
+        check_torch(operands, _OPERAND_NAMES)
+    if out is not None:
+        check_torch((out,), ("out",))
     compiling = torch.compiler.is_compiling()
     if compiling or _needs_autograd(x, operands):
         if out is not None:
@@ -268,7 +289,8 @@ _apply_glu = lean_apply(_GluFunction)
 def glu(activation, gate, up, out):
     """Gated linear unit on torch tensors (see brrr.glu); the custom op under torch.compile, an
     autograd.Function when autograd records, else straight to brrr._C."""
-    if up is None and gate.shape[-1] % 2:
+    check_torch((up, out), ("up", "out"))
+    if up is None and last_dim("x", gate, "its last is split into gate and up halves") % 2:
         raise ValueError(f"argument x: the last dim must be even to split into gate and up halves, got {gate.shape[-1]}")
     compiling = torch.compiler.is_compiling()
     if compiling or _needs_autograd(gate, (up,) if up is not None else ()):

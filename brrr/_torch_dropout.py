@@ -12,7 +12,7 @@ import torch
 
 from . import _C
 from ._ops import define
-from ._torch import _eager_out, _needs_autograd, _stream, lean_apply, lean_once_differentiable
+from ._torch import _eager_out, _needs_autograd, _stream, check_torch, lean_apply, lean_once_differentiable
 
 Tensor = torch.Tensor
 
@@ -87,6 +87,7 @@ _apply_bias_dropout_add = lean_apply(_BiasDropoutAddFunction)
 def bias_dropout_add(x, bias, residual, p, seed, offset):
     """brrr.bias_dropout_add on torch tensors (arguments checked): the custom op under
     torch.compile, the autograd.Function when autograd records, else straight to brrr._C."""
+    check_torch((bias, residual), ("bias", "residual"))
     if seed is None:
         # torch's default CPU generator, so that torch.manual_seed makes runs reproducible.
         seed = int(torch.randint(2**63 - 1, (1,)).item())

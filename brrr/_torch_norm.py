@@ -16,8 +16,9 @@ import torch
 
 from . import _C
 from ._ops import define
-from ._torch import _EXCHANGE_API, _eager_out, _needs_autograd, _stream, lean_apply, lean_once_differentiable
-from .norm import default_rms_eps, normalized_ndim
+from ._args import as_float
+from ._torch import _EXCHANGE_API, _eager_out, _needs_autograd, _stream, check_torch, lean_apply, lean_once_differentiable
+from .norm import normalized_ndim, rms_eps
 
 Tensor = torch.Tensor
 
@@ -315,40 +316,50 @@ _apply_rms_norm, _apply_add_rms_norm = lean_apply(_EagerRMSNorm), lean_apply(_Ea
 # torch.compile takes the custom ops, eager autograd the Functions, and everything else goes
 # straight to brrr._C.
 
+_PARAM_NAMES = ("weight", "bias")
+_ADD_NAMES = ("residual", "weight", "bias")
+
+
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    eps = as_float("eps", eps)
     if torch.compiler.is_compiling():
-        return _layer_norm(x, _shape_list(normalized_shape), weight, bias, float(eps))[0]
+        return _layer_norm(x, _shape_list(normalized_shape), weight, bias, eps)[0]
     k = normalized_ndim(x.shape, normalized_shape)
+    check_torch((weight, bias), _PARAM_NAMES)
     if _needs_autograd(x, (weight, bias)):
-        return _apply_layer_norm(x, weight, bias, k, float(eps))
-    return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _eager_out(x), None, None, None, None, _stream(x, None))
+        return _apply_layer_norm(x, weight, bias, k, eps)
+    return _C.layer_norm_fwd(x, k, weight, bias, eps, _eager_out(x), None, None, None, None, _stream(x, None))
 
 
 def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
+    eps = as_float("eps", eps)
     if torch.compiler.is_compiling():
-        return tuple(_add_layer_norm(x, residual, _shape_list(normalized_shape), weight, bias, float(eps))[:2])
+        return tuple(_add_layer_norm(x, residual, _shape_list(normalized_shape), weight, bias, eps)[:2])
     k = normalized_ndim(x.shape, normalized_shape)
+    check_torch((residual, weight, bias), _ADD_NAMES)
     if _needs_autograd(x, (residual, weight, bias)):
-        return _apply_add_layer_norm(x, residual, weight, bias, k, float(eps))
-    return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _eager_out(x), None, None, residual, _eager_out(x),
+        return _apply_add_layer_norm(x, residual, weight, bias, k, eps)
+    return _C.layer_norm_fwd(x, k, weight, bias, eps, _eager_out(x), None, None, residual, _eager_out(x),
                              _stream(x, None))
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, llama=False):
-    eps = default_rms_eps(x.dtype) if eps is None else float(eps)
+    eps = rms_eps(x, eps)
     if torch.compiler.is_compiling():
         return _rms_norm(x, _shape_list(normalized_shape), weight, eps, llama)[0]
     k = normalized_ndim(x.shape, normalized_shape)
+    check_torch((weight,), _PARAM_NAMES)
     if _needs_autograd(x, (weight,)):
         return _apply_rms_norm(x, weight, k, eps, llama)
     return _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), None, None, None, _stream(x, None))
 
 
 def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, llama=False):
-    eps = default_rms_eps(x.dtype) if eps is None else float(eps)
+    eps = rms_eps(x, eps)
     if torch.compiler.is_compiling():
         return tuple(_add_rms_norm(x, residual, _shape_list(normalized_shape), weight, eps, llama)[:2])
     k = normalized_ndim(x.shape, normalized_shape)
+    check_torch((residual, weight), _ADD_NAMES)
     if _needs_autograd(x, (residual, weight)):
         return _apply_add_rms_norm(x, residual, weight, k, eps, llama)
     return _C.rms_norm_fwd(x, k, weight, eps, llama, _eager_out(x), None, residual, _eager_out(x), _stream(x, None))

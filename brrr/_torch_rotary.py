@@ -6,7 +6,9 @@ import torch
 
 from . import _C
 from ._ops import define
-from ._torch import _eager_out, _needs_autograd, _stream, lean_apply, lean_once_differentiable
+from ._args import named
+from .rotary import K_NAMES, Q_NAMES
+from ._torch import _eager_out, _needs_autograd, _stream, check_torch, lean_apply, lean_once_differentiable
 
 Tensor = torch.Tensor
 
@@ -55,7 +57,7 @@ class _RotaryPairFunction(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
         ctx.set_materialize_grads(False)
-        return _impl(q, cos, sin, False), _impl(k, cos, sin, False)
+        return named(Q_NAMES, _impl, q, cos, sin, False), named(K_NAMES, _impl, k, cos, sin, False)
 
     @staticmethod
     @lean_once_differentiable
@@ -78,6 +80,7 @@ def _refuse_angle_gradients(cos, sin):
 def rotary(x, cos, sin):
     """brrr.rotary on torch tensors: the custom op under torch.compile, the autograd.Function
     when autograd records, else straight to brrr._C."""
+    check_torch((cos, sin), ("cos", "sin"))
     _refuse_angle_gradients(cos, sin)
     if torch.compiler.is_compiling():
         return _rotary(x, cos, sin, False)
@@ -88,7 +91,8 @@ def rotary(x, cos, sin):
 
 def rotary_qk(q, k, cos, sin):
     """(rotary(q, cos, sin), rotary(k, cos, sin)), one autograd node for both where both need one."""
+    check_torch((k, cos, sin), ("k", "cos", "sin"))
     _refuse_angle_gradients(cos, sin)
     if not torch.compiler.is_compiling() and _needs_autograd(q) and k.requires_grad:
         return _apply_rotary_pair(q, k, cos, sin)
-    return rotary(q, cos, sin), rotary(k, cos, sin)
+    return named(Q_NAMES, rotary, q, cos, sin), named(K_NAMES, rotary, k, cos, sin)

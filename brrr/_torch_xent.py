@@ -17,7 +17,7 @@ import torch
 
 from . import _C
 from ._ops import define
-from ._torch import _EXCHANGE_API, _needs_autograd, _stream, lean_apply, lean_once_differentiable
+from ._torch import _EXCHANGE_API, _needs_autograd, _stream, check_torch, lean_apply, lean_once_differentiable
 from .xent import check_rank
 
 Tensor = torch.Tensor
@@ -133,6 +133,7 @@ def cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype
     """brrr.cross_entropy on torch tensors (arguments checked): the custom op under torch.compile,
     the autograd.Function when autograd records, else straight to brrr._C."""
     check_rank(input.dim())
+    check_torch((target,), ("target",))
     logits = input if input.dim() <= 2 else input.movedim(1, -1)
     if torch.compiler.is_compiling():
         loss = _cross_entropy(logits, target, ignore_index, label_smoothing, reduction)[0]

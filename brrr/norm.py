@@ -18,16 +18,23 @@ the weight, as Hugging Face's LlamaRMSNorm does (`weight * hidden.to(input_dtype
 result in x's dtype.
 """
 
+import numbers
+
 from . import _C
+from ._args import as_float, shape_of
 from ._frameworks import empty_like, torch_if_tensor
 
 CAST_ORDERS = ("torch", "llama")
 
+
 def normalized_ndim(shape, normalized_shape):
-    """len(normalized_shape), after checking that it is the trailing part of `shape`."""
-    if shape is None:
-        raise TypeError("argument x: expected a tensor or array")
-    ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    """len(normalized_shape), after checking that it is an int or a sequence of ints, the trailing
+    part of `shape`."""
+    ns = tuple(normalized_shape) if isinstance(normalized_shape, (tuple, list)) else (normalized_shape,)
+    for n in ns:
+        if type(n) is not int and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):
+            raise TypeError(f"argument normalized_shape: expected an int or a sequence of ints, got "
+                            f"{normalized_shape!r:.80}")
     shape = tuple(shape)
     if not ns or len(ns) > len(shape) or shape[len(shape) - len(ns):] != ns:
         raise ValueError(f"argument normalized_shape: {list(ns)} must be non-empty and the trailing dims of the "
@@ -48,6 +55,11 @@ def llama_order(cast_order):
     return cast_order == "llama"
 
 
+def rms_eps(x, eps):
+    """rms_norm's eps as a float: None for default_rms_eps(x.dtype)."""
+    return default_rms_eps(x.dtype) if eps is None else as_float("eps", eps)
+
+
 def _out_like(x):
     if type(x).__module__ == "numpy":
         return None  # brrr._C allocates NumPy outputs
@@ -65,8 +77,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
         from . import _torch_norm
 
         return _torch_norm.layer_norm(x, normalized_shape, weight, bias, eps)
-    k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
-    return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _out_like(x), None, None, None, None, -1)
+    k = normalized_ndim(shape_of("x", x), normalized_shape)
+    return _C.layer_norm_fwd(x, k, weight, bias, as_float("eps", eps), _out_like(x), None, None, None, None, -1)
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
@@ -77,9 +89,8 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
         from . import _torch_norm
 
         return _torch_norm.rms_norm(x, normalized_shape, weight, eps, llama)
-    k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
-    eps = default_rms_eps(x.dtype) if eps is None else float(eps)
-    return _C.rms_norm_fwd(x, k, weight, eps, llama, _out_like(x), None, None, None, -1)
+    k = normalized_ndim(shape_of("x", x), normalized_shape)
+    return _C.rms_norm_fwd(x, k, weight, rms_eps(x, eps), llama, _out_like(x), None, None, None, -1)
 
 
 def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -89,8 +100,9 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
         from . import _torch_norm
 
         return _torch_norm.add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
-    k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
-    return _C.layer_norm_fwd(x, k, weight, bias, float(eps), _out_like(x), None, None, residual, _out_like(x), -1)
+    k = normalized_ndim(shape_of("x", x), normalized_shape)
+    return _C.layer_norm_fwd(x, k, weight, bias, as_float("eps", eps), _out_like(x), None, None, residual,
+                             _out_like(x), -1)
 
 
 def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
@@ -100,6 +112,5 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_o
         from . import _torch_norm
 
         return _torch_norm.add_rms_norm(x, residual, normalized_shape, weight, eps, llama)
-    k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
-    eps = default_rms_eps(x.dtype) if eps is None else float(eps)
-    return _C.rms_norm_fwd(x, k, weight, eps, llama, _out_like(x), None, residual, _out_like(x), -1)
+    k = normalized_ndim(shape_of("x", x), normalized_shape)
+    return _C.rms_norm_fwd(x, k, weight, rms_eps(x, eps), llama, _out_like(x), None, residual, _out_like(x), -1)

@@ -12,6 +12,7 @@ under no_grad; brrr.registry sends inputs whose cos or sin require grad to PyTor
 """
 
 from . import _C
+from ._args import as_int, named
 from ._frameworks import empty_like, torch_if_tensor
 
 
@@ -29,12 +30,17 @@ def rotary(x, cos, sin):
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """transformers' apply_rotary_pos_emb: cos and sin (batch, seq, head_dim) get a heads dim at
     unsqueeze_dim, then both q and k are rotated. position_ids is unused, as there."""
+    unsqueeze_dim = as_int("unsqueeze_dim", unsqueeze_dim)
     torch = torch_if_tensor(q)
     if torch is not None:
-        from . import _torch_rotary
+        from . import _torch, _torch_rotary
 
+        _torch.check_torch((k, cos, sin), ("k", "cos", "sin"))
         return _torch_rotary.rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
     import numpy as np
 
     cos, sin = np.expand_dims(cos, unsqueeze_dim), np.expand_dims(sin, unsqueeze_dim)
-    return rotary(q, cos, sin), rotary(k, cos, sin)
+    return named(Q_NAMES, rotary, q, cos, sin), named(K_NAMES, rotary, k, cos, sin)
+
+
+Q_NAMES, K_NAMES = {"x": "q"}, {"x": "k"}  # rotary's x, as apply_rotary_pos_emb calls it

@@ -23,9 +23,8 @@ check would cost a device-to-host sync, that row's loss (and so a mean or sum) a
 are NaN.
 """
 
-import numbers
-
 from . import _C
+from ._args import as_float, as_int, named
 from ._frameworks import torch_if_tensor
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -36,13 +35,12 @@ def check_args(weight, ignore_index, reduction, label_smoothing):
     if weight is not None:
         raise ValueError("argument weight: per-class weights are not supported by brrr.cross_entropy (use "
                          "torch.nn.functional.cross_entropy; brrr.registry falls back to it)")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"argument ignore_index: expected an int, got {type(ignore_index).__name__}")
+    as_int("ignore_index", ignore_index)
+    if not isinstance(reduction, str):
+        raise TypeError(f"argument reduction: expected 'mean', 'sum' or 'none', got {type(reduction).__name__}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"argument reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
-        raise TypeError(f"argument label_smoothing: expected a float, got {type(label_smoothing).__name__}")
-    if not 0.0 <= label_smoothing <= 1.0:  # NaN too
+    if not 0.0 <= as_float("label_smoothing", label_smoothing) <= 1.0:  # NaN too
         raise ValueError(f"argument label_smoothing: expected a float in [0, 1], got {label_smoothing}")
 
 
@@ -56,11 +54,18 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     """torch.nn.functional.cross_entropy for class-index targets, fused; `dtype` is the loss's
     dtype (default: the input's). See the module for what is supported."""
     check_args(weight, ignore_index, reduction, label_smoothing)
+    return named(_NAMES, _cross_entropy, input, target, int(ignore_index), reduction, float(label_smoothing), dtype)
+
+
+_NAMES = {"logits": "input"}  # brrr._C's name for it (the input with its class dim last)
+
+
+def _cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype):
     torch = torch_if_tensor(input)
     if torch is not None:
         from . import _torch_xent
 
-        return _torch_xent.cross_entropy(input, target, int(ignore_index), reduction, float(label_smoothing), dtype)
+        return _torch_xent.cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype)
     import numpy as np
 
     if not isinstance(input, np.ndarray):
@@ -72,7 +77,6 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     acc = np.float64 if input.dtype == np.float64 else np.float32
     lse, loss = np.empty(shape, acc), np.empty(shape, acc)
     total = None if reduction == "none" else np.empty((), acc)
-    _C.cross_entropy_fwd(logits, target, int(ignore_index), float(label_smoothing), reduction, lse, loss, total,
-                         None, -1)
+    _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, loss, total, None, -1)
     result = loss if total is None else total
     return result.astype(input.dtype if dtype is None else dtype, copy=False)

@@ -94,11 +94,7 @@ static int dropout_layout(brrr_dropout_launch *L, const brrr_tensor *x, const br
             n = 1;
         }
     }
-    if (n > BRRR_MAX_DIMS) {
-        PyErr_Format(PyExc_ValueError, "argument %s: views with more than %d non-mergeable dims are not supported "
-                     "(got %d)", x->name, BRRR_MAX_DIMS, n);
-        return -1;
-    }
+    if (brrr_check_view_dims(x->name, n) < 0) return -1;
     L->ndim = n;
     memcpy(L->shape, shape, sizeof(int64_t) * (size_t)n);
     brrr_view *v[3] = {&L->x, &L->out, &L->residual};
@@ -271,11 +267,7 @@ done:
 /* ---- argument parsing -------------------------------------------------------------------------- */
 
 static int parse_scalars(PyObject *p, PyObject *seed, PyObject *offset, PyObject *stream, dropout_request *q) {
-    q->p = PyFloat_AsDouble(p);
-    if (q->p == -1.0 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_TypeError, "argument p: expected a float");
-        return -1;
-    }
+    if (brrr_parse_double(p, "p", &q->p) < 0) return -1;
     if (!(q->p >= 0.0 && q->p <= 1.0)) { /* NaN too */
         PyErr_Format(PyExc_ValueError, "argument p: dropout probability has to be between 0 and 1, got %R", p);
         return -1;
@@ -284,7 +276,7 @@ static int parse_scalars(PyObject *p, PyObject *seed, PyObject *offset, PyObject
     const char *names[2] = {"seed", "offset"};
     unsigned long long *values[2] = {&q->seed, &q->offset};
     for (int k = 0; k < 2; k++) {
-        if (!PyLong_Check(ints[k])) {
+        if (!PyLong_Check(ints[k]) || PyBool_Check(ints[k])) {
             PyErr_Format(PyExc_TypeError, "argument %s: expected an int, got %.200s", names[k], Py_TYPE(ints[k])->tp_name);
             return -1;
         }

@@ -99,8 +99,12 @@ static int module_exec(PyObject *module) {
     st->str_dlpack = PyUnicode_InternFromString("__dlpack__");
     st->str_dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
     st->str_exchange_api = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
+    st->str_is_neg = PyUnicode_InternFromString("is_neg");
+    st->str_resolve_neg = PyUnicode_InternFromString("resolve_neg");
     st->max_version = Py_BuildValue("(ii)", BRRR_DLPACK_MAJOR, BRRR_DLPACK_MINOR);
-    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->max_version) return -1;
+    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->str_is_neg || !st->str_resolve_neg ||
+        !st->max_version)
+        return -1;
     if (PyModule_AddIntConstant(module, "MAX_DIMS", BRRR_MAX_DIMS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_CHAIN_STEPS", BRRR_MAX_CHAIN_STEPS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_CHAIN_OPERANDS", BRRR_MAX_CHAIN_OPERANDS) < 0)
@@ -111,18 +115,24 @@ static int module_exec(PyObject *module) {
 static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     brrr_state *st = brrr_get_state(module);
     if (st == NULL) return 0;
-    for (int i = 0; i < st->api_cache_len; i++) Py_VISIT(st->api_cache[i].type);
+    for (int i = 0; i < st->api_cache_len; i++) {
+        Py_VISIT(st->api_cache[i].type);
+        Py_VISIT(st->api_cache[i].capsule);
+        Py_VISIT(st->api_cache[i].is_neg);
+    }
     return 0;
 }
 
 static int module_clear(PyObject *module) {
     brrr_state *st = brrr_get_state(module);
     if (st == NULL) return 0;
-    for (int i = 0; i < st->api_cache_len; i++) Py_CLEAR(st->api_cache[i].type);
+    for (int i = 0; i < st->api_cache_len; i++) brrr_type_info_clear(&st->api_cache[i]);
     st->api_cache_len = 0;
     Py_CLEAR(st->str_dlpack);
     Py_CLEAR(st->str_dlpack_device);
     Py_CLEAR(st->str_exchange_api);
+    Py_CLEAR(st->str_is_neg);
+    Py_CLEAR(st->str_resolve_neg);
     Py_CLEAR(st->max_version);
     return 0;
 }

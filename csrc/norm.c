@@ -189,7 +189,7 @@ static void cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b
 /* weight, bias and their gradients: x's dtype, or float32 for float16/bfloat16 x. */
 static int check_param_dtype(const brrr_tensor *t, const brrr_tensor *x) {
     if (t->dtype == x->dtype || (t->dtype == BRRR_F32 && is_half(x->dtype))) return 0;
-    PyErr_Format(PyExc_TypeError, "argument %s: dtype %s does not go with x of dtype %s (expected %s%s)", t->name,
+    PyErr_Format(PyExc_ValueError, "argument %s: dtype %s does not go with x of dtype %s (expected %s%s)", t->name,
                  brrr_dtype_name(t->dtype), brrr_dtype_name(x->dtype), brrr_dtype_name(x->dtype),
                  is_half(x->dtype) ? " or float32" : "");
     return -1;
@@ -197,7 +197,7 @@ static int check_param_dtype(const brrr_tensor *t, const brrr_tensor *x) {
 
 static int check_acc_dtype(const brrr_tensor *t, const brrr_tensor *x) {
     if (t->dtype == acc_dtype(x->dtype)) return 0;
-    PyErr_Format(PyExc_TypeError, "argument %s: expected dtype %s (the accumulation dtype for x of dtype %s), got %s",
+    PyErr_Format(PyExc_ValueError, "argument %s: expected dtype %s (the accumulation dtype for x of dtype %s), got %s",
                  t->name, brrr_dtype_name(acc_dtype(x->dtype)), brrr_dtype_name(x->dtype), brrr_dtype_name(t->dtype));
     return -1;
 }
@@ -233,13 +233,8 @@ static int coalesce_into(brrr_norm_launch *L, brrr_tensor *t, int rows, int lead
         memcpy(strides[count], src, sizeof(int64_t) * (size_t)ndim);
         ids[count++] = s;
     }
-    int nd = brrr_coalesce(ndim, shape, count, strides);
+    int nd = brrr_coalesce("x", ndim, shape, count, strides);
     if (nd < 0) return -1;
-    if (nd > BRRR_NORM_MAX_DIMS) {
-        PyErr_Format(PyExc_ValueError, "argument x: views with more than %d non-mergeable %s dims are not supported "
-                     "(got %d)", BRRR_NORM_MAX_DIMS, rows ? "leading" : "normalised", nd);
-        return -1;
-    }
     if (rows) {
         L->row_ndim = nd;
         memcpy(L->row_shape, shape, sizeof(int64_t) * (size_t)nd);
@@ -514,21 +509,13 @@ static PyObject *norm_entry_call(PyObject *module, const norm_entry *e, PyObject
         PyObject *a = args[i];
         switch (e->arg[i]) {
         case A_NORM_NDIM:
-            q.norm_ndim = PyLong_AsLongLong(a);
-            if (q.norm_ndim == -1 && PyErr_Occurred()) {
-                PyErr_SetString(PyExc_TypeError, "argument norm_ndim: expected an int (len(normalized_shape))");
-                return NULL;
-            }
+            if (brrr_parse_int64(a, "norm_ndim", &q.norm_ndim) < 0) return NULL;
             break;
         case A_EPS:
-            q.eps = PyFloat_AsDouble(a);
-            if (q.eps == -1.0 && PyErr_Occurred()) {
-                PyErr_SetString(PyExc_TypeError, "argument eps: expected a float");
-                return NULL;
-            }
+            if (brrr_parse_double(a, "eps", &q.eps) < 0) return NULL;
             break;
         case A_LLAMA:
-            if ((q.llama = PyObject_IsTrue(a)) < 0) return NULL;
+            if (brrr_parse_bool(a, "llama", &q.llama) < 0) return NULL;
             break;
         case A_STREAM:
             if (brrr_parse_stream(a, &q.stream) < 0) return NULL;
@@ -558,8 +545,8 @@ PyObject *brrr_py_norm_partial_rows(PyObject *module, PyObject *const *args, Py_
         PyErr_Format(PyExc_TypeError, "norm_partial_rows(rows, cols) takes 2 arguments (%zd given)", nargs);
         return NULL;
     }
-    long long rows = PyLong_AsLongLong(args[0]), cols = PyLong_AsLongLong(args[1]);
-    if ((rows == -1 || cols == -1) && PyErr_Occurred()) return NULL;
+    long long rows, cols;
+    if (brrr_parse_int64(args[0], "rows", &rows) < 0 || brrr_parse_int64(args[1], "cols", &cols) < 0) return NULL;
     if (rows < 0 || cols < 0) {
         PyErr_SetString(PyExc_ValueError, "arguments rows and cols: must be >= 0");
         return NULL;

@@ -69,8 +69,8 @@ PyObject *brrr_py_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     long long stream_arg;
-    const int backward = PyObject_IsTrue(args[4]);
-    if (backward < 0 || brrr_parse_stream(args[5], &stream_arg) < 0) return NULL;
+    int backward;
+    if (brrr_parse_bool(args[4], "backward", &backward) < 0 || brrr_parse_stream(args[5], &stream_arg) < 0) return NULL;
     brrr_call call = {brrr_get_state(module), stream_arg, 0, NULL};
     brrr_tensor x, c, s, out;
     memset(&x, 0, sizeof x);
@@ -128,7 +128,7 @@ PyObject *brrr_py_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nar
             }
             L.col_stride[k] = t->strides[t->ndim - 1];
         }
-        int n = lead ? brrr_coalesce(lead, shape, 4, strides) : 0;
+        int n = lead ? brrr_coalesce("x", lead, shape, 4, strides) : 0;
         if (n < 0) goto fail;
         if (n == 0) {
             shape[0] = 1;

@@ -116,7 +116,7 @@ static int check_row_tensor(const brrr_tensor *t, const brrr_tensor *target, con
                             int contiguous) {
     if (brrr_check_same_device(t, logits) < 0) return -1;
     if (t->dtype != acc_dtype(logits->dtype)) {
-        PyErr_Format(PyExc_TypeError, "argument %s: expected dtype %s (the accumulation dtype for logits of dtype %s), "
+        PyErr_Format(PyExc_ValueError, "argument %s: expected dtype %s (the accumulation dtype for logits of dtype %s), "
                      "got %s", t->name, brrr_dtype_name(acc_dtype(logits->dtype)), brrr_dtype_name(logits->dtype),
                      brrr_dtype_name(t->dtype));
         return -1;
@@ -138,8 +138,7 @@ static int check_row_tensor(const brrr_tensor *t, const brrr_tensor *target, con
 static int check_scalar(const brrr_tensor *t, const brrr_tensor *logits) {
     if (brrr_check_same_device(t, logits) < 0) return -1;
     if (t->dtype != acc_dtype(logits->dtype) || t->ndim != 0) {
-        PyErr_Format(t->dtype != acc_dtype(logits->dtype) ? PyExc_TypeError : PyExc_ValueError,
-                     "argument %s: expected a 0-d %s tensor, got a %d-d %s one", t->name,
+        PyErr_Format(PyExc_ValueError, "argument %s: expected a 0-d %s tensor, got a %d-d %s one", t->name,
                      brrr_dtype_name(acc_dtype(logits->dtype)), (int)t->ndim, brrr_dtype_name(t->dtype));
         return -1;
     }
@@ -162,11 +161,7 @@ static int xent_layout(brrr_xent_launch *L, const brrr_tensor *target, const brr
         for (int k = 0; k < count; k++) strides[k][0] = 0;
         n = 1;
     }
-    if (n > BRRR_XENT_MAX_DIMS) {
-        PyErr_Format(PyExc_ValueError, "arguments logits, target (and grad_logits, grad_loss): views whose rows have "
-                     "more than %d non-mergeable dims together are not supported (got %d)", BRRR_XENT_MAX_DIMS, n);
-        return -1;
-    }
+    if (brrr_check_view_dims("logits", n) < 0) return -1;
     L->row_ndim = n;
     memcpy(L->row_shape, shape, sizeof(int64_t) * (size_t)n);
     for (int k = 0; k < count; k++) memcpy(out_strides[k], strides[k], sizeof(int64_t) * (size_t)n);
@@ -351,21 +346,8 @@ done:
 /* ---- argument parsing -------------------------------------------------------------------------- */
 
 static int parse_common(PyObject *ignore_index, PyObject *smoothing, PyObject *stream, xent_request *q) {
-    if (!PyLong_Check(ignore_index) || PyBool_Check(ignore_index)) {
-        PyErr_Format(PyExc_TypeError, "argument ignore_index: expected an int, got %.200s",
-                     Py_TYPE(ignore_index)->tp_name);
-        return -1;
-    }
-    q->ignore_index = PyLong_AsLongLong(ignore_index);
-    if (q->ignore_index == -1 && PyErr_Occurred()) {
-        PyErr_Format(PyExc_ValueError, "argument ignore_index: expected an int64, got %R", ignore_index);
-        return -1;
-    }
-    q->smoothing = PyFloat_AsDouble(smoothing);
-    if (q->smoothing == -1.0 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_TypeError, "argument label_smoothing: expected a float");
-        return -1;
-    }
+    if (brrr_parse_int64(ignore_index, "ignore_index", &q->ignore_index) < 0) return -1;
+    if (brrr_parse_double(smoothing, "label_smoothing", &q->smoothing) < 0) return -1;
     if (!(q->smoothing >= 0.0 && q->smoothing <= 1.0)) { /* NaN too */
         PyErr_Format(PyExc_ValueError, "argument label_smoothing: expected a float in [0, 1], got %R", smoothing);
         return -1;

@@ -91,12 +91,11 @@ int brrr_cuda_chain_bwd(const brrr_chain_launch *launch, int device, void *strea
  * trailing dims). Row dims and column dims are coalesced separately by the glue, so a view keeps
  * two stride lists. Row-indexed tensors (mean, rstd) use only row_strides, column-indexed ones
  * (weight, bias and their gradients) only col_strides. */
-#define BRRR_NORM_MAX_DIMS 8
 
 typedef struct {
     void *data;                              /* element (0, ..., 0); NULL: absent */
-    int64_t row_strides[BRRR_NORM_MAX_DIMS]; /* in elements, over row_shape */
-    int64_t col_strides[BRRR_NORM_MAX_DIMS]; /* in elements, over col_shape */
+    int64_t row_strides[BRRR_MAX_DIMS]; /* in elements, over row_shape */
+    int64_t col_strides[BRRR_MAX_DIMS]; /* in elements, over col_shape */
 } brrr_norm_view;
 
 /* One norm launch. Forward: residual_out = x + residual (when residual is given), then
@@ -116,8 +115,8 @@ typedef struct {
     int32_t contiguous_cols; /* col_ndim == 1, column stride 1 in every row-by-column view, weight, bias */
     int32_t row_ndim, col_ndim; /* >= 1 after coalescing */
     int64_t rows, cols;
-    int64_t row_shape[BRRR_NORM_MAX_DIMS];
-    int64_t col_shape[BRRR_NORM_MAX_DIMS];
+    int64_t row_shape[BRRR_MAX_DIMS];
+    int64_t col_shape[BRRR_MAX_DIMS];
     double eps;
     brrr_norm_view x, residual, out, residual_out;       /* forward (x also in the backward) */
     brrr_norm_view grad_out, grad_residual, grad_x;       /* backward */
@@ -189,7 +188,6 @@ int brrr_cuda_dropout(const brrr_dropout_launch *launch, int device, void *strea
  * float64 for float64 logits); grad_loss (strided), total and count have that dtype too.
  * grad_logits never shares memory with logits (every element of a row needs the row's target
  * logit, which the row's threads read at different times). */
-#define BRRR_XENT_MAX_DIMS 8
 
 typedef struct {
     int32_t dtype;        /* brrr_dtype of logits and grad_logits */
@@ -197,19 +195,19 @@ typedef struct {
     int32_t mean;         /* forward: *total = sum / count */
     int32_t row_ndim;     /* >= 1 after coalescing */
     int64_t rows, classes;
-    int64_t row_shape[BRRR_XENT_MAX_DIMS];
+    int64_t row_shape[BRRR_MAX_DIMS];
     int64_t ignore_index;
     double smoothing;
     const void *logits, *target;
-    int64_t logits_rows[BRRR_XENT_MAX_DIMS], target_rows[BRRR_XENT_MAX_DIMS];
+    int64_t logits_rows[BRRR_MAX_DIMS], target_rows[BRRR_MAX_DIMS];
     int64_t logits_class_stride;
     void *lse, *loss;         /* [rows] */
     void *total, *count_out;  /* forward: each NULL or 0-d */
     const void *grad_loss;    /* backward: [rows] at grad_loss_rows strides (all 0 for a 0-d one) */
-    int64_t grad_loss_rows[BRRR_XENT_MAX_DIMS];
+    int64_t grad_loss_rows[BRRR_MAX_DIMS];
     const void *count;        /* backward: NULL or the forward's count */
     void *grad_logits;
-    int64_t grad_rows[BRRR_XENT_MAX_DIMS];
+    int64_t grad_rows[BRRR_MAX_DIMS];
     int64_t grad_class_stride;
 } brrr_xent_launch;
 
