@@ -39,12 +39,26 @@ def as_int(name, value):
     return int(value)
 
 
+def bad_choice(name, value, choices):
+    """The error for `value`, which is none of the strings `choices`: TypeError for a non-string."""
+    expected = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
+    if not isinstance(value, str):
+        return TypeError(f"argument {name}: expected {expected}, got {type(value).__name__}")
+    return ValueError(f"argument {name}: expected {expected}, got {_short(value)}")
+
+
 def shape_of(name, x):
     """x's shape, after checking that x is a tensor or an array (TypeError naming it otherwise)."""
     shape = getattr(x, "shape", None)
     if shape is None or not hasattr(x, "__dlpack__"):
         raise TypeError(f"argument {name}: expected a tensor or array implementing __dlpack__, got {type(x).__name__}")
     return shape
+
+
+def is_float(x):
+    """Whether tensor or array x holds floating-point numbers (torch and NumPy spell it differently)."""
+    dtype = x.dtype
+    return bool(getattr(dtype, "is_floating_point", False) or getattr(dtype, "kind", "") == "f")
 
 
 def last_dim(name, x, why):
@@ -64,6 +78,17 @@ def named(names, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except ERRORS as error:
         raise renamed(error, names) from None
+
+
+def refuse_kinds(*named):
+    """Where the Python layer failed on a tensor with its framework's own error (PyTorch's
+    RuntimeError for a sparse tensor's strides or a nested tensor's shape), brrr._C's error for the
+    first of the (name, tensor) pairs it does not take, if any: one line that names the argument."""
+    from . import _C
+
+    for name, value in named:
+        if value is not None and hasattr(value, "__dlpack__"):
+            _C.check_tensor(value, name)
 
 
 def renamed(error, names):

@@ -14,6 +14,7 @@ import torch
 
 from . import _C
 from ._args import last_dim
+from .chain import OPERAND_NAMES
 from ._ops import define
 
 # torch 2.10+ publishes DLPack's C exchange table, from which brrr._C reads tensors and the
@@ -205,14 +206,11 @@ def _eager_out(x):
     return None if _EXCHANGE_API and x.is_contiguous() else torch.empty_like(x)
 
 
-_OPERAND_NAMES = tuple(f"operands[{i}]" for i in range(_C.MAX_CHAIN_OPERANDS))
-
-
 def chain(c, x, operands, out, stream):
     """Apply Chain `c` to torch tensors: the custom op under torch.compile, an autograd.Function
     when autograd records, else straight to brrr._C (the overhead regime's hot path)."""
     if operands:
-        check_torch(operands, _OPERAND_NAMES)
+        check_torch(operands, OPERAND_NAMES)
     if out is not None:
         check_torch((out,), ("out",))
     compiling = torch.compiler.is_compiling()
@@ -229,7 +227,11 @@ def chain(c, x, operands, out, stream):
 
 def _split(x):
     d = x.shape[-1] // 2
-    return x[..., :d], x[..., d:]
+    try:
+        return x[..., :d], x[..., d:]
+    except Exception:  # noqa: BLE001 - a tensor brrr cannot take (sparse, nested): brrr._C's error for it
+        _C.check_tensor(x, "x")
+        raise
 
 
 def _glu_impl(x: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:

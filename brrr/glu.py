@@ -11,21 +11,13 @@ recomputes the activation from the saved inputs. The split form's backward write
 of grad_x in the same kernel, so no slice-gradient buffers are zero-filled and added.
 """
 
-from ._args import last_dim, named, shape_of
-from .chain import Chain
+from ._args import last_dim, named, refuse_kinds, shape_of
+from .chain import Chain, gelu_step as _gelu_name
 from ._frameworks import torch_ops_if_tensor
 
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
 _BIAS = {name: Chain("add_tensor", op) for name, op in _ACTIVATIONS.items()}
 _GLU = {name: Chain(op, "mul_tensor") for name, op in _ACTIVATIONS.items()}
-
-
-def _gelu_name(approximate):
-    if approximate == "none":
-        return "gelu"
-    if approximate == "tanh":
-        return "gelu_tanh"
-    raise ValueError(f"argument approximate: expected 'none' or 'tanh', got {approximate!r}")
 
 
 _BIAS_NAMES = {"operands[0]": "bias"}  # the chain's name for it
@@ -52,14 +44,22 @@ def _halves(x):
 def _glu(activation, gate, up, out):
     if up is None:
         torch_ops = torch_ops_if_tensor(gate)
-        if torch_ops is not None:
+        if torch_ops is None:
+            return _GLU[activation](*_halves(gate), out=out)
+        try:
             return torch_ops.glu(activation, gate, None, out)
-        return _GLU[activation](*_halves(gate), out=out)
-    if tuple(shape_of("up", up)) != tuple(shape_of("gate", gate)):
-        raise ValueError(f"argument up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}")
-    torch_ops = torch_ops_if_tensor(gate)
-    if torch_ops is not None:
-        return named(_GLU_NAMES, torch_ops.glu, activation, gate, up, out)
+        except RuntimeError:
+            refuse_kinds(("x", gate))
+            raise
+    try:
+        if tuple(shape_of("up", up)) != tuple(shape_of("gate", gate)):
+            raise ValueError(f"argument up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}")
+        torch_ops = torch_ops_if_tensor(gate)
+        if torch_ops is not None:
+            return named(_GLU_NAMES, torch_ops.glu, activation, gate, up, out)
+    except RuntimeError:
+        refuse_kinds(("gate", gate), ("up", up))
+        raise
     return named(_GLU_NAMES, _GLU[activation], gate, up, out=out)
 
 

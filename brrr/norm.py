@@ -21,7 +21,7 @@ result in x's dtype.
 import numbers
 
 from . import _C
-from ._args import as_float, shape_of
+from ._args import as_float, bad_choice, refuse_kinds, shape_of
 from ._frameworks import empty_like, torch_if_tensor
 
 CAST_ORDERS = ("torch", "llama")
@@ -50,8 +50,8 @@ def default_rms_eps(dtype):
 
 
 def llama_order(cast_order):
-    if cast_order not in CAST_ORDERS:
-        raise ValueError(f"argument cast_order: expected one of {CAST_ORDERS}, got {cast_order!r}")
+    if not isinstance(cast_order, str) or cast_order not in CAST_ORDERS:
+        raise bad_choice("cast_order", cast_order, CAST_ORDERS)
     return cast_order == "llama"
 
 
@@ -76,7 +76,11 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     if torch_if_tensor(x) is not None:
         from . import _torch_norm
 
-        return _torch_norm.layer_norm(x, normalized_shape, weight, bias, eps)
+        try:
+            return _torch_norm.layer_norm(x, normalized_shape, weight, bias, eps)
+        except RuntimeError:
+            refuse_kinds(("x", x), ("weight", weight), ("bias", bias))
+            raise
     k = normalized_ndim(shape_of("x", x), normalized_shape)
     return _C.layer_norm_fwd(x, k, weight, bias, as_float("eps", eps), _out_like(x), None, None, None, None, -1)
 
@@ -88,7 +92,11 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
     if torch_if_tensor(x) is not None:
         from . import _torch_norm
 
-        return _torch_norm.rms_norm(x, normalized_shape, weight, eps, llama)
+        try:
+            return _torch_norm.rms_norm(x, normalized_shape, weight, eps, llama)
+        except RuntimeError:
+            refuse_kinds(("x", x), ("weight", weight))
+            raise
     k = normalized_ndim(shape_of("x", x), normalized_shape)
     return _C.rms_norm_fwd(x, k, weight, rms_eps(x, eps), llama, _out_like(x), None, None, None, -1)
 
@@ -99,7 +107,11 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
     if torch_if_tensor(x) is not None:
         from . import _torch_norm
 
-        return _torch_norm.add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
+        try:
+            return _torch_norm.add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
+        except RuntimeError:
+            refuse_kinds(("x", x), ("residual", residual), ("weight", weight), ("bias", bias))
+            raise
     k = normalized_ndim(shape_of("x", x), normalized_shape)
     return _C.layer_norm_fwd(x, k, weight, bias, as_float("eps", eps), _out_like(x), None, None, residual,
                              _out_like(x), -1)
@@ -111,6 +123,10 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_o
     if torch_if_tensor(x) is not None:
         from . import _torch_norm
 
-        return _torch_norm.add_rms_norm(x, residual, normalized_shape, weight, eps, llama)
+        try:
+            return _torch_norm.add_rms_norm(x, residual, normalized_shape, weight, eps, llama)
+        except RuntimeError:
+            refuse_kinds(("x", x), ("residual", residual), ("weight", weight))
+            raise
     k = normalized_ndim(shape_of("x", x), normalized_shape)
     return _C.rms_norm_fwd(x, k, weight, rms_eps(x, eps), llama, _out_like(x), None, residual, _out_like(x), -1)

@@ -12,7 +12,7 @@ under no_grad; brrr.registry sends inputs whose cos or sin require grad to PyTor
 """
 
 from . import _C
-from ._args import as_int, named
+from ._args import as_int, is_float, named, refuse_kinds, shape_of
 from ._frameworks import empty_like, torch_if_tensor
 
 
@@ -22,7 +22,11 @@ def rotary(x, cos, sin):
     if torch is not None:
         from . import _torch_rotary
 
-        return _torch_rotary.rotary(x, cos, sin)
+        try:
+            return _torch_rotary.rotary(x, cos, sin)
+        except RuntimeError:
+            refuse_kinds(("x", x), ("cos", cos), ("sin", sin))
+            raise
     out = None if type(x).__module__ == "numpy" else empty_like(x)  # brrr._C allocates NumPy outputs
     return _C.rotary(x, cos, sin, out, False, -1)
 
@@ -30,12 +34,32 @@ def rotary(x, cos, sin):
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """transformers' apply_rotary_pos_emb: cos and sin (batch, seq, head_dim) get a heads dim at
     unsqueeze_dim, then both q and k are rotated. position_ids is unused, as there."""
-    unsqueeze_dim = as_int("unsqueeze_dim", unsqueeze_dim)
+    try:
+        return _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+    except RuntimeError:
+        refuse_kinds(("q", q), ("k", k), ("cos", cos), ("sin", sin))
+        raise
+
+
+def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim):
+    shape_of("q", q)
+    shape_of("k", k)
     torch = torch_if_tensor(q)
     if torch is not None:
-        from . import _torch, _torch_rotary
+        from . import _torch
 
         _torch.check_torch((k, cos, sin), ("k", "cos", "sin"))
+    if k.dtype != q.dtype and is_float(k) and is_float(q):  # else brrr._C's error would be about cos and k
+        raise ValueError(f"argument k has dtype {str(k.dtype).removeprefix('torch.')} but q has dtype "
+                         f"{str(q.dtype).removeprefix('torch.')}")
+    unsqueeze_dim = as_int("unsqueeze_dim", unsqueeze_dim)
+    for name, angle in (("cos", cos), ("sin", sin)):
+        if not -len(shape_of(name, angle)) - 1 <= unsqueeze_dim <= len(angle.shape):
+            raise ValueError(f"argument unsqueeze_dim: {unsqueeze_dim} is out of range for {name} of "
+                             f"{len(angle.shape)} dims")
+    if torch is not None:
+        from . import _torch_rotary
+
         return _torch_rotary.rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
     import numpy as np
 

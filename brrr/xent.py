@@ -24,7 +24,7 @@ are NaN.
 """
 
 from . import _C
-from ._args import as_float, as_int, named
+from ._args import as_float, as_int, bad_choice, named, refuse_kinds
 from ._frameworks import torch_if_tensor
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -36,10 +36,8 @@ def check_args(weight, ignore_index, reduction, label_smoothing):
         raise ValueError("argument weight: per-class weights are not supported by brrr.cross_entropy (use "
                          "torch.nn.functional.cross_entropy; brrr.registry falls back to it)")
     as_int("ignore_index", ignore_index)
-    if not isinstance(reduction, str):
-        raise TypeError(f"argument reduction: expected 'mean', 'sum' or 'none', got {type(reduction).__name__}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"argument reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise bad_choice("reduction", reduction, REDUCTIONS)
     if not 0.0 <= as_float("label_smoothing", label_smoothing) <= 1.0:  # NaN too
         raise ValueError(f"argument label_smoothing: expected a float in [0, 1], got {label_smoothing}")
 
@@ -65,7 +63,11 @@ def _cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtyp
     if torch is not None:
         from . import _torch_xent
 
-        return _torch_xent.cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype)
+        try:
+            return _torch_xent.cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype)
+        except RuntimeError:
+            refuse_kinds(("input", input), ("target", target))
+            raise
     import numpy as np
 
     if not isinstance(input, np.ndarray):

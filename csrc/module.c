@@ -23,6 +23,22 @@ PyObject *brrr_py_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nar
 
 brrr_state *brrr_get_state(PyObject *module) { return (brrr_state *)PyModule_GetState(module); }
 
+/* check_tensor(obj, name): the error brrr's import raises for obj as input `name`, or None. For
+ * the Python layer, which reshapes some tensors before they get here. */
+static PyObject *py_check_tensor(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyUnicode_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "check_tensor(obj, name) takes a tensor and its argument name (str)");
+        return NULL;
+    }
+    const char *name = PyUnicode_AsUTF8(args[1]);
+    if (name == NULL) return NULL;
+    brrr_call call = {brrr_get_state(module), -1, 0, NULL};
+    brrr_tensor t;
+    if (brrr_tensor_import(&call, args[0], name, 0, &t) < 0) return NULL;
+    brrr_tensor_release(&t);
+    Py_RETURN_NONE;
+}
+
 static int cuda_device_count(void) {
 #if BRRR_WITH_CUDA
     int count = 0;
@@ -55,6 +71,8 @@ static PyObject *py_build_info(PyObject *module, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"cuda_available", py_cuda_available, METH_NOARGS, "True when CUDA kernels are compiled in and a GPU is visible."},
     {"build_info", py_build_info, METH_NOARGS, "What was compiled in and what the runtime found."},
+    {"check_tensor", (PyCFunction)(void (*)(void))py_check_tensor, METH_FASTCALL,
+     "check_tensor(obj, name) -> None: raise the error brrr raises for obj as the input `name`, if any."},
     {"chain_op_names", brrr_py_chain_op_names, METH_NOARGS, "Names of the ops a chain step may use."},
     {"chain_program", brrr_py_chain_program, METH_O, "chain_program(steps) -> bytes: validate and pack a chain."},
     {"chain_partial_rows", brrr_py_chain_partial_rows, METH_O,
