@@ -8,6 +8,17 @@ know)."""
 import numbers
 import re
 
+ERRORS = (TypeError, ValueError, BufferError)  # what an argument error is raised as
+
+
+def _short(value):
+    """repr(value) cut to 40 characters (as brrr._C shows values that do not fit)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long for CPython to print
+        return "an int too long to print"
+    return text if len(text) <= 40 else text[:37] + "..."
+
 
 def as_float(name, value):
     """value as a float; TypeError naming the argument for a non-number (or a bool)."""
@@ -19,15 +30,6 @@ def as_float(name, value):
         return float(value)
     except OverflowError:
         raise ValueError(f"argument {name}: {_short(value)} does not fit a float64") from None
-
-
-def _short(value):
-    """repr(value) cut to 40 characters (as brrr._C shows values that do not fit)."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int too long for CPython to print
-        return "an int too long to print"
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def as_int(name, value):
@@ -55,12 +57,6 @@ def shape_of(name, x):
     return shape
 
 
-def is_float(x):
-    """Whether tensor or array x holds floating-point numbers (torch and NumPy spell it differently)."""
-    dtype = x.dtype
-    return bool(getattr(dtype, "is_floating_point", False) or getattr(dtype, "kind", "") == "f")
-
-
 def last_dim(name, x, why):
     """x's last dim; ValueError naming the argument for a 0-d x, which has none (`why` it is needed)."""
     shape = shape_of(name, x)
@@ -69,15 +65,10 @@ def last_dim(name, x, why):
     return shape[-1]
 
 
-ERRORS = (TypeError, ValueError, BufferError)
-
-
-def named(names, fn, *args, **kwargs):
-    """fn(*args, **kwargs), its argument errors spelled with the public function's names (see renamed)."""
-    try:
-        return fn(*args, **kwargs)
-    except ERRORS as error:
-        raise renamed(error, names) from None
+def is_float(x):
+    """Whether tensor or array x holds floating-point numbers (torch and NumPy spell it differently)."""
+    dtype = x.dtype
+    return bool(getattr(dtype, "is_floating_point", False) or getattr(dtype, "kind", "") == "f")
 
 
 def refuse_kinds(*named):
@@ -100,3 +91,11 @@ def renamed(error, names):
         return type(error)(pattern.sub(lambda m: names[m.group(1)], str(error)))
     except Exception:  # noqa: BLE001 - an exception type that takes no single message stays as it was
         return error
+
+
+def named(names, fn, *args, **kwargs):
+    """fn(*args, **kwargs), its argument errors spelled with the public function's names (renamed)."""
+    try:
+        return fn(*args, **kwargs)
+    except ERRORS as error:
+        raise renamed(error, names) from None

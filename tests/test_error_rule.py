@@ -2,6 +2,7 @@
 table, on every argument it applies to, raises the exception the table names, with a message
 that starts with the argument's name, and changes none of the inputs."""
 
+import builtins
 import pathlib
 import re
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import brrr
 from dlpack_producers import RawProducer
 from op_table import OPS, OPS_BY_NAME
 
@@ -18,8 +20,7 @@ DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 def rule_table():
     """{rule: exception class} from the table in docs/errors.md."""
     rows = re.findall(r"^\| `([a-z ]+)` \| `(\w+)` \|", DOC.read_text(), re.M)
-    return {rule: getattr(__builtins__, exc) if isinstance(__builtins__, dict) is False else __builtins__[exc]
-            for rule, exc in rows}
+    return {rule: getattr(builtins, exc) for rule, exc in rows}
 
 
 RULES = rule_table()
@@ -113,3 +114,44 @@ def test_error_rule(op, rule):
             assert torch.equal(args[k], v), f"{op.name}: argument {k} changed by a call that failed"
         seen += 1
     assert seen or rule == "bad value", f"no {rule} case for {op.name}"
+
+
+def test_the_examples_that_broke_the_rule():
+    """Each refused as the rule says, with the message it gives now (they raised AttributeError,
+    IndexError, or errors naming no argument)."""
+    x, w = torch.randn(4, 6), torch.randn(6)
+    cases = [
+        (lambda: brrr.bias_gelu(x, w.numpy()), TypeError,
+         "argument bias: expected a torch.Tensor like the call's first tensor (the tensors of one call come from one "
+         "framework), got ndarray"),
+        (lambda: brrr.layer_norm(x, (6,), w, 1.0), TypeError,
+         "argument bias: expected a tensor or array implementing __dlpack__, got float"),
+        (lambda: brrr.swiglu(torch.tensor(1.0)), ValueError,
+         "argument x: expected a tensor with at least one dim (its last is split into gate and up halves), got a 0-d "
+         "one"),
+        (lambda: brrr.swiglu([1.0, 2.0]), TypeError,
+         "argument x: expected a tensor or array implementing __dlpack__, got list"),
+        (lambda: brrr.layer_norm(x, 4.0), TypeError,
+         "argument normalized_shape: expected an int or a sequence of ints, got 4.0"),
+        (lambda: brrr.layer_norm(x, (6,), eps="a"), TypeError, "argument eps: expected a float, got str"),
+        (lambda: brrr.bias_gelu(torch.tensor(1.0), torch.tensor([1.0])), ValueError,
+         "argument bias: shape must be x's shape () (x is 0-d)"),
+        (lambda: brrr.gelu(torch.ones(3, dtype=torch.int64)), TypeError,
+         "argument x: dtype int64 is not supported; expected float32, float16, bfloat16 or float64"),
+        (lambda: brrr.bias_gelu(x, w.double()), ValueError, "argument bias has dtype float64 but x has dtype float32"),
+        (lambda: brrr.rotary(x, w.double(), w), ValueError, "argument cos has dtype float64 but x has dtype float32"),
+        (lambda: brrr.layer_norm(x, (6,), w.double()), ValueError,
+         "argument weight: dtype float64 does not go with x of dtype float32 (expected float32)"),
+        (lambda: brrr.chain(("add", True)), TypeError,
+         "argument steps[0]: 'add' needs a numeric scalar: ('add', value), not a bool"),
+        (lambda: brrr.chain(("mul", 2**2000)), ValueError,
+         "argument steps[0]: 1148130695274254524232833201177681984... does not fit a float64"),
+        (lambda: brrr.apply_rotary_pos_emb(x, x.double(), w, w, unsqueeze_dim=0), ValueError,
+         "argument k has dtype float64 but q has dtype float32"),
+        (lambda: brrr.cross_entropy(x, torch.tensor([0, 1, 2, 3]), reduction=None), TypeError,
+         "argument reduction: expected 'mean', 'sum' or 'none', got NoneType"),
+    ]
+    for call, exc, message in cases:
+        with pytest.raises(exc) as raised:
+            call()
+        assert str(raised.value) == message
