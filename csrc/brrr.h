@@ -24,7 +24,9 @@ typedef struct {
     PyTypeObject *type;            /* strong reference */
     PyObject *capsule;             /* strong reference to the capsule that holds `api`, or NULL */
     const DLPackExchangeAPI *api;  /* NULL: the type publishes no usable table */
-    PyObject *is_neg;              /* torch.Tensor types: the unbound is_neg method (strong reference), else NULL */
+    /* torch.Tensor types: the unbound is_neg and _is_zerotensor methods (strong references); NULL
+     * for other types (and _is_zerotensor for a PyTorch without it) */
+    PyObject *is_neg, *is_zerotensor;
 } brrr_type_info;
 
 typedef struct {
@@ -34,7 +36,6 @@ typedef struct {
     PyObject *str_dlpack_device;   /* "__dlpack_device__" */
     PyObject *str_exchange_api;    /* "__dlpack_c_exchange_api__" */
     PyObject *str_is_neg;          /* "is_neg" */
-    PyObject *str_resolve_neg;     /* "resolve_neg" */
     PyObject *max_version;         /* (1, BRRR_DLPACK_MINOR) */
 } brrr_state;
 

@@ -118,10 +118,8 @@ static int module_exec(PyObject *module) {
     st->str_dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
     st->str_exchange_api = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
     st->str_is_neg = PyUnicode_InternFromString("is_neg");
-    st->str_resolve_neg = PyUnicode_InternFromString("resolve_neg");
     st->max_version = Py_BuildValue("(ii)", BRRR_DLPACK_MAJOR, BRRR_DLPACK_MINOR);
-    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->str_is_neg || !st->str_resolve_neg ||
-        !st->max_version)
+    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->str_is_neg || !st->max_version)
         return -1;
     if (PyModule_AddIntConstant(module, "MAX_DIMS", BRRR_MAX_DIMS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_CHAIN_STEPS", BRRR_MAX_CHAIN_STEPS) < 0 ||
@@ -137,6 +135,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
         Py_VISIT(st->api_cache[i].type);
         Py_VISIT(st->api_cache[i].capsule);
         Py_VISIT(st->api_cache[i].is_neg);
+        Py_VISIT(st->api_cache[i].is_zerotensor);
     }
     return 0;
 }
@@ -150,7 +149,6 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(st->str_dlpack_device);
     Py_CLEAR(st->str_exchange_api);
     Py_CLEAR(st->str_is_neg);
-    Py_CLEAR(st->str_resolve_neg);
     Py_CLEAR(st->max_version);
     return 0;
 }

@@ -14,10 +14,11 @@
  * from a capsule of its name and major version (anything else on that attribute is ignored, and
  * the object taken through `__dlpack__`), `__dlpack_device__` for a pair of ints that the
  * exported tensor agrees with, capsules by name and version, and every DLTensor for a shape, a
- * dtype, a device and strides whose byte extent fits int64. PyTorch views with the negative bit
- * set (lazy negation: `.imag` of a conjugated tensor) are read through a resolved copy, and
- * refused as outputs; tensors DLPack cannot carry (sparse, nested, quantized, meta) get a
- * one-line error naming the argument. Exception types follow docs/errors.md. */
+ * dtype, a device and strides whose byte extent fits int64. PyTorch tensors whose memory is not
+ * their values (views with the negative bit set, the `.imag` of a conjugated tensor; ZeroTensors,
+ * which have none) are read through a materialised copy, and refused as outputs; tensors DLPack
+ * cannot carry (sparse, nested, quantized, meta) get a one-line error naming the argument.
+ * Exception types follow docs/errors.md. */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
@@ -181,6 +182,7 @@ void brrr_type_info_clear(brrr_type_info *info) {
     Py_CLEAR(info->type);
     Py_CLEAR(info->capsule);
     Py_CLEAR(info->is_neg);
+    Py_CLEAR(info->is_zerotensor);
     info->api = NULL;
 }
 
@@ -216,6 +218,7 @@ static void read_type_info(brrr_state *st, PyTypeObject *type, brrr_type_info *i
     PyTypeObject *torch_base = torch_tensor_base(type);
     if (torch_base != NULL) {
         info->is_neg = PyObject_GetAttr((PyObject *)torch_base, st->str_is_neg);
+        info->is_zerotensor = PyObject_GetAttrString((PyObject *)torch_base, "_is_zerotensor");
         PyErr_Clear();
     }
 }
@@ -558,6 +561,34 @@ done:
     return status;
 }
 
+static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, int index, brrr_tensor *t);
+
+/* unbound_method(obj) is true: 1, false or no such method: 0, -1 with an exception. */
+static int flag(PyObject *unbound_method, PyObject *obj) {
+    if (unbound_method == NULL) return 0;
+    PyObject *result = PyObject_CallOneArg(unbound_method, obj);
+    int truth = result ? PyObject_IsTrue(result) : -1;
+    Py_XDECREF(result);
+    return truth;
+}
+
+/* A PyTorch tensor whose memory is not its values (`what`): an input is read through the copy
+ * that obj.method() materialises, kept alive by t until released; an output is refused, as
+ * brrr's writes would not reach its values. */
+static int import_materialised(brrr_call *call, PyObject *obj, const char *name, int writable, int index,
+                               brrr_tensor *t, const char *method, const char *what) {
+    if (writable) {
+        PyErr_Format(PyExc_ValueError, "argument %s: %s cannot be written in place; pass a tensor without it", name,
+                     what);
+        return -1;
+    }
+    PyObject *materialised = PyObject_CallMethod(obj, method, NULL);
+    int status = materialised ? tensor_import(call, materialised, name, writable, index, t) : -1;
+    if (status == 0 && t->owner == NULL) t->owner = Py_NewRef(materialised);
+    Py_XDECREF(materialised);
+    return status;
+}
+
 static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, int index, brrr_tensor *t) {
     memset(t, 0, sizeof(*t));
     t->name = name;
@@ -567,8 +598,23 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
     }
     brrr_type_info scratch = {0};
     const brrr_type_info *info = PyArray_Check(obj) ? NULL : type_info(call->state, Py_TYPE(obj), &scratch);
+    /* PyTorch tensors whose memory is not their values: efficient zeros (autograd may pass one
+     * as a gradient; they have no memory, and a view of one points into the first page), and
+     * lazy negation (the memory holds -x). */
+    int zero = info && info->is_neg ? flag(info->is_zerotensor, obj) : 0;
+    int negated = info && info->is_neg && zero == 0 ? flag(info->is_neg, obj) : 0;
     int status;
-    if (info && info->api) {
+    if (zero < 0 || negated < 0) {
+        prefix_error(name, 1);
+        status = -1;
+    } else if (zero) {
+        status = import_materialised(call, obj, name, writable, index, t, "clone",
+                                     "a ZeroTensor (_is_zerotensor(), lazy zeros with no memory)");
+    } else if (negated) {
+        status = import_materialised(call, obj, name, writable, index, t, "resolve_neg",
+                                     "a view with its negative bit set (is_neg(), e.g. the .imag of a conjugated "
+                                     "tensor)");
+    } else if (info && info->api) {
         DLTensor dl;
         status = info->api->dltensor_from_py_object_no_sync(obj, &dl);
         if (status != 0) prefix_error(name, info->is_neg != NULL);
@@ -583,28 +629,7 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
     } else {
         status = import_capsule(call, obj, index, writable, t);
     }
-    if (status < 0 && info && info->is_neg) refuse_torch_kind(obj, name);
-    if (status == 0 && info && info->is_neg) {
-        /* PyTorch's lazy negation: the memory holds -x. Inputs are read through a resolved copy;
-         * an output cannot be written through one. */
-        PyObject *negated = PyObject_CallOneArg(info->is_neg, obj);
-        int is_neg = negated ? PyObject_IsTrue(negated) : -1;
-        Py_XDECREF(negated);
-        if (is_neg == 1 && writable) {
-            PyErr_Format(PyExc_ValueError, "argument %s: a view with its negative bit set (is_neg(), e.g. the .imag of a "
-                         "conjugated tensor) cannot be written in place; pass a tensor without it", name);
-            status = -1;
-        } else if (is_neg == 1) {
-            PyObject *resolved = PyObject_CallMethodNoArgs(obj, call->state->str_resolve_neg);
-            brrr_tensor_release(t);
-            status = resolved ? tensor_import(call, resolved, name, writable, index, t) : -1;
-            if (status == 0 && t->owner == NULL) t->owner = Py_NewRef(resolved); /* alive until released */
-            Py_XDECREF(resolved);
-        } else if (is_neg < 0) {
-            prefix_error(name, 1);
-            status = -1;
-        }
-    }
+    if (status < 0 && info && info->is_neg && !zero && !negated) refuse_torch_kind(obj, name);
     brrr_type_info_clear(&scratch);
     if (status == 0 && t->numel > 0 && (uintptr_t)t->data % brrr_dtype_size(t->dtype) != 0) {
         /* Typed loads from such a pointer are undefined in C and faults on the GPU. */

@@ -1,7 +1,7 @@
 """PyTorch tensors that DLPack does not describe fully, on every op of tests/op_table.py: views
 with the lazy negative bit (the .imag of a conjugated tensor; DLPack exports their memory, which
-holds -x) are read as their values, and refused as outputs; sparse, nested, quantized and meta
-tensors get a one-line error naming the argument."""
+holds -x) and ZeroTensors (no memory) are read as their values, and refused as outputs; sparse,
+nested, quantized and meta tensors get a one-line error naming the argument."""
 
 import warnings
 
@@ -66,6 +66,34 @@ def test_an_output_with_its_negative_bit_is_refused(op):
     with pytest.raises(ValueError, match="^argument out: a view with its negative bit set"):
         op.call(dict(args, out=out))
     assert torch.equal(out, torch.zeros(out.shape)) and out.is_neg()
+
+
+@pytest.mark.parametrize("op,arg", OP_ARGS, ids=[f"{o}-{a}" for o, a in OP_ARGS])
+def test_a_zero_tensor_input_is_read_as_zeros(op, arg):
+    """PyTorch's efficient zeros (_efficientzerotensor, which autograd may hand a backward) have no
+    memory: they are read as the zeros they are."""
+    op = OPS_BY_NAME[op]
+    args = op.make(torch.float32, "cpu")
+    expected = results(op.call(dict(args, **{arg: torch.zeros(args[arg].shape)})))
+    args[arg] = torch._efficientzerotensor(args[arg].shape)
+    for got, want in zip(results(op.call(args)), expected):
+        assert torch.equal(got, want)
+    if op.out:
+        out = torch._efficientzerotensor(expected[0].shape)
+        with pytest.raises(ValueError, match=r"^argument out: a ZeroTensor \(_is_zerotensor\(\), lazy zeros with no "
+                                             "memory\) cannot be written in place"):
+            op.call(dict(args, out=out))
+
+
+@pytest.mark.parametrize("op", [op.name for op in OPS])
+def test_a_zero_tensor_gradient_is_taken(op):
+    op = OPS_BY_NAME[op]
+    args = op.make(torch.float64, "cpu")
+    leaf = args[op.floats[0]].clone().requires_grad_()
+    outputs = [o for o in results(op.call(dict(args, **{op.floats[0]: leaf}))) if o.requires_grad]
+    zeros = [torch._efficientzerotensor(o.shape, dtype=o.dtype) for o in outputs]
+    (grad,) = torch.autograd.grad(outputs, leaf, zeros)
+    assert torch.equal(grad, torch.zeros_like(leaf))
 
 
 def test_c_outputs_with_their_negative_bit_are_refused():
