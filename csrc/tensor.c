@@ -598,22 +598,14 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
     }
     brrr_type_info scratch = {0};
     const brrr_type_info *info = PyArray_Check(obj) ? NULL : type_info(call->state, Py_TYPE(obj), &scratch);
-    /* PyTorch tensors whose memory is not their values: efficient zeros (autograd may pass one
-     * as a gradient; they have no memory, and a view of one points into the first page), and
-     * lazy negation (the memory holds -x). */
-    int zero = info && info->is_neg ? flag(info->is_zerotensor, obj) : 0;
-    int negated = info && info->is_neg && zero == 0 ? flag(info->is_neg, obj) : 0;
+    /* PyTorch's lazy negation: the memory holds -x. Asked of every torch tensor, before its import. */
+    int negated = info && info->is_neg ? flag(info->is_neg, obj) : 0;
     int status;
-    if (zero < 0 || negated < 0) {
-        prefix_error(name, 1);
-        status = -1;
-    } else if (zero) {
-        status = import_materialised(call, obj, name, writable, index, t, "clone",
-                                     "a ZeroTensor (_is_zerotensor(), lazy zeros with no memory)");
-    } else if (negated) {
-        status = import_materialised(call, obj, name, writable, index, t, "resolve_neg",
-                                     "a view with its negative bit set (is_neg(), e.g. the .imag of a conjugated "
-                                     "tensor)");
+    if (negated) {
+        status = negated < 0 ? -1 : import_materialised(call, obj, name, writable, index, t, "resolve_neg",
+                                                        "a view with its negative bit set (is_neg(), e.g. the "
+                                                        ".imag of a conjugated tensor)");
+        if (negated < 0) prefix_error(name, 1);
     } else if (info && info->api) {
         DLTensor dl;
         status = info->api->dltensor_from_py_object_no_sync(obj, &dl);
@@ -629,7 +621,27 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
     } else {
         status = import_capsule(call, obj, index, writable, t);
     }
-    if (status < 0 && info && info->is_neg && !zero && !negated) refuse_torch_kind(obj, name);
+    /* PyTorch's efficient zeros (autograd may hand a backward one) have no memory: their data
+     * pointer is NULL plus the view's offset. Asked where the pointer lies in the first 4 GiB
+     * (where no allocation of a 64-bit process is but for some small heaps, which pay one more
+     * call): a view of one cannot escape short of an offset of 4 GiB. */
+    if (info && info->is_neg && !negated && (status < 0 || (t->numel > 0 && (uintptr_t)t->data < ((uintptr_t)1 << 32)))) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback); /* the import's error, if it failed */
+        int zero = flag(info->is_zerotensor, obj);
+        if (zero == 0) {
+            PyErr_Restore(type, value, traceback);
+            if (status < 0) refuse_torch_kind(obj, name);
+        } else {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            brrr_tensor_release(t);
+            if (zero < 0) prefix_error(name, 1);
+            status = zero < 0 ? -1 : import_materialised(call, obj, name, writable, index, t, "clone",
+                                                         "a ZeroTensor (_is_zerotensor(), lazy zeros with no memory)");
+        }
+    }
     brrr_type_info_clear(&scratch);
     if (status == 0 && t->numel > 0 && (uintptr_t)t->data % brrr_dtype_size(t->dtype) != 0) {
         /* Typed loads from such a pointer are undefined in C and faults on the GPU. */
