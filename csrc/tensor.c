@@ -187,7 +187,8 @@ void brrr_type_info_clear(brrr_type_info *info) {
 }
 
 /* PyTorch's tensor base class, found by its C name in the type's MRO (brrr does not import
- * torch): its tensors may carry the lazy negative bit, which DLPack does not describe. */
+ * torch): its tensors may carry the lazy negative bit, or be ZeroTensors, which DLPack does not
+ * describe. */
 static PyTypeObject *torch_tensor_base(PyTypeObject *type) {
     PyObject *mro = type->tp_mro;
     for (Py_ssize_t i = 0; mro && PyTuple_Check(mro) && i < PyTuple_GET_SIZE(mro); i++) {
