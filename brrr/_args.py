@@ -65,6 +65,11 @@ def last_dim(name, x, why):
     return shape[-1]
 
 
+def dtype_name(x):
+    """x's dtype as both torch and NumPy would name it: float32, not torch.float32."""
+    return str(x.dtype).removeprefix("torch.")
+
+
 def is_float(x):
     """Whether tensor or array x holds floating-point numbers (torch and NumPy spell it differently)."""
     dtype = x.dtype

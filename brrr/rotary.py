@@ -12,7 +12,7 @@ under no_grad; brrr.registry sends inputs whose cos or sin require grad to PyTor
 """
 
 from . import _C
-from ._args import as_int, is_float, named, refuse_kinds, shape_of
+from ._args import as_int, dtype_name, is_float, named, refuse_kinds, shape_of
 from ._frameworks import empty_like, torch_if_tensor
 
 
@@ -27,7 +27,14 @@ def rotary(x, cos, sin):
         except RuntimeError:
             refuse_kinds(("x", x), ("cos", cos), ("sin", sin))
             raise
-    out = None if type(x).__module__ == "numpy" else empty_like(x)  # brrr._C allocates NumPy outputs
+    return _rotary_dlpack(x, cos, sin)
+
+
+def _rotary_dlpack(x, cos, sin):
+    """rotary for anything but PyTorch's autograd: straight to brrr._C, which reads every argument
+    through DLPack (NumPy's API for NumPy arrays) and allocates NumPy outputs and those of
+    frameworks with DLPack's C exchange table."""
+    out = None if type(x).__module__ == "numpy" else empty_like(x)
     return _C.rotary(x, cos, sin, out, False, -1)
 
 
@@ -49,9 +56,8 @@ def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim):
         from . import _torch
 
         _torch.check_torch((k, cos, sin), ("k", "cos", "sin"))
-    if k.dtype != q.dtype and is_float(k) and is_float(q):  # else brrr._C's error would be about cos and k
-        raise ValueError(f"argument k has dtype {str(k.dtype).removeprefix('torch.')} but q has dtype "
-                         f"{str(q.dtype).removeprefix('torch.')}")
+    if dtype_name(k) != dtype_name(q) and is_float(k) and is_float(q):  # else brrr._C's error: about cos and k
+        raise ValueError(f"argument k has dtype {dtype_name(k)} but q has dtype {dtype_name(q)}")
     unsqueeze_dim = as_int("unsqueeze_dim", unsqueeze_dim)
     for name, angle in (("cos", cos), ("sin", sin)):
         if not -len(shape_of(name, angle)) - 1 <= unsqueeze_dim <= len(angle.shape):
@@ -64,7 +70,7 @@ def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim):
     import numpy as np
 
     cos, sin = np.expand_dims(cos, unsqueeze_dim), np.expand_dims(sin, unsqueeze_dim)
-    return named(Q_NAMES, rotary, q, cos, sin), named(K_NAMES, rotary, k, cos, sin)
+    return named(Q_NAMES, _rotary_dlpack, q, cos, sin), named(K_NAMES, _rotary_dlpack, k, cos, sin)
 
 
 Q_NAMES, K_NAMES = {"x": "q"}, {"x": "k"}  # rotary's x, as apply_rotary_pos_emb calls it
