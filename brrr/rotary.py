@@ -69,7 +69,9 @@ def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim):
         return _torch_rotary.rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
     import numpy as np
 
-    cos, sin = np.expand_dims(cos, unsqueeze_dim), np.expand_dims(sin, unsqueeze_dim)
+    # by each angle's own framework: a torch tensor's values are not always its memory (is_neg)
+    cos, sin = (a.unsqueeze(unsqueeze_dim) if torch_if_tensor(a) is not None else np.expand_dims(a, unsqueeze_dim)
+                for a in (cos, sin))
     return named(Q_NAMES, _rotary_dlpack, q, cos, sin), named(K_NAMES, _rotary_dlpack, k, cos, sin)
 
 
