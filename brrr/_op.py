@@ -17,9 +17,9 @@ This module imports torch; family modules load it only once a torch tensor reach
 """
 
 import functools
+import re
 
 import torch
-from torch.autograd.function import once_differentiable
 
 # torch 2.10+ publishes DLPack's C exchange table, from which brrr._C reads tensors and the
 # current stream without Python, and through which it allocates outputs with torch's allocator;
@@ -77,17 +77,63 @@ def lean_apply(function):
 
 
 def lean_once_differentiable(backward):
-    """torch's once_differentiable, less its no_grad block where grad mode is already off: the
-    autograd engine runs a backward so unless create_graph=True, which gets torch's (a second
-    backward through brrr's kernels then raises)."""
-    checked = once_differentiable(backward)
+    """torch's once_differentiable for the backward of an eager Function run by brrr's kernels,
+    which record no graph. Where autograd records the backward (create_graph=True), the gradients
+    it returns carry an error node whenever an incoming gradient or a saved tensor requires grad,
+    so that a second derivative raises instead of coming out zero (torch's decorator looks at the
+    incoming gradients only: the Hessian of layer_norm(x).sum() was silently 0). An op whose
+    backward reads no saved tensor that requires grad (dropout, rotary) is linear in x: its
+    second derivative with respect to x is 0 indeed. Grad mode off, the usual backward, skips all
+    of this (and the no_grad block)."""
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
-        if torch.is_grad_enabled():
-            return checked(ctx, *grads)
-        return backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        recorded = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+        return _refuse_second_derivative(ctx, outputs, recorded) if recorded else outputs
     return wrapper
+
+
+def _op_name(ctx):
+    """The op a Function's ctx belongs to, as brrr names it: layer_norm for brrr_layer_norm_eager
+    (TorchOp's) or _EagerLayerNorm / _ChainFunction (written by hand)."""
+    name = getattr(getattr(ctx, "_forward_cls", None), "__name__", "Op")
+    if name.startswith("brrr_"):
+        return name.removeprefix("brrr_").removesuffix("_eager")
+    name = name.lstrip("_").removeprefix("Eager").removesuffix("Function")
+    return re.sub(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+
+
+def _refuse_second_derivative(ctx, outputs, recorded):
+    """outputs behind an autograd node that raises when it is differentiated (as torch's
+    once_differentiable builds it), whose inputs are also the tensors `recorded` that the
+    gradients depend on: autograd.grad with respect to one of them (a Hessian) must run the node
+    to reach it, where torch's node, with the outputs' detached aliases for inputs only, was
+    left out of the graph and the result was a silent 0."""
+    outputs_ = outputs if isinstance(outputs, tuple) else (outputs,)
+    error = torch._C._functions.DelayedError(
+        f"trying to differentiate twice brrr's {_op_name(ctx)}, whose backward is marked once_differentiable: "
+        "brrr's kernels have no second derivative (call PyTorch's function where one is needed, e.g. by "
+        "brrr.registry.override)".encode(), len(outputs_) + len(recorded))
+    aliases = [None if o is None else o.detach().requires_grad_() for o in outputs_]
+    guarded = error(*aliases, *recorded)[:len(outputs_)]
+    return guarded if isinstance(outputs, tuple) else guarded[0]
+
+
+def check_torch(values, names):
+    """The other tensor arguments of a call whose x is a torch tensor: torch tensors or None, as
+    the tensors of one call come from one framework (docs/errors.md). TypeError naming the first
+    that is not."""
+    for value, name in zip(values, names):
+        if value is not None and not isinstance(value, torch.Tensor):
+            if not hasattr(value, "__dlpack__"):
+                raise TypeError(f"argument {name}: expected a tensor or array implementing __dlpack__, got "
+                                f"{type(value).__name__}")
+            raise TypeError(f"argument {name}: expected a torch.Tensor like the call's first tensor (the tensors "
+                            f"of one call come from one framework), got {type(value).__name__}")
 
 
 # ---- torch.library operators ----------------------------------------------------------------------

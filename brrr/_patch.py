@@ -105,6 +105,22 @@ def _close(a, b):
     return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
 
 
+def _probe_generator():
+    """A private generator for probe inputs, seeded: patching draws nothing from the user's random
+    streams, and probes the same way every time."""
+    return torch.Generator().manual_seed(0)
+
+
+def _randn(generator, *shape, device, dtype=None):
+    return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+
+
+def _rng_states_kept():
+    """A block after which the global CPU and CUDA generators are as they were before it: a
+    module's own forward, run on a probe, may draw from them (a dropout in training mode)."""
+    return torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else [])
+
+
 def _probe(module, *inputs, eval_mode=False):
     """module's output on the probe inputs, None when it raises or returns no tensor. eval_mode: with
     dropout off (every submodule's mode restored after), for a module whose dropout brrr keeps."""
@@ -197,7 +213,7 @@ def _closest(y, candidates):
 def _match_activation(fn, device):
     """(op, kwargs) of the activation fn computes, or None. Probed in float32, where erf and tanh
     GELU differ by more than the tolerance (in bfloat16 they are within its rounding)."""
-    x = torch.randn(257, device=device) * 3
+    x = _randn(_probe_generator(), 257, device=device) * 3
     y = _probe(fn, x)
     if y is None:
         return None
@@ -216,7 +232,7 @@ def _try_norm(module, remat):
     if eps is None:
         return None, "no eps attribute (variance_epsilon, eps, epsilon)"
     bias = getattr(module, "bias", None)
-    x = torch.randn(3, 5, weight.numel(), device=weight.device, dtype=weight.dtype) * 2 + 0.5
+    x = _randn(_probe_generator(), 3, 5, weight.numel(), device=weight.device, dtype=weight.dtype) * 2 + 0.5
     y = _probe(module, x)
     if y is None:
         return None, "forward did not take a (3, 5, hidden) probe"
@@ -248,7 +264,7 @@ def _try_glu_mlp(module, remat):
     activation = _match_activation(act, first.weight.device)
     if activation not in _GLU_OF:
         return None, "gated MLP whose activation is not silu or gelu"
-    x = torch.randn(2, 3, first.in_features, device=first.weight.device, dtype=first.weight.dtype)
+    x = _randn(_probe_generator(), 2, 3, first.in_features, device=first.weight.device, dtype=first.weight.dtype)
     y = _probe(module, x)
     with torch.no_grad():
         if y is None:
@@ -277,8 +293,9 @@ def _try_residual_layer_norm(module):
             and isinstance(dropout, torch.nn.Dropout)):
         return None, None
     w = dense.weight
-    h = torch.randn(2, 3, dense.in_features, device=w.device, dtype=w.dtype)
-    residual = torch.randn(2, 3, dense.out_features, device=w.device, dtype=w.dtype)
+    g = _probe_generator()
+    h = _randn(g, 2, 3, dense.in_features, device=w.device, dtype=w.dtype)
+    residual = _randn(g, 2, 3, dense.out_features, device=w.device, dtype=w.dtype)
     y = _probe(module, h, residual, eval_mode=True)
     with torch.no_grad():
         expected = F.layer_norm(dense(h) + residual, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
@@ -341,9 +358,9 @@ def causal_lm_linear_loss(hidden_states, head, labels, num_items_in_batch=None, 
 
 def _behaves_like_causal_lm_loss(fn, device):
     """fn's loss on a probe, against the causal-LM loss written out in PyTorch."""
-    g = torch.Generator().manual_seed(0)
+    g = _probe_generator()
     vocab = 11
-    logits = torch.randn(2, 5, vocab, generator=g).to(device)
+    logits = _randn(g, 2, 5, vocab, device=device)
     labels = torch.randint(0, vocab, (2, 5), generator=g)
     labels[0, 2] = -100
     labels = labels.to(device)
@@ -515,9 +532,9 @@ def _rotary_through_brrr(original):
 
 def _behaves_like_rotary_pos_emb(fn, device):
     """fn on a probe against the rotary embedding written out in PyTorch."""
-    g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 3, 5, 8, generator=g).to(device), torch.randn(2, 2, 5, 8, generator=g).to(device)
-    cos, sin = torch.randn(2, 5, 8, generator=g).to(device), torch.randn(2, 5, 8, generator=g).to(device)
+    g = _probe_generator()
+    q, k = _randn(g, 2, 3, 5, 8, device=device), _randn(g, 2, 2, 5, 8, device=device)
+    cos, sin = _randn(g, 2, 5, 8, device=device), _randn(g, 2, 5, 8, device=device)
     try:
         with torch.no_grad():
             got = fn(q, k, cos, sin)
@@ -650,9 +667,15 @@ def patch(model, *, fused_linear_cross_entropy=True, remat=False):
     remat: the outputs of the norms and gated MLPs it swaps are recomputed in the backward instead
     of saved by the linear layers they feed (brrr.remat; its torch.nn.Linear modules become
     brrr.nn.RematLinear); the report says how many bytes per token that saves. Off by default:
-    its time cost (one memory-bound pass per norm and GLU) is not measured yet."""
+    its time cost (one memory-bound pass per norm and GLU) is not measured yet. The global random
+    generators are left as they were (the probes draw from a private one)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"argument model: expected a torch.nn.Module, got {type(model).__name__}")
+    with _rng_states_kept():
+        return _patch(model, fused_linear_cross_entropy, remat)
+
+
+def _patch(model, fused_linear_cross_entropy, remat):
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     report = PatchReport()

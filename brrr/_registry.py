@@ -68,7 +68,8 @@ def _device_ok(t):
 
 
 def _tensor_ok(x):
-    return isinstance(x, torch.Tensor) and x.dtype in _FLOATS and _device_ok(x) and not x.is_sparse
+    return (isinstance(x, torch.Tensor) and x.dtype in _FLOATS and _device_ok(x) and x.layout == torch.strided
+            and not x.is_nested)
 
 
 def _same_kind(x, *others):

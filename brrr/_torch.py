@@ -14,8 +14,10 @@ import sys
 import torch
 
 from . import _C, _op
+from ._args import last_dim
 from ._frameworks import torch_integration_loaded
-from ._op import define, lean_apply, lean_once_differentiable, needs_autograd, out_like, stream
+from ._op import check_torch, define, lean_apply, lean_once_differentiable, needs_autograd, out_like, stream
+from .chain import OPERAND_NAMES
 
 
 @functools.lru_cache(maxsize=1024)
@@ -104,6 +106,10 @@ _apply_chain = lean_apply(_ChainFunction)
 def chain(c, x, operands, out, cuda_stream):
     """Apply Chain `c` to torch tensors: the custom op under torch.compile, an autograd.Function
     when autograd records, else straight to brrr._C (the overhead regime's hot path)."""
+    if operands:
+        check_torch(operands, OPERAND_NAMES)
+    if out is not None:
+        check_torch((out,), ("out",))
     compiling = torch.compiler.is_compiling()
     if compiling or needs_autograd(x, operands):
         if out is not None:
@@ -118,7 +124,11 @@ def chain(c, x, operands, out, cuda_stream):
 
 def _split(x):
     d = x.shape[-1] // 2
-    return x[..., :d], x[..., d:]
+    try:
+        return x[..., :d], x[..., d:]
+    except Exception:  # noqa: BLE001 - a tensor brrr cannot take (sparse, nested): brrr._C's error for it
+        _C.check_tensor(x, "x")
+        raise
 
 
 def _glu_impl(x: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
@@ -203,7 +213,8 @@ _apply_glu = lean_apply(_GluFunction)
 def glu(activation, gate, up, out):
     """Gated linear unit on torch tensors (see brrr.glu); the custom op under torch.compile, an
     autograd.Function when autograd records, else straight to brrr._C."""
-    if up is None and gate.shape[-1] % 2:
+    check_torch((up, out), ("up", "out"))
+    if up is None and last_dim("x", gate, "its last is split into gate and up halves") % 2:
         raise ValueError(f"argument x: the last dim must be even to split into gate and up halves, got {gate.shape[-1]}")
     compiling = torch.compiler.is_compiling()
     if compiling or needs_autograd(gate, (up,) if up is not None else ()):

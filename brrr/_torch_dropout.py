@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from . import _C, _op
-from ._op import define, lean_apply, lean_once_differentiable, needs_autograd, out_like, stream
+from ._op import check_torch, define, lean_apply, lean_once_differentiable, needs_autograd, out_like, stream
 
 Tensor = torch.Tensor
 
@@ -89,6 +89,7 @@ _apply_bias_dropout_add = lean_apply(_BiasDropoutAddFunction)
 def bias_dropout_add(x, bias, residual, p, seed, offset):
     """brrr.bias_dropout_add on torch tensors (arguments checked): the custom op under
     torch.compile, the autograd.Function when autograd records, else straight to brrr._C."""
+    check_torch((bias, residual), ("bias", "residual"))
     if seed is None:
         if x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("argument seed: None while a CUDA graph is being captured: the seed drawn now would "

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from . import _C, _op
-from ._op import define, lean_apply, lean_once_differentiable, needs_autograd, out_like, stream
+from ._op import check_torch, define, lean_apply, lean_once_differentiable, needs_autograd, out_like, stream
 from .xent import check_rank
 
 Tensor = torch.Tensor
@@ -142,6 +142,7 @@ def cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype
     """brrr.cross_entropy on torch tensors (arguments checked): the custom op under torch.compile,
     the autograd.Function when autograd records, else straight to brrr._C."""
     check_rank(input.dim())
+    check_torch((target,), ("target",))
     logits = input if input.dim() <= 2 else input.movedim(1, -1)
     args = (logits, target, ignore_index, label_smoothing, softcap, z_loss, reduction)
     if torch.compiler.is_compiling():

@@ -13,10 +13,12 @@ inputs, and the backward recomputes the chain per element from x.
 """
 
 from . import _C
+from ._args import bad_choice, refuse_kinds
 from ._frameworks import empty_like, torch_ops_if_tensor
 
 SCALAR_OPS = ("add", "mul")
 TENSOR_OPS = ("add_tensor", "mul_tensor")
+OPERAND_NAMES = tuple(f"operands[{i}]" for i in range(_C.MAX_CHAIN_OPERANDS))  # as brrr._C names them
 
 
 class Chain:
@@ -46,7 +48,11 @@ class Chain:
             raise TypeError(f"{self!r} takes {self.n_operands} tensor operand(s) after x, got {len(operands)}")
         torch_ops = torch_ops_if_tensor(x)
         if torch_ops is not None:
-            return torch_ops.chain(self, x, operands, out, stream)
+            try:
+                return torch_ops.chain(self, x, operands, out, stream)
+            except RuntimeError:
+                refuse_kinds(("x", x), *zip(OPERAND_NAMES, operands), ("out", out))
+                raise
         if out is None and not _is_numpy(x):
             if not hasattr(x, "__dlpack__"):
                 raise TypeError(f"argument x: expected a tensor or array implementing __dlpack__, got {type(x).__name__}")
@@ -85,13 +91,19 @@ def relu(x, *, out=None):
     return _RELU(x, out=out)
 
 
+def gelu_step(approximate):
+    """The chain step of torch's gelu(approximate=...): "gelu" (the erf form) or "gelu_tanh"."""
+    if isinstance(approximate, str):
+        if approximate == "none":
+            return "gelu"
+        if approximate == "tanh":
+            return "gelu_tanh"
+    raise bad_choice("approximate", approximate, ("none", "tanh"))
+
+
 def gelu(x, approximate="none", *, out=None):
     """x * Phi(x); approximate='tanh' uses the tanh form, as torch.nn.functional.gelu does."""
-    if approximate == "none":
-        return _GELU(x, out=out)
-    if approximate == "tanh":
-        return _GELU_TANH(x, out=out)
-    raise ValueError(f"argument approximate: expected 'none' or 'tanh', got {approximate!r}")
+    return (_GELU if gelu_step(approximate) == "gelu" else _GELU_TANH)(x, out=out)
 
 
 def silu(x, *, out=None):

@@ -28,6 +28,7 @@ offset are ints in [0, 2**63), as torch.library's int arguments are int64.
 import numbers
 
 from . import _C
+from ._args import refuse_kinds
 from ._frameworks import empty_like, torch_if_tensor
 
 _INT64_LIMIT = 2**63
@@ -62,7 +63,12 @@ def bias_dropout_add(x, bias, residual, p, training=True, seed=None, offset=0):
     if torch is not None:
         from . import _torch_dropout
 
-        return _torch_dropout.bias_dropout_add(x, bias, residual, p, None if seed is None else int(seed), int(offset))
+        try:
+            return _torch_dropout.bias_dropout_add(x, bias, residual, p, None if seed is None else int(seed),
+                                                   int(offset))
+        except RuntimeError:
+            refuse_kinds(("x", x), ("bias", bias), ("residual", residual))
+            raise
     if seed is None:
         raise TypeError("argument seed: required for inputs that are not PyTorch tensors")
     out = None if type(x).__module__ == "numpy" else empty_like(x)  # brrr._C allocates NumPy outputs

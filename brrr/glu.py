@@ -11,7 +11,8 @@ recomputes the activation from the saved inputs. The split form's backward write
 of grad_x in the same kernel, so no slice-gradient buffers are zero-filled and added.
 """
 
-from .chain import Chain
+from ._args import last_dim, named, refuse_kinds, shape_of
+from .chain import Chain, gelu_step as _gelu_name
 from ._frameworks import torch_ops_if_tensor
 
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
@@ -19,40 +20,47 @@ _BIAS = {name: Chain("add_tensor", op) for name, op in _ACTIVATIONS.items()}
 _GLU = {name: Chain(op, "mul_tensor") for name, op in _ACTIVATIONS.items()}
 
 
-def _gelu_name(approximate):
-    if approximate == "none":
-        return "gelu"
-    if approximate == "tanh":
-        return "gelu_tanh"
-    raise ValueError(f"argument approximate: expected 'none' or 'tanh', got {approximate!r}")
+_BIAS_NAMES = {"operands[0]": "bias"}  # the chain's name for it
+_GLU_NAMES = {"x": "gate", "operands[0]": "up"}
 
 
 def bias_gelu(x, bias, approximate="none", *, out=None):
     """gelu(x + bias) in one pass; bias has shape x.shape[-1:] (or x.shape)."""
-    return _BIAS[_gelu_name(approximate)](x, bias, out=out)
+    return named(_BIAS_NAMES, _BIAS[_gelu_name(approximate)], x, bias, out=out)
 
 
 def bias_silu(x, bias, *, out=None):
     """silu(x + bias) in one pass; bias has shape x.shape[-1:] (or x.shape)."""
-    return _BIAS["silu"](x, bias, out=out)
+    return named(_BIAS_NAMES, _BIAS["silu"], x, bias, out=out)
 
 
 def _halves(x):
-    d = x.shape[-1]
+    d = last_dim("x", x, "its last is split into gate and up halves")
     if d % 2:
         raise ValueError(f"argument x: the last dim must be even to split into gate and up halves, got {d}")
     return x[..., : d // 2], x[..., d // 2:]
 
 
 def _glu(activation, gate, up, out):
-    if up is not None and tuple(up.shape) != tuple(gate.shape):
-        raise ValueError(f"argument up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}")
-    torch_ops = torch_ops_if_tensor(gate)
-    if torch_ops is not None:
-        return torch_ops.glu(activation, gate, up, out)
     if up is None:
-        gate, up = _halves(gate)
-    return _GLU[activation](gate, up, out=out)
+        torch_ops = torch_ops_if_tensor(gate)
+        if torch_ops is None:
+            return _GLU[activation](*_halves(gate), out=out)
+        try:
+            return torch_ops.glu(activation, gate, None, out)
+        except RuntimeError:
+            refuse_kinds(("x", gate))
+            raise
+    try:
+        if tuple(shape_of("up", up)) != tuple(shape_of("gate", gate)):
+            raise ValueError(f"argument up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}")
+        torch_ops = torch_ops_if_tensor(gate)
+        if torch_ops is not None:
+            return named(_GLU_NAMES, torch_ops.glu, activation, gate, up, out)
+    except RuntimeError:
+        refuse_kinds(("gate", gate), ("up", up))
+        raise
+    return named(_GLU_NAMES, _GLU[activation], gate, up, out=out)
 
 
 def swiglu(gate, up=None, *, out=None):

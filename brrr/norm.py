@@ -18,16 +18,23 @@ the weight, as Hugging Face's LlamaRMSNorm does (`weight * hidden.to(input_dtype
 result in x's dtype.
 """
 
+import numbers
+
 from . import _C
+from ._args import as_float, bad_choice, refuse_kinds, shape_of
 from ._frameworks import empty_like, torch_if_tensor, torch_integration
 
 CAST_ORDERS = ("torch", "llama")
 
+
 def normalized_ndim(shape, normalized_shape):
-    """len(normalized_shape), after checking that it is the trailing part of `shape`."""
-    if shape is None:
-        raise TypeError("argument x: expected a tensor or array")
-    ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    """len(normalized_shape), after checking that it is an int or a sequence of ints, the trailing
+    part of `shape`."""
+    ns = tuple(normalized_shape) if isinstance(normalized_shape, (tuple, list)) else (normalized_shape,)
+    for n in ns:
+        if type(n) is not int and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):
+            raise TypeError(f"argument normalized_shape: expected an int or a sequence of ints, got "
+                            f"{normalized_shape!r:.80}")
     shape = tuple(shape)
     if not ns or len(ns) > len(shape) or shape[len(shape) - len(ns):] != ns:
         raise ValueError(f"argument normalized_shape: {list(ns)} must be non-empty and the trailing dims of the "
@@ -43,9 +50,14 @@ def default_rms_eps(dtype):
 
 
 def llama_order(cast_order):
-    if cast_order not in CAST_ORDERS:
-        raise ValueError(f"argument cast_order: expected one of {CAST_ORDERS}, got {cast_order!r}")
+    if not isinstance(cast_order, str) or cast_order not in CAST_ORDERS:
+        raise bad_choice("cast_order", cast_order, CAST_ORDERS)
     return cast_order == "llama"
+
+
+def rms_eps(x, eps):
+    """rms_norm's eps as a float: None for default_rms_eps(x.dtype)."""
+    return default_rms_eps(x.dtype) if eps is None else as_float("eps", eps)
 
 
 def _out_like(x):
@@ -62,9 +74,13 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """torch.nn.functional.layer_norm: (x - mean) / sqrt(var + eps) * weight + bias over the
     trailing dims `normalized_shape` (biased variance)."""
     if torch_if_tensor(x) is not None:
-        return _torch().layer_norm(x, normalized_shape, weight, bias, eps)
-    k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
-    return _C.layer_norm_fwd(x, weight, bias, out=_out_like(x), norm_ndim=k, eps=float(eps))[0]
+        try:
+            return _torch().layer_norm(x, normalized_shape, weight, bias, eps)
+        except RuntimeError:
+            refuse_kinds(("x", x), ("weight", weight), ("bias", bias))
+            raise
+    k = normalized_ndim(shape_of("x", x), normalized_shape)
+    return _C.layer_norm_fwd(x, weight, bias, out=_out_like(x), norm_ndim=k, eps=as_float("eps", eps))[0]
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
@@ -72,29 +88,41 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
     `normalized_shape`; eps=None: see default_rms_eps. cast_order: see the module."""
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
-        return _torch().rms_norm(x, normalized_shape, weight, eps, llama)
-    k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
-    eps = default_rms_eps(x.dtype) if eps is None else float(eps)
-    return _C.rms_norm_fwd(x, weight, out=_out_like(x), norm_ndim=k, eps=eps, llama=llama)[0]
+        try:
+            return _torch().rms_norm(x, normalized_shape, weight, eps, llama)
+        except RuntimeError:
+            refuse_kinds(("x", x), ("weight", weight))
+            raise
+    k = normalized_ndim(shape_of("x", x), normalized_shape)
+    return _C.rms_norm_fwd(x, weight, out=_out_like(x), norm_ndim=k, eps=rms_eps(x, eps), llama=llama)[0]
 
 
 def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
     """(layer_norm(h), h) with h = x + residual (rounded to x's dtype), in one pass: the pre-norm
     block's residual add and norm. Gradients flow into x and residual through both outputs."""
     if torch_if_tensor(x) is not None:
-        return _torch().add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
-    k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
-    return _C.layer_norm_fwd(x, weight, bias, residual, _out_like(x), _out_like(x), norm_ndim=k, eps=float(eps))[:2]
+        try:
+            return _torch().add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
+        except RuntimeError:
+            refuse_kinds(("x", x), ("residual", residual), ("weight", weight), ("bias", bias))
+            raise
+    k = normalized_ndim(shape_of("x", x), normalized_shape)
+    return _C.layer_norm_fwd(x, weight, bias, residual, _out_like(x), _out_like(x), norm_ndim=k,
+                             eps=as_float("eps", eps))[:2]
 
 
 def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
     """(rms_norm(h), h) with h = x + residual (rounded to x's dtype), in one pass."""
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
-        return _torch().add_rms_norm(x, residual, normalized_shape, weight, eps, llama)
-    k = normalized_ndim(getattr(x, "shape", None), normalized_shape)
-    eps = default_rms_eps(x.dtype) if eps is None else float(eps)
-    return _C.rms_norm_fwd(x, weight, residual, _out_like(x), _out_like(x), norm_ndim=k, eps=eps, llama=llama)[:2]
+        try:
+            return _torch().add_rms_norm(x, residual, normalized_shape, weight, eps, llama)
+        except RuntimeError:
+            refuse_kinds(("x", x), ("residual", residual), ("weight", weight))
+            raise
+    k = normalized_ndim(shape_of("x", x), normalized_shape)
+    return _C.rms_norm_fwd(x, weight, residual, _out_like(x), _out_like(x), norm_ndim=k, eps=rms_eps(x, eps),
+                           llama=llama)[:2]
 
 
 # ---- PyTorch: the custom ops brrr::layer_norm, add_layer_norm, rms_norm, add_rms_norm and
@@ -113,7 +141,7 @@ def _torch():
     import torch
 
     from . import _op
-    from ._op import TorchOp, out_like, stream
+    from ._op import TorchOp, check_torch, out_like, stream
 
     Tensor = torch.Tensor
 
@@ -266,20 +294,28 @@ def _torch():
         setattr(ops, name, TorchOp(name, forward, fake(*outputs), save=save(fused, rms), backward=formula(fused, rms),
                                    outputs=2 if fused else 1, grad_args=grad_args, inference=inference))
 
-    def shape_list(normalized_shape):
+    def shape_list(x, normalized_shape):
+        """normalized_shape as the custom ops' schema takes it, checked against x (TypeError or
+        ValueError naming it)."""
+        normalized_ndim(x.shape, normalized_shape)
         return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
 
-    def rms_eps(x, eps):
-        return default_rms_eps(x.dtype) if eps is None else float(eps)
+    # The entries brrr's public functions and the registry call with torch tensors.
+    def layer_norm_entry(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+        check_torch((weight, bias), ("weight", "bias"))
+        return ops.layer_norm(x, shape_list(x, normalized_shape), weight, bias, as_float("eps", eps))
 
-    return SimpleNamespace(
-        layer_norm=lambda x, normalized_shape, weight=None, bias=None, eps=1e-5: ops.layer_norm(
-            x, shape_list(normalized_shape), weight, bias, float(eps)),
-        add_layer_norm=lambda x, residual, normalized_shape, weight=None, bias=None, eps=1e-5: ops.add_layer_norm(
-            x, residual, shape_list(normalized_shape), weight, bias, float(eps)),
-        rms_norm=lambda x, normalized_shape, weight=None, eps=None, llama=False: ops.rms_norm(
-            x, shape_list(normalized_shape), weight, rms_eps(x, eps), llama),
-        add_rms_norm=lambda x, residual, normalized_shape, weight=None, eps=None, llama=False: ops.add_rms_norm(
-            x, residual, shape_list(normalized_shape), weight, rms_eps(x, eps), llama),
-        backward=backward_op,
-    )
+    def add_layer_norm_entry(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
+        check_torch((residual, weight, bias), ("residual", "weight", "bias"))
+        return ops.add_layer_norm(x, residual, shape_list(x, normalized_shape), weight, bias, as_float("eps", eps))
+
+    def rms_norm_entry(x, normalized_shape, weight=None, eps=None, llama=False):
+        check_torch((weight,), ("weight",))
+        return ops.rms_norm(x, shape_list(x, normalized_shape), weight, rms_eps(x, eps), llama)
+
+    def add_rms_norm_entry(x, residual, normalized_shape, weight=None, eps=None, llama=False):
+        check_torch((residual, weight), ("residual", "weight"))
+        return ops.add_rms_norm(x, residual, shape_list(x, normalized_shape), weight, rms_eps(x, eps), llama)
+
+    return SimpleNamespace(layer_norm=layer_norm_entry, add_layer_norm=add_layer_norm_entry, rms_norm=rms_norm_entry,
+                           add_rms_norm=add_rms_norm_entry, backward=backward_op)

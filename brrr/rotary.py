@@ -12,26 +12,66 @@ under no_grad; brrr.registry sends inputs whose cos or sin require grad to PyTor
 """
 
 from . import _C
+from ._args import as_int, dtype_name, is_float, named, refuse_kinds, shape_of
 from ._frameworks import empty_like, torch_if_tensor, torch_integration
 
 
 def rotary(x, cos, sin):
     """x * cos + rotate_half(x) * sin in one pass (see the module)."""
-    if torch_if_tensor(x) is not None:
-        return _torch().rotary(x, cos, sin)
-    out = None if type(x).__module__ == "numpy" else empty_like(x)  # brrr._C allocates NumPy outputs
+    torch = torch_if_tensor(x)
+    if torch is not None:
+        try:
+            return _torch().rotary(x, cos, sin)
+        except RuntimeError:
+            refuse_kinds(("x", x), ("cos", cos), ("sin", sin))
+            raise
+    return _rotary_dlpack(x, cos, sin)
+
+
+def _rotary_dlpack(x, cos, sin):
+    """rotary for anything but PyTorch's autograd: straight to brrr._C, which reads every argument
+    through DLPack (NumPy's API for NumPy arrays) and allocates NumPy outputs and those of
+    frameworks with DLPack's C exchange table."""
+    out = None if type(x).__module__ == "numpy" else empty_like(x)
     return _C.rotary(x, cos, sin, out, False)[0]
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """transformers' apply_rotary_pos_emb: cos and sin (batch, seq, head_dim) get a heads dim at
     unsqueeze_dim, then both q and k are rotated. position_ids is unused, as there."""
-    if torch_if_tensor(q) is not None:
+    try:
+        return _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+    except RuntimeError:
+        refuse_kinds(("q", q), ("k", k), ("cos", cos), ("sin", sin))
+        raise
+
+
+def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim):
+    shape_of("q", q)
+    shape_of("k", k)
+    torch = torch_if_tensor(q)
+    if torch is not None:
+        from ._op import check_torch
+
+        check_torch((k, cos, sin), ("k", "cos", "sin"))
+    if dtype_name(k) != dtype_name(q) and is_float(k) and is_float(q):  # else brrr._C's error: about cos and k
+        raise ValueError(f"argument k has dtype {dtype_name(k)} but q has dtype {dtype_name(q)}")
+    unsqueeze_dim = as_int("unsqueeze_dim", unsqueeze_dim)
+    for name, angle in (("cos", cos), ("sin", sin)):
+        if not -len(shape_of(name, angle)) - 1 <= unsqueeze_dim <= len(angle.shape):
+            raise ValueError(f"argument unsqueeze_dim: {unsqueeze_dim} is out of range for {name} of "
+                             f"{len(angle.shape)} dims")
+    if torch is not None:
         return _torch().rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
     import numpy as np
 
-    cos, sin = np.expand_dims(cos, unsqueeze_dim), np.expand_dims(sin, unsqueeze_dim)
-    return rotary(q, cos, sin), rotary(k, cos, sin)
+    # by each angle's own framework: a torch tensor's values are not always its memory (is_neg)
+    cos, sin = (a.unsqueeze(unsqueeze_dim) if torch_if_tensor(a) is not None else np.expand_dims(a, unsqueeze_dim)
+                for a in (cos, sin))
+    return named(Q_NAMES, _rotary_dlpack, q, cos, sin), named(K_NAMES, _rotary_dlpack, k, cos, sin)
+
+
+Q_NAMES, K_NAMES = {"x": "q"}, {"x": "k"}  # rotary's x, as apply_rotary_pos_emb calls it
 
 
 # ---- PyTorch: the custom ops brrr::rotary and brrr::rotary_qk (q and k under one autograd node:
@@ -44,7 +84,7 @@ def _torch():
 
     import torch
 
-    from ._op import TorchOp, out_like, stream
+    from ._op import TorchOp, check_torch, out_like, stream
 
     Tensor = torch.Tensor
 
@@ -85,13 +125,15 @@ def _torch():
                              "here; brrr.registry sends such inputs to PyTorch)")
 
     def rotary(x, cos, sin):
+        check_torch((cos, sin), ("cos", "sin"))
         refuse_angle_gradients(cos, sin)
         return rotary_op(x, cos, sin, False)
 
     def rotary_qk(q, k, cos, sin):
+        check_torch((k, cos, sin), ("k", "cos", "sin"))
         refuse_angle_gradients(cos, sin)
         if q.requires_grad and k.requires_grad:  # else each output requires grad as its input does
-            return pair_op(q, k, cos, sin)
-        return rotary_op(q, cos, sin, False), rotary_op(k, cos, sin, False)
+            return named(Q_NAMES, pair_op, q, k, cos, sin)
+        return named(Q_NAMES, rotary_op, q, cos, sin, False), named(K_NAMES, rotary_op, k, cos, sin, False)
 
     return SimpleNamespace(rotary=rotary, rotary_qk=rotary_qk)

@@ -31,6 +31,7 @@ import math
 import numbers
 
 from . import _C
+from ._args import as_float, as_int, bad_choice, named, refuse_kinds
 from ._frameworks import torch_if_tensor
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -41,13 +42,10 @@ def check_args(weight, ignore_index, reduction, label_smoothing, softcap=None, z
     if weight is not None:
         raise ValueError("argument weight: per-class weights are not supported by brrr.cross_entropy (use "
                          "torch.nn.functional.cross_entropy; brrr.registry falls back to it)")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"argument ignore_index: expected an int, got {type(ignore_index).__name__}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"argument reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
-        raise TypeError(f"argument label_smoothing: expected a float, got {type(label_smoothing).__name__}")
-    if not 0.0 <= label_smoothing <= 1.0:  # NaN too
+    as_int("ignore_index", ignore_index)
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise bad_choice("reduction", reduction, REDUCTIONS)
+    if not 0.0 <= as_float("label_smoothing", label_smoothing) <= 1.0:  # NaN too
         raise ValueError(f"argument label_smoothing: expected a float in [0, 1], got {label_smoothing}")
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
@@ -71,13 +69,24 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     module says; `dtype` is the loss's dtype (default: the input's). See the module for what is
     supported."""
     check_args(weight, ignore_index, reduction, label_smoothing, softcap, z_loss)
-    softcap = None if softcap is None else float(softcap)
+    return named(_NAMES, _cross_entropy, input, target, int(ignore_index), reduction, float(label_smoothing), dtype,
+                 None if softcap is None else float(softcap), float(z_loss))
+
+
+_NAMES = {"logits": "input"}  # brrr._C's name for it (the input with its class dim last)
+
+
+def _cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype, softcap, z_loss):
     torch = torch_if_tensor(input)
     if torch is not None:
         from . import _torch_xent
 
-        return _torch_xent.cross_entropy(input, target, int(ignore_index), reduction, float(label_smoothing), dtype,
-                                         softcap, float(z_loss))
+        try:
+            return _torch_xent.cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype, softcap,
+                                             z_loss)
+        except RuntimeError:
+            refuse_kinds(("input", input), ("target", target))
+            raise
     import numpy as np
 
     if not isinstance(input, np.ndarray):
@@ -86,8 +95,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     check_rank(input.ndim)
     logits = input if input.ndim <= 2 else np.moveaxis(input, 1, -1)
     _, loss, total, _ = _C.cross_entropy_fwd(logits, target, total=reduction != "none" or None,
-                                             ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
-                                             softcap=softcap, z_loss=float(z_loss), reduction=reduction)
+                                             ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                             softcap=softcap, z_loss=z_loss, reduction=reduction)
     result = loss if total is None else total
     return result.astype(input.dtype if dtype is None else dtype, copy=False)
 

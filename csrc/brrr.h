@@ -18,19 +18,29 @@
 #define BRRR_MAX_RANK 64
 #define BRRR_API_CACHE_SIZE 8
 
+/* What brrr knows about a producer type, read once per type (the first BRRR_API_CACHE_SIZE
+ * types are cached). */
 typedef struct {
     PyTypeObject *type;            /* strong reference */
-    const DLPackExchangeAPI *api;  /* NULL: the type publishes none */
-} brrr_api_cache_entry;
+    PyObject *capsule;             /* strong reference to the capsule that holds `api`, or NULL */
+    const DLPackExchangeAPI *api;  /* NULL: the type publishes no usable table */
+    /* torch.Tensor types: the unbound is_neg and _is_zerotensor methods (strong references); NULL
+     * for other types (and _is_zerotensor for a PyTorch without it) */
+    PyObject *is_neg, *is_zerotensor;
+} brrr_type_info;
 
 typedef struct {
-    brrr_api_cache_entry api_cache[BRRR_API_CACHE_SIZE];
+    brrr_type_info api_cache[BRRR_API_CACHE_SIZE];
     int api_cache_len;
     PyObject *str_dlpack;          /* "__dlpack__" */
     PyObject *str_dlpack_device;   /* "__dlpack_device__" */
     PyObject *str_exchange_api;    /* "__dlpack_c_exchange_api__" */
+    PyObject *str_is_neg;          /* "is_neg" */
     PyObject *max_version;         /* (1, BRRR_DLPACK_MINOR) */
 } brrr_state;
+
+/* Release the references an entry holds (module teardown, or an entry that was not cached). */
+void brrr_type_info_clear(brrr_type_info *info);
 
 /* One call's stream: what the caller passed (-1 = let the framework of the first argument say),
  * resolved once from the first imported tensor. */
@@ -53,7 +63,8 @@ typedef struct {
     int readonly;
     int64_t shape[BRRR_MAX_RANK];
     int64_t strides[BRRR_MAX_RANK]; /* in elements */
-    /* What must be released: a NumPy array we hold, or a DLPack managed tensor we own. */
+    /* What must be released: a NumPy array or a resolved torch view we hold, or a DLPack managed
+     * tensor we own. */
     PyObject *owner;
     DLManagedTensorVersioned *managed_versioned;
     DLManagedTensor *managed_legacy;
@@ -80,6 +91,12 @@ PyObject *brrr_new_shaped(brrr_call *call, PyObject *like_obj, const brrr_tensor
 /* A call's `stream` argument: an int, a cudaStream_t or -1 for the framework's current one. */
 int brrr_parse_stream(PyObject *obj, long long *stream);
 
+/* Scalar arguments, by the rule of docs/errors.md: TypeError naming the argument for a value of
+ * the wrong type (a bool is not taken for a number), ValueError for one that does not fit. */
+int brrr_parse_int64(PyObject *obj, const char *name, long long *value);
+int brrr_parse_double(PyObject *obj, const char *name, double *value);
+int brrr_parse_bool(PyObject *obj, const char *name, int *value);
+
 /* The stream this call's CUDA work runs on: the `stream` argument if one was given (0 = legacy
  * default), else the current stream of the first argument's framework when it publishes the C
  * exchange table, else the legacy default stream. */
@@ -88,7 +105,8 @@ void *brrr_call_stream(brrr_call *call);
 size_t brrr_dtype_size(int32_t dtype);
 const char *brrr_dtype_name(int32_t dtype);
 
-/* Argument checks against a reference argument; each raises ValueError naming both. */
+/* Argument checks against a reference argument; each raises ValueError naming both (a mismatch
+ * between arguments, docs/errors.md). */
 int brrr_check_same_device(const brrr_tensor *t, const brrr_tensor *ref);
 int brrr_check_same_dtype(const brrr_tensor *t, const brrr_tensor *ref);
 int brrr_check_same_shape(const brrr_tensor *t, const brrr_tensor *ref);
@@ -102,12 +120,17 @@ int brrr_check_device_supported(const brrr_tensor *t);
 /* Turn a launcher's cudaError_t into RuntimeError naming the op. */
 int brrr_cuda_result(int error, const char *op);
 
+/* Views reach the CUDA launchers with at most BRRR_MAX_DIMS dims after merging, every op alike
+ * (the CPU twins hold themselves to the same limit, but for the chain's, which walks any rank):
+ * ValueError naming the argument above it. */
+int brrr_check_view_dims(const char *name, int ndim);
+
 /* Merge the dims of `count` tensors that share the iteration shape: drops size-1 dims, orders
  * dims by the first tensor's strides (outermost first), and merges dims that are contiguous in
  * every tensor (brrr_merge_in_order over the reordered dims). strides[k] holds tensor k's
  * strides over `shape` (0 for broadcast dims) and is rewritten; returns the new rank, or -1
- * (ValueError) above BRRR_MAX_DIMS. */
-int brrr_coalesce(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_MAX_RANK]);
+ * (brrr_check_view_dims for argument `name`) above BRRR_MAX_DIMS. */
+int brrr_coalesce(const char *name, int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_MAX_RANK]);
 
 /* Merge each dim into the previous one where every tensor steps over the previous dim exactly as
  * over the whole of this one, dropping size-1 dims (strides as in brrr_coalesce). Unlike

@@ -112,12 +112,16 @@ PyObject *brrr_py_chain_program(PyObject *module, PyObject *steps) {
         brrr_chain_step *st = &p.steps[k];
         st->op = CHAIN_OPS[found].op;
         if (CHAIN_OPS[found].takes_scalar) {
-            if (scalar == NULL || !(PyFloat_Check(scalar) || PyLong_Check(scalar))) {
-                PyErr_Format(PyExc_TypeError, "argument steps[%zd]: '%s' needs a numeric scalar: ('%s', value)", k, s, s);
+            char arg[48];
+            snprintf(arg, sizeof arg, "steps[%zd]", k);
+            if (scalar == NULL || brrr_parse_double(scalar, arg, &st->scalar) < 0) {
+                if (scalar == NULL || PyErr_ExceptionMatches(PyExc_TypeError)) {
+                    PyErr_Clear();
+                    PyErr_Format(PyExc_TypeError, "argument %s: '%s' needs a numeric scalar: ('%s', value)%s", arg, s, s,
+                                 scalar && PyBool_Check(scalar) ? ", not a bool" : "");
+                }
                 goto fail;
             }
-            st->scalar = PyFloat_AsDouble(scalar);
-            if (st->scalar == -1.0 && PyErr_Occurred()) goto fail;
         } else if (scalar != NULL) {
             PyErr_Format(PyExc_ValueError, "argument steps[%zd]: '%s' takes no scalar", k, s);
             goto fail;
@@ -239,7 +243,10 @@ static int operand_kind(const brrr_tensor *op, const brrr_tensor *x) {
     if (same) return 0;
     if (x->ndim >= 1 && op->ndim == 1 && op->shape[0] == x->shape[x->ndim - 1]) return 1;
     char msg[64];
-    snprintf(msg, sizeof msg, "x's shape or (%lld,) (its last dim)", x->ndim ? (long long)x->shape[x->ndim - 1] : 1LL);
+    if (x->ndim == 0) /* no last dim to broadcast along */
+        snprintf(msg, sizeof msg, "x's shape () (x is 0-d)");
+    else
+        snprintf(msg, sizeof msg, "x's shape or (%lld,) (its last dim)", (long long)x->shape[x->ndim - 1]);
     PyErr_Format(PyExc_ValueError, "argument %s: shape must be %s", op->name, msg);
     return -1;
 }
@@ -258,8 +265,8 @@ static void strides_over_x(const brrr_tensor *t, int vector, int rank, int64_t *
 
 PyObject *brrr_py_chain_partial_rows(PyObject *module, PyObject *arg) {
     (void)module;
-    long long rows = PyLong_AsLongLong(arg);
-    if (rows == -1 && PyErr_Occurred()) return NULL;
+    long long rows;
+    if (brrr_parse_int64(arg, "rows", &rows) < 0) return NULL;
     if (rows < 0) {
         PyErr_SetString(PyExc_ValueError, "argument rows: must be >= 0");
         return NULL;
@@ -404,12 +411,8 @@ static int chain_cuda(brrr_op_call *c, brrr_chain_launch *L, int rank, int64_t *
     int nd;
     if (any_vector_grad) {
         const int64_t last = shape[rank - 1];
-        nd = brrr_coalesce(rank - 1, shape, count, packed);
-        if (nd < 0) return -1;
-        if (nd + 1 > BRRR_MAX_DIMS) {
-            PyErr_Format(PyExc_ValueError, "argument x: too many non-mergeable leading dims");
-            return -1;
-        }
+        nd = brrr_coalesce("x", rank - 1, shape, count, packed);
+        if (nd < 0 || brrr_check_view_dims("x", nd + 1) < 0) return -1;
         shape[nd] = last;
         for (int i = 0; i < count; i++) packed[i][nd] = strides[tensor_ids[i]][rank - 1];
         nd += 1;
@@ -417,7 +420,7 @@ static int chain_cuda(brrr_op_call *c, brrr_chain_launch *L, int rank, int64_t *
         L->partial_rows = brrr_bias_partial_rows(L->numel / last);
         L->row_layout = 1;
     } else {
-        nd = brrr_coalesce(rank, shape, count, packed);
+        nd = brrr_coalesce("x", rank, shape, count, packed);
         if (nd < 0) return -1;
     }
     L->ndim = nd;

@@ -89,11 +89,7 @@ static int dropout_layout(brrr_dropout_launch *L, const brrr_tensor *x, const br
             n = 1;
         }
     }
-    if (n > BRRR_MAX_DIMS) {
-        PyErr_Format(PyExc_ValueError, "argument %s: views with more than %d non-mergeable dims are not supported "
-                     "(got %d)", x->name, BRRR_MAX_DIMS, n);
-        return -1;
-    }
+    if (brrr_check_view_dims(x->name, n) < 0) return -1;
     L->ndim = n;
     memcpy(L->shape, shape, sizeof(int64_t) * (size_t)n);
     brrr_view *v[3] = {&L->x, &L->out, &L->residual};

@@ -18,6 +18,22 @@ static const brrr_op_spec *const *const FAMILIES[] = {BRRR_FAMILIES(FAMILY_ENTRY
 
 brrr_state *brrr_get_state(PyObject *module) { return (brrr_state *)PyModule_GetState(module); }
 
+/* check_tensor(obj, name): the error brrr's import raises for obj as input `name`, or None. For
+ * the Python layer, which reshapes some tensors before they get here. */
+static PyObject *py_check_tensor(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyUnicode_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "check_tensor(obj, name) takes a tensor and its argument name (str)");
+        return NULL;
+    }
+    const char *name = PyUnicode_AsUTF8(args[1]);
+    if (name == NULL) return NULL;
+    brrr_call call = {brrr_get_state(module), -1, 0, NULL};
+    brrr_tensor t;
+    if (brrr_tensor_import(&call, args[0], name, 0, &t) < 0) return NULL;
+    brrr_tensor_release(&t);
+    Py_RETURN_NONE;
+}
+
 static int cuda_device_count(void) {
 #if BRRR_WITH_CUDA
     int count = 0;
@@ -50,6 +66,8 @@ static PyObject *py_build_info(PyObject *module, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"cuda_available", py_cuda_available, METH_NOARGS, "True when CUDA kernels are compiled in and a GPU is visible."},
     {"build_info", py_build_info, METH_NOARGS, "What was compiled in and what the runtime found."},
+    {"check_tensor", (PyCFunction)(void (*)(void))py_check_tensor, METH_FASTCALL,
+     "check_tensor(obj, name) -> None: raise the error brrr raises for obj as the input `name`, if any."},
     {"chain_op_names", brrr_py_chain_op_names, METH_NOARGS, "Names of the ops a chain step may use."},
     {"chain_program", brrr_py_chain_program, METH_O, "chain_program(steps) -> bytes: validate and pack a chain."},
     {"chain_partial_rows", brrr_py_chain_partial_rows, METH_O,
@@ -66,8 +84,10 @@ static int module_exec(PyObject *module) {
     st->str_dlpack = PyUnicode_InternFromString("__dlpack__");
     st->str_dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
     st->str_exchange_api = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
+    st->str_is_neg = PyUnicode_InternFromString("is_neg");
     st->max_version = Py_BuildValue("(ii)", BRRR_DLPACK_MAJOR, BRRR_DLPACK_MINOR);
-    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->max_version) return -1;
+    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->str_is_neg || !st->max_version)
+        return -1;
     if (PyModule_AddIntConstant(module, "MAX_DIMS", BRRR_MAX_DIMS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_CHAIN_STEPS", BRRR_MAX_CHAIN_STEPS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_CHAIN_OPERANDS", BRRR_MAX_CHAIN_OPERANDS) < 0)
@@ -80,18 +100,24 @@ static int module_exec(PyObject *module) {
 static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     brrr_state *st = brrr_get_state(module);
     if (st == NULL) return 0;
-    for (int i = 0; i < st->api_cache_len; i++) Py_VISIT(st->api_cache[i].type);
+    for (int i = 0; i < st->api_cache_len; i++) {
+        Py_VISIT(st->api_cache[i].type);
+        Py_VISIT(st->api_cache[i].capsule);
+        Py_VISIT(st->api_cache[i].is_neg);
+        Py_VISIT(st->api_cache[i].is_zerotensor);
+    }
     return 0;
 }
 
 static int module_clear(PyObject *module) {
     brrr_state *st = brrr_get_state(module);
     if (st == NULL) return 0;
-    for (int i = 0; i < st->api_cache_len; i++) Py_CLEAR(st->api_cache[i].type);
+    for (int i = 0; i < st->api_cache_len; i++) brrr_type_info_clear(&st->api_cache[i]);
     st->api_cache_len = 0;
     Py_CLEAR(st->str_dlpack);
     Py_CLEAR(st->str_dlpack_device);
     Py_CLEAR(st->str_exchange_api);
+    Py_CLEAR(st->str_is_neg);
     Py_CLEAR(st->max_version);
     return 0;
 }

@@ -178,13 +178,8 @@ static int coalesce_into(brrr_norm_launch *L, const brrr_tensor *const *t, int r
         memcpy(strides[count], src, sizeof(int64_t) * (size_t)ndim);
         ids[count++] = r;
     }
-    int nd = brrr_coalesce(ndim, shape, count, strides);
+    int nd = brrr_coalesce("x", ndim, shape, count, strides);
     if (nd < 0) return -1;
-    if (nd > BRRR_NORM_MAX_DIMS) {
-        PyErr_Format(PyExc_ValueError, "argument x: views with more than %d non-mergeable %s dims are not supported "
-                     "(got %d)", BRRR_NORM_MAX_DIMS, rows ? "leading" : "normalised", nd);
-        return -1;
-    }
     if (rows) {
         L->row_ndim = nd;
         memcpy(L->row_shape, shape, sizeof(int64_t) * (size_t)nd);
@@ -352,8 +347,8 @@ PyObject *brrr_py_norm_partial_rows(PyObject *module, PyObject *const *args, Py_
         PyErr_Format(PyExc_TypeError, "norm_partial_rows(rows, cols) takes 2 arguments (%zd given)", nargs);
         return NULL;
     }
-    long long rows = PyLong_AsLongLong(args[0]), cols = PyLong_AsLongLong(args[1]);
-    if ((rows == -1 || cols == -1) && PyErr_Occurred()) return NULL;
+    long long rows, cols;
+    if (brrr_parse_int64(args[0], "rows", &rows) < 0 || brrr_parse_int64(args[1], "cols", &cols) < 0) return NULL;
     if (rows < 0 || cols < 0) {
         PyErr_SetString(PyExc_ValueError, "arguments rows and cols: must be >= 0");
         return NULL;

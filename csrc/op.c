@@ -166,13 +166,13 @@ static int check_dtype(const brrr_op_call *c, int s) {
     case BRRR_DTYPE_X: return brrr_check_same_dtype(t, x);
     case BRRR_DTYPE_ACC:
         if (t->dtype == acc_dtype(x->dtype)) return 0;
-        PyErr_Format(PyExc_TypeError, "argument %s: expected dtype %s (the accumulation dtype for %s of dtype %s), "
+        PyErr_Format(PyExc_ValueError, "argument %s: expected dtype %s (the accumulation dtype for %s of dtype %s), "
                      "got %s", t->name, brrr_dtype_name(acc_dtype(x->dtype)), x->name, brrr_dtype_name(x->dtype),
                      brrr_dtype_name(t->dtype));
         return -1;
     case BRRR_DTYPE_PARAM: {
         if (t->dtype != x->dtype && !(t->dtype == BRRR_F32 && is_half(x->dtype))) {
-            PyErr_Format(PyExc_TypeError, "argument %s: dtype %s does not go with %s of dtype %s (expected %s%s)",
+            PyErr_Format(PyExc_ValueError, "argument %s: dtype %s does not go with %s of dtype %s (expected %s%s)",
                          t->name, brrr_dtype_name(t->dtype), x->name, brrr_dtype_name(x->dtype),
                          brrr_dtype_name(x->dtype), is_half(x->dtype) ? " or float32" : "");
             return -1;

@@ -89,7 +89,7 @@ static int rotary_run(brrr_op_call *c) {
         }
         L.col_stride[k] = t->strides[t->ndim - 1];
     }
-    int n = lead ? brrr_coalesce(lead, shape, 4, strides) : 0;
+    int n = lead ? brrr_coalesce("x", lead, shape, 4, strides) : 0;
     if (n < 0) return -1;
     if (n == 0) {
         shape[0] = 1;

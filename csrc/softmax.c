@@ -56,7 +56,7 @@ static int softmax_check(brrr_op_call *c) {
     const int half = x->dtype == BRRR_F16 || x->dtype == BRRR_BF16;
     if (y->dtype == x->dtype || (half && y->dtype == BRRR_F32)) return 0;
     const brrr_tensor *out = &c->t[backward ? 2 : 1];
-    PyErr_Format(PyExc_TypeError, "argument %s: dtype %s does not go with %s of dtype %s (expected %s)", out->name,
+    PyErr_Format(PyExc_ValueError, "argument %s: dtype %s does not go with %s of dtype %s (expected %s)", out->name,
                  brrr_dtype_name(out->dtype), c->t[0].name, brrr_dtype_name(c->t[0].dtype),
                  backward ? (c->t[0].dtype == BRRR_F32 ? "float32, float16 or bfloat16" : brrr_dtype_name(c->t[0].dtype))
                           : (half ? "its dtype or float32" : brrr_dtype_name(c->t[0].dtype)));
@@ -91,11 +91,7 @@ static int softmax_run(brrr_op_call *c) {
         for (int k = 0; k < 3; k++) strides[k][0] = 0;
         rows = 1;
     }
-    if (rows > BRRR_SOFTMAX_MAX_DIMS) {
-        PyErr_Format(PyExc_ValueError, "argument %s: views whose rows have more than %d non-mergeable dims are not "
-                     "supported (got %d)", x->name, BRRR_SOFTMAX_MAX_DIMS, rows);
-        return -1;
-    }
+    if (brrr_check_view_dims(x->name, rows) < 0) return -1;
     L.row_ndim = rows;
     memcpy(L.row_shape, shape, sizeof(int64_t) * (size_t)rows);
     for (int k = 0; k < 3; k++) memcpy(L.row_strides[k], strides[k], sizeof(int64_t) * (size_t)rows);

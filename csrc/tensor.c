@@ -8,7 +8,17 @@
  *  3. any other `__dlpack__` producer: versioned capsules first (max_version=(1, 3)), legacy
  *     ones when the producer does not take max_version. The capsule is renamed to its used_
  *     name, so its own destructor leaves the tensor to us, and we call the deleter exactly once
- *     in brrr_tensor_release. */
+ *     in brrr_tensor_release.
+ *
+ * Everything read from a foreign object is checked before it is used: the exchange table only
+ * from a capsule of its name and major version (anything else on that attribute is ignored, and
+ * the object taken through `__dlpack__`), `__dlpack_device__` for a pair of ints that the
+ * exported tensor agrees with, capsules by name and version, and every DLTensor for a shape, a
+ * dtype, a device and strides whose byte extent fits int64. PyTorch tensors whose memory is not
+ * their values (views with the negative bit set, the `.imag` of a conjugated tensor; ZeroTensors,
+ * which have none) are read through a materialised copy, and refused as outputs; tensors DLPack
+ * cannot carry (sparse, nested, quantized, meta) get a one-line error naming the argument.
+ * Exception types follow docs/errors.md. */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
@@ -54,28 +64,58 @@ static void format_device(const brrr_tensor *t, char *buf, size_t size) {
         snprintf(buf, size, "cpu");
 }
 
+/* A DLPack dtype by the name the frameworks give it (int64, complex64, bool, float32x4), so that
+ * a refusal reads like the user's own code. */
+static void format_dlpack_dtype(DLDataType dt, char *buf, size_t size) {
+    static const char *const kinds[] = {"int", "uint", "float", "opaque handle ", "bfloat", "complex"};
+    int used;
+    if (dt.code == kDLBool && dt.bits == 8)
+        used = snprintf(buf, size, "bool");
+    else if (dt.code < sizeof kinds / sizeof kinds[0])
+        used = snprintf(buf, size, "%s%d", kinds[dt.code], (int)dt.bits);
+    else
+        used = snprintf(buf, size, "DLPack type code %d of %d bits", (int)dt.code, (int)dt.bits);
+    if (dt.lanes != 1 && used > 0 && (size_t)used < size) snprintf(buf + used, size - (size_t)used, "x%d", (int)dt.lanes);
+}
+
 /* index: the tensor holds class indices (int64, int32 or uint8), else floats. */
 static int dtype_from_dlpack(DLDataType dt, const char *name, int index, int32_t *out) {
-    if (index) {
-        if (dt.lanes == 1 && dt.code == kDLInt && dt.bits == 64) { *out = BRRR_I64; return 0; }
-        if (dt.lanes == 1 && dt.code == kDLInt && dt.bits == 32) { *out = BRRR_I32; return 0; }
-        if (dt.lanes == 1 && dt.code == kDLUInt && dt.bits == 8) { *out = BRRR_U8; return 0; }
-        PyErr_Format(PyExc_TypeError,
-                     "argument %s: DLPack dtype (code %d, %d bits, %d lanes) is not supported; expected class "
-                     "indices of int64, int32 or uint8", name, (int)dt.code, (int)dt.bits, (int)dt.lanes);
-        return -1;
-    }
     if (dt.lanes == 1) {
-        if (dt.code == kDLFloat && dt.bits == 32) { *out = BRRR_F32; return 0; }
-        if (dt.code == kDLFloat && dt.bits == 16) { *out = BRRR_F16; return 0; }
-        if (dt.code == kDLFloat && dt.bits == 64) { *out = BRRR_F64; return 0; }
-        if (dt.code == kDLBfloat && dt.bits == 16) { *out = BRRR_BF16; return 0; }
+        if (index) {
+            if (dt.code == kDLInt && dt.bits == 64) { *out = BRRR_I64; return 0; }
+            if (dt.code == kDLInt && dt.bits == 32) { *out = BRRR_I32; return 0; }
+            if (dt.code == kDLUInt && dt.bits == 8) { *out = BRRR_U8; return 0; }
+        } else {
+            if (dt.code == kDLFloat && dt.bits == 32) { *out = BRRR_F32; return 0; }
+            if (dt.code == kDLFloat && dt.bits == 16) { *out = BRRR_F16; return 0; }
+            if (dt.code == kDLFloat && dt.bits == 64) { *out = BRRR_F64; return 0; }
+            if (dt.code == kDLBfloat && dt.bits == 16) { *out = BRRR_BF16; return 0; }
+        }
     }
-    PyErr_Format(PyExc_TypeError,
-                 "argument %s: DLPack dtype (code %d, %d bits, %d lanes) is not supported; expected "
-                 "float32, float16, bfloat16 or float64",
-                 name, (int)dt.code, (int)dt.bits, (int)dt.lanes);
+    char dtype[64];
+    format_dlpack_dtype(dt, dtype, sizeof dtype);
+    PyErr_Format(PyExc_TypeError, "argument %s: dtype %s is not supported; expected %s", name, dtype,
+                 index ? "class indices of int64, int32 or uint8" : "float32, float16, bfloat16 or float64");
     return -1;
+}
+
+/* A view whose every element offset, in bytes from its first element, fits int64: the bound
+ * that the overlap checks and the kernels' offset arithmetic rely on. Hostile producers (and
+ * NumPy's as_strided) can describe views that are not. */
+static int check_extent(brrr_tensor *t) {
+    if (t->numel == 0) return 0;
+    const int64_t size = (int64_t)brrr_dtype_size(t->dtype);
+    int64_t span = 0;
+    for (int d = 0; d < t->ndim; d++) {
+        const int64_t steps = t->shape[d] - 1, stride = t->strides[d];
+        if (stride == INT64_MIN || (steps > 0 && (stride < 0 ? -stride : stride) > (INT64_MAX / size - span) / steps)) {
+            PyErr_Format(PyExc_BufferError, "argument %s: strides that reach beyond 2**63 bytes (dim %d: stride %lld, "
+                         "size %lld)", t->name, d, (long long)stride, (long long)t->shape[d]);
+            return -1;
+        }
+        span += steps * (stride < 0 ? -stride : stride);
+    }
+    return 0;
 }
 
 /* Copy a DLTensor's description into t; strides NULL means compact row-major (legacy only). */
@@ -83,6 +123,10 @@ static int fill_from_dltensor(const DLTensor *dl, int allow_null_strides, int in
     if (dl->ndim < 0 || dl->ndim > BRRR_MAX_RANK) {
         PyErr_Format(PyExc_BufferError, "argument %s: rank %d is not supported (at most %d)", t->name,
                      (int)dl->ndim, BRRR_MAX_RANK);
+        return -1;
+    }
+    if (dl->ndim > 0 && dl->shape == NULL) {
+        PyErr_Format(PyExc_BufferError, "argument %s: DLPack tensor of rank %d without a shape", t->name, (int)dl->ndim);
         return -1;
     }
     if (dtype_from_dlpack(dl->dtype, t->name, index, &t->dtype) < 0) return -1;
@@ -94,6 +138,10 @@ static int fill_from_dltensor(const DLTensor *dl, int allow_null_strides, int in
     default:
         PyErr_Format(PyExc_ValueError, "argument %s: DLPack device type %d is not supported (expected CPU or CUDA)",
                      t->name, (int)dl->device.device_type);
+        return -1;
+    }
+    if (t->device_id < 0) {
+        PyErr_Format(PyExc_BufferError, "argument %s: negative CUDA device id %d", t->name, (int)t->device_id);
         return -1;
     }
     t->ndim = dl->ndim;
@@ -121,40 +169,71 @@ static int fill_from_dltensor(const DLTensor *dl, int allow_null_strides, int in
         t->strides[d] = dl->strides ? dl->strides[d] : running;
         running *= t->shape[d] ? t->shape[d] : 1;
     }
-    t->data = (char *)dl->data + dl->byte_offset;
+    /* In integers: a hostile byte_offset must not make pointer arithmetic undefined. */
+    t->data = (void *)((uintptr_t)dl->data + (uintptr_t)dl->byte_offset);
     if (numel > 0 && t->data == NULL) {
         PyErr_Format(PyExc_BufferError, "argument %s: NULL data pointer for a non-empty tensor", t->name);
         return -1;
     }
-    return 0;
+    return check_extent(t);
 }
 
-static const DLPackExchangeAPI *lookup_exchange_api(brrr_state *st, PyTypeObject *type) {
-    for (int i = 0; i < st->api_cache_len; i++)
-        if (st->api_cache[i].type == type) return st->api_cache[i].api;
-    const DLPackExchangeAPI *api = NULL;
+void brrr_type_info_clear(brrr_type_info *info) {
+    Py_CLEAR(info->type);
+    Py_CLEAR(info->capsule);
+    Py_CLEAR(info->is_neg);
+    Py_CLEAR(info->is_zerotensor);
+    info->api = NULL;
+}
+
+/* PyTorch's tensor base class, found by its C name in the type's MRO (brrr does not import
+ * torch): its tensors may carry the lazy negative bit, or be ZeroTensors, which DLPack does not
+ * describe. */
+static PyTypeObject *torch_tensor_base(PyTypeObject *type) {
+    PyObject *mro = type->tp_mro;
+    for (Py_ssize_t i = 0; mro && PyTuple_Check(mro) && i < PyTuple_GET_SIZE(mro); i++) {
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if (strcmp(base->tp_name, "torch._C.TensorBase") == 0 || strcmp(base->tp_name, "torch._C._TensorBase") == 0)
+            return base;
+    }
+    return NULL;
+}
+
+/* Read what brrr needs to know about `type` into *info (new references). A foreign attribute
+ * is trusted only as far as it is checked: the exchange table must come in a capsule of its
+ * name, with our major version and the entries we call; anything else is ignored. */
+static void read_type_info(brrr_state *st, PyTypeObject *type, brrr_type_info *info) {
+    memset(info, 0, sizeof *info);
+    info->type = (PyTypeObject *)Py_NewRef((PyObject *)type);
     PyObject *attr = PyObject_GetAttr((PyObject *)type, st->str_exchange_api);
-    if (attr == NULL) {
-        PyErr_Clear();
-    } else {
-        if (PyCapsule_IsValid(attr, "dlpack_exchange_api"))
-            api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(attr, "dlpack_exchange_api");
-        else if (PyLong_Check(attr))
-            api = (const DLPackExchangeAPI *)PyLong_AsVoidPtr(attr);
-        Py_DECREF(attr);
-        PyErr_Clear();
-        /* Only a table of our major version, with the borrowed-view entry, is any use to us. */
-        if (api && (api->header.version.major != BRRR_DLPACK_MAJOR || api->dltensor_from_py_object_no_sync == NULL ||
-                    api->current_work_stream == NULL))
-            api = NULL;
+    if (attr != NULL && PyCapsule_IsValid(attr, "dlpack_exchange_api")) {
+        const DLPackExchangeAPI *api = PyCapsule_GetPointer(attr, "dlpack_exchange_api");
+        if (api && api->header.version.major == BRRR_DLPACK_MAJOR && api->dltensor_from_py_object_no_sync != NULL &&
+            api->current_work_stream != NULL) {
+            info->api = api;
+            info->capsule = Py_NewRef(attr);
+        }
     }
-    if (st->api_cache_len < BRRR_API_CACHE_SIZE) {
-        Py_INCREF(type);
-        st->api_cache[st->api_cache_len].type = type;
-        st->api_cache[st->api_cache_len].api = api;
-        st->api_cache_len++;
+    Py_XDECREF(attr);
+    PyErr_Clear();
+    PyTypeObject *torch_base = torch_tensor_base(type);
+    if (torch_base != NULL) {
+        info->is_neg = PyObject_GetAttr((PyObject *)torch_base, st->str_is_neg);
+        info->is_zerotensor = PyObject_GetAttrString((PyObject *)torch_base, "_is_zerotensor");
+        PyErr_Clear();
     }
-    return api;
+}
+
+/* What brrr knows about `type`: a cache entry, or *scratch (filled with new references, which
+ * the caller releases with brrr_type_info_clear) once the cache is full. */
+static const brrr_type_info *type_info(brrr_state *st, PyTypeObject *type, brrr_type_info *scratch) {
+    for (int i = 0; i < st->api_cache_len; i++)
+        if (st->api_cache[i].type == type) return &st->api_cache[i];
+    read_type_info(st, type, scratch);
+    if (st->api_cache_len == BRRR_API_CACHE_SIZE) return scratch;
+    st->api_cache[st->api_cache_len] = *scratch; /* the cache takes the references over */
+    memset(scratch, 0, sizeof *scratch);
+    return &st->api_cache[st->api_cache_len++];
 }
 
 static void set_allocation_error(void *context, const char *kind, const char *message) {
@@ -163,9 +242,11 @@ static void set_allocation_error(void *context, const char *kind, const char *me
 }
 
 PyObject *brrr_new_like(brrr_call *call, PyObject *like_obj, const brrr_tensor *like) {
-    const DLPackExchangeAPI *api = lookup_exchange_api(call->state, Py_TYPE(like_obj));
+    brrr_type_info scratch = {0};
+    const DLPackExchangeAPI *api = type_info(call->state, Py_TYPE(like_obj), &scratch)->api;
+    PyObject *result = NULL;
     if (api == NULL || api->managed_tensor_allocator == NULL || api->managed_tensor_to_py_object_no_sync == NULL)
-        return NULL;
+        goto done;
     static const DLDataType dtypes[] = {{kDLFloat, 32, 1}, {kDLFloat, 16, 1}, {kDLBfloat, 16, 1}, {kDLFloat, 64, 1}};
     int64_t shape[BRRR_MAX_RANK];
     memcpy(shape, like->shape, sizeof(int64_t) * (size_t)like->ndim);
@@ -179,14 +260,17 @@ PyObject *brrr_new_like(brrr_call *call, PyObject *like_obj, const brrr_tensor *
     DLManagedTensorVersioned *managed = NULL;
     if (api->managed_tensor_allocator(&prototype, &managed, NULL, set_allocation_error) != 0 || managed == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "the framework could not allocate an output");
-        return NULL;
+        goto done;
     }
     void *obj = NULL;
     if (api->managed_tensor_to_py_object_no_sync(managed, &obj) != 0 || obj == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "the framework could not wrap an output");
-        return NULL;
+        goto done;
     }
-    return (PyObject *)obj;
+    result = (PyObject *)obj;
+done:
+    brrr_type_info_clear(&scratch);
+    return result;
 }
 
 PyObject *brrr_new_shaped(brrr_call *call, PyObject *like_obj, const brrr_tensor *on, int ndim, const int64_t *shape,
@@ -213,8 +297,8 @@ static int import_numpy(PyArrayObject *arr, int index, brrr_tensor *t) {
         case NPY_INT32: t->dtype = BRRR_I32; break;
         case NPY_UINT8: t->dtype = BRRR_U8; break;
         default:
-            PyErr_Format(PyExc_TypeError, "argument %s: NumPy dtype %R is not supported; expected class indices of "
-                         "int64, int32 or uint8", t->name, (PyObject *)PyArray_DESCR(arr));
+            PyErr_Format(PyExc_TypeError, "argument %s: dtype %S is not supported; expected class indices of int64, "
+                         "int32 or uint8", t->name, (PyObject *)PyArray_DESCR(arr));
             return -1;
         }
     } else switch (type_num) {
@@ -222,9 +306,8 @@ static int import_numpy(PyArrayObject *arr, int index, brrr_tensor *t) {
     case NPY_FLOAT16: t->dtype = BRRR_F16; break;
     case NPY_FLOAT64: t->dtype = BRRR_F64; break;
     default:
-        PyErr_Format(PyExc_TypeError,
-                     "argument %s: NumPy dtype %R is not supported; expected float32, float16 or float64", t->name,
-                     (PyObject *)PyArray_DESCR(arr));
+        PyErr_Format(PyExc_TypeError, "argument %s: dtype %S is not supported; expected float32, float16 or float64",
+                     t->name, (PyObject *)PyArray_DESCR(arr));
         return -1;
     }
     int ndim = PyArray_NDIM(arr);
@@ -250,13 +333,143 @@ static int import_numpy(PyArrayObject *arr, int index, brrr_tensor *t) {
     t->device_type = kDLCPU;
     t->device_id = 0;
     t->readonly = !PyArray_ISWRITEABLE(arr);
+    if (check_extent(t) < 0) return -1;
     Py_INCREF(arr);
     t->owner = (PyObject *)arr;
     return 0;
 }
 
+/* Re-raise the pending exception (a producer's) with the argument's name in front, keeping its
+ * type; first_line: only the message's first line (PyTorch's go on with a C++ stack trace).
+ * An exception type that cannot be made from one message is left as it was. */
+static void prefix_error(const char *name, int first_line) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (type == NULL) {
+        PyErr_Format(PyExc_BufferError, "argument %s: the producer could not export it", name);
+        return;
+    }
+    PyErr_NormalizeException(&type, &value, &traceback);
+    PyObject *text = value ? PyObject_Str(value) : NULL, *renamed = NULL;
+    if (text && first_line) {
+        Py_ssize_t end = PyUnicode_FindChar(text, '\n', 0, PyUnicode_GET_LENGTH(text), 1);
+        if (end >= 0) Py_SETREF(text, PyUnicode_Substring(text, 0, end));
+    }
+    PyObject *message = text ? PyUnicode_FromFormat("argument %s: %U", name, text) : NULL;
+    if (message) renamed = PyObject_CallOneArg(type, message);
+    Py_XDECREF(text);
+    Py_XDECREF(message);
+    if (renamed && PyExceptionInstance_Check(renamed)) {
+        PyErr_SetObject((PyObject *)Py_TYPE(renamed), renamed);
+        Py_DECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+    } else {
+        PyErr_Restore(type, value, traceback);
+    }
+    Py_XDECREF(renamed);
+}
+
+/* A PyTorch tensor that DLPack cannot carry, refused in one line naming the argument; 0 (the
+ * pending error kept) when obj is none of those kinds. Only read after an export failed. */
+static int refuse_torch_kind(PyObject *obj, const char *name) {
+    static const struct { const char *flag, *what; } kinds[] = {
+        {"is_nested", "nested tensors are not supported (brrr takes dense, strided tensors)"},
+        {"is_quantized", "quantized tensors are not supported (brrr takes float32, float16, bfloat16 and float64 ones)"},
+        {"is_meta", "tensors on the meta device are not supported (they hold no data)"},
+    };
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    int found = 0;
+    for (size_t k = 0; !found && k < sizeof kinds / sizeof kinds[0]; k++) {
+        PyObject *flag = PyObject_GetAttrString(obj, kinds[k].flag);
+        if (flag != NULL && PyObject_IsTrue(flag) == 1) {
+            PyErr_Format(k == 2 ? PyExc_ValueError : PyExc_TypeError, "argument %s: %s", name, kinds[k].what);
+            found = 1;
+        }
+        Py_XDECREF(flag);
+        if (!found) PyErr_Clear();
+    }
+    PyObject *layout = found ? NULL : PyObject_GetAttrString(obj, "layout");
+    PyObject *layout_name = layout ? PyObject_Str(layout) : NULL;
+    if (layout_name && PyUnicode_CompareWithASCIIString(layout_name, "torch.strided") != 0) {
+        PyErr_Format(PyExc_TypeError, "argument %s: tensors of layout %U are not supported (brrr takes dense, strided "
+                     "tensors)", name, layout_name);
+        found = 1;
+    } else if (!found) {
+        PyErr_Clear();
+    }
+    Py_XDECREF(layout);
+    Py_XDECREF(layout_name);
+    if (found) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+    } else {
+        PyErr_Restore(type, value, traceback);
+    }
+    return found;
+}
+
+/* repr(obj) cut to 40 characters, for messages about values that do not fit (an int of 2**2000
+ * has 603 digits, and CPython refuses to print those of 4300 or more). */
+static PyObject *short_repr(PyObject *obj) {
+    PyObject *text = PyObject_Repr(obj);
+    if (text == NULL) {
+        PyErr_Clear();
+        return PyUnicode_FromString(PyLong_Check(obj) ? "an int too long to print" : "a value that cannot be printed");
+    }
+    if (PyUnicode_GET_LENGTH(text) <= 40) return text;
+    PyObject *head = PyUnicode_Substring(text, 0, 37);
+    Py_DECREF(text);
+    if (head == NULL) return NULL;
+    PyObject *cut = PyUnicode_FromFormat("%U...", head);
+    Py_DECREF(head);
+    return cut;
+}
+
+/* __dlpack_device__() as DLPack's (device_type, device_id) pair of int32. */
+static int read_dlpack_device(brrr_state *st, PyObject *obj, const char *name, DLDevice *device) {
+    PyObject *pair = PyObject_CallMethodNoArgs(obj, st->str_dlpack_device);
+    if (pair == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            prefix_error(name, 0);
+            return -1;
+        }
+        PyErr_Clear();
+    }
+    int32_t values[2] = {0, 0};
+    int ok = pair && PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
+    for (int k = 0; ok && k < 2; k++) {
+        PyObject *item = PyTuple_GET_ITEM(pair, k);
+        ok = PyLong_Check(item) && !PyBool_Check(item);
+        int overflow = 0;
+        long long v = ok ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
+        if (ok && (overflow || v < INT32_MIN || v > INT32_MAX)) {
+            PyObject *shown = short_repr(item);
+            if (shown)
+                PyErr_Format(PyExc_ValueError, "argument %s: __dlpack_device__() returned %s %U, which does not fit "
+                             "int32", name, k == 0 ? "device type" : "device id", shown);
+            Py_XDECREF(shown);
+            Py_DECREF(pair);
+            return -1;
+        }
+        values[k] = (int32_t)v;
+    }
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "argument %s: __dlpack_device__() must return a (device_type, device_id) tuple of "
+                     "ints, got %.200s", name, pair ? Py_TYPE(pair)->tp_name : "no such method");
+        Py_XDECREF(pair);
+        return -1;
+    }
+    Py_DECREF(pair);
+    device->device_type = values[0];
+    device->device_id = values[1];
+    return 0;
+}
+
 /* The protocol path: obj.__dlpack__(stream=..., max_version=(1, 3)), legacy on TypeError. */
-static int import_capsule(brrr_call *call, PyObject *obj, int index, brrr_tensor *t) {
+static int import_capsule(brrr_call *call, PyObject *obj, int index, int writable, brrr_tensor *t) {
     brrr_state *st = call->state;
     PyObject *method = PyObject_GetAttr(obj, st->str_dlpack);
     if (method == NULL) {
@@ -265,25 +478,15 @@ static int import_capsule(brrr_call *call, PyObject *obj, int index, brrr_tensor
                      t->name, Py_TYPE(obj)->tp_name);
         return -1;
     }
-    PyObject *device = PyObject_CallMethodNoArgs(obj, st->str_dlpack_device);
-    long device_type = -1;
-    if (device && PyTuple_Check(device) && PyTuple_GET_SIZE(device) == 2)
-        device_type = PyLong_AsLong(PyTuple_GET_ITEM(device, 0));
-    Py_XDECREF(device);
-    if (device_type == -1) {
+    DLDevice device;
+    if (read_dlpack_device(st, obj, t->name, &device) < 0) {
         Py_DECREF(method);
-        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_AttributeError) ||
-            PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_ValueError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "argument %s: __dlpack_device__() must return a (device_type, device_id) tuple",
-                         t->name);
-        }
         return -1;
     }
     /* CUDA producers make our stream wait for their work; DLPack spells the legacy default
      * stream 1, since 0 is ambiguous. CPU producers take stream=None. */
     PyObject *stream;
-    if (device_type == kDLCUDA || device_type == kDLCUDAManaged) {
+    if (device.device_type == kDLCUDA || device.device_type == kDLCUDAManaged) {
         uintptr_t s = (uintptr_t)brrr_call_stream(call);
         stream = PyLong_FromUnsignedLongLong(s == 0 ? 1 : s);
     } else {
@@ -303,9 +506,13 @@ static int import_capsule(brrr_call *call, PyObject *obj, int index, brrr_tensor
     Py_XDECREF(empty);
     Py_DECREF(stream);
     Py_DECREF(method);
-    if (capsule == NULL) return -1;
+    if (capsule == NULL) {
+        prefix_error(t->name, 0);
+        return -1;
+    }
 
     int status = -1;
+    const DLTensor *dl = NULL;
     if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
         DLManagedTensorVersioned *m = PyCapsule_GetPointer(capsule, "dltensor_versioned");
         if (m == NULL || PyCapsule_SetName(capsule, "used_dltensor_versioned") < 0) goto done;
@@ -315,13 +522,20 @@ static int import_capsule(brrr_call *call, PyObject *obj, int index, brrr_tensor
                          t->name, (unsigned)m->version.major, BRRR_DLPACK_MAJOR);
             goto done;
         }
+        if (writable && (m->flags & DLPACK_FLAG_BITMASK_IS_COPIED)) {
+            PyErr_Format(PyExc_ValueError, "argument %s: the producer exported a copy (DLPack's is_copied flag), which "
+                         "an output written here would not reach", t->name);
+            goto done;
+        }
         t->readonly = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
-        status = fill_from_dltensor(&m->dl_tensor, 0, index, t);
+        dl = &m->dl_tensor;
+        status = fill_from_dltensor(dl, 0, index, t);
     } else if (PyCapsule_IsValid(capsule, "dltensor")) {
         DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
         if (m == NULL || PyCapsule_SetName(capsule, "used_dltensor") < 0) goto done;
         t->managed_legacy = m;
-        status = fill_from_dltensor(&m->dl_tensor, 1, index, t);
+        dl = &m->dl_tensor;
+        status = fill_from_dltensor(dl, 1, index, t);
     } else {
         const char *cname = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
         PyErr_Clear();
@@ -334,24 +548,46 @@ static int import_capsule(brrr_call *call, PyObject *obj, int index, brrr_tensor
                          "got %.200s%s%s",
                          t->name, Py_TYPE(capsule)->tp_name, cname ? " named " : "", cname ? cname : "");
     }
+    /* The stream argument was chosen for the device __dlpack_device__ named: a tensor elsewhere
+     * was exported without the synchronisation its device needs. */
+    if (status == 0 && (dl->device.device_type != device.device_type ||
+                        (device.device_type != kDLCPU && dl->device.device_id != device.device_id))) {
+        PyErr_Format(PyExc_BufferError, "argument %s: __dlpack_device__() says device (%d, %d) but __dlpack__ exported "
+                     "a tensor on device (%d, %d)", t->name, (int)device.device_type, (int)device.device_id,
+                     (int)dl->device.device_type, (int)dl->device.device_id);
+        status = -1;
+    }
 done:
     Py_DECREF(capsule);
     return status;
 }
 
-/* Re-raise the pending exception with the argument's name in front, keeping its type. */
-static void prefix_error(const char *name) {
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    if (type == NULL) {
-        PyErr_Format(PyExc_BufferError, "argument %s: the producer could not export it", name);
-        return;
+static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, int index, brrr_tensor *t);
+
+/* unbound_method(obj) is true: 1, false or no such method: 0, -1 with an exception. */
+static int flag(PyObject *unbound_method, PyObject *obj) {
+    if (unbound_method == NULL) return 0;
+    PyObject *result = PyObject_CallOneArg(unbound_method, obj);
+    int truth = result ? PyObject_IsTrue(result) : -1;
+    Py_XDECREF(result);
+    return truth;
+}
+
+/* A PyTorch tensor whose memory is not its values (`what`): an input is read through the copy
+ * that obj.method() materialises, kept alive by t until released; an output is refused, as
+ * brrr's writes would not reach its values. */
+static int import_materialised(brrr_call *call, PyObject *obj, const char *name, int writable, int index,
+                               brrr_tensor *t, const char *method, const char *what) {
+    if (writable) {
+        PyErr_Format(PyExc_ValueError, "argument %s: %s cannot be written in place; pass a tensor without it", name,
+                     what);
+        return -1;
     }
-    PyErr_NormalizeException(&type, &value, &traceback);
-    PyErr_Format(type, "argument %s: %S", name, value);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(traceback);
+    PyObject *materialised = PyObject_CallMethod(obj, method, NULL);
+    int status = materialised ? tensor_import(call, materialised, name, writable, index, t) : -1;
+    if (status == 0 && t->owner == NULL) t->owner = Py_NewRef(materialised);
+    Py_XDECREF(materialised);
+    return status;
 }
 
 static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, int index, brrr_tensor *t) {
@@ -361,23 +597,53 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
         PyErr_Format(PyExc_TypeError, "argument %s: expected a tensor or array, got None", name);
         return -1;
     }
+    brrr_type_info scratch = {0};
+    const brrr_type_info *info = PyArray_Check(obj) ? NULL : type_info(call->state, Py_TYPE(obj), &scratch);
+    /* PyTorch's lazy negation: the memory holds -x. Asked of every torch tensor, before its import. */
+    int negated = info && info->is_neg ? flag(info->is_neg, obj) : 0;
     int status;
-    const DLPackExchangeAPI *api = lookup_exchange_api(call->state, Py_TYPE(obj));
-    if (api) {
+    if (negated) {
+        status = negated < 0 ? -1 : import_materialised(call, obj, name, writable, index, t, "resolve_neg",
+                                                        "a view with its negative bit set (is_neg(), e.g. the "
+                                                        ".imag of a conjugated tensor)");
+        if (negated < 0) prefix_error(name, 1);
+    } else if (info && info->api) {
         DLTensor dl;
-        status = api->dltensor_from_py_object_no_sync(obj, &dl);
-        if (status != 0) prefix_error(name);
+        status = info->api->dltensor_from_py_object_no_sync(obj, &dl);
+        if (status != 0) prefix_error(name, info->is_neg != NULL);
         if (status == 0) status = fill_from_dltensor(&dl, 0, index, t);
         if (status == 0 && !call->resolved && call->stream_arg < 0 && t->device_type == kDLCUDA) {
             /* The framework's current stream on this tensor's device: where its own ops run. */
-            if (api->current_work_stream(kDLCUDA, t->device_id, &call->stream) != 0) status = -1;
+            if (info->api->current_work_stream(kDLCUDA, t->device_id, &call->stream) != 0) status = -1;
             call->resolved = status == 0;
         }
-    } else if (PyArray_Check(obj)) {
+    } else if (info == NULL) {
         status = import_numpy((PyArrayObject *)obj, index, t);
     } else {
-        status = import_capsule(call, obj, index, t);
+        status = import_capsule(call, obj, index, writable, t);
     }
+    /* PyTorch's efficient zeros (autograd may hand a backward one) have no memory: their data
+     * pointer is NULL plus the view's offset. Asked where the pointer lies in the first 4 GiB
+     * (where no allocation of a 64-bit process is but for some small heaps, which pay one more
+     * call): a view of one cannot escape short of an offset of 4 GiB. */
+    if (info && info->is_neg && !negated && (status < 0 || (t->numel > 0 && (uintptr_t)t->data < ((uintptr_t)1 << 32)))) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback); /* the import's error, if it failed */
+        int zero = flag(info->is_zerotensor, obj);
+        if (zero == 0) {
+            PyErr_Restore(type, value, traceback);
+            if (status < 0) refuse_torch_kind(obj, name);
+        } else {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            brrr_tensor_release(t);
+            if (zero < 0) prefix_error(name, 1);
+            status = zero < 0 ? -1 : import_materialised(call, obj, name, writable, index, t, "clone",
+                                                         "a ZeroTensor (_is_zerotensor(), lazy zeros with no memory)");
+        }
+    }
+    brrr_type_info_clear(&scratch);
     if (status == 0 && t->numel > 0 && (uintptr_t)t->data % brrr_dtype_size(t->dtype) != 0) {
         /* Typed loads from such a pointer are undefined in C and faults on the GPU. */
         PyErr_Format(PyExc_ValueError, "argument %s: data pointer is not aligned to its %d-byte elements", name,
@@ -415,10 +681,61 @@ void brrr_tensor_release(brrr_tensor *t) {
     PyErr_Restore(type, value, traceback);
 }
 
+int brrr_parse_int64(PyObject *obj, const char *name, long long *value) {
+    if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "argument %s: expected an int, got %.200s", name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyObject *index = PyNumber_Index(obj);
+    if (index == NULL) return -1;
+    int overflow = 0;
+    *value = PyLong_AsLongLongAndOverflow(index, &overflow);
+    Py_DECREF(index);
+    if (overflow) {
+        PyObject *shown = short_repr(obj);
+        if (shown) PyErr_Format(PyExc_ValueError, "argument %s: %U does not fit int64", name, shown);
+        Py_XDECREF(shown);
+        return -1;
+    }
+    return *value == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+int brrr_parse_double(PyObject *obj, const char *name, double *value) {
+    PyNumberMethods *number = Py_TYPE(obj)->tp_as_number;
+    if (PyBool_Check(obj) || !(PyFloat_Check(obj) || PyLong_Check(obj) || (number && number->nb_float))) {
+        PyErr_Format(PyExc_TypeError, "argument %s: expected a float, got %.200s", name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *value = PyLong_Check(obj) ? PyLong_AsDouble(obj) : PyFloat_AsDouble(obj);
+    if (*value == -1.0 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear();
+        PyObject *shown = short_repr(obj);
+        if (shown) PyErr_Format(PyExc_ValueError, "argument %s: %U does not fit a float64", name, shown);
+        Py_XDECREF(shown);
+        return -1;
+    }
+    return 0;
+}
+
+int brrr_parse_bool(PyObject *obj, const char *name, int *value) {
+    if (!PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "argument %s: expected a bool, got %.200s", name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *value = obj == Py_True;
+    return 0;
+}
+
 int brrr_parse_stream(PyObject *obj, long long *stream) {
-    *stream = PyLong_AsLongLong(obj);
-    if (*stream == -1 && PyErr_Occurred()) {
+    if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
         PyErr_SetString(PyExc_TypeError, "argument stream: expected an int (a cudaStream_t, or -1 for the current one)");
+        return -1;
+    }
+    if (brrr_parse_int64(obj, "stream", stream) < 0) return -1;
+    if (*stream < -1) {
+        PyErr_Format(PyExc_ValueError, "argument stream: expected a cudaStream_t (>= 0) or -1 for the current one, got "
+                     "%lld", *stream);
         return -1;
     }
     return 0;
@@ -576,7 +893,14 @@ int brrr_cuda_result(int error, const char *op) {
     return -1;
 }
 
-int brrr_coalesce(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_MAX_RANK]) {
+int brrr_check_view_dims(const char *name, int ndim) {
+    if (ndim <= BRRR_MAX_DIMS) return 0;
+    PyErr_Format(PyExc_ValueError, "argument %s: views with more than %d non-mergeable dims are not supported (got %d; "
+                 "a contiguous copy has one)", name, BRRR_MAX_DIMS, ndim);
+    return -1;
+}
+
+int brrr_coalesce(const char *name, int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_MAX_RANK]) {
     /* Drop size-1 dims; order the rest by the first tensor's |stride|, largest first (stable). */
     int order[BRRR_MAX_RANK], n = 0;
     for (int d = 0; d < ndim; d++) {
@@ -603,11 +927,7 @@ int brrr_coalesce(int ndim, int64_t *shape, int count, int64_t (*strides)[BRRR_M
         for (int k = 0; k < count; k++) strides[k][0] = 1;
         out = 1;
     }
-    if (out > BRRR_MAX_DIMS) {
-        PyErr_Format(PyExc_ValueError, "tensor views with more than %d non-mergeable dims are not supported (got %d)",
-                     BRRR_MAX_DIMS, out);
-        return -1;
-    }
+    if (brrr_check_view_dims(name, out) < 0) return -1;
     memcpy(shape, new_shape, sizeof(int64_t) * (size_t)out);
     return out;
 }

@@ -147,11 +147,7 @@ static int xent_layout(brrr_xent_launch *L, const brrr_tensor *target, const brr
         for (int k = 0; k < count; k++) strides[k][0] = 0;
         n = 1;
     }
-    if (n > BRRR_XENT_MAX_DIMS) {
-        PyErr_Format(PyExc_ValueError, "arguments logits, target (and grad_logits, grad_loss): views whose rows have "
-                     "more than %d non-mergeable dims together are not supported (got %d)", BRRR_XENT_MAX_DIMS, n);
-        return -1;
-    }
+    if (brrr_check_view_dims("logits", n) < 0) return -1;
     L->row_ndim = n;
     memcpy(L->row_shape, shape, sizeof(int64_t) * (size_t)n);
     for (int k = 0; k < count; k++) memcpy(out_strides[k], strides[k], sizeof(int64_t) * (size_t)n);

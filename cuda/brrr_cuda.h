@@ -91,12 +91,11 @@ int brrr_cuda_chain_bwd(const brrr_chain_launch *launch, int device, void *strea
  * trailing dims). Row dims and column dims are coalesced separately by the glue, so a view keeps
  * two stride lists. Row-indexed tensors (mean, rstd) use only row_strides, column-indexed ones
  * (weight, bias and their gradients) only col_strides. */
-#define BRRR_NORM_MAX_DIMS 8
 
 typedef struct {
     void *data;                              /* element (0, ..., 0); NULL: absent */
-    int64_t row_strides[BRRR_NORM_MAX_DIMS]; /* in elements, over row_shape */
-    int64_t col_strides[BRRR_NORM_MAX_DIMS]; /* in elements, over col_shape */
+    int64_t row_strides[BRRR_MAX_DIMS]; /* in elements, over row_shape */
+    int64_t col_strides[BRRR_MAX_DIMS]; /* in elements, over col_shape */
 } brrr_norm_view;
 
 /* One norm launch. Forward: residual_out = x + residual (when residual is given), then
@@ -116,8 +115,8 @@ typedef struct {
     int32_t contiguous_cols; /* col_ndim == 1, column stride 1 in every row-by-column view, weight, bias */
     int32_t row_ndim, col_ndim; /* >= 1 after coalescing */
     int64_t rows, cols;
-    int64_t row_shape[BRRR_NORM_MAX_DIMS];
-    int64_t col_shape[BRRR_NORM_MAX_DIMS];
+    int64_t row_shape[BRRR_MAX_DIMS];
+    int64_t col_shape[BRRR_MAX_DIMS];
     double eps;
     brrr_norm_view x, residual, out, residual_out;       /* forward (x also in the backward) */
     brrr_norm_view grad_out, grad_residual, grad_x;       /* backward */
@@ -197,7 +196,6 @@ int brrr_cuda_dropout(const brrr_dropout_launch *launch, int device, void *strea
  * gradient too when grad_logits is given (the fused forward and backward: lse may then be NULL);
  * it reads the target logit and the whole row before any thread of the row writes, so there
  * grad_logits may be logits itself (in place). */
-#define BRRR_XENT_MAX_DIMS 8
 
 typedef struct {
     int32_t dtype;        /* brrr_dtype of logits and grad_logits */
@@ -205,21 +203,21 @@ typedef struct {
     int32_t mean;         /* forward: *total = sum / count */
     int32_t row_ndim;     /* >= 1 after coalescing */
     int64_t rows, classes;
-    int64_t row_shape[BRRR_XENT_MAX_DIMS];
+    int64_t row_shape[BRRR_MAX_DIMS];
     int64_t ignore_index;
     double smoothing;
     double softcap;           /* 0: none */
     double z_loss;            /* 0: none */
     const void *logits, *target;
-    int64_t logits_rows[BRRR_XENT_MAX_DIMS], target_rows[BRRR_XENT_MAX_DIMS];
+    int64_t logits_rows[BRRR_MAX_DIMS], target_rows[BRRR_MAX_DIMS];
     int64_t logits_class_stride;
     void *lse, *loss;         /* [rows]; forward with gradient: lse NULL or [rows] */
     void *total, *count_out;  /* forward: each NULL or 0-d */
     const void *grad_loss;    /* [rows] at grad_loss_rows strides (all 0 for a 0-d one); NULL in the forward: 1 */
-    int64_t grad_loss_rows[BRRR_XENT_MAX_DIMS];
+    int64_t grad_loss_rows[BRRR_MAX_DIMS];
     const void *count;        /* backward, forward with gradient: NULL or the count to divide by */
     void *grad_logits;        /* forward: NULL, or the gradient to write in the same pass */
-    int64_t grad_rows[BRRR_XENT_MAX_DIMS];
+    int64_t grad_rows[BRRR_MAX_DIMS];
     int64_t grad_class_stride;
 } brrr_xent_launch;
 

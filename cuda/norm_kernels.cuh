@@ -48,6 +48,9 @@
 namespace brrr {
 namespace norm {
 
+// Kernels take the launch by value: 4 KB is the parameter space every CUDA version gives.
+static_assert(sizeof(brrr_norm_launch) <= 4096, "brrr_norm_launch must fit the 4 KB kernel parameter space");
+
 constexpr int kMaxRowThreads = 512;  // threads per row, and per block
 constexpr int kMinBlockThreads = 256;
 constexpr int kMaxWarps = kMaxRowThreads / 32;
@@ -114,7 +117,7 @@ __device__ __forceinline__ int64_t dims_offset(const brrr_norm_launch &L, const 
     if (ndim == 1) return i * (kRows ? v.row_strides[0] : v.col_strides[0]);
     int64_t off = 0;
 #pragma unroll
-    for (int d = BRRR_NORM_MAX_DIMS - 1; d >= 0; --d) {
+    for (int d = BRRR_MAX_DIMS - 1; d >= 0; --d) {
         if (d < ndim) {
             const int64_t n = kRows ? L.row_shape[d] : L.col_shape[d];
             off += (i % n) * (kRows ? v.row_strides[d] : v.col_strides[d]);
@@ -138,7 +141,7 @@ __device__ __forceinline__ void row_offsets(const brrr_norm_launch &L, int64_t r
     const int64_t *strides[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) strides[i] = v[i]->row_strides;
-    unravel_offsets<uint32_t, BRRR_NORM_MAX_DIMS>(L.row_ndim, L.row_shape, r, strides, off);
+    unravel_offsets<uint32_t, BRRR_MAX_DIMS>(L.row_ndim, L.row_shape, r, strides, off);
 }
 
 // Element `col` (in the fast path's contiguous columns; 0 elsewhere) of row r, NULL when absent.

@@ -21,11 +21,11 @@
 
 #include <stdint.h>
 
+#include "brrr_cuda.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-#define BRRR_SOFTMAX_MAX_DIMS 8
 
 enum { BRRR_SOFTMAX_IN0, BRRR_SOFTMAX_IN1, BRRR_SOFTMAX_OUT };
 
@@ -36,11 +36,11 @@ typedef struct {
     int32_t backward;
     int32_t row_ndim; /* >= 1 */
     int64_t rows, cols;
-    int64_t row_shape[BRRR_SOFTMAX_MAX_DIMS];
+    int64_t row_shape[BRRR_MAX_DIMS];
     /* forward: in0 = x, out = y; backward: in0 = y, in1 = grad_y, out = grad_x */
     const void *in[2];
     void *out;
-    int64_t row_strides[3][BRRR_SOFTMAX_MAX_DIMS]; /* in0, in1, out, in elements */
+    int64_t row_strides[3][BRRR_MAX_DIMS]; /* in0, in1, out, in elements */
     int64_t col_stride[3];
 } brrr_softmax_launch;
 
@@ -60,7 +60,7 @@ __device__ __forceinline__ int64_t row_off(const brrr_softmax_launch &L, int k, 
     if (L.row_ndim == 1) return r * L.row_strides[k][0];
     int64_t off = 0;
 #pragma unroll
-    for (int d = BRRR_SOFTMAX_MAX_DIMS - 1; d >= 0; --d) {
+    for (int d = BRRR_MAX_DIMS - 1; d >= 0; --d) {
         if (d >= L.row_ndim) continue;
         off += (r % L.row_shape[d]) * L.row_strides[k][d];
         r /= L.row_shape[d];

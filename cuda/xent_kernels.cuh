@@ -80,7 +80,7 @@ __device__ __forceinline__ int64_t row_off(const brrr_xent_launch &L, const int6
     if (L.row_ndim == 1) return r * s[0];
     int64_t off = 0;
 #pragma unroll
-    for (int d = BRRR_XENT_MAX_DIMS - 1; d >= 0; --d) {
+    for (int d = BRRR_MAX_DIMS - 1; d >= 0; --d) {
         if (d >= L.row_ndim) continue;
         off += (r % L.row_shape[d]) * s[d];
         r /= L.row_shape[d];

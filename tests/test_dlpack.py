@@ -218,3 +218,180 @@ def test_gil_is_released_during_cpu_work():
     inside = [s for s in ticks if start < s < end]
     assert end - start > 0.02, "the op was too quick to tell"
     assert len(inside) >= 3, "another thread could not run while the op worked"
+
+
+# ---- everything read from a foreign object is checked before use --------------------------------
+
+class RaisingDescriptor:
+    def __get__(self, instance, owner):
+        raise RuntimeError("no table here")
+
+
+FORGED_TABLES = {
+    "int": 12345,  # the pre-capsule spelling (a pointer as an int): taken as one, it crashed
+    "negative int": -1,
+    "huge int": 2**70,
+    "str": "dlpack_exchange_api",
+    "None": None,
+    "float": 1.5,
+    "object": object(),
+    "raising descriptor": RaisingDescriptor(),
+}
+
+
+def forged_producer(table, array, base=Producer):
+    """An instance of a new producer type whose __dlpack_c_exchange_api__ is `table`."""
+    return type("Forged", (base,), {"__dlpack_c_exchange_api__": table})(array)
+
+
+@pytest.mark.parametrize("table", FORGED_TABLES.values(), ids=FORGED_TABLES.keys())
+def test_forged_exchange_attribute_is_ignored(table):
+    x = np.linspace(-2, 2, 7, dtype=np.float32)
+    producer = forged_producer(table, x)
+    out = COS(producer, out=np.empty(7, np.float32))
+    np.testing.assert_allclose(out, cos64(x), rtol=2e-6, atol=1e-7)
+    assert len(producer.calls) == 1  # read through __dlpack__
+
+
+def test_exchange_tables_that_do_not_check_out_are_ignored():
+    from dlpack_producers import ExchangeTable
+
+    x = np.linspace(-2, 2, 7, dtype=np.float32)
+    tables = [ExchangeTable(name=b"not_a_tensor"), ExchangeTable(major=2), ExchangeTable(major=0),
+              ExchangeTable(complete=False)]
+    for table in tables:
+        producer = forged_producer(table.capsule, x)
+        np.testing.assert_allclose(COS(producer, out=np.empty(7, np.float32)), cos64(x), rtol=2e-6, atol=1e-7)
+        assert len(producer.calls) == 1 and table.exported == 0
+
+
+class NoProtocol:
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("a usable exchange table must be taken first")
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_an_exchange_table_that_checks_out_is_used():
+    from dlpack_producers import ExchangeTable
+
+    x = np.linspace(-2, 2, 7, dtype=np.float32)
+    table = ExchangeTable()
+    out = COS(forged_producer(table.capsule, x, NoProtocol), out=np.empty(7, np.float32))
+    np.testing.assert_allclose(out, cos64(x), rtol=2e-6, atol=1e-7)
+    assert table.exported == 1
+    failing = ExchangeTable(export_fails=True)
+    with pytest.raises(BufferError, match="^argument x: the producer could not export it$"):
+        COS(forged_producer(failing.capsule, x, NoProtocol), out=np.empty(7, np.float32))
+
+
+class Device:
+    """A producer whose __dlpack_device__ returns `device` (or raises it, when it is an exception)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __dlpack__(self, **kwargs):
+        return np.ones(3, np.float32).__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        if isinstance(self.device, Exception):
+            raise self.device
+        return self.device
+
+
+@pytest.mark.parametrize("device", [(1, 2**80), (1, -2**31 - 1), (2**40, 0), (-2**63, 0)], ids=str)
+def test_dlpack_device_that_does_not_fit_int32_is_refused(device):
+    out = np.zeros(3, np.float32)
+    which = "device type" if device[0] != 1 else "device id"
+    with pytest.raises(ValueError, match=f"^argument x: __dlpack_device__\\(\\) returned {which} {device[device[0] == 1]},"
+                                         " which does not fit int32$"):
+        COS(Device(device), out=out)
+    assert not out.any()
+
+
+@pytest.mark.parametrize("device", [(1,), (1, 0, 0), [1, 0], ("1", 0), (1.0, 0), (1, None), (True, 0), None, "cpu"],
+                         ids=repr)
+def test_dlpack_device_of_the_wrong_type_is_refused(device):
+    with pytest.raises(TypeError, match=r"^argument x: __dlpack_device__\(\) must return a \(device_type, device_id\) "
+                                        "tuple of ints, got "):
+        COS(Device(device), out=np.zeros(3, np.float32))
+
+
+def test_dlpack_device_errors_name_the_argument():
+    with pytest.raises(KeyError, match="argument out: 'broken'"):
+        COS(np.ones(3, np.float32), out=Device(KeyError("broken")))
+
+    class NoDevice:
+        def __dlpack__(self, **kwargs):
+            return np.ones(3, np.float32).__dlpack__(**kwargs)
+
+    with pytest.raises(TypeError, match=r"^argument x: __dlpack_device__\(\) must return .* got no such method$"):
+        COS(NoDevice(), out=np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize("claimed,actual", [((2, 0), (1, 0)), ((1, 0), (2, 0)), ((2, 1), (2, 0)), ((13, 0), (2, 0))])
+def test_a_device_that_disagrees_with_the_capsule_is_refused(claimed, actual):
+    out = np.zeros(4, np.float32)
+    producer = RawProducer(np.ones(4, np.float32), device_type=actual[0], device_id=actual[1], claimed_device=claimed)
+    with pytest.raises(BufferError, match=rf"^argument x: __dlpack_device__\(\) says device \({claimed[0]}, "
+                                          rf"{claimed[1]}\) but __dlpack__ exported a tensor on device "
+                                          rf"\({actual[0]}, {actual[1]}\)$"):
+        COS(producer, out=out)
+    assert producer.deleted == 1 and not out.any()
+
+
+def test_an_output_the_producer_copied_is_refused():
+    out = np.zeros(4, np.float32)
+    producer = RawProducer(out, flags=2)  # DLPACK_FLAG_BITMASK_IS_COPIED
+    with pytest.raises(ValueError, match="^argument out: the producer exported a copy"):
+        COS(np.ones(4, np.float32), out=producer)
+    assert producer.deleted == 1
+    src = RawProducer(np.full(4, 0.5, np.float32), flags=2)  # an input may be a copy
+    np.testing.assert_allclose(COS(src, out=np.empty(4, np.float32)), np.cos(0.5), rtol=1e-6)
+
+
+def test_hostile_layouts_from_a_capsule():
+    for kwargs, message in [(dict(null_shape=True), "^argument x: DLPack tensor of rank 1 without a shape$"),
+                            (dict(shape=(3, 4), strides=(2**62, 1)), "^argument x: strides that reach beyond 2\\*\\*63 "
+                                                                     "bytes \\(dim 0: stride 4611686018427387904"),
+                            (dict(shape=(2,), strides=(-2**63,)), "^argument x: strides that reach beyond"),
+                            (dict(device_type=2, device_id=-1), "^argument x: negative CUDA device id -1$")]:
+        producer = RawProducer(np.ones(12, np.float32), **kwargs)
+        with pytest.raises(BufferError, match=message):
+            COS(producer, out=np.empty(producer.shape or 12, np.float32))
+        assert producer.deleted == 1
+    shifted = RawProducer(np.arange(5, dtype=np.float32), shape=(4,), byte_offset=4)  # elements 1..4
+    np.testing.assert_allclose(COS(shifted, out=np.empty(4, np.float32)), cos64(np.arange(1, 5)), rtol=2e-6)
+
+
+@pytest.mark.parametrize("dtype,name", [((0, 64, 1), "int64"), ((1, 8, 1), "uint8"), ((5, 64, 1), "complex64"),
+                                        ((6, 8, 1), "bool"), ((2, 32, 4), "float32x4"), ((4, 16, 2), "bfloat16x2"),
+                                        ((2, 8, 1), "float8"), ((3, 64, 1), "opaque handle 64"),
+                                        ((99, 8, 1), "DLPack type code 99 of 8 bits")], ids=str)
+def test_unsupported_dtypes_are_named(dtype, name):
+    producer = RawProducer(np.ones(4, np.float32), dtype=dtype)
+    with pytest.raises(TypeError, match=f"^argument x: dtype {name} is not supported; expected float32, float16, "
+                                        "bfloat16 or float64$"):
+        COS(producer, out=np.empty(4, np.float32))
+    with pytest.raises(TypeError, match="^argument out: dtype int64 is not supported"):
+        COS(np.ones(4, np.float32), out=np.empty(4, np.int64))
+    with pytest.raises(TypeError, match="^argument x: dtype bool is not supported"):
+        COS(torch.ones(4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("stream,exc,message", [
+    (2**80, ValueError, "^argument stream: 1208925819614629174706176 does not fit int64$"),
+    (-2, ValueError, r"^argument stream: expected a cudaStream_t \(>= 0\) or -1 for the current one, got -2$"),
+    (True, TypeError, "^argument stream: expected an int"),
+    (1.0, TypeError, "^argument stream: expected an int"),
+])
+def test_stream_argument(stream, exc, message):
+    out = np.zeros(3, np.float32)
+    with pytest.raises(exc, match=message):
+        _C.chain_fwd(np.ones(3, np.float32), out, COS.program, (), stream)
+    assert not out.any()

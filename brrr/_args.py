@@ -1,0 +1,106 @@
+"""Argument checks that every public function shares, by the rule of docs/errors.md: TypeError
+for a value of the wrong type (a bool is not a number, a list not a tensor), ValueError for a
+value that does not fit or for arguments that do not go together. brrr._C checks tensors and
+its own scalar arguments by the same rule; these are the checks the Python layer makes before
+it gets there (shapes it needs first, the scalars it converts, argument names brrr._C does not
+know)."""
+
+import numbers
+import re
+
+ERRORS = (TypeError, ValueError, BufferError)  # what an argument error is raised as
+
+
+def _short(value):
+    """repr(value) cut to 40 characters (as brrr._C shows values that do not fit)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long for CPython to print
+        return "an int too long to print"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def as_float(name, value):
+    """value as a float; TypeError naming the argument for a non-number (or a bool)."""
+    if type(value) is float:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"argument {name}: expected a float, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"argument {name}: {_short(value)} does not fit a float64") from None
+
+
+def as_int(name, value):
+    """value as an int; TypeError naming the argument for a non-integer (or a bool)."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"argument {name}: expected an int, got {type(value).__name__}")
+    return int(value)
+
+
+def bad_choice(name, value, choices):
+    """The error for `value`, which is none of the strings `choices`: TypeError for a non-string."""
+    expected = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
+    if not isinstance(value, str):
+        return TypeError(f"argument {name}: expected {expected}, got {type(value).__name__}")
+    return ValueError(f"argument {name}: expected {expected}, got {_short(value)}")
+
+
+def shape_of(name, x):
+    """x's shape, after checking that x is a tensor or an array (TypeError naming it otherwise)."""
+    shape = getattr(x, "shape", None)
+    if shape is None or not hasattr(x, "__dlpack__"):
+        raise TypeError(f"argument {name}: expected a tensor or array implementing __dlpack__, got {type(x).__name__}")
+    return shape
+
+
+def last_dim(name, x, why):
+    """x's last dim; ValueError naming the argument for a 0-d x, which has none (`why` it is needed)."""
+    shape = shape_of(name, x)
+    if len(shape) == 0:
+        raise ValueError(f"argument {name}: expected a tensor with at least one dim ({why}), got a 0-d one")
+    return shape[-1]
+
+
+def dtype_name(x):
+    """x's dtype as both torch and NumPy would name it: float32, not torch.float32."""
+    return str(x.dtype).removeprefix("torch.")
+
+
+def is_float(x):
+    """Whether tensor or array x holds floating-point numbers (torch and NumPy spell it differently)."""
+    dtype = x.dtype
+    return bool(getattr(dtype, "is_floating_point", False) or getattr(dtype, "kind", "") == "f")
+
+
+def refuse_kinds(*named):
+    """Where the Python layer failed on a tensor with its framework's own error (PyTorch's
+    RuntimeError for a sparse tensor's strides or a nested tensor's shape), brrr._C's error for the
+    first of the (name, tensor) pairs it does not take, if any: one line that names the argument."""
+    from . import _C
+
+    for name, value in named:
+        if value is not None and hasattr(value, "__dlpack__"):
+            _C.check_tensor(value, name)
+
+
+def renamed(error, names):
+    """`error` with the argument names of brrr._C (names: its name -> the public function's) as the
+    public function spells them, and its type kept. brrr._C names the arguments of its own
+    signature (x, operands[0], logits); a public function may call the same one gate, up, input."""
+    pattern = re.compile(r"(?<![\w.\[\]])(" + "|".join(map(re.escape, names)) + r")(?![\w\[])")
+    try:
+        return type(error)(pattern.sub(lambda m: names[m.group(1)], str(error)))
+    except Exception:  # noqa: BLE001 - an exception type that takes no single message stays as it was
+        return error
+
+
+def named(names, fn, *args, **kwargs):
+    """fn(*args, **kwargs), its argument errors spelled with the public function's names (renamed)."""
+    try:
+        return fn(*args, **kwargs)
+    except ERRORS as error:
+        raise renamed(error, names) from None
