@@ -35,3 +35,35 @@ def empty_like(x):
     if namespace is None:
         return None
     return namespace().empty_like(x)
+
+
+def _is_numpy(x):
+    return type(x).__module__ == "numpy"
+
+
+def array_namespace(x, name="input"):
+    """The Array API namespace of a NumPy, CuPy, JAX (...) array x; TypeError naming the argument
+    for anything else."""
+    if _is_numpy(x):
+        import numpy
+
+        return numpy  # NumPy 1.x arrays have no __array_namespace__
+    namespace = getattr(x, "__array_namespace__", None)
+    if namespace is None:
+        raise TypeError(f"argument {name}: expected a PyTorch tensor or an array with __array_namespace__ (NumPy, "
+                        f"CuPy, JAX), got {type(x).__name__}")
+    return namespace()
+
+
+def empty(xp, shape, dtype, like):
+    """An uninitialised array from namespace xp on like's device."""
+    if _is_numpy(like):
+        return xp.empty(shape, dtype)
+    return xp.empty(shape, dtype=dtype, device=like.device)
+
+
+def astype(xp, x, dtype):
+    """x in dtype, x itself when it has that dtype already."""
+    if _is_numpy(x):
+        return x.astype(dtype, copy=False)
+    return xp.astype(x, dtype)

@@ -34,7 +34,12 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         from . import _torch_rotary
 
         return _torch_rotary.rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
-    import numpy as np
-
-    cos, sin = np.expand_dims(cos, unsqueeze_dim), np.expand_dims(sin, unsqueeze_dim)
+    cos, sin = _unsqueeze(cos, unsqueeze_dim), _unsqueeze(sin, unsqueeze_dim)
     return rotary(q, cos, sin), rotary(k, cos, sin)
+
+
+def _unsqueeze(a, dim):
+    """a with a new axis at dim, as torch.unsqueeze; by indexing, which NumPy, CuPy and JAX arrays
+    all take, so that each stays in its framework and on its device."""
+    dim = dim if dim >= 0 else dim + a.ndim + 1
+    return a[(slice(None),) * dim + (None,)]

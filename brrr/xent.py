@@ -26,7 +26,7 @@ are NaN.
 import numbers
 
 from . import _C
-from ._frameworks import torch_if_tensor
+from ._frameworks import array_namespace, astype, empty, torch_if_tensor
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -61,18 +61,14 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         from . import _torch_xent
 
         return _torch_xent.cross_entropy(input, target, int(ignore_index), reduction, float(label_smoothing), dtype)
-    import numpy as np
-
-    if not isinstance(input, np.ndarray):
-        raise TypeError(f"argument input: brrr.cross_entropy takes PyTorch tensors and NumPy arrays, got "
-                        f"{type(input).__name__} (brrr._C.cross_entropy_fwd takes any DLPack tensor)")
+    xp = array_namespace(input)
     check_rank(input.ndim)
-    logits = input if input.ndim <= 2 else np.moveaxis(input, 1, -1)
+    logits = input if input.ndim <= 2 else xp.moveaxis(input, 1, -1)
     shape = logits.shape[:-1]
-    acc = np.float64 if input.dtype == np.float64 else np.float32
-    lse, loss = np.empty(shape, acc), np.empty(shape, acc)
-    total = None if reduction == "none" else np.empty((), acc)
+    acc = xp.float64 if input.dtype == xp.float64 else xp.float32
+    lse, loss = empty(xp, shape, acc, input), empty(xp, shape, acc, input)
+    total = None if reduction == "none" else empty(xp, (), acc, input)
     _C.cross_entropy_fwd(logits, target, int(ignore_index), float(label_smoothing), reduction, lse, loss, total,
                          None, -1)
     result = loss if total is None else total
-    return result.astype(input.dtype if dtype is None else dtype, copy=False)
+    return astype(xp, result, input.dtype if dtype is None else dtype)
