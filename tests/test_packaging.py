@@ -255,7 +255,8 @@ def test_a_cpu_only_wheel_from_a_tree_built_with_cuda_is_cpu_only(tmp_path, fake
     """The stale build of the report: `BRRR_CPU_ONLY=1 pip wheel` over a tree whose build/ holds a
     CUDA build gave that CUDA build."""
     tree = copy_tree(tmp_path / "tree")
-    run([sys.executable, "setup.py", "build"], tree, {"CUDA_HOME": str(fake_cuda), "BRRR_CUDA_ARCHS": "90"})
+    run([sys.executable, "setup.py", "build"], tree, {"CUDA_HOME": str(fake_cuda), "BRRR_CPU_ONLY": "0",
+                                                      "BRRR_CUDA_ARCHS": "90"})
     run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w", "dist", "."], tree,
         {"BRRR_CPU_ONLY": "1"})
     (path,) = (tree / "dist").glob("brrr-*.whl")
@@ -269,7 +270,7 @@ def test_a_cpu_only_wheel_from_a_tree_built_with_cuda_is_cpu_only(tmp_path, fake
 def test_bad_cuda_archs_are_refused_by_name(tmp_path, fake_cuda, value):
     tree = copy_tree(tmp_path / "tree")
     result = run([sys.executable, "setup.py", "build_ext", "--inplace"], tree,
-                 {"CUDA_HOME": str(fake_cuda), "BRRR_CUDA_ARCHS": value}, check=False)
+                 {"CUDA_HOME": str(fake_cuda), "BRRR_CPU_ONLY": "0", "BRRR_CUDA_ARCHS": value}, check=False)
     assert result.returncode != 0 and "BRRR_CUDA_ARCHS: expected SM versions" in result.stderr
     assert "Traceback" not in result.stderr
 
