@@ -14,8 +14,9 @@ Environment:
 The configuration a build compiles in (CUDA or not, nvcc and its version, archs, compilers and
 flags) is written into brrr._C as a marker; a build whose configuration differs from the marker in
 the existing brrr._C rebuilds it, so a change of configuration never leaves a stale one behind.
-CUDA objects are kept per configuration and reused while they are newer than every file nvcc read
-for them (its dependency list); ccache or sccache, when on PATH, also caches them across trees.
+CUDA objects are kept per configuration in the tree's build/ folder (an editable install's
+temporary build folder included) and reused while they are newer than every file nvcc read for
+them (its dependency list); ccache or sccache, when on PATH, also caches them across trees.
 
 The kernel templates of cuda/<family>_kernels.cuh are instantiated once per dtype (DTYPES) by the
 header's own `#ifdef BRRR_INSTANTIATE` block: the build compiles each such header once per dtype,
@@ -204,25 +205,38 @@ class BuildExt(build_ext):
         ext.sources.append(os.path.relpath(marker_source, ROOT) if marker_source.startswith(ROOT) else marker_source)
 
         ext_path = self.get_ext_fullpath(ext.name)
+        recompile = self.force  # --force: every object; a changed configuration relinks, reusing what is current
         if os.path.exists(ext_path) and not self.force and not self.contains(ext_path, marker):
             print(f"brrr: rebuilding {os.path.basename(ext_path)}: it was built with another configuration")
             self.force = True
         if nvcc and (self.force or newer_group(ext.sources + ext.depends, ext_path)):
-            ext.extra_objects += self.compile_cuda(nvcc, cuda_config)
+            ext.extra_objects += self.compile_cuda(nvcc, cuda_config, recompile)
         super().build_extensions()
+
+    def cuda_objects_folder(self, name):
+        """build/<name> in the source tree, shared by every build of it: pip gives an editable
+        install a fresh temporary build folder, which would compile every kernel again after a
+        `pip install .`; build_temp where the tree is read-only."""
+        folder = os.path.join(ROOT, "build", name)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError:
+            folder = os.path.join(self.build_temp, name)
+            os.makedirs(folder, exist_ok=True)
+        return folder
 
     @staticmethod
     def contains(path, marker):
         with open(path, "rb") as f:
             return marker.encode() in f.read()
 
-    def compile_cuda(self, nvcc, cuda_config):
-        """Objects of every CUDA translation unit, compiled in parallel where they are out of date."""
+    def compile_cuda(self, nvcc, cuda_config, recompile):
+        """Objects of every CUDA translation unit, compiled in parallel where they are out of date
+        (all of them with recompile)."""
         archs = cuda_config["archs"]
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
         gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
-        folder = os.path.join(self.build_temp, f"cuda-{short_hash(cuda_config)}")
-        os.makedirs(folder, exist_ok=True)
+        folder = self.cuda_objects_folder(f"cuda-{short_hash(cuda_config)}")
         units = []  # (label, source, object); the costly instantiations first, for the parallel schedule
         for header in instantiated_headers():
             family = os.path.basename(header).removesuffix("_kernels.cuh").removesuffix(".cuh")
@@ -235,7 +249,7 @@ class BuildExt(build_ext):
         for source in files_in(CUDA, (".cu",)):
             name = os.path.basename(source)[:-3]
             units.append((name, source, os.path.join(folder, name + ".o")))
-        stale = [u for u in units if self.force or not is_up_to_date(u[2], u[2][:-2] + ".d")]
+        stale = [u for u in units if recompile or not is_up_to_date(u[2], u[2][:-2] + ".d")]
         if not stale:
             return [obj for _, _, obj in units]
 
@@ -245,7 +259,7 @@ class BuildExt(build_ext):
                  f"time: {about(CUDA_CPU_SECONDS_PER_ARCH * len(archs) * len(stale) / len(units) / jobs)} "
                  "(BRRR_CPU_ONLY=1 builds without CUDA in seconds; pip install -v shows each file)")
         launcher = compiler_cache()
-        include = [f"-I{CSRC}", f"-I{CUDA}", f"-I{self.build_temp}"]
+        include = [f"-I{CUDA}"]
         print(f"brrr: {' '.join(launcher + [nvcc] + cuda_config['flags'] + gencode)}", flush=True)
 
         def compile_one(unit):

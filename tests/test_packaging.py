@@ -240,6 +240,11 @@ def test_a_change_of_configuration_rebuilds_what_it_affects(tmp_path, fake_cuda)
     assert nvcc_calls(fake_cuda) == [] and "rebuilding" in result.stdout
     assert info_of(tree)["cuda_archs"] == "80"
 
+    # A fresh build folder, as pip gives an editable install: the kernels are not compiled again.
+    run(build + ["--build-temp", str(tmp_path / "fresh")], tree, dict(env, BRRR_CUDA_ARCHS="80;90"))
+    assert nvcc_calls(fake_cuda) == [] and info_of(tree)["cuda_archs"] == "80;90"
+    run(build, tree, env)
+
     # The CPU-only build folder is as its last build left it, older than the extension file:
     # only the configuration compiled into that file tells that it is not CPU-only.
     result = run(cpu_only, tree, dict(env, BRRR_CPU_ONLY="1"))
