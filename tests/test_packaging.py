@@ -291,11 +291,16 @@ def test_version():
     assert result.stdout.strip() == f"brrr {brrr.__version__} ({kernels})"
 
 
+# -S: no site-packages, so that an editable install of brrr (whose import hook would supply the
+# missing brrr._C from its own tree) stays out; the import fails at _C, before anything else.
+IMPORT_WITHOUT_SITE = [sys.executable, "-S", "-c", "import brrr"]
+
+
 def test_a_source_tree_without_the_extension_says_what_to_do(tmp_path):
     package = tmp_path / "brrr"
     shutil.copytree(os.path.dirname(brrr.__file__), package, ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
     (tmp_path / "setup.py").write_text("")
-    result = run([sys.executable, "-c", "import brrr"], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, check=False)
+    result = run(IMPORT_WITHOUT_SITE, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, check=False)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == ("ImportError: brrr's C extension is not built in this source "
                                                       "tree: pip install -e . or run from elsewhere")
@@ -305,5 +310,5 @@ def test_a_source_tree_without_the_extension_says_what_to_do(tmp_path):
 def test_an_installed_package_without_the_extension_keeps_pythons_error(tmp_path):
     """Outside a source tree the missing extension is a broken install, and Python's own error says so."""
     shutil.copytree(os.path.dirname(brrr.__file__), tmp_path / "brrr", ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
-    result = run([sys.executable, "-c", "import brrr"], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, check=False)
+    result = run(IMPORT_WITHOUT_SITE, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, check=False)
     assert result.returncode == 1 and "cannot import name '_C'" in result.stderr
