@@ -8,7 +8,20 @@ backward passes recompute cheap intermediates from the input instead of storing 
 
 import sys
 
-from . import _C
+try:
+    from . import _C
+except ImportError:
+    import importlib.machinery
+    import os
+
+    _here = os.path.dirname(os.path.abspath(__file__))
+    # A source tree (setup.py beside the package) without a _C built for this Python: say so,
+    # rather than Python's "partially initialized module (most likely due to a circular import)".
+    if os.path.exists(os.path.join(_here, os.pardir, "setup.py")) and not any(
+            os.path.exists(os.path.join(_here, "_C" + suffix)) for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+        raise ImportError("brrr's C extension is not built in this source tree: pip install -e . or run from "
+                          "elsewhere") from None
+    raise
 from .chain import (
     Chain,
     chain,
@@ -23,7 +36,6 @@ from .chain import (
 )
 from .glu import bias_gelu, bias_silu, geglu, swiglu
 from .dropout import bias_dropout_add
-from .diagnose import diagnose
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .rotary import apply_rotary_pos_emb, rotary
 from .softmax import log_softmax, softmax
@@ -44,15 +56,17 @@ def build_info() -> dict:
     return info
 
 
-# The PyTorch-only parts load on first use, so that `import brrr` never imports torch; where
-# torch is already imported, its integration loads now, so that torch.ops.brrr.* exist from here on.
-# The modules behind them have other names (_registry, _patch): importing a submodule binds its
-# name in this package, which would hide the registry object and the patch function.
+# The PyTorch-only parts and brrr.diagnose load on first use, so that `import brrr` never imports
+# torch; where torch is already imported, its integration loads now, so that torch.ops.brrr.* exist
+# from here on. The modules behind them have other names (_registry, _patch): importing a submodule
+# binds its name in this package, which would hide the registry object and the patch function.
+# brrr.diagnose is the exception: that module is itself callable as the function.
 _LAZY = {"registry": ("_registry", "registry"), "UnsupportedError": ("_registry", "UnsupportedError"),
          "nn": ("nn", None), "patch": ("_patch", "patch"), "unpatch": ("_patch", "unpatch"),
          "use_fused": ("_patch", "use_fused"), "causal_lm_loss": ("_patch", "causal_lm_loss"),
          "graphs": ("graphs", None), "capture_step": ("graphs", "capture_step"),
-         "remat": ("remat", None), "norm_linear": ("remat", "norm_linear"), "glu_linear": ("remat", "glu_linear")}
+         "remat": ("remat", None), "norm_linear": ("remat", "norm_linear"), "glu_linear": ("remat", "glu_linear"),
+         "diagnose": ("diagnose", None)}
 
 
 def __getattr__(name):

@@ -5,10 +5,14 @@
     python -m brrr diagnose compute              # a large matmul
     python -m brrr diagnose mypkg.bench:make     # your own: make() returns fn, (fn, args) or (fn, args, kwargs)
     python -m brrr ceilings --refresh            # measure this device's ceilings again
+    python -m brrr --version                     # the version, and whether CUDA kernels are compiled in
+
+A bad argument gets one line naming it (exit status 2), never a traceback.
 """
 
 import argparse
 import importlib
+import os
 import sys
 
 
@@ -36,10 +40,14 @@ def _overhead_example(device, size, dtype):
 
 
 def _memory_example(device, size, dtype):
-    """One large elementwise add: 3 bytes moved per 1/4 FLOP (fp32), far below any ridge point."""
+    """One large elementwise add: 3 bytes moved per 1/4 FLOP (fp32), far below any ridge point; by
+    default its arrays hold several times the last-level cache, so memory, not cache, serves them."""
+    from .diagnose import past_cache_elements
+
     torch = _torch()
-    elements = size or ((1 << 25) if device.startswith("cuda") else (1 << 22))
-    x = torch.randn(elements, device=device, dtype=dtype or torch.float32)
+    dtype = dtype or torch.float32
+    elements = size or past_cache_elements(device, arrays=3, itemsize=dtype.itemsize)
+    x = torch.randn(elements, device=device, dtype=dtype)
     y = torch.randn_like(x)
 
     def add(x, y):
@@ -96,9 +104,37 @@ def _load_target(target):
 def _dtype(name):
     torch = _torch()
     dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise argparse.ArgumentTypeError(f"not a torch dtype: {name!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise argparse.ArgumentTypeError(f"expected a floating-point torch dtype such as float32 or bfloat16, got {name!r}")
     return dtype
+
+
+def _device(text):
+    torch = _torch()
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return value
+
+
+def _json_destination(path):
+    folder = os.path.dirname(path) or "."
+    if path != "-" and not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"no such folder for the JSON file: {folder!r}")
+    return path
 
 
 def _positive_float(text):
@@ -114,9 +150,12 @@ def _positive_float(text):
 def _write_json(text, destination):
     if destination == "-":
         print(text)
-    else:
+        return
+    try:
         with open(destination, "w") as f:
             f.write(text + "\n")
+    except OSError as e:
+        raise SystemExit(f"brrr: cannot write the JSON report to {destination!r}: {e.strerror}") from None
 
 
 def _run_diagnose(options):
@@ -125,8 +164,10 @@ def _run_diagnose(options):
     torch = _torch()
     if options.target in EXAMPLES:
         device = options.device or _default_device(torch)
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise SystemExit("brrr diagnose: --device cuda asked for, but torch sees no CUDA GPU")
+        index = torch.device(device).index or 0
+        if device.startswith("cuda") and index >= torch.cuda.device_count():
+            raise SystemExit(f"brrr diagnose: --device {device} asked for, but torch sees "
+                             f"{torch.cuda.device_count()} CUDA GPU(s)")
         fn, args = EXAMPLES[options.target](device, options.size, options.dtype)
         kwargs = {}
     else:
@@ -149,7 +190,10 @@ def _run_ceilings(options):
 
     from .diagnose import device_ceilings
 
-    ceilings = device_ceilings(options.device, refresh=options.refresh)
+    try:
+        ceilings = device_ceilings(options.device, refresh=options.refresh)
+    except ValueError as e:  # a device this machine does not have
+        raise SystemExit(f"brrr ceilings: {e}") from None
     if options.json:
         _write_json(json.dumps(ceilings.to_dict(), indent=2), options.json)
         if options.json == "-":
@@ -165,8 +209,18 @@ def _run_ceilings(options):
     return 0
 
 
+def _version():
+    from . import __version__, build_info
+
+    info = build_info()
+    archs = ", ".join(f"sm_{arch}" for arch in info["cuda_archs"].split(";"))
+    kernels = f"CUDA kernels for {archs}" if info["cuda_compiled"] else "CPU only: built without CUDA"
+    return f"brrr {__version__} ({kernels})"
+
+
 def _parser():
     parser = argparse.ArgumentParser(prog="brrr", description="brrr: fused GPU operators, and which regime your code is in.")
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     diagnose = commands.add_parser(
@@ -176,20 +230,20 @@ def _parser():
     diagnose.add_argument("target", metavar="TARGET",
                           help=f"a built-in example ({', '.join(EXAMPLES)}) or MODULE:FACTORY, where FACTORY() "
                                "returns fn, (fn, args) or (fn, args, kwargs)")
-    diagnose.add_argument("--device", help="examples only: cpu or cuda[:N] (default: the GPU if there is one)")
-    diagnose.add_argument("--size", type=int, help="examples only: elements (overhead, memory) or matrix side (compute)")
+    diagnose.add_argument("--device", type=_device, help="examples only: cpu or cuda[:N] (default: the GPU if there is one)")
+    diagnose.add_argument("--size", type=_positive_int, help="examples only: elements (overhead, memory) or matrix side (compute)")
     diagnose.add_argument("--dtype", type=_dtype, help="examples only: a torch dtype name such as bfloat16")
     diagnose.add_argument("--flops", type=_positive_float, help="FLOPs one call does (default: the profiler's count)")
     diagnose.add_argument("--bytes", type=_positive_float, help="bytes one call moves (default: arguments read + outputs written)")
     diagnose.add_argument("--no-scale", action="store_true", help="skip the input-scaling (overhead) test")
-    diagnose.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH ('-': JSON alone on stdout)")
+    diagnose.add_argument("--json", metavar="PATH", type=_json_destination, help="also write the report as JSON to PATH ('-': JSON alone on stdout)")
     diagnose.add_argument("--refresh-ceilings", action="store_true", help="measure the device's ceilings again first")
     diagnose.set_defaults(run=_run_diagnose)
 
     ceilings = commands.add_parser("ceilings", help="show (measuring once, then cached) this device's ceilings")
-    ceilings.add_argument("--device", help="cpu or cuda[:N] (default: the GPU if there is one)")
+    ceilings.add_argument("--device", type=_device, help="cpu or cuda[:N] (default: the GPU if there is one)")
     ceilings.add_argument("--refresh", action="store_true", help="measure again and overwrite the cache")
-    ceilings.add_argument("--json", metavar="PATH", help="also write them as JSON to PATH ('-': JSON alone on stdout)")
+    ceilings.add_argument("--json", metavar="PATH", type=_json_destination, help="also write them as JSON to PATH ('-': JSON alone on stdout)")
     ceilings.set_defaults(run=_run_ceilings)
     return parser
 

@@ -37,11 +37,63 @@ def torch_if_tensor(x):
 
 
 def empty_like(x):
-    """A new uninitialised array like x from x's own framework (Array API), or None."""
+    """A new uninitialised array like x, from x's own framework and on x's device, or None when x
+    has no Array API namespace."""
+    cupy = _cupy_for(x)
+    if cupy is not None:
+        with x.device:
+            return cupy.empty_like(x)
     namespace = getattr(x, "__array_namespace__", None)
     if namespace is None:
         return None
-    return namespace().empty_like(x)
+    return namespace().empty_like(x, device=x.device)
+
+
+def _is_numpy(x):
+    return type(x).__module__ == "numpy"
+
+
+def _cupy_for(x):
+    """The cupy module for a CuPy array (before CuPy 14 they have no __array_namespace__), else None."""
+    if type(x).__module__.partition(".")[0] != "cupy":
+        return None
+    import cupy
+
+    return cupy
+
+
+def array_namespace(x, name="input"):
+    """The Array API namespace of a NumPy, CuPy, JAX (...) array x; TypeError naming the argument
+    for anything else."""
+    if _is_numpy(x):
+        import numpy
+
+        return numpy  # NumPy 1.x arrays have no __array_namespace__
+    namespace = getattr(x, "__array_namespace__", None)
+    if namespace is None:
+        cupy = _cupy_for(x)
+        if cupy is not None:
+            return cupy
+        raise TypeError(f"argument {name}: expected a PyTorch tensor or an array with __array_namespace__ (NumPy, "
+                        f"CuPy, JAX), got {type(x).__name__}")
+    return namespace()
+
+
+def empty(xp, shape, dtype, like):
+    """An uninitialised array from namespace xp on like's device."""
+    if _is_numpy(like):
+        return xp.empty(shape, dtype)
+    if _cupy_for(like) is not None:
+        with like.device:
+            return xp.empty(shape, dtype)
+    return xp.empty(shape, dtype=dtype, device=like.device)
+
+
+def astype(xp, x, dtype):
+    """x in dtype (x itself for NumPy and CuPy arrays that have it already)."""
+    if _is_numpy(x) or _cupy_for(x) is not None:
+        return x.astype(dtype, copy=False)
+    return xp.astype(x, dtype)
 
 
 def torch_integration(build):

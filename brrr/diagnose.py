@@ -19,7 +19,11 @@ compute    Achieved FLOP/s near the peak matrix throughput (>= 80% counts), or i
 The ceilings (copy bandwidth counting bytes read and written, matrix throughput per dtype, host
 time per launch of a trivial op) are measured once per device and torch version, and cached in
 memory and under $BRRR_CACHE_DIR (default ~/.cache/brrr). On a machine without a GPU everything
-runs on the CPU against the CPU's own ceilings.
+runs on the CPU against the CPU's own ceilings. A ceiling is the best the device does: the copy
+runs on buffers past the caches, each rate is its fastest call's, and on the CPU the better of
+the threaded and the one-thread run (`python -m brrr ceilings` shows them; --refresh measures
+again). Arrays that fit in the last-level cache can move faster than the copy bandwidth; the
+report says when they do.
 
 Work per call: `flops=` and `bytes=` when given. Otherwise FLOPs come from the PyTorch profiler
 (`with_flops`, which counts matmuls, convolutions and elementwise add/mul), and bytes are the
@@ -46,6 +50,7 @@ import re
 import statistics
 import sys
 import time
+import types
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -66,22 +71,33 @@ COMPUTE_BOUND_FRACTION = 0.8
 LOW_CEILING_FRACTION = 0.3
 
 # Timing: warm up for at least this long (first calls compile, allocate, tune), then time enough
-# calls to fill the target, within bounds; medians throughout.
+# calls to fill the target, within bounds. A function's time is the median of its calls; a
+# ceiling's is the best call, since load from elsewhere on the machine only ever slows a call.
 WARMUP_S = 0.05
 WARMUP_MAX_CALLS = 50
 TIMING_TARGET_S = 0.25
 MIN_REPS, MAX_REPS = 3, 1000
+# x1 and the largest input are timed again in alternating rounds, so that load which comes and
+# goes during the timing slows both alike instead of reading as time that does not grow.
+INTERLEAVED_ROUNDS = 5
 PROFILED_CALLS = 3
 TOP_KERNELS = 8
 
 # Ceilings: sizes big enough to leave the caches and fill the machine, small enough to stay fast.
-CPU_COPY_ELEMENTS = 1 << 24            # 64 MiB per fp32 buffer, past any L3
+# The copy bandwidth is the bandwidth of memory: each buffer is past the caches, for on data that
+# fits in a cache a copy runs faster than memory allows. Past the caches is at least 4x the
+# last-level cache the system reports, and at least 256 MiB: the CPUs of a VM can sit on more
+# cache than it reports (a 2-vCPU VM reporting 32 MiB copied 64 MiB buffers 2x faster than
+# 256 MiB ones, 2026-12-02).
+PAST_CACHE_FACTOR = 4
+PAST_CACHE_MIN_BYTES = 256 << 20
 GPU_COPY_ELEMENTS = 1 << 28            # 1 GiB per fp32 buffer, as in benchmarks/harness.py
+COPY_CALLS = 10                        # at least: the best of more calls is the steadier on a busy machine
 MATMUL_SIDES = {"cpu": (256, 512, 1024, 2048), "cuda": (2048, 4096, 8192)}
 MATMUL_ENOUGH_MS = {"cpu": 10.0, "cuda": 1.0}   # stop growing the matrix once a call takes this long
 LAUNCH_BURST = 200
 LAUNCH_ROUNDS = 5
-CEILINGS_FORMAT = 1
+CEILINGS_FORMAT = 2                     # 2: best-of timings, copy buffers sized past the cache
 
 _REMEDIES = {
     OVERHEAD_BOUND: (
@@ -106,6 +122,14 @@ _REMEDIES = {
         "pass flops= and/or bytes= (the work of one call) so the rates can be compared with the ceilings",
     ),
 }
+_BRRR_ALREADY = {
+    _REMEDIES[OVERHEAD_BOUND][1]: "less Python per call: fewer, larger ops (more of the work in each brrr op)",
+    _REMEDIES[MEMORY_BOUND][0]: ("fuse further: this runs brrr's fused kernels already; fold the ops around them in "
+                                 "(a longer brrr.chain, a norm fused with its residual add), or compile the whole "
+                                 "step with torch.compile"),
+}
+_BRRR_ON_CPU = ("on the CPU, brrr's kernels are the reference twins of its CUDA kernels, slower than PyTorch's and "
+                "NumPy's own: for speed there, use PyTorch's ops (brrr.registry's default for CPU tensors)")
 
 
 @dataclass
@@ -289,6 +313,12 @@ def diagnose(fn, *args, flops=None, bytes=None, scale=None, step=False, **kwargs
         intensity=work_flops / work_bytes if work_flops and work_bytes else None,
         ridge=peak_flops / copy_bps, compute_dtype=compute_dtype, bytes_is_floor=bytes_source != "user")
     verdict, reasons = _judge(evidence)
+    kernels = profile.kernels if profile else []
+    cache = last_level_cache_bytes(device)
+    if cache and floor_bytes and floor_bytes <= 2 * cache:
+        notes.append(f"the arrays ({_si(floor_bytes, 'B')}) fit within twice the last-level cache "
+                     f"({_si(cache, 'B')}): part of their traffic may stay in the cache, faster than the copy "
+                     "bandwidth, which is measured past it")
     return Diagnosis(
         name=_name_of(fn), device=str(device), device_name=ceilings.device_name,
         timer="CUDA events" if device.type == "cuda" else "perf_counter", ms=ms, reps=reps,
@@ -298,8 +328,8 @@ def diagnose(fn, *args, flops=None, bytes=None, scale=None, step=False, **kwargs
         bandwidth_fraction=evidence.bandwidth_fraction, compute_fraction=evidence.compute_fraction,
         intensity=evidence.intensity, ridge=evidence.ridge, scaling=scaling, scaling_method=scaling_method,
         fixed_share=fixed_share, gpu_busy_fraction=gpu_busy, ops_per_call=ops_per_call,
-        dispatch_share=dispatch_share, kernels=profile.kernels if profile else [], verdict=verdict,
-        reasons=reasons, remedies=_remedies(verdict, device), notes=notes, ceilings=ceilings)
+        dispatch_share=dispatch_share, kernels=kernels, verdict=verdict, reasons=reasons,
+        remedies=_remedies(verdict, device, _uses_brrr(fn, kernels)), notes=notes, ceilings=ceilings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,16 +485,40 @@ def _call_ms(call, device):
     return (time.perf_counter() - t0) * 1e3
 
 
-def _median_ms(call, device, target_s=TIMING_TARGET_S):
-    """(median ms per call, calls timed) after a warm-up of at least two calls."""
+def _warm_up(call, device):
+    """Call until warm (at least two calls); the last call's ms."""
     warm_start, warm_calls = time.perf_counter(), 0
     while True:
         last_ms = _call_ms(call, device)
         warm_calls += 1
         if warm_calls >= 2 and (time.perf_counter() - warm_start >= WARMUP_S or warm_calls >= WARMUP_MAX_CALLS):
-            break
-    reps = min(MAX_REPS, max(MIN_REPS, math.ceil(target_s * 1e3 / max(last_ms, 1e-3))))
+            return last_ms
+
+
+def _reps(call_ms, target_s, at_least=MIN_REPS):
+    return min(MAX_REPS, max(at_least, math.ceil(target_s * 1e3 / max(call_ms, 1e-3))))
+
+
+def _median_ms(call, device, target_s=TIMING_TARGET_S):
+    """(median ms per call, calls timed)."""
+    reps = _reps(_warm_up(call, device), target_s)
     return statistics.median(_call_ms(call, device) for _ in range(reps)), reps
+
+
+def _best_ms(call, device, target_s, at_least=MIN_REPS):
+    """The fastest call's ms: what the device can do when nothing else gets in the way."""
+    reps = _reps(_warm_up(call, device), target_s, at_least)
+    return min(_call_ms(call, device) for _ in range(reps))
+
+
+def _interleaved_median_ms(calls, device, target_s=TIMING_TARGET_S):
+    """Median ms per call of each of `calls`, timed in alternating rounds (INTERLEAVED_ROUNDS)."""
+    reps = [_reps(_warm_up(call, device), target_s / INTERLEAVED_ROUNDS, at_least=1) for call in calls]
+    times = [[] for _ in calls]
+    for _ in range(INTERLEAVED_ROUNDS):
+        for call, n, samples in zip(calls, reps, times):
+            samples.extend(_call_ms(call, device) for _ in range(n))
+    return [statistics.median(samples) for samples in times]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,6 +606,9 @@ def _write_cached_ceilings(path, ceilings):
 def _measure_ceilings(torch, device):
     started = time.perf_counter()
     matmul, notes = _measure_matmul_GFLOPs(torch, device)
+    busy = _busy_note()
+    if device.type == "cpu" and busy:
+        notes.append(busy)
     copy_GBps = _measure_copy_GBps(torch, device)
     launch_us = _measure_launch_us(torch, device)
     return Ceilings(device_name=_device_name(torch, device), torch_version=torch.__version__, copy_GBps=copy_GBps,
@@ -560,16 +617,78 @@ def _measure_ceilings(torch, device):
                     measure_s=time.perf_counter() - started, notes=notes)
 
 
+def _busy_note():
+    """A note when other work kept the CPUs busy (load average above their count), else None."""
+    try:
+        load, cpus = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    if load <= cpus:
+        return None
+    return (f"measured while the machine was busy (load average {load:.1f} on {cpus} CPUs): the ceilings may be "
+            "low; `python -m brrr ceilings --refresh` measures them again")
+
+
+def last_level_cache_bytes(device):
+    """Size of the device's last-level cache (the GPU's L2, the CPU's largest), or None if unknown."""
+    torch = _import_torch()
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size or None
+    sizes = []
+    folder = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in (name for name in os.listdir(folder) if name.startswith("index")):
+            with open(os.path.join(folder, index, "size")) as f:
+                text = f.read().strip()
+            multiplier = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * multiplier)
+    except (OSError, ValueError):
+        return None
+    return max(sizes, default=None)
+
+
+def past_cache_bytes(device):
+    """Bytes of data that the device's caches cannot hold (see PAST_CACHE_MIN_BYTES)."""
+    return max(PAST_CACHE_MIN_BYTES, PAST_CACHE_FACTOR * (last_level_cache_bytes(device) or 0))
+
+
+def past_cache_elements(device, arrays, itemsize):
+    """The smallest power of two n such that `arrays` arrays of n elements of `itemsize` bytes
+    together are past the device's caches: sized for memory bandwidth, not cache bandwidth."""
+    return 1 << math.ceil(math.log2(past_cache_bytes(device) / (arrays * itemsize)))
+
+
 def _measure_copy_GBps(torch, device):
+    """Bytes read + written per second by the best copy of buffers past the caches; on the CPU,
+    the better of the threaded copy and a one-thread copy (see _on_one_thread)."""
     if device.type == "cuda":
         free_bytes, _ = torch.cuda.mem_get_info(device)
         elements = min(GPU_COPY_ELEMENTS, free_bytes // 16)   # two fp32 buffers in at most half the free memory
     else:
-        elements = CPU_COPY_ELEMENTS
+        elements = past_cache_bytes(device) // 4
     src = torch.full((elements,), 1.0, device=device)
     dst = torch.empty_like(src)
-    ms, _ = _median_ms(lambda: dst.copy_(src), device, target_s=0.1)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+    def rate():
+        ms = _best_ms(lambda: dst.copy_(src), device, target_s=0.2, at_least=COPY_CALLS)
+        return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+    if device.type == "cuda":
+        return rate()
+    return max(rate(), _on_one_thread(torch, rate))
+
+
+def _on_one_thread(torch, measure):
+    """measure() with PyTorch's CPU ops on one thread. On a machine busy with other work, a
+    threaded op waits for its slowest thread at every step (OpenMP spins there), so the best of
+    its calls can come out 10-100x below what the CPU does; one thread is not held up so."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _matmul_dtypes(torch, device):
@@ -606,16 +725,24 @@ def _measure_matmul_GFLOPs(torch, device):
 
 def _best_matmul_GFLOPs(torch, device, dtype):
     """Best rate over growing square matmuls; growth stops once a call is long enough to fill the
-    machine (slow dtypes, such as fp16 on many CPUs, stop early and stay cheap to measure)."""
-    best = 0.0
-    for side in MATMUL_SIDES[device.type]:
-        a = torch.randn(side, side, device=device).to(dtype)
-        b = torch.randn(side, side, device=device).to(dtype)
-        ms, _ = _median_ms(lambda: a @ b, device, target_s=0.05)
-        best = max(best, 2 * side ** 3 / (ms * 1e-3) / 1e9)
-        if ms >= MATMUL_ENOUGH_MS[device.type]:
-            break
-    return best
+    machine (slow dtypes, such as fp16 on many CPUs, stop early and stay cheap to measure). On the
+    CPU, the better of the threaded rate and the one-thread rate times the threads (see
+    _on_one_thread): a matmul's work divides evenly between the cores."""
+
+    def rate():
+        best = 0.0
+        for side in MATMUL_SIDES[device.type]:
+            a = torch.randn(side, side, device=device).to(dtype)
+            b = torch.randn(side, side, device=device).to(dtype)
+            ms = _best_ms(lambda: a @ b, device, target_s=0.05)
+            best = max(best, 2 * side ** 3 / (ms * 1e-3) / 1e9)
+            if ms >= MATMUL_ENOUGH_MS[device.type]:
+                break
+        return best
+
+    if device.type == "cuda":
+        return rate()
+    return max(rate(), torch.get_num_threads() * _on_one_thread(torch, rate))
 
 
 def _measure_launch_us(torch, device):
@@ -751,8 +878,8 @@ def _scaled_args(scale, args, factor):
 def _scaling_sweep(fn, args, kwargs, device, scale, base_ms, notes):
     """[ScalePoint] for x1 and each factor that ran, and how the input was scaled (None if not).
 
-    x1 is timed again after the sweep and the lower median kept: a burst of load from elsewhere
-    on the machine while x1 was timed would otherwise read as time that does not grow."""
+    x1 and the largest factor, whose ratio gives the fixed share, are timed again in alternating
+    rounds after the sweep (INTERLEAVED_ROUNDS)."""
     points = [ScalePoint(factor=1, ms=base_ms)]
     if scale is False:
         notes.append("overhead test skipped (scale=False)")
@@ -763,19 +890,23 @@ def _scaling_sweep(fn, args, kwargs, device, scale, base_ms, notes):
         method, scaler = _pick_default_scaler(fn, args, kwargs, notes)
         if scaler is None:
             return points, None
+    largest = None  # the inputs of the largest factor timed
     for factor in SCALE_FACTORS:
+        largest = None  # dropped before the next, bigger, ones are made
         try:
             scaled = scaler(args, factor)
             ms, _ = _median_ms(lambda: fn(*scaled, **kwargs), device)
         except _out_of_memory_errors() as e:
+            scaled = None
             notes.append(f"overhead test stopped before x{factor}: out of memory ({type(e).__name__})")
             break
-        finally:
-            scaled = None  # drop the big inputs before the next, bigger, ones
         points.append(ScalePoint(factor=factor, ms=ms))
-    if len(points) > 1:
-        again, _ = _median_ms(lambda: fn(*args, **kwargs), device)
-        points[0] = ScalePoint(factor=1, ms=min(base_ms, again))
+        largest, scaled = scaled, None
+    if largest is not None:
+        x1_ms, largest_ms = _interleaved_median_ms([lambda: fn(*args, **kwargs), lambda: fn(*largest, **kwargs)],
+                                                   device)
+        points[0], points[-1] = ScalePoint(1, x1_ms), ScalePoint(points[-1].factor, largest_ms)
+        largest = None
     if device.type == "cuda":
         import torch
 
@@ -893,11 +1024,26 @@ def _judge(ev):
     return verdict, reasons
 
 
-def _remedies(verdict, device):
+def _remedies(verdict, device, uses_brrr):
+    """The verdict's remedies; for code that runs brrr's kernels already, the ones that would
+    recommend them become what is left to do."""
     remedies = list(_REMEDIES[verdict])
     if verdict == OVERHEAD_BOUND and device.type != "cuda":
         remedies[0] = "trace the Python away: torch.compile (CUDA graphs help on the GPU)"
+    if uses_brrr:
+        remedies = [_BRRR_ALREADY.get(remedy, remedy) for remedy in remedies]
+        if device.type == "cpu":
+            remedies.insert(0, _BRRR_ON_CPU)
     return remedies
+
+
+def _uses_brrr(fn, kernels):
+    """Whether fn is one of brrr's functions (brrr.chain(...), brrr.layer_norm, ...), or the
+    profiler saw brrr's kernels or custom ops run. A brrr.nn module is not counted by its name:
+    brrr.registry picks what runs in it (PyTorch's function, by default, on the CPU)."""
+    fn = getattr(fn, "func", fn)  # functools.partial
+    owner = getattr(fn, "__module__", None) or type(fn).__module__
+    return (owner.partition(".")[0] == "brrr" and owner != "brrr.nn") or any("brrr" in k.name for k in kernels)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -975,3 +1121,15 @@ def _format_report(d):
         for i, item in enumerate(items):
             lines.append(line(key if i == 0 else "", f"- {item}"))
     return "\n".join(lines)
+
+
+class _CallableModule(types.ModuleType):
+    """brrr.diagnose is this module, loaded on first use (`import brrr` does not import it), and
+    the function at once: brrr.diagnose(fn, x) calls diagnose(fn, x), whichever of
+    `brrr.diagnose(...)` and `from brrr.diagnose import ...` comes first."""
+
+    def __call__(self, fn, *args, **kwargs):
+        return diagnose(fn, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -63,12 +63,17 @@ def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim):
                              f"{len(angle.shape)} dims")
     if torch is not None:
         return _torch().rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
-    import numpy as np
-
     # by each angle's own framework: a torch tensor's values are not always its memory (is_neg)
-    cos, sin = (a.unsqueeze(unsqueeze_dim) if torch_if_tensor(a) is not None else np.expand_dims(a, unsqueeze_dim)
+    cos, sin = (a.unsqueeze(unsqueeze_dim) if torch_if_tensor(a) is not None else _unsqueeze(a, unsqueeze_dim)
                 for a in (cos, sin))
     return named(Q_NAMES, _rotary_dlpack, q, cos, sin), named(K_NAMES, _rotary_dlpack, k, cos, sin)
+
+
+def _unsqueeze(a, dim):
+    """a with a new axis at dim, as torch.unsqueeze; by indexing, which NumPy, CuPy and JAX arrays
+    all take, so that each stays in its framework and on its device."""
+    dim = dim if dim >= 0 else dim + a.ndim + 1
+    return a[(slice(None),) * dim + (None,)]
 
 
 Q_NAMES, K_NAMES = {"x": "q"}, {"x": "k"}  # rotary's x, as apply_rotary_pos_emb calls it

@@ -32,7 +32,7 @@ import numbers
 
 from . import _C
 from ._args import as_float, as_int, bad_choice, named, refuse_kinds
-from ._frameworks import torch_if_tensor
+from ._frameworks import array_namespace, astype, empty, torch_if_tensor
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -87,18 +87,17 @@ def _cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtyp
         except RuntimeError:
             refuse_kinds(("input", input), ("target", target))
             raise
-    import numpy as np
-
-    if not isinstance(input, np.ndarray):
-        raise TypeError(f"argument input: brrr.cross_entropy takes PyTorch tensors and NumPy arrays, got "
-                        f"{type(input).__name__} (brrr._C.cross_entropy_fwd takes any DLPack tensor)")
+    xp = array_namespace(input)
     check_rank(input.ndim)
-    logits = input if input.ndim <= 2 else np.moveaxis(input, 1, -1)
-    _, loss, total, _ = _C.cross_entropy_fwd(logits, target, total=reduction != "none" or None,
-                                             ignore_index=ignore_index, label_smoothing=label_smoothing,
-                                             softcap=softcap, z_loss=z_loss, reduction=reduction)
+    logits = input if input.ndim <= 2 else xp.moveaxis(input, 1, -1)
+    shape = logits.shape[:-1]
+    acc = xp.float64 if input.dtype == xp.float64 else xp.float32
+    lse, loss = empty(xp, shape, acc, input), empty(xp, shape, acc, input)
+    total = None if reduction == "none" else empty(xp, (), acc, input)
+    _C.cross_entropy_fwd(logits, target, lse, loss, total, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                         softcap=softcap, z_loss=z_loss, reduction=reduction)
     result = loss if total is None else total
-    return result.astype(input.dtype if dtype is None else dtype, copy=False)
+    return astype(xp, result, input.dtype if dtype is None else dtype)
 
 
 # Bytes of logits linear_cross_entropy holds at once by default: one chunk of rows.

@@ -759,8 +759,7 @@ static void launch_bwd(const brrr_chain_launch &L, int device, cudaStream_t stre
     }
 }
 
-// Defined here, instantiated once per dtype and direction by chain_{fwd,bwd}_<dtype>.cu so
-// that nvcc compiles them in parallel.
+// Defined here, instantiated once per dtype by the BRRR_INSTANTIATE block at the end.
 template <typename T>
 void chain_fwd_typed(const brrr_chain_launch &L, int device, cudaStream_t stream) {
     const int nops = L.program.n_operands;
@@ -778,3 +777,10 @@ void chain_bwd_typed(const brrr_chain_launch &L, int device, cudaStream_t stream
 }
 
 }  // namespace brrr
+
+// setup.py compiles this header once per dtype, naming it BRRR_INSTANTIATE, each in a translation
+// unit of its own so that the dtypes compile in parallel.
+#ifdef BRRR_INSTANTIATE
+template void brrr::chain_fwd_typed<BRRR_INSTANTIATE>(const brrr_chain_launch &, int, cudaStream_t);
+template void brrr::chain_bwd_typed<BRRR_INSTANTIATE>(const brrr_chain_launch &, int, cudaStream_t);
+#endif

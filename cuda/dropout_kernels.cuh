@@ -251,7 +251,7 @@ static cudaError_t launch_rows(const brrr_dropout_launch &L, cudaStream_t stream
     return cudaGetLastError();
 }
 
-// Defined here, instantiated once per dtype by dropout_<dtype>.cu.
+// Defined here, instantiated once per dtype by the BRRR_INSTANTIATE block at the end.
 template <typename T>
 cudaError_t dropout_typed(const brrr_dropout_launch &L, int device, cudaStream_t stream) {
     constexpr int E = chunk<T>();
@@ -279,3 +279,9 @@ cudaError_t dropout_typed(const brrr_dropout_launch &L, int device, cudaStream_t
 
 }  // namespace dropout
 }  // namespace brrr
+
+// setup.py compiles this header once per dtype, naming it BRRR_INSTANTIATE, each in a translation
+// unit of its own so that the dtypes compile in parallel.
+#ifdef BRRR_INSTANTIATE
+template cudaError_t brrr::dropout::dropout_typed<BRRR_INSTANTIATE>(const brrr_dropout_launch &, int, cudaStream_t);
+#endif

@@ -953,3 +953,10 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
 
 }  // namespace norm
 }  // namespace brrr
+
+// setup.py compiles this header once per dtype, naming it BRRR_INSTANTIATE, each in a translation
+// unit of its own so that the dtypes compile in parallel.
+#ifdef BRRR_INSTANTIATE
+template cudaError_t brrr::norm::norm_fwd_typed<BRRR_INSTANTIATE>(const brrr_norm_launch &, int, cudaStream_t);
+template cudaError_t brrr::norm::norm_bwd_typed<BRRR_INSTANTIATE>(const brrr_norm_launch &, int, cudaStream_t);
+#endif

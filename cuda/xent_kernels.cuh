@@ -432,7 +432,7 @@ template <typename T, int RT> struct Backward {
     }
 };
 
-// Defined here, instantiated once per dtype by xent_<dtype>.cu.
+// Defined here, instantiated once per dtype by the BRRR_INSTANTIATE block at the end.
 template <typename T>
 cudaError_t xent_fwd_typed(const brrr_xent_launch &L, cudaStream_t stream) {
     const cudaError_t err = launch_rows<T, Forward>(L, stream);
@@ -448,3 +448,10 @@ cudaError_t xent_bwd_typed(const brrr_xent_launch &L, cudaStream_t stream) {
 
 }  // namespace xent
 }  // namespace brrr
+
+// setup.py compiles this header once per dtype, naming it BRRR_INSTANTIATE, each in a translation
+// unit of its own so that the dtypes compile in parallel.
+#ifdef BRRR_INSTANTIATE
+template cudaError_t brrr::xent::xent_fwd_typed<BRRR_INSTANTIATE>(const brrr_xent_launch &, cudaStream_t);
+template cudaError_t brrr::xent::xent_bwd_typed<BRRR_INSTANTIATE>(const brrr_xent_launch &, cudaStream_t);
+#endif

@@ -10,13 +10,25 @@ import brrr  # after torch: torch.ops.brrr.* exist from here on, whichever test 
 HAVE_CUDA = torch is not None and brrr.cuda_available() and torch.cuda.is_available()
 
 
+NO_CUDA = "needs a CUDA GPU and a CUDA build of brrr"
+
+
 def pytest_collection_modifyitems(config, items):
     if HAVE_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of brrr")
+    skip = pytest.mark.skip(reason=NO_CUDA)
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Why most tests skip here, in one line (-rs gives a line per test function)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    cuda = sum(NO_CUDA in str(report.longrepr) for report in skipped)
+    if cuda:
+        terminalreporter.write_line(f"{cuda} of the {len(skipped)} skipped tests are CUDA tests: {NO_CUDA} "
+                                    "(on a GPU machine: python -m pytest tests -m cuda)")
 
 
 @pytest.fixture(autouse=True)

@@ -1,3 +1,0 @@
-#include "chain_kernels.cuh"
-
-template void brrr::chain_bwd_typed<__nv_bfloat16>(const brrr_chain_launch &, int, cudaStream_t);

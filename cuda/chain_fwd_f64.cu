@@ -1,3 +1,0 @@
-#include "chain_kernels.cuh"
-
-template void brrr::chain_fwd_typed<double>(const brrr_chain_launch &, int, cudaStream_t);

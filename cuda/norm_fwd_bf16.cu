@@ -1,3 +1,0 @@
-#include "norm_kernels.cuh"
-
-template cudaError_t brrr::norm::norm_fwd_typed<__nv_bfloat16>(const brrr_norm_launch &, int, cudaStream_t);

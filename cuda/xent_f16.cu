@@ -1,4 +1,0 @@
-#include "xent_kernels.cuh"
-
-template cudaError_t brrr::xent::xent_fwd_typed<__half>(const brrr_xent_launch &, cudaStream_t);
-template cudaError_t brrr::xent::xent_bwd_typed<__half>(const brrr_xent_launch &, cudaStream_t);
