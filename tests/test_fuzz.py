@@ -53,9 +53,10 @@ class Raising:
         raise RuntimeError("descriptor failed")
 
 
-TABLES = {  # what __dlpack_c_exchange_api__ holds; every one but "absent" must be ignored
-    "absent": None, "int": 1234, "huge int": 2**80, "str": "x", "None": None, "float": 0.5, "object": object(),
-    "raising": Raising(), "wrong capsule": "wrong capsule", "version 2": "version 2", "incomplete": "incomplete",
+TABLES = {  # what __dlpack_c_exchange_api__ holds (made when drawn): brrr must ignore every one
+    "int": lambda: 1234, "huge int": lambda: 2**80, "str": lambda: "x", "None": lambda: None, "float": lambda: 0.5,
+    "object": object, "raising": Raising, "wrong capsule": lambda: ExchangeTable(name=b"not_a_tensor"),
+    "version 2": lambda: ExchangeTable(major=2), "incomplete": lambda: ExchangeTable(complete=False),
 }
 DEVICES = {  # what __dlpack_device__ returns (a callable: raises)
     "right": (1, 0), "lying cuda": (2, 0), "lying id": (2, 3), "list": [1, 0], "str": "cpu", "short": (1,),
@@ -120,17 +121,13 @@ class Forged:
 
 
 def forged(table, array, device, export, fields):
+    """A Forged instance of a new type, whose __dlpack_c_exchange_api__ is TABLES[table] (none
+    for "absent")."""
     attrs = {}
     if table != "absent":
-        value = TABLES[table]
-        if table == "wrong capsule":
-            value = ExchangeTable(name=b"not_a_tensor")
-        elif table == "version 2":
-            value = ExchangeTable(major=2)
-        elif table == "incomplete":
-            value = ExchangeTable(complete=False)
+        value = TABLES[table]()
         attrs["__dlpack_c_exchange_api__"] = value.capsule if isinstance(value, ExchangeTable) else value
-        attrs["_table"] = value  # the table outlives its capsule's use
+        attrs["_table"] = value  # a forged table outlives its capsule's use
     return type("Forged", (Forged,), attrs)(array, device, export, fields)
 
 
@@ -140,7 +137,7 @@ def sane(fields):
 
 
 COS = brrr.chain("cos").program
-ENTRY_POINTS = {  # entry point -> (call(x, out, forged position's value), positions)
+ENTRY_POINTS = {  # call(arguments, the forged producer in its position)
     "chain x": lambda a, f: _C.chain_fwd(f, a["out"], COS, ())[0],
     "chain out": lambda a, f: _C.chain_fwd(a["x"], f, COS, ())[0],
     "chain operand": lambda a, f: _C.chain_fwd(a["x"], a["out"], brrr.chain("add_tensor", "cos").program, (f,))[0],
