@@ -81,8 +81,9 @@ extension = Extension(
     "brrr._C",
     sources=sorted(os.path.join("csrc", f) for f in os.listdir(os.path.join(ROOT, "csrc")) if f.endswith(".c")),
     include_dirs=[os.path.join(ROOT, "csrc"), os.path.join(ROOT, "cuda"), numpy.get_include()],
-    extra_compile_args=C_FLAGS + san_flags,
-    extra_link_args=san_flags,
+    # OpenMP: the CPU kernels' threads (libgomp; the same runtime PyTorch's CPU wheels load).
+    extra_compile_args=C_FLAGS + ["-fopenmp"] + san_flags,
+    extra_link_args=["-fopenmp"] + san_flags,
 )
 
 setup(ext_modules=[extension], cmdclass={"build_ext": BuildExt})

@@ -18,18 +18,23 @@
 
 #include <math.h>
 #include <numpy/arrayobject.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "cpu.h"
+#include "cpu_math.h"
+
+/* float32 math (also for float16 and bfloat16 storage) with cpu_math.h's vectorisable functions;
+ * sin and cos of arguments beyond BRRR_TRIG_REDUCED_MAX are redone with libm (block_step_f32). */
 #define QUAL static inline
 #define FN(name) name##_f32
 #define REAL float
-#define EXP expf
-#define TANH tanhf
-/* erfc below zero: 1 + erff cancels to 0 in the left tail, where half storage still resolves gelu. */
-#define ONE_PLUS_ERF(z) ((z) >= 0.0f ? 1.0f + erff(z) : erfcf(-(z)))
-#define COS cosf
-#define SIN sinf
-#define SINCOS(x, s, c) (*(s) = sinf(x), *(c) = cosf(x))
+#define EXP brrr_expf
+#define TANH brrr_tanhf
+#define ONE_PLUS_ERF(z) brrr_erfcf(-(z)) /* 1 + erf(z) = erfc(-z): no cancellation in the left tail */
+#define COS brrr_cosf_reduced
+#define SIN brrr_sinf_reduced
+#define SINCOS(x, s, c) brrr_sincosf_reduced(x, s, c)
 #define DIV(a, b) ((a) / (b))
 #include "chain_math.inc"
 #include "chain_math_end.inc"
@@ -160,8 +165,14 @@ static int parse_program(PyObject *obj, brrr_chain_program *p) {
 }
 
 /* ---- CPU twin -------------------------------------------------------------------------------
- * Rows are x's leading dims (walked with an odometer), columns its last dim; every tensor is
- * addressed through its own strides over x's shape, so any view works without a copy. */
+ * Rows are x's leading dims, columns its last dim; every tensor is addressed through its own
+ * strides over x's shape, so any view works without a copy (a fully dense call is one row).
+ * The work is cut into tiles, a chunk of rows (brrr_cpu_chunk_rows) by a block of at most
+ * BRRR_CPU_BLOCK columns, shared out between threads. A tile's rows are loaded one block at a
+ * time into float buffers (double for float64), the program runs over the block step by step,
+ * each step one loop the compiler vectorises, and the block is stored. A bias gradient sums each
+ * chunk of rows into its own partial row, and the partials are added in chunk order at the end:
+ * the same sums whatever the thread count. */
 
 typedef struct {
     const brrr_chain_launch *launch;
@@ -174,55 +185,214 @@ typedef struct {
 
 enum { T_X, T_OUT, T_GRAD_OUT, T_OPERANDS, T_GRAD_OPERANDS = T_OPERANDS + BRRR_MAX_CHAIN_OPERANDS, T_COUNT = T_GRAD_OPERANDS + BRRR_MAX_CHAIN_OPERANDS };
 
-static void cpu_chain_run(const cpu_chain *c, int backward) {
+/* One unary or scalar step over a block: out = step(in), and d = its derivative unless NULL. */
+BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, float *restrict out,
+                                     float *restrict d, int64_t n) {
+#define UNARY(name)                                                                                   \
+    if (d) {                                                                                          \
+        for (int64_t i = 0; i < n; i++) out[i] = name##_fwd_grad_f32(in[i], &d[i]);                   \
+    } else {                                                                                          \
+        for (int64_t i = 0; i < n; i++) out[i] = name##_fwd_f32(in[i]);                               \
+    }                                                                                                 \
+    break;
+    switch (op) {
+    case BRRR_OP_RELU: UNARY(relu)
+    case BRRR_OP_GELU: UNARY(gelu)
+    case BRRR_OP_GELU_TANH: UNARY(gelu_tanh)
+    case BRRR_OP_SILU: UNARY(silu)
+    case BRRR_OP_SIGMOID: UNARY(sigmoid)
+    case BRRR_OP_TANH: UNARY(tanh)
+    case BRRR_OP_EXP: UNARY(exp)
+    case BRRR_OP_COS: UNARY(cos)
+    case BRRR_OP_SIN: UNARY(sin)
+    case BRRR_OP_ADD_SCALAR:
+        for (int64_t i = 0; i < n; i++) out[i] = in[i] + c;
+        for (int64_t i = 0; d && i < n; i++) d[i] = 1.0f;
+        break;
+    default: /* BRRR_OP_MUL_SCALAR */
+        for (int64_t i = 0; i < n; i++) out[i] = in[i] * c;
+        for (int64_t i = 0; d && i < n; i++) d[i] = c;
+        break;
+    }
+#undef UNARY
+    if (op != BRRR_OP_COS && op != BRRR_OP_SIN) return;
+    int large = 0;
+    for (int64_t i = 0; i < n; i++) large |= brrr_trig_needs_libm(in[i]);
+    for (int64_t i = 0; large && i < n; i++) {
+        if (!brrr_trig_needs_libm(in[i])) continue;
+        const float s = sinf(in[i]), co = cosf(in[i]);
+        out[i] = op == BRRR_OP_COS ? co : s;
+        if (d) d[i] = op == BRRR_OP_COS ? -s : co;
+    }
+}
+
+/* The program over a block: x's values in cur, next a second block buffer, vals[k] operand k's
+ * block. Backward (total non-NULL): total receives d out / d x and grads[k] d out / d operand k,
+ * d being scratch. Returns the buffer holding the result (cur or next). */
+static float *block_program_f32(const brrr_chain_program *p, float *cur, float *next, float *const *vals, float *d,
+                                float *total, float *const *grads, int64_t n) {
+    int active = 0; /* operands whose step has been passed: their gradient takes every later factor */
+    for (int64_t i = 0; total && i < n; i++) total[i] = 1.0f;
+    for (int k = 0; k < p->n_steps; k++) {
+        const int op = p->steps[k].op, slot = p->steps[k].operand;
+        const float *v = is_tensor_op(op) ? vals[slot] : NULL;
+        if (op == BRRR_OP_ADD_TENSOR) {
+            for (int64_t i = 0; i < n; i++) cur[i] += v[i];
+            for (int64_t i = 0; total && i < n; i++) grads[slot][i] = 1.0f;
+        } else if (op == BRRR_OP_MUL_TENSOR) {
+            for (int b = 0; total && b < p->n_operands; b++)
+                for (int64_t i = 0; (active >> b & 1) && i < n; i++) grads[b][i] *= v[i];
+            for (int64_t i = 0; total && i < n; i++) {
+                grads[slot][i] = cur[i];
+                total[i] *= v[i];
+            }
+            for (int64_t i = 0; i < n; i++) cur[i] *= v[i];
+        } else {
+            block_step_f32(op, (float)p->steps[k].scalar, cur, next, total ? d : NULL, n);
+            float *swap = cur;
+            cur = next;
+            next = swap;
+            for (int64_t i = 0; total && i < n; i++) total[i] *= d[i];
+            for (int b = 0; total && b < p->n_operands; b++)
+                for (int64_t i = 0; (active >> b & 1) && i < n; i++) grads[b][i] *= d[i];
+        }
+        if (is_tensor_op(op)) active |= 1 << slot;
+    }
+    return cur;
+}
+
+/* Where a tile's rows are: [row_begin, row_end) by [col, col + n). */
+typedef struct {
+    const cpu_chain *c;
+    int backward, flat;       /* flat: every tensor dense, seen as one row of numel */
+    int64_t rows, cols, chunk_rows, col_blocks;
+    double *partials;         /* bias gradients: [chunk][operand][cols] */
+} chain_work;
+
+/* Element (r, 0) of tensor k, in elements. */
+static int64_t row_base(const chain_work *w, int k, int64_t r) {
+    const cpu_chain *c = w->c;
+    return w->flat || c->rank == 1 ? 0 : brrr_unravel(c->rank - 1, c->shape, c->strides[k], r);
+}
+static int64_t col_stride(const chain_work *w, int k) { return w->flat ? 1 : w->c->strides[k][w->c->rank - 1]; }
+
+static void *at(const void *data, int32_t dtype, int64_t offset) {
+    return (char *)data + offset * (int64_t)brrr_dtype_size(dtype);
+}
+
+static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
+    const chain_work *w = ctx;
+    const cpu_chain *c = w->c;
     const brrr_chain_launch *L = c->launch;
     const brrr_chain_program *p = &L->program;
-    int32_t dt = L->dtype, rank = c->rank, nops = p->n_operands;
-    int64_t cols = c->shape[rank - 1], rows = cols ? L->numel / cols : 0;
-    int64_t idx[BRRR_MAX_RANK] = {0};
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t base[T_COUNT] = {0};
-        for (int k = 0; k < T_COUNT; k++)
-            for (int d = 0; d < rank - 1; d++) base[k] += idx[d] * c->strides[k][d];
-        for (int64_t j = 0; j < cols; j++) {
-            int64_t at[T_COUNT];
-            for (int k = 0; k < T_COUNT; k++) at[k] = base[k] + j * c->strides[k][rank - 1];
-            if (dt == BRRR_F64) {
-                double x = ((const double *)L->x.data)[at[T_X]], vals[BRRR_MAX_CHAIN_OPERANDS] = {0};
-                for (int b = 0; b < nops; b++) vals[b] = ((const double *)L->operands[b].data)[at[T_OPERANDS + b]];
-                if (!backward) {
-                    ((double *)L->out.data)[at[T_OUT]] = program_fwd_f64(p, x, vals);
-                    continue;
+    const int32_t dt = L->dtype;
+    const int nops = p->n_operands, f64 = dt == BRRR_F64, bwd = w->backward;
+    /* Block buffers: y, spare, d, total, grad_out, operands, their gradients (float or double). */
+    enum { B_Y, B_SPARE, B_D, B_TOTAL, B_G, B_VALS, B_GRADS = B_VALS + BRRR_MAX_CHAIN_OPERANDS, B_COUNT = B_GRADS + BRRR_MAX_CHAIN_OPERANDS };
+    _Alignas(64) double storage[B_COUNT][BRRR_CPU_BLOCK];
+    float *fb[B_COUNT];
+    double *db[B_COUNT];
+    for (int k = 0; k < B_COUNT; k++) {
+        fb[k] = (float *)storage[k];
+        db[k] = storage[k];
+    }
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t chunk = item / w->col_blocks, j0 = (item % w->col_blocks) * BRRR_CPU_BLOCK;
+        const int64_t n = w->cols - j0 < BRRR_CPU_BLOCK ? w->cols - j0 : BRRR_CPU_BLOCK;
+        const int64_t r_end = (chunk + 1) * w->chunk_rows < w->rows ? (chunk + 1) * w->chunk_rows : w->rows;
+        double *partial = w->partials ? w->partials + chunk * nops * w->cols : NULL;
+        for (int64_t r = chunk * w->chunk_rows; r < r_end; r++) {
+#define TILE(k, data) at((data), dt, row_base(w, (k), r) + j0 * col_stride(w, (k)))
+            for (int b = 0; b < nops; b++) {
+                if (f64) brrr_cpu_load_f64(dt, TILE(T_OPERANDS + b, L->operands[b].data), col_stride(w, T_OPERANDS + b), n, db[B_VALS + b]);
+                else brrr_cpu_load_f32(dt, TILE(T_OPERANDS + b, L->operands[b].data), col_stride(w, T_OPERANDS + b), n, fb[B_VALS + b]);
+            }
+            void *out = TILE(T_OUT, L->out.data);
+            if (f64) {
+                double *y = db[B_Y], *g = db[B_G];
+                brrr_cpu_load_f64(dt, TILE(T_X, L->x.data), col_stride(w, T_X), n, y);
+                if (bwd) brrr_cpu_load_f64(dt, TILE(T_GRAD_OUT, L->grad_out.data), col_stride(w, T_GRAD_OUT), n, g);
+                for (int64_t i = 0; i < n; i++) {
+                    double vals[BRRR_MAX_CHAIN_OPERANDS] = {0}, grads[BRRR_MAX_CHAIN_OPERANDS];
+                    for (int b = 0; b < nops; b++) vals[b] = db[B_VALS + b][i];
+                    if (!bwd) {
+                        y[i] = program_fwd_f64(p, y[i], vals);
+                        continue;
+                    }
+                    y[i] = g[i] * program_grad_f64(p, y[i], vals, grads);
+                    for (int b = 0; b < nops; b++) db[B_GRADS + b][i] = g[i] * grads[b];
                 }
-                double g = ((const double *)L->grad_out.data)[at[T_GRAD_OUT]], grads[BRRR_MAX_CHAIN_OPERANDS];
-                ((double *)L->out.data)[at[T_OUT]] = g * program_grad_f64(p, x, vals, grads);
-                for (int b = 0; b < nops; b++) {
-                    if (c->vector_operand[b] && c->vector_grad_acc)
-                        c->vector_grad_acc[b * cols + j] += g * grads[b];
-                    else if (L->grad_operands[b].data)
-                        ((double *)L->grad_operands[b].data)[at[T_GRAD_OPERANDS + b]] = g * grads[b];
-                }
+                brrr_cpu_store_f64(dt, out, col_stride(w, T_OUT), n, y);
             } else {
-                float x = brrr_load_f32(dt, L->x.data, at[T_X]), vals[BRRR_MAX_CHAIN_OPERANDS] = {0};
-                for (int b = 0; b < nops; b++) vals[b] = brrr_load_f32(dt, L->operands[b].data, at[T_OPERANDS + b]);
-                if (!backward) {
-                    brrr_store_f32(dt, L->out.data, at[T_OUT], program_fwd_f32(p, x, vals));
-                    continue;
+                float *x = fb[B_Y], *g = fb[B_G], *const *grads = &fb[B_GRADS];
+                brrr_cpu_load_f32(dt, TILE(T_X, L->x.data), col_stride(w, T_X), n, x);
+                float *y = block_program_f32(p, x, fb[B_SPARE], &fb[B_VALS], fb[B_D], bwd ? fb[B_TOTAL] : NULL, grads, n);
+                if (bwd) {
+                    brrr_cpu_load_f32(dt, TILE(T_GRAD_OUT, L->grad_out.data), col_stride(w, T_GRAD_OUT), n, g);
+                    for (int64_t i = 0; i < n; i++) y[i] = g[i] * fb[B_TOTAL][i];
+                    for (int b = 0; b < nops; b++)
+                        for (int64_t i = 0; i < n; i++) grads[b][i] *= g[i];
                 }
-                float g = brrr_load_f32(dt, L->grad_out.data, at[T_GRAD_OUT]), grads[BRRR_MAX_CHAIN_OPERANDS];
-                brrr_store_f32(dt, L->out.data, at[T_OUT], g * program_grad_f32(p, x, vals, grads));
-                for (int b = 0; b < nops; b++) {
-                    if (c->vector_operand[b] && c->vector_grad_acc)
-                        c->vector_grad_acc[b * cols + j] += (double)(g * grads[b]);
-                    else if (L->grad_operands[b].data)
-                        brrr_store_f32(dt, L->grad_operands[b].data, at[T_GRAD_OPERANDS + b], g * grads[b]);
+                brrr_cpu_store_f32(dt, out, col_stride(w, T_OUT), n, y);
+            }
+            for (int b = 0; bwd && b < nops; b++) {
+                if (c->vector_operand[b] && partial) {
+                    double *acc = partial + b * w->cols + j0;
+                    if (f64) for (int64_t i = 0; i < n; i++) acc[i] += db[B_GRADS + b][i];
+                    else for (int64_t i = 0; i < n; i++) acc[i] += (double)fb[B_GRADS + b][i];
+                } else if (L->grad_operands[b].data) {
+                    void *go = TILE(T_GRAD_OPERANDS + b, L->grad_operands[b].data);
+                    if (f64) brrr_cpu_store_f64(dt, go, col_stride(w, T_GRAD_OPERANDS + b), n, db[B_GRADS + b]);
+                    else brrr_cpu_store_f32(dt, go, col_stride(w, T_GRAD_OPERANDS + b), n, fb[B_GRADS + b]);
                 }
             }
+#undef TILE
         }
-        for (int d = rank - 2; d >= 0; d--) {
-            if (++idx[d] < c->shape[d]) break;
-            idx[d] = 0;
+    }
+}
+
+/* Is every tensor the call touches dense row-major over x's shape (so the call is one flat row)? */
+static int chain_is_flat(const cpu_chain *c, int backward) {
+    const brrr_chain_launch *L = c->launch;
+    for (int k = 0; k < T_COUNT; k++) {
+        const int b = k >= T_GRAD_OPERANDS ? k - T_GRAD_OPERANDS : k - T_OPERANDS;
+        int used = k == T_X || k == T_OUT || (k == T_GRAD_OUT && backward);
+        if (k >= T_OPERANDS && k < T_GRAD_OPERANDS) used = b < L->program.n_operands;
+        if (k >= T_GRAD_OPERANDS) used = backward && b < L->program.n_operands && L->grad_operands[b].data;
+        if (!used) continue;
+        if (k >= T_OPERANDS && c->vector_operand[b]) return 0;
+        int64_t expect = 1;
+        for (int d = c->rank - 1; d >= 0; d--) {
+            if (c->shape[d] != 1 && c->strides[k][d] != expect) return 0;
+            expect *= c->shape[d];
         }
+    }
+    return 1;
+}
+
+static void cpu_chain_run(const cpu_chain *c, int backward) {
+    const brrr_chain_launch *L = c->launch;
+    const int nops = L->program.n_operands;
+    chain_work w = {c, backward, chain_is_flat(c, backward), 0, 0, 0, 0, NULL};
+    w.cols = w.flat ? L->numel : c->shape[c->rank - 1];
+    w.rows = w.flat ? 1 : L->numel / w.cols;
+    w.chunk_rows = brrr_cpu_chunk_rows(w.rows);
+    w.col_blocks = (w.cols + BRRR_CPU_BLOCK - 1) / BRRR_CPU_BLOCK;
+    const int64_t chunks = (w.rows + w.chunk_rows - 1) / w.chunk_rows;
+    if (backward && c->vector_grad_acc) {
+        w.partials = calloc((size_t)(chunks * nops * w.cols), sizeof(double));
+        if (w.partials == NULL) { /* no room for the partials: one chunk, summed in row order */
+            w.chunk_rows = w.rows;
+            w.partials = c->vector_grad_acc;
+        }
+    }
+    const int64_t n_items = (w.rows + w.chunk_rows - 1) / w.chunk_rows * w.col_blocks;
+    const int64_t tile = w.chunk_rows * (w.cols < BRRR_CPU_BLOCK ? w.cols : BRRR_CPU_BLOCK);
+    brrr_cpu_parallel_for(n_items, tile >= 32768 ? 1 : 32768 / tile, chain_tiles, &w);
+    if (w.partials && w.partials != c->vector_grad_acc) {
+        for (int64_t k = 0; k < chunks; k++)
+            for (int64_t j = 0; j < nops * w.cols; j++) c->vector_grad_acc[j] += w.partials[k * nops * w.cols + j];
+        free(w.partials);
     }
 }
 
@@ -314,7 +484,7 @@ static PyObject *chain_call(PyObject *module, PyObject *const *args, int backwar
     }
     long long stream_arg;
     if (brrr_parse_stream(stream_obj, &stream_arg) < 0) return NULL;
-    brrr_call call = {brrr_get_state(module), stream_arg, 0, NULL};
+    brrr_call call = {brrr_get_state(module), stream_arg, 0, NULL, 0};
     chain_args a;
     memset(&a, 0, sizeof a);
     PyObject *result = NULL;

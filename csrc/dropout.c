@@ -140,7 +140,7 @@ static int import_column_vector(brrr_call *call, PyObject *obj, const char *name
 }
 
 static PyObject *dropout_call(PyObject *module, const dropout_request *q) {
-    brrr_call call = {brrr_get_state(module), q->stream, 0, NULL};
+    brrr_call call = {brrr_get_state(module), q->stream, 0, NULL, 0};
     brrr_tensor x, bias, res, out, grad_bias, partials;
     memset(&x, 0, sizeof x);
     memset(&bias, 0, sizeof bias);

@@ -2,6 +2,7 @@
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "brrr.h"
+#include "cpu.h"
 
 #include <numpy/arrayobject.h>
 
@@ -87,6 +88,11 @@ static PyMethodDef methods[] = {
     {"cross_entropy_bwd", (PyCFunction)(void (*)(void))brrr_py_xent_bwd, METH_FASTCALL,
      "cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, grad_loss, count, grad_logits, stream) "
      "-> grad_logits"},
+    {"set_num_threads", brrr_py_set_num_threads, METH_O,
+     "set_num_threads(n): threads of the CPU kernels (0: torch.get_num_threads() for torch tensors, else "
+     "OMP_NUM_THREADS or os.cpu_count())."},
+    {"get_num_threads", brrr_py_get_num_threads, METH_NOARGS,
+     "get_num_threads() -> int: the set count, else the automatic one for inputs other than torch tensors."},
     {"rotary", (PyCFunction)(void (*)(void))brrr_py_rotary, METH_FASTCALL,
      "rotary(x, cos, sin, out, backward, stream) -> out: x * cos + rotate_half(x) * sin (or its transpose)"},
     {NULL, NULL, 0, NULL},
@@ -101,6 +107,7 @@ static int module_exec(PyObject *module) {
     st->str_exchange_api = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
     st->max_version = Py_BuildValue("(ii)", BRRR_DLPACK_MAJOR, BRRR_DLPACK_MINOR);
     if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->max_version) return -1;
+    if (brrr_cpu_init(st) < 0) return -1;
     if (PyModule_AddIntConstant(module, "MAX_DIMS", BRRR_MAX_DIMS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_CHAIN_STEPS", BRRR_MAX_CHAIN_STEPS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_CHAIN_OPERANDS", BRRR_MAX_CHAIN_OPERANDS) < 0)
@@ -112,6 +119,8 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     brrr_state *st = brrr_get_state(module);
     if (st == NULL) return 0;
     for (int i = 0; i < st->api_cache_len; i++) Py_VISIT(st->api_cache[i].type);
+    Py_VISIT(st->torch_tensor_type);
+    Py_VISIT(st->torch_get_num_threads);
     return 0;
 }
 
@@ -124,6 +133,8 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(st->str_dlpack_device);
     Py_CLEAR(st->str_exchange_api);
     Py_CLEAR(st->max_version);
+    Py_CLEAR(st->torch_tensor_type);
+    Py_CLEAR(st->torch_get_num_threads);
     return 0;
 }
 

@@ -288,7 +288,7 @@ static PyObject *new_slot(brrr_call *call, PyObject *x_obj, int s, const brrr_te
 }
 
 static PyObject *norm_call(PyObject *module, norm_request *q) {
-    brrr_call call = {brrr_get_state(module), q->stream, 0, NULL};
+    brrr_call call = {brrr_get_state(module), q->stream, 0, NULL, 0};
     brrr_tensor t[S_COUNT];
     memset(t, 0, sizeof t);
     PyObject *owned[S_COUNT] = {NULL}; /* allocated here: outputs, the partials scratch */

@@ -71,7 +71,7 @@ PyObject *brrr_py_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nar
     long long stream_arg;
     const int backward = PyObject_IsTrue(args[4]);
     if (backward < 0 || brrr_parse_stream(args[5], &stream_arg) < 0) return NULL;
-    brrr_call call = {brrr_get_state(module), stream_arg, 0, NULL};
+    brrr_call call = {brrr_get_state(module), stream_arg, 0, NULL, 0};
     brrr_tensor x, c, s, out;
     memset(&x, 0, sizeof x);
     memset(&c, 0, sizeof c);

@@ -197,7 +197,7 @@ typedef struct {
 } xent_request;
 
 static PyObject *xent_call(PyObject *module, const xent_request *q) {
-    brrr_call call = {brrr_get_state(module), q->stream, 0, NULL};
+    brrr_call call = {brrr_get_state(module), q->stream, 0, NULL, 0};
     enum { T_LOGITS, T_TARGET, T_LSE, T_LOSS, T_TOTAL, T_COUNT, T_GRAD_LOSS, T_GRAD, T_N };
     brrr_tensor t[T_N];
     memset(t, 0, sizeof t);

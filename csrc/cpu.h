@@ -1,0 +1,62 @@
+/* What the CPU twins share: how many threads a call may use, the parallel loop that runs them,
+ * the vector-width attribute of the hot loops, and block loads and stores of any dtype.
+ *
+ * Threads. The glue imports a call's first CPU tensor with the GIL held; brrr_cpu_choose_threads
+ * (called from there) fixes the call's thread count, in this order: brrr.set_num_threads (or
+ * BRRR_NUM_THREADS at import), torch.get_num_threads() for a torch tensor, OMP_NUM_THREADS, then
+ * os.cpu_count(). The kernels run later on the same OS thread without the GIL and read that
+ * count through brrr_cpu_parallel_for, which also runs one thread where running more would
+ * oversubscribe the machine (another brrr call is in its parallel loop already) or could hang
+ * (a child process after fork: GNU OpenMP's thread pool does not survive fork).
+ *
+ * Determinism. brrr_cpu_parallel_for hands out items, and a kernel's result never depends on
+ * which thread ran an item: reductions write one partial per item (or per fixed chunk of rows)
+ * and combine the partials in item order afterwards, so they are bitwise identical whatever the
+ * thread count.
+ *
+ * Vector width. BRRR_SIMD compiles a function for AVX-512, AVX2 and baseline x86-64 and picks
+ * one when the module loads (GCC's function multiversioning), so one binary runs on any x86-64;
+ * elsewhere (aarch64: NEON is baseline) it compiles once. Floating-point contraction stays off
+ * (-std=c11), so every version rounds alike. */
+#ifndef BRRR_CPU_H
+#define BRRR_CPU_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "brrr.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define BRRR_SIMD __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define BRRR_SIMD
+#endif
+
+/* Elements a kernel processes per step of its inner loops: small enough for the L1 cache. */
+#define BRRR_CPU_BLOCK 512
+
+/* With the GIL: fix the thread count of the current call from its first CPU tensor `obj`. */
+void brrr_cpu_choose_threads(brrr_state *st, PyObject *obj);
+
+/* Run task(ctx, begin, end) over [0, n_items) in contiguous ranges, on at most the call's thread
+ * count and at most n_items / min_items threads (so that small work stays on one thread). */
+typedef void (*brrr_cpu_task)(void *ctx, int64_t begin, int64_t end);
+void brrr_cpu_parallel_for(int64_t n_items, int64_t min_items, brrr_cpu_task task, void *ctx);
+
+/* Rows per chunk of a reduction over `rows` (a function of the shape alone: at most 64 chunks). */
+static inline int64_t brrr_cpu_chunk_rows(int64_t rows) { return rows > 64 ? (rows + 63) / 64 : 1; }
+
+/* n elements from base + i * stride into dst (float), or from dst into base. */
+void brrr_cpu_load_f32(int32_t dtype, const void *base, int64_t stride, int64_t n, float *dst);
+void brrr_cpu_store_f32(int32_t dtype, void *base, int64_t stride, int64_t n, const float *src);
+void brrr_cpu_load_f64(int32_t dtype, const void *base, int64_t stride, int64_t n, double *dst);
+void brrr_cpu_store_f64(int32_t dtype, void *base, int64_t stride, int64_t n, const double *src);
+
+/* Python: _C.set_num_threads(n) (0: automatic) and _C.get_num_threads(). */
+PyObject *brrr_py_set_num_threads(PyObject *module, PyObject *arg);
+PyObject *brrr_py_get_num_threads(PyObject *module, PyObject *unused);
+/* Module init: the setting from BRRR_NUM_THREADS, and the fork handler (once per process). */
+int brrr_cpu_init(brrr_state *st);
+
+#endif
