@@ -207,11 +207,15 @@ BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, 
     case BRRR_OP_SIN: UNARY(sin)
     case BRRR_OP_ADD_SCALAR:
         for (int64_t i = 0; i < n; i++) out[i] = in[i] + c;
-        for (int64_t i = 0; d && i < n; i++) d[i] = 1.0f;
+        if (d) {
+            for (int64_t i = 0; i < n; i++) d[i] = 1.0f;
+        }
         break;
     default: /* BRRR_OP_MUL_SCALAR */
         for (int64_t i = 0; i < n; i++) out[i] = in[i] * c;
-        for (int64_t i = 0; d && i < n; i++) d[i] = c;
+        if (d) {
+            for (int64_t i = 0; i < n; i++) d[i] = c;
+        }
         break;
     }
 #undef UNARY
@@ -229,22 +233,31 @@ BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, 
 /* The program over a block: x's values in cur, next a second block buffer, vals[k] operand k's
  * block. Backward (total non-NULL): total receives d out / d x and grads[k] d out / d operand k,
  * d being scratch. Returns the buffer holding the result (cur or next). */
-static float *block_program_f32(const brrr_chain_program *p, float *cur, float *next, float *const *vals, float *d,
-                                float *total, float *const *grads, int64_t n) {
+BRRR_SIMD static float *block_program_f32(const brrr_chain_program *p, float *cur, float *next, float *const *vals,
+                                          float *d, float *total, float *const *grads, int64_t n) {
     int active = 0; /* operands whose step has been passed: their gradient takes every later factor */
-    for (int64_t i = 0; total && i < n; i++) total[i] = 1.0f;
+    if (total) {
+        for (int64_t i = 0; i < n; i++) total[i] = 1.0f;
+    }
     for (int k = 0; k < p->n_steps; k++) {
         const int op = p->steps[k].op, slot = p->steps[k].operand;
         const float *v = is_tensor_op(op) ? vals[slot] : NULL;
         if (op == BRRR_OP_ADD_TENSOR) {
             for (int64_t i = 0; i < n; i++) cur[i] += v[i];
-            for (int64_t i = 0; total && i < n; i++) grads[slot][i] = 1.0f;
+            if (total) {
+                for (int64_t i = 0; i < n; i++) grads[slot][i] = 1.0f;
+            }
         } else if (op == BRRR_OP_MUL_TENSOR) {
-            for (int b = 0; total && b < p->n_operands; b++)
-                for (int64_t i = 0; (active >> b & 1) && i < n; i++) grads[b][i] *= v[i];
-            for (int64_t i = 0; total && i < n; i++) {
-                grads[slot][i] = cur[i];
-                total[i] *= v[i];
+            for (int b = 0; total && b < p->n_operands; b++) {
+                if (active >> b & 1) {
+                    for (int64_t i = 0; i < n; i++) grads[b][i] *= v[i];
+                }
+            }
+            if (total) {
+                for (int64_t i = 0; i < n; i++) {
+                    grads[slot][i] = cur[i];
+                    total[i] *= v[i];
+                }
             }
             for (int64_t i = 0; i < n; i++) cur[i] *= v[i];
         } else {
@@ -252,9 +265,14 @@ static float *block_program_f32(const brrr_chain_program *p, float *cur, float *
             float *swap = cur;
             cur = next;
             next = swap;
-            for (int64_t i = 0; total && i < n; i++) total[i] *= d[i];
-            for (int b = 0; total && b < p->n_operands; b++)
-                for (int64_t i = 0; (active >> b & 1) && i < n; i++) grads[b][i] *= d[i];
+            if (total) {
+                for (int64_t i = 0; i < n; i++) total[i] *= d[i];
+            }
+            for (int b = 0; total && b < p->n_operands; b++) {
+                if (active >> b & 1) {
+                    for (int64_t i = 0; i < n; i++) grads[b][i] *= d[i];
+                }
+            }
         }
         if (is_tensor_op(op)) active |= 1 << slot;
     }
@@ -280,7 +298,7 @@ static void *at(const void *data, int32_t dtype, int64_t offset) {
     return (char *)data + offset * (int64_t)brrr_dtype_size(dtype);
 }
 
-static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
+BRRR_SIMD static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
     const chain_work *w = ctx;
     const cpu_chain *c = w->c;
     const brrr_chain_launch *L = c->launch;

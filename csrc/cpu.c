@@ -143,18 +143,52 @@ BRRR_SIMD void brrr_cpu_store_f32(int32_t dtype, void *base, int64_t stride, int
 }
 
 BRRR_SIMD void brrr_cpu_load_f64(int32_t dtype, const void *base, int64_t stride, int64_t n, double *dst) {
-    if (dtype == BRRR_F64) {
+    switch (dtype) {
+    case BRRR_F64:
         for (int64_t i = 0; i < n; i++) dst[i] = ((const double *)base)[i * stride];
-    } else {
+        break;
+    case BRRR_F32:
+        if (stride == 1) {
+            for (int64_t i = 0; i < n; i++) dst[i] = ((const float *)base)[i];
+        } else {
+            for (int64_t i = 0; i < n; i++) dst[i] = ((const float *)base)[i * stride];
+        }
+        break;
+    case BRRR_BF16:
+        if (stride == 1) {
+            for (int64_t i = 0; i < n; i++) dst[i] = brrr_bf16_to_f32(((const uint16_t *)base)[i]);
+        } else {
+            for (int64_t i = 0; i < n; i++) dst[i] = brrr_bf16_to_f32(((const uint16_t *)base)[i * stride]);
+        }
+        break;
+    default:
         for (int64_t i = 0; i < n; i++) dst[i] = brrr_load_f64(dtype, base, i * stride);
+        break;
     }
 }
 
 BRRR_SIMD void brrr_cpu_store_f64(int32_t dtype, void *base, int64_t stride, int64_t n, const double *src) {
-    if (dtype == BRRR_F64) {
+    switch (dtype) {
+    case BRRR_F64:
         for (int64_t i = 0; i < n; i++) ((double *)base)[i * stride] = src[i];
-    } else {
+        break;
+    case BRRR_F32:
+        if (stride == 1) {
+            for (int64_t i = 0; i < n; i++) ((float *)base)[i] = (float)src[i];
+        } else {
+            for (int64_t i = 0; i < n; i++) ((float *)base)[i * stride] = (float)src[i];
+        }
+        break;
+    case BRRR_BF16:
+        if (stride == 1) {
+            for (int64_t i = 0; i < n; i++) ((uint16_t *)base)[i] = brrr_f32_to_bf16((float)src[i]);
+        } else {
+            for (int64_t i = 0; i < n; i++) ((uint16_t *)base)[i * stride] = brrr_f32_to_bf16((float)src[i]);
+        }
+        break;
+    default:
         for (int64_t i = 0; i < n; i++) brrr_store_f64(dtype, base, i * stride, src[i]);
+        break;
     }
 }
 
