@@ -5,7 +5,8 @@
  * row-indexed and weight, bias and their gradients column-indexed, so any strided view is used in
  * place (the CUDA fast path needs only the columns to be contiguous). The formulas, and the
  * convention that `mean` is saved relative to the row's first element, are in
- * cuda/norm_kernels.cuh and brrr_cuda.h; the CPU twin computes the same function in float64.
+ * cuda/norm_kernels.cuh and brrr_cuda.h; the CPU twin computes the same function (float math,
+ * float64 sums and float64 throughout for float64 inputs).
  *
  * _C.layer_norm_fwd(x, norm_ndim, weight, bias, eps, out, mean, rstd, residual, residual_out, stream)
  * _C.rms_norm_fwd(x, norm_ndim, weight, eps, llama, out, rstd, residual, residual_out, stream)

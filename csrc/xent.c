@@ -3,7 +3,8 @@
  * logits (..., C) are rows by classes; target (...) holds a class index per row (int64, int32
  * or uint8). The forward saves one log-sum-exp per row (relative to the target's logit); the
  * backward rematerialises the softmax from logits and lse instead of keeping log-probabilities
- * (formulas: brrr_cuda.h). The CPU twin computes the same function in float64.
+ * (formulas: brrr_cuda.h). The CPU twin computes the same function, in float32 for all but
+ * float64 logits (as the CUDA kernels), its sums in float64.
  *
  * _C.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, reduction, lse, loss, total,
  *                      count, stream) -> None, or (lse, loss, total, count) when any of them is True:
@@ -28,6 +29,8 @@
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "brrr.h"
+#include "cpu.h"
+#include "cpu_math.h"
 
 #include <math.h>
 #include <numpy/arrayobject.h>
@@ -48,64 +51,53 @@ static int64_t row_offset(const brrr_xent_launch *L, const int64_t *strides, int
     return brrr_unravel(L->row_ndim, L->row_shape, strides, r);
 }
 
-/* ---- CPU twin ---------------------------------------------------------------------------------- */
+/* ---- CPU twin ----------------------------------------------------------------------------------
+ * Rows are shared out between threads (xent_cpu.inc, float math for every dtype but float64);
+ * the total sums the rows' losses in row order afterwards, so it is bitwise the same whatever
+ * the thread count. */
+
+#define XENT_LANES 16
+
+#define REAL float
+#define FN(name) name##_f32
+#define CPU_LOAD brrr_cpu_load_f32
+#define CPU_STORE brrr_cpu_store_f32
+#define EXP brrr_expf
+#include "xent_cpu.inc"
+#undef REAL
+#undef FN
+#undef CPU_LOAD
+#undef CPU_STORE
+#undef EXP
+#define REAL double
+#define FN(name) name##_f64
+#define CPU_LOAD brrr_cpu_load_f64
+#define CPU_STORE brrr_cpu_store_f64
+#define EXP exp
+#include "xent_cpu.inc"
+#undef REAL
+#undef FN
+#undef CPU_LOAD
+#undef CPU_STORE
+#undef EXP
 
 static void cpu_xent_fwd(const brrr_xent_launch *L) {
     const int32_t acc = acc_dtype(L->dtype);
-    const int64_t C = L->classes, cs = L->logits_class_stride;
+    const int64_t min_rows = L->classes >= 32768 ? 1 : 32768 / (L->classes > 0 ? L->classes : 1);
+    brrr_cpu_parallel_for(L->rows, min_rows, L->dtype == BRRR_F64 ? xent_fwd_rows_f64 : xent_fwd_rows_f32, (void *)L);
     double sum = 0.0;
     int64_t counted = 0;
     for (int64_t r = 0; r < L->rows; r++) {
-        const int64_t t = load_index(L->target_dtype, L->target, row_offset(L, L->target_rows, r));
-        double lse = 0.0, loss = 0.0;
-        if (t != L->ignore_index) {
-            const int64_t base = row_offset(L, L->logits_rows, r);
-            double m = -INFINITY, s = 0.0, sx = 0.0;
-            for (int64_t c = 0; c < C; c++) {
-                const double v = brrr_load_f64(L->dtype, L->logits, base + c * cs);
-                if (v > m || v != v) m = v;
-                if (m != m) break;
-            }
-            for (int64_t c = 0; c < C; c++) {
-                const double v = brrr_load_f64(L->dtype, L->logits, base + c * cs);
-                s += exp(v - m);
-                sx += v;
-            }
-            /* t is a class: check_targets ran first. lse relative to the shift: brrr_cuda.h. */
-            const double x_t = brrr_load_f64(L->dtype, L->logits, base + t * cs), shift = isfinite(x_t) ? x_t : 0.0;
-            lse = (m - shift) + log(s);
-            loss = (1.0 - L->smoothing) * (lse - (x_t - shift));
-            if (L->smoothing != 0.0) loss += L->smoothing * (lse - (sx / (double)C - shift)); /* 0 * inf: NaN */
-            counted++;
-        }
-        brrr_store_f64(acc, L->lse, r, lse);
-        brrr_store_f64(acc, L->loss, r, loss);
-        sum += loss;
+        sum += brrr_load_f64(acc, L->loss, r);
+        counted += load_index(L->target_dtype, L->target, row_offset(L, L->target_rows, r)) != L->ignore_index;
     }
     if (L->total) brrr_store_f64(acc, L->total, 0, L->mean ? sum / (double)counted : sum);
     if (L->count_out) brrr_store_f64(acc, L->count_out, 0, (double)counted);
 }
 
 static void cpu_xent_bwd(const brrr_xent_launch *L) {
-    const int32_t acc = acc_dtype(L->dtype);
-    const int64_t C = L->classes;
-    const double divisor = L->count ? brrr_load_f64(acc, L->count, 0) : 1.0;
-    for (int64_t r = 0; r < L->rows; r++) {
-        const int64_t t = load_index(L->target_dtype, L->target, row_offset(L, L->target_rows, r));
-        const int64_t in = row_offset(L, L->logits_rows, r), out = row_offset(L, L->grad_rows, r);
-        if (t == L->ignore_index) {
-            for (int64_t c = 0; c < C; c++) brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, 0.0);
-            continue;
-        }
-        const double g = brrr_load_f64(acc, L->grad_loss, row_offset(L, L->grad_loss_rows, r)) / divisor;
-        const double lse = brrr_load_f64(acc, L->lse, r), uniform = L->smoothing / (double)C;
-        const double x_t = brrr_load_f64(L->dtype, L->logits, in + t * L->logits_class_stride), shift = isfinite(x_t) ? x_t : 0.0;
-        for (int64_t c = 0; c < C; c++) {
-            const double p = exp((brrr_load_f64(L->dtype, L->logits, in + c * L->logits_class_stride) - shift) - lse);
-            const double hot = c == t ? 1.0 - L->smoothing : 0.0;
-            brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, g * (p - uniform - hot));
-        }
-    }
+    const int64_t min_rows = L->classes >= 32768 ? 1 : 32768 / (L->classes > 0 ? L->classes : 1);
+    brrr_cpu_parallel_for(L->rows, min_rows, L->dtype == BRRR_F64 ? xent_bwd_rows_f64 : xent_bwd_rows_f32, (void *)L);
 }
 
 /* ---- checks and layout ------------------------------------------------------------------------- */
