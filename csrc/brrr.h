@@ -31,10 +31,11 @@ typedef struct {
     PyObject *str_exchange_api;    /* "__dlpack_c_exchange_api__" */
     PyObject *max_version;         /* (1, BRRR_DLPACK_MINOR) */
     /* CPU threads (csrc/cpu.c): the set count (0: automatic), the automatic one for inputs
-     * other than torch tensors, and torch's tensor type and get_num_threads once torch is
+     * other than torch tensors, the grain, and torch's tensor type and get_num_threads once torch is
      * imported (strong references, NULL before). */
     int num_threads;
     int default_threads;
+    int64_t thread_grain;         /* the least work (elements) worth a thread of its own */
     PyObject *torch_tensor_type;
     PyObject *torch_get_num_threads;
 } brrr_state;

@@ -406,7 +406,7 @@ static void cpu_chain_run(const cpu_chain *c, int backward) {
     }
     const int64_t n_items = (w.rows + w.chunk_rows - 1) / w.chunk_rows * w.col_blocks;
     const int64_t tile = w.chunk_rows * (w.cols < BRRR_CPU_BLOCK ? w.cols : BRRR_CPU_BLOCK);
-    brrr_cpu_parallel_for(n_items, tile >= 32768 ? 1 : 32768 / tile, chain_tiles, &w);
+    brrr_cpu_parallel_for(n_items, tile, chain_tiles, &w);
     if (w.partials && w.partials != c->vector_grad_acc) {
         for (int64_t k = 0; k < chunks; k++)
             for (int64_t j = 0; j < nops * w.cols; j++) c->vector_grad_acc[j] += w.partials[k * nops * w.cols + j];

@@ -10,6 +10,7 @@
 /* The thread count fixed for the call this OS thread is making: set with the GIL by the call's
  * first CPU tensor import, read by its kernels after the GIL is released (same OS thread). */
 static _Thread_local int call_threads = 1;
+static _Thread_local int64_t call_grain = 1;
 
 /* Process-wide facts, so not module state: brrr calls inside a parallel loop right now (a second
  * one from another Python thread runs on its own thread only, so several callers never add up
@@ -35,6 +36,7 @@ static int env_threads(const char *name) {
 int brrr_cpu_init(brrr_state *st) {
     pthread_once(&atfork_once, register_atfork);
     st->num_threads = env_threads("BRRR_NUM_THREADS");
+    st->thread_grain = 32768; /* elements: tens of microseconds, against a few to wake a thread */
     st->default_threads = env_threads("OMP_NUM_THREADS");
     if (st->default_threads == 0) {
         long cpus = sysconf(_SC_NPROCESSORS_ONLN); /* what os.cpu_count() reports */
@@ -72,11 +74,13 @@ void brrr_cpu_choose_threads(brrr_state *st, PyObject *obj) {
         PyErr_Clear();
     }
     call_threads = n > 0 ? n : st->default_threads;
+    call_grain = st->thread_grain;
 }
 
-void brrr_cpu_parallel_for(int64_t n_items, int64_t min_items, brrr_cpu_task task, void *ctx) {
+void brrr_cpu_parallel_for(int64_t n_items, int64_t item_work, brrr_cpu_task task, void *ctx) {
     if (n_items <= 0) return;
-    int64_t by_work = min_items > 1 ? n_items / min_items : n_items;
+    const int64_t min_items = item_work >= call_grain ? 1 : call_grain / (item_work > 0 ? item_work : 1);
+    const int64_t by_work = n_items / min_items;
     int threads = call_threads < by_work ? call_threads : (int)(by_work > 0 ? by_work : 1);
     if (threads > 1 && (atomic_load(&forked_child) || omp_in_parallel())) threads = 1;
     if (threads > 1 && atomic_fetch_add(&active_loops, 1) != 0) {
@@ -204,8 +208,31 @@ PyObject *brrr_py_set_num_threads(PyObject *module, PyObject *arg) {
         PyErr_Format(PyExc_ValueError, "argument n: expected 0 (automatic) to 4096 threads, got %ld", n);
         return NULL;
     }
-    brrr_get_state(module)->num_threads = (int)n;
-    Py_RETURN_NONE;
+    brrr_state *st = brrr_get_state(module);
+    const int previous = st->num_threads;
+    st->num_threads = (int)n;
+    return PyLong_FromLong(previous);
+}
+
+PyObject *brrr_py_set_thread_grain(PyObject *module, PyObject *arg) {
+    long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred()) {
+        PyErr_SetString(PyExc_TypeError, "argument elements: expected an int");
+        return NULL;
+    }
+    if (n < 1) {
+        PyErr_Format(PyExc_ValueError, "argument elements: expected at least 1, got %lld", n);
+        return NULL;
+    }
+    brrr_state *st = brrr_get_state(module);
+    const long long previous = st->thread_grain;
+    st->thread_grain = n;
+    return PyLong_FromLongLong(previous);
+}
+
+PyObject *brrr_py_num_threads_for(PyObject *module, PyObject *obj) {
+    brrr_cpu_choose_threads(brrr_get_state(module), obj);
+    return PyLong_FromLong(call_threads);
 }
 
 PyObject *brrr_py_get_num_threads(PyObject *module, PyObject *unused) {

@@ -40,9 +40,10 @@
 void brrr_cpu_choose_threads(brrr_state *st, PyObject *obj);
 
 /* Run task(ctx, begin, end) over [0, n_items) in contiguous ranges, on at most the call's thread
- * count and at most n_items / min_items threads (so that small work stays on one thread). */
+ * count, and giving each thread at least the module's grain of work (elements touched, counting
+ * item_work per item: small work stays on one thread, where starting threads would cost more). */
 typedef void (*brrr_cpu_task)(void *ctx, int64_t begin, int64_t end);
-void brrr_cpu_parallel_for(int64_t n_items, int64_t min_items, brrr_cpu_task task, void *ctx);
+void brrr_cpu_parallel_for(int64_t n_items, int64_t item_work, brrr_cpu_task task, void *ctx);
 
 /* Rows per chunk of a reduction over `rows` (a function of the shape alone: at most 64 chunks). */
 static inline int64_t brrr_cpu_chunk_rows(int64_t rows) { return rows > 64 ? (rows + 63) / 64 : 1; }
@@ -53,10 +54,15 @@ void brrr_cpu_store_f32(int32_t dtype, void *base, int64_t stride, int64_t n, co
 void brrr_cpu_load_f64(int32_t dtype, const void *base, int64_t stride, int64_t n, double *dst);
 void brrr_cpu_store_f64(int32_t dtype, void *base, int64_t stride, int64_t n, const double *src);
 
-/* Python: _C.set_num_threads(n) (0: automatic) and _C.get_num_threads(). */
+/* Python: _C.set_num_threads(n) (0: automatic) -> the previous setting, _C.get_num_threads(),
+ * _C.num_threads_for(x) (the count a call with first argument x runs on), and
+ * _C.set_thread_grain(elements) -> the previous grain (the least work per thread; the tests set 1
+ * to split small inputs between threads). */
 PyObject *brrr_py_set_num_threads(PyObject *module, PyObject *arg);
 PyObject *brrr_py_get_num_threads(PyObject *module, PyObject *unused);
-/* Module init: the setting from BRRR_NUM_THREADS, and the fork handler (once per process). */
+PyObject *brrr_py_num_threads_for(PyObject *module, PyObject *obj);
+PyObject *brrr_py_set_thread_grain(PyObject *module, PyObject *arg);
+/* Module init: the settings (BRRR_NUM_THREADS), and the fork handler (once per process). */
 int brrr_cpu_init(brrr_state *st);
 
 #endif

@@ -109,7 +109,7 @@ static void cpu_dropout(const brrr_dropout_launch *L, double *acc) {
         }
     }
     const int64_t items = w.chunk ? (L->numel + w.chunk - 1) / w.chunk : 0;
-    brrr_cpu_parallel_for(items, w.chunk >= 16384 ? 1 : 16384 / w.chunk, dropout_items, &w);
+    brrr_cpu_parallel_for(items, w.chunk, dropout_items, &w);
     if (w.partials && w.partials != acc) {
         for (int64_t k = 0; k < items; k++)
             for (int64_t c = 0; c < L->cols; c++) acc[c] += w.partials[k * L->cols + c];

@@ -89,10 +89,14 @@ static PyMethodDef methods[] = {
      "cross_entropy_bwd(logits, target, ignore_index, label_smoothing, lse, grad_loss, count, grad_logits, stream) "
      "-> grad_logits"},
     {"set_num_threads", brrr_py_set_num_threads, METH_O,
-     "set_num_threads(n): threads of the CPU kernels (0: torch.get_num_threads() for torch tensors, else "
+     "set_num_threads(n) -> previous setting: threads of the CPU kernels (0: torch.get_num_threads() for torch tensors, else "
      "OMP_NUM_THREADS or os.cpu_count())."},
     {"get_num_threads", brrr_py_get_num_threads, METH_NOARGS,
      "get_num_threads() -> int: the set count, else the automatic one for inputs other than torch tensors."},
+    {"set_thread_grain", brrr_py_set_thread_grain, METH_O,
+     "set_thread_grain(elements) -> previous: the least work per CPU thread (default 32768; tests set 1)."},
+    {"num_threads_for", brrr_py_num_threads_for, METH_O,
+     "num_threads_for(x) -> int: the threads a CPU call whose first argument is x runs on (at most)."},
     {"rotary", (PyCFunction)(void (*)(void))brrr_py_rotary, METH_FASTCALL,
      "rotary(x, cos, sin, out, backward, stream) -> out: x * cos + rotate_half(x) * sin (or its transpose)"},
     {NULL, NULL, 0, NULL},

@@ -146,7 +146,7 @@ typedef struct {
 #undef CPU_STORE
 
 static void cpu_norm_fwd(const brrr_norm_launch *L) {
-    brrr_cpu_parallel_for(L->rows, L->cols >= 32768 ? 1 : 32768 / L->cols,
+    brrr_cpu_parallel_for(L->rows, L->cols,
                           L->dtype == BRRR_F64 ? norm_fwd_rows_f64 : norm_fwd_rows_f32, (void *)L);
 }
 
@@ -167,7 +167,7 @@ static void cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b
         }
     }
     const int64_t items = (L->rows + work.chunk_rows - 1) / work.chunk_rows, per_item = work.chunk_rows * n;
-    brrr_cpu_parallel_for(items, per_item >= 32768 ? 1 : 32768 / per_item,
+    brrr_cpu_parallel_for(items, per_item,
                           L->dtype == BRRR_F64 ? norm_bwd_chunks_f64 : norm_bwd_chunks_f32, &work);
     for (int64_t k = 0; partials && k < chunks; k++) {
         for (int64_t j = 0; acc_w && j < n; j++) acc_w[j] += work.partial_w[k * n + j];

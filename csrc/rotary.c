@@ -51,8 +51,7 @@ static void rotary_rows(void *ctx, int64_t begin, int64_t end) {
 
 /* Rows on the call's threads. */
 static void cpu_rotary(const brrr_rotary_launch *L) {
-    const int64_t per_row = 2 * L->half > 0 ? 2 * L->half : 1;
-    brrr_cpu_parallel_for(L->rows, per_row >= 32768 ? 1 : 32768 / per_row, rotary_rows, (void *)L);
+    brrr_cpu_parallel_for(L->rows, 2 * L->half, rotary_rows, (void *)L);
 }
 
 /* cos or sin: x's device and dtype, broadcastable to x's shape, D as its last dim. */

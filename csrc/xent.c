@@ -83,8 +83,7 @@ static int64_t row_offset(const brrr_xent_launch *L, const int64_t *strides, int
 
 static void cpu_xent_fwd(const brrr_xent_launch *L) {
     const int32_t acc = acc_dtype(L->dtype);
-    const int64_t min_rows = L->classes >= 32768 ? 1 : 32768 / (L->classes > 0 ? L->classes : 1);
-    brrr_cpu_parallel_for(L->rows, min_rows, L->dtype == BRRR_F64 ? xent_fwd_rows_f64 : xent_fwd_rows_f32, (void *)L);
+    brrr_cpu_parallel_for(L->rows, L->classes, L->dtype == BRRR_F64 ? xent_fwd_rows_f64 : xent_fwd_rows_f32, (void *)L);
     double sum = 0.0;
     int64_t counted = 0;
     for (int64_t r = 0; r < L->rows; r++) {
@@ -96,8 +95,7 @@ static void cpu_xent_fwd(const brrr_xent_launch *L) {
 }
 
 static void cpu_xent_bwd(const brrr_xent_launch *L) {
-    const int64_t min_rows = L->classes >= 32768 ? 1 : 32768 / (L->classes > 0 ? L->classes : 1);
-    brrr_cpu_parallel_for(L->rows, min_rows, L->dtype == BRRR_F64 ? xent_bwd_rows_f64 : xent_bwd_rows_f32, (void *)L);
+    brrr_cpu_parallel_for(L->rows, L->classes, L->dtype == BRRR_F64 ? xent_bwd_rows_f64 : xent_bwd_rows_f32, (void *)L);
 }
 
 /* ---- checks and layout ------------------------------------------------------------------------- */
