@@ -127,20 +127,24 @@ typedef struct {
 } norm_bwd_work;
 
 #define REAL float
+#define REAL_DTYPE BRRR_F32
 #define FN(name) name##_f32
 #define CPU_LOAD brrr_cpu_load_f32
 #define CPU_STORE brrr_cpu_store_f32
 #include "norm_cpu.inc"
 #undef REAL
+#undef REAL_DTYPE
 #undef FN
 #undef CPU_LOAD
 #undef CPU_STORE
 #define REAL double
+#define REAL_DTYPE BRRR_F64
 #define FN(name) name##_f64
 #define CPU_LOAD brrr_cpu_load_f64
 #define CPU_STORE brrr_cpu_store_f64
 #include "norm_cpu.inc"
 #undef REAL
+#undef REAL_DTYPE
 #undef FN
 #undef CPU_LOAD
 #undef CPU_STORE
