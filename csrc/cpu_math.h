@@ -89,8 +89,9 @@ static inline float brrr_erfcf(float x) {
  * reduced path gives NaN for them, as it should. */
 static inline int brrr_trig_needs_libm(float x) {
     brrr_f32_bits bits = {x};
-    bits.u &= 0x7FFFFFFFu;
-    return bits.f > BRRR_TRIG_REDUCED_MAX && bits.f <= 3.40282347e38f;
+    const brrr_f32_bits max = {BRRR_TRIG_REDUCED_MAX};
+    /* one unsigned range check on |x|'s bits (max, inf): no branch, so a loop of it vectorises */
+    return (bits.u & 0x7FFFFFFFu) - (max.u + 1u) < 0x7F800000u - (max.u + 1u);
 }
 
 static inline void brrr_sincosf_reduced(float x, float *s, float *c) {
