@@ -14,10 +14,12 @@
  * and combine the partials in item order afterwards, so they are bitwise identical whatever the
  * thread count.
  *
- * Vector width. BRRR_SIMD compiles a function for AVX-512, AVX2 and baseline x86-64 and picks
- * one when the module loads (GCC's function multiversioning), so one binary runs on any x86-64;
- * elsewhere (aarch64: NEON is baseline) it compiles once. Floating-point contraction stays off
- * (-std=c11), so every version rounds alike. */
+ * Vector width. BRRR_SIMD compiles a function for AVX-512, AVX2 (both with FMA) and baseline
+ * x86-64 and picks one when the module loads (GCC's function multiversioning), so one binary runs
+ * on any x86-64; elsewhere (aarch64: NEON is baseline) it compiles once. These functions contract
+ * a * b + c into fused multiply-adds where the CPU has them (the polynomials of cpu_math.h cost
+ * half as many instructions): a result may differ by a rounding between CPU generations, never
+ * between thread counts. The rest of the C code keeps -std=c11's no-contraction rule. */
 #ifndef BRRR_CPU_H
 #define BRRR_CPU_H
 
@@ -28,7 +30,7 @@
 #include "brrr.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define BRRR_SIMD __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define BRRR_SIMD __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("fp-contract=fast")))
 #else
 #define BRRR_SIMD
 #endif

@@ -5,7 +5,8 @@
  *
  *   brrr_expf      Cody-Waite reduction by ln 2, Taylor polynomial of degree 7 on |r| <= ln2/2
  *                  (truncation below 6e-9 relative), 2^n applied in two halves so that results
- *                  down into the subnormals and up to infinity come out right.
+ *                  down into the subnormals and up to infinity come out right; brrr_exp_sum
+ *                  takes its argument as an exact sum of two floats.
  *   brrr_tanhf     x + x^3 P(x^2) below 0.625 (Cephes' tanhf polynomial), 1 - 2 / (e^2|x| + 1)
  *                  above, where nothing cancels badly.
  *   brrr_erfcf     Numerical Recipes' erfcc (Chebyshev fit, relative error below 1.2e-7 for
@@ -24,14 +25,18 @@ typedef union {
     uint32_t u;
 } brrr_f32_bits;
 
-static inline float brrr_expf(float x) {
+/* e^(a + b), the reduction done on a and b apart: a - n ln2_hi is exact for an a of up to 24
+ * bits near n ln2 (Sterbenz), so e^(-z^2) with -z^2 = a + b split exactly keeps its accuracy. */
+static inline float brrr_exp_sum(float a, float b) {
     const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    x = x > 88.8f ? 88.8f : x;             /* e^88.8 overflows, e^-104 underflows to 0; NaN stays */
-    x = x < -104.0f ? -104.0f : x;
-    brrr_f32_bits t = {x * 1.44269504088896341f + round_magic};
+    const float sum = a + b;
+    const int above = sum > 88.8f, below = sum < -104.0f; /* e^88.8 overflows, e^-104 is 0; NaN: neither */
+    a = above ? 88.8f : below ? -104.0f : a;
+    b = above || below ? 0.0f : b;
+    brrr_f32_bits t = {(a + b) * 1.44269504088896341f + round_magic};
     const float n = t.f - round_magic;
     /* ln 2 = 0.693359375 (9 bits: n * it is exact) - 2.12194440e-4 */
-    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    const float r = ((a - n * 0.693359375f) + b) - n * -2.12194440e-4f;
     float p = 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
@@ -45,6 +50,8 @@ static inline float brrr_expf(float x) {
     const brrr_f32_bits s1 = {.u = (uint32_t)(n1 + 127) << 23}, s2 = {.u = (uint32_t)(n2 + 127) << 23};
     return p * s1.f * s2.f;
 }
+
+static inline float brrr_expf(float x) { return brrr_exp_sum(x, 0.0f); }
 
 static inline float brrr_tanhf(float x) {
     brrr_f32_bits bits = {x}, sign = {x};
@@ -75,11 +82,11 @@ static inline float brrr_erfcf(float x) {
     p = p * t + 0.09678418f;
     p = p * t + 0.37409196f;
     p = p * t + 1.00002368f;
-    /* e^-z^2 as e^-hi^2 e^((hi - z)(hi + z)): hi, z with its low 12 bits cleared, squares exactly,
-     * so the rounding of z^2 (up to 100 ulps of the result at z = 9) never enters. */
+    /* -z^2 = -hi^2 + (hi - z)(hi + z), hi being z with its low 12 bits cleared (it squares
+     * exactly), so the rounding of z^2 (up to 100 ulps of the result at z = 9) never enters. */
     brrr_f32_bits hi = {z};
     hi.u &= 0xFFFFF000u;
-    const float tail = t * brrr_expf(-hi.f * hi.f) * brrr_expf((hi.f - z) * (hi.f + z) - 1.26551223f + t * p);
+    const float tail = t * brrr_exp_sum(-hi.f * hi.f, (hi.f - z) * (hi.f + z) - 1.26551223f + t * p);
     return x >= 0.0f ? tail : (x != x ? x : 2.0f - tail);
 }
 
