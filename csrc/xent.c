@@ -59,23 +59,27 @@ static int64_t row_offset(const brrr_xent_launch *L, const int64_t *strides, int
 #define XENT_LANES 16
 
 #define REAL float
+#define REAL_DTYPE BRRR_F32
 #define FN(name) name##_f32
 #define CPU_LOAD brrr_cpu_load_f32
 #define CPU_STORE brrr_cpu_store_f32
 #define EXP brrr_expf
 #include "xent_cpu.inc"
 #undef REAL
+#undef REAL_DTYPE
 #undef FN
 #undef CPU_LOAD
 #undef CPU_STORE
 #undef EXP
 #define REAL double
+#define REAL_DTYPE BRRR_F64
 #define FN(name) name##_f64
 #define CPU_LOAD brrr_cpu_load_f64
 #define CPU_STORE brrr_cpu_store_f64
 #define EXP exp
 #include "xent_cpu.inc"
 #undef REAL
+#undef REAL_DTYPE
 #undef FN
 #undef CPU_LOAD
 #undef CPU_STORE
