@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD python benchmarks/cpu_twins.py            # full: the sizes of issue 23
     PYTHONPATH=$PWD python benchmarks/cpu_twins.py --smoke    # seconds (CI runs it: test_cpu_twins.py)
     PYTHONPATH=$PWD python benchmarks/cpu_twins.py --markdown out.md
+    PYTHONPATH=$PWD python benchmarks/cpu_twins.py --threads 1 --clock cpu   # a loaded machine
 
 Cases: chain("cos", "cos") on 2^24 float32 against x.cos().cos() and np.cos(np.cos(x)); each single
 activation on 2^24 elements; LayerNorm, RMSNorm, SwiGLU, GeGLU and cross-entropy at 4096 x
@@ -10,7 +11,10 @@ activation on 2^24 elements; LayerNorm, RMSNorm, SwiGLU, GeGLU and cross-entropy
 runs in the same round, one call each in turn, for many rounds (a shared machine's noise hits
 them alike); a case reports the median time of each and the spread (interquartile range over
 the median). brrr runs on its default thread count: torch.get_num_threads() for torch tensors,
-os.cpu_count() for NumPy arrays; NumPy's ufuncs run on one thread.
+os.cpu_count() for NumPy arrays; NumPy's ufuncs run on one thread. --threads N sets both torch's
+and brrr's count; --clock cpu times the process's CPU time instead of the wall clock, which on a
+machine shared with other work measures one thread's work without the waits for a core (with
+several threads it would add up their spinning too).
 """
 
 import argparse
@@ -38,16 +42,16 @@ ACTIVATIONS = {
 }
 
 
-def measure(impls, rounds):
+def measure(impls, rounds, clock=time.perf_counter):
     """Median seconds and spread of each implementation, called in turn, `rounds` times."""
     times = {name: [] for name in impls}
     for fn in impls.values():  # warm-up: first-touch page faults, thread pools, caches
         fn()
     for _ in range(rounds):
         for name, fn in impls.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     out = {}
     for name, ts in times.items():
         q = statistics.quantiles(ts, n=4)
@@ -113,19 +117,22 @@ def cases(smoke):
                 yield f"{name} fwd+bwd {size}", {"brrr": _fwd_bwd(ours, *inputs), "torch": _fwd_bwd(theirs, *inputs)}
 
 
-def run(smoke=False, rounds=None, markdown=None):
+def run(smoke=False, rounds=None, markdown=None, threads=None, clock="wall"):
     rounds = rounds or (3 if smoke else 21)
+    if threads:
+        torch.set_num_threads(threads)
+        brrr.set_num_threads(threads)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
     header = (f"brrr {commit}, torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} CPUs, "
               f"torch threads {torch.get_num_threads()}, brrr threads {brrr.get_num_threads()} (NumPy inputs); "
-              f"median ms of {rounds} interleaved rounds (spread: interquartile range / median)")
+              f"median ms ({clock} clock) of {rounds} interleaved rounds (spread: interquartile range / median)")
     lines = [header, "", "| case | brrr ms | torch ms | numpy ms | torch / brrr | numpy / brrr |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     print(header)
     results = {}
     for name, impls in cases(smoke):
-        r = measure(impls, rounds)
+        r = measure(impls, rounds, time.process_time if clock == "cpu" else time.perf_counter)
         results[name] = r
         ours = r["brrr"][0]
         cell = lambda k: f"{r[k][0] * 1e3:.2f} ±{r[k][1]:.0%}" if k in r else ""
@@ -146,8 +153,10 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="small sizes and 3 rounds (seconds)")
     parser.add_argument("--rounds", type=int, help="rounds per case (default 21, smoke 3)")
     parser.add_argument("--markdown", help="also write the table to this file")
+    parser.add_argument("--threads", type=int, help="torch's and brrr's thread count (default: theirs)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall clock or process CPU time")
     args = parser.parse_args()
-    run(args.smoke, args.rounds, args.markdown)
+    run(args.smoke, args.rounds, args.markdown, args.threads, args.clock)
 
 
 if __name__ == "__main__":

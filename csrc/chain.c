@@ -230,27 +230,32 @@ BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, 
     }
 }
 
-/* The program over a block: x's values in cur, next a second block buffer, vals[k] operand k's
- * block. Backward (total non-NULL): total receives d out / d x and grads[k] d out / d operand k,
- * d being scratch. Returns the buffer holding the result (cur or next). */
-BRRR_SIMD static float *block_program_f32(const brrr_chain_program *p, float *cur, float *next, float *const *vals,
-                                          float *d, float *total, float *const *grads, int64_t n) {
+/* The program over a block. src holds x's values and is never written: each step writes into
+ * scratch buffer a or b (whichever does not hold its input), the last one into dst when dst is
+ * non-NULL, so that x and out can be read and written in place. vals[k] is operand k's block.
+ * Backward (total non-NULL): total receives d out / d x and grads[k] d out / d operand k, d
+ * being scratch. Returns where the result is. */
+BRRR_SIMD static const float *block_program_f32(const brrr_chain_program *p, const float *src, float *a, float *b,
+                                                float *dst, float *const *vals, float *d, float *total,
+                                                float *const *grads, int64_t n) {
     int active = 0; /* operands whose step has been passed: their gradient takes every later factor */
+    const float *cur = src;
     if (total) {
         for (int64_t i = 0; i < n; i++) total[i] = 1.0f;
     }
     for (int k = 0; k < p->n_steps; k++) {
         const int op = p->steps[k].op, slot = p->steps[k].operand;
         const float *v = is_tensor_op(op) ? vals[slot] : NULL;
+        float *out = dst && k == p->n_steps - 1 ? dst : cur == a ? b : a;
         if (op == BRRR_OP_ADD_TENSOR) {
-            for (int64_t i = 0; i < n; i++) cur[i] += v[i];
+            for (int64_t i = 0; i < n; i++) out[i] = cur[i] + v[i];
             if (total) {
                 for (int64_t i = 0; i < n; i++) grads[slot][i] = 1.0f;
             }
         } else if (op == BRRR_OP_MUL_TENSOR) {
-            for (int b = 0; total && b < p->n_operands; b++) {
-                if (active >> b & 1) {
-                    for (int64_t i = 0; i < n; i++) grads[b][i] *= v[i];
+            for (int j = 0; total && j < p->n_operands; j++) {
+                if (active >> j & 1) {
+                    for (int64_t i = 0; i < n; i++) grads[j][i] *= v[i];
                 }
             }
             if (total) {
@@ -259,22 +264,20 @@ BRRR_SIMD static float *block_program_f32(const brrr_chain_program *p, float *cu
                     total[i] *= v[i];
                 }
             }
-            for (int64_t i = 0; i < n; i++) cur[i] *= v[i];
+            for (int64_t i = 0; i < n; i++) out[i] = cur[i] * v[i];
         } else {
-            block_step_f32(op, (float)p->steps[k].scalar, cur, next, total ? d : NULL, n);
-            float *swap = cur;
-            cur = next;
-            next = swap;
+            block_step_f32(op, (float)p->steps[k].scalar, cur, out, total ? d : NULL, n);
             if (total) {
                 for (int64_t i = 0; i < n; i++) total[i] *= d[i];
             }
-            for (int b = 0; total && b < p->n_operands; b++) {
-                if (active >> b & 1) {
-                    for (int64_t i = 0; i < n; i++) grads[b][i] *= d[i];
+            for (int j = 0; total && j < p->n_operands; j++) {
+                if (active >> j & 1) {
+                    for (int64_t i = 0; i < n; i++) grads[j][i] *= d[i];
                 }
             }
         }
         if (is_tensor_op(op)) active |= 1 << slot;
+        cur = out;
     }
     return cur;
 }
@@ -305,8 +308,9 @@ BRRR_SIMD static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
     const brrr_chain_program *p = &L->program;
     const int32_t dt = L->dtype;
     const int nops = p->n_operands, f64 = dt == BRRR_F64, bwd = w->backward;
-    /* Block buffers: y, spare, d, total, grad_out, operands, their gradients (float or double). */
-    enum { B_Y, B_SPARE, B_D, B_TOTAL, B_G, B_VALS, B_GRADS = B_VALS + BRRR_MAX_CHAIN_OPERANDS, B_COUNT = B_GRADS + BRRR_MAX_CHAIN_OPERANDS };
+    /* Block buffers: x (y for float64), two for the steps, d, total, grad_out, operands, their
+     * gradients (float or double). */
+    enum { B_Y, B_A, B_B, B_D, B_TOTAL, B_G, B_VALS, B_GRADS = B_VALS + BRRR_MAX_CHAIN_OPERANDS, B_COUNT = B_GRADS + BRRR_MAX_CHAIN_OPERANDS };
     _Alignas(64) double storage[B_COUNT][BRRR_CPU_BLOCK];
     float *fb[B_COUNT];
     double *db[B_COUNT];
@@ -342,16 +346,27 @@ BRRR_SIMD static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
                 }
                 brrr_cpu_store_f64(dt, out, col_stride(w, T_OUT), n, y);
             } else {
-                float *x = fb[B_Y], *g = fb[B_G], *const *grads = &fb[B_GRADS];
-                brrr_cpu_load_f32(dt, TILE(T_X, L->x.data), col_stride(w, T_X), n, x);
-                float *y = block_program_f32(p, x, fb[B_SPARE], &fb[B_VALS], fb[B_D], bwd ? fb[B_TOTAL] : NULL, grads, n);
-                if (bwd) {
+                /* float32 at stride 1 is read and written in place (out may be x itself: then
+                 * through the buffers, as the steps read their input after writing) */
+                float *g = fb[B_G], *const *grads = &fb[B_GRADS];
+                const float *x = TILE(T_X, L->x.data);
+                if (dt != BRRR_F32 || col_stride(w, T_X) != 1) {
+                    brrr_cpu_load_f32(dt, x, col_stride(w, T_X), n, fb[B_Y]);
+                    x = fb[B_Y];
+                }
+                const int in_place = !bwd && dt == BRRR_F32 && col_stride(w, T_OUT) == 1 && L->out.data != L->x.data;
+                float *dst = in_place ? out : NULL;
+                const float *y = block_program_f32(p, x, fb[B_A], fb[B_B], dst, &fb[B_VALS], fb[B_D],
+                                                   bwd ? fb[B_TOTAL] : NULL, grads, n);
+                if (bwd) { /* grad_x = grad_out * total, grad operand k = grad_out * grads[k] */
+                    float *total = fb[B_TOTAL];
                     brrr_cpu_load_f32(dt, TILE(T_GRAD_OUT, L->grad_out.data), col_stride(w, T_GRAD_OUT), n, g);
-                    for (int64_t i = 0; i < n; i++) y[i] = g[i] * fb[B_TOTAL][i];
+                    for (int64_t i = 0; i < n; i++) total[i] *= g[i];
                     for (int b = 0; b < nops; b++)
                         for (int64_t i = 0; i < n; i++) grads[b][i] *= g[i];
+                    y = total;
                 }
-                brrr_cpu_store_f32(dt, out, col_stride(w, T_OUT), n, y);
+                if (y != dst) brrr_cpu_store_f32(dt, out, col_stride(w, T_OUT), n, y);
             }
             for (int b = 0; bwd && b < nops; b++) {
                 if (c->vector_operand[b] && partial) {
