@@ -549,9 +549,9 @@ def patch(model):
             for child in getattr(new_class, "_brrr_computes", ()):
                 computed_by_parent[f"{name}.{child}" if name else child] = name
     if device.type == "cpu" and report.swapped and any(registry.lookup(n).cpu == "pytorch" for n in registry.names()):
-        report.notes.append("the model is on the CPU, where the registry runs PyTorch's functions unless told "
-                            "registry.on_cpu(name, 'kernel'): brrr's CPU code is its CUDA kernels' reference twin, "
-                            "not a fast CPU kernel. brrr's kernels run once the model is on a GPU.")
+        report.notes.append("the model is on the CPU, where the registry runs PyTorch's functions for the ops whose "
+                            "CPU kernels measured faster than brrr's, unless told registry.on_cpu(name, 'kernel'). "
+                            "brrr's kernels run once the model is on a GPU.")
     return report
 
 
