@@ -74,7 +74,7 @@ def find_cuda_home():
     return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
 
 
-CORE_SOURCES = ("module.c", "op.c", "tensor.c")
+CORE_SOURCES = ("cpu.c", "module.c", "op.c", "tensor.c")
 
 
 def op_families():
@@ -296,8 +296,9 @@ extension = Extension(
     "brrr._C",
     sources=[os.path.relpath(path, ROOT) for path in files_in(CSRC, (".c",))],
     include_dirs=[CSRC, CUDA, numpy.get_include()],
-    extra_compile_args=C_FLAGS + san_flags,
-    extra_link_args=LINK_FLAGS + (san_flags if sanitize else STRIP_FLAGS),
+    # OpenMP: the CPU kernels' threads (libgomp; the same runtime PyTorch's CPU wheels load).
+    extra_compile_args=C_FLAGS + ["-fopenmp"] + san_flags,
+    extra_link_args=LINK_FLAGS + ["-fopenmp"] + (san_flags if sanitize else STRIP_FLAGS),
 )
 
 setup(ext_modules=[extension], cmdclass={"build_ext": BuildExt})

@@ -49,6 +49,18 @@ def cuda_available() -> bool:
     return _C.cuda_available()
 
 
+def set_num_threads(n: int) -> int:
+    """Threads of brrr's CPU kernels: n > 0, or 0 for the automatic count (torch.get_num_threads()
+    for torch tensors, else OMP_NUM_THREADS or os.cpu_count()). BRRR_NUM_THREADS sets it at import.
+    Returns the previous setting."""
+    return _C.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """The count set by set_num_threads, else the automatic count for inputs other than torch tensors."""
+    return _C.get_num_threads()
+
+
 def build_info() -> dict:
     """What this build of brrr contains and what it found at run time."""
     info = dict(_C.build_info())
@@ -112,6 +124,7 @@ __all__ = [
     "cos",
     "cross_entropy",
     "cuda_available",
+    "get_num_threads",
     "exp",
     "gelu",
     "layer_norm",
@@ -120,6 +133,7 @@ __all__ = [
     "relu",
     "rms_norm",
     "rotary",
+    "set_num_threads",
     "sigmoid",
     "silu",
     "sin",

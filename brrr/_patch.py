@@ -754,9 +754,9 @@ def _patch(model, fused_linear_cross_entropy, remat):
                             f"instead of saving them for their linear layers: {norm_bytes + glu_bytes} bytes per token "
                             "not held from the forward to the backward")
     if device.type == "cpu" and report.swapped and any(registry.lookup(n).cpu == "pytorch" for n in registry.names()):
-        report.notes.append("the model is on the CPU, where the registry runs PyTorch's functions unless told "
-                            "registry.on_cpu(name, 'kernel'): brrr's CPU code is its CUDA kernels' reference twin, "
-                            "not a fast CPU kernel. brrr's kernels run once the model is on a GPU.")
+        report.notes.append("the model is on the CPU, where the registry runs PyTorch's functions for the ops whose "
+                            "CPU kernels measured faster than brrr's, unless told registry.on_cpu(name, 'kernel'). "
+                            "brrr's kernels run once the model is on a GPU.")
     return report
 
 

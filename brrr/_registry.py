@@ -8,7 +8,7 @@
     registry.reset("gelu")                   # back to brrr's
     registry.on_unsupported("gelu", "raise") # unsupported input: UnsupportedError, not a fallback
     registry.under_compile("rms_norm", "kernel")  # brrr's kernel in compiled graphs too
-    registry.on_cpu("gelu", "kernel")        # brrr's CPU code for CPU tensors (default: PyTorch's)
+    registry.on_cpu("gelu", "kernel")        # brrr's CPU kernel for CPU tensors (default: the faster, measured)
 
 Under torch.compile an op runs one of two ways. "kernel": brrr's custom op sits in the graph as
 one opaque node. "inductor": the PyTorch function it replaces is traced instead, so that inductor
@@ -21,13 +21,13 @@ forward reads the logits once, inductor's twice), linear_cross_entropy (inductor
 logits whole) and bias_dropout_add (its reference draws its mask from torch's generator, not from
 the seed) to "kernel".
 
-On CPU tensors brrr's ops run the PyTorch function they replace, unless set to "kernel" (ops a
-user registers run their implementation there, as on any device they list): brrr's CPU
-code is the reference twin of its CUDA kernels (it computes the same function, for tests and
-NumPy), not a fast CPU kernel; PyTorch's vectorised CPU kernels ran 17 to 32 times faster on this
-project's CPU machine (a 256 x 1024 GELU, SiLU and LayerNorm, one thread:
-benchmarks/results/local/cpu-twins-2026-12-01.txt). So a model patched or built with brrr.nn keeps
-PyTorch's CPU speed until it moves to the GPU.
+On CPU tensors each op runs brrr's CPU kernel or the PyTorch function it replaces, whichever
+measured faster on this project's 2-core CPU machine (benchmarks/cpu_twins.py, numbers in
+benchmarks/results/cpu-2026-12-02.md; ops a user registers run their implementation there, as on
+any device they list): brrr's kernel for the ops in _KERNEL_ON_CPU below, where it won both on
+one thread and on two; PyTorch's for the rest (the erf GELU, ReLU, SiLU, sigmoid and LayerNorm,
+where PyTorch's CPU kernels were as fast or faster; ops not measured there keep PyTorch's).
+registry.on_cpu(name, "kernel" | "pytorch") changes it.
 
 An input brrr does not support (a dtype or device it has no kernel for, mixed dtypes that
 PyTorch would promote, a CUDA tensor in a build without CUDA) goes to the PyTorch function the op
@@ -433,6 +433,11 @@ def _check_choice(argument, value, choices):
 
 # What stays brrr's kernel under torch.compile (see the module docstring); the rest is inductor's.
 _KERNEL_UNDER_COMPILE = {"cross_entropy", "linear_cross_entropy", "bias_dropout_add"}
+# What runs brrr's kernel on CPU tensors (see the module docstring): faster than PyTorch's there on
+# one thread and on two (benchmarks/results/cpu-2026-12-02.md); the rest runs PyTorch's function.
+# cross_entropy measured faster too, but that kernel's threaded version does not take softcap and
+# z_loss yet: until it does, the CPU twin is the single-threaded reference, and PyTorch's runs.
+_KERNEL_ON_CPU = {"tanh", "rms_norm"}
 
 registry = Registry()
 for _name, _ref, _impl, _ok in [
@@ -458,4 +463,4 @@ for _name, _ref, _impl, _ok in [
     ("log_softmax", TORCH_FUNCTIONS["log_softmax"], _softmax(True), _softmax_ok),
 ]:
     registry.register(_name, _ref, _impl, _ok, compiled="kernel" if _name in _KERNEL_UNDER_COMPILE else "inductor",
-                      cpu="pytorch")
+                      cpu="kernel" if _name in _KERNEL_ON_CPU else "pytorch")

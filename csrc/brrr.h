@@ -37,18 +37,27 @@ typedef struct {
     PyObject *str_exchange_api;    /* "__dlpack_c_exchange_api__" */
     PyObject *str_is_neg;          /* "is_neg" */
     PyObject *max_version;         /* (1, BRRR_DLPACK_MINOR) */
+    /* CPU threads (csrc/cpu.c): the set count (0: automatic), the automatic one for inputs
+     * other than torch tensors, the grain, and torch's tensor type and get_num_threads once torch is
+     * imported (strong references, NULL before). */
+    int num_threads;
+    int default_threads;
+    int64_t thread_grain;         /* the least work (elements) worth a thread of its own */
+    PyObject *torch_tensor_type;
+    PyObject *torch_get_num_threads;
 } brrr_state;
 
 /* Release the references an entry holds (module teardown, or an entry that was not cached). */
 void brrr_type_info_clear(brrr_type_info *info);
 
 /* One call's stream: what the caller passed (-1 = let the framework of the first argument say),
- * resolved once from the first imported tensor. */
+ * resolved once from the first imported tensor; likewise its CPU thread count. */
 typedef struct {
     brrr_state *state;
     long long stream_arg;
     int resolved;
     void *stream;
+    int cpu_threads_chosen; /* the CPU thread count was fixed by the first CPU tensor (csrc/cpu.h) */
 } brrr_call;
 
 /* A tensor argument, imported for the duration of one call. */

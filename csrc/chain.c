@@ -18,18 +18,23 @@
 
 #include <math.h>
 #include <numpy/arrayobject.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "cpu.h"
+#include "cpu_math.h"
+
+/* float32 math (also for float16 and bfloat16 storage) with cpu_math.h's vectorisable functions;
+ * sin and cos of arguments beyond BRRR_TRIG_REDUCED_MAX are redone with libm (block_step_f32). */
 #define QUAL static inline
 #define FN(name) name##_f32
 #define REAL float
-#define EXP expf
-#define TANH tanhf
-/* erfc below zero: 1 + erff cancels to 0 in the left tail, where half storage still resolves gelu. */
-#define ONE_PLUS_ERF(z) ((z) >= 0.0f ? 1.0f + erff(z) : erfcf(-(z)))
-#define COS cosf
-#define SIN sinf
-#define SINCOS(x, s, c) (*(s) = sinf(x), *(c) = cosf(x))
+#define EXP brrr_expf
+#define TANH brrr_tanhf
+#define ONE_PLUS_ERF(z) brrr_erfcf(-(z)) /* 1 + erf(z) = erfc(-z): no cancellation in the left tail */
+#define COS brrr_cosf_reduced
+#define SIN brrr_sinf_reduced
+#define SINCOS(x, s, c) brrr_sincosf_reduced(x, s, c)
 #define DIV(a, b) ((a) / (b))
 #include "chain_math.inc"
 #include "chain_math_end.inc"
@@ -164,8 +169,14 @@ static int parse_program(PyObject *obj, brrr_chain_program *p) {
 }
 
 /* ---- CPU twin -------------------------------------------------------------------------------
- * Rows are x's leading dims (walked with an odometer), columns its last dim; every tensor is
- * addressed through its own strides over x's shape, so any view works without a copy. */
+ * Rows are x's leading dims, columns its last dim; every tensor is addressed through its own
+ * strides over x's shape, so any view works without a copy (a fully dense call is one row).
+ * The work is cut into tiles, a chunk of rows (brrr_cpu_chunk_rows) by a block of at most
+ * BRRR_CPU_BLOCK columns, shared out between threads. A tile's rows are loaded one block at a
+ * time into float buffers (double for float64), the program runs over the block step by step,
+ * each step one loop the compiler vectorises, and the block is stored. A bias gradient sums each
+ * chunk of rows into its own partial row, and the partials are added in chunk order at the end:
+ * the same sums whatever the thread count. */
 
 typedef struct {
     const brrr_chain_launch *launch;
@@ -178,55 +189,247 @@ typedef struct {
 
 enum { T_X, T_OUT, T_GRAD_OUT, T_OPERANDS, T_GRAD_OPERANDS = T_OPERANDS + BRRR_MAX_CHAIN_OPERANDS, T_COUNT = T_GRAD_OPERANDS + BRRR_MAX_CHAIN_OPERANDS };
 
-static void cpu_chain_run(const cpu_chain *c, int backward) {
-    const brrr_chain_launch *L = c->launch;
-    const brrr_chain_program *p = &L->program;
-    int32_t dt = L->dtype, rank = c->rank, nops = p->n_operands;
-    int64_t cols = c->shape[rank - 1], rows = cols ? L->numel / cols : 0;
-    int64_t idx[BRRR_MAX_RANK] = {0};
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t base[T_COUNT] = {0};
-        for (int k = 0; k < T_COUNT; k++)
-            for (int d = 0; d < rank - 1; d++) base[k] += idx[d] * c->strides[k][d];
-        for (int64_t j = 0; j < cols; j++) {
-            int64_t at[T_COUNT];
-            for (int k = 0; k < T_COUNT; k++) at[k] = base[k] + j * c->strides[k][rank - 1];
-            if (dt == BRRR_F64) {
-                double x = ((const double *)L->x.data)[at[T_X]], vals[BRRR_MAX_CHAIN_OPERANDS] = {0};
-                for (int b = 0; b < nops; b++) vals[b] = ((const double *)L->operands[b].data)[at[T_OPERANDS + b]];
-                if (!backward) {
-                    ((double *)L->out.data)[at[T_OUT]] = program_fwd_f64(p, x, vals);
-                    continue;
+/* One unary or scalar step over a block: out = step(in), and d = its derivative unless NULL. */
+BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, float *restrict out,
+                                     float *restrict d, int64_t n) {
+#define UNARY(name)                                                                                   \
+    if (d) {                                                                                          \
+        for (int64_t i = 0; i < n; i++) out[i] = name##_fwd_grad_f32(in[i], &d[i]);                   \
+    } else {                                                                                          \
+        for (int64_t i = 0; i < n; i++) out[i] = name##_fwd_f32(in[i]);                               \
+    }                                                                                                 \
+    break;
+    switch (op) {
+    case BRRR_OP_RELU: UNARY(relu)
+    case BRRR_OP_GELU: UNARY(gelu)
+    case BRRR_OP_GELU_TANH: UNARY(gelu_tanh)
+    case BRRR_OP_SILU: UNARY(silu)
+    case BRRR_OP_SIGMOID: UNARY(sigmoid)
+    case BRRR_OP_TANH: UNARY(tanh)
+    case BRRR_OP_EXP: UNARY(exp)
+    case BRRR_OP_COS: UNARY(cos)
+    case BRRR_OP_SIN: UNARY(sin)
+    case BRRR_OP_ADD_SCALAR:
+        for (int64_t i = 0; i < n; i++) out[i] = in[i] + c;
+        if (d) {
+            for (int64_t i = 0; i < n; i++) d[i] = 1.0f;
+        }
+        break;
+    default: /* BRRR_OP_MUL_SCALAR */
+        for (int64_t i = 0; i < n; i++) out[i] = in[i] * c;
+        if (d) {
+            for (int64_t i = 0; i < n; i++) d[i] = c;
+        }
+        break;
+    }
+#undef UNARY
+    if (op != BRRR_OP_COS && op != BRRR_OP_SIN) return;
+    int large = 0;
+    for (int64_t i = 0; i < n; i++) large |= brrr_trig_needs_libm(in[i]);
+    for (int64_t i = 0; large && i < n; i++) {
+        if (!brrr_trig_needs_libm(in[i])) continue;
+        const float s = sinf(in[i]), co = cosf(in[i]);
+        out[i] = op == BRRR_OP_COS ? co : s;
+        if (d) d[i] = op == BRRR_OP_COS ? -s : co;
+    }
+}
+
+/* The program over a block. src holds x's values and is never written: each step writes into
+ * scratch buffer a or b (whichever does not hold its input), the last one into dst when dst is
+ * non-NULL, so that x and out can be read and written in place. vals[k] is operand k's block.
+ * Backward (total non-NULL): total receives d out / d x and grads[k] d out / d operand k, d
+ * being scratch. Returns where the result is. */
+BRRR_SIMD static const float *block_program_f32(const brrr_chain_program *p, const float *src, float *a, float *b,
+                                                float *dst, float *const *vals, float *d, float *total,
+                                                float *const *grads, int64_t n) {
+    int active = 0; /* operands whose step has been passed: their gradient takes every later factor */
+    const float *cur = src;
+    if (total) {
+        for (int64_t i = 0; i < n; i++) total[i] = 1.0f;
+    }
+    for (int k = 0; k < p->n_steps; k++) {
+        const int op = p->steps[k].op, slot = p->steps[k].operand;
+        const float *v = is_tensor_op(op) ? vals[slot] : NULL;
+        float *out = dst && k == p->n_steps - 1 ? dst : cur == a ? b : a;
+        if (op == BRRR_OP_ADD_TENSOR) {
+            for (int64_t i = 0; i < n; i++) out[i] = cur[i] + v[i];
+            if (total) {
+                for (int64_t i = 0; i < n; i++) grads[slot][i] = 1.0f;
+            }
+        } else if (op == BRRR_OP_MUL_TENSOR) {
+            for (int j = 0; total && j < p->n_operands; j++) {
+                if (active >> j & 1) {
+                    for (int64_t i = 0; i < n; i++) grads[j][i] *= v[i];
                 }
-                double g = ((const double *)L->grad_out.data)[at[T_GRAD_OUT]], grads[BRRR_MAX_CHAIN_OPERANDS];
-                ((double *)L->out.data)[at[T_OUT]] = g * program_grad_f64(p, x, vals, grads);
-                for (int b = 0; b < nops; b++) {
-                    if (c->vector_operand[b] && c->vector_grad_acc)
-                        c->vector_grad_acc[b * cols + j] += g * grads[b];
-                    else if (L->grad_operands[b].data)
-                        ((double *)L->grad_operands[b].data)[at[T_GRAD_OPERANDS + b]] = g * grads[b];
+            }
+            if (total) {
+                for (int64_t i = 0; i < n; i++) {
+                    grads[slot][i] = cur[i];
+                    total[i] *= v[i];
                 }
-            } else {
-                float x = brrr_load_f32(dt, L->x.data, at[T_X]), vals[BRRR_MAX_CHAIN_OPERANDS] = {0};
-                for (int b = 0; b < nops; b++) vals[b] = brrr_load_f32(dt, L->operands[b].data, at[T_OPERANDS + b]);
-                if (!backward) {
-                    brrr_store_f32(dt, L->out.data, at[T_OUT], program_fwd_f32(p, x, vals));
-                    continue;
-                }
-                float g = brrr_load_f32(dt, L->grad_out.data, at[T_GRAD_OUT]), grads[BRRR_MAX_CHAIN_OPERANDS];
-                brrr_store_f32(dt, L->out.data, at[T_OUT], g * program_grad_f32(p, x, vals, grads));
-                for (int b = 0; b < nops; b++) {
-                    if (c->vector_operand[b] && c->vector_grad_acc)
-                        c->vector_grad_acc[b * cols + j] += (double)(g * grads[b]);
-                    else if (L->grad_operands[b].data)
-                        brrr_store_f32(dt, L->grad_operands[b].data, at[T_GRAD_OPERANDS + b], g * grads[b]);
+            }
+            for (int64_t i = 0; i < n; i++) out[i] = cur[i] * v[i];
+        } else {
+            block_step_f32(op, (float)p->steps[k].scalar, cur, out, total ? d : NULL, n);
+            if (total) {
+                for (int64_t i = 0; i < n; i++) total[i] *= d[i];
+            }
+            for (int j = 0; total && j < p->n_operands; j++) {
+                if (active >> j & 1) {
+                    for (int64_t i = 0; i < n; i++) grads[j][i] *= d[i];
                 }
             }
         }
-        for (int d = rank - 2; d >= 0; d--) {
-            if (++idx[d] < c->shape[d]) break;
-            idx[d] = 0;
+        if (is_tensor_op(op)) active |= 1 << slot;
+        cur = out;
+    }
+    return cur;
+}
+
+/* Where a tile's rows are: [row_begin, row_end) by [col, col + n). */
+typedef struct {
+    const cpu_chain *c;
+    int backward, flat;       /* flat: every tensor dense, seen as one row of numel */
+    int64_t rows, cols, chunk_rows, col_blocks;
+    double *partials;         /* bias gradients: [chunk][operand][cols] */
+} chain_work;
+
+/* Element (r, 0) of tensor k, in elements. */
+static int64_t row_base(const chain_work *w, int k, int64_t r) {
+    const cpu_chain *c = w->c;
+    return w->flat || c->rank == 1 ? 0 : brrr_unravel(c->rank - 1, c->shape, c->strides[k], r);
+}
+static int64_t col_stride(const chain_work *w, int k) { return w->flat ? 1 : w->c->strides[k][w->c->rank - 1]; }
+
+static void *at(const void *data, int32_t dtype, int64_t offset) {
+    return (char *)data + offset * (int64_t)brrr_dtype_size(dtype);
+}
+
+BRRR_SIMD static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
+    const chain_work *w = ctx;
+    const cpu_chain *c = w->c;
+    const brrr_chain_launch *L = c->launch;
+    const brrr_chain_program *p = &L->program;
+    const int32_t dt = L->dtype;
+    const int nops = p->n_operands, f64 = dt == BRRR_F64, bwd = w->backward;
+    /* Block buffers: x (y for float64), two for the steps, d, total, grad_out, operands, their
+     * gradients (float or double). */
+    enum { B_Y, B_A, B_B, B_D, B_TOTAL, B_G, B_VALS, B_GRADS = B_VALS + BRRR_MAX_CHAIN_OPERANDS, B_COUNT = B_GRADS + BRRR_MAX_CHAIN_OPERANDS };
+    _Alignas(64) double storage[B_COUNT][BRRR_CPU_BLOCK];
+    float *fb[B_COUNT];
+    double *db[B_COUNT];
+    for (int k = 0; k < B_COUNT; k++) {
+        fb[k] = (float *)storage[k];
+        db[k] = storage[k];
+    }
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t chunk = item / w->col_blocks, j0 = (item % w->col_blocks) * BRRR_CPU_BLOCK;
+        const int64_t n = w->cols - j0 < BRRR_CPU_BLOCK ? w->cols - j0 : BRRR_CPU_BLOCK;
+        const int64_t r_end = (chunk + 1) * w->chunk_rows < w->rows ? (chunk + 1) * w->chunk_rows : w->rows;
+        double *partial = w->partials ? w->partials + chunk * nops * w->cols : NULL;
+        for (int64_t r = chunk * w->chunk_rows; r < r_end; r++) {
+#define TILE(k, data) at((data), dt, row_base(w, (k), r) + j0 * col_stride(w, (k)))
+            for (int b = 0; b < nops; b++) {
+                if (f64) brrr_cpu_load_f64(dt, TILE(T_OPERANDS + b, L->operands[b].data), col_stride(w, T_OPERANDS + b), n, db[B_VALS + b]);
+                else brrr_cpu_load_f32(dt, TILE(T_OPERANDS + b, L->operands[b].data), col_stride(w, T_OPERANDS + b), n, fb[B_VALS + b]);
+            }
+            void *out = TILE(T_OUT, L->out.data);
+            if (f64) {
+                double *y = db[B_Y], *g = db[B_G];
+                brrr_cpu_load_f64(dt, TILE(T_X, L->x.data), col_stride(w, T_X), n, y);
+                if (bwd) brrr_cpu_load_f64(dt, TILE(T_GRAD_OUT, L->grad_out.data), col_stride(w, T_GRAD_OUT), n, g);
+                for (int64_t i = 0; i < n; i++) {
+                    double vals[BRRR_MAX_CHAIN_OPERANDS] = {0}, grads[BRRR_MAX_CHAIN_OPERANDS];
+                    for (int b = 0; b < nops; b++) vals[b] = db[B_VALS + b][i];
+                    if (!bwd) {
+                        y[i] = program_fwd_f64(p, y[i], vals);
+                        continue;
+                    }
+                    y[i] = g[i] * program_grad_f64(p, y[i], vals, grads);
+                    for (int b = 0; b < nops; b++) db[B_GRADS + b][i] = g[i] * grads[b];
+                }
+                brrr_cpu_store_f64(dt, out, col_stride(w, T_OUT), n, y);
+            } else {
+                /* float32 at stride 1 is read and written in place (out may be x itself: then
+                 * through the buffers, as the steps read their input after writing) */
+                float *g = fb[B_G], *const *grads = &fb[B_GRADS];
+                const float *x = TILE(T_X, L->x.data);
+                if (dt != BRRR_F32 || col_stride(w, T_X) != 1) {
+                    brrr_cpu_load_f32(dt, x, col_stride(w, T_X), n, fb[B_Y]);
+                    x = fb[B_Y];
+                }
+                const int in_place = !bwd && dt == BRRR_F32 && col_stride(w, T_OUT) == 1 && L->out.data != L->x.data;
+                float *dst = in_place ? out : NULL;
+                const float *y = block_program_f32(p, x, fb[B_A], fb[B_B], dst, &fb[B_VALS], fb[B_D],
+                                                   bwd ? fb[B_TOTAL] : NULL, grads, n);
+                if (bwd) { /* grad_x = grad_out * total, grad operand k = grad_out * grads[k] */
+                    float *total = fb[B_TOTAL];
+                    brrr_cpu_load_f32(dt, TILE(T_GRAD_OUT, L->grad_out.data), col_stride(w, T_GRAD_OUT), n, g);
+                    for (int64_t i = 0; i < n; i++) total[i] *= g[i];
+                    for (int b = 0; b < nops; b++)
+                        for (int64_t i = 0; i < n; i++) grads[b][i] *= g[i];
+                    y = total;
+                }
+                if (y != dst) brrr_cpu_store_f32(dt, out, col_stride(w, T_OUT), n, y);
+            }
+            for (int b = 0; bwd && b < nops; b++) {
+                if (c->vector_operand[b] && partial) {
+                    double *acc = partial + b * w->cols + j0;
+                    if (f64) for (int64_t i = 0; i < n; i++) acc[i] += db[B_GRADS + b][i];
+                    else for (int64_t i = 0; i < n; i++) acc[i] += (double)fb[B_GRADS + b][i];
+                } else if (L->grad_operands[b].data) {
+                    void *go = TILE(T_GRAD_OPERANDS + b, L->grad_operands[b].data);
+                    if (f64) brrr_cpu_store_f64(dt, go, col_stride(w, T_GRAD_OPERANDS + b), n, db[B_GRADS + b]);
+                    else brrr_cpu_store_f32(dt, go, col_stride(w, T_GRAD_OPERANDS + b), n, fb[B_GRADS + b]);
+                }
+            }
+#undef TILE
         }
+    }
+}
+
+/* Is every tensor the call touches dense row-major over x's shape (so the call is one flat row)? */
+static int chain_is_flat(const cpu_chain *c, int backward) {
+    const brrr_chain_launch *L = c->launch;
+    for (int k = 0; k < T_COUNT; k++) {
+        const int b = k >= T_GRAD_OPERANDS ? k - T_GRAD_OPERANDS : k - T_OPERANDS;
+        int used = k == T_X || k == T_OUT || (k == T_GRAD_OUT && backward);
+        if (k >= T_OPERANDS && k < T_GRAD_OPERANDS) used = b < L->program.n_operands;
+        if (k >= T_GRAD_OPERANDS) used = backward && b < L->program.n_operands && L->grad_operands[b].data;
+        if (!used) continue;
+        if (k >= T_OPERANDS && c->vector_operand[b]) return 0;
+        int64_t expect = 1;
+        for (int d = c->rank - 1; d >= 0; d--) {
+            if (c->shape[d] != 1 && c->strides[k][d] != expect) return 0;
+            expect *= c->shape[d];
+        }
+    }
+    return 1;
+}
+
+static void cpu_chain_run(const cpu_chain *c, int backward) {
+    const brrr_chain_launch *L = c->launch;
+    const int nops = L->program.n_operands;
+    chain_work w = {c, backward, chain_is_flat(c, backward), 0, 0, 0, 0, NULL};
+    w.cols = w.flat ? L->numel : c->shape[c->rank - 1];
+    w.rows = w.flat ? 1 : L->numel / w.cols;
+    w.chunk_rows = brrr_cpu_chunk_rows(w.rows);
+    w.col_blocks = (w.cols + BRRR_CPU_BLOCK - 1) / BRRR_CPU_BLOCK;
+    const int64_t chunks = (w.rows + w.chunk_rows - 1) / w.chunk_rows;
+    if (backward && c->vector_grad_acc) {
+        w.partials = calloc((size_t)(chunks * nops * w.cols), sizeof(double));
+        if (w.partials == NULL) { /* no room for the partials: one chunk, summed in row order */
+            w.chunk_rows = w.rows;
+            w.partials = c->vector_grad_acc;
+        }
+    }
+    const int64_t n_items = (w.rows + w.chunk_rows - 1) / w.chunk_rows * w.col_blocks;
+    const int64_t tile = w.chunk_rows * (w.cols < BRRR_CPU_BLOCK ? w.cols : BRRR_CPU_BLOCK);
+    brrr_cpu_parallel_for(n_items, tile, chain_tiles, &w);
+    if (w.partials && w.partials != c->vector_grad_acc) {
+        for (int64_t k = 0; k < chunks; k++)
+            for (int64_t j = 0; j < nops * w.cols; j++) c->vector_grad_acc[j] += w.partials[k * nops * w.cols + j];
+        free(w.partials);
     }
 }
 

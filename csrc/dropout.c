@@ -20,48 +20,95 @@
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "op.h"
+#include "cpu.h"
 
 #include <numpy/arrayobject.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "philox.h"
 
-/* ---- CPU twin: logical order, an odometer over the merged dims ------------------------------- */
+/* ---- CPU twin: logical order, an odometer over the merged dims --------------------------------
+ * Threads take ranges of logical elements; with a bias gradient a range is a fixed chunk of rows
+ * (brrr_cpu_chunk_rows) with a partial row sum of its own, added in chunk order at the end: the
+ * same sums whatever the thread count. */
 
-static void cpu_dropout(const brrr_dropout_launch *L, double *acc) {
+typedef struct {
+    const brrr_dropout_launch *L;
+    int64_t chunk;    /* elements per item */
+    double *partials; /* grad_bias: [item][cols], else NULL */
+} dropout_work;
+
+static void dropout_items(void *ctx, int64_t begin, int64_t end) {
+    const dropout_work *w = ctx;
+    const brrr_dropout_launch *L = w->L;
     const int draws = brrr_dropout_draws(L->threshold), f64 = L->dtype == BRRR_F64;
     const int32_t dt = L->dtype;
     const void *x = L->x.data, *res = L->residual.data, *bias = L->bias;
     void *out = L->out.data;
-    int64_t idx[BRRR_MAX_DIMS] = {0}, ox = 0, ores = 0, oout = 0, c = 0;
-    brrr_philox4 words = {{0, 0, 0, 0}};
-    for (int64_t i = 0; i < L->numel; i++) {
-        if (draws && (i & 3) == 0) words = brrr_dropout_randoms(L->seed, L->offset, (uint64_t)i >> 2);
-        const int keep = (uint64_t)words.v[i & 3] >= L->threshold;
-        if (f64) {
-            double v = ((const double *)x)[ox];
-            if (bias) v += ((const double *)bias)[c * L->bias_stride];
-            const double d = v * (keep ? L->scale : 0.0);
-            ((double *)out)[oout] = res ? ((const double *)res)[ores] + d : d;
-            if (acc) acc[c] += d;
-        } else {
-            float v = brrr_load_f32(dt, x, ox);
-            if (bias) v += brrr_load_f32(dt, bias, c * L->bias_stride);
-            const float d = v * (keep ? (float)L->scale : 0.0f);
-            brrr_store_f32(dt, out, oout, res ? brrr_load_f32(dt, res, ores) + d : d);
-            if (acc) acc[c] += d;
-        }
-        if (++c == L->cols) c = 0;
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t i0 = item * w->chunk, i1 = i0 + w->chunk < L->numel ? i0 + w->chunk : L->numel;
+        double *acc = w->partials ? w->partials + item * L->cols : NULL;
+        int64_t idx[BRRR_MAX_DIMS], rest = i0;
         for (int d = L->ndim - 1; d >= 0; d--) {
-            ox += L->x.strides[d];
-            ores += L->residual.strides[d];
-            oout += L->out.strides[d];
-            if (++idx[d] < L->shape[d]) break;
-            ox -= L->x.strides[d] * L->shape[d];
-            ores -= L->residual.strides[d] * L->shape[d];
-            oout -= L->out.strides[d] * L->shape[d];
-            idx[d] = 0;
+            idx[d] = rest % L->shape[d];
+            rest /= L->shape[d];
         }
+        int64_t ox = brrr_unravel(L->ndim, L->shape, L->x.strides, i0);
+        int64_t ores = res ? brrr_unravel(L->ndim, L->shape, L->residual.strides, i0) : 0;
+        int64_t oout = brrr_unravel(L->ndim, L->shape, L->out.strides, i0), c = i0 % L->cols;
+        brrr_philox4 words = {{0, 0, 0, 0}};
+        if (draws) words = brrr_dropout_randoms(L->seed, L->offset, (uint64_t)i0 >> 2);
+        for (int64_t i = i0; i < i1; i++) {
+            if (draws && (i & 3) == 0) words = brrr_dropout_randoms(L->seed, L->offset, (uint64_t)i >> 2);
+            const int keep = (uint64_t)words.v[i & 3] >= L->threshold;
+            if (f64) {
+                double v = ((const double *)x)[ox];
+                if (bias) v += ((const double *)bias)[c * L->bias_stride];
+                const double d = v * (keep ? L->scale : 0.0);
+                ((double *)out)[oout] = res ? ((const double *)res)[ores] + d : d;
+                if (acc) acc[c] += d;
+            } else {
+                float v = brrr_load_f32(dt, x, ox);
+                if (bias) v += brrr_load_f32(dt, bias, c * L->bias_stride);
+                const float d = v * (keep ? (float)L->scale : 0.0f);
+                brrr_store_f32(dt, out, oout, res ? brrr_load_f32(dt, res, ores) + d : d);
+                if (acc) acc[c] += d;
+            }
+            if (++c == L->cols) c = 0;
+            for (int d = L->ndim - 1; d >= 0; d--) {
+                ox += L->x.strides[d];
+                ores += L->residual.strides[d];
+                oout += L->out.strides[d];
+                if (++idx[d] < L->shape[d]) break;
+                ox -= L->x.strides[d] * L->shape[d];
+                ores -= L->residual.strides[d] * L->shape[d];
+                oout -= L->out.strides[d] * L->shape[d];
+                idx[d] = 0;
+            }
+        }
+    }
+}
+
+/* acc: NULL, or cols zeroed accumulators for the bias gradient. */
+static void cpu_dropout(const brrr_dropout_launch *L, double *acc) {
+    const int64_t rows = L->cols ? L->numel / L->cols : 0;
+    dropout_work w = {L, 16384, NULL};
+    if (acc) {
+        w.chunk = brrr_cpu_chunk_rows(rows) * L->cols;
+        const int64_t items = w.chunk ? (L->numel + w.chunk - 1) / w.chunk : 0;
+        w.partials = calloc((size_t)(items * L->cols), sizeof(double));
+        if (w.partials == NULL) { /* no room: one chunk, summed in order straight into acc */
+            w.chunk = L->numel;
+            w.partials = acc;
+        }
+    }
+    const int64_t items = w.chunk ? (L->numel + w.chunk - 1) / w.chunk : 0;
+    brrr_cpu_parallel_for(items, w.chunk, dropout_items, &w);
+    if (w.partials && w.partials != acc) {
+        for (int64_t k = 0; k < items; k++)
+            for (int64_t c = 0; c < L->cols; c++) acc[c] += w.partials[k * L->cols + c];
+        free(w.partials);
     }
 }
 

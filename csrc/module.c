@@ -2,6 +2,7 @@
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "op.h"
+#include "cpu.h"
 
 #include <numpy/arrayobject.h>
 
@@ -27,7 +28,7 @@ static PyObject *py_check_tensor(PyObject *module, PyObject *const *args, Py_ssi
     }
     const char *name = PyUnicode_AsUTF8(args[1]);
     if (name == NULL) return NULL;
-    brrr_call call = {brrr_get_state(module), -1, 0, NULL};
+    brrr_call call = {brrr_get_state(module), -1, 0, NULL, 0};
     brrr_tensor t;
     if (brrr_tensor_import(&call, args[0], name, 0, &t) < 0) return NULL;
     brrr_tensor_release(&t);
@@ -74,6 +75,15 @@ static PyMethodDef methods[] = {
      "chain_partial_rows(rows) -> int: rows of the fp32 scratch a CUDA bias gradient needs per operand."},
     {"norm_partial_rows", (PyCFunction)(void (*)(void))brrr_py_norm_partial_rows, METH_FASTCALL,
      "norm_partial_rows(rows, cols) -> int: rows of the CUDA backward's partials scratch per weight/bias gradient."},
+    {"set_num_threads", brrr_py_set_num_threads, METH_O,
+     "set_num_threads(n) -> previous setting: threads of the CPU kernels (0: torch.get_num_threads() for torch tensors, else "
+     "OMP_NUM_THREADS or os.cpu_count())."},
+    {"get_num_threads", brrr_py_get_num_threads, METH_NOARGS,
+     "get_num_threads() -> int: the set count, else the automatic one for inputs other than torch tensors."},
+    {"set_thread_grain", brrr_py_set_thread_grain, METH_O,
+     "set_thread_grain(elements) -> previous: the least work per CPU thread (default 32768; tests set 1)."},
+    {"num_threads_for", brrr_py_num_threads_for, METH_O,
+     "num_threads_for(x) -> int: the threads a CPU call whose first argument is x runs on (at most)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -88,6 +98,7 @@ static int module_exec(PyObject *module) {
     st->max_version = Py_BuildValue("(ii)", BRRR_DLPACK_MAJOR, BRRR_DLPACK_MINOR);
     if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->str_is_neg || !st->max_version)
         return -1;
+    if (brrr_cpu_init(st) < 0) return -1;
     if (PyModule_AddIntConstant(module, "MAX_DIMS", BRRR_MAX_DIMS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_CHAIN_STEPS", BRRR_MAX_CHAIN_STEPS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_CHAIN_OPERANDS", BRRR_MAX_CHAIN_OPERANDS) < 0)
@@ -106,6 +117,8 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
         Py_VISIT(st->api_cache[i].is_neg);
         Py_VISIT(st->api_cache[i].is_zerotensor);
     }
+    Py_VISIT(st->torch_tensor_type);
+    Py_VISIT(st->torch_get_num_threads);
     return 0;
 }
 
@@ -119,6 +132,8 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(st->str_exchange_api);
     Py_CLEAR(st->str_is_neg);
     Py_CLEAR(st->max_version);
+    Py_CLEAR(st->torch_tensor_type);
+    Py_CLEAR(st->torch_get_num_threads);
     return 0;
 }
 

@@ -5,7 +5,8 @@
  * row-indexed and weight, bias and their gradients column-indexed, so any strided view is used in
  * place (the CUDA fast path needs only the columns to be contiguous). The formulas, and the
  * convention that `mean` is saved relative to the row's first element, are in
- * cuda/norm_kernels.cuh and brrr_cuda.h; the CPU twin computes the same function in float64.
+ * cuda/norm_kernels.cuh and brrr_cuda.h; the CPU twin computes the same function (float math,
+ * float64 sums and float64 throughout for float64 inputs).
  *
  * The four ops (specs at the end) take and return tensors by name; the backward's x is the
  * normalised input: for the fused residual forms, the forward's residual_out. Their CUDA
@@ -17,9 +18,11 @@
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "op.h"
+#include "cpu.h"
 
 #include <math.h>
 #include <numpy/arrayobject.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* What a slot is to the launch, whichever op it belongs to. */
@@ -62,7 +65,16 @@ static brrr_norm_view *role_view(brrr_norm_launch *L, int r) {
 
 static int acc_dtype(int32_t dtype) { return dtype == BRRR_F64 ? BRRR_F64 : BRRR_F32; }
 
-/* ---- CPU twin -------------------------------------------------------------------------------- */
+/* ---- CPU twin --------------------------------------------------------------------------------
+ * Rows are shared out between threads. A row is walked in blocks of BRRR_CPU_BLOCK columns, the
+ * elementwise math in float (double for float64), its sums in double, kept in NORM_LANES fixed
+ * lanes so that the compiler vectorises them: one pass for the mean and the mean square, one for
+ * the output (and a second for the variance where the first would cancel); the row stays in the
+ * cache between passes. The backward's weight and bias
+ * gradients sum each chunk of rows (brrr_cpu_chunk_rows) into a partial row of their own, added
+ * in chunk order at the end: the same sums whatever the thread count. */
+
+#define NORM_LANES 8
 
 /* v rounded to dtype (as a store and a load would). */
 static double round_d(int32_t dtype, double v) {
@@ -81,87 +93,75 @@ static int64_t dims_off(const brrr_norm_launch *L, const brrr_norm_view *v, int6
 static int64_t row_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t r) { return dims_off(L, v, r, 1); }
 static int64_t col_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t c) { return dims_off(L, v, c, 0); }
 
-/* Element j of a row-by-column view at row offset `base`. */
-#define AT(view, base, j) ((base) + col_off(L, &L->view, (j)))
-#define PARAM(view, j, fill) (L->view.data ? brrr_load_f64(L->weight_dtype, L->view.data, col_off(L, &L->view, (j))) : (fill))
+static double norm_sum_lanes(const double *lanes) {
+    double s = 0.0;
+    for (int l = 0; l < NORM_LANES; l++) s += lanes[l];
+    return s;
+}
+
+typedef struct {
+    const brrr_norm_launch *L;
+    int64_t chunk_rows;
+    double *partial_w, *partial_b; /* [chunk][cols], or NULL */
+} norm_bwd_work;
+
+#define REAL float
+#define REAL_DTYPE BRRR_F32
+#define FN(name) name##_f32
+#define CPU_LOAD brrr_cpu_load_f32
+#define CPU_STORE brrr_cpu_store_f32
+#include "norm_cpu.inc"
+#undef REAL
+#undef REAL_DTYPE
+#undef FN
+#undef CPU_LOAD
+#undef CPU_STORE
+#define REAL double
+#define REAL_DTYPE BRRR_F64
+#define FN(name) name##_f64
+#define CPU_LOAD brrr_cpu_load_f64
+#define CPU_STORE brrr_cpu_store_f64
+#include "norm_cpu.inc"
+#undef REAL
+#undef REAL_DTYPE
+#undef FN
+#undef CPU_LOAD
+#undef CPU_STORE
 
 static void cpu_norm_fwd(const brrr_norm_launch *L) {
-    const int32_t dt = L->dtype, acc = acc_dtype(dt);
-    const int layer = !L->rms, residual = L->residual.data != NULL;
-    const int64_t n = L->cols;
-    for (int64_t r = 0; r < L->rows; r++) {
-        const int64_t ox = row_off(L, &L->x, r), ores = row_off(L, &L->residual, r);
-        const int64_t ohs = row_off(L, &L->residual_out, r), oout = row_off(L, &L->out, r);
-        double shift = 0.0, s = 0.0, q = 0.0;
-        for (int64_t j = 0; j < n; j++) {
-            double h = brrr_load_f64(dt, L->x.data, AT(x, ox, j));
-            if (residual) {
-                h = round_d(dt, h + brrr_load_f64(dt, L->residual.data, AT(residual, ores, j)));
-                brrr_store_f64(dt, L->residual_out.data, AT(residual_out, ohs, j), h);
-            }
-            if (layer && j == 0) shift = h;
-            s += layer ? h - shift : h * h;
-        }
-/* h at column j once the residual sum is stored. */
-#define H(j) (residual ? brrr_load_f64(dt, L->residual_out.data, AT(residual_out, ohs, j)) : brrr_load_f64(dt, L->x.data, AT(x, ox, j)))
-        const double mean = layer ? s / (double)n : 0.0;
-        if (layer) {
-            for (int64_t j = 0; j < n; j++) {
-                const double d = H(j) - shift - mean;
-                q += d * d;
-            }
-        }
-        const double rstd = 1.0 / sqrt((layer ? q : s) / (double)n + L->eps);
-        if (L->mean.data) brrr_store_f64(acc, L->mean.data, row_off(L, &L->mean, r), mean);
-        if (L->rstd.data) brrr_store_f64(acc, L->rstd.data, row_off(L, &L->rstd, r), rstd);
-        for (int64_t j = 0; j < n; j++) {
-            const double xhat = (layer ? H(j) - shift - mean : H(j)) * rstd, w = PARAM(weight, j, 1.0);
-            const double y = L->llama ? round_d(dt, xhat) * w : xhat * w + PARAM(bias, j, 0.0);
-            brrr_store_f64(dt, L->out.data, AT(out, oout, j), y);
-        }
-#undef H
-    }
+    brrr_cpu_parallel_for(L->rows, L->cols,
+                          L->dtype == BRRR_F64 ? norm_fwd_rows_f64 : norm_fwd_rows_f32, (void *)L);
 }
 
 /* acc_w / acc_b: cols zeroed accumulators each, for the gradients asked for (else NULL). */
 static void cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b) {
-    const int32_t dt = L->dtype, acc = acc_dtype(dt);
-    const int layer = !L->rms;
-    const int64_t n = L->cols;
-    for (int64_t r = 0; r < L->rows; r++) {
-        const int64_t ox = row_off(L, &L->x, r), ody = row_off(L, &L->grad_out, r);
-        const int64_t ogr = row_off(L, &L->grad_residual, r), odx = row_off(L, &L->grad_x, r);
-        const double rstd = brrr_load_f64(acc, L->rstd.data, row_off(L, &L->rstd, r));
-        const double mean = layer ? brrr_load_f64(acc, L->mean.data, row_off(L, &L->mean, r)) : 0.0;
-        const double shift = layer ? brrr_load_f64(dt, L->x.data, ox) : 0.0;
-#define XHAT(j) ((layer ? brrr_load_f64(dt, L->x.data, AT(x, ox, j)) - shift - mean : brrr_load_f64(dt, L->x.data, AT(x, ox, j))) * rstd)
-#define DY(j) brrr_load_f64(dt, L->grad_out.data, AT(grad_out, ody, j))
-        double s1 = 0.0, s2 = 0.0;
-        for (int64_t j = 0; j < n; j++) {
-            const double g = DY(j) * PARAM(weight, j, 1.0);
-            s1 += g * XHAT(j);
-            s2 += g;
+    const int64_t n = L->cols, chunk_rows = brrr_cpu_chunk_rows(L->rows), chunks = (L->rows + chunk_rows - 1) / chunk_rows;
+    norm_bwd_work work = {L, chunk_rows, NULL, NULL};
+    double *partials = NULL;
+    if (acc_w || acc_b) {
+        partials = calloc((size_t)(2 * chunks * n), sizeof(double));
+        if (partials == NULL) { /* no room: one chunk, summed in row order straight into acc */
+            work.chunk_rows = L->rows > 0 ? L->rows : 1;
+            work.partial_w = acc_w;
+            work.partial_b = acc_b;
+        } else {
+            work.partial_w = acc_w ? partials : NULL;
+            work.partial_b = acc_b ? partials + chunks * n : NULL;
         }
-        const double c1 = s1 / (double)n, c2 = layer ? s2 / (double)n : 0.0;
-        for (int64_t j = 0; j < n; j++) {
-            const double xhat = XHAT(j), dy = DY(j), g = dy * PARAM(weight, j, 1.0);
-            double dx = rstd * (g - xhat * c1 - c2);
-            if (L->grad_residual.data) dx += brrr_load_f64(dt, L->grad_residual.data, AT(grad_residual, ogr, j));
-            brrr_store_f64(dt, L->grad_x.data, AT(grad_x, odx, j), dx);
-            if (acc_w) acc_w[j] += dy * (L->llama ? round_d(dt, xhat) : xhat);
-            if (acc_b) acc_b[j] += dy;
-        }
-#undef XHAT
-#undef DY
     }
+    const int64_t items = (L->rows + work.chunk_rows - 1) / work.chunk_rows, per_item = work.chunk_rows * n;
+    brrr_cpu_parallel_for(items, per_item,
+                          L->dtype == BRRR_F64 ? norm_bwd_chunks_f64 : norm_bwd_chunks_f32, &work);
+    for (int64_t k = 0; partials && k < chunks; k++) {
+        for (int64_t j = 0; acc_w && j < n; j++) acc_w[j] += work.partial_w[k * n + j];
+        for (int64_t j = 0; acc_b && j < n; j++) acc_b[j] += work.partial_b[k * n + j];
+    }
+    free(partials);
     for (int64_t j = 0; j < n; j++) {
         if (acc_w) brrr_store_f64(L->weight_dtype, L->grad_weight.data, col_off(L, &L->grad_weight, j), acc_w[j]);
         if (acc_b) brrr_store_f64(L->weight_dtype, L->grad_bias.data, col_off(L, &L->grad_bias, j), acc_b[j]);
     }
 }
-
-#undef AT
-#undef PARAM
 
 /* ---- layout and launch ------------------------------------------------------------------------- */
 

@@ -6,6 +6,7 @@
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "op.h"
+#include "cpu.h"
 
 #include <numpy/arrayobject.h>
 #include <string.h>
@@ -17,10 +18,11 @@ static int64_t row_offset(const brrr_rotary_launch *L, const int64_t *strides, i
 }
 
 /* In float32 for every dtype but float64, as the kernels compute; each pair read before written. */
-static void cpu_rotary(const brrr_rotary_launch *L) {
+static void rotary_rows(void *ctx, int64_t begin, int64_t end) {
+    const brrr_rotary_launch *L = ctx;
     const int32_t dt = L->dtype;
     const int64_t *cs = L->col_stride, h = L->half;
-    for (int64_t r = 0; r < L->rows; r++) {
+    for (int64_t r = begin; r < end; r++) {
         const int64_t ox = row_offset(L, L->x.strides, r), oo = row_offset(L, L->out.strides, r);
         const int64_t oc = row_offset(L, L->cos.strides, r), os = row_offset(L, L->sin.strides, r);
         for (int64_t j = 0; j < h; j++) {
@@ -40,6 +42,11 @@ static void cpu_rotary(const brrr_rotary_launch *L) {
             brrr_store_f64(dt, L->out.data, oo + (j + h) * cs[1], hi);
         }
     }
+}
+
+/* Rows on the call's threads. */
+static void cpu_rotary(const brrr_rotary_launch *L) {
+    brrr_cpu_parallel_for(L->rows, 2 * L->half, rotary_rows, (void *)L);
 }
 
 /* cos or sin: broadcastable to x's shape, D as its last dim. */

@@ -23,6 +23,7 @@
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "brrr.h"
+#include "cpu.h"
 
 #include <numpy/arrayobject.h>
 #include <string.h>
@@ -655,6 +656,10 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
         status = -1;
     }
     if (status == 0) status = brrr_check_device_supported(t);
+    if (status == 0 && t->device_type == kDLCPU && !call->cpu_threads_chosen) {
+        brrr_cpu_choose_threads(call->state, obj);
+        call->cpu_threads_chosen = 1;
+    }
     if (status < 0) brrr_tensor_release(t);
     return status;
 }

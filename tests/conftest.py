@@ -1,3 +1,5 @@
+import zlib
+
 import pytest
 
 try:
@@ -44,3 +46,16 @@ def brrr_cpu_kernels():
     cpu_kernels()
     yield
     brrr.registry.reset()
+
+
+@pytest.fixture(autouse=True)
+def brrr_cpu_threads(request):
+    """Every test runs brrr's CPU kernels on 1, 2 or 3 threads (fixed by its name), with the work
+    split even for small inputs: the float64-reference tests then check every thread count and
+    the split of work between threads, at their odd sizes. test_cpu_threads runs each op at all
+    three counts and compares them bitwise."""
+    threads = brrr.set_num_threads(1 + zlib.crc32(request.node.nodeid.encode()) % 3)
+    grain = brrr._C.set_thread_grain(1)
+    yield
+    brrr.set_num_threads(threads)
+    brrr._C.set_thread_grain(grain)

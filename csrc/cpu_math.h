@@ -1,0 +1,139 @@
+/* Float transcendentals for the CPU twins, written so that GCC vectorises a loop that calls them:
+ * branch-free (selects, not jumps), no libm calls, bit reinterpretation through unions, and no
+ * float-to-int conversion of values that may be out of range. Each is accurate to a few float
+ * ulps (tests/test_cpu_math.py measures them against float64 references).
+ *
+ *   brrr_expf      Cody-Waite reduction by ln 2, Taylor polynomial of degree 7 on |r| <= ln2/2
+ *                  (truncation below 6e-9 relative), 2^n applied in two halves so that results
+ *                  down into the subnormals and up to infinity come out right; brrr_exp_sum
+ *                  takes its argument as an exact sum of two floats.
+ *   brrr_tanhf     x + x^3 P(x^2) below 0.625 (Cephes' tanhf polynomial), 1 - 2 / (e^2|x| + 1)
+ *                  above, where nothing cancels badly.
+ *   brrr_erfcf     Numerical Recipes' erfcc (Chebyshev fit, relative error below 1.2e-7 for
+ *                  x >= 0), 2 - erfc(-x) below zero; 1 + erf(z) is erfc(-z), accurate in the tail.
+ *   brrr_sincosf_reduced  sin and cos for |x| <= BRRR_TRIG_REDUCED_MAX: x = q pi/2 + r by a
+ *                  three-part Cody-Waite reduction, then Taylor polynomials on |r| <= pi/4
+ *                  (truncation below 3e-9). Larger arguments need the caller's scalar pass with
+ *                  libm (Payne-Hanek reduction), see brrr_trig_needs_libm. */
+#ifndef BRRR_CPU_MATH_H
+#define BRRR_CPU_MATH_H
+
+#include <stdint.h>
+
+typedef union {
+    float f;
+    uint32_t u;
+} brrr_f32_bits;
+
+/* e^(a + b), the reduction done on a and b apart: a - n ln2_hi is exact for an a of up to 24
+ * bits near n ln2 (Sterbenz), so e^(-z^2) with -z^2 = a + b split exactly keeps its accuracy. */
+static inline float brrr_exp_sum(float a, float b) {
+    const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const float sum = a + b;
+    const int above = sum > 88.8f, below = sum < -104.0f; /* e^88.8 overflows, e^-104 is 0; NaN: neither */
+    a = above ? 88.8f : below ? -104.0f : a;
+    b = above || below ? 0.0f : b;
+    brrr_f32_bits t = {(a + b) * 1.44269504088896341f + round_magic};
+    const float n = t.f - round_magic;
+    /* ln 2 = 0.693359375 (9 bits: n * it is exact) - 2.12194440e-4 */
+    const float r = ((a - n * 0.693359375f) + b) - n * -2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    /* n in [-150, 128] sits in t's low mantissa bits; 2^n = 2^(n/2) 2^(n - n/2), both normal. */
+    const int32_t ni = (int32_t)(t.u - 0x4B400000u), n1 = ni / 2, n2 = ni - n1;
+    const brrr_f32_bits s1 = {.u = (uint32_t)(n1 + 127) << 23}, s2 = {.u = (uint32_t)(n2 + 127) << 23};
+    return p * s1.f * s2.f;
+}
+
+static inline float brrr_expf(float x) { return brrr_exp_sum(x, 0.0f); }
+
+static inline float brrr_tanhf(float x) {
+    brrr_f32_bits bits = {x}, sign = {x};
+    bits.u &= 0x7FFFFFFFu;
+    sign.u &= 0x80000000u;
+    const float a = bits.f, z = x * x;
+    float p = -5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const float small = x + x * z * p;
+    brrr_f32_bits large = {1.0f - 2.0f / (brrr_expf(2.0f * a) + 1.0f)};
+    large.u |= sign.u;
+    return a < 0.625f ? small : large.f; /* NaN: the exp branch's NaN */
+}
+
+static inline float brrr_erfcf(float x) {
+    brrr_f32_bits bits = {x};
+    bits.u &= 0x7FFFFFFFu;
+    const float z = bits.f > 12.0f ? 12.0f : bits.f, t = 1.0f / (1.0f + 0.5f * z); /* erfc(12) = 0 in float */
+    float p = 0.17087277f;
+    p = p * t - 0.82215223f;
+    p = p * t + 1.48851587f;
+    p = p * t - 1.13520398f;
+    p = p * t + 0.27886807f;
+    p = p * t - 0.18628806f;
+    p = p * t + 0.09678418f;
+    p = p * t + 0.37409196f;
+    p = p * t + 1.00002368f;
+    /* -z^2 = -hi^2 + (hi - z)(hi + z), hi being z with its low 12 bits cleared (it squares
+     * exactly), so the rounding of z^2 (up to 100 ulps of the result at z = 9) never enters. */
+    brrr_f32_bits hi = {z};
+    hi.u &= 0xFFFFF000u;
+    const float tail = t * brrr_exp_sum(-hi.f * hi.f, (hi.f - z) * (hi.f + z) - 1.26551223f + t * p);
+    return x >= 0.0f ? tail : (x != x ? x : 2.0f - tail);
+}
+
+#define BRRR_TRIG_REDUCED_MAX 8192.0f /* q < 2^13: q times each of the first two parts is exact */
+
+/* Does x need libm's reduction (BRRR_TRIG_REDUCED_MAX < |x| < inf)? NaN and inf do not: the
+ * reduced path gives NaN for them, as it should. */
+static inline int brrr_trig_needs_libm(float x) {
+    brrr_f32_bits bits = {x};
+    const brrr_f32_bits max = {BRRR_TRIG_REDUCED_MAX};
+    /* one unsigned range check on |x|'s bits (max, inf): no branch, so a loop of it vectorises */
+    return (bits.u & 0x7FFFFFFFu) - (max.u + 1u) < 0x7F800000u - (max.u + 1u);
+}
+
+static inline void brrr_sincosf_reduced(float x, float *s, float *c) {
+    const float round_magic = 12582912.0f; /* 1.5 * 2^23 */
+    brrr_f32_bits t = {x * 0.636619772f + round_magic};
+    const float q = t.f - round_magic;
+    /* pi/2 = 1.5703125 + 4.837512969970703e-4 (8 and 11 bits) + 7.5497901264e-8 (to 1.7e-15) */
+    const float r = ((x - q * 1.5703125f) - q * 4.837512969970703e-4f) - q * 7.549790126404332e-8f;
+    const float r2 = r * r;
+    float ps = 1.0f / 362880.0f;
+    ps = ps * r2 - 1.0f / 5040.0f;
+    ps = ps * r2 + 1.0f / 120.0f;
+    ps = ps * r2 - 1.0f / 6.0f;
+    const float sr = r + r * r2 * ps;
+    float pc = -1.0f / 3628800.0f;
+    pc = pc * r2 + 1.0f / 40320.0f;
+    pc = pc * r2 - 1.0f / 720.0f;
+    pc = pc * r2 + 1.0f / 24.0f;
+    pc = pc * r2 - 0.5f;
+    const float cr = 1.0f + r2 * pc;
+    /* quadrant q mod 4: (sin, cos) = (s, c), (c, -s), (-s, -c), (-c, s) */
+    const uint32_t quadrant = (uint32_t)t.u & 3u;
+    const float sv = quadrant & 1u ? cr : sr, cv = quadrant & 1u ? sr : cr;
+    *s = quadrant & 2u ? -sv : sv;
+    *c = (quadrant + 1u) & 2u ? -cv : cv;
+}
+static inline float brrr_sinf_reduced(float x) {
+    float s, c;
+    brrr_sincosf_reduced(x, &s, &c);
+    return s;
+}
+static inline float brrr_cosf_reduced(float x) {
+    float s, c;
+    brrr_sincosf_reduced(x, &s, &c);
+    return c;
+}
+
+#endif
