@@ -50,4 +50,6 @@ if [ "$BENCH" != "none" ]; then
   echo "benchmarks: $(( $(date +%s) - start )) s"
   for md in "$RESULTS"/*.md; do echo "== $md"; cat "$md"; done
 fi
+# Everything in one archive as well, for callers that can fetch only a few files back.
+tar -czf /tmp/brrr-results.tgz -C "$RESULTS" . && mv /tmp/brrr-results.tgz "$RESULTS/results.tgz"
 exit $status
