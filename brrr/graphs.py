@@ -70,6 +70,7 @@ class CapturedStep:
         self._generators = _checked_generators(generators)
         self._entries = {}      # signature -> _Entry
         self._grads = None      # [(parameter, its gradient tensor)], fixed at the first capture
+        self._with_grad = []    # the parameters the last eager step gave a gradient
         self._pool = None       # one memory pool for all of this step's graphs
         self._stream = None     # the side stream of the warm-up steps
         self._warned_device = False
@@ -129,6 +130,7 @@ class CapturedStep:
         with torch.cuda.stream(self._stream):
             outputs = self._run(args, kwargs)
         torch.cuda.current_stream().wait_stream(self._stream)
+        self._with_grad = [p for p in self._params if p.grad is not None]
         return outputs
 
     def _on_cuda(self, args, kwargs):
@@ -154,32 +156,40 @@ class CapturedStep:
 
     def _capture(self, entry, args, kwargs):
         if self._grads is None:
-            self._grads = [(p, p.grad) for p in self._params if p.grad is not None]
+            # The tensors the graphs accumulate into: those of the warm-up, or new ones where the
+            # caller set them to None since (optimizer.zero_grad()).
+            for p in self._with_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._grads = [(p, p.grad) for p in self._with_grad]
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         static_args = tuple(_static_copy(a) for a in args)
         static_kwargs = {k: _static_copy(v) for k, v in kwargs.items()}
-        graph, outputs = capture(lambda: self._run(static_args, static_kwargs), self._pool, self._generators)
+        graph, outputs = capture(lambda: self._run(static_args, static_kwargs), self._pool, self._generators,
+                                 self._stream)
         entry.outputs = outputs
         entry.graph = graph
         entry.static_tensors = list(_tensors_of(static_args, static_kwargs))
 
 
-def capture(fn, pool=None, generators=()):
+def capture(fn, pool=None, generators=(), stream=None):
     """(graph, fn's return value): fn() captured in a new torch.cuda.CUDAGraph (not run: replay it).
 
     fn must have run eagerly before, on a side stream (lazy initialisation cannot be captured). If
     the capture fails, the process is left usable (see _recover_from_failed_capture) and a
-    RuntimeError says what kind of code cannot be captured."""
+    RuntimeError says what kind of code cannot be captured. `stream`: the stream to capture on
+    (that of the warm-up, so that autograd's gradient-accumulation nodes made there and still
+    alive need no wait on another stream; by default torch.cuda.graph's own)."""
     graph = torch.cuda.CUDAGraph()
     for generator in generators:
         graph.register_generator_state(generator)
-    stream = torch.cuda.current_stream()
+    current = torch.cuda.current_stream()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             outputs = fn()
     except Exception as e:
-        _recover_from_failed_capture(stream, generators)
+        _recover_from_failed_capture(current, generators)
         first_line = str(e).splitlines()[0] if str(e) else ""
         raise RuntimeError(f"brrr: capturing the step in a CUDA graph failed ({type(e).__name__}: {first_line}). "
                            f"Something in it cannot be captured: a host sync (.item(), .cpu(), printing a tensor, "

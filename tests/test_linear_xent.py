@@ -74,6 +74,9 @@ def compare(x, weight, target, bias=None, what="", g=None, budget=None, **option
     # Each logit's gradient is rounded to the storage dtype: for float16 below its normal range, to
     # a spacing of 2^-24 (the gradient of a mean over many rows is there, as in torch's float16).
     g_logits = ref_grads[0].abs().reshape(-1, weight.shape[0])
+    # A logit's gradient is a difference, upstream * (p - y) (+ the z-loss term): where p and y
+    # nearly cancel (one class, say) it is rounded on the scale of p, not of the difference.
+    g_logits = g_logits + upstream_per_row(target, g, options).unsqueeze(1) * capped_softmax(logits, options)
     if dtype == torch.float16:
         g_logits = g_logits + 2.0**-24 / TOLERANCE[dtype]["rtol"]
     x64, w64 = (p.detach().to("cpu", torch.float64).abs() for p in (x.reshape(-1, x.shape[-1]), weight))
@@ -83,6 +86,22 @@ def compare(x, weight, target, bias=None, what="", g=None, budget=None, **option
         check(f"grad of {name} ({where})", grad, torch.zeros(a.shape, dtype=torch.float64) if ref_grad is None
               else ref_grad, terms[name], dtype)
     return loss, grads
+
+
+def upstream_per_row(target, g, options):
+    """Each row's factor in the gradient of its logits: |g| (reduction "none"), |g| / the rows kept
+    ("mean") or |g| ("sum"), 0 on ignored rows; times 1 + 2 z |lse| bounded by 1 + 2 z * 100."""
+    kept = (target.reshape(-1).cpu() != options.get("ignore_index", -100)).double()
+    upstream = g.detach().double().cpu().abs().reshape(-1) * kept
+    if options.get("reduction", "mean") == "mean":
+        upstream = upstream / kept.sum().clamp(min=1.0)
+    return upstream * (1.0 + 200.0 * options.get("z_loss", 0.0))
+
+
+def capped_softmax(logits, options):
+    z = logits.detach().reshape(-1, logits.shape[-1])
+    cap = options.get("softcap")
+    return torch.softmax(z if cap is None else cap * torch.tanh(z / cap), dim=-1)
 
 
 def make(rows, hidden, classes, dtype, device, bias=True):
@@ -472,6 +491,9 @@ def test_cuda_graph_capture_of_a_patched_step_with_the_fused_loss():
     params = [p for p in model.parameters() if p.requires_grad]
     eager = model(input_ids=tokens, labels=tokens).loss
     eager_grads = torch.autograd.grad(eager, params)
+    # Its graph freed: a live one keeps the parameters' gradient-accumulation nodes bound to the
+    # default stream, and a backward captured on another stream would then wait on that stream.
+    eager = eager.detach()
     for p in params:
         p.grad = torch.zeros_like(p)
     side = torch.cuda.Stream()
