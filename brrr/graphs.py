@@ -127,7 +127,7 @@ class CapturedStep:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream), _capturable_attention():
             outputs = self._run(args, kwargs)
         torch.cuda.current_stream().wait_stream(self._stream)
         self._with_grad = [p for p in self._params if p.grad is not None]
@@ -166,11 +166,21 @@ class CapturedStep:
             self._pool = torch.cuda.graph_pool_handle()
         static_args = tuple(_static_copy(a) for a in args)
         static_kwargs = {k: _static_copy(v) for k, v in kwargs.items()}
-        graph, outputs = capture(lambda: self._run(static_args, static_kwargs), self._pool, self._generators,
-                                 self._stream)
+        with _capturable_attention():
+            graph, outputs = capture(lambda: self._run(static_args, static_kwargs), self._pool, self._generators,
+                                     self._stream)
         entry.outputs = outputs
         entry.graph = graph
         entry.static_tensors = list(_tensors_of(static_args, static_kwargs))
+
+
+def _capturable_attention():
+    """scaled_dot_product_attention without its cuDNN backend, for the warm-up and the capture
+    alike: on PyTorch 2.11 (H200, bfloat16) cuDNN's attention backward fails inside a capture
+    ("mha_graph.execute(...).is_good()"), where flash and memory-efficient attention capture."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def capture(fn, pool=None, generators=(), stream=None):
