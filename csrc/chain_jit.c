@@ -143,7 +143,7 @@ static void put_scalar(text *t, double c) {
  * order, so the same values up to the compiler's contraction of a multiply and an add). */
 static void put_element_functions(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
     const int nops = p->n_operands;
-    put(t, "static __device__ __forceinline__ A chain_%s(A y", k->backward ? "bwd" : "fwd");
+    put(t, "__device__ __forceinline__ A chain_%s(A y", k->backward ? "bwd" : "fwd");
     for (int b = 0; b < nops; b++) put(t, ", const A v%d", b);
     for (int b = 0; k->backward && b < nops; b++) put(t, ", A &g%d", b);
     put(t, ") {\n");
@@ -245,7 +245,7 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops)
     if (k->backward) {
         put(t, "        t[j] = t[j] * gr[j];\n");
         for (int b = 0; b < nops; b++)
-            if (grad_wanted(k, b)) put(t, "        g%d[j] = g%d[j] * gr[j];\n", b, b);
+            if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "        g%d[j] = g%d[j] * gr[j];\n", b, b);
     }
     put(t, "    }\n#pragma unroll\n"
            "    for (int u = 0; u < U; ++u) {\n"
@@ -253,7 +253,8 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops)
            "        if (p >= n_packs) continue;\n"
            "        st_pack(static_cast<T *>(a.out) + p * VEC, %s + u * VEC);\n", result);
     for (int b = 0; b < nops; b++)
-        if (grad_wanted(k, b)) put(t, "        st_pack(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC);\n", b, b);
+        if (grad_wanted(k, b) && !is_vector(k, b))
+            put(t, "        st_pack(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC);\n", b, b);
     put(t, "    }\n"
            "    const long long i = n_packs * VEC + threadIdx.x;\n"
            "    if (VEC == 1 || blockIdx.x != 0 || i >= a.numel) return;\n"
@@ -273,7 +274,7 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops)
     put_call(t, k, nops, "0");
     put(t, ";\n    static_cast<T *>(a.out)[i] = st(t0 * gr0);\n");
     for (int b = 0; b < nops; b++)
-        if (grad_wanted(k, b)) put(t, "    static_cast<T *>(a.grad_operands[%d])[i] = st(g%d0 * gr0);\n", b, b);
+        if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "    static_cast<T *>(a.grad_operands[%d])[i] = st(g%d0 * gr0);\n", b, b);
     put(t, "}\n");
 }
 
@@ -315,8 +316,9 @@ static void put_strided_kernel(text *t, const brrr_chain_kernel *k, int nops) {
     put(t, "total = ");
     put_call(t, k, nops, "");
     put(t, ";\n        static_cast<T *>(L.out.data)[oo] = st(total * gr);\n");
-    for (int b = 0; b < nops; b++)
-        if (grad_wanted(k, b)) put(t, "        static_cast<T *>(L.grad_operands[%d].data)[q%d] = st(g%d * gr);\n", b, b, b);
+    for (int b = 0; b < nops; b++) /* a vector's gradient is a sum over rows: the rows layout's */
+        if (grad_wanted(k, b) && !is_vector(k, b))
+            put(t, "        static_cast<T *>(L.grad_operands[%d].data)[q%d] = st(g%d * gr);\n", b, b, b);
     put(t, "    }\n}\n");
 }
 
@@ -410,12 +412,12 @@ static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p)
             "typedef brrr::%s M;\n"
             "constexpr int VEC = 16 / (int)sizeof(T);\n"
             "struct alignas(16) Pack {\n    T v[VEC];\n};\n"
-            "static __device__ __forceinline__ A ld(const T v) {\n    %s\n}\n"
-            "static __device__ __forceinline__ T st(const A v) {\n    %s\n}\n"
-            "static __device__ __forceinline__ void ld_pack(const T *p, A *out) {\n"
+            "__device__ __forceinline__ A ld(const T v) {\n    %s\n}\n"
+            "__device__ __forceinline__ T st(const A v) {\n    %s\n}\n"
+            "__device__ __forceinline__ void ld_pack(const T *p, A *out) {\n"
             "    const Pack k = *reinterpret_cast<const Pack *>(p);\n"
             "#pragma unroll\n    for (int j = 0; j < VEC; ++j) out[j] = ld(k.v[j]);\n}\n"
-            "static __device__ __forceinline__ void st_pack(T *p, const A *in) {\n"
+            "__device__ __forceinline__ void st_pack(T *p, const A *in) {\n"
             "    Pack k;\n"
             "#pragma unroll\n    for (int j = 0; j < VEC; ++j) k.v[j] = st(in[j]);\n"
             "    *reinterpret_cast<Pack *>(p) = k;\n}\n\n",
@@ -979,9 +981,10 @@ PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *
     for (int i = 0; i < BRRR_JIT_LAYOUTS; i++)
         if (strcmp(layout_name, LAYOUTS[i]) == 0) k.layout = i;
     if (parse_dtype(dtype_name, &k.dtype) < 0) return NULL;
-    if (k.layout < 0 || ndim < 1 || ndim > BRRR_MAX_DIMS || (k.layout == BRRR_JIT_ROWS && (!backward || ndim < 2))) {
-        PyErr_SetString(PyExc_ValueError, "argument layout: contiguous, strided or rows (backward only), with 1 <= ndim <= 16 "
-                                          "(rows: >= 2)");
+    if (k.layout < 0 || ndim < 1 || ndim > BRRR_MAX_DIMS || (k.layout == BRRR_JIT_ROWS && (!backward || ndim < 2)) ||
+        (k.layout != BRRR_JIT_ROWS && (vector_mask & grad_mask))) {
+        PyErr_SetString(PyExc_ValueError, "argument layout: contiguous, strided or rows (backward only, and the layout of "
+                                          "every vector operand's gradient), with 1 <= ndim <= 16 (rows: >= 2)");
         return NULL;
     }
     PyObject *bytes = PyObject_CallMethod(module, "chain_program", "O", steps);
