@@ -21,9 +21,10 @@
  * the cubin and a checksum. A file is written to a temporary name and renamed into place, so
  * readers see a whole file or none, and two processes compiling the same chain both succeed; a
  * file whose identity or checksum does not match is compiled again and replaced.
+ * A kernel found on disk needs no NVRTC: NVRTC is loaded when a kernel is first compiled.
  *
  * The cache is process-wide, like the CUDA context the kernels load into; its table and the
- * compiler are guarded by mutexes, and compiling runs without the GIL. */
+ * compiler (NVRTC's loading included) are guarded by mutexes, and building runs without the GIL. */
 #define _GNU_SOURCE
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
@@ -439,7 +440,7 @@ typedef int (*nvrtc_get_fn)(void *, char *);
 typedef int (*nvrtc_version_fn)(int *, int *);
 typedef const char *(*nvrtc_error_fn)(int);
 
-/* Loaded once, with the GIL held (sys.path is read); read-only afterwards. */
+/* Loaded once, under compile_lock (nvrtc_open). */
 static struct {
     int state; /* 0: not tried, 1: loaded, -1: not available */
     char path[PATH_MAX];
@@ -514,8 +515,33 @@ static int nvrtc_try_dir(const char *dir) {
     return -1;
 }
 
-/* 0 when NVRTC is loaded; -1 with the reason in nvrtc.error. Needs the GIL. */
-static int nvrtc_load(void) {
+/* The folders of NVIDIA's pip wheels along sys.path, '\0'-separated, ending in an empty name:
+ * gathered with the GIL (nvrtc_prepare), so that nvrtc_open can run without it. */
+static char *wheel_dirs;
+
+/* 0, or -1 with a Python exception. Needs the GIL. */
+static int nvrtc_prepare(void) {
+    if (wheel_dirs) return 0;
+    text t = {NULL, 0, 0, 0};
+    PyObject *path = PySys_GetObject("path"); /* borrowed */
+    for (Py_ssize_t i = 0; path && PyList_Check(path) && i < PyList_GET_SIZE(path); i++) {
+        PyObject *entry = PyList_GET_ITEM(path, i);
+        const char *base = PyUnicode_Check(entry) ? PyUnicode_AsUTF8(entry) : NULL;
+        if (base == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        put(&t, "%s/nvidia/cu13/lib%c%s/nvidia/cuda_nvrtc/lib%c", base, 0, base, 0);
+    }
+    put(&t, "%c", 0);
+    if (t.failed) return PyErr_NoMemory(), -1;
+    wheel_dirs = t.data;
+    return 0;
+}
+
+/* 0 when NVRTC is loaded; -1 with the reason in nvrtc.error. Tried once; call under
+ * compile_lock, after nvrtc_prepare. */
+static int nvrtc_open(void) {
     if (nvrtc.state) return nvrtc.state > 0 ? 0 : -1;
     nvrtc.state = -1;
     snprintf(nvrtc.error, sizeof nvrtc.error, "libnvrtc.so.13 or .12 not found");
@@ -534,21 +560,8 @@ static int nvrtc_load(void) {
             nvrtc_try_dir(dir) == 0)
             return nvrtc.state = 1, 0;
     }
-    PyObject *path = PySys_GetObject("path"); /* borrowed */
-    for (Py_ssize_t i = 0; path && PyList_Check(path) && i < PyList_GET_SIZE(path); i++) {
-        PyObject *entry = PyList_GET_ITEM(path, i);
-        const char *base = PyUnicode_Check(entry) ? PyUnicode_AsUTF8(entry) : NULL;
-        if (base == NULL) {
-            PyErr_Clear();
-            continue;
-        }
-        static const char *const WHEEL_DIRS[] = {"nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib"};
-        for (size_t j = 0; j < sizeof WHEEL_DIRS / sizeof WHEEL_DIRS[0]; j++) {
-            char dir[PATH_MAX];
-            if (snprintf(dir, sizeof dir, "%s/%s", base, WHEEL_DIRS[j]) < (int)sizeof dir && nvrtc_try_dir(dir) == 0)
-                return nvrtc.state = 1, 0;
-        }
-    }
+    for (const char *dir = wheel_dirs; dir && *dir; dir += strlen(dir) + 1)
+        if (nvrtc_try_dir(dir) == 0) return nvrtc.state = 1, 0;
     return -1;
 }
 
@@ -616,8 +629,9 @@ static int make_dirs(const char *dir) {
     return mkdir(path, 0777) != 0 && errno != EEXIST ? -1 : 0;
 }
 
-/* What a compiled kernel depends on besides its source: brrr, NVRTC, the architecture and the
- * embedded headers. */
+/* What a compiled kernel depends on besides its source: brrr, the architecture and the embedded
+ * headers. Not NVRTC's version: a cached kernel loads without NVRTC (loading libnvrtc alone
+ * takes tens of milliseconds), and one that the driver refuses is compiled again. */
 static char *kernel_identity(const char *source, int arch) {
     uint64_t headers = FNV_OFFSET;
     for (int i = 0; i < BRRR_JIT_HEADER_COUNT; i++) {
@@ -625,8 +639,7 @@ static char *kernel_identity(const char *source, int arch) {
         headers = fnv1a(headers, BRRR_JIT_HEADER_TEXTS[i], strlen(BRRR_JIT_HEADER_TEXTS[i]) + 1);
     }
     text t = {NULL, 0, 0, 0};
-    put(&t, "brrr %s nvrtc %d.%d sm_%d headers %016llx\n%s", BRRR_VERSION, nvrtc.major, nvrtc.minor, arch,
-        (unsigned long long)headers, source);
+    put(&t, "brrr %s sm_%d headers %016llx\n%s", BRRR_VERSION, arch, (unsigned long long)headers, source);
     return t.data;
 }
 
@@ -698,27 +711,32 @@ static struct {
 } stats;
 static pthread_mutex_t compile_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* The cubin of kernel k for steps p on sm_<arch>: from the disk cache, else compiled and
- * stored. On failure NULL with a malloc'd *error. Needs NVRTC loaded; call without the GIL. */
-static char *chain_cubin(const brrr_chain_kernel *k, const brrr_chain_steps *p, int arch, size_t *size, int *origin,
-                         char **source_out, char **error) {
+/* The cubin of kernel k for steps p on sm_<arch>: from the disk cache unless skip_disk, else
+ * compiled and stored. On failure NULL with a malloc'd *error (*missing: for want of NVRTC).
+ * Call under compile_lock, without the GIL, after nvrtc_prepare. */
+static char *chain_cubin(const brrr_chain_kernel *k, const brrr_chain_steps *p, int arch, int skip_disk, size_t *size,
+                         int *origin, char **source_out, char **error, int *missing) {
     *error = NULL;
+    *missing = 0;
     char *source = chain_source(k, p), *identity = source ? kernel_identity(source, arch) : NULL, *image = NULL;
     char dir[PATH_MAX], path[PATH_MAX + 64];
     const int have_dir = identity && cache_dir(dir, sizeof dir);
+    text t = {NULL, 0, 0, 0};
     if (identity == NULL) {
-        text t = {NULL, 0, 0, 0};
         put(&t, "out of memory generating a chain kernel");
-        *error = t.data;
     } else {
         if (have_dir) cache_file_name(dir, identity, path, sizeof path);
-        if (have_dir && (image = cache_read(path, identity, size)) != NULL) {
+        if (have_dir && !skip_disk && (image = cache_read(path, identity, size)) != NULL) {
             *origin = ORIGIN_DISK;
+        } else if (nvrtc_open() != 0) {
+            put(&t, "%s", nvrtc.error);
+            *missing = 1;
         } else if (nvrtc_compile(source, arch, &image, size, error) == 0) {
             *origin = ORIGIN_COMPILED;
             if (have_dir) cache_write(dir, path, identity, image, *size);
         }
     }
+    if (t.data) *error = t.data;
     free(identity);
     if (source_out) *source_out = source;
     else free(source);
@@ -738,6 +756,7 @@ typedef struct {
     size_t len;
     unsigned char *key;
     void *kernel;
+    int missing; /* kernel NULL for want of NVRTC */
 } kernel_entry;
 static struct {
     kernel_entry *slots;
@@ -769,7 +788,7 @@ static kernel_entry *table_find(const unsigned char *key, size_t len, uint64_t h
 }
 
 /* Add an entry (the table takes key). -1 when out of memory. Hold table_lock. */
-static int table_add(unsigned char *key, size_t len, uint64_t hash, void *kernel) {
+static int table_add(unsigned char *key, size_t len, uint64_t hash, void *kernel, int missing) {
     if (2 * (table.count + 1) > table.cap) {
         const size_t cap = table.cap ? 2 * table.cap : 64;
         kernel_entry *slots = calloc(cap, sizeof *slots);
@@ -786,7 +805,7 @@ static int table_add(unsigned char *key, size_t len, uint64_t hash, void *kernel
     }
     size_t j = hash & (table.cap - 1);
     while (table.slots[j].key) j = (j + 1) & (table.cap - 1);
-    table.slots[j] = (kernel_entry){hash, len, key, kernel};
+    table.slots[j] = (kernel_entry){hash, len, key, kernel, missing};
     table.count++;
     return 0;
 }
@@ -822,44 +841,51 @@ static brrr_chain_kernel kernel_for(const brrr_chain_launch *L, int n_operands, 
 
 static int warned_missing, warned_capture, warned_failed;
 
-/* The loaded kernel for (k, arch, p), compiling it if need be: 1 found (*kernel NULL when it
- * failed to build, with the reason in *error the first time), 0 when it is not built and the
- * stream is capturing. Runs without the GIL for the compile. */
+/* The loaded kernel for (k, arch, p), building it if need be: 1 found (*kernel NULL when it
+ * failed to build, with the reason in *error the first time, *missing when for want of NVRTC),
+ * 0 when it is not built and the stream is capturing, -1 with a Python exception. Builds without
+ * the GIL. */
 static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_steps *p, void *stream, void **kernel,
-                       char **error) {
+                       char **error, int *missing) {
     *kernel = NULL;
     *error = NULL;
+    *missing = 0;
     size_t len;
     unsigned char *key = make_key(k, arch, p, &len);
     if (key == NULL) return PyErr_NoMemory(), -1;
     const uint64_t hash = fnv1a(FNV_OFFSET, key, len);
     pthread_mutex_lock(&table_lock);
     const kernel_entry *e = table_find(key, len, hash);
-    if (e) *kernel = e->kernel;
+    if (e) *kernel = e->kernel, *missing = e->missing;
     pthread_mutex_unlock(&table_lock);
     if (e) {
         free(key);
         return 1;
     }
     int capturing = 0;
-    if (brrr_cuda_stream_capturing(stream, &capturing) == 0 && capturing) {
+    if ((brrr_cuda_stream_capturing(stream, &capturing) == 0 && capturing) || nvrtc_prepare() < 0) {
         free(key);
-        return 0;
+        return capturing ? 0 : -1;
     }
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&compile_lock);
     pthread_mutex_lock(&table_lock);
     e = table_find(key, len, hash); /* another thread may have built it meanwhile */
-    if (e) *kernel = e->kernel;
+    if (e) *kernel = e->kernel, *missing = e->missing;
     pthread_mutex_unlock(&table_lock);
     if (e == NULL) {
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
         size_t size = 0;
         int origin = ORIGIN_COMPILED;
-        char *image = chain_cubin(k, p, arch, &size, &origin, NULL, error);
+        char *image = chain_cubin(k, p, arch, 0, &size, &origin, NULL, error, missing);
         void *library = NULL;
         int err = image ? brrr_cuda_library_load(image, "brrr_chain", &library, kernel) : 0;
+        if (err && origin == ORIGIN_DISK) { /* a cached cubin this driver refuses: compile it again */
+            free(image);
+            image = chain_cubin(k, p, arch, 1, &size, &origin, NULL, error, missing);
+            err = image ? brrr_cuda_library_load(image, "brrr_chain", &library, kernel) : 0;
+        }
         if (err) {
             text t = {NULL, 0, 0, 0};
             put(&t, "loading a compiled chain kernel: CUDA error %d (%s)", err, brrr_cuda_error_string(err));
@@ -871,7 +897,7 @@ static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_st
         stats.last_seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
         if (*kernel) ++*(origin == ORIGIN_DISK ? &stats.from_disk : &stats.compiled);
         pthread_mutex_lock(&table_lock);
-        if (table_add(key, len, hash, *kernel) == 0) key = NULL;
+        if (table_add(key, len, hash, *kernel, *missing) == 0) key = NULL;
         pthread_mutex_unlock(&table_lock);
     }
     pthread_mutex_unlock(&compile_lock);
@@ -882,12 +908,8 @@ static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_st
 
 int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_steps *prog, int backward) {
     const int interpretable = prog->n_steps <= BRRR_MAX_CHAIN_STEPS, device = c->t[0].device_id;
-    if (!jit_enabled) return 0;
-    if (nvrtc_load() < 0)
-        return warn_once(&warned_missing, "brrr: NVRTC was not found (%s): chains on CUDA run in the interpreted kernels, "
-                                          "which take at most %d steps (docs/chains.md)", nvrtc.error, BRRR_MAX_CHAIN_STEPS) < 0 ? -1 : 0;
     static int archs[256];
-    if (device < 0 || device >= 256) return 0;
+    if (!jit_enabled || device < 0 || device >= 256) return 0;
     if (archs[device] == 0) {
         int arch = 0;
         const int err = brrr_cuda_device_arch(device, &arch);
@@ -897,7 +919,8 @@ int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_s
     const brrr_chain_kernel k = kernel_for(L, prog->n_operands, backward);
     void *stream = brrr_call_stream(&c->call), *kernel;
     char *error;
-    const int found = find_kernel(&k, archs[device], prog, stream, &kernel, &error);
+    int missing;
+    const int found = find_kernel(&k, archs[device], prog, stream, &kernel, &error, &missing);
     if (found < 0) return -1;
     if (!found) {
         if (interpretable)
@@ -907,14 +930,17 @@ int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_s
                      "before capture, which compiles its kernel", c->spec->name, (int)prog->n_steps);
         return -1;
     }
-    if (kernel == NULL) {
+    if (kernel == NULL) { /* the interpreted kernels run it; chain.c refuses what they cannot */
         int rc = 0;
-        if (!interpretable)
+        if (missing)
+            rc = warn_once(&warned_missing, "brrr: NVRTC was not found (%s): chains on CUDA run in the interpreted "
+                                            "kernels, which take at most %d steps (docs/chains.md)", error, BRRR_MAX_CHAIN_STEPS);
+        else if (!interpretable)
             PyErr_Format(PyExc_RuntimeError, "brrr.%s: %s", c->spec->name, error ? error : "the chain's kernel failed to build");
         else if (error)
-            rc = warn_once(&warned_failed, "brrr: a chain runs in the interpreted kernels: %s", error) < 0 ? -1 : 0;
+            rc = warn_once(&warned_failed, "brrr: a chain runs in the interpreted kernels: %s", error);
         free(error);
-        return interpretable && rc == 0 ? 0 : -1;
+        return rc < 0 || (!missing && !interpretable) ? -1 : 0;
     }
     unsigned grid[3] = {1, 1, 1}, block[3] = {256, 1, 1};
     brrr_chain_flat flat;
@@ -1005,24 +1031,23 @@ PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *
         PyErr_SetString(PyExc_ValueError, "argument vector_mask/grad_mask: a bit set past the chain's operands");
         return NULL;
     }
-    if (nvrtc_load() < 0) {
+    if (nvrtc_prepare() < 0) {
         PyMem_Free(p.steps);
-        PyErr_Format(PyExc_RuntimeError, "NVRTC not available: %s", nvrtc.error);
         return NULL;
     }
     size_t size = 0;
-    int origin = ORIGIN_COMPILED;
+    int origin = ORIGIN_COMPILED, missing;
     char *source = NULL, *error = NULL, *image;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&compile_lock);
-    image = chain_cubin(&k, &p, arch, &size, &origin, &source, &error);
+    image = chain_cubin(&k, &p, arch, 0, &size, &origin, &source, &error, &missing);
     if (image) ++*(origin == ORIGIN_DISK ? &stats.from_disk : &stats.compiled);
     pthread_mutex_unlock(&compile_lock);
     Py_END_ALLOW_THREADS
     PyMem_Free(p.steps);
     PyObject *result = NULL;
     if (image) result = Py_BuildValue("(sy#s)", source, image, (Py_ssize_t)size, origin == ORIGIN_DISK ? "disk" : "compiled");
-    else PyErr_SetString(PyExc_RuntimeError, error ? error : "out of memory");
+    else PyErr_Format(PyExc_RuntimeError, "%s%s", missing ? "NVRTC not available: " : "", error ? error : "out of memory");
     free(source);
     free(image);
     free(error);
@@ -1034,11 +1059,12 @@ PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *
 PyObject *brrr_py_chain_jit_info(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
-    const int loaded = nvrtc_load() == 0;
+    if (nvrtc_prepare() < 0) return NULL;
     char dir[PATH_MAX], version[32];
     const int have_dir = cache_dir(dir, sizeof dir);
-    snprintf(version, sizeof version, "%d.%d", nvrtc.major, nvrtc.minor);
     pthread_mutex_lock(&compile_lock);
+    const int loaded = nvrtc_open() == 0;
+    snprintf(version, sizeof version, "%d.%d", nvrtc.major, nvrtc.minor);
     PyObject *info = Py_BuildValue("{s:z,s:z,s:z,s:z,s:O,s:L,s:L,s:d}", "nvrtc", loaded ? nvrtc.path : NULL, "nvrtc_version",
                                    loaded ? version : NULL, "nvrtc_error", loaded ? NULL : nvrtc.error, "cache_dir",
                                    have_dir ? dir : NULL, "enabled", jit_enabled ? Py_True : Py_False, "compiled",
