@@ -224,7 +224,8 @@ static int is_vector(const brrr_chain_kernel *k, int b) { return k->vector_mask 
  * last numel % VEC elements one per thread. */
 static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops) {
     const char *result = k->backward ? "t" : "y";
-    put(t, "extern \"C\" __global__ void __launch_bounds__(256) brrr_chain(const __grid_constant__ brrr_chain_flat a) {\n"
+    /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels. */
+    put(t, "extern \"C\" __global__ void __launch_bounds__(256, 2) brrr_chain(const __grid_constant__ brrr_chain_flat a) {\n"
            "    constexpr int U = sizeof(T) == 2 ? 1 : 2, N = VEC * U; // 8 values a thread (double: 4)\n"
            "    const long long n_packs = a.numel / VEC;\n"
            "    const long long first = (long long)blockIdx.x * (256 * U) + threadIdx.x;\n"
@@ -282,20 +283,24 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops)
 /* The offsets of element (or row) r in every tensor the kernel touches, over dims [0, dims) of
  * L.shape, innermost last, each dim's index added in at its stride. */
 static void put_offsets(text *t, const brrr_chain_kernel *k, int nops, int dims, const char *r) {
-    put(t, "        long long r = %s, c, ox = 0, oo = 0%s", r, k->backward ? ", og = 0" : "");
-    for (int b = 0; b < nops; b++) put(t, ", o%d = 0", b);
+    const char *index = k->index32 ? "unsigned" : "long long";
+    put(t, "        %s r = (%s)%s, c;\n        long long ox = 0, oo = 0%s", index, index, r, k->backward ? ", og = 0" : "");
+    for (int b = 0; b < nops; b++)
+        if (!(k->layout == BRRR_JIT_ROWS && is_vector(k, b))) put(t, ", o%d = 0", b);
     for (int b = 0; b < nops; b++)
         if (grad_wanted(k, b) && !is_vector(k, b)) put(t, ", q%d = 0", b);
     put(t, ";\n");
     for (int d = dims - 1; d >= 0; d--) {
-        if (d > 0) put(t, "        c = r %% L.shape[%d];\n        r /= L.shape[%d];\n", d, d);
+        if (d > 0) put(t, "        c = r %% (%s)L.shape[%d];\n        r /= (%s)L.shape[%d];\n", index, d, index, d);
         else put(t, "        c = r;\n");
-        put(t, "        ox += c * L.x.strides[%d];\n        oo += c * L.out.strides[%d];\n", d, d);
-        if (k->backward) put(t, "        og += c * L.grad_out.strides[%d];\n", d);
+        put(t, "        ox += (long long)c * L.x.strides[%d];\n        oo += (long long)c * L.out.strides[%d];\n", d, d);
+        if (k->backward) put(t, "        og += (long long)c * L.grad_out.strides[%d];\n", d);
         for (int b = 0; b < nops; b++)
-            if (!(k->layout == BRRR_JIT_ROWS && is_vector(k, b))) put(t, "        o%d += c * L.operands[%d].strides[%d];\n", b, b, d);
+            if (!(k->layout == BRRR_JIT_ROWS && is_vector(k, b)))
+                put(t, "        o%d += (long long)c * L.operands[%d].strides[%d];\n", b, b, d);
         for (int b = 0; b < nops; b++)
-            if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "        q%d += c * L.grad_operands[%d].strides[%d];\n", b, b, d);
+            if (grad_wanted(k, b) && !is_vector(k, b))
+                put(t, "        q%d += (long long)c * L.grad_operands[%d].strides[%d];\n", b, b, d);
     }
 }
 
@@ -825,7 +830,7 @@ static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 /* The layout class of launch L (chain.c's choice of shape, strides and row layout). */
 static brrr_chain_kernel kernel_for(const brrr_chain_launch *L, int n_operands, int backward) {
-    brrr_chain_kernel k = {backward, L->dtype, BRRR_JIT_STRIDED, L->ndim, 0, 0};
+    brrr_chain_kernel k = {backward, L->dtype, BRRR_JIT_STRIDED, L->ndim, 0, 0, L->numel <= 0xFFFFFFFFLL};
     int aligned = aligned16(L->x.data) && aligned16(L->out.data) && (!backward || aligned16(L->grad_out.data));
     for (int b = 0; b < n_operands; b++) {
         k.vector_mask |= (L->operand_is_vector[b] ? 1 : 0) << b;
@@ -835,7 +840,8 @@ static brrr_chain_kernel kernel_for(const brrr_chain_launch *L, int n_operands, 
     }
     const int64_t vec = 16 / (int64_t)brrr_dtype_size(L->dtype);
     if (L->partials) k.layout = BRRR_JIT_ROWS;
-    else if (L->contiguous && aligned && (!k.vector_mask || L->row_length % vec == 0)) k.layout = BRRR_JIT_CONTIGUOUS, k.ndim = 1;
+    else if (L->contiguous && aligned && (!k.vector_mask || L->row_length % vec == 0))
+        k.layout = BRRR_JIT_CONTIGUOUS, k.ndim = 1, k.index32 = 0;
     return k;
 }
 
@@ -909,7 +915,10 @@ static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_st
 int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_steps *prog, int backward) {
     const int interpretable = prog->n_steps <= BRRR_MAX_CHAIN_STEPS, device = c->t[0].device_id;
     static int archs[256];
-    if (!jit_enabled || device < 0 || device >= 256) return 0;
+    /* Rows of dense columns (a bias gradient, the halves of a GLU input) go to the precompiled row
+     * kernels while they can take the chain: their loads are pipelined (cp.async), which the
+     * compiled row kernel's are not. */
+    if (!jit_enabled || device < 0 || device >= 256 || (interpretable && L->row_layout)) return 0;
     if (archs[device] == 0) {
         int arch = 0;
         const int err = brrr_cuda_device_arch(device, &arch);
@@ -991,18 +1000,19 @@ static int parse_dtype(const char *name, int32_t *dtype) {
 }
 
 /* chain_jit_compile(steps, dtype, backward=False, layout="contiguous", ndim=1, vector_mask=0,
- * grad_mask=0, arch=90) -> (source, cubin, origin): what a CUDA call would compile, through the
+ * grad_mask=0, arch=90, index32=False) -> (source, cubin, origin): what a CUDA call would compile, through the
  * disk cache (origin "disk" or "compiled"), without a GPU. For tests. */
 PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *kwargs) {
     (void)module;
-    static char *keywords[] = {"steps", "dtype", "backward", "layout", "ndim", "vector_mask", "grad_mask", "arch", NULL};
+    static char *keywords[] = {"steps", "dtype", "backward", "layout", "ndim", "vector_mask", "grad_mask", "arch", "index32",
+                               NULL};
     PyObject *steps;
     const char *dtype_name, *layout_name = "contiguous";
-    int backward = 0, ndim = 1, vector_mask = 0, grad_mask = 0, arch = 90;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Os|psiiii:chain_jit_compile", keywords, &steps, &dtype_name, &backward,
-                                     &layout_name, &ndim, &vector_mask, &grad_mask, &arch))
+    int backward = 0, ndim = 1, vector_mask = 0, grad_mask = 0, arch = 90, index32 = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Os|psiiiip:chain_jit_compile", keywords, &steps, &dtype_name, &backward,
+                                     &layout_name, &ndim, &vector_mask, &grad_mask, &arch, &index32))
         return NULL;
-    brrr_chain_kernel k = {backward, 0, -1, ndim, vector_mask, grad_mask};
+    brrr_chain_kernel k = {backward, 0, -1, ndim, vector_mask, grad_mask, index32};
     static const char *const LAYOUTS[] = {"contiguous", "strided", "rows"};
     for (int i = 0; i < BRRR_JIT_LAYOUTS; i++)
         if (strcmp(layout_name, LAYOUTS[i]) == 0) k.layout = i;

@@ -73,7 +73,8 @@ static PyMethodDef methods[] = {
     {"chain_op_names", brrr_py_chain_op_names, METH_NOARGS, "Names of the ops a chain step may use."},
     {"chain_program", brrr_py_chain_program, METH_O, "chain_program(steps) -> bytes: validate and pack a chain."},
     {"chain_jit_compile", (PyCFunction)(void (*)(void))brrr_py_chain_jit_compile, METH_VARARGS | METH_KEYWORDS,
-     "chain_jit_compile(steps, dtype, backward=False, layout='contiguous', ndim=1, vector_mask=0, grad_mask=0, arch=90) -> "
+     "chain_jit_compile(steps, dtype, backward=False, layout='contiguous', ndim=1, vector_mask=0, grad_mask=0, arch=90, "
+     "index32=False) -> "
      "(source, cubin, origin): the kernel a CUDA call compiles for these steps, through the disk cache ('disk' or "
      "'compiled'); needs NVRTC, not a GPU."},
     {"chain_jit_info", brrr_py_chain_jit_info, METH_NOARGS,

@@ -62,7 +62,7 @@ def test_generated_sources_compile(cache_dir, seed):
             grads = rng.randrange(1 << n) if backward and n else 0
             grads = grads | vector if layout == "rows" else grads & ~vector  # bias gradients: the row layout
             source, cubin, origin = _C.chain_jit_compile(steps, dtype, backward=backward, layout=layout, ndim=ndim,
-                                                         vector_mask=vector, grad_mask=grads)
+                                                         vector_mask=vector, grad_mask=grads, index32=seed % 2 == 0)
             assert origin == "compiled" and cubin[:4] == b"\x7fELF", (layout, backward)
 
 
@@ -211,11 +211,15 @@ def test_long_chains_on_cuda_against_float64(dtype):
     for n in (17, 64, 200):
         steps = random_long_chain(rng, n)
         x = random((333, 65), dtype, "cuda", -2.0, 2.0)
-        operands = _operands(steps, x, rng)
-        ours = brrr.chain(*steps)(x, *operands)
-        want = reference(steps, x, operands)
-        err = (ours.double().cpu() - want).norm() / want.norm()
-        assert err < (1e-5 if dtype == torch.float32 else 2e-2) * n / 16, (n, float(err))
+        operands = _operands(steps, x, rng)  # bias-like vectors among them: the rows layout's backward
+        g = random(x.shape, dtype, "cuda")
+        ours = _fwd_bwd(steps, x, operands, g)
+        leaves = [t.detach().to("cpu", torch.float64).requires_grad_() for t in (x, *operands)]
+        want = reference(steps, leaves[0], leaves[1:])
+        want.backward(g.double().cpu())
+        for got, expected in zip(ours, [want.detach()] + [leaf.grad for leaf in leaves]):
+            err = (got.double().cpu() - expected).norm() / expected.norm()
+            assert err < (1e-5 if dtype == torch.float32 else 2e-2) * n / 16, (n, float(err))
 
 
 @pytest.mark.cuda
@@ -259,13 +263,13 @@ def test_a_compiled_chain_is_captured_by_cuda_graphs():
 
 
 @pytest.mark.cuda
-def test_without_nvrtc_long_chains_on_cuda_say_why():
+def test_without_nvrtc_long_chains_on_cuda_say_why(tmp_path):
     code = ("import warnings, torch, brrr; x = torch.randn(100, device='cuda');\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always'); brrr.chain('cos', 'cos')(x); brrr.chain('sin')(x)\n"
             "assert len(w) == 1 and 'NVRTC was not found' in str(w[0].message), [str(m.message) for m in w]\n"
             "try:\n    brrr.chain(*['cos'] * 17)(x)\nexcept ValueError as e:\n    print(e)\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "BRRR_NVRTC": "none"})
+                            env={**os.environ, "BRRR_NVRTC": "none", "BRRR_CACHE_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert "a chain of 17 steps needs NVRTC" in result.stdout
