@@ -138,13 +138,32 @@ static void put_scalar(text *t, double c) {
     }
 }
 
+/* Steps that call an elementary function (libdevice's or brrr's): tens of instructions each. */
+static int is_heavy(int op) {
+    switch (op) {
+    case BRRR_OP_ADD_SCALAR: case BRRR_OP_MUL_SCALAR: case BRRR_OP_ADD_TENSOR: case BRRR_OP_MUL_TENSOR:
+    case BRRR_OP_RELU: case BRRR_OP_ABS: case BRRR_OP_NEG: case BRRR_OP_SQUARE: case BRRR_OP_CLAMP_MIN:
+    case BRRR_OP_CLAMP_MAX: case BRRR_OP_LEAKY_RELU: case BRRR_OP_HARDSWISH: return 0;
+    default: return 1;
+    }
+}
+
+/* Chains with more heavy steps than this get one copy of the element function, called for each
+ * element, instead of a copy inlined per element (16 in a contiguous half-type kernel): NVRTC
+ * took 0.3-0.45 s for a 12-step mixed bfloat16 chain inlined, 0.08-0.09 s called (2-core host);
+ * the call's cost hides behind the steps' own. */
+#define BRRR_JIT_INLINE_HEAVY_STEPS 4
+
 /* The step sequence as a function of one element: chain_fwd(y, v0, ...) returns the chain's
  * value; chain_bwd(y, v0, ..., g0, ...) returns d out / d x and sets gb = d out / d operand b,
  * in one forward sweep as the interpreted program_grad does (the same operations in the same
  * order, so the same values up to the compiler's contraction of a multiply and an add). */
 static void put_element_functions(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
     const int nops = p->n_operands;
-    put(t, "__device__ __forceinline__ A chain_%s(A y", k->backward ? "bwd" : "fwd");
+    int heavy = 0;
+    for (int s = 0; s < p->n_steps; s++) heavy += is_heavy(p->steps[s].op);
+    put(t, "__device__ %s A chain_%s(A y", heavy > BRRR_JIT_INLINE_HEAVY_STEPS ? "__noinline__" : "__forceinline__",
+        k->backward ? "bwd" : "fwd");
     for (int b = 0; b < nops; b++) put(t, ", const A v%d", b);
     for (int b = 0; k->backward && b < nops; b++) put(t, ", A &g%d", b);
     put(t, ") {\n");
@@ -220,13 +239,13 @@ static int grad_wanted(const brrr_chain_kernel *k, int b) { return k->backward &
 static int is_vector(const brrr_chain_kernel *k, int b) { return k->vector_mask >> b & 1; }
 
 /* Dense tensors: each thread owns two 16-byte packs of every tensor, a block apart (coalesced),
- * all loaded before any is computed, as the precompiled contiguous kernels do; block 0 takes the
- * last numel % VEC elements one per thread. */
+ * all loaded before any is computed, as the precompiled contiguous kernels do (the bytes in
+ * flight that keep HBM busy); block 0 takes the last numel % VEC elements one per thread. */
 static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops) {
     const char *result = k->backward ? "t" : "y";
     /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels. */
     put(t, "extern \"C\" __global__ void __launch_bounds__(256, 2) brrr_chain(const __grid_constant__ brrr_chain_flat a) {\n"
-           "    constexpr int U = sizeof(T) == 2 ? 1 : 2, N = VEC * U; // 8 values a thread (double: 4)\n"
+           "    constexpr int U = 2, N = VEC * U;\n"
            "    const long long n_packs = a.numel / VEC;\n"
            "    const long long first = (long long)blockIdx.x * (256 * U) + threadIdx.x;\n"
            "    A y[N] = {}%s", k->backward ? ", gr[N] = {}, t[N]" : "");
@@ -959,8 +978,7 @@ int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_s
         flat.x = L->x.data, flat.out = L->out.data, flat.grad_out = L->grad_out.data;
         for (int b = 0; b < prog->n_operands; b++) flat.operands[b] = L->operands[b].data, flat.grad_operands[b] = L->grad_operands[b].data;
         flat.numel = L->numel, flat.row_length = L->row_length;
-        const int64_t size = (int64_t)brrr_dtype_size(L->dtype), packs = L->numel / (16 / size);
-        const int64_t per_block = 256 * (size == 2 ? 1 : 2); /* the kernel's U */
+        const int64_t packs = L->numel / (16 / (int64_t)brrr_dtype_size(L->dtype)), per_block = 256 * 2; /* U = 2 */
         grid[0] = (unsigned)((packs + per_block - 1) / per_block);
         grid[0] = grid[0] ? grid[0] : 1;
         param = &flat;
