@@ -73,6 +73,8 @@ def test_the_source_is_specialised(cache_dir):
     source, _, _ = _C.chain_jit_compile(MIXED, "bfloat16", backward=True, grad_mask=3, vector_mask=1, layout="rows", ndim=3)
     assert "M::gelu_fwd_grad(y, &d)" in source and "M::pow_fwd_grad(y, (A)0x1.8p+1, &d)" in source
     assert "L.partials" in source and "__shared__" in source
+    assert "__noinline__ A chain_bwd" in source  # ten elementary functions: one copy, called
+    assert "__forceinline__ A chain_fwd" in _C.chain_jit_compile(["cos", "cos"], "float16")[0]
     source, _, _ = _C.chain_jit_compile(["relu", ("add", float("inf")), ("mul", float("nan"))], "float64")
     assert "__longlong_as_double(0x7ff0000000000000LL)" in source
 
