@@ -516,13 +516,20 @@ static int nvrtc_bind(void *lib, const char *where) {
     return 0;
 }
 
-/* dlopen `file` (a path, or a name for the loader's search) and bind it. */
+/* dlopen `file` (a path, or a name for the loader's search: one a library already loaded, such as
+ * PyTorch's, answers) and bind it; its builtins are loaded from its folder before it needs them. */
 static int nvrtc_try(const char *file) {
     void *lib = dlopen(file, RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL) return -1;
     Dl_info info;
     void *sym = dlsym(lib, "nvrtcVersion");
     const char *where = sym && dladdr(sym, &info) && info.dli_fname ? info.dli_fname : file;
+    const char *slash = strrchr(where, '/');
+    if (slash) {
+        char dir[PATH_MAX];
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - where), where);
+        preload_builtins(dir);
+    }
     if (nvrtc_bind(lib, where) == 0) return 0;
     dlclose(lib);
     return -1;
@@ -532,9 +539,9 @@ static int nvrtc_try_dir(const char *dir) {
     static const char *const NAMES[] = {"libnvrtc.so.13", "libnvrtc.so.12"};
     for (size_t i = 0; i < sizeof NAMES / sizeof NAMES[0]; i++) {
         char path[PATH_MAX];
-        if (snprintf(path, sizeof path, "%s/%s", dir, NAMES[i]) >= (int)sizeof path || access(path, R_OK) != 0) continue;
-        preload_builtins(dir);
-        if (nvrtc_try(path) == 0) return 0;
+        if (snprintf(path, sizeof path, "%s/%s", dir, NAMES[i]) < (int)sizeof path && access(path, R_OK) == 0 &&
+            nvrtc_try(path) == 0)
+            return 0;
     }
     return -1;
 }

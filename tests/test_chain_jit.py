@@ -153,6 +153,19 @@ def test_without_nvrtc_brrr_imports_and_chains_run_on_the_cpu():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
+@needs_nvrtc
+def test_an_nvrtc_already_loaded_is_used_with_its_builtins(tmp_path):
+    """PyTorch's CUDA wheels load libnvrtc from a folder off the loader's path: brrr finds it by name
+    and loads the builtins NVRTC needs from the same folder."""
+    path = _C.chain_jit_info()["nvrtc"]
+    code = (f"import ctypes; ctypes.CDLL({path!r}, mode=ctypes.RTLD_GLOBAL); from brrr import _C; "
+            "print(_C.chain_jit_compile(['cos', ('mul', 3.25)], 'float32')[2], _C.chain_jit_info()['nvrtc'])")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "BRRR_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["compiled", os.path.realpath(path)]
+
+
 def test_compile_arguments_are_checked():
     with pytest.raises(ValueError, match="argument dtype"):
         _C.chain_jit_compile(["relu"], "int8")
