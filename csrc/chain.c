@@ -95,8 +95,6 @@ typedef struct {
     int32_t n_steps, n_operands;
 } chain_header;
 
-
-
 PyObject *brrr_py_chain_op_names(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
@@ -184,9 +182,8 @@ fail:
     return NULL;
 }
 
-/* Programs arrive as bytes from Python; check them as if they were hostile. p->steps is a copy
- * (PyMem_Free it) when p->n_steps > 0. */
-static int parse_program(PyObject *obj, brrr_chain_steps *p) {
+/* Programs arrive as bytes from Python; check them as if they were hostile. */
+int brrr_chain_parse_program(PyObject *obj, brrr_chain_steps *p) {
     chain_header h;
     const Py_ssize_t size = PyBytes_Check(obj) ? PyBytes_GET_SIZE(obj) : -1;
     if (size < (Py_ssize_t)sizeof h || (size - (Py_ssize_t)sizeof h) % (Py_ssize_t)sizeof(brrr_chain_step) != 0) {
@@ -565,7 +562,7 @@ static int grad_operand_slot(const brrr_op_call *c, int b) { return c->spec->n_s
 
 static int chain_check(brrr_op_call *c) {
     brrr_chain_steps prog;
-    if (parse_program(c->arg[A_PROGRAM].o, &prog) < 0) return -1;
+    if (brrr_chain_parse_program(c->arg[A_PROGRAM].o, &prog) < 0) return -1;
     PyMem_Free(prog.steps);
     PyObject *operands = c->arg[A_OPERANDS].o, *grads = is_backward(c) ? c->arg[A_GRAD_OPERANDS].o : NULL;
     if (!PyTuple_Check(operands) || PyTuple_GET_SIZE(operands) != prog.n_operands) {
@@ -679,7 +676,7 @@ static int chain_run_program(brrr_op_call *c, const brrr_chain_steps *prog) {
 
 static int chain_run(brrr_op_call *c) {
     brrr_chain_steps prog;
-    if (parse_program(c->arg[A_PROGRAM].o, &prog) < 0) return -1;
+    if (brrr_chain_parse_program(c->arg[A_PROGRAM].o, &prog) < 0) return -1;
     const int rc = chain_run_program(c, &prog);
     PyMem_Free(prog.steps);
     return rc;

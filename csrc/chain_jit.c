@@ -1049,18 +1049,10 @@ PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *
         return NULL;
     }
     PyObject *bytes = PyObject_CallMethod(module, "chain_program", "O", steps);
-    if (bytes == NULL) return NULL;
-    const char *data = PyBytes_AS_STRING(bytes);
     brrr_chain_steps p;
-    memcpy(&p.n_steps, data, sizeof p.n_steps);
-    memcpy(&p.n_operands, data + sizeof p.n_steps, sizeof p.n_operands);
-    p.steps = PyMem_Malloc((size_t)p.n_steps * sizeof(brrr_chain_step) + 1);
-    if (p.steps == NULL) {
-        Py_DECREF(bytes);
-        return PyErr_NoMemory();
-    }
-    memcpy(p.steps, data + 2 * sizeof(int32_t), (size_t)p.n_steps * sizeof(brrr_chain_step));
-    Py_DECREF(bytes);
+    const int parsed = bytes ? brrr_chain_parse_program(bytes, &p) : -1;
+    Py_XDECREF(bytes);
+    if (parsed < 0) return NULL;
     if ((vector_mask | grad_mask) >> p.n_operands) {
         PyMem_Free(p.steps);
         PyErr_SetString(PyExc_ValueError, "argument vector_mask/grad_mask: a bit set past the chain's operands");

@@ -10,6 +10,10 @@ typedef struct {
     brrr_chain_step *steps;
 } brrr_chain_steps;
 
+/* The steps of a program (the bytes of _C.chain_program), checked: 0, or -1 with a Python
+ * exception naming the argument `program`. p->steps is a copy to PyMem_Free (NULL for no steps). */
+int brrr_chain_parse_program(PyObject *obj, brrr_chain_steps *p);
+
 /* The layout classes a kernel is compiled for. */
 enum {
     BRRR_JIT_CONTIGUOUS, /* every tensor dense and 16-byte aligned; vectors by i % row_length */
