@@ -17,14 +17,14 @@ from . import _C, _op
 from ._args import last_dim
 from ._frameworks import torch_integration_loaded
 from ._op import check_torch, define, lean_apply, lean_once_differentiable, needs_autograd, out_like, stream
-from .chain import OPERAND_NAMES
+from .chain import OPERAND_NAMES, SCALAR_OPS
 
 
 @functools.lru_cache(maxsize=1024)
 def _program(ops, scalars):
     """ops: the chain's op names joined by commas (custom-op schemas take no list of str)."""
     names = ops.split(",") if ops else []
-    return _C.chain_program([(o, s) if o in ("add", "mul") else o for o, s in zip(names, scalars)])
+    return _C.chain_program([(o, s) if o in SCALAR_OPS else o for o, s in zip(names, scalars)])
 
 
 def _chain_impl(x: torch.Tensor, operands: list[torch.Tensor], ops: str, scalars: list[float]) -> torch.Tensor:

@@ -40,6 +40,22 @@ typedef enum {
     BRRR_OP_MUL_SCALAR,
     BRRR_OP_ADD_TENSOR,
     BRRR_OP_MUL_TENSOR,
+    BRRR_OP_ABS,
+    BRRR_OP_NEG,
+    BRRR_OP_SQUARE,
+    BRRR_OP_SQRT,
+    BRRR_OP_RSQRT,
+    BRRR_OP_LOG,
+    BRRR_OP_LOG1P,
+    BRRR_OP_EXPM1,
+    BRRR_OP_RECIPROCAL,
+    BRRR_OP_POW,        /* y ** scalar */
+    BRRR_OP_CLAMP_MIN,  /* max(y, scalar), NaN propagating */
+    BRRR_OP_CLAMP_MAX,  /* min(y, scalar), NaN propagating */
+    BRRR_OP_SOFTPLUS,   /* beta 1, threshold 20, as torch's defaults */
+    BRRR_OP_MISH,
+    BRRR_OP_HARDSWISH,
+    BRRR_OP_LEAKY_RELU, /* negative slope: scalar */
     BRRR_OP_COUNT
 } brrr_op;
 
@@ -85,6 +101,28 @@ typedef struct {
 
 int brrr_cuda_chain_fwd(const brrr_chain_launch *launch, int device, void *stream);
 int brrr_cuda_chain_bwd(const brrr_chain_launch *launch, int device, void *stream);
+/* The second pass of a bias gradient: grad_operands[b] = the launch's partials summed in a fixed
+ * order, for every vector operand b with a gradient (the kernels compiled at run time write the
+ * partials as the precompiled row kernels do). */
+int brrr_cuda_chain_vector_grad(const brrr_chain_launch *launch, int device, void *stream);
+
+/* The parameter of a chain kernel compiled at run time for dense tensors (csrc/chain_jit.c):
+ * element i of every tensor at i, of a vector operand at i % row_length. */
+typedef struct {
+    void *x, *out, *grad_out;
+    void *operands[BRRR_MAX_CHAIN_OPERANDS];
+    void *grad_operands[BRRR_MAX_CHAIN_OPERANDS];
+    int64_t numel, row_length;
+} brrr_chain_flat;
+
+/* Kernels compiled at run time (cuda/jit.cu): a cubin loaded with the runtime's library API,
+ * launched with one parameter, `param` pointing at its value. */
+int brrr_cuda_library_load(const void *image, const char *kernel_name, void **library, void **kernel);
+int brrr_cuda_kernel_launch(void *kernel, const unsigned grid[3], const unsigned block[3], const void *param,
+                            int device, void *stream);
+int brrr_cuda_device_arch(int device, int *arch);         /* 10 * major + minor */
+int brrr_cuda_multiprocessors(int device, int *count);
+int brrr_cuda_stream_capturing(void *stream, int *capturing);
 
 /* ---- LayerNorm / RMSNorm (csrc/norm.c, cuda/norm*.cu) -------------------------------------
  * A tensor of the input's shape is seen as rows (its leading dims) by columns (the normalised
