@@ -153,12 +153,12 @@ def _geglu(gate, up=None, approximate="none"):
     return _torch.glu(_gelu_name(approximate), gate, up, None)
 
 
-def _rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
-    return _norm_torch.rms_norm(x, normalized_shape, weight, eps, llama_order(cast_order))
+def _rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+    return _norm_torch.rms_norm(x, normalized_shape, weight, eps, llama_order(cast_order), offset)
 
 
-def _add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
-    return _norm_torch.add_rms_norm(x, residual, normalized_shape, weight, eps, llama_order(cast_order))
+def _add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+    return _norm_torch.add_rms_norm(x, residual, normalized_shape, weight, eps, llama_order(cast_order), offset)
 
 
 _CLASS_INDICES = (torch.int64, torch.int32, torch.uint8)
@@ -265,11 +265,22 @@ def _torch_rotary_qk(q, k, cos, sin):
     return _torch_rotary(q, cos, sin), _torch_rotary(k, cos, sin)
 
 
-def _torch_rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
-    if cast_order == "torch":
+def _torch_rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+    if cast_order == "torch" and not offset:
         return TORCH_FUNCTIONS["rms_norm"](x, normalized_shape, weight, eps)
+    dims = tuple(range(-(1 if isinstance(normalized_shape, int) else len(tuple(normalized_shape))), 0))
+    if offset:
+        # Gemma's form: normalised in fp32 (fp64 for float64), scaled by offset + weight in that
+        # dtype, one cast at the end (Llama's order: the normalised input rounded to x's dtype first).
+        if weight is None:
+            raise ValueError("argument offset: nonzero without weight (it is added to the weight)")
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        h = x.to(acc)
+        h = h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + (torch.finfo(acc).eps if eps is None else eps))
+        if cast_order == "llama":
+            h = h.to(x.dtype).to(acc)
+        return (h * (weight.to(acc) + offset)).to(x.dtype)
     # Llama's order: normalise in fp32, round to x's dtype, then scale.
-    dims = tuple(range(-len(tuple(normalized_shape)), 0))
     h = x.float()
     eps = torch.finfo(torch.float32).eps if eps is None else eps
     h = (h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + eps)).to(x.dtype)
@@ -281,9 +292,9 @@ def _torch_add_layer_norm(x, residual, normalized_shape, weight=None, bias=None,
     return TORCH_FUNCTIONS["layer_norm"](h, normalized_shape, weight, bias, eps), h
 
 
-def _torch_add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+def _torch_add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
     h = x + residual
-    return _torch_rms_norm(h, normalized_shape, weight, eps, cast_order=cast_order), h
+    return _torch_rms_norm(h, normalized_shape, weight, eps, cast_order=cast_order, offset=offset), h
 
 
 def _torch_bias_dropout_add(x, bias, residual, p, training=True, seed=None, offset=0):

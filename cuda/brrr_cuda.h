@@ -118,6 +118,7 @@ typedef struct {
     int64_t row_shape[BRRR_MAX_DIMS];
     int64_t col_shape[BRRR_MAX_DIMS];
     double eps;
+    double weight_offset;    /* added to the weight wherever it is read: (1 + weight) is Gemma's RMSNorm */
     brrr_norm_view x, residual, out, residual_out;       /* forward (x also in the backward) */
     brrr_norm_view grad_out, grad_residual, grad_x;       /* backward */
     brrr_norm_view weight, bias, grad_weight, grad_bias;  /* column-indexed */
