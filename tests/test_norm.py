@@ -294,7 +294,7 @@ def test_saved_statistics(device, dtype, kind):
         var = x64.var(-1, unbiased=False)
         check("mean", mean, x64.mean(-1) - x64[..., 0], torch.float32 if dtype != torch.float64 else dtype)
     else:
-        _, rstd = torch.ops.brrr.rms_norm(x, [96], None, 1e-5, False)
+        _, rstd = torch.ops.brrr.rms_norm(x, [96], None, 1e-5, False, 0.0)
         var = x64.pow(2).mean(-1)
     assert rstd.shape == (5, 7) and rstd.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     check("rstd", rstd, (var + 1e-5).rsqrt(), torch.float32 if dtype != torch.float64 else dtype)
