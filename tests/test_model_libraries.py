@@ -28,17 +28,17 @@ MODELS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", DECODER,
               {"RMSNorm (llama cast order)", "gated MLP (swiglu)", "brrr rotary (its forward's apply_rotary_pos_emb)",
                FUSED}, set()),
-    # Gemma's RMSNorm scales by (1 + weight): a look-alike brrr must leave.
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", DECODER, {"gated MLP (geglu)", FUSED},
-              {("GemmaRMSNorm", "behaves like no RMSNorm")}),
+    # Gemma's RMSNorm scales by (1 + weight), in float32: brrr's rms_norm with offset=1.
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", DECODER,
+              {"RMSNorm (torch cast order, scaled by 1 + weight)", "gated MLP (geglu)", FUSED}, set()),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(DECODER, pad_token_id=0),
              {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)", FUSED}, set()),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4),
              {"brrr.nn.LayerNorm", "gelu (approximate='tanh')", "loss_function: brrr causal-LM cross_entropy", FUSED},
              set()),
-    # Partial rotary (a quarter of each head): brrr's replacement hands it to the library's function.
+    # Partial rotary (a quarter of each head): brrr's rotary_dim.
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL,
-                 {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb)", FUSED}, set()),
+                 {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb, partial rotary)", FUSED}, set()),
     "bert": ("BertConfig", "BertForMaskedLM", SMALL,
              {"brrr.nn.LayerNorm", "gelu", "LayerNorm with its residual add (add_layer_norm)", LOSS_BUILT_IN_FORWARD},
              {("BertForMaskedLM", "loss_function behaves like no causal-LM cross-entropy")}),

@@ -315,7 +315,8 @@ def test_patched_rotary_follows_the_librarys_signature(rotary_dims, heads_dim, m
     monkeypatch.setattr(op, "implementation", _counting(op.implementation, calls))
     report = brrr.patch(model)
     try:
-        assert [why for _, _, why in report.swapped] == ["brrr rotary (its forward's apply_rotary_pos_emb)"]
+        assert [why for _, _, why in report.swapped] == ["brrr rotary (its forward's apply_rotary_pos_emb, partial "
+                                                         "rotary)"]
         torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
         assert len(calls) == 1
     finally:
@@ -329,7 +330,7 @@ def test_patched_rotary_gives_calls_it_cannot_read_to_the_library():
         seen.append(position_ids)
         return rope_model.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
-    replacement = _patch._rotary_through_brrr(library_rotary)
+    replacement = _patch._rotary_through_brrr(library_rotary, _patch.RotaryLayout(False, False, False))
     q, k, cos, sin = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
     expected = rope_model.apply_rotary_pos_emb(q, k, cos, sin)
     for args, kwargs, library_called in [((), {}, False), ((None, 1), {}, False), ((), {"unsqueeze_dim": 1}, False),
@@ -582,3 +583,52 @@ def test_registry_takes_the_layouts(kwargs, supported):
                                                layout_reference(a.double(), angle.double(), angle.double(),
                                                                 kwargs.get("interleaved", False),
                                                                 kwargs.get("rotary_dim")).float())
+
+
+@pytest.mark.parametrize("style,rotary_dims,what", [
+    ("neox", 4, ", partial rotary"), ("cohere", 8, ", interleaved pairs"),
+    ("glm", 8, ", interleaved pairs, angles from their first half, partial rotary"),
+    ("glm", 4, ", interleaved pairs, angles from their first half, partial rotary")])
+def test_patch_recognises_the_rotary_layouts(style, rotary_dims, what, monkeypatch):
+    """A library's apply_rotary_pos_emb in each of transformers' forms, recognised on its probe
+    and run by brrr's kernel: the module's output and every gradient as before."""
+    monkeypatch.setattr(rope_variants, "apply_rotary_pos_emb", rope_variants.STYLES[style])
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(rope_variants.VariantAttention(rotary_dims, 1))
+    x = torch.randn(2, 5, 32)
+    expected = model(x)
+    ref_grads = torch.autograd.grad(expected.square().sum(), list(model.parameters()))
+    calls = []
+    op = brrr.registry.lookup("rotary_qk")
+    monkeypatch.setattr(op, "implementation", _counting(op.implementation, calls))
+    report = brrr.patch(model)
+    try:
+        assert report.swapped == [("0", "VariantAttention", f"brrr rotary (its forward's apply_rotary_pos_emb{what})")]
+        out = model(x)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        for a, b in zip(torch.autograd.grad(out.square().sum(), list(model.parameters())), ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert len(calls) == 1
+    finally:
+        brrr.unpatch(model)
+
+
+def test_patch_leaves_a_rotary_look_alike_and_a_partial_call_a_full_form_cannot_take(monkeypatch):
+    """Interleaved pairs turned the other way are left; a form the probe saw take only angles over
+    the whole head dim (Cohere's) is given narrower ones by its own function, not brrr's."""
+    monkeypatch.setattr(rope_variants, "apply_rotary_pos_emb", rope_variants.STYLES["backwards"])
+    model = torch.nn.Sequential(rope_variants.VariantAttention(8, 1))
+    report = brrr.patch(model)
+    assert report.left == [("0", "VariantAttention", "its forward's apply_rotary_pos_emb behaves like no rotary "
+                            "embedding")], str(report)
+    seen = []
+
+    def cohere(q, k, cos, sin, unsqueeze_dim=1):
+        seen.append(cos.shape[-1])
+        return rope_variants.apply_rotary_pos_emb_cohere(q, k, cos, sin, unsqueeze_dim)
+
+    replacement = _patch._rotary_through_brrr(cohere, _patch.RotaryLayout(True, False, False))
+    q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    with pytest.raises(RuntimeError):  # its own error: it cannot take them
+        replacement(q, k, torch.randn(2, 5, 4), torch.randn(2, 5, 4))
+    assert seen == [4]
