@@ -6,26 +6,29 @@
 
 A module is swapped by changing its class to a subclass whose forward calls the registry, so its
 parameters, buffers, hooks and state_dict stay exactly as they were. torch.nn's own classes are
-matched by type. Other modules (the RMSNorm, activation and gated-MLP classes of model libraries,
-with one gate and one up projection or Phi-3's single gate_up projection, and BERT's post-norm
-residual LayerNorm(dropout(dense(h)) + input), which runs brrr's add_layer_norm) are matched by
-behaviour: their forward is run once on a random probe and compared with the candidate formulas
-(the nearest of those within the probe dtype's tolerance: in bfloat16, tanh and erf GELU or
-Llama's and torch's RMSNorm cast orders are all within it; activations are probed in float32),
-so a look-alike that computes something else is left alone. The children such a module's new
-forward computes itself (a gated MLP's activation, the residual block's LayerNorm) are left as
-they are, and the report says so.
+matched by type. Other modules (the norm, activation and gated-MLP classes of model libraries:
+RMSNorms in Llama's or torch's cast order, Gemma's of (1 + weight), LayerNorms without bias
+(Cohere's) or without parameters (OLMo's); gated MLPs with one gate and one up projection or
+Phi-3's single gate_up projection; BERT's post-norm residual LayerNorm(dropout(dense(h)) + input),
+which runs brrr's add_layer_norm) are matched by behaviour: their forward is run once on a random
+probe and compared with the candidate formulas (the nearest of those within the probe dtype's
+tolerance: in bfloat16, tanh and erf GELU or Llama's and torch's RMSNorm cast orders are all within
+it; activations are probed in float32), so a look-alike that computes something else is left alone.
+The children such a module's new forward computes itself (a gated MLP's activation, the residual
+block's LayerNorm) are left as they are, and the report says so.
 
 Some globals a module's forward uses are replaced for that module alone: a global
-`apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers' Llama-style attention) that behaves
-like the rotary embedding on a probe becomes brrr's rotary, and torch's `CrossEntropyLoss`, which
-transformers' masked-LM, sequence-to-sequence and classification heads build inside their forward,
-becomes brrr.nn.CrossEntropyLoss. The module gets a subclass whose forward is the same code run
-with a copy of its globals in which only those names differ (and decorators that hold the function
-they wrap in a closure, such as transformers' can_return_tuple, rebuilt around it). The model
-library's module is not touched, so other models of that library keep their own. The copy is
-taken when patching, so rebinding one of its globals in the library afterwards does not reach a
-patched module until it is unpatched and patched again.
+`apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers' attention) that behaves like a rotary
+embedding on a probe becomes brrr's rotary in the layout the probe showed (Llama's halves, the
+interleaved pairs of Cohere, GLM's and ERNIE 4.5's interleaved pairs with each pair's angle from
+the first half; partial rotary where the function takes angles over part of the head, as GPT-NeoX's
+and GLM's do), and torch's `CrossEntropyLoss`, which transformers' masked-LM, sequence-to-sequence
+and classification heads build inside their forward, becomes brrr.nn.CrossEntropyLoss. The module
+gets a subclass whose forward is the same code run with a copy of its globals in which only those
+names differ (and decorators that hold the function they wrap in a closure, such as transformers'
+can_return_tuple, rebuilt around it). The model library's module is not touched, so other models of
+that library keep their own. The copy is taken when patching, so rebinding one of its globals in
+the library afterwards does not reach a patched module until it is unpatched and patched again.
 
 A model whose forward takes `labels` and whose `loss_function` behaves like a causal language
 model's loss (Hugging Face's ForCausalLMLoss: shift the labels by one, cross-entropy over the
@@ -33,12 +36,12 @@ vocabulary in float32, mean over the counted tokens or sum / num_items_in_batch;
 probe) gets brrr's instead: the same loss without the float32 copy of the logits. Where its output
 embeddings are a torch.nn.Linear whose output the forward returns as the logits (or softcaps, as
 Gemma 2 does by config.final_logit_softcapping, or scales, as Cohere does by its logit_scale;
-probed), a training call with `labels` computes
-that loss from the head's input with brrr.linear_cross_entropy, never the logits, and returns
-logits None (docs/linear-cross-entropy.md); eval mode or no labels returns them as before.
-patch(model, fused_linear_cross_entropy=False) keeps them in training too. patch(model, remat=True)
-has the backward recompute the swapped norms' and GLUs' outputs instead of their linear layers
-saving them (brrr.remat, docs/remat.md).
+probed), a training call with `labels` computes that loss from the head's input with
+brrr.linear_cross_entropy, never the logits, and returns logits None
+(docs/linear-cross-entropy.md); eval mode or no labels returns them as before. patch(model,
+fused_linear_cross_entropy=False) keeps them in training too. patch(model, remat=True) has the
+backward recompute the swapped norms' and GLUs' outputs instead of their linear layers saving them
+(brrr.remat, docs/remat.md).
 
     with brrr.use_fused():        # route torch.nn.functional's gelu/silu/layer_norm/rms_norm
         y = model(x)              # and cross_entropy through brrr for the inputs it supports
