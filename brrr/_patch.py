@@ -304,7 +304,8 @@ def _try_plain_norm(module, device, remat):
             return (_subclass(type(module), "plain " + op, _plain_norm_forward, _brrr_op=op, _brrr_eps=eps,
                               _brrr_eps_value=e, _brrr_remat=remat),
                     f"{name} without weight or bias" + ("" if eps else f" (eps {e:g} in its forward)"))
-    return None, f"behaves like no LayerNorm or RMSNorm without weight (eps {'its ' + eps if eps else '1e-5'})"
+    return None, (f"behaves like no LayerNorm or RMSNorm without weight (eps {e:g}, "
+                  f"{'its ' + eps if eps else 'no eps attribute: torch default'})")
 
 
 def _try_glu_mlp(module, remat):

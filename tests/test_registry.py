@@ -374,7 +374,8 @@ def test_patch_takes_norms_without_weight_or_bias(dtype, remat):
     swapped = [(name, why) for name, _, why in report.swapped if name in ("0", "2", "4")]
     assert swapped == [("0", "LayerNorm without weight or bias (eps 1e-05 in its forward)"),
                        ("2", "RMSNorm without weight or bias"), ("4", "LayerNorm without bias")], str(report)
-    assert ("6", "OlmoStyleLayerNorm", "behaves like no LayerNorm or RMSNorm without weight (eps 1e-5)") in report.left
+    assert ("6", "OlmoStyleLayerNorm", "behaves like no LayerNorm or RMSNorm without weight (eps 1e-05, no eps "
+            "attribute: torch default)") in report.left
     if remat:  # three norms' outputs of 48 features
         assert f"recomputes the outputs of 3 norms and 0 gated MLPs' GLUs instead of saving them for their linear " \
                f"layers: {3 * 48 * model[1].weight.element_size()} bytes per token" in str(report), str(report)
