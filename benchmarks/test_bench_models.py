@@ -9,8 +9,9 @@ test_wide_model_step: Gemma 2 and Cohere from their configs (vocabulary 256000; 
 final-logit softcap, Cohere's logit scale), 2 layers at hidden 2048, bf16, 16384 tokens per step:
 brrr.patch eager and compiled against unpatched eager, torch.compile and Liger-Kernel (Gemma 2,
 where liger_kernel is importable), step time and peak memory; first the patched model's logits,
-loss and every gradient against the unpatched model's, at 2048 tokens. About 3 minutes on an H200,
-most of it compiling: `python -m pytest benchmarks/test_bench_models.py -k wide -s`."""
+loss and every gradient against the unpatched model's, at 2048 tokens. Sized to run in about 3
+minutes on an H200 (not measured yet), most of it compiling:
+`python -m pytest benchmarks/test_bench_models.py -k wide -s`."""
 
 import contextlib
 import copy
