@@ -144,7 +144,8 @@ def _torch():
 
     def pair_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
                      rotary_dim: int) -> tuple[Tensor, Tensor]:
-        return forward(q, cos, sin, False, interleaved, rotary_dim), forward(k, cos, sin, False, interleaved, rotary_dim)
+        return (forward(q, cos, sin, False, interleaved, rotary_dim),
+                forward(k, cos, sin, False, interleaved, rotary_dim))
 
     def pair_fake(q, k, cos, sin, interleaved, rotary_dim):
         return torch.empty_like(q), torch.empty_like(k)

@@ -53,7 +53,8 @@ MODELS = {
              set()),
     # Partial rotary (a quarter of each head): brrr's rotary_dim.
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL,
-                 {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb, partial rotary)", FUSED}, set()),
+                 {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb, partial rotary)", FUSED},
+                 set()),
     "bert": ("BertConfig", "BertForMaskedLM", SMALL,
              {"brrr.nn.LayerNorm", "gelu", "LayerNorm with its residual add (add_layer_norm)", LOSS_BUILT_IN_FORWARD},
              {("BertForMaskedLM", "loss_function behaves like no causal-LM cross-entropy")}),

@@ -1,7 +1,8 @@
 """LayerNorm and RMSNorm (brrr.layer_norm, rms_norm, add_layer_norm, add_rms_norm): outputs and
 every gradient against float64 torch.nn.functional on fresh random inputs; odd sizes, row counts
 that leave partial blocks, non-contiguous views, inputs offset by 1e4, fp32 weights for half
-inputs, the Llama cast order, RMSNorm's weight offset (Gemma's 1 + weight); gradcheck, determinism, opcheck, torch.compile, argument errors.
+inputs, the Llama cast order, RMSNorm's weight offset (Gemma's 1 + weight); gradcheck,
+determinism, opcheck, torch.compile, argument errors.
 
 On CUDA the sizes cover every kernel: the register-row path with 16-byte packs (768, 16384) and
 with single elements (3, 127, 4097), the generic path (65536, 8193, strided columns).
