@@ -153,12 +153,12 @@ def _geglu(gate, up=None, approximate="none"):
     return _torch.glu(_gelu_name(approximate), gate, up, None)
 
 
-def _rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
-    return _norm_torch.rms_norm(x, normalized_shape, weight, eps, llama_order(cast_order))
+def _rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+    return _norm_torch.rms_norm(x, normalized_shape, weight, eps, llama_order(cast_order), offset)
 
 
-def _add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
-    return _norm_torch.add_rms_norm(x, residual, normalized_shape, weight, eps, llama_order(cast_order))
+def _add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+    return _norm_torch.add_rms_norm(x, residual, normalized_shape, weight, eps, llama_order(cast_order), offset)
 
 
 _CLASS_INDICES = (torch.int64, torch.int32, torch.uint8)
@@ -229,47 +229,90 @@ def _softmax(log):
     return softmax
 
 
-def _rotary_ok(x, cos, sin):
-    if not _tensor_ok(x) or not _same_kind(x, cos, sin) or x.dim() == 0 or x.shape[-1] % 2:
+def _rotated(x, cos, rotary_dim):
+    """The features rotary rotates (rotary_dim, or cos's last dim), or None where they do not fit x."""
+    r = (cos.shape[-1] if cos.dim() else 0) if rotary_dim is None else rotary_dim
+    return r if type(r) is int and r % 2 == 0 and 2 <= r <= x.shape[-1] else None
+
+
+def _rotary_ok(x, cos, sin, *, interleaved=False, rotary_dim=None):
+    if not _tensor_ok(x) or not _same_kind(x, cos, sin) or x.dim() == 0 or type(interleaved) is not bool:
+        return False
+    r = _rotated(x, cos, rotary_dim)
+    if r is None:
         return False
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return False  # brrr gives cos and sin no gradient
-    return _angles_fit(cos, sin, x.shape)
+    return _angles_fit(cos, sin, x.shape, r)
 
 
-def _rotary_qk_ok(q, k, cos, sin):
-    return (_rotary_ok(q, cos, sin) and _tensor_ok(k) and k.dtype == q.dtype and k.device == q.device and
-            (k.shape == q.shape or (k.dim() == q.dim() and k.shape[-1] == q.shape[-1] and _angles_fit(cos, sin, k.shape))))
+def _rotary_qk_ok(q, k, cos, sin, *, interleaved=False, rotary_dim=None):
+    return (_rotary_ok(q, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim) and _tensor_ok(k) and
+            k.dtype == q.dtype and k.device == q.device and
+            (k.shape == q.shape or (k.dim() == q.dim() and k.shape[-1] == q.shape[-1] and
+                                    _angles_fit(cos, sin, k.shape, _rotated(q, cos, rotary_dim)))))
 
 
-def _angles_fit(cos, sin, shape):
-    return _angle_fits(cos, shape) and (sin.shape == cos.shape or _angle_fits(sin, shape))
+def _angles_fit(cos, sin, shape, rotated):
+    """cos and sin broadcast to x's shape with last dim `rotated` (an angle per feature) or half
+    of it (one per pair), both alike."""
+    last = cos.shape[-1] if cos.dim() and cos.shape[-1] in (rotated, rotated // 2) else rotated
+    return _angle_fits(cos, shape, last) and (sin.shape == cos.shape or _angle_fits(sin, shape, last))
 
 
-def _angle_fits(angle, shape):
-    """Whether cos or sin broadcasts to x's shape with x's last dim (NumPy's rules, from the
+def _angle_fits(angle, shape, last):
+    """Whether cos or sin broadcasts to x's shape with last dim `last` (NumPy's rules, from the
     right). Written out: torch.broadcast_shapes took 20 us of the 24 this check cost per call
     (CPU, torch 2.13), twice per attention layer."""
     n = angle.dim()
-    if n == 0 or n > len(shape) or angle.shape[-1] != shape[-1]:
+    if n == 0 or n > len(shape) or angle.shape[-1] != last:
         return False
-    return all(a == b or a == 1 for a, b in zip(angle.shape, shape[len(shape) - n:]))
+    return all(a == b or a == 1 for a, b in zip(angle.shape[:-1], shape[len(shape) - n:-1]))
 
 
-def _torch_rotary(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _brrr_rotary_entry(x, cos, sin, *, interleaved=False, rotary_dim=None):
+    return _brrr_rotary(x, cos, sin, interleaved, rotary_dim or 0)
 
 
-def _torch_rotary_qk(q, k, cos, sin):
-    return _torch_rotary(q, cos, sin), _torch_rotary(k, cos, sin)
+def _brrr_rotary_qk_entry(q, k, cos, sin, *, interleaved=False, rotary_dim=None):
+    return _brrr_rotary_qk(q, k, cos, sin, interleaved, rotary_dim or 0)
 
 
-def _torch_rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
-    if cast_order == "torch":
+def _torch_rotary(x, cos, sin, *, interleaved=False, rotary_dim=None):
+    """brrr.rotary in PyTorch ops: transformers' rotate_half forms, the angles per pair repeated."""
+    r = cos.shape[-1] if rotary_dim is None else rotary_dim
+    if cos.shape[-1] == r // 2:  # an angle per pair: per feature, as the pairs lie
+        cos, sin = ((a.repeat_interleave(2, dim=-1) if interleaved else torch.cat((a, a), dim=-1)) for a in (cos, sin))
+    rot = x[..., :r]
+    if interleaved:
+        turned = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        turned = torch.cat((-rot[..., r // 2:], rot[..., :r // 2]), dim=-1)
+    out = rot * cos + turned * sin
+    return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
+
+
+def _torch_rotary_qk(q, k, cos, sin, *, interleaved=False, rotary_dim=None):
+    return (_torch_rotary(q, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim),
+            _torch_rotary(k, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim))
+
+
+def _torch_rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+    if cast_order == "torch" and not offset:
         return TORCH_FUNCTIONS["rms_norm"](x, normalized_shape, weight, eps)
+    dims = tuple(range(-(1 if isinstance(normalized_shape, int) else len(tuple(normalized_shape))), 0))
+    if offset:
+        # Gemma's form: normalised in fp32 (fp64 for float64), scaled by offset + weight in that
+        # dtype, one cast at the end (Llama's order: the normalised input rounded to x's dtype first).
+        if weight is None:
+            raise ValueError("argument offset: nonzero without weight (it is added to the weight)")
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        h = x.to(acc)
+        h = h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + (torch.finfo(acc).eps if eps is None else eps))
+        if cast_order == "llama":
+            h = h.to(x.dtype).to(acc)
+        return (h * (weight.to(acc) + offset)).to(x.dtype)
     # Llama's order: normalise in fp32, round to x's dtype, then scale.
-    dims = tuple(range(-len(tuple(normalized_shape)), 0))
     h = x.float()
     eps = torch.finfo(torch.float32).eps if eps is None else eps
     h = (h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + eps)).to(x.dtype)
@@ -281,9 +324,9 @@ def _torch_add_layer_norm(x, residual, normalized_shape, weight=None, bias=None,
     return TORCH_FUNCTIONS["layer_norm"](h, normalized_shape, weight, bias, eps), h
 
 
-def _torch_add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+def _torch_add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
     h = x + residual
-    return _torch_rms_norm(h, normalized_shape, weight, eps, cast_order=cast_order), h
+    return _torch_rms_norm(h, normalized_shape, weight, eps, cast_order=cast_order, offset=offset), h
 
 
 def _torch_bias_dropout_add(x, bias, residual, p, training=True, seed=None, offset=0):
@@ -457,8 +500,8 @@ for _name, _ref, _impl, _ok in [
     ("add_rms_norm", _torch_add_rms_norm, _add_rms_norm, _add_rms_norm_ok),
     ("cross_entropy", _torch_cross_entropy, cross_entropy, _cross_entropy_ok),
     ("linear_cross_entropy", _torch_linear_cross_entropy, linear_cross_entropy, _linear_cross_entropy_ok),
-    ("rotary", _torch_rotary, _brrr_rotary, _rotary_ok),
-    ("rotary_qk", _torch_rotary_qk, _brrr_rotary_qk, _rotary_qk_ok),
+    ("rotary", _torch_rotary, _brrr_rotary_entry, _rotary_ok),
+    ("rotary_qk", _torch_rotary_qk, _brrr_rotary_qk_entry, _rotary_qk_ok),
     ("softmax", TORCH_FUNCTIONS["softmax"], _softmax(False), _softmax_ok),
     ("log_softmax", TORCH_FUNCTIONS["log_softmax"], _softmax(True), _softmax_ok),
 ]:

@@ -18,12 +18,15 @@ class LayerNorm(torch.nn.LayerNorm):
 
 class RMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm; cast_order="llama" rounds the normalised input before scaling, as
-    Llama-style models do (see brrr.rms_norm)."""
+    Llama-style models do, and offset=1.0 scales by (1 + weight) in float32, as Gemma's RMSNorm
+    does (see brrr.rms_norm)."""
 
     cast_order = "torch"
+    offset = 0.0
 
     def forward(self, x):
-        return registry("rms_norm", x, self.normalized_shape, self.weight, self.eps, cast_order=self.cast_order)
+        return registry("rms_norm", x, self.normalized_shape, self.weight, self.eps, cast_order=self.cast_order,
+                        offset=self.offset)
 
 
 class GELU(torch.nn.GELU):

@@ -156,6 +156,7 @@ typedef struct {
     int64_t row_shape[BRRR_MAX_DIMS];
     int64_t col_shape[BRRR_MAX_DIMS];
     double eps;
+    double weight_offset;    /* added to the weight wherever it is read: (1 + weight) is Gemma's RMSNorm */
     brrr_norm_view x, residual, out, residual_out;       /* forward (x also in the backward) */
     brrr_norm_view grad_out, grad_residual, grad_x;       /* backward */
     brrr_norm_view weight, bias, grad_weight, grad_bias;  /* column-indexed */
@@ -264,21 +265,25 @@ int brrr_cuda_xent_bwd(const brrr_xent_launch *launch, int device, void *stream)
 /* ---- end softmax cross-entropy ---- */
 
 /* ---- rotary position embedding (csrc/rotary.c, cuda/rotary.cu) -----------------------------
- * x (..., D) with D = 2h is rotated pairwise, element j with element j + h, by the angles whose
- * cos and sin (broadcast to x's shape) are given, as Llama-style models do
- * (x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[h:], x[:h])), for j < h:
- *     out[j]     = x[j] cos[j] - x[j + h] sin[j]
- *     out[j + h] = x[j + h] cos[j + h] + x[j] sin[j + h]
- * and the backward (transpose) with x = grad_out:
- *     out[j]     = x[j] cos[j] + x[j + h] sin[j + h]
- *     out[j + h] = x[j + h] cos[j + h] - x[j] sin[j]
+ * The first 2h features of x's last dim (rotary_dim; the rest are copied through) are rotated
+ * in h pairs (e0, e1): (p, p + h), as Llama-style models pair them (rotate_half), or (2p, 2p + 1)
+ * when interleaved (GPT-J, Cohere, GLM). With the angles' cos and sin (broadcast to x's shape)
+ * read at (a0, a1) = (e0, e1), one per feature, or (p, p) when pair_angles (one per pair):
+ *     out[e0] = x[e0] cos[a0] - x[e1] sin[a0]
+ *     out[e1] = x[e1] cos[a1] + x[e0] sin[a1]
+ * (x * cos + rotate_half(x) * sin for Llama's pairs) and the backward (transpose) with x = grad_out:
+ *     out[e0] = x[e0] cos[a0] + x[e1] sin[a1]
+ *     out[e1] = x[e1] cos[a1] - x[e0] sin[a0]
  * The leading dims are coalesced into row_shape (x, out, cos, sin each with its row strides, 0
  * where broadcast); math in float32 (float64 for float64), rounded once. */
 typedef struct {
     int32_t dtype;    /* brrr_dtype of every tensor */
     int32_t backward;
+    int32_t interleaved; /* pairs (2p, 2p + 1) rather than (p, p + half) */
+    int32_t pair_angles; /* cos and sin hold one angle per pair (index p), not one per feature */
     int32_t row_ndim; /* >= 1 */
     int64_t rows, half;
+    int64_t pass;     /* features after the 2 * half rotated ones that are copied from x to out (0 in place) */
     int64_t row_shape[BRRR_MAX_DIMS];
     brrr_view x, out, cos, sin;      /* strides over row_shape */
     int64_t col_stride[4];           /* x, out, cos, sin: the stride of the last dim */

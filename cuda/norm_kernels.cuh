@@ -6,6 +6,7 @@
 //              xhat = (h - K - m) * rstd;  out = xhat * w + b
 //   RMSNorm    rstd = 1 / sqrt(mean(h^2) + eps);  xhat = h * rstd
 //              out = xhat * w (torch's order) or round(round(xhat) * w) (Llama's order)
+//   w is weight + weight_offset wherever the weight is read (Gemma's 1 + weight, added in fp32)
 //   Backward   g = dy * w;  dx = rstd * (g - xhat * mean(g * xhat) - mean(g)) [+ grad_residual]
 //              (RMSNorm: no mean(g) term);  dw = sum over rows of dy * xhat;  db = sum of dy
 // The shift K, the row's first element, makes h - K exact for inputs with a large common offset
@@ -97,6 +98,16 @@ __device__ __forceinline__ void load_param(const brrr_norm_launch &L, const void
         }
     }
     load_vec<T, VEC>(static_cast<const T *>(p) + at, out);
+}
+
+// VEC weight values from element `at`, plus L.weight_offset (Gemma's 1 + weight, in A): the one
+// place the kernels read the weight. 1 where it is absent (the glue refuses an offset without one).
+template <typename T, int VEC, typename A>
+__device__ __forceinline__ void load_weight(const brrr_norm_launch &L, int64_t at, A *out) {
+    load_param<T, VEC>(L, L.weight.data, at, A(1), out);
+    const A offset = static_cast<A>(L.weight_offset);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] += offset;
 }
 
 template <typename T, typename A>
@@ -296,7 +307,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
         for (int k = 0; k < PACKS; ++k) {
             if (k >= mine) continue;
             A w[VEC], b[VEC], y[VEC];
-            load_param<T, VEC>(L, L.weight.data, first + k * stride, A(1), w);
+            load_weight<T, VEC>(L, first + k * stride, w);
             if (L.llama) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[k][j] * rstd) * w[j];
@@ -468,7 +479,7 @@ __global__ void __maxnreg__(128)
         for (int k = 0; k < PACKS; ++k) {
             if (k >= mine) continue;
             A w[VEC], dwk[VEC];
-            load_param<T, VEC>(L, L.weight.data, first + k * stride, A(1), w);
+            load_weight<T, VEC>(L, first + k * stride, w);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const A xhat = xhat_of(raw_at(cur.x[k], j)), g = raw_at(cur.dy[k], j) * w[j];
@@ -509,7 +520,7 @@ __global__ void __maxnreg__(128)
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
                 A w[VEC], d[VEC], extra[VEC];
-                load_param<T, VEC>(L, L.weight.data, first + k * stride, A(1), w);
+                load_weight<T, VEC>(L, first + k * stride, w);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) extra[j] = A(0);
                 if (gres) load_vec<T, VEC>(gres + k * stride, extra);
@@ -633,7 +644,7 @@ __global__ void __launch_bounds__(kGenericThreads) norm_fwd_generic_kernel(const
         for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
             const A h = res ? to_float(res_out[col_offset(L, L.residual_out, j)]) : to_float(x[col_offset(L, L.x, j)]);
             A w, b;
-            load_param<T, 1>(L, L.weight.data, col_offset(L, L.weight, j), A(1), &w);
+            load_weight<T, 1>(L, col_offset(L, L.weight, j), &w);
             load_param<T, 1>(L, L.bias.data, col_offset(L, L.bias, j), A(0), &b);
             const A xhat = (layer ? h - shift - mean : h) * rstd;
             out[col_offset(L, L.out, j)] = to_storage<T, A>(L.llama ? round_to<T>(xhat) * w : xhat * w + b);
@@ -657,7 +668,7 @@ __global__ void __launch_bounds__(kGenericThreads) norm_bwd_dx_generic_kernel(co
         const A mean = layer ? static_cast<const A *>(L.mean.data)[row_offset(L, L.mean, row)] : A(0);
         auto element = [&](int64_t j, A *xhat, A *g) {
             A w;
-            load_param<T, 1>(L, L.weight.data, col_offset(L, L.weight, j), A(1), &w);
+            load_weight<T, 1>(L, col_offset(L, L.weight, j), &w);
             *xhat = (to_float(x[col_offset(L, L.x, j)]) - shift - mean) * rstd;
             *g = to_float(dy[col_offset(L, L.grad_out, j)]) * w;
         };

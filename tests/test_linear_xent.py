@@ -6,8 +6,9 @@ softcap, z_loss, every dtype, 3-d, unbatched, empty and non-contiguous inputs, f
 the weight gradient bitwise the same run to run; what autograd saves (no logits); the
 torch.library op (opcheck, torch.compile without graph breaks); argument errors; the registry
 entry and brrr.nn module. brrr.patch on transformers' Llama, Gemma 2 (its softcap) and Cohere
-(left): the patched model's loss and every gradient against the unpatched model's. CUDA only:
-a vocabulary of 32000, and CUDA graph captures of the op's and of a patched model's training step.
+(its logit scale): the patched model's loss and every gradient against the unpatched model's.
+CUDA only: a vocabulary of 32000, and CUDA graph captures of the op's and of a patched model's
+training step.
 """
 
 import pytest
@@ -421,19 +422,23 @@ def loss_and_grads(model, tokens, **kwargs):
     return out, torch.autograd.grad(out.loss, params)
 
 
-@pytest.mark.parametrize("name,softcap", [("Llama", None), ("Gemma2", 30.0), ("Gemma2", 3.0)])
-def test_patched_causal_lm_trains_on_the_fused_loss(name, softcap):
+@pytest.mark.parametrize("name,config,what", [
+    ("Llama", {}, ""), ("Gemma2", {"final_logit_softcapping": 30.0}, ", its softcap 30 fused"),
+    ("Gemma2", {"final_logit_softcapping": 3.0}, ", its softcap 3 fused"),
+    ("Cohere", {"logit_scale": 0.5}, ", its logit scale 0.5 on the head's input"),
+    ("Cohere", {"logit_scale": 0.3}, ", its logit scale 0.3 on the head's input")])
+def test_patched_causal_lm_trains_on_the_fused_loss(name, config, what):
     """Training with labels: the loss and every gradient of the unpatched model (Gemma 2's
-    final-logit softcap, 30 and a tight 3, taken into the loss), also per item
-    (num_items_in_batch) and with return_dict=False; no logits returned, none of their size
-    saved for the backward. In eval mode or without labels: the unpatched model's logits."""
+    final-logit softcap, 30 and a tight 3, taken into the loss; Cohere's logit scale, a power of
+    two and not), also per item (num_items_in_batch) and with return_dict=False; no logits
+    returned, none of their size saved for the backward. In eval mode or without labels: the
+    unpatched model's logits."""
     import copy
 
-    base = tiny(name, **({} if softcap is None else {"final_logit_softcapping": softcap}))
+    base = tiny(name, **config)
     patched = copy.deepcopy(base)
     report = brrr.patch(patched)
-    fused = "fused linear cross-entropy (training with labels: the loss from the head's input" + (
-        "" if softcap is None else f", its softcap {softcap:g} fused") + ", logits None)"
+    fused = f"fused linear cross-entropy (training with labels: the loss from the head's input{what}, logits None)"
     assert fused in {what for _, _, what in report.swapped}, str(report)
     tokens = torch.randint(0, 211, (2, 9))
     tokens[0, 3] = -100
@@ -466,15 +471,27 @@ def test_patched_causal_lm_trains_on_the_fused_loss(name, softcap):
     assert all("_brrr_pending" not in m.__dict__ for m in patched.modules())
 
 
+class DoubledLogits(transformers.LlamaForCausalLM):
+    """A Llama whose forward doubles its head's output, with nothing in its config saying so."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        out.logits = out.logits * 2
+        if labels is not None:
+            out.loss = self.loss_function(out.logits, labels, self.vocab_size)
+        return out
+
+
 def test_patch_leaves_logits_it_cannot_fuse_and_can_be_told_to_keep_them():
-    """Cohere scales its logits (logit_scale): the head is left, the loss swapped as before;
-    fused_linear_cross_entropy=False keeps a Llama's logits in training."""
-    cohere = tiny("Cohere", logit_scale=0.5)
-    report = brrr.patch(cohere)
-    assert ("", "CohereForCausalLM", "fused linear cross-entropy: its logits are not its head's output (nor "
-            "softcapped by config.final_logit_softcapping)") in report.left, str(report)
+    """Logits the forward transforms in a way brrr does not know: the head is left, the loss
+    swapped as before; fused_linear_cross_entropy=False keeps a Llama's logits in training."""
+    torch.manual_seed(0)
+    doubled = DoubledLogits(transformers.LlamaConfig(**TINY))
+    report = brrr.patch(doubled)
+    assert ("", "DoubledLogits", "fused linear cross-entropy: its logits are not its head's output (nor softcapped "
+            "by config.final_logit_softcapping, nor scaled by logit_scale)") in report.left, str(report)
     tokens = torch.randint(0, 211, (2, 7))
-    assert cohere(input_ids=tokens, labels=tokens).logits is not None
+    assert doubled(input_ids=tokens, labels=tokens).logits is not None
     llama = tiny("Llama")
     report = brrr.patch(llama, fused_linear_cross_entropy=False)
     assert not any("fused linear" in what for _, _, what in report.swapped + report.left), str(report)
