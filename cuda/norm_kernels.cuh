@@ -272,7 +272,10 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) squares[0] += (v[k][j] - mean) * (v[k][j] - mean);
+                for (int j = 0; j < VEC; ++j) {
+                    v[k][j] -= mean;  // kept: the output's (v - mean) too
+                    squares[0] += v[k][j] * v[k][j];
+                }
             }
             group_sum(squares, tpr, buf[parity]);
             rstd = rsqrt_of(squares[0] * inv_n + eps);
@@ -304,7 +307,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
             } else {
                 load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) y[j] = (v[k][j] - mean) * rstd * w[j] + b[j];
+                for (int j = 0; j < VEC; ++j) y[j] = v[k][j] * rstd * w[j] + b[j];
             }
             store_vec<T, VEC>(out + k * stride, y);
         }
