@@ -75,9 +75,14 @@ __device__ __forceinline__ int64_t row_off(const brrr_softmax_launch &L, int k, 
     return off;
 }
 
-template <typename A> __device__ __forceinline__ A exp_(A v);
-template <> __device__ __forceinline__ float exp_(float v) { return expf(v); }
-template <> __device__ __forceinline__ double exp_(double v) { return exp(v); }
+// exp for a result stored as TO: the hardware's ex2 (two instructions, a few float32 ulp) where
+// TO is float16 or bfloat16, whose rounding hides that; expf (about ten, under an ulp) for a
+// float32 result, exp for float64. The half kernels' instruction count is what keeps them near
+// the memory floor: three exps an element forward cost more than the bytes of a bfloat16 row.
+template <typename TO> __device__ __forceinline__ float exp_(float v) {
+    return std::is_same<TO, __half>::value || std::is_same<TO, __nv_bfloat16>::value ? __expf(v) : expf(v);
+}
+template <typename TO> __device__ __forceinline__ double exp_(double v) { return exp(v); }
 template <typename A> __device__ __forceinline__ A log_(A v) { return log(v); }
 template <> __device__ __forceinline__ float log_(float v) { return logf(v); }
 
@@ -104,30 +109,23 @@ __device__ __forceinline__ A block_reduce(A v, A *scratch) {
 // Online softmax state: running max m and sum of exp(v - m).
 template <typename A> struct Online { A m, s; };
 
-template <typename A>
+template <typename TO, typename A>
 __device__ __forceinline__ void absorb(Online<A> &o, A v) {
     if (v > o.m) {
-        o.s *= exp_(o.m - v);
+        o.s *= exp_<TO>(o.m - v);
         o.m = v;
     }
-    o.s += exp_(v - o.m);
-}
-
-template <typename A>
-__device__ __forceinline__ Online<A> merge(Online<A> a, Online<A> b) {
-    const A m = fmax(a.m, b.m);
-    return {m, a.s * exp_(a.m - m) + b.s * exp_(b.m - m)};
+    o.s += exp_<TO>(v - o.m);
 }
 
 // Elements per 16-byte access of the wider of the two dtypes.
 template <typename TX, typename TY> constexpr int pack_elems() { return 16 / (sizeof(TX) > sizeof(TY) ? sizeof(TX) : sizeof(TY)); }
 
-// Packs per thread that the row kernel keeps in registers without spilling at 512 threads (128
-// registers each): 64 registers of values forward, twice 32 backward (y and grad_y). One such
-// block fills an SM's register file; its 16-byte loads, all issued before the first reduction,
-// keep enough bytes in flight.
+// Packs per thread that the row kernel keeps in registers: 32 registers of values forward, twice
+// 16 backward (y and grad_y), which hold the 32 KB rows it takes (launch_typed) at 512 threads.
+// At twice that, bfloat16's forward spilled (ptxas, sm_90).
 template <typename TX, typename TY, bool kBackward> constexpr int max_packs() {
-    constexpr int n = 64 / (kBackward ? 2 : 1) / (int)(sizeof(typename Compute<TX>::type) / 4) / pack_elems<TX, TY>();
+    constexpr int n = 32 / (kBackward ? 2 : 1) / (int)(sizeof(typename Compute<TX>::type) / 4) / pack_elems<TX, TY>();
     return sizeof(TX) == 8 && n > 4 ? 4 : n;  // float64's address arithmetic spills beyond
 }
 
@@ -157,7 +155,7 @@ __global__ void __launch_bounds__(512) softmax_rows_kernel(const brrr_softmax_la
         m = block_reduce<true>(m, scratch);
         A s = A(0);
 #pragma unroll
-        for (int j = 0; j < PACKS * P; ++j) s += exp_(a[j] - m);  // 0 for the padding
+        for (int j = 0; j < PACKS * P; ++j) s += exp_<TY>(a[j] - m);  // 0 for the padding
         s = block_reduce<false>(s, scratch);
         const A shift = m + log_(s), inv = A(1) / s;
         TY *y = static_cast<TY *>(L.out) + row_off(L, 2, r);
@@ -166,7 +164,7 @@ __global__ void __launch_bounds__(512) softmax_rows_kernel(const brrr_softmax_la
             if (!have[k]) continue;
             A v[P];
 #pragma unroll
-            for (int j = 0; j < P; ++j) v[j] = L.log ? a[k * P + j] - shift : exp_(a[k * P + j] - m) * inv;
+            for (int j = 0; j < P; ++j) v[j] = L.log ? a[k * P + j] - shift : exp_<TY>(a[k * P + j] - m) * inv;
             store_pack<TY, P>(y + (threadIdx.x + (int64_t)k * blockDim.x) * P, v);
         }
         return;
@@ -192,7 +190,7 @@ __global__ void __launch_bounds__(512) softmax_rows_kernel(const brrr_softmax_la
         A v[P];
 #pragma unroll
         for (int j = 0; j < P; ++j)
-            v[j] = L.log ? b[k * P + j] - exp_(a[k * P + j]) * dot : a[k * P + j] * (b[k * P + j] - dot);
+            v[j] = L.log ? b[k * P + j] - exp_<TX>(a[k * P + j]) * dot : a[k * P + j] * (b[k * P + j] - dot);
         store_pack<TX, P>(gx + (threadIdx.x + (int64_t)k * blockDim.x) * P, v);
     }
 }
@@ -224,17 +222,17 @@ __global__ void __launch_bounds__(1024) softmax_stream_kernel(const brrr_softmax
             A v[P];
             load_at<TX, P>(x, c, cx, v);
 #pragma unroll
-            for (int j = 0; j < P; ++j) absorb(o, v[j]);
+            for (int j = 0; j < P; ++j) absorb<TY>(o, v[j]);
         }
         const A m = block_reduce<true>(o.m, scratch);
-        const A s = block_reduce<false>(o.s * exp_(o.m - m), scratch);
+        const A s = block_reduce<false>(o.s * exp_<TY>(o.m - m), scratch);
         const A shift = m + log_(s), inv = A(1) / s;
         TY *y = static_cast<TY *>(L.out) + row_off(L, 2, r);
         for (int64_t c = threadIdx.x * P; c < n; c += step) {
             A v[P];
             load_at<TX, P>(x, c, cx, v);
 #pragma unroll
-            for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_(v[j] - m) * inv;
+            for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_<TY>(v[j] - m) * inv;
             store_at<TY, P>(y, c, cy, v);
         }
         return;
@@ -257,7 +255,7 @@ __global__ void __launch_bounds__(1024) softmax_stream_kernel(const brrr_softmax
         load_at<TY, P>(y, c, cy, v);
         load_at<TY, P>(gy, c, cg, g);
 #pragma unroll
-        for (int j = 0; j < P; ++j) v[j] = L.log ? g[j] - exp_(v[j]) * dot : v[j] * (g[j] - dot);
+        for (int j = 0; j < P; ++j) v[j] = L.log ? g[j] - exp_<TX>(v[j]) * dot : v[j] * (g[j] - dot);
         store_at<TX, P>(gx, c, cx, v);
     }
 }
@@ -352,7 +350,7 @@ __global__ void __launch_bounds__(kSmemThreads) softmax_smem_kernel(const brrr_s
             A v[P];
             load_pack<TI, P>(in0 + c, v);
 #pragma unroll
-            for (int j = 0; j < P; ++j) s += exp_(v[j] - m);
+            for (int j = 0; j < P; ++j) s += exp_<TO>(v[j] - m);
         }
         part0 = m;
         part1 = block_reduce<false>(s, scratch);
@@ -382,7 +380,7 @@ __global__ void __launch_bounds__(kSmemThreads) softmax_smem_kernel(const brrr_s
             total0 = parts[0][0];
             for (int k = 1; k < cluster; ++k) total0 = fmax(total0, parts[k][0]);
             total1 = A(0);
-            for (int k = 0; k < cluster; ++k) total1 += parts[k][1] * exp_(parts[k][0] - total0);
+            for (int k = 0; k < cluster; ++k) total1 += parts[k][1] * exp_<TO>(parts[k][0] - total0);
         } else {
             total0 = parts[0][0];
             for (int k = 1; k < cluster; ++k) total0 += parts[k][0];
@@ -396,7 +394,7 @@ __global__ void __launch_bounds__(kSmemThreads) softmax_smem_kernel(const brrr_s
             A v[P];
             load_pack<TI, P>(in0 + c, v);
 #pragma unroll
-            for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_(v[j] - m) * inv;
+            for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_<TO>(v[j] - m) * inv;
             store_pack<TO, P>(out + c, v);
         }
     } else {
@@ -406,7 +404,7 @@ __global__ void __launch_bounds__(kSmemThreads) softmax_smem_kernel(const brrr_s
             load_pack<TI, P>(in0 + c, y);
             load_pack<TI, P>(in1 + c, g);
 #pragma unroll
-            for (int j = 0; j < P; ++j) y[j] = L.log ? g[j] - exp_(y[j]) * dot : y[j] * (g[j] - dot);
+            for (int j = 0; j < P; ++j) y[j] = L.log ? g[j] - exp_<TO>(y[j]) * dot : y[j] * (g[j] - dot);
             store_pack<TO, P>(out + c, y);
         }
     }
