@@ -22,11 +22,12 @@
 //                     butterflies, then one over the group's warps through shared memory; one
 //                     per row (LayerNorm: two, the mean and then the squares about it).
 //                     Assumes: N <= 512 * PACKS * VEC, N % VEC == 0.
-// norm_bwd_kernel     the same row layout (up to 1024 threads a row, 16 elements a thread),
-//                     a block of brrr_norm_lanes(cols) such groups, each streaming its rows
-//                     through a cp.async ring in shared memory (up to 3 rows in flight per
-//                     group), the weight and bias gradients summed in registers in the order
-//                     of brrr_cuda.h (see the kernel).
+// norm_bwd_kernel     the same row layout (up to 16 elements a thread), a block of
+//                     brrr_norm_lanes(cols) such groups within 512 threads (128 registers each;
+//                     1024 and 64 for the widest rows), each streaming its rows through a
+//                     cp.async ring in shared memory (up to 3 rows in flight per group), the
+//                     weight and bias gradients summed in registers in the order of brrr_cuda.h
+//                     (see the kernel).
 // norm_fwd_generic_kernel, norm_bwd_dx_generic_kernel
 //                     any strides, or rows too long for registers: a 256-thread block per row,
 //                     reading the row twice (the second time mostly from L2). Forward statistics:
@@ -439,14 +440,15 @@ struct BwdLayout {
 // in shared memory, added in lane order into the chunk's partial row (one lane: straight from
 // registers). Per row: pass 1 converts x and dy, sums g * xhat and g (g = dy * w, w from a copy
 // in shared memory in the compute type) and adds the thread's dw/db terms; one group sum; pass 2
-// converts again from the ring and writes dx. Keeping xhat or g in registers between the passes
-// spilled at the 64 registers that 1024 threads leave (ptxas, sm_90).
+// writes dx from xhat and g kept in registers (kThreads 512), or converted again from the ring
+// (1024: kept, they spilled at 64 registers; ptxas, sm_90).
 // Assumes: cols % VEC == 0, cols <= tpr * PACKS * VEC, rows and their offsets within 32 bits.
-template <typename T, int VEC, int PACKS, bool kBias>
-__global__ void __launch_bounds__(kBwdMaxThreads, 1)
+template <typename T, int VEC, int PACKS, bool kBias, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1)
     norm_bwd_kernel(const __grid_constant__ brrr_norm_launch L, const BwdLayout lay) {
     using A = typename Compute<T>::type;
     constexpr int E = PACKS * VEC;
+    constexpr bool kKeep = kThreads <= 512;  // 128 registers: xhat and g kept between the passes
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ A red[2][kBwdMaxLanes][2][32];
     const int tpr = lay.tpr, lanes = lay.lanes, stages = lay.stages, tensors = lay.tensors;
@@ -521,29 +523,41 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1)
             issue(in);
             in = in + 1 == stages ? 0 : in + 1;
             copy_async_wait_for(stages - 1);
-            __syncwarp(warp_mask);  // the leader's copies of the scalars, for its warp
+            if (tpr >= 32) __syncwarp();  // the leader's copies of the scalars, for its warp
+            else __syncwarp(warp_mask);
             const T *xs = ring + out * tensors * row_elems, *dys = xs + row_elems, *gs = dys + row_elems;
             const A *slot = slots + out * lay.slots_per_group * kSlotSize;
             out = out + 1 == stages ? 0 : out + 1;
             const RowStats<A> st = row_stats(layer, layer ? to_float(*reinterpret_cast<const T *>(slot + kSlotShift)) : A(0),
                                              layer ? slot[kSlotMean] : A(0), slot[kSlotRstd]);
             A sums[2] = {A(0), A(0)};  // of g * xhat and of g
+            A xh[kKeep ? E : 1], gk[kKeep ? E : 1];
+            // Pass 1, with Llama's rounding a template argument: as a runtime select the rounding
+            // ran for every element, used or not.
+            auto pass1 = [&](auto kLlama) {
 #pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-                A xv[VEC], dv[VEC], w[VEC];
-                load_vec<T, VEC>(xs + first + k * stride, xv);
-                load_vec<T, VEC>(dys + first + k * stride, dv);
-                load_vec<A, VEC>(wsh + first + k * stride, w);
+                for (int k = 0; k < PACKS; ++k) {
+                    if (k >= mine) continue;
+                    A xv[VEC], dv[VEC], w[VEC];
+                    load_vec<T, VEC>(xs + first + k * stride, xv);
+                    load_vec<T, VEC>(dys + first + k * stride, dv);
+                    load_vec<A, VEC>(wsh + first + k * stride, w);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const A xhat = xhat_of(st, xv[j]), gj = dv[j] * w[j];
-                    sums[0] += gj * xhat;
-                    sums[1] += gj;
-                    if (want_dw) dw[k * VEC + j] = add_dw<T>(dw[k * VEC + j], dv[j], xhat, llama);
-                    if constexpr (kBias) db[k * VEC + j] += dv[j];
+                    for (int j = 0; j < VEC; ++j) {
+                        const A xhat = xhat_of(st, xv[j]), gj = dv[j] * w[j];
+                        sums[0] += gj * xhat;
+                        sums[1] += gj;
+                        if (want_dw) dw[k * VEC + j] = add_dw<T>(dw[k * VEC + j], dv[j], xhat, decltype(kLlama)::value);
+                        if constexpr (kBias) db[k * VEC + j] += dv[j];
+                        if constexpr (kKeep) {
+                            xh[k * VEC + j] = xhat;
+                            gk[k * VEC + j] = gj;
+                        }
+                    }
                 }
-            }
+            };
+            if (llama) pass1(std::true_type());
+            else pass1(std::false_type());
             lane_group_sum(sums, tpr, g, red[parity][g]);
             parity ^= 1;
             // dx = rstd * (g - xhat * c1 - c2) [+ grad_residual], c1 = mean(g * xhat), c2 = mean(g) (LayerNorm)
@@ -555,14 +569,23 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1)
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
-                A xv[VEC], dv[VEC], w[VEC], extra[VEC], d[VEC];
-                load_vec<T, VEC>(xs + first + k * stride, xv);
-                load_vec<T, VEC>(dys + first + k * stride, dv);
-                load_vec<A, VEC>(wsh + first + k * stride, w);
+                A xv[VEC], dv[VEC], extra[VEC], d[VEC];
+                if constexpr (kKeep) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    xv[j] = xhat_of(st, xv[j]);
-                    dv[j] *= w[j];
+                    for (int j = 0; j < VEC; ++j) {
+                        xv[j] = xh[k * VEC + j];
+                        dv[j] = gk[k * VEC + j];
+                    }
+                } else {
+                    A w[VEC];
+                    load_vec<T, VEC>(xs + first + k * stride, xv);
+                    load_vec<T, VEC>(dys + first + k * stride, dv);
+                    load_vec<A, VEC>(wsh + first + k * stride, w);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        xv[j] = xhat_of(st, xv[j]);
+                        dv[j] *= w[j];
+                    }
                 }
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) extra[j] = A(0);
@@ -962,7 +985,7 @@ template <typename T> constexpr int bwd_max_elements(int vec) {
 }
 
 struct BwdConfig {
-    int vec, packs;
+    int vec, packs, threads;  // threads: the kernel's bound, 512 (128 registers) or 1024 (64)
     BwdLayout lay;
 };
 
@@ -993,27 +1016,42 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     const int vec = vector ? kVec : 1, lanes = brrr_norm_lanes(L.cols), tensors = L.grad_residual.data ? 3 : 2;
     const int64_t packs_total = (L.cols + vec - 1) / vec;
     const size_t limit = dynamic_smem_limit(device, sizeof(A) * 2 * kBwdMaxLanes * 2 * 32);
-    for (int packs = 1; packs * vec <= bwd_max_elements<T>(vec); packs *= 2) {
-        int64_t tpr = (packs_total + packs - 1) / packs;
-        if (tpr <= 32) {
-            int p2 = 1;
-            while (p2 < tpr) p2 *= 2;
-            tpr = p2;
-        } else {
-            tpr = (tpr + 31) / 32 * 32;
-        }
-        if (tpr * lanes > kBwdMaxThreads) continue;
-        for (int stages = kBwdMaxStages; stages >= 1; --stages) {
-            BwdLayout lay = BwdLayout::make<T, A>((int)tpr, packs * vec, lanes, stages, tensors, n_grads, L.cols);
-            if (lay.bytes > 0 && (size_t)lay.bytes <= limit) {
-                *cfg = {vec, packs, lay};
-                cfg->lay.chunk_rows = brrr_norm_chunk_rows(L.rows);
-                return true;
+    // The fewest elements a thread that leave a block within 512 threads (128 registers: room for
+    // 16 elements a thread with xhat and g kept), else within 1024 (64 registers).
+    for (int threads = 512; threads <= kBwdMaxThreads; threads *= 2) {
+        for (int packs = 1; packs * vec <= bwd_max_elements<T>(vec); packs *= 2) {
+            int64_t tpr = (packs_total + packs - 1) / packs;
+            if (tpr <= 32) {
+                int p2 = 1;
+                while (p2 < tpr) p2 *= 2;
+                tpr = p2;
+            } else {
+                tpr = (tpr + 31) / 32 * 32;
             }
+            if (tpr * lanes > threads) continue;
+            if (threads == kBwdMaxThreads && packs * vec != bwd_max_elements<T>(vec)) continue;  // compiled only so
+            for (int stages = kBwdMaxStages; stages >= 1; --stages) {
+                BwdLayout lay = BwdLayout::make<T, A>((int)tpr, packs * vec, lanes, stages, tensors, n_grads, L.cols);
+                if (lay.bytes > 0 && (size_t)lay.bytes <= limit) {
+                    *cfg = {vec, packs, threads, lay};
+                    cfg->lay.chunk_rows = brrr_norm_chunk_rows(L.rows);
+                    return true;
+                }
+            }
+            return false;
         }
-        return false;
     }
     return false;
+}
+
+// The instance for grad_bias (or not) and the block bound: 1024 threads only at the most
+// elements a thread (the widest rows), the only rows that need them.
+template <typename T, int VEC, int PACKS>
+static auto pick_bwd_kernel(bool bias, int threads) {
+    if constexpr (PACKS * VEC == bwd_max_elements<T>(VEC)) {
+        if (threads > 512) return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 1024> : norm_bwd_kernel<T, VEC, PACKS, false, 1024>;
+    }
+    return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 512> : norm_bwd_kernel<T, VEC, PACKS, false, 512>;
 }
 
 template <typename T, int VEC, int P, typename F> static cudaError_t call_bwd(F &f) {
@@ -1044,7 +1082,7 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     } else if (bwd_config<T>(L, n_grads, device, &cfg)) {
         auto launch = [&](auto vec, auto packs) {
             constexpr int VEC = decltype(vec)::value, PACKS = decltype(packs)::value;
-            auto kernel = L.grad_bias.data ? norm_bwd_kernel<T, VEC, PACKS, true> : norm_bwd_kernel<T, VEC, PACKS, false>;
+            auto kernel = pick_bwd_kernel<T, VEC, PACKS>(L.grad_bias.data != nullptr, cfg.threads);
             const int block = cfg.lay.lanes * cfg.lay.tpr;
             int per_sm = 0;
             const cudaError_t e = blocks_per_sm(kernel, block, (size_t)cfg.lay.bytes, device, &per_sm);

@@ -17,7 +17,7 @@ time does not count. Floor: the fewest bytes a pass must move (as benchmarks/tes
 and test_bench_softmax.py count them) over the bandwidth of a 1 GiB device-to-device copy, timed
 the same way in the same run. torch.compile: default mode, dynamic=False; worker processes
 compile every shape first (filling inductor's on-disk caches), so that this process's compiles
-are cache hits. Liger-Kernel joins where it is importable.
+are cache hits (it prints how many). Liger-Kernel joins where it is importable.
 
 --variant NAME=a,b times brrr once per value of the environment variable NAME (set in this
 process before each of brrr's windows), for kernels that read such a switch at launch.
@@ -50,8 +50,8 @@ SOFTMAX_COLS = [1024, 4096, 32768, 131072]
 SOFTMAX_OPS = ["softmax", "log_softmax"]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 EPS = 1e-6
-WINDOW_MS = 25.0  # GPU time per implementation and pass in the profiled window
-BIG_BYTES = 3 << 30  # rows with an input this large compile here, not in the workers (memory)
+WINDOW_MS = 15.0  # GPU time per implementation and pass in the profiled window
+BIG_BYTES = 3 << 30  # rows with an input this large warm up one at a time (memory)
 SETTINGS = {"rows": 16384, "device": "cuda"}  # --rows, --device (handed to the workers too)
 
 
@@ -211,23 +211,23 @@ def warm(todo):
 
 
 def warm_all(todo, workers):
-    """Compile the rows in `workers` processes (this script, run with --warm), but for the largest:
-    several of those at once would not fit the GPU's memory; this process compiles them. The
-    workers are fresh interpreters rather than multiprocessing's: with those, inductor's cache
-    keys for the same graph differed from this process's (measured: no hits)."""
+    """Compile the rows in `workers` processes (this script, run with --warm): the largest rows
+    (inputs of BIG_BYTES or more: two at once would strain the GPU's memory) in one of them, one
+    after the other, the rest spread over the others. The workers are fresh interpreters rather
+    than multiprocessing's: with those, inductor's cache keys for the same graph differed from
+    this process's (measured: no hits)."""
     import subprocess
 
-    jobs = sorted((r for r in todo if input_bytes(r) < BIG_BYTES), key=input_bytes, reverse=True)
-    if not jobs or workers < 1:
-        return
+    big = [r for r in todo if input_bytes(r) >= BIG_BYTES]
+    small = sorted((r for r in todo if input_bytes(r) < BIG_BYTES), key=input_bytes, reverse=True)
+    n = max(1, min(workers - (1 if big else 0), len(small)))
+    shares = [small[k::n] for k in range(n)] + ([big] if big else [])
     t0 = time.perf_counter()
-    procs = []
-    for k in range(min(workers, len(jobs))):
-        share = jobs[k::workers]  # the largest spread over the workers
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", json.dumps(share),
-                                       "--rows", str(SETTINGS["rows"]), "--device", SETTINGS["device"]]))
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", json.dumps(share),
+                               "--rows", str(SETTINGS["rows"]), "--device", SETTINGS["device"]])
+             for share in shares if share]
     failed = sum(p.wait() != 0 for p in procs)
-    print(f"# torch.compile warm-up: {len(jobs)} rows in {len(procs)} processes, {time.perf_counter() - t0:.0f} s"
+    print(f"# torch.compile warm-up: {len(todo)} rows in {len(procs)} processes, {time.perf_counter() - t0:.0f} s"
           + (f", {failed} failed (their rows compile here)" if failed else ""), flush=True)
 
 
