@@ -252,7 +252,6 @@ static int norm_run(brrr_op_call *c) {
     L.cols = c->n_cols;
     L.eps = op->backward ? 0.0 : c->arg[1].f;
     L.weight_offset = weight_offset(c);
-    L.partial_rows_max = brrr_norm_partial_rows(c->n_rows, c->n_cols);
     L.partials = t[R_PARTIALS] ? t[R_PARTIALS]->data : NULL;
     if (coalesce_into(&L, t, 1, lead, k) < 0 || coalesce_into(&L, t, 0, lead, k) < 0) return -1;
     for (int r = 0; r < R_COUNT; r++)

@@ -161,16 +161,30 @@ typedef struct {
     brrr_norm_view grad_out, grad_residual, grad_x;       /* backward */
     brrr_norm_view weight, bias, grad_weight, grad_bias;  /* column-indexed */
     brrr_norm_view mean, rstd;                            /* row-indexed */
-    void *partials;          /* backward with grad_weight/grad_bias: [n_grads][partial_rows_max][cols] */
-    int64_t partial_rows_max;
+    void *partials;          /* backward with grad_weight/grad_bias: [n_grads][brrr_norm_partial_rows][cols] */
 } brrr_norm_launch;
 
-/* Rows of the partials scratch a CUDA backward may use per weight/bias gradient (the launcher
- * picks at most this many from the device's occupancy): a function of the shape alone. */
+/* The order in which a CUDA backward sums the weight and bias gradients over rows: a function of
+ * the shape alone, so that every kernel, block count and GPU gives the same bits. The rows are
+ * cut into chunks of brrr_norm_chunk_rows(rows) consecutive rows (the last one shorter); row i
+ * of a chunk belongs to lane i % brrr_norm_lanes(cols); each lane sums its rows in row order
+ * (from 0: acc = fma(dy, xhat, acc) for the weight, acc + dy for the bias), the lanes of a chunk
+ * are then added in lane order (from lane 0) into the chunk's partial row, and the partial rows
+ * are summed by norm_finalize_kernel in its fixed order. The lanes let a block work on several
+ * rows of a chunk at once: 8 for rows of up to 1024 columns, halving down to 1 for 8192. */
+static inline int64_t brrr_norm_chunk_rows(int64_t rows) {
+    int64_t r = (rows + 255) / 256; /* at most 256 chunks: 2 per SM of an H200 */
+    return r < 8 ? 8 : r;
+}
+static inline int brrr_norm_lanes(int64_t cols) {
+    int lanes = 8;
+    while (lanes > 1 && lanes * cols > 8192) lanes /= 2;
+    return lanes;
+}
+/* Rows of the partials scratch per weight/bias gradient: the number of chunks. */
 static inline int64_t brrr_norm_partial_rows(int64_t rows, int64_t cols) {
-    int64_t by_size = cols > 0 ? ((int64_t)1 << 22) / cols : 1024;
-    int64_t p = by_size < 1 ? 1 : (by_size > 1024 ? 1024 : by_size);
-    return rows < p ? rows : p;
+    (void)cols;
+    return (rows + brrr_norm_chunk_rows(rows) - 1) / brrr_norm_chunk_rows(rows);
 }
 
 int brrr_cuda_norm_fwd(const brrr_norm_launch *launch, int device, void *stream);

@@ -167,6 +167,57 @@ def test_matches_torch(device, dtype, kind, cols, rows, affine):
     compare(kind, dtype, x, None, (cols,), w, b)
 
 
+# The CUDA backward's block shapes switch with the row length: the lanes of its summation order
+# halve past 1024, 2048 and 4096 columns (brrr_norm_lanes), the threads of a row round up to 32s
+# past 32 packs, a thread holds 16 elements past 8192 (bfloat16; float32 past 4096 at 4 a pack),
+# and rows past 1024 threads at that go to the generic kernels. Rows: 37 leave the last chunk
+# of 8 rows short of the lanes; 3001 make 251 chunks of 12.
+EDGE_COLS = [1, 3, 8, 9, 127, 256, 257, 1023, 1024, 1025, 2047, 2048, 2049, 4095, 4096, 4097, 8191, 8192,
+             8200, 16384, 16392, 65537]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cols", EDGE_COLS)
+def test_backward_block_shape_edges(device, dtype, kind, cols):
+    for rows in (37, 3001) if device == "cuda" and cols <= 16392 else (37,):
+        x = random((rows, cols), dtype, device)
+        w, b = params(kind, "both", (cols,), dtype, device)
+        compare(kind, dtype, x, None, (cols,), w, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cols", [9, 768, 1024, 1025, 2049, 4096, 4097, 8192, 16384])
+@pytest.mark.parametrize("residual", [False, True])
+def test_parameter_gradients_are_the_same_bits_on_every_path(kind, cols, residual):
+    """grad_weight and grad_bias are summed in an order fixed by the shape (brrr_cuda.h): the
+    16-byte fast path, its single-element form (rows misaligned by one element) and the generic
+    kernels (strided columns) give the same bits."""
+    dtype, rows = torch.bfloat16, 2053
+    x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
+    r = random((rows, cols), dtype, "cuda") if residual else None
+    w, b = params(kind, "both", (cols,), torch.float32, "cuda")
+
+    def grads(layout):
+        def place(t):
+            if t is None or layout == "aligned":
+                return t
+            if layout == "misaligned":  # rows one element off 16 bytes
+                return torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")[1:].view(t.shape).copy_(t)
+            return torch.empty(rows, 2 * cols, dtype=t.dtype, device="cuda")[:, ::2].copy_(t)  # strided columns
+        leaves = [t if t is None else t.detach().requires_grad_() for t in (place(x), place(r), w, b)]
+        out, h = call(kind, leaves[0], leaves[1], (cols,), leaves[2], leaves[3])
+        torch.autograd.backward([out] + ([h] if h is not None else []), [place(g)] + ([place(g)] if h is not None else []))
+        return [t.grad for t in leaves[2:] if t is not None]
+
+    expected = grads("aligned")
+    for layout in ("misaligned", "strided"):
+        for got, want in zip(grads(layout), expected):
+            assert torch.equal(got, want), layout
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
