@@ -233,7 +233,8 @@ def test_long_chains_on_cuda_against_float64(dtype):
         want = reference(steps, leaves[0], leaves[1:])
         want.backward(g.double().cpu())
         for got, expected in zip(ours, [want.detach()] + [leaf.grad for leaf in leaves]):
-            err = (got.double().cpu() - expected).norm() / expected.norm()
+            # a chain that clamps to a constant has a gradient of exactly 0: then the error itself
+            err = (got.double().cpu() - expected).norm() / (expected.norm() if expected.norm() > 0 else 1.0)
             assert err < (1e-5 if dtype == torch.float32 else 2e-2) * n / 16, (n, float(err))
 
 

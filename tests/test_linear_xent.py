@@ -533,5 +533,7 @@ def test_cuda_graph_capture_of_a_patched_step_with_the_fused_loss():
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(loss, eager.detach())
+            # flash and memory-efficient attention accumulate their backward with atomics: not
+            # bitwise run to run, so each gradient within bf16 rounding of eager's, by its norm
             for p, g in zip(params, eager_grads):
-                torch.testing.assert_close(p.grad, g)
+                assert (p.grad.float() - g.float()).norm() <= 2e-2 * g.float().norm() + 1e-6, p.shape
