@@ -58,7 +58,8 @@ import torch.nn.functional as F
 from . import nn as brrr_nn
 from . import remat as brrr_remat
 from .rotary import apply_rotary_pos_emb as brrr_apply_rotary_pos_emb
-from ._registry import TORCH_FUNCTIONS, _torch_rms_norm, _torch_rotary, registry
+from ._op import INTEGRATIONS
+from ._registry import registry
 
 _ORIGINAL = "_brrr_original_class"
 _ORIGINAL_LOSS = "_brrr_original_loss_attributes"  # what setting loss_function changed in __dict__
@@ -242,7 +243,8 @@ def _try_norm(module, remat):
             return (_subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps, _brrr_remat=remat),
                     "LayerNorm")
         return None, "behaves like no LayerNorm"
-    order = _closest(y, ((order, _torch_rms_norm(x, weight.shape, weight, e, cast_order=order))
+    rms_norm = registry.lookup("rms_norm").reference
+    order = _closest(y, ((order, rms_norm(x, weight.shape, weight, e, cast_order=order))
                          for order in ("llama", "torch")))
     if order is None:
         return None, "behaves like no RMSNorm"
@@ -540,7 +542,8 @@ def _behaves_like_rotary_pos_emb(fn, device):
             got = fn(q, k, cos, sin)
     except Exception:  # noqa: BLE001 - a function that cannot take the probe is simply not a match
         return False
-    expected = (_torch_rotary(q, cos[:, None], sin[:, None]), _torch_rotary(k, cos[:, None], sin[:, None]))
+    rotary = registry.lookup("rotary").reference
+    expected = (rotary(q, cos[:, None], sin[:, None]), rotary(k, cos[:, None], sin[:, None]))
     return isinstance(got, tuple) and len(got) == 2 and all(
         isinstance(a, torch.Tensor) and _close(a, b) for a, b in zip(got, expected))
 
@@ -780,34 +783,9 @@ def unpatch(model):
     return restored
 
 
-def _route(name):
-    if name == "gelu":
-        return lambda input, approximate="none": registry("gelu", input, approximate=approximate)
-    if name == "silu":
-        def silu(input, inplace=False):
-            return registry("silu", input) if not inplace else TORCH_FUNCTIONS["silu"](input, inplace=True)
-        return silu
-    if name == "layer_norm":
-        return lambda input, normalized_shape, weight=None, bias=None, eps=1e-5: registry(
-            "layer_norm", input, normalized_shape, weight, bias, eps)
-    if name == "cross_entropy":
-        def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                          reduction="mean", label_smoothing=0.0):
-            if size_average is not None or reduce is not None:  # the deprecated pair: torch's own
-                return TORCH_FUNCTIONS["cross_entropy"](input, target, weight, size_average, ignore_index, reduce,
-                                                     reduction, label_smoothing)
-            return registry("cross_entropy", input, target, weight, ignore_index=ignore_index, reduction=reduction,
-                            label_smoothing=label_smoothing)
-        return cross_entropy
-    if name == "rms_norm":
-        return lambda input, normalized_shape, weight=None, eps=None: registry(
-            "rms_norm", input, normalized_shape, weight, eps)
-    if name in ("softmax", "log_softmax"):
-        return lambda input, dim=None, _stacklevel=3, dtype=None: registry(name, input, dim, _stacklevel, dtype)
-    raise AssertionError(name)
-
-
-_ROUTES = {name: _route(name) for name in TORCH_FUNCTIONS}
+# torch.nn.functional's names that brrr.use_fused routes into the registry, and their routes
+# (with F's signatures): each family declares its own (the `functional` of its PyTorch integration).
+_ROUTES = {name: route for family in INTEGRATIONS for name, route in family.functional.items()}
 
 
 @contextlib.contextmanager

@@ -22,7 +22,8 @@ import numbers
 
 from . import _C
 from ._args import as_float, bad_choice, refuse_kinds, shape_of
-from ._frameworks import empty_like, torch_if_tensor, torch_integration
+from ._frameworks import check_torch, empty_like, torch_if_tensor
+from ._integration import torch_integration
 
 CAST_ORDERS = ("torch", "llama")
 
@@ -139,9 +140,11 @@ def _torch():
     from typing import Optional
 
     import torch
+    import torch.nn.functional as F
 
     from . import _op
-    from ._op import TorchOp, check_torch, out_like, stream
+    from ._op import TorchOp, out_like, stream
+    from ._registry import registry, same_kind, tensor_ok
 
     Tensor = torch.Tensor
 
@@ -317,5 +320,88 @@ def _torch():
         check_torch((residual, weight), ("residual", "weight"))
         return ops.add_rms_norm(x, residual, shape_list(x, normalized_shape), weight, rms_eps(x, eps), llama)
 
+    # ---- the registry
+    def rms_norm_(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+        return rms_norm_entry(x, normalized_shape, weight, eps, llama_order(cast_order))
+
+    def add_rms_norm_(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+        return add_rms_norm_entry(x, residual, normalized_shape, weight, eps, llama_order(cast_order))
+
+    halves = (torch.float16, torch.bfloat16)
+
+    def params_ok(x, *params):
+        """Weight and bias in x's dtype, or float32 for half inputs (as autocast leaves them), on x's device."""
+        for p in params:
+            if p is None:
+                continue
+            if not isinstance(p, torch.Tensor) or not (p.dtype == x.dtype or (p.dtype == torch.float32 and
+                                                                              x.dtype in halves)):
+                return False
+            if p.device != x.device:
+                return False
+        return True
+
+    def layer_norm_ok(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+        return tensor_ok(x) and params_ok(x, weight, bias)
+
+    def rms_norm_ok(x, normalized_shape, weight=None, eps=None, **kwargs):
+        return tensor_ok(x) and params_ok(x, weight)
+
+    def add_layer_norm_ok(x, residual, normalized_shape, weight=None, bias=None, *args, **kwargs):
+        return tensor_ok(x) and same_kind(x, residual) and residual.shape == x.shape and params_ok(x, weight, bias)
+
+    def add_rms_norm_ok(x, residual, normalized_shape, weight=None, *args, **kwargs):
+        return tensor_ok(x) and same_kind(x, residual) and residual.shape == x.shape and params_ok(x, weight)
+
+    # torch's, bound before brrr.use_fused can route these names of F here
+    torch_layer_norm, torch_rms_norm = F.layer_norm, F.rms_norm
+
+    def rms_norm_reference(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+        if cast_order == "torch":
+            return torch_rms_norm(x, normalized_shape, weight, eps)
+        # Llama's order: normalise in fp32, round to x's dtype, then scale.
+        dims = tuple(range(-len(tuple(normalized_shape)), 0))
+        h = x.float()
+        eps = torch.finfo(torch.float32).eps if eps is None else eps
+        h = (h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + eps)).to(x.dtype)
+        return h if weight is None else weight * h
+
+    def add_layer_norm_reference(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
+        h = x + residual
+        return torch_layer_norm(h, normalized_shape, weight, bias, eps), h
+
+    def add_rms_norm_reference(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+        h = x + residual
+        return rms_norm_reference(h, normalized_shape, weight, eps, cast_order=cast_order), h
+
+    # On CPU tensors PyTorch's LayerNorm measured as fast as brrr's, its RMSNorm slower (brrr/_registry.py).
+    for name, reference, implementation, supports, cpu in [
+        ("layer_norm", torch_layer_norm, layer_norm_entry, layer_norm_ok, "pytorch"),
+        ("rms_norm", rms_norm_reference, rms_norm_, rms_norm_ok, "kernel"),
+        ("add_layer_norm", add_layer_norm_reference, add_layer_norm_entry, add_layer_norm_ok, "pytorch"),
+        ("add_rms_norm", add_rms_norm_reference, add_rms_norm_, add_rms_norm_ok, "pytorch"),
+    ]:
+        registry.register(name, reference, implementation, supports, compiled="inductor", cpu=cpu)
+
+    class LayerNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return registry("layer_norm", x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    class RMSNorm(torch.nn.RMSNorm):
+        """torch.nn.RMSNorm; cast_order="llama" rounds the normalised input before scaling, as
+        Llama-style models do (see brrr.rms_norm)."""
+
+        cast_order = "torch"
+
+        def forward(self, x):
+            return registry("rms_norm", x, self.normalized_shape, self.weight, self.eps, cast_order=self.cast_order)
+
+    def layer_norm_route(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        return registry("layer_norm", input, normalized_shape, weight, bias, eps)
+
+    def rms_norm_route(input, normalized_shape, weight=None, eps=None):
+        return registry("rms_norm", input, normalized_shape, weight, eps)
+
     return SimpleNamespace(layer_norm=layer_norm_entry, add_layer_norm=add_layer_norm_entry, rms_norm=rms_norm_entry,
-                           add_rms_norm=add_rms_norm_entry, backward=backward_op)
+                           add_rms_norm=add_rms_norm_entry, backward=backward_op, modules=[LayerNorm, RMSNorm],
+                           functional={"layer_norm": layer_norm_route, "rms_norm": rms_norm_route})
