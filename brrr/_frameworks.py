@@ -36,8 +36,9 @@ def check_torch(values, names):
     """The other tensor arguments of a call whose x is a torch tensor: torch tensors or None, as
     the tensors of one call come from one framework (docs/errors.md). TypeError naming the first
     that is not."""
+    tensor = _torch_tensor or sys.modules["torch"].Tensor
     for value, name in zip(values, names):
-        if value is not None and torch_if_tensor(value) is None:
+        if value is not None and not isinstance(value, tensor):
             if not hasattr(value, "__dlpack__"):
                 raise TypeError(f"argument {name}: expected a tensor or array implementing __dlpack__, got "
                                 f"{type(value).__name__}")

@@ -147,48 +147,36 @@ def _requires_grad(args):
     return False
 
 
-def _flatten(args):
-    """autograd.Function tracks only tensor arguments: lists of tensors are spread out, with the
-    list lengths (None for any other argument) to rebuild them."""
-    flat, lengths = [], []
-    for a in args:
-        if isinstance(a, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in a):
-            flat.extend(a)
-            lengths.append(len(a))
-        else:
-            flat.append(a)
-            lengths.append(None)
-    return flat, lengths
+class _Lists:
+    """The lists of tensors among an op's arguments (by its schema). autograd.Function tracks only
+    the tensors among its own arguments: a Function applied to the op's arguments gets each list
+    as it is (a plain object to autograd) and its tensors again after all of them, one by one."""
 
+    def __init__(self, op):
+        arguments = op._schema.arguments
+        self.n = len(arguments)
+        self.positions = tuple(i for i, a in enumerate(arguments) if str(a.type) == "List[Tensor]")
 
-def _unflatten(flat, lengths):
-    args, i = [], 0
-    for n in lengths:
-        args.append(flat[i] if n is None else list(flat[i:i + n]))
-        i += 1 if n is None else n
-    return args
+    def spread(self, args):
+        """The Function's arguments for the op's."""
+        return (*args, *[t for i in self.positions for t in args[i]])
 
+    def enter(self, ctx, args):
+        """In the Function's forward: ctx.needs_input_grad as a formula reads it, one entry per
+        argument of the op (for a list, a tuple of one per tensor), and the lists' lengths."""
+        needs, k = list(ctx.needs_input_grad[:self.n]), self.n
+        for i in self.positions:
+            needs[i] = ctx.needs_input_grad[k:k + len(args[i])]
+            k += len(args[i])
+        ctx.needs_input_grad = tuple(needs)
+        ctx.brrr_lengths = [len(args[i]) for i in self.positions]
 
-def _needs_per_argument(needs_input_grad, lengths):
-    """needs_input_grad of a Function applied to _flatten's arguments, as a formula reads it: one
-    entry per argument of the op, a tuple of one per tensor for a list."""
-    needs, i = [], 0
-    for n in lengths:
-        needs.append(needs_input_grad[i] if n is None else needs_input_grad[i:i + n])
-        i += 1 if n is None else n
-    return tuple(needs)
-
-
-def _flat_gradients(grads, lengths):
-    """A formula's gradients (one per argument of the op, a list for a list) as _flatten spread
-    the arguments."""
-    flat = []
-    for g, n in zip(grads, lengths):
-        if n is None:
-            flat.append(g)
-        else:
-            flat.extend([None] * n if g is None else g)
-    return flat
+    def gradients(self, ctx, grads):
+        """A formula's gradients (for a list: a list of them, or None) as the Function returns them."""
+        flat = [None if i in self.positions else g for i, g in enumerate(grads)]
+        for i, n in zip(self.positions, ctx.brrr_lengths):
+            flat.extend([None] * n if grads[i] is None else grads[i])
+        return tuple(flat)
 
 
 def _no_formula(name):
@@ -217,29 +205,27 @@ def define(name, impl, fake, backward=None, setup_context=None):
 
     formula = backward or _no_formula(name)
 
-    def forward(ctx, *flat_and_meta):
-        *flat, lengths, keyset = flat_and_meta
-        args = _unflatten(flat, lengths)
+    lists = _Lists(op)
+
+    def forward(ctx, *spread_and_keyset):
+        args, keyset = spread_and_keyset[:lists.n], spread_and_keyset[-1]
+        lists.enter(ctx, args)
         output = below_autograd(keyset, args)
-        ctx.needs_input_grad = _needs_per_argument(ctx.needs_input_grad, lengths)
         if setup_context is not None:
             setup_context(ctx, args, output)
-        ctx.brrr_lengths = lengths
         # A list would leave autograd's view: its tensors would not record this function.
         return tuple(output) if isinstance(output, list) else output
 
     def function_backward(ctx, *grads):
         grads_in = formula(ctx, *grads)
-        return (*_flat_gradients(grads_in if isinstance(grads_in, tuple) else (grads_in,), ctx.brrr_lengths),
-                None, None)
+        return (*lists.gradients(ctx, grads_in if isinstance(grads_in, tuple) else (grads_in,)), None)
 
     function = type(f"brrr_{name}", (torch.autograd.Function,),
                     {"forward": staticmethod(forward), "backward": staticmethod(function_backward)})
 
     def autograd_kernel(keyset, *args):
         if torch.is_grad_enabled() and _requires_grad(args):
-            flat, lengths = _flatten(args)
-            output = function.apply(*flat, lengths, keyset)
+            output = function.apply(*lists.spread(args), keyset)
             return list(output) if returns_list else output
         return below_autograd(keyset, args)
 
@@ -273,6 +259,12 @@ class TorchOp:
         self.op = define(name, forward, fake, self._compiled_backward if backward else None,
                          self._compiled_setup if backward else None)
         self._apply = self._eager_apply() if backward else None
+        # Where nothing records: the inference, or the forward's results as the op's.
+        returns = self.op._schema.returns
+        if inference is None and not (len(returns) == 1 and str(returns[0].type) == "Tensor"):
+            self._direct = lambda *args: _outputs(forward(*args), outputs)
+        else:
+            self._direct = forward if inference is None else inference
 
     # torch.compile: the operator returns every result; the extra ones are marked non-differentiable.
     def _compiled_setup(self, ctx, args, output):
@@ -286,42 +278,31 @@ class TorchOp:
 
     def _eager_apply(self):
         """The eager autograd.Function's apply: its forward is the op's, its backward the formula's
-        (once differentiable). Lists of tensors among the arguments go to it spread out."""
-        op = self
-        lists = any(str(a.type) == "List[Tensor]" for a in self.op._schema.arguments)
+        (once differentiable). Lists of tensors among the arguments: see _Lists."""
+        op, lists = self, _Lists(self.op)
 
         def forward(ctx, *args):
-            if lists:
-                *flat, ctx.brrr_lengths = args
-                args = _unflatten(flat, ctx.brrr_lengths)
-                ctx.needs_input_grad = _needs_per_argument(ctx.needs_input_grad, ctx.brrr_lengths)
+            if lists.positions:
+                args = args[:lists.n]
+                lists.enter(ctx, args)
             results = op.forward(*args)
             results = results if isinstance(results, (tuple, list)) else (results,)
             op._save(ctx, args, results)
             ctx.set_materialize_grads(False)
-            return results[0] if op.outputs == 1 else tuple(results[:op.outputs])
+            return _outputs(results, op.outputs)
 
         @_once_differentiable
         def backward(ctx, *grads):
-            if not lists:
-                return op._formula(ctx, grads, _run_eager)
-            return (*_flat_gradients(op._formula(ctx, grads, _run_eager), ctx.brrr_lengths), None)
+            grads_in = op._formula(ctx, grads, _run_eager)
+            return lists.gradients(ctx, grads_in) if lists.positions else grads_in
 
         apply = _lean_apply(type(f"brrr_{self.name}_eager", (torch.autograd.Function,),
                                  {"forward": staticmethod(forward), "backward": staticmethod(backward)}))
-        if not lists:
-            return apply
-
-        def apply_spread(*args):
-            flat, lengths = _flatten(args)
-            return apply(*flat, lengths)
-        return apply_spread
+        return (lambda *args: apply(*lists.spread(args))) if lists.positions else apply
 
     def _records(self, args):
-        """Whether autograd records the op on these arguments: grad mode on and a tensor at
-        grad_args (or in a list there) requiring grad."""
-        if not torch.is_grad_enabled():
-            return False
+        """Whether autograd records the op on these arguments, grad mode on: a tensor at grad_args
+        (or in a list there) requires grad."""
         for i in self.grad_args:
             a = args[i]
             if isinstance(a, torch.Tensor):
@@ -334,22 +315,26 @@ class TorchOp:
     def runs_forward(self, args):
         """Whether a call on these arguments runs the forward itself (outside torch.compile, with
         nothing recorded): the only path on which a caller may give an output to write."""
-        return not torch.compiler.is_compiling() and not (self._apply is not None and self._records(args))
+        return not _compiling() and not (self._apply is not None and _grad_enabled() and self._records(args))
 
     def __call__(self, *args):
         """The op's results (the first `outputs`): the operator under torch.compile, the eager
-        Function when autograd records, else the forward."""
-        if torch.compiler.is_compiling():
-            results = self.op(*args)
-        elif self._apply is not None and self._records(args):
+        Function when autograd records, else the forward (or the inference)."""
+        if _compiling():
+            return _outputs(self.op(*args), self.outputs)
+        if self._apply is not None and _grad_enabled() and self._records(args):
             return self._apply(*args)
-        elif self.inference is not None:
-            return self.inference(*args)
-        else:
-            results = self.forward(*args)
-        if not isinstance(results, (tuple, list)):
-            return results
-        return results[0] if self.outputs == 1 else tuple(results[:self.outputs])
+        return self._direct(*args)
+
+
+_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
+
+
+def _outputs(results, n):
+    """An op's first n results (the rest are what its backward needs); one tensor for n == 1."""
+    if not isinstance(results, (tuple, list)):
+        return results
+    return results[0] if n == 1 else tuple(results[:n])
 
 
 def _run_eager(op, *args):

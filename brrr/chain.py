@@ -207,7 +207,7 @@ def torch_layer():
         (refusing `out` where autograd records the op or torch.compile traces it)."""
         if operands:
             check_torch(operands, OPERAND_NAMES)
-        args = (x, list(operands), c.op_names, c.scalars)
+        args = (x, operands, c.op_names, c.scalars)
         if out is None and cuda_stream is None:
             return chain_op(*args)
         check_torch((out,), ("out",))

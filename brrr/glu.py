@@ -54,10 +54,10 @@ def _glu(activation, gate, up, out):
             refuse_kinds(("x", gate))
             raise
     try:
-        if tuple(shape_of("up", up)) != tuple(shape_of("gate", gate)):
-            raise ValueError(f"argument up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}")
         if torch_if_tensor(gate) is not None:
             return named(_GLU_NAMES, torch_layer().glu, activation, gate, up, out)
+        if tuple(shape_of("up", up)) != tuple(shape_of("gate", gate)):
+            raise ValueError(f"argument up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}")
     except RuntimeError:
         refuse_kinds(("gate", gate), ("up", up))
         raise
@@ -91,7 +91,7 @@ def torch_layer():
     from ._registry import registry, same_kind, tensor_ok
 
     Tensor = torch.Tensor
-    program = chain_layer().program
+    programs = {a: chain_layer().program(a + ",mul_tensor", (0.0, 0.0)) for a in _ACTIVATIONS}  # act(gate) * up
 
     def split(x):
         d = x.shape[-1] // 2
@@ -105,7 +105,7 @@ def torch_layer():
         g, u = split(gate) if up is None else (gate, up)
         if out is None and not _op.EXCHANGE_API:
             out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-        return _C.chain_fwd(g, out, program(activation + ",mul_tensor", (0.0, 0.0)), (u,), stream(g))[0]
+        return _C.chain_fwd(g, out, programs[activation], (u,), stream(g))[0]
 
     def forward(x: Tensor, up: Optional[Tensor], activation: str) -> Tensor:
         return glu_forward(activation, x, up, None)
@@ -116,7 +116,7 @@ def torch_layer():
 
     def backward_forward(x: Tensor, up: Optional[Tensor], grad: Tensor, activation: str,
                          needs_grad: list[bool]) -> list[Tensor]:
-        program_ = program(activation + ",mul_tensor", (0.0, 0.0))
+        program_ = programs[activation]
         if up is None:  # both halves of one gradient, written by one kernel
             grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             (gate, up_half), (grad_gate, grad_up) = split(x), split(grad_x)
@@ -153,6 +153,8 @@ def torch_layer():
         """A gated linear unit on torch tensors (see brrr.glu): its op, or with `out` given,
         straight to brrr._C (refused where autograd records the op or torch.compile traces it)."""
         check_torch((up, out), ("up", "out"))
+        if up is not None and up.shape != gate.shape:
+            raise ValueError(f"argument up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}")
         if up is None and last_dim("x", gate, "its last is split into gate and up halves") % 2:
             raise ValueError(f"argument x: the last dim must be even to split into gate and up halves, got "
                              f"{gate.shape[-1]}")

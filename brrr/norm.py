@@ -191,22 +191,22 @@ def _torch():
                      llama: bool) -> tuple[Tensor, Tensor, Tensor]:
         return rms_norm_fwd(x, normalized_shape, weight, eps, llama, residual)
 
-    # Without gradients: no statistics.
+    # Without gradients: no statistics. Called only by the entries below, which checked normalized_shape.
     def layer_norm_inference(x, normalized_shape, weight, bias, eps):
-        return _C.layer_norm_fwd(x, weight, bias, out=out_like(x), norm_ndim=normalized_ndim(x.shape, normalized_shape),
+        return _C.layer_norm_fwd(x, weight, bias, out=out_like(x), norm_ndim=len(normalized_shape),
                                  eps=eps, stream=stream(x))[0]
 
     def add_layer_norm_inference(x, residual, normalized_shape, weight, bias, eps):
         return _C.layer_norm_fwd(x, weight, bias, residual, out_like(x), out_like(x),
-                                 norm_ndim=normalized_ndim(x.shape, normalized_shape), eps=eps, stream=stream(x))[:2]
+                                 norm_ndim=len(normalized_shape), eps=eps, stream=stream(x))[:2]
 
     def rms_norm_inference(x, normalized_shape, weight, eps, llama):
-        return _C.rms_norm_fwd(x, weight, out=out_like(x), norm_ndim=normalized_ndim(x.shape, normalized_shape),
+        return _C.rms_norm_fwd(x, weight, out=out_like(x), norm_ndim=len(normalized_shape),
                                eps=eps, llama=llama, stream=stream(x))[0]
 
     def add_rms_norm_inference(x, residual, normalized_shape, weight, eps, llama):
         return _C.rms_norm_fwd(x, weight, residual, out_like(x), out_like(x),
-                               norm_ndim=normalized_ndim(x.shape, normalized_shape), eps=eps, llama=llama,
+                               norm_ndim=len(normalized_shape), eps=eps, llama=llama,
                                stream=stream(x))[:2]
 
     def fake(*outputs):
