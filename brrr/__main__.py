@@ -159,7 +159,8 @@ def _write_json(text, destination):
 
 
 def _run_diagnose(options):
-    from .diagnose import _device_of, device_ceilings, diagnose
+    from .diagnose import device_ceilings, diagnose
+    from .diagnose.common import device_of
 
     torch = _torch()
     if options.target in EXAMPLES:
@@ -175,7 +176,7 @@ def _run_diagnose(options):
             raise SystemExit("brrr diagnose: --size, --dtype and --device apply to the built-in examples only")
         fn, args, kwargs = _load_target(options.target)
     if options.refresh_ceilings:
-        device_ceilings(_device_of(args, kwargs), refresh=True)
+        device_ceilings(device_of(args, kwargs), refresh=True)
     report = diagnose(fn, *args, flops=options.flops, bytes=options.bytes,
                       scale=False if options.no_scale else None, **kwargs)
     if options.json != "-":
