@@ -53,31 +53,10 @@ import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from .common import (
-    COMPUTE_BOUND,
-    FIXED_SHARE_OVERHEAD,
-    GPU_BUSY_OVERHEAD,
-    MEMORY_BOUND,
-    OVERHEAD_BOUND,
-    PROFILED_CALLS,
-    REMEDIES,
-    UNDETERMINED,
-    KernelStat,
-    arrays_in,
-    construct,
-    device_name,
-    device_of,
-    duration,
-    import_torch,
-    is_numpy_array,
-    is_torch_tensor,
-    kernel_stats,
-    name_of,
-    on_device,
-    percent,
-    sync,
-    union_us,
-)
+from .common import (COMPUTE_BOUND, FIXED_SHARE_OVERHEAD, GPU_BUSY_OVERHEAD, MEMORY_BOUND, OVERHEAD_BOUND,
+    PROFILED_CALLS, REMEDIES, UNDETERMINED, KernelStat, Report, arrays_in, construct, device_name, device_of,
+    duration, import_torch, is_numpy_array, is_torch_tensor, kernel_stats, line, name_of, on_device, percent,
+    report_end, sync, union_us)
 
 SCALE_FACTORS = (2, 4, 8)
 # The essay's rule of thumb: at 80% of the peak matrix throughput you are compute-bound.
@@ -150,7 +129,7 @@ class ScalePoint:
 
 
 @dataclass
-class Diagnosis:
+class Diagnosis(Report):
     """The outcome of `diagnose`: measurements, the ceilings they are judged against, the verdict."""
 
     name: str
@@ -183,34 +162,10 @@ class Diagnosis:
     notes: list
     ceilings: Ceilings
 
-    def to_dict(self):
-        return dataclasses.asdict(self)
-
-    def to_json(self, indent=2):
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_dict(cls, data):
-        if not isinstance(data, dict):
-            raise TypeError(f"argument data: expected a dict, got {type(data).__name__}")
-        data = dict(data)
-        for key in ("scaling", "kernels", "ceilings"):
-            if key not in data:
-                raise ValueError(f"argument data: missing field {key!r}")
-        data["scaling"] = [construct(ScalePoint, p) for p in data["scaling"]]
-        data["kernels"] = [construct(KernelStat, k) for k in data["kernels"]]
-        data["ceilings"] = Ceilings.from_dict(data["ceilings"])
-        return construct(cls, data)
-
-    @classmethod
-    def from_json(cls, text):
-        return cls.from_dict(json.loads(text))
+    NESTED = {"scaling": ScalePoint, "kernels": KernelStat, "ceilings": Ceilings}
 
     def report(self):
         return _format_report(self)
-
-    def __str__(self):
-        return self.report()
 
 
 def diagnose(fn, *args, flops=None, bytes=None, scale=None, step=False, **kwargs):  # noqa: A002 - the documented name
@@ -927,11 +882,6 @@ def _si(value, unit):
 
 def _format_report(d):
     c = d.ceilings
-    label = 21
-
-    def line(key, text):
-        return f"  {key:<{label}}{text}"
-
     lines = [f"brrr.diagnose: {d.name} on {d.device} ({d.device_name}), torch {c.torch_version}",
              line("time per call", f"{duration(d.ms)}  (median of {d.reps}, {d.timer})")]
     work = []
@@ -964,17 +914,8 @@ def _format_report(d):
                                       f"({percent(d.dispatch_share)} of the time)"))
     elif d.ops_per_call == 0:
         lines.append(line("op calls", "none seen by the profiler (the work runs outside PyTorch's dispatcher)"))
-    if d.kernels:
-        title = "kernels" if d.device.startswith("cuda") else "top ops"
-        title += " (profiled)"
-        for i, k in enumerate(d.kernels):
-            lines.append(line(title if i == 0 else "",
-                              f"{duration(k.us_per_call / 1000):>9}  x{k.calls_per_call:g}  {k.name[:80]}"))
-    lines.append(line("verdict", d.verdict.upper()))
-    for key, items in (("why", d.reasons), ("remedies", d.remedies), ("notes", d.notes)):
-        for i, item in enumerate(items):
-            lines.append(line(key if i == 0 else "", f"- {item}"))
-    return "\n".join(lines)
+    title = "kernels (profiled)" if d.device.startswith("cuda") else "top ops (profiled)"
+    return "\n".join(lines + report_end(title, d))
 
 
 class _CallableModule(types.ModuleType):

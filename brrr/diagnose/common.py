@@ -4,6 +4,7 @@ devices, the profiler's kernel summaries and the report's number formats."""
 
 import contextlib
 import dataclasses
+import json
 import math
 import platform
 import sys
@@ -64,6 +65,39 @@ def construct(cls, data):
     if unknown or missing:
         raise ValueError(f"not a {cls.__name__} record: unknown fields {sorted(unknown)}, missing {sorted(missing)}")
     return cls(**data)
+
+
+class Report:
+    """A diagnosis (a dataclass) as data and as text: to_dict/to_json, from_dict/from_json to read
+    one back, str() its report. NESTED: field -> the dataclass of each item of its list, or of its
+    value (a dataclass with from_dict)."""
+
+    NESTED = {}
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent=2):
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data):
+        if not isinstance(data, dict):
+            raise TypeError(f"argument data: expected a dict, got {type(data).__name__}")
+        data = dict(data)
+        for key, kind in cls.NESTED.items():
+            if key not in data:
+                raise ValueError(f"argument data: missing field {key!r}")
+            value = data[key]
+            data[key] = kind.from_dict(value) if hasattr(kind, "from_dict") else [construct(kind, v) for v in value]
+        return construct(cls, data)
+
+    @classmethod
+    def from_json(cls, text):
+        return cls.from_dict(json.loads(text))
+
+    def __str__(self):
+        return self.report()
 
 
 def import_torch():
@@ -181,3 +215,20 @@ def percent(fraction):
     if fraction is None:
         return "-"
     return f"{100 * fraction:.0f}%" if fraction >= 0.1 else f"{100 * fraction:.2g}%"
+
+
+def line(key, text):
+    """A line of a report: the key in its column, then the text."""
+    return f"  {key:<21}{text}"
+
+
+def report_end(title, d):
+    """The lines every report ends with: the kernels (their column titled `title`), the verdict,
+    why, the remedies and the notes of the diagnosis d."""
+    lines = [line(title if i == 0 else "", f"{duration(k.us_per_call / 1000):>9}  x{k.calls_per_call:g}  {k.name[:80]}")
+             for i, k in enumerate(d.kernels)]
+    lines.append(line("verdict", d.verdict.upper()))
+    for key, items in (("why", d.reasons), ("remedies", d.remedies), ("notes", d.notes)):
+        lines += [line(key if i == 0 else "", f"- {item}") for i, item in enumerate(items)]
+    return lines
+

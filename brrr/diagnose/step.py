@@ -23,35 +23,15 @@ measured there and then. A step that synchronises with the host (loss.item() eac
 not captured (the capture would fail); the report names the syncs instead.
 """
 
-import dataclasses
-import json
 import re
 import statistics
 import time
 import warnings
 from dataclasses import dataclass
 
-from .common import (
-    COMPUTE_BOUND,
-    FIXED_SHARE_OVERHEAD,
-    GPU_BUSY_OVERHEAD,
-    MEMORY_BOUND,
-    OVERHEAD_BOUND,
-    PROFILED_CALLS,
-    REMEDIES,
-    KernelStat,
-    construct,
-    device_name,
-    device_of,
-    duration,
-    import_torch,
-    kernel_stats,
-    name_of,
-    on_device,
-    percent,
-    sync,
-    union_us,
-)
+from .common import (COMPUTE_BOUND, FIXED_SHARE_OVERHEAD, GPU_BUSY_OVERHEAD, MEMORY_BOUND, OVERHEAD_BOUND,
+    PROFILED_CALLS, REMEDIES, KernelStat, Report, device_name, device_of, duration, import_torch, kernel_stats, line,
+    name_of, on_device, percent, report_end, sync, union_us)
 
 # The GPU idle share of a step from which a CUDA graph is worth trying.
 CAPTURE_IDLE_SHARE = 0.2
@@ -68,7 +48,7 @@ _MATMUL = re.compile(r"gemm|cutlass|cublas|xmma|gmma|nvjet|\b(?:aten::)?(?:mm|ad
 
 
 @dataclass
-class StepDiagnosis:
+class StepDiagnosis(Report):
     """The outcome of `diagnose(step, step=True)`: one training step's times, the verdict, the cure."""
 
     name: str
@@ -93,31 +73,10 @@ class StepDiagnosis:
     remedies: list
     notes: list
 
-    def to_dict(self):
-        return dataclasses.asdict(self)
-
-    def to_json(self, indent=2):
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_dict(cls, data):
-        if not isinstance(data, dict):
-            raise TypeError(f"argument data: expected a dict, got {type(data).__name__}")
-        data = dict(data)
-        if "kernels" not in data:
-            raise ValueError("argument data: missing field 'kernels'")
-        data["kernels"] = [construct(KernelStat, k) for k in data["kernels"]]
-        return construct(cls, data)
-
-    @classmethod
-    def from_json(cls, text):
-        return cls.from_dict(json.loads(text))
+    NESTED = {"kernels": KernelStat}
 
     def report(self):
         return _format_report(self)
-
-    def __str__(self):
-        return self.report()
 
 
 def diagnose_step(fn, args, kwargs, step, flops, bytes, scale):  # noqa: A002 - diagnose's names
@@ -371,11 +330,6 @@ def _remedies(verdict, device, ms, captured_ms, syncs):
 
 
 def _format_report(d):
-    label = 21
-
-    def line(key, text):
-        return f"  {key:<{label}}{text}"
-
     lines = [f"brrr.diagnose (training step): {d.name} on {d.device} ({d.device_name}), torch {d.torch_version}",
              line("time per step", f"{duration(d.ms)}  (steps back to back, median of {STEP_ROUNDS} rounds of "
                                    f"{d.steps}, {d.timer})")]
@@ -392,11 +346,4 @@ def _format_report(d):
     if d.captured_ms is not None:
         lines.append(line("captured (CUDA graph)", f"{duration(d.captured_ms)} per step ({d.ms / d.captured_ms:.2f}x)"))
     title = "kernels (profiled)" if d.gpu_busy_ms is not None else "top ops (profiled)"
-    for i, k in enumerate(d.kernels):
-        lines.append(line(title if i == 0 else "", f"{duration(k.us_per_call / 1000):>9}  x{k.calls_per_call:g}  "
-                                                   f"{k.name[:80]}"))
-    lines.append(line("verdict", d.verdict.upper()))
-    for key, items in (("why", d.reasons), ("remedies", d.remedies), ("notes", d.notes)):
-        for i, item in enumerate(items):
-            lines.append(line(key if i == 0 else "", f"- {item}"))
-    return "\n".join(lines)
+    return "\n".join(lines + report_end(title, d))
