@@ -249,21 +249,12 @@ def torch_layer():
         def forward(self, x):
             return registry("gelu", x, approximate=self.approximate)
 
-    class SiLU(torch.nn.SiLU):
-        def forward(self, x):
-            return registry("silu", x)
+    def twin(base, name):
+        """torch.nn's activation module `base`, its forward the registry's op `name`."""
+        return type(base.__name__, (base,), {"forward": lambda self, x: registry(name, x)})
 
-    class ReLU(torch.nn.ReLU):
-        def forward(self, x):
-            return registry("relu", x)
-
-    class Sigmoid(torch.nn.Sigmoid):
-        def forward(self, x):
-            return registry("sigmoid", x)
-
-    class Tanh(torch.nn.Tanh):
-        def forward(self, x):
-            return registry("tanh", x)
+    twins = [twin(base, name) for base, name in
+             ((torch.nn.SiLU, "silu"), (torch.nn.ReLU, "relu"), (torch.nn.Sigmoid, "sigmoid"), (torch.nn.Tanh, "tanh"))]
 
     silu_ = F.silu  # torch's, bound before brrr.use_fused can route F.silu here
 
@@ -271,7 +262,7 @@ def torch_layer():
         return registry("silu", input) if not inplace else silu_(input, inplace=True)
 
     return SimpleNamespace(
-        chain=chain, program=program, backward=backward_op, modules=[GELU, SiLU, ReLU, Sigmoid, Tanh],
+        chain=chain, program=program, backward=backward_op, modules=[GELU, *twins],
         functional={"gelu": lambda input, approximate="none": registry("gelu", input, approximate=approximate),
                     "silu": silu_route})
 
