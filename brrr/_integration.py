@@ -1,12 +1,12 @@
 """How a family module declares its PyTorch integration without importing torch:
 
     @torch_integration
-    def _torch():
+    def torch_layer():
         import torch
         ...                       # its TorchOps, registry entries, brrr.nn modules
         return SimpleNamespace(...)
 
-    _torch().softmax(x, ...)      # the family's own calls, once a torch tensor reached them
+    torch_layer().softmax(x, ...)  # the family's own calls, once a torch tensor reached them
 
 brrr._op builds every integration declared here as it loads, which is when brrr first sees a torch
 tensor (brrr._frameworks.torch_if_tensor) or at `import brrr` when torch is imported already. An

@@ -76,7 +76,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     trailing dims `normalized_shape` (biased variance)."""
     if torch_if_tensor(x) is not None:
         try:
-            return _torch().layer_norm(x, normalized_shape, weight, bias, eps)
+            return torch_layer().layer_norm(x, normalized_shape, weight, bias, eps)
         except RuntimeError:
             refuse_kinds(("x", x), ("weight", weight), ("bias", bias))
             raise
@@ -90,7 +90,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
         try:
-            return _torch().rms_norm(x, normalized_shape, weight, eps, llama)
+            return torch_layer().rms_norm(x, normalized_shape, weight, eps, llama)
         except RuntimeError:
             refuse_kinds(("x", x), ("weight", weight))
             raise
@@ -103,7 +103,7 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
     block's residual add and norm. Gradients flow into x and residual through both outputs."""
     if torch_if_tensor(x) is not None:
         try:
-            return _torch().add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
+            return torch_layer().add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
         except RuntimeError:
             refuse_kinds(("x", x), ("residual", residual), ("weight", weight), ("bias", bias))
             raise
@@ -117,7 +117,7 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_o
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
         try:
-            return _torch().add_rms_norm(x, residual, normalized_shape, weight, eps, llama)
+            return torch_layer().add_rms_norm(x, residual, normalized_shape, weight, eps, llama)
         except RuntimeError:
             refuse_kinds(("x", x), ("residual", residual), ("weight", weight))
             raise
@@ -134,7 +134,7 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_o
 # asked)]; the fused forms' backward adds the gradient of h and hands the sum to x and residual.
 
 @torch_integration
-def _torch():
+def torch_layer():
     import math
     from types import SimpleNamespace
     from typing import Optional

@@ -21,7 +21,7 @@ def rotary(x, cos, sin):
     """x * cos + rotate_half(x) * sin in one pass (see the module)."""
     if torch_if_tensor(x) is not None:
         try:
-            return _torch().rotary(x, cos, sin)
+            return torch_layer().rotary(x, cos, sin)
         except RuntimeError:
             refuse_kinds(("x", x), ("cos", cos), ("sin", sin))
             raise
@@ -60,7 +60,7 @@ def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim):
             raise ValueError(f"argument unsqueeze_dim: {unsqueeze_dim} is out of range for {name} of "
                              f"{len(angle.shape)} dims")
     if torch is not None:
-        return _torch().rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
+        return torch_layer().rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
     # by each angle's own framework: a torch tensor's values are not always its memory (is_neg)
     cos, sin = (a.unsqueeze(unsqueeze_dim) if torch_if_tensor(a) is not None else _unsqueeze(a, unsqueeze_dim)
                 for a in (cos, sin))
@@ -82,7 +82,7 @@ Q_NAMES, K_NAMES = {"x": "q"}, {"x": "k"}  # rotary's x, as apply_rotary_pos_emb
 # with respect to x is the same op with `backward` flipped.
 
 @torch_integration
-def _torch():
+def torch_layer():
     from types import SimpleNamespace
 
     import torch

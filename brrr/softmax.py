@@ -44,7 +44,7 @@ def _dim(ndim, dim):
 
 def _softmax(x, dim, dtype, log):
     if torch_if_tensor(x) is not None:
-        return _torch().softmax(x, _dim(x.ndim, dim), dtype, log)
+        return torch_layer().softmax(x, _dim(x.ndim, dim), dtype, log)
     ndim = getattr(x, "ndim", None)
     if ndim is None:
         raise TypeError(f"argument x: expected a tensor or array, got {type(x).__name__}")
@@ -63,7 +63,7 @@ def _softmax(x, dim, dtype, log):
 # ---- PyTorch ---------------------------------------------------------------------------------------
 
 @torch_integration
-def _torch():
+def torch_layer():
     from types import SimpleNamespace
     from typing import Optional
 

@@ -80,7 +80,7 @@ _NAMES = {"logits": "input"}  # brrr._C's name for it (the input with its class 
 def _cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype, softcap, z_loss):
     if torch_if_tensor(input) is not None:
         try:
-            return _torch().cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype, softcap,
+            return torch_layer().cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype, softcap,
                                           z_loss)
         except RuntimeError:
             refuse_kinds(("input", input), ("target", target))
@@ -121,7 +121,7 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
     _check_linear(torch, input, weight, target, bias)
     if isinstance(logits_budget, bool) or not isinstance(logits_budget, numbers.Integral) or logits_budget <= 0:
         raise ValueError(f"argument logits_budget: expected a positive int (bytes), got {logits_budget!r}")
-    return _torch().linear_cross_entropy(input, weight, target, bias, int(ignore_index), reduction,
+    return torch_layer().linear_cross_entropy(input, weight, target, bias, int(ignore_index), reduction,
                                          float(label_smoothing), None if softcap is None else float(softcap),
                                          float(z_loss), dtype, int(logits_budget))
 
@@ -190,7 +190,7 @@ def chunk_rows(vocab, itemsize, budget):
 # data, so the op is CUDA-graph capturable; torch.compile sees it through its fake kernel.
 
 @torch_integration
-def _torch():
+def torch_layer():
     from types import SimpleNamespace
     from typing import Optional
 
