@@ -9,7 +9,8 @@ needs), its fake (the same, as empty tensors) and its backward formula, TorchOp 
   torch.compile traces without a graph break (`define` below);
 - an eager autograd.Function from the same pieces, for training outside torch.compile;
 - the entry that picks one per call: the operator under torch.compile, the Function when autograd
-  records, else the forward itself (the overhead regime's hot path: no dispatcher, no autograd).
+  records, else the forward itself or the op's cheaper inference (the overhead regime's hot path:
+  no dispatcher, no autograd).
 A backward formula calls its backward ops through `run`, which is the op's forward in eager mode
 and the operator under torch.compile, so that the compiled backward sees opaque nodes too.
 

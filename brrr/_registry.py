@@ -199,3 +199,12 @@ def _check_choice(argument, value, choices):
 
 
 registry = Registry()
+
+
+def dispatch(name, *args, **kwargs):
+    """registry(name, *args, **kwargs), for the brrr.nn modules and torch.nn.functional routes the
+    families define, which hold it in a closure: torch.compile traces a function found there, but
+    not the registry object itself, where nothing names it for dynamo (a module built inside the
+    compiled code, as BERT builds its CrossEntropyLoss: a graph break)."""
+    return registry(name, *args, **kwargs)
+

@@ -145,7 +145,7 @@ def torch_layer():
     import torch.nn.functional as F
 
     from ._op import TorchOp, out_like, stream
-    from ._registry import registry, tensor_ok
+    from ._registry import dispatch, registry, tensor_ok
 
     Tensor = torch.Tensor
 
@@ -247,11 +247,11 @@ def torch_layer():
 
     class GELU(torch.nn.GELU):
         def forward(self, x):
-            return registry("gelu", x, approximate=self.approximate)
+            return dispatch("gelu", x, approximate=self.approximate)
 
     def twin(base, name):
         """torch.nn's activation module `base`, its forward the registry's op `name`."""
-        return type(base.__name__, (base,), {"forward": lambda self, x: registry(name, x)})
+        return type(base.__name__, (base,), {"forward": lambda self, x: dispatch(name, x)})
 
     twins = [twin(base, name) for base, name in
              ((torch.nn.SiLU, "silu"), (torch.nn.ReLU, "relu"), (torch.nn.Sigmoid, "sigmoid"), (torch.nn.Tanh, "tanh"))]
@@ -259,11 +259,11 @@ def torch_layer():
     silu_ = F.silu  # torch's, bound before brrr.use_fused can route F.silu here
 
     def silu_route(input, inplace=False):
-        return registry("silu", input) if not inplace else silu_(input, inplace=True)
+        return dispatch("silu", input) if not inplace else silu_(input, inplace=True)
 
     return SimpleNamespace(
         chain=chain, program=program, backward=backward_op, modules=[GELU, *twins],
-        functional={"gelu": lambda input, approximate="none": registry("gelu", input, approximate=approximate),
+        functional={"gelu": lambda input, approximate="none": dispatch("gelu", input, approximate=approximate),
                     "silu": silu_route})
 
 

@@ -62,7 +62,8 @@ def bias_dropout_add(x, bias, residual, p, training=True, seed=None, offset=0):
         raise TypeError("argument residual: expected a tensor of x's shape, got None")
     if torch_if_tensor(x) is not None:
         try:
-            return torch_layer().bias_dropout_add(x, bias, residual, p, None if seed is None else int(seed), int(offset))
+            return torch_layer().bias_dropout_add(x, bias, residual, p, None if seed is None else int(seed),
+                                                  int(offset))
         except RuntimeError:
             refuse_kinds(("x", x), ("bias", bias), ("residual", residual))
             raise

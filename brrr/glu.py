@@ -88,7 +88,7 @@ def torch_layer():
 
     from . import _op
     from ._op import TorchOp, stream
-    from ._registry import registry, same_kind, tensor_ok
+    from ._registry import dispatch, registry, same_kind, tensor_ok
 
     Tensor = torch.Tensor
     programs = {a: chain_layer().program(a + ",mul_tensor", (0.0, 0.0)) for a in _ACTIVATIONS}  # act(gate) * up
@@ -201,7 +201,7 @@ def torch_layer():
         """silu(x[..., :d]) * x[..., d:]: the activation of a fused gate/up projection."""
 
         def forward(self, x):
-            return registry("swiglu", x)
+            return dispatch("swiglu", x)
 
     class GeGLU(torch.nn.Module):
         """gelu(x[..., :d]) * x[..., d:]."""
@@ -211,6 +211,6 @@ def torch_layer():
             self.approximate = approximate
 
         def forward(self, x):
-            return registry("geglu", x, approximate=self.approximate)
+            return dispatch("geglu", x, approximate=self.approximate)
 
     return SimpleNamespace(glu=glu, backward=backward_op, modules=[SwiGLU, GeGLU], functional={})

@@ -144,7 +144,7 @@ def torch_layer():
 
     from . import _op
     from ._op import TorchOp, out_like, stream
-    from ._registry import registry, same_kind, tensor_ok
+    from ._registry import dispatch, registry, same_kind, tensor_ok
 
     Tensor = torch.Tensor
 
@@ -385,7 +385,7 @@ def torch_layer():
 
     class LayerNorm(torch.nn.LayerNorm):
         def forward(self, x):
-            return registry("layer_norm", x, self.normalized_shape, self.weight, self.bias, self.eps)
+            return dispatch("layer_norm", x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     class RMSNorm(torch.nn.RMSNorm):
         """torch.nn.RMSNorm; cast_order="llama" rounds the normalised input before scaling, as
@@ -394,13 +394,13 @@ def torch_layer():
         cast_order = "torch"
 
         def forward(self, x):
-            return registry("rms_norm", x, self.normalized_shape, self.weight, self.eps, cast_order=self.cast_order)
+            return dispatch("rms_norm", x, self.normalized_shape, self.weight, self.eps, cast_order=self.cast_order)
 
     def layer_norm_route(input, normalized_shape, weight=None, bias=None, eps=1e-5):
-        return registry("layer_norm", input, normalized_shape, weight, bias, eps)
+        return dispatch("layer_norm", input, normalized_shape, weight, bias, eps)
 
     def rms_norm_route(input, normalized_shape, weight=None, eps=None):
-        return registry("rms_norm", input, normalized_shape, weight, eps)
+        return dispatch("rms_norm", input, normalized_shape, weight, eps)
 
     return SimpleNamespace(layer_norm=layer_norm_entry, add_layer_norm=add_layer_norm_entry, rms_norm=rms_norm_entry,
                            add_rms_norm=add_rms_norm_entry, backward=backward_op, modules=[LayerNorm, RMSNorm],

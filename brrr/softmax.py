@@ -72,7 +72,7 @@ def torch_layer():
 
     from . import _op
     from ._op import TorchOp, stream
-    from ._registry import FLOATS, registry, tensor_ok
+    from ._registry import FLOATS, dispatch, registry, tensor_ok
 
     Tensor = torch.Tensor
     halves = (torch.float16, torch.bfloat16)
@@ -136,7 +136,7 @@ def torch_layer():
         return softmax_
 
     def route(name):
-        return lambda input, dim=None, _stacklevel=3, dtype=None: registry(name, input, dim, _stacklevel, dtype)
+        return lambda input, dim=None, _stacklevel=3, dtype=None: dispatch(name, input, dim, _stacklevel, dtype)
 
     # torch's, bound before brrr.use_fused can route these names of F here
     registry.register("softmax", F.softmax, implementation(False), supports, compiled="inductor", cpu="pytorch")
@@ -145,11 +145,11 @@ def torch_layer():
 
     class Softmax(torch.nn.Softmax):
         def forward(self, input):
-            return registry("softmax", input, self.dim)
+            return dispatch("softmax", input, self.dim)
 
     class LogSoftmax(torch.nn.LogSoftmax):
         def forward(self, input):
-            return registry("log_softmax", input, self.dim)
+            return dispatch("log_softmax", input, self.dim)
 
     return SimpleNamespace(softmax=softmax_op, backward=backward_op, modules=[Softmax, LogSoftmax],
                            functional={"softmax": route("softmax"), "log_softmax": route("log_softmax")})

@@ -199,7 +199,7 @@ def torch_layer():
 
     from . import _op
     from ._op import TorchOp, stream
-    from ._registry import registry, same_kind, tensor_ok
+    from ._registry import dispatch, registry, same_kind, tensor_ok
 
     Tensor = torch.Tensor
 
@@ -520,7 +520,7 @@ def torch_layer():
         targets) go to PyTorch's."""
 
         def forward(self, input, target):
-            return registry("cross_entropy", input, target, self.weight, ignore_index=self.ignore_index,
+            return dispatch("cross_entropy", input, target, self.weight, ignore_index=self.ignore_index,
                             reduction=self.reduction, label_smoothing=self.label_smoothing)
 
     class LinearCrossEntropyLoss(torch.nn.Module):
@@ -533,7 +533,7 @@ def torch_layer():
             self.softcap, self.z_loss = softcap, z_loss
 
         def forward(self, input, weight, target, bias=None):
-            return registry("linear_cross_entropy", input, weight, target, bias, ignore_index=self.ignore_index,
+            return dispatch("linear_cross_entropy", input, weight, target, bias, ignore_index=self.ignore_index,
                             reduction=self.reduction, label_smoothing=self.label_smoothing, softcap=self.softcap,
                             z_loss=self.z_loss)
 
@@ -542,7 +542,7 @@ def torch_layer():
         if size_average is not None or reduce is not None:  # the deprecated pair: torch's own
             return torch_cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction,
                                        label_smoothing)
-        return registry("cross_entropy", input, target, weight, ignore_index=ignore_index, reduction=reduction,
+        return dispatch("cross_entropy", input, target, weight, ignore_index=ignore_index, reduction=reduction,
                         label_smoothing=label_smoothing)
 
     return SimpleNamespace(cross_entropy=cross_entropy_, linear_cross_entropy=linear_cross_entropy_,
