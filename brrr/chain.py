@@ -161,25 +161,21 @@ def torch_layer():
     def fake(x, operands, ops, scalars):
         return torch.empty_like(x)
 
-    def gradients(program_, x, grad, operands, needs):
-        """(grad_x, [grad of each operand, or None where needs is False]) in one backward kernel."""
+    def backward_forward(x: Tensor, grad: Tensor, operands: list[Tensor], ops: str, scalars: list[float],
+                         operand_needs_grad: list[bool]) -> list[Tensor]:
+        """[grad_x] + the gradient of each operand whose operand_needs_grad is True, in one kernel."""
         grad_x = torch.empty_like(x)
         # With no rows, a bias gradient is a sum of nothing: zeros (the kernels never run).
         new_grad = torch.zeros_like if x.numel() == 0 else torch.empty_like
-        grad_operands = tuple(new_grad(o) if need else None for o, need in zip(operands, needs))
+        grad_operands = tuple(new_grad(o) if need else None for o, need in zip(operands, operand_needs_grad))
         partials = None
-        vector_grad = any(need and o.shape != x.shape for o, need in zip(operands, needs))
-        if x.is_cuda and vector_grad and x.numel() > 0:
-            cols = x.shape[-1]
-            rows = x.numel() // cols
-            partials = torch.empty(len(operands) * _C.chain_partial_rows(rows) * cols, device=x.device,
+        if x.is_cuda and x.numel() > 0 and any(need and o.shape != x.shape
+                                               for o, need in zip(operands, operand_needs_grad)):
+            cols = x.shape[-1]  # a vector operand's gradient: column sums, through partial rows
+            partials = torch.empty(len(operands) * _C.chain_partial_rows(x.numel() // cols) * cols, device=x.device,
                                    dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-        _C.chain_bwd(x, grad, grad_x, partials, program_, tuple(operands), grad_operands, stream(x))
-        return grad_x, grad_operands
-
-    def backward_forward(x: Tensor, grad: Tensor, operands: list[Tensor], ops: str, scalars: list[float],
-                         operand_needs_grad: list[bool]) -> list[Tensor]:
-        grad_x, grad_operands = gradients(program(ops, tuple(scalars)), x, grad, operands, operand_needs_grad)
+        _C.chain_bwd(x, grad, grad_x, partials, program(ops, tuple(scalars)), tuple(operands), grad_operands,
+                     stream(x))
         return [grad_x] + [g for g in grad_operands if g is not None]
 
     def backward_fake(x, grad, operands, ops, scalars, operand_needs_grad):
