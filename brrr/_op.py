@@ -243,10 +243,10 @@ class TorchOp:
         results are the op's, the rest (non-differentiable) only what its backward needs.
     fake(*args): the same results as empty tensors (shape, dtype, device and strides).
     save(ctx, args, results): ctx.save_for_backward(...) and any attributes of ctx the formula reads.
-    backward(ctx, grads, run) -> one gradient (or None) per argument, a list of them for a list of
-        tensors: grads holds one entry per differentiable result (None where nothing flows);
-        run(op, *args) runs a backward TorchOp; ctx.needs_input_grad has one entry per argument,
-        a tuple of one per tensor for a list.
+    backward(ctx, grads, run) -> one gradient (or None) per argument, for a list of tensors a list
+        of them (None where the list is empty): grads holds one entry per differentiable result
+        (None where nothing flows); run(op, *args) runs a backward TorchOp; ctx.needs_input_grad
+        has one entry per argument, for a list a tuple of one per tensor (False where it is empty).
     grad_args: the positions of the arguments that may require grad (the entry checks only those).
     inference(*args): the op's results where nothing records a gradient, when that is cheaper than
         the forward (no statistics for a backward); default: the forward.
@@ -259,10 +259,11 @@ class TorchOp:
         self._save, self._formula = save, backward
         self.op = define(name, forward, fake, self._compiled_backward if backward else None,
                          self._compiled_setup if backward else None)
+        returns = self.op._schema.returns
+        self._single = len(returns) == 1 and str(returns[0].type) == "Tensor"  # the forward returns one tensor
         self._apply = self._eager_apply() if backward else None
         # Where nothing records: the inference, or the forward's results as the op's.
-        returns = self.op._schema.returns
-        if inference is None and not (len(returns) == 1 and str(returns[0].type) == "Tensor"):
+        if inference is None and not self._single:
             self._direct = lambda *args: _outputs(forward(*args), outputs)
         else:
             self._direct = forward if inference is None else inference
@@ -279,27 +280,43 @@ class TorchOp:
 
     def _eager_apply(self):
         """The eager autograd.Function's apply: its forward is the op's, its backward the formula's
-        (once differentiable). Lists of tensors among the arguments: see _Lists."""
-        op, lists = self, _Lists(self.op)
+        (once differentiable). An op with lists of tensors among its arguments has two: one for
+        calls where a list holds tensors (see _Lists), one for calls where none does."""
+        op, lists, single = self, _Lists(self.op), self._single
 
-        def forward(ctx, *args):
-            if lists.positions:
-                args = args[:lists.n]
-                lists.enter(ctx, args)
-            results = op.forward(*args)
-            results = results if isinstance(results, (tuple, list)) else (results,)
-            op._save(ctx, args, results)
-            ctx.set_materialize_grads(False)
-            return _outputs(results, op.outputs)
+        def function(spread):
+            def forward(ctx, *args):
+                if spread:
+                    args = args[:lists.n]
+                    lists.enter(ctx, args)
+                if single:  # one result, which autograd always hands a gradient for
+                    result = op.forward(*args)
+                    op._save(ctx, args, (result,))
+                    return result
+                results = op.forward(*args)
+                op._save(ctx, args, results)
+                ctx.set_materialize_grads(False)
+                return _outputs(results, op.outputs)
 
-        @_once_differentiable
-        def backward(ctx, *grads):
-            grads_in = op._formula(ctx, grads, _run_eager)
-            return lists.gradients(ctx, grads_in) if lists.positions else grads_in
+            @_once_differentiable
+            def backward(ctx, *grads):
+                grads_in = op._formula(ctx, grads, _run_eager)
+                return lists.gradients(ctx, grads_in) if spread else grads_in
 
-        apply = _lean_apply(type(f"brrr_{self.name}_eager", (torch.autograd.Function,),
-                                 {"forward": staticmethod(forward), "backward": staticmethod(backward)}))
-        return (lambda *args: apply(*lists.spread(args))) if lists.positions else apply
+            return _lean_apply(type(f"brrr_{self.name}_eager", (torch.autograd.Function,),
+                                    {"forward": staticmethod(forward), "backward": staticmethod(backward)}))
+
+        plain = function(False)
+        if not lists.positions:
+            return plain
+        spreading = function(True)
+
+        def apply(*args):
+            for i in lists.positions:
+                if args[i]:
+                    return spreading(*lists.spread(args))
+            return plain(*args)
+        return apply
 
     def _records(self, args):
         """Whether autograd records the op on these arguments, grad mode on: a tensor at grad_args
@@ -309,7 +326,7 @@ class TorchOp:
             if isinstance(a, torch.Tensor):
                 if a.requires_grad:
                     return True
-            elif a is not None and any(t.requires_grad for t in a):
+            elif a and any(t.requires_grad for t in a):  # a list (None and empty ones skipped)
                 return True
         return False
 

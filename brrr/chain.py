@@ -164,19 +164,20 @@ def torch_layer():
     def backward_forward(x: Tensor, grad: Tensor, operands: list[Tensor], ops: str, scalars: list[float],
                          operand_needs_grad: list[bool]) -> list[Tensor]:
         """[grad_x] + the gradient of each operand whose operand_needs_grad is True, in one kernel."""
-        grad_x = torch.empty_like(x)
-        # With no rows, a bias gradient is a sum of nothing: zeros (the kernels never run).
-        new_grad = torch.zeros_like if x.numel() == 0 else torch.empty_like
-        grad_operands = tuple(new_grad(o) if need else None for o, need in zip(operands, operand_needs_grad))
-        partials = None
-        if x.is_cuda and x.numel() > 0 and any(need and o.shape != x.shape
-                                               for o, need in zip(operands, operand_needs_grad)):
-            cols = x.shape[-1]  # a vector operand's gradient: column sums, through partial rows
-            partials = torch.empty(len(operands) * _C.chain_partial_rows(x.numel() // cols) * cols, device=x.device,
-                                   dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+        grad_x, grad_operands, partials = torch.empty_like(x), (), None
+        if operands:
+            # With no rows, a bias gradient is a sum of nothing: zeros (the kernels never run).
+            new_grad = torch.zeros_like if x.numel() == 0 else torch.empty_like
+            grad_operands = tuple(new_grad(o) if need else None for o, need in zip(operands, operand_needs_grad))
+            if x.is_cuda and x.numel() > 0 and any(need and o.shape != x.shape
+                                                   for o, need in zip(operands, operand_needs_grad)):
+                cols = x.shape[-1]  # a vector operand's gradient: column sums, through partial rows
+                partials = torch.empty(len(operands) * _C.chain_partial_rows(x.numel() // cols) * cols,
+                                       device=x.device,
+                                       dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
         _C.chain_bwd(x, grad, grad_x, partials, program(ops, tuple(scalars)), tuple(operands), grad_operands,
                      stream(x))
-        return [grad_x] + [g for g in grad_operands if g is not None]
+        return [grad_x, *(g for g in grad_operands if g is not None)]
 
     def backward_fake(x, grad, operands, ops, scalars, operand_needs_grad):
         return [torch.empty_like(x)] + [torch.empty_like(o) for o, need in zip(operands, operand_needs_grad) if need]
@@ -191,10 +192,10 @@ def torch_layer():
         (grad,), (x, *operands) = grads, ctx.saved_tensors
         if grad is None:
             return None, None, None, None
-        needs = list(ctx.needs_input_grad[1])
+        needs = list(ctx.needs_input_grad[1]) if operands else []
         got = run(backward_op, x, grad, operands, ctx.ops, ctx.scalars, needs)
         rest = iter(got[1:])
-        return got[0], [next(rest) if need else None for need in needs], None, None
+        return got[0], [next(rest) if need else None for need in needs] if operands else None, None, None
 
     chain_op = TorchOp("chain", forward, fake, save=save, backward=formula, grad_args=(0, 1))
 
