@@ -6,6 +6,7 @@
 #   bash benchmarks/device_run.sh "<pytest targets for the CUDA tests>" "<benchmark files>"
 #
 # Both arguments are optional (defaults: all tests, all benchmarks); "none" skips a stage.
+# BRRR_BENCH_TIMEOUT (seconds) bounds the benchmark stage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -28,7 +29,10 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 
 start=$(date +%s)
-if ! BRRR_CUDA_ARCHS=90 python3 setup.py build_ext --inplace --force > /tmp/brrr-build.log 2>&1; then
+# BRRR_SKIP_BUILD=1: a later call on the same machine reuses the extension the first one built.
+if [ "${BRRR_SKIP_BUILD:-0}" = 1 ]; then
+  echo "build: reused"
+elif ! BRRR_CUDA_ARCHS=90 python3 setup.py build_ext --inplace --force > /tmp/brrr-build.log 2>&1; then
   grep -E "error|Error" /tmp/brrr-build.log | head -40
   tail -20 /tmp/brrr-build.log
   exit 1
@@ -46,8 +50,11 @@ if [ "$TESTS" != "none" ]; then
 fi
 if [ "$BENCH" != "none" ]; then
   start=$(date +%s)
-  BRRR_BENCH_OUT="$RESULTS" python3 -m pytest $BENCH -q -p no:cacheprovider 2>&1 | tee "$RESULTS/bench.log" | tail -8
+  BRRR_BENCH_OUT="$RESULTS" timeout "${BRRR_BENCH_TIMEOUT:-3000}" python3 -m pytest $BENCH -q -p no:cacheprovider 2>&1 |
+    tee "$RESULTS/bench.log" | tail -8
   echo "benchmarks: $(( $(date +%s) - start )) s"
   for md in "$RESULTS"/*.md; do echo "== $md"; cat "$md"; done
 fi
+# Everything in one archive as well, for callers that can fetch only a few files back.
+tar -czf /tmp/brrr-results.tgz -C "$RESULTS" . && mv /tmp/brrr-results.tgz "$RESULTS/results.tgz"
 exit $status

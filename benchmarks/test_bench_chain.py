@@ -4,7 +4,11 @@ GPU: the seed's sizes (2^10 .. 2^28 elements, 16384 x 4096 rows). CPU: a quick s
 Each op's output is checked against eager before it is timed.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -76,36 +80,99 @@ def _mul_chain(repeats):
     return f
 
 
+def _interpreted(fn):
+    """fn run through the precompiled kernels that interpret a chain (16 steps a pass)."""
+    def run():
+        previous = brrr._C.chain_jit_enable(False)
+        try:
+            return fn()
+        finally:
+            brrr._C.chain_jit_enable(previous)
+    return run
+
+
 def test_repeat_sweep(recorder):
     """x * c applied r times: memory-bound while the arithmetic hides under the loads, then
-    compute-bound. brrr runs at most 16 steps per pass, so r > 16 takes ceil(r / 16) passes."""
+    compute-bound (the seed's experiment). brrr compiles one kernel for the r steps, one pass;
+    "brrr interpreted" is the precompiled kernels, 16 steps a pass (ceil(r / 16) passes)."""
     repeats = [1, 4, 16, 32, 64, 128, 256] if not QUICK else [1, 16, 64]
-    sizes = [1 << 10, 1 << 20, 1 << 28] if not QUICK else [1 << 16]
+    n = 1 << 28 if not QUICK else 1 << 16
     for dtype in DTYPES if not QUICK else [torch.float32]:
+        x = torch.randn(n, device=device(), dtype=dtype)
         for r in repeats:
+            chain = brrr.chain(*[("mul", 1.0001)] * r)
             passes = math.ceil(r / 16)
-            steps = [("mul", 1.0001)] * (r // passes)
-            chain = brrr.chain(*steps)
+            piece = brrr.chain(*[("mul", 1.0001)] * (r // passes))
+
+            def interpreted(x=x, piece=piece, passes=passes):
+                y = piece(x)
+                for _ in range(passes - 1):
+                    y = piece(y)
+                return y
+
             eager = _mul_chain(r)
             comp = compiled(_mul_chain(r)) if not QUICK else None
-            for n in sizes:
-                x = torch.randn(n, device=device(), dtype=dtype)
+            # Against float64: eager rounds to bfloat16 after every multiply (1.0001 is lost),
+            # brrr and torch.compile once at the end.
+            check(chain(x), x.double() * 1.0001 ** r, dtype)
+            row = dict(family="repeat", op=f"mul x{r}", dtype=dtype, shape=(n,), pass_="fwd",
+                       bytes_moved=2 * n * x.element_size(), repeats=r, flops=r * n)
+            impls = {"brrr": lambda: chain(x), "brrr interpreted": _interpreted(interpreted) if on_gpu() else None,
+                     "eager": lambda: eager(x), "compile": comp and (lambda: comp(x))}
+            for impl, fn in impls.items():
+                if fn is None:
+                    continue
+                ms = time_ms(fn, max_time_s=0.5)
+                rec = recorder.add_timing(impl=impl, ms=ms, brrr_passes=passes if impl == "brrr interpreted" else 1, **row)
+                rec["GFLOPs"] = r * n / (ms * 1e-3) / 1e9
 
-                def ours(x=x, chain=chain, passes=passes):
-                    y = chain(x)
-                    for _ in range(passes - 1):
-                        y = chain(y)
-                    return y
 
-                row = dict(family="repeat", op=f"mul x{r}", dtype=dtype, shape=(n,), pass_="fwd",
-                           bytes_moved=2 * n * x.element_size(), repeats=r, flops=r * n, brrr_passes=passes)
-                check(ours(), eager(x), dtype)
-                for impl, fn in (("brrr", ours), ("eager", lambda: eager(x)), ("compile", comp and (lambda: comp(x)))):
-                    if fn is None:
-                        continue
-                    ms = time_ms(fn, max_time_s=0.5)
-                    rec = recorder.add_timing(impl=impl, ms=ms, **row)
-                    rec["GFLOPs"] = r * n / (ms * 1e-3) / 1e9
+# What the first call of a chain costs, in fresh processes sharing an empty cache folder: the
+# first process compiles and loads each kernel, the second reads it from the disk cache. CUDA and
+# brrr's PyTorch layer are initialised (and the chain built) before the timed call, which runs on
+# 2^16 elements.
+FIRST_CALL = """
+import json, sys, time, torch, brrr
+dtype = getattr(torch, sys.argv[1])
+x = torch.randn(1 << 16, device="cuda", dtype=dtype)
+brrr.chain("relu")(torch.ones(4))  # brrr's PyTorch layer, built on first use, is not what is timed
+for name, steps in json.loads(sys.argv[2]):
+    chain = brrr.chain(*[s if isinstance(s, str) else tuple(s) for s in steps])
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    chain(x)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - started) * 1e3
+    info = brrr._C.chain_jit_info()
+    print(json.dumps(dict(op=name, ms=ms, build_ms=info["last_seconds"] * 1e3, compiled=info["compiled"],
+                          from_disk=info["from_disk"])))
+"""
+
+
+def test_first_call(recorder, tmp_path):
+    """First call of a new chain (compile + load) and of a cached one in a new process."""
+    chains = [("cos.cos", ["cos", "cos"]), ("mixed12", MIXED12), ("mul x256", [("mul", 1.0001)] * 256)]
+    if not on_gpu():  # the compile alone, through NVRTC, where it is installed
+        if brrr._C.chain_jit_info()["nvrtc"] is None:
+            pytest.skip("NVRTC not found")
+        os.environ["BRRR_CACHE_DIR"] = str(tmp_path)
+        try:
+            for name, steps in chains:
+                ms = time_ms(lambda: brrr._C.chain_jit_compile(steps, "float32", arch=90), warmup=0, reps=1)
+                recorder.add(family="first_call", op=name, dtype="float32", impl="brrr", phase="compile only", ms=ms)
+        finally:
+            del os.environ["BRRR_CACHE_DIR"]
+        return
+    env = {**os.environ, "BRRR_CACHE_DIR": str(tmp_path)}
+    for dtype in DTYPES:
+        name = str(dtype).replace("torch.", "")
+        for phase in ("compile + load", "cached, new process"):
+            out = subprocess.run([sys.executable, "-c", FIRST_CALL, name, json.dumps(chains)], env=env, capture_output=True,
+                                 text=True, timeout=300, check=True).stdout
+            for line in out.splitlines():
+                r = json.loads(line)
+                recorder.add(family="first_call", op=r["op"], dtype=name, impl="brrr", phase=phase, ms=r["ms"],
+                             build_ms=r["build_ms"], compiled=r["compiled"], from_disk=r["from_disk"])
 
 
 def test_host_overhead(recorder):
@@ -146,6 +213,17 @@ def test_host_overhead(recorder):
                          host_us=host_us_per_call(fn, calls=2000 if not QUICK else 200))
 
 
+MIXED12 = ["sin", ("mul", 1.5), "tanh", ("add", 0.5), "exp", "log1p", ("mul", 0.7), "cos", "sigmoid", ("pow", 2.0),
+           "softplus", "gelu"]
+_MIXED12 = brrr.chain(*MIXED12)
+
+
+def _mixed12_eager(x):
+    y = torch.exp(torch.tanh(torch.sin(x) * 1.5) + 0.5)
+    y = torch.sigmoid(torch.cos(torch.log1p(y) * 0.7)) ** 2.0
+    return F.gelu(F.softplus(y))
+
+
 def _fwd_bwd(fn, inputs, grad):
     def step():
         y = fn(*inputs)
@@ -168,6 +246,9 @@ def _held_bytes(fn, inputs):
 FUSED = {
     "cos.cos": dict(brrr=lambda x: brrr.chain("cos", "cos")(x), eager=lambda x: x.cos().cos(),
                     shapes=lambda r, h: [(r, h)], passes=(2, 5)),
+    # Twelve steps, transcendentals and scalars: read x, write y; the backward reads x and grad.
+    "mixed12": dict(brrr=lambda x: _MIXED12(x), eager=lambda x: _mixed12_eager(x), shapes=lambda r, h: [(r, h)],
+                    passes=(2, 5)),
     "bias_gelu": dict(brrr=lambda x, b: brrr.bias_gelu(x, b), eager=lambda x, b: F.gelu(x + b),
                       shapes=lambda r, h: [(r, h), (h,)], passes=(2, 5)),
     "bias_gelu_tanh": dict(brrr=lambda x, b: brrr.bias_gelu(x, b, approximate="tanh"),

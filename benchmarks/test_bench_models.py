@@ -1,11 +1,21 @@
 """brrr.patch on models from Hugging Face transformers, built from configs with random weights
 (no downloads): logits and gradients against the unpatched model, and a training step's time,
 the summed time of its kernels and its peak memory for unpatched/patched x eager/torch.compile,
-at 4096 and 16384 tokens per step (and a wider Llama at 16384). A step whose time exceeds its kernels' by far waits on the
-host (Python, dispatch, launches): at 4096 tokens every variant does on the H200's host. GPU only
-(tests/test_model_libraries.py checks patched models on the CPU)."""
+at 4096 and 16384 tokens per step (and a wider Llama at 16384). A step whose time exceeds its
+kernels' by far waits on the host (Python, dispatch, launches): at 4096 tokens every variant does
+on the H200's host. GPU only (tests/test_model_libraries.py checks patched models on the CPU).
 
+test_wide_model_step: Gemma 2 and Cohere from their configs (vocabulary 256000; Gemma 2's
+final-logit softcap, Cohere's logit scale), 2 layers at hidden 2048, bf16, 16384 tokens per step:
+brrr.patch eager and compiled against unpatched eager, torch.compile and Liger-Kernel (Gemma 2,
+where liger_kernel is importable), step time and peak memory; first the patched model's logits,
+loss and every gradient against the unpatched model's, at 2048 tokens. Sized to run in about 3
+minutes on an H200 (not measured yet), most of it compiling:
+`python -m pytest benchmarks/test_bench_models.py -k wide -s`."""
+
+import contextlib
 import copy
+import gc
 
 import pytest
 import torch
@@ -16,6 +26,10 @@ from harness import compiled, host_us_per_call, kernel_ms, on_gpu, time_ms
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not on_gpu(), reason="model benchmarks run on the GPU")
+try:
+    import liger_kernel.transformers as liger
+except ImportError:
+    liger = None
 
 SEQ = 512
 BATCHES = (8, 32)
@@ -169,3 +183,119 @@ def test_training_step(recorder, name, batch):
     # (tests/test_registry.py): capturing these transformers models failed on the H200 inside
     # their own code ("Offset increment outside graph capture", the RNG state of their attention
     # path), which also poisons the process for what follows.
+
+
+# ---- Gemma 2 and Cohere at hidden 2048 -------------------------------------------------------------
+
+WIDE_BATCH, WIDE_SEQ = 16, 1024  # 16384 tokens per step
+CHECK_BATCH = 2  # the correctness check's step: 2048 tokens, so that both models' logits fit in float32
+
+
+def gemma2_2048():
+    """Gemma 2's config (vocabulary 256000, final-logit softcap 30, sliding and global layers) at
+    hidden 2048, MLP 8192, 8 query heads of 256 sharing 4 key/value heads, 2 layers."""
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=256, max_position_embeddings=WIDE_SEQ))
+
+
+def cohere_2048():
+    """Cohere's config (vocabulary 256000, logit scale 1/16, LayerNorm without bias, interleaved
+    rotary) at hidden 2048, MLP 8192, 16 query heads of 128 sharing 4 key/value heads, 2 layers."""
+    return transformers.CohereForCausalLM(transformers.CohereConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
+        max_position_embeddings=WIDE_SEQ))
+
+
+WIDE = {"gemma2": gemma2_2048, "cohere": cohere_2048}
+
+
+def wide(name):
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # initialised on the GPU: a 256000-word embedding takes seconds on the host
+        model = WIDE[name]()
+    return model.to(torch.bfloat16).train()
+
+
+@contextlib.contextmanager
+def liger_gemma2(model):
+    """Liger-Kernel's Gemma 2 patch on `model` (its defaults: RMSNorm, GeGLU, rotary, fused linear
+    cross-entropy), undone after: it also rebinds names in transformers' Gemma 2 module."""
+    from transformers.models.gemma2 import modeling_gemma2
+
+    saved = dict(vars(modeling_gemma2))
+    try:
+        liger.apply_liger_kernel_to_gemma2(model=model)
+        yield model
+    finally:
+        for key in set(vars(modeling_gemma2)) - set(saved):
+            delattr(modeling_gemma2, key)
+        for key, value in saved.items():
+            if getattr(modeling_gemma2, key, None) is not value:
+                setattr(modeling_gemma2, key, value)
+
+
+def check_against_unpatched(recorder, name, base, patched, tokens):
+    """The patched model's logits (a forward without labels), loss and every gradient against the
+    unpatched model's: within bf16 rounding (norm-wise relative errors, as test_patched_model)."""
+    results = {}
+    for label, model in (("unpatched", base), ("patched", patched)):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=tokens, labels=tokens, use_cache=False)
+        out.loss.backward()
+        with torch.no_grad():
+            logits = model(input_ids=tokens, use_cache=False).logits.float()
+        results[label] = (logits, out.loss.float().item(), {n: p.grad.float() for n, p in model.named_parameters()})
+        del out
+    (la, lossa, ga), (lb, lossb, gb) = results["unpatched"], results["patched"]
+    logit_err = ((la - lb).norm() / la.norm()).item()
+    floor = 1e-3 * max(g.norm() for g in ga.values())
+    grad_err = max(((ga[n] - gb[n]).norm() / torch.maximum(ga[n].norm(), floor)).item() for n in ga)
+    recorder.add(family="model", op=name, check="patched vs unpatched", shape=list(tokens.shape),
+                 logits_rel_err=logit_err, loss_unpatched=lossa, loss_patched=lossb, max_grad_rel_err=grad_err)
+    print(f"{name}: logits rel err {logit_err:.2e}, loss {lossa:.5f} vs {lossb:.5f}, max grad rel err {grad_err:.2e}")
+    for model in (base, patched):
+        model.zero_grad(set_to_none=True)
+    assert logit_err < 2e-2 and abs(lossa - lossb) < 2e-2 * abs(lossa) and grad_err < 5e-2
+
+
+def measure_step(recorder, name, impl, model, tokens, compile_it=False):
+    """Median step time and peak memory (all the process holds on the GPU during a step, the
+    weights included) of one variant; its compiled module and graphs dropped after."""
+    torch._dynamo.reset()
+    step = step_fn(compiled(model) if compile_it else model, tokens)
+    step()  # warm-up (and compilation)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    ms = time_ms(step, warmup=2, reps=10, max_time_s=3.0)
+    recorder.add(family="model", op=name, impl=impl, shape=[WIDE_BATCH, WIDE_SEQ], ms=ms,
+                 tokens_per_s=WIDE_BATCH * WIDE_SEQ / (ms * 1e-3), peak_bytes=peak)
+    print(f"{name} {WIDE_BATCH}x{WIDE_SEQ} {impl:22s} {ms:9.2f} ms/step  peak {peak / 2**30:6.2f} GiB")
+    model.zero_grad(set_to_none=True)
+    del step
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("name", list(WIDE))
+def test_wide_model_step(recorder, name):
+    base = wide(name)
+    patched = copy.deepcopy(base)
+    report = brrr.patch(patched)
+    print(f"\n{name}: {report}")
+    vocab = base.config.vocab_size
+    check_against_unpatched(recorder, name, base, patched,
+                            torch.randint(0, vocab, (CHECK_BATCH, WIDE_SEQ), device="cuda"))
+    tokens = torch.randint(0, vocab, (WIDE_BATCH, WIDE_SEQ), device="cuda")
+    measure_step(recorder, name, "unpatched eager", base, tokens)
+    measure_step(recorder, name, "unpatched compile", base, tokens, compile_it=True)
+    measure_step(recorder, name, "brrr.patch eager", patched, tokens)
+    measure_step(recorder, name, "brrr.patch compile", patched, tokens, compile_it=True)
+    if name == "gemma2" and liger is not None:
+        del patched
+        with liger_gemma2(base) as model:  # last: Liger patches the instance
+            measure_step(recorder, name, "liger", model, tokens)

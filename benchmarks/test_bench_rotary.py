@@ -12,8 +12,14 @@ also reads both output gradients and writes both input gradients (8 passes, cos 
 brrr's results are checked against the float64 reference of tests/test_rotary.py first. At these
 sizes a call's host time can exceed its kernels' (the event timings then measure the host), so the
 GPU rows also record kernel_ms, the summed device time of one call's kernels (torch.profiler).
+
+test_rotary_layouts: the other layouts of transformers' models, against their own function
+(eager) and its torch.compile: Cohere's interleaved pairs, GLM's interleaved pairs over half the
+head (each pair's angle from the first half of the given ones) and GPT-NeoX's halves over a
+quarter of it, bfloat16, 16 heads of 128 (the passed-through features are copied: the same bytes).
 """
 
+import importlib
 import os
 
 import pytest
@@ -97,3 +103,47 @@ def test_rotary(recorder, layout, heads, dim, dtype):
             row = recorder.add_timing(pass_=pass_, ms=ms, bytes_moved=moved, kernel_ms=kernels.get(pass_), **common)
             if pass_ in kernels:
                 row["kernel_frac_floor"] = row["floor_ms"] / kernels[pass_]
+
+
+# (model family, interleaved, the rotated share of the head, angles given per pair)
+FORMS = [("cohere", True, 1, False), ("glm", True, 2, True), ("gpt_neox", False, 4, False)]
+FORM_HEADS, FORM_DIM = (16, 128) if not QUICK else (4, 16)
+
+
+@pytest.mark.parametrize("family,interleaved,share,per_pair", FORMS)
+def test_rotary_layouts(recorder, family, interleaved, share, per_pair):
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    dtype, r = torch.bfloat16, FORM_DIM // share
+    q, k = (torch.randn(BATCH, FORM_HEADS, SEQ, FORM_DIM, device=device(), dtype=dtype).requires_grad_()
+            for _ in range(2))
+    freqs = torch.randn(BATCH, SEQ, r // 2, device=device()) * 10
+    emb = freqs.repeat_interleave(2, -1) if family == "cohere" else torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)  # as the model's rotary embedding gives them
+    angles = (cos[..., :r // 2], sin[..., :r // 2]) if per_pair else (cos, sin)
+
+    def ours(q, k):
+        return brrr.apply_rotary_pos_emb(q, k, *angles, interleaved=interleaved, rotary_dim=r)
+
+    def theirs(q, k):
+        return module.apply_rotary_pos_emb(q, k, cos, sin)
+
+    with torch.no_grad():
+        expected = module.apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double())
+        for got, want in zip(ours(q, k), expected):
+            assert _rel_err(got, want) < TOL[dtype]
+    grads = [torch.randn_like(q), torch.randn_like(k)]
+    for got, want in zip(torch.autograd.grad(ours(q, k), (q, k), grads),
+                         torch.autograd.grad(theirs(q, k), (q, k), grads)):
+        assert _rel_err(got, want) < TOL[dtype]
+    unit = q.numel() * q.element_size()
+    angle_bytes = 2 * angles[0].numel() * angles[0].element_size()
+    for impl, fn in {"brrr": ours, "eager": theirs, "compile": None if QUICK else compiled(theirs)}.items():
+        if fn is None:
+            continue
+        with torch.no_grad():
+            fwd_ms = time_ms(lambda: fn(q, k), max_time_s=MAX_TIME_S)
+        step_ms = time_ms(lambda: torch.autograd.grad(fn(q, k), (q, k), grads), max_time_s=MAX_TIME_S)
+        common = dict(family="rotary", op=f"{family} rotary {FORM_HEADS}x{FORM_DIM}, {r} rotated", dtype=dtype,
+                      shape=tuple(q.shape), impl=impl)
+        recorder.add_timing(pass_="fwd", ms=fwd_ms, bytes_moved=4 * unit + angle_bytes, **common)
+        recorder.add_timing(pass_="fwd+bwd", ms=step_ms, bytes_moved=8 * unit + 2 * angle_bytes, **common)

@@ -6,38 +6,42 @@
 
 A module is swapped by changing its class to a subclass whose forward calls the registry, so its
 parameters, buffers, hooks and state_dict stay exactly as they were. torch.nn's own classes are
-matched by type. Other modules (the RMSNorm, activation and gated-MLP classes of model libraries,
-with one gate and one up projection or Phi-3's single gate_up projection, and BERT's post-norm
-residual LayerNorm(dropout(dense(h)) + input), which runs brrr's add_layer_norm) are matched by
-behaviour: their forward is run once on a random probe and compared with the candidate formulas
-(the nearest of those within the probe dtype's tolerance: in bfloat16, tanh and erf GELU or
-Llama's and torch's RMSNorm cast orders are all within it; activations are probed in float32),
-so a look-alike that computes something else is left alone. The children such a module's new
-forward computes itself (a gated MLP's activation, the residual block's LayerNorm) are left as
-they are, and the report says so.
+matched by type. Other modules (the norm, activation and gated-MLP classes of model libraries:
+RMSNorms in Llama's or torch's cast order, Gemma's of (1 + weight), LayerNorms without bias
+(Cohere's) or without parameters (OLMo's); gated MLPs with one gate and one up projection or
+Phi-3's single gate_up projection; BERT's post-norm residual LayerNorm(dropout(dense(h)) + input),
+which runs brrr's add_layer_norm) are matched by behaviour: their forward is run once on a random
+probe and compared with the candidate formulas (the nearest of those within the probe dtype's
+tolerance: in bfloat16, tanh and erf GELU or Llama's and torch's RMSNorm cast orders are all within
+it; activations are probed in float32), so a look-alike that computes something else is left alone.
+The children such a module's new forward computes itself (a gated MLP's activation, the residual
+block's LayerNorm) are left as they are, and the report says so.
 
 Some globals a module's forward uses are replaced for that module alone: a global
-`apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers' Llama-style attention) that behaves
-like the rotary embedding on a probe becomes brrr's rotary, and torch's `CrossEntropyLoss`, which
-transformers' masked-LM, sequence-to-sequence and classification heads build inside their forward,
-becomes brrr.nn.CrossEntropyLoss. The module gets a subclass whose forward is the same code run
-with a copy of its globals in which only those names differ (and decorators that hold the function
-they wrap in a closure, such as transformers' can_return_tuple, rebuilt around it). The model
-library's module is not touched, so other models of that library keep their own. The copy is
-taken when patching, so rebinding one of its globals in the library afterwards does not reach a
-patched module until it is unpatched and patched again.
+`apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers' attention) that behaves like a rotary
+embedding on a probe becomes brrr's rotary in the layout the probe showed (Llama's halves, the
+interleaved pairs of Cohere, GLM's and ERNIE 4.5's interleaved pairs with each pair's angle from
+the first half; partial rotary where the function takes angles over part of the head, as GPT-NeoX's
+and GLM's do), and torch's `CrossEntropyLoss`, which transformers' masked-LM, sequence-to-sequence
+and classification heads build inside their forward, becomes brrr.nn.CrossEntropyLoss. The module
+gets a subclass whose forward is the same code run with a copy of its globals in which only those
+names differ (and decorators that hold the function they wrap in a closure, such as transformers'
+can_return_tuple, rebuilt around it). The model library's module is not touched, so other models of
+that library keep their own. The copy is taken when patching, so rebinding one of its globals in
+the library afterwards does not reach a patched module until it is unpatched and patched again.
 
 A model whose forward takes `labels` and whose `loss_function` behaves like a causal language
 model's loss (Hugging Face's ForCausalLMLoss: shift the labels by one, cross-entropy over the
 vocabulary in float32, mean over the counted tokens or sum / num_items_in_batch; checked on a
 probe) gets brrr's instead: the same loss without the float32 copy of the logits. Where its output
 embeddings are a torch.nn.Linear whose output the forward returns as the logits (or softcaps, as
-Gemma 2 does by config.final_logit_softcapping; probed), a training call with `labels` computes
-that loss from the head's input with brrr.linear_cross_entropy, never the logits, and returns
-logits None (docs/linear-cross-entropy.md); eval mode or no labels returns them as before.
-patch(model, fused_linear_cross_entropy=False) keeps them in training too. patch(model, remat=True)
-has the backward recompute the swapped norms' and GLUs' outputs instead of their linear layers
-saving them (brrr.remat, docs/remat.md).
+Gemma 2 does by config.final_logit_softcapping, or scales, as Cohere does by its logit_scale;
+probed), a training call with `labels` computes that loss from the head's input with
+brrr.linear_cross_entropy, never the logits, and returns logits None
+(docs/linear-cross-entropy.md); eval mode or no labels returns them as before. patch(model,
+fused_linear_cross_entropy=False) keeps them in training too. patch(model, remat=True) has the
+backward recompute the swapped norms' and GLUs' outputs instead of their linear layers saving them
+(brrr.remat, docs/remat.md).
 
     with brrr.use_fused():        # route torch.nn.functional's gelu/silu/layer_norm/rms_norm
         y = model(x)              # and cross_entropy through brrr for the inputs it supports
@@ -49,6 +53,7 @@ unaffected.
 import contextlib
 import dis
 import inspect
+import math
 import types
 from dataclasses import dataclass, field
 
@@ -149,12 +154,20 @@ def _eps_attribute(module):
 
 def _rms_norm_forward(self, x):
     out = registry("rms_norm", x, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
-                   cast_order=self._brrr_cast_order)
+                   cast_order=self._brrr_cast_order, offset=self._brrr_offset)
     return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
 
 
 def _layer_norm_forward(self, x):
-    out = registry("layer_norm", x, self.weight.shape, self.weight, self.bias, getattr(self, self._brrr_eps))
+    out = registry("layer_norm", x, self.weight.shape, self.weight, self.bias if self._brrr_bias else None,
+                   getattr(self, self._brrr_eps))
+    return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
+
+
+def _plain_norm_forward(self, x):
+    """A norm without parameters: its eps an attribute (_brrr_eps) or a constant (_brrr_eps_value)."""
+    eps = getattr(self, self._brrr_eps) if self._brrr_eps else self._brrr_eps_value
+    out = registry(self._brrr_op, x, self.normalized_shape, eps=eps)
     return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
 
 
@@ -225,6 +238,18 @@ def _activation_name(op, kwargs):
     return op + "".join(f" ({key}={value!r})" for key, value in kwargs)
 
 
+# The norms with a weight and no bias that _try_norm tells apart: (kind, cast order, weight offset).
+# Gemma's RMSNorm scales by (1 + weight) in float32; Cohere's LayerNorm has no bias.
+_WEIGHT_ONLY_NORMS = [("rms_norm", "llama", 0.0), ("rms_norm", "torch", 0.0), ("rms_norm", "torch", 1.0),
+                      ("layer_norm", None, 0.0)]
+
+
+def _weight_only_norm(x, weight, eps, kind, order, offset):
+    if kind == "layer_norm":
+        return F.layer_norm(x, weight.shape, weight, None, eps)
+    return registry.lookup("rms_norm").reference(x, weight.shape, weight, eps, cast_order=order, offset=offset)
+
+
 def _try_norm(module, remat):
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or list(module.children()):
@@ -240,16 +265,48 @@ def _try_norm(module, remat):
     e = getattr(module, eps)
     if isinstance(bias, torch.nn.Parameter):
         if _close(y, F.layer_norm(x, weight.shape, weight, bias, e)):
-            return (_subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps, _brrr_remat=remat),
-                    "LayerNorm")
+            return (_subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps, _brrr_bias=True,
+                              _brrr_remat=remat), "LayerNorm")
         return None, "behaves like no LayerNorm"
-    rms_norm = registry.lookup("rms_norm").reference
-    order = _closest(y, ((order, rms_norm(x, weight.shape, weight, e, cast_order=order))
-                         for order in ("llama", "torch")))
-    if order is None:
-        return None, "behaves like no RMSNorm"
+    found = _closest(y, ((form, _weight_only_norm(x, weight, e, *form)) for form in _WEIGHT_ONLY_NORMS))
+    if found is None:
+        return None, "behaves like no RMSNorm (of weight or 1 + weight) and no LayerNorm without bias"
+    kind, order, offset = found
+    if kind == "layer_norm":
+        return (_subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps, _brrr_bias=False,
+                          _brrr_remat=remat), "LayerNorm without bias")
+    scale = f", scaled by {offset:g} + weight" if offset else ""
     return (_subclass(type(module), "rms_norm", _rms_norm_forward, _brrr_eps=eps, _brrr_cast_order=order,
-                      _brrr_remat=remat), f"RMSNorm ({order} cast order)")
+                      _brrr_offset=offset, _brrr_remat=remat), f"RMSNorm ({order} cast order{scale})")
+
+
+def _try_plain_norm(module, device, remat):
+    """A LayerNorm or RMSNorm without weight or bias (OLMo's LayerNorm): a module with a
+    normalized_shape of ints and no parameters, buffers or children; its eps an attribute, or
+    torch's default 1e-5 written into its forward (checked: on a second probe of small values
+    the eps is most of the variance). (None, None) for a module that is not such a candidate."""
+    shape = getattr(module, "normalized_shape", None)
+    shape = (shape,) if type(shape) is int else shape
+    if not (isinstance(shape, (tuple, list)) and shape and all(type(n) is int and n > 0 for n in shape)) or any(
+            True for _ in module.parameters()) or any(True for _ in module.buffers()) or list(module.children()):
+        return None, None
+    eps = _eps_attribute(module)
+    e = getattr(module, eps) if eps else 1e-5
+    g = _probe_generator()
+    x = _randn(g, 3, 5, *shape, device=device) * 2 + 0.5
+    probes = (x, x * 3e-3)
+    ys = [_probe(module, p) for p in probes]
+    if any(y is None for y in ys):
+        return None, f"forward did not take a (3, 5, {', '.join(map(str, shape))}) probe"
+    for op, reference in (("layer_norm", F.layer_norm), ("rms_norm", F.rms_norm)):
+        if all(_close(y, reference(p, shape, None, None, e) if op == "layer_norm" else reference(p, shape, None, e))
+               for y, p in zip(ys, probes)):
+            name = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm"}[op]
+            return (_subclass(type(module), "plain " + op, _plain_norm_forward, _brrr_op=op, _brrr_eps=eps,
+                              _brrr_eps_value=e, _brrr_remat=remat),
+                    f"{name} without weight or bias" + ("" if eps else f" (eps {e:g} in its forward)"))
+    return None, (f"behaves like no LayerNorm or RMSNorm without weight (eps {e:g}, "
+                  f"{'its ' + eps if eps else 'no eps attribute: torch default'})")
 
 
 def _try_glu_mlp(module, remat):
@@ -347,10 +404,13 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
 
 
 def causal_lm_linear_loss(hidden_states, head, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-                          softcap=None):
-    """causal_lm_loss of the logits head(hidden_states) (softcapped as Gemma 2 caps them), through
-    brrr's linear_cross_entropy: the logits are never held whole."""
+                          softcap=None, logit_scale=None):
+    """causal_lm_loss of the logits head(hidden_states) (softcapped as Gemma 2 caps them, or times
+    logit_scale as Cohere scales them: the head's input scaled instead, its width rather than the
+    vocabulary's), through brrr's linear_cross_entropy: the logits are never held whole."""
     hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if logit_scale is not None:
+        hidden_states = hidden_states * logit_scale
     shift_labels = _shifted_labels(labels, ignore_index, shift_labels).to(hidden_states.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = registry("linear_cross_entropy", hidden_states, head.weight, shift_labels, head.bias,
@@ -440,6 +500,7 @@ def _fused_linear_loss_forward(original):
             raise RuntimeError(f"brrr.patch: {type(self).__name__}'s forward did not call its output embeddings "
                                "(brrr.unpatch the model, or patch it with fused_linear_cross_entropy=False)")
         loss = causal_lm_linear_loss(hidden_states, head, labels, softcap=self._brrr_softcap,
+                                     logit_scale=self._brrr_logit_scale,
                                      **{k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs})
         if isinstance(out, tuple):  # return_dict=False: to_tuple of the output below
             return (loss,) + out[1:]
@@ -448,12 +509,22 @@ def _fused_linear_loss_forward(original):
     return forward
 
 
+def _number(value):
+    """value where it is a finite float or int other than a bool, else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
 def _logits_transform(module, head, device):
-    """(True, softcap or None) when module's forward returns its head's output as the logits, or
-    capped as Gemma 2 caps them (config.final_logit_softcapping); (False, why) otherwise. Probed:
-    a forward of 2 tokens (in eval mode, every submodule's mode restored) whose head returns
-    logits that a softcap of 30 changes by far more than rounding."""
-    cap = getattr(getattr(module, "config", None), "final_logit_softcapping", None)
+    """(True, softcap or None, logit_scale or None) when module's forward returns its head's output
+    as the logits, or capped as Gemma 2 caps them (config.final_logit_softcapping), or scaled as
+    Cohere scales them (its logit_scale, or config's); (False, why, None) otherwise. Probed: a
+    forward of 2 tokens (in eval mode, every submodule's mode restored) whose head returns logits
+    that a softcap of 30 or a scale other than 1 changes by far more than rounding."""
+    config = getattr(module, "config", None)
+    cap = _number(getattr(config, "final_logit_softcapping", None))
+    scale = _number(getattr(module, "logit_scale", getattr(config, "logit_scale", None)))
     probe = {}
 
     def replace_logits(_module, _inputs, output):
@@ -469,20 +540,23 @@ def _logits_transform(module, head, device):
         with torch.no_grad():
             out = module(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
     except Exception:  # noqa: BLE001 - a model that cannot take the probe is simply not a match
-        return False, "its forward did not take a probe of 2 input_ids"
+        return False, "its forward did not take a probe of 2 input_ids", None
     finally:
         handle.remove()
         for m, training in modes:
             m.training = training
     logits = getattr(out, "logits", None)
     if not isinstance(logits, torch.Tensor) or "logits" not in probe:
-        return False, "its forward returned no logits from its output embeddings"
+        return False, "its forward returned no logits from its output embeddings", None
     p = probe["logits"]
-    candidates = [((True, None), p)]
-    if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0:
-        candidates.append(((True, float(cap)), (cap * torch.tanh(p.float() / cap)).to(p.dtype)))
+    candidates = [((True, None, None), p)]
+    if cap is not None and cap > 0:
+        candidates.append(((True, cap, None), (cap * torch.tanh(p.float() / cap)).to(p.dtype)))
+    if scale is not None and scale != 1.0:
+        candidates.append(((True, None, scale), p * scale))
     found = _closest(logits, candidates)
-    return found or (False, "its logits are not its head's output (nor softcapped by config.final_logit_softcapping)")
+    return found or (False, "its logits are not its head's output (nor softcapped by config.final_logit_softcapping, "
+                     "nor scaled by logit_scale)", None)
 
 
 def _try_fused_linear_loss(module, device):
@@ -492,24 +566,82 @@ def _try_fused_linear_loss(module, device):
     head = get_head() if callable(get_head) else None
     if type(head) is not torch.nn.Linear:
         return None, None, None, "fused linear cross-entropy: no torch.nn.Linear output embeddings"
-    fits, softcap = _logits_transform(module, head, device)
+    fits, softcap, scale = _logits_transform(module, head, device)
     if not fits:
         return None, None, None, f"fused linear cross-entropy: {softcap}"
     cls = type(module)
-    model_class = _subclass(cls, "fused_linear_loss", _fused_linear_loss_forward(cls.forward), _brrr_softcap=softcap)
+    model_class = _subclass(cls, "fused_linear_loss", _fused_linear_loss_forward(cls.forward), _brrr_softcap=softcap,
+                            _brrr_logit_scale=scale)
     head_class = _subclass(type(head), "deferring_head", _deferring_head_forward)
     cap = "" if softcap is None else f", its softcap {softcap:g} fused"
+    cap += "" if scale is None else f", its logit scale {scale:g} on the head's input"
     return (model_class, head, head_class,
             f"fused linear cross-entropy (training with labels: the loss from the head's input{cap}, logits None)")
 
 
-def _rotary_through_brrr(original):
-    """A replacement for a library's apply_rotary_pos_emb(q, k, cos, sin, ...) that behaved like
-    the rotary embedding on the probe: brrr's rotary_qk (through the registry) for the calls it
-    takes, and `original` itself for the rest: arguments other than unsqueeze_dim (or a
-    position_ids of None), angles that rotate only part of the head dim (GPT-NeoX's partial
-    rotary), inputs the registry sends to PyTorch. The extra arguments are read by the original's
-    own signature: most of transformers' take unsqueeze_dim fifth, some position_ids."""
+@dataclass(frozen=True)
+class RotaryLayout:
+    """How a library's apply_rotary_pos_emb(q, k, cos, sin) rotates, as its probe showed."""
+
+    interleaved: bool  # pairs (2p, 2p + 1) (Cohere, GLM, ERNIE 4.5), not (j, j + r/2) (Llama)
+    first_half: bool  # each pair's angle at p of the given ones (GLM's cos[..., :r/2].repeat_interleave(2))
+    partial: bool  # angles over r < head dim features rotate those, the rest passed through (GPT-NeoX)
+
+    def describe(self):
+        return "".join((", interleaved pairs" if self.interleaved else "",
+                        ", angles from their first half" if self.first_half else "",
+                        ", partial rotary" if self.partial else ""))
+
+
+# (interleaved, first_half): the forms transformers' models write.
+_ROTARY_FORMS = [(False, False), (True, False), (True, True)]
+
+
+def _rotary_of(q, k, cos, sin, interleaved, first_half):
+    """(q, k) rotated as a library's function of that form rotates them: rotary_dim cos's last dim."""
+    r = cos.shape[-1]
+    if first_half:
+        cos, sin = cos[..., :r // 2], sin[..., :r // 2]
+    kw = dict(interleaved=interleaved, rotary_dim=r)
+    return registry.lookup("rotary_qk").reference(q, k, cos, sin, **kw)
+
+
+def _rotary_layout(fn, device):
+    """The RotaryLayout fn computes on a probe (angles over the whole head dim, then over half of
+    it: the partial rotary it may take too), or None when it behaves like no rotary embedding."""
+    g = _probe_generator()
+    q, k = _randn(g, 2, 3, 5, 8, device=device), _randn(g, 2, 2, 5, 8, device=device)
+    cos, sin = _randn(g, 2, 5, 8, device=device), _randn(g, 2, 5, 8, device=device)
+
+    def rotated(c, s):
+        try:
+            with torch.no_grad():
+                got = fn(q, k, c, s)
+        except Exception:  # noqa: BLE001 - a function that cannot take the probe is simply not a match
+            return None
+        ok = isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)
+        return torch.cat([t.flatten() for t in got]) if ok else None
+
+    def candidates(c, s):
+        for form in _ROTARY_FORMS:
+            yield form, torch.cat([t.flatten() for t in _rotary_of(q, k, c[:, None], s[:, None], *form)])
+
+    got = rotated(cos, sin)
+    form = None if got is None else _closest(got, candidates(cos, sin))
+    if form is None:
+        return None
+    part = rotated(cos[..., :4], sin[..., :4])
+    partial = part is not None and _closest(part, candidates(cos[..., :4], sin[..., :4])) == form
+    return RotaryLayout(*form, partial)
+
+
+def _rotary_through_brrr(original, layout):
+    """A replacement for a library's apply_rotary_pos_emb(q, k, cos, sin, ...) that rotated a
+    probe by `layout`: brrr's rotary_qk (through the registry) for the calls it takes, and
+    `original` itself for the rest: arguments other than unsqueeze_dim (or a position_ids of
+    None), angles over part of the head dim where the original did not take them on the probe,
+    inputs the registry sends to PyTorch. The extra arguments are read by the original's own
+    signature: most of transformers' take unsqueeze_dim fifth, some position_ids."""
     extra = list(inspect.signature(original).parameters.values())[4:]
     names = [p.name for p in extra]
     default_dim = next((p.default for p in extra if p.name == "unsqueeze_dim"), 1)
@@ -521,31 +653,20 @@ def _rotary_through_brrr(original):
             given.update(kwargs)
             dim = given.get("unsqueeze_dim", default_dim)
             if given.get("position_ids") is None and given.keys() <= {"unsqueeze_dim", "position_ids"} \
-                    and isinstance(dim, int) and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor):
+                    and isinstance(dim, int) and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) \
+                    and isinstance(q, torch.Tensor) and (cos.shape[-1] == q.shape[-1] or layout.partial):
                 c, s = cos.unsqueeze(dim), sin.unsqueeze(dim)
-                fn = op.resolve(q, k, c, s)
+                r = c.shape[-1]
+                if layout.first_half:  # each pair's angle, without GLM's repeat_interleave copy
+                    c, s = c[..., :r // 2], s[..., :r // 2]
+                options = dict(interleaved=layout.interleaved, rotary_dim=r)
+                fn = op.resolve(q, k, c, s, **options)
                 if fn is not op.reference:
-                    return fn(q, k, c, s)
+                    return fn(q, k, c, s, **options)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb._brrr_original = original
     return apply_rotary_pos_emb
-
-
-def _behaves_like_rotary_pos_emb(fn, device):
-    """fn on a probe against the rotary embedding written out in PyTorch."""
-    g = _probe_generator()
-    q, k = _randn(g, 2, 3, 5, 8, device=device), _randn(g, 2, 2, 5, 8, device=device)
-    cos, sin = _randn(g, 2, 5, 8, device=device), _randn(g, 2, 5, 8, device=device)
-    try:
-        with torch.no_grad():
-            got = fn(q, k, cos, sin)
-    except Exception:  # noqa: BLE001 - a function that cannot take the probe is simply not a match
-        return False
-    rotary = registry.lookup("rotary").reference
-    expected = (rotary(q, cos[:, None], sin[:, None]), rotary(k, cos[:, None], sin[:, None]))
-    return isinstance(got, tuple) and len(got) == 2 and all(
-        isinstance(a, torch.Tensor) and _close(a, b) for a, b in zip(got, expected))
 
 
 def _calls_global(function, name):
@@ -608,10 +729,11 @@ def _rotary_replacement(fn, device):
         return None, f"its forward's {_ROTARY_NAME} is already brrr's"
     if device.type not in registry.lookup("rotary_qk").devices:
         return None, f"brrr's rotary has no {device.type} kernel"
-    if not callable(fn) or not _behaves_like_rotary_pos_emb(fn, device):
+    layout = _rotary_layout(fn, device) if callable(fn) else None
+    if layout is None:
         return None, f"its forward's {_ROTARY_NAME} behaves like no rotary embedding"
     try:
-        return _rotary_through_brrr(fn), f"brrr rotary (its forward's {_ROTARY_NAME})"
+        return _rotary_through_brrr(fn, layout), f"brrr rotary (its forward's {_ROTARY_NAME}{layout.describe()})"
     except (TypeError, ValueError):  # no signature to read its extra arguments by
         return None, f"its forward's {_ROTARY_NAME} has no signature brrr can read"
 
@@ -729,6 +851,8 @@ def _patch(model, fused_linear_cross_entropy, remat):
             new_class, what = _try_glu_mlp(module, remat)
         if new_class is None and what is None:
             new_class, what = _try_residual_layer_norm(module)
+        if new_class is None and what is None:
+            new_class, what = _try_plain_norm(module, device, remat)
         if new_class is None and what is not None:
             report.left.append((name, cls.__name__, what))
             continue
@@ -747,10 +871,9 @@ def _patch(model, fused_linear_cross_entropy, remat):
             for child in getattr(new_class, "_brrr_computes", ()):
                 computed_by_parent[f"{name}.{child}" if name else child] = name
             if getattr(new_class, "_brrr_remat", False):
-                kind, out = ("GLU", module.down_proj.in_features) if hasattr(module, "down_proj") else ("norm", module.weight.numel())
+                kind, out, like = _remat_output(module, first)
                 remat_bytes[kind][0] += 1
-                remat_bytes[kind][1] += out * module.weight.element_size() if kind == "norm" else \
-                    out * module.down_proj.weight.element_size()
+                remat_bytes[kind][1] += out * like.element_size()
     if remat:
         (norms, norm_bytes), (glus, glu_bytes) = remat_bytes["norm"], remat_bytes["GLU"]
         report.notes.append(f"remat: the backward recomputes the outputs of {norms} norms and {glus} gated MLPs' GLUs "
@@ -761,6 +884,19 @@ def _patch(model, fused_linear_cross_entropy, remat):
                             "CPU kernels measured faster than brrr's, unless told registry.on_cpu(name, 'kernel'). "
                             "brrr's kernels run once the model is on a GPU.")
     return report
+
+
+def _remat_output(module, first):
+    """(kind, features per token, a tensor of its dtype) of the output a swapped module's remat
+    recomputes: a GLU's product, or a norm's output (a norm without weight: in the model's dtype)."""
+    if hasattr(module, "down_proj"):
+        return "GLU", module.down_proj.in_features, module.down_proj.weight
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return "norm", weight.numel(), weight
+    shape = module.normalized_shape
+    return ("norm", math.prod((shape,) if isinstance(shape, int) else shape),
+            first if first is not None else torch.empty(0))  # a model without parameters: the default dtype
 
 
 def unpatch(model):

@@ -1,13 +1,19 @@
-"""Elementwise chains: any sequence of up to 16 elementwise steps in one pass over memory.
+"""Elementwise chains: any sequence of elementwise steps in one pass over memory.
 
     f = brrr.chain("cos", "cos")              # cos(cos(x)) in one kernel
     g = brrr.chain(("mul", 2.0), "gelu")      # gelu(2 x)
     h = brrr.chain("add_tensor", "gelu")      # gelu(x + bias), bias of shape x.shape[-1:] or x.shape
     y = f(x)                                  # torch.Tensor, numpy.ndarray or any DLPack array
 
-Steps: relu, gelu (erf form), gelu_tanh, silu, sigmoid, tanh, exp, cos, sin, ("add", c),
-("mul", c) with a Python number c, and add_tensor / mul_tensor, which take the chain's next
-positional tensor argument. Math runs in fp32 for float16/bfloat16/float32 (fp64 for float64).
+Steps: relu, gelu (erf form), gelu_tanh, silu, sigmoid, tanh, exp, cos, sin, abs, neg, square,
+sqrt, rsqrt, log, log1p, expm1, reciprocal, softplus (beta 1, threshold 20), mish, hardswish;
+with a Python number c: ("add", c), ("mul", c), ("pow", c), ("clamp_min", c) (max with c),
+("clamp_max", c) (min with c), ("leaky_relu", c) (c: the negative slope); and add_tensor /
+mul_tensor, which take the chain's next positional tensor argument (at most 4 of them). Math
+runs in fp32 for float16/bfloat16/float32 (fp64 for float64).
+
+On CUDA a chain runs as a kernel compiled for its exact steps on first use (NVRTC; any number of
+steps in one pass), else interpreted by precompiled kernels (at most 16 steps): docs/chains.md.
 With PyTorch tensors that require grad the chain is differentiable: the forward saves only its
 inputs, and the backward recomputes the chain per element from x.
 """
@@ -17,7 +23,7 @@ from ._args import bad_choice, refuse_kinds
 from ._frameworks import check_torch, empty_like, torch_if_tensor
 from ._integration import torch_integration
 
-SCALAR_OPS = ("add", "mul")
+SCALAR_OPS = ("add", "mul", "pow", "clamp_min", "clamp_max", "leaky_relu")
 TENSOR_OPS = ("add_tensor", "mul_tensor")
 OPERAND_NAMES = tuple(f"operands[{i}]" for i in range(_C.MAX_CHAIN_OPERANDS))  # as brrr._C names them
 

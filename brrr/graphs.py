@@ -70,6 +70,7 @@ class CapturedStep:
         self._generators = _checked_generators(generators)
         self._entries = {}      # signature -> _Entry
         self._grads = None      # [(parameter, its gradient tensor)], fixed at the first capture
+        self._with_grad = []    # the parameters the last eager step gave a gradient
         self._pool = None       # one memory pool for all of this step's graphs
         self._stream = None     # the side stream of the warm-up steps
         self._warned_device = False
@@ -126,9 +127,10 @@ class CapturedStep:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream), _capturable_attention():
             outputs = self._run(args, kwargs)
         torch.cuda.current_stream().wait_stream(self._stream)
+        self._with_grad = [p for p in self._params if p.grad is not None]
         return outputs
 
     def _on_cuda(self, args, kwargs):
@@ -154,32 +156,50 @@ class CapturedStep:
 
     def _capture(self, entry, args, kwargs):
         if self._grads is None:
-            self._grads = [(p, p.grad) for p in self._params if p.grad is not None]
+            # The tensors the graphs accumulate into: those of the warm-up, or new ones where the
+            # caller set them to None since (optimizer.zero_grad()).
+            for p in self._with_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._grads = [(p, p.grad) for p in self._with_grad]
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         static_args = tuple(_static_copy(a) for a in args)
         static_kwargs = {k: _static_copy(v) for k, v in kwargs.items()}
-        graph, outputs = capture(lambda: self._run(static_args, static_kwargs), self._pool, self._generators)
+        with _capturable_attention():
+            graph, outputs = capture(lambda: self._run(static_args, static_kwargs), self._pool, self._generators,
+                                     self._stream)
         entry.outputs = outputs
         entry.graph = graph
         entry.static_tensors = list(_tensors_of(static_args, static_kwargs))
 
 
-def capture(fn, pool=None, generators=()):
+def _capturable_attention():
+    """scaled_dot_product_attention without its cuDNN backend, for the warm-up and the capture
+    alike: on PyTorch 2.11 (H200, bfloat16) cuDNN's attention backward fails inside a capture
+    ("mha_graph.execute(...).is_good()"), where flash and memory-efficient attention capture."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def capture(fn, pool=None, generators=(), stream=None):
     """(graph, fn's return value): fn() captured in a new torch.cuda.CUDAGraph (not run: replay it).
 
     fn must have run eagerly before, on a side stream (lazy initialisation cannot be captured). If
     the capture fails, the process is left usable (see _recover_from_failed_capture) and a
-    RuntimeError says what kind of code cannot be captured."""
+    RuntimeError says what kind of code cannot be captured. `stream`: the stream to capture on
+    (that of the warm-up, so that autograd's gradient-accumulation nodes made there and still
+    alive need no wait on another stream; by default torch.cuda.graph's own)."""
     graph = torch.cuda.CUDAGraph()
     for generator in generators:
         graph.register_generator_state(generator)
-    stream = torch.cuda.current_stream()
+    current = torch.cuda.current_stream()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             outputs = fn()
     except Exception as e:
-        _recover_from_failed_capture(stream, generators)
+        _recover_from_failed_capture(current, generators)
         first_line = str(e).splitlines()[0] if str(e) else ""
         raise RuntimeError(f"brrr: capturing the step in a CUDA graph failed ({type(e).__name__}: {first_line}). "
                            f"Something in it cannot be captured: a host sync (.item(), .cpu(), printing a tensor, "

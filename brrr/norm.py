@@ -3,6 +3,7 @@
     y = brrr.layer_norm(x, (hidden,), weight, bias)           # torch.nn.functional.layer_norm
     y = brrr.rms_norm(x, (hidden,), weight)                    # torch.nn.functional.rms_norm
     y = brrr.rms_norm(x, (hidden,), weight, cast_order="llama")  # Llama's RMSNorm
+    y = brrr.rms_norm(x, (hidden,), weight, offset=1.0)         # Gemma's: x * rstd * (1 + weight)
     y, h = brrr.add_layer_norm(x, residual, (hidden,), weight, bias)  # h = x + residual, y = LN(h)
     y, h = brrr.add_rms_norm(x, residual, (hidden,), weight)
 
@@ -16,6 +17,10 @@ cast_order (RMSNorm): "torch" computes x * rstd * weight in fp32 and rounds once
 torch.nn.functional.rms_norm does; "llama" rounds x * rstd to x's dtype before multiplying by
 the weight, as Hugging Face's LlamaRMSNorm does (`weight * hidden.to(input_dtype)`), with the
 result in x's dtype.
+
+offset (RMSNorm): a number added to the weight where the kernels read it, in fp32: Gemma's
+RMSNorm, x * rsqrt(mean(x^2) + eps) * (1 + weight) computed in float32 and cast once, is
+offset=1.0 with the torch cast order. The weight's gradient is the same as without it.
 """
 
 import numbers
@@ -84,18 +89,20 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     return _C.layer_norm_fwd(x, weight, bias, out=_out_like(x), norm_ndim=k, eps=as_float("eps", eps))[0]
 
 
-def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
     """torch.nn.functional.rms_norm: x / sqrt(mean(x^2) + eps) * weight over the trailing dims
-    `normalized_shape`; eps=None: see default_rms_eps. cast_order: see the module."""
+    `normalized_shape`; eps=None: see default_rms_eps. cast_order, offset (weight + offset in
+    place of weight): see the module."""
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
         try:
-            return torch_layer().rms_norm(x, normalized_shape, weight, eps, llama)
+            return torch_layer().rms_norm(x, normalized_shape, weight, eps, llama, offset)
         except RuntimeError:
             refuse_kinds(("x", x), ("weight", weight))
             raise
     k = normalized_ndim(shape_of("x", x), normalized_shape)
-    return _C.rms_norm_fwd(x, weight, out=_out_like(x), norm_ndim=k, eps=rms_eps(x, eps), llama=llama)[0]
+    return _C.rms_norm_fwd(x, weight, out=_out_like(x), norm_ndim=k, eps=rms_eps(x, eps), llama=llama,
+                           offset=as_float("offset", offset))[0]
 
 
 def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -112,18 +119,18 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
                              eps=as_float("eps", eps))[:2]
 
 
-def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
     """(rms_norm(h), h) with h = x + residual (rounded to x's dtype), in one pass."""
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
         try:
-            return torch_layer().add_rms_norm(x, residual, normalized_shape, weight, eps, llama)
+            return torch_layer().add_rms_norm(x, residual, normalized_shape, weight, eps, llama, offset)
         except RuntimeError:
             refuse_kinds(("x", x), ("residual", residual), ("weight", weight))
             raise
     k = normalized_ndim(shape_of("x", x), normalized_shape)
     return _C.rms_norm_fwd(x, weight, residual, _out_like(x), _out_like(x), norm_ndim=k, eps=rms_eps(x, eps),
-                           llama=llama)[:2]
+                           llama=llama, offset=as_float("offset", offset))[:2]
 
 
 # ---- PyTorch: the custom ops brrr::layer_norm, add_layer_norm, rms_norm, add_rms_norm and
@@ -166,12 +173,12 @@ def torch_layer():
         return _C.layer_norm_fwd(x, weight, bias, residual, out_like(x), h, *stat_args(x, k, 2), norm_ndim=k, eps=eps,
                                  stream=stream(x))
 
-    def rms_norm_fwd(x, normalized_shape, weight, eps, llama, residual):
+    def rms_norm_fwd(x, normalized_shape, weight, eps, llama, offset, residual):
         """(out, h or None, rstd): RMSNorm of x (of h = x + residual)."""
         k = normalized_ndim(x.shape, normalized_shape)
         h = None if residual is None else out_like(x)
         return _C.rms_norm_fwd(x, weight, residual, out_like(x), h, *stat_args(x, k, 1), norm_ndim=k, eps=eps,
-                               llama=llama, stream=stream(x))
+                               llama=llama, offset=offset, stream=stream(x))
 
     def layer_norm(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -183,13 +190,13 @@ def torch_layer():
         return layer_norm_fwd(x, normalized_shape, weight, bias, eps, residual)
 
     def rms_norm(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float,
-                 llama: bool) -> tuple[Tensor, Tensor]:
-        out, _, rstd = rms_norm_fwd(x, normalized_shape, weight, eps, llama, None)
+                 llama: bool, offset: float) -> tuple[Tensor, Tensor]:
+        out, _, rstd = rms_norm_fwd(x, normalized_shape, weight, eps, llama, offset, None)
         return out, rstd
 
     def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float,
-                     llama: bool) -> tuple[Tensor, Tensor, Tensor]:
-        return rms_norm_fwd(x, normalized_shape, weight, eps, llama, residual)
+                     llama: bool, offset: float) -> tuple[Tensor, Tensor, Tensor]:
+        return rms_norm_fwd(x, normalized_shape, weight, eps, llama, offset, residual)
 
     # Without gradients: no statistics. Called only by the entries below, which checked normalized_shape.
     def layer_norm_inference(x, normalized_shape, weight, bias, eps):
@@ -200,13 +207,13 @@ def torch_layer():
         return _C.layer_norm_fwd(x, weight, bias, residual, out_like(x), out_like(x),
                                  norm_ndim=len(normalized_shape), eps=eps, stream=stream(x))[:2]
 
-    def rms_norm_inference(x, normalized_shape, weight, eps, llama):
+    def rms_norm_inference(x, normalized_shape, weight, eps, llama, offset):
         return _C.rms_norm_fwd(x, weight, out=out_like(x), norm_ndim=len(normalized_shape),
-                               eps=eps, llama=llama, stream=stream(x))[0]
+                               eps=eps, llama=llama, offset=offset, stream=stream(x))[0]
 
-    def add_rms_norm_inference(x, residual, normalized_shape, weight, eps, llama):
+    def add_rms_norm_inference(x, residual, normalized_shape, weight, eps, llama, offset):
         return _C.rms_norm_fwd(x, weight, residual, out_like(x), out_like(x),
-                               norm_ndim=len(normalized_shape), eps=eps, llama=llama,
+                               norm_ndim=len(normalized_shape), eps=eps, llama=llama, offset=offset,
                                stream=stream(x))[:2]
 
     def fake(*outputs):
@@ -228,7 +235,7 @@ def torch_layer():
 
     def norm_backward(x: Tensor, grad_out: Tensor, grad_residual: Optional[Tensor], weight: Optional[Tensor],
                       bias: Optional[Tensor], mean: Optional[Tensor], rstd: Tensor, norm_ndim: int, llama: bool,
-                      weight_grad: bool, bias_grad: bool) -> list[Tensor]:
+                      offset: float, weight_grad: bool, bias_grad: bool) -> list[Tensor]:
         """[grad of the normalised input, grad_weight (if asked), grad_bias (if asked)] in one launch;
         mean None: RMSNorm. x: the normalised input the forward saved (h for the fused forms)."""
         k = norm_ndim
@@ -238,13 +245,13 @@ def torch_layer():
         scratch = partials(x, k, weight_grad + bias_grad, rstd.dtype)
         if mean is None:
             grads = _C.rms_norm_bwd(x, grad_out, grad_residual, weight, rstd, out_like(x), grad_weight, scratch,
-                                    norm_ndim=k, llama=llama, stream=stream(x))
+                                    norm_ndim=k, llama=llama, offset=offset, stream=stream(x))
         else:
             grads = _C.layer_norm_bwd(x, grad_out, grad_residual, weight, mean, rstd, out_like(x), grad_weight,
                                       grad_bias, scratch, norm_ndim=k, stream=stream(x))
         return [g for g in grads if g is not None]
 
-    def norm_backward_fake(x, grad_out, grad_residual, weight, bias, mean, rstd, norm_ndim, llama, weight_grad,
+    def norm_backward_fake(x, grad_out, grad_residual, weight, bias, mean, rstd, norm_ndim, llama, offset, weight_grad,
                            bias_grad):
         return [torch.empty_like(x)] + [torch.empty_like(t) for t, need in ((weight, weight_grad), (bias, bias_grad))
                                         if need]
@@ -255,7 +262,8 @@ def torch_layer():
         """Save the normalised input (x, or h), the parameters and the statistics."""
         def save_for_backward(ctx, args, results):
             normalized_shape = args[2 if fused else 1]
-            ctx.k, ctx.llama = len(normalized_shape), bool(rms and args[-1])
+            ctx.k = len(normalized_shape)
+            ctx.llama, ctx.offset = (bool(args[-2]), args[-1]) if rms else (False, 0.0)
             h = results[1] if fused else args[0]
             stats_ = results[2 if fused else 1:]
             weight = args[3 if fused else 2]
@@ -277,13 +285,13 @@ def torch_layer():
                 grad_x = grad_h
             else:
                 got = iter(run(backward_op, h, grad_out, grad_h, weight, bias, mean, rstd, ctx.k, ctx.llama,
-                               need_weight, need_bias))
+                               ctx.offset, need_weight, need_bias))
                 grad_x = next(got)
                 grad_weight = next(got) if need_weight else None
                 grad_bias = next(got) if need_bias else None
             head = (grad_x, grad_x) if fused else (grad_x,)
             params = (grad_weight,) if rms else (grad_weight, grad_bias)
-            return (*head, None, *params, None) + ((None,) if rms else ())
+            return (*head, None, *params, None) + ((None, None) if rms else ())
         return backward
 
     ops = SimpleNamespace()
@@ -312,20 +320,22 @@ def torch_layer():
         check_torch((residual, weight, bias), ("residual", "weight", "bias"))
         return ops.add_layer_norm(x, residual, shape_list(x, normalized_shape), weight, bias, as_float("eps", eps))
 
-    def rms_norm_entry(x, normalized_shape, weight=None, eps=None, llama=False):
+    def rms_norm_entry(x, normalized_shape, weight=None, eps=None, llama=False, offset=0.0):
         check_torch((weight,), ("weight",))
-        return ops.rms_norm(x, shape_list(x, normalized_shape), weight, rms_eps(x, eps), llama)
+        return ops.rms_norm(x, shape_list(x, normalized_shape), weight, rms_eps(x, eps), llama,
+                            as_float("offset", offset))
 
-    def add_rms_norm_entry(x, residual, normalized_shape, weight=None, eps=None, llama=False):
+    def add_rms_norm_entry(x, residual, normalized_shape, weight=None, eps=None, llama=False, offset=0.0):
         check_torch((residual, weight), ("residual", "weight"))
-        return ops.add_rms_norm(x, residual, shape_list(x, normalized_shape), weight, rms_eps(x, eps), llama)
+        return ops.add_rms_norm(x, residual, shape_list(x, normalized_shape), weight, rms_eps(x, eps), llama,
+                                as_float("offset", offset))
 
     # ---- the registry
-    def rms_norm_(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
-        return rms_norm_entry(x, normalized_shape, weight, eps, llama_order(cast_order))
+    def rms_norm_(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+        return rms_norm_entry(x, normalized_shape, weight, eps, llama_order(cast_order), offset)
 
-    def add_rms_norm_(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
-        return add_rms_norm_entry(x, residual, normalized_shape, weight, eps, llama_order(cast_order))
+    def add_rms_norm_(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+        return add_rms_norm_entry(x, residual, normalized_shape, weight, eps, llama_order(cast_order), offset)
 
     halves = (torch.float16, torch.bfloat16)
 
@@ -356,11 +366,22 @@ def torch_layer():
     # torch's, bound before brrr.use_fused can route these names of F here
     torch_layer_norm, torch_rms_norm = F.layer_norm, F.rms_norm
 
-    def rms_norm_reference(x, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
-        if cast_order == "torch":
+    def rms_norm_reference(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+        if cast_order == "torch" and not offset:
             return torch_rms_norm(x, normalized_shape, weight, eps)
+        dims = tuple(range(-(1 if isinstance(normalized_shape, int) else len(tuple(normalized_shape))), 0))
+        if offset:
+            # Gemma's form: normalised in fp32 (fp64 for float64), scaled by offset + weight in that
+            # dtype, one cast at the end (Llama's order: the normalised input rounded to x's dtype first).
+            if weight is None:
+                raise ValueError("argument offset: nonzero without weight (it is added to the weight)")
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            h = x.to(acc)
+            h = h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + (torch.finfo(acc).eps if eps is None else eps))
+            if cast_order == "llama":
+                h = h.to(x.dtype).to(acc)
+            return (h * (weight.to(acc) + offset)).to(x.dtype)
         # Llama's order: normalise in fp32, round to x's dtype, then scale.
-        dims = tuple(range(-len(tuple(normalized_shape)), 0))
         h = x.float()
         eps = torch.finfo(torch.float32).eps if eps is None else eps
         h = (h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + eps)).to(x.dtype)
@@ -370,9 +391,10 @@ def torch_layer():
         h = x + residual
         return torch_layer_norm(h, normalized_shape, weight, bias, eps), h
 
-    def add_rms_norm_reference(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch"):
+    def add_rms_norm_reference(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch",
+                               offset=0.0):
         h = x + residual
-        return rms_norm_reference(h, normalized_shape, weight, eps, cast_order=cast_order), h
+        return rms_norm_reference(h, normalized_shape, weight, eps, cast_order=cast_order, offset=offset), h
 
     # On CPU tensors PyTorch's LayerNorm measured as fast as brrr's, its RMSNorm slower (brrr/_registry.py).
     for name, reference, implementation, supports, cpu in [
@@ -389,12 +411,15 @@ def torch_layer():
 
     class RMSNorm(torch.nn.RMSNorm):
         """torch.nn.RMSNorm; cast_order="llama" rounds the normalised input before scaling, as
-        Llama-style models do (see brrr.rms_norm)."""
+        Llama-style models do, and offset=1.0 scales by (1 + weight) in float32, as Gemma's RMSNorm
+        does (see brrr.rms_norm)."""
 
         cast_order = "torch"
+        offset = 0.0
 
         def forward(self, x):
-            return dispatch("rms_norm", x, self.normalized_shape, self.weight, self.eps, cast_order=self.cast_order)
+            return dispatch("rms_norm", x, self.normalized_shape, self.weight, self.eps, cast_order=self.cast_order,
+                            offset=self.offset)
 
     def layer_norm_route(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         return dispatch("layer_norm", input, normalized_shape, weight, bias, eps)

@@ -1,12 +1,16 @@
 /* Elementwise chains: the glue and the CPU twin.
  *
- * A chain is a program of up to BRRR_MAX_CHAIN_STEPS steps applied to every element in one pass:
- * unary activations, scalar add/mul, and add/mul by an operand tensor that has either the
- * input's shape or the shape of its last dim (a bias, broadcast over the other dims). The
- * backward recomputes the program per element from x (nothing else is saved) and applies the
- * chain rule in registers; a bias gradient is a reduction over rows, summed in a fixed order.
+ * A chain is a program of steps applied to every element in one pass: unary functions, scalar
+ * ops, and add/mul by an operand tensor that has either the input's shape or the shape of its
+ * last dim (a bias, broadcast over the other dims). The backward recomputes the program per
+ * element from x (nothing else is saved) and applies the chain rule in registers; a bias
+ * gradient is a reduction over rows, summed in a fixed order.
  *
- * _C.chain_program(steps) -> bytes           validate and pack a program
+ * On CUDA a chain runs as a kernel compiled for its exact steps (chain_jit.c) where NVRTC is
+ * found; otherwise the precompiled kernels interpret it, up to BRRR_MAX_CHAIN_STEPS steps.
+ *
+ * _C.chain_program(steps) -> bytes           validate and pack a program: a chain_header, then
+ *                                            n_steps brrr_chain_step
  * _C.chain_partial_rows(rows) -> P           rows of the fp32 scratch a bias gradient needs on CUDA
  * _C.chain_fwd, _C.chain_bwd                 the ops (specs at the end); the operands come as a
  *                                            tuple, one per tensor step, and so do their gradients
@@ -14,7 +18,7 @@
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
-#include "op.h"
+#include "chain_jit.h"
 
 #include <math.h>
 #include <numpy/arrayobject.h>
@@ -36,6 +40,13 @@
 #define SIN brrr_sinf_reduced
 #define SINCOS(x, s, c) brrr_sincosf_reduced(x, s, c)
 #define DIV(a, b) ((a) / (b))
+#define LOG logf
+#define LOG1P log1pf
+#define EXPM1 expm1f
+#define SQRT sqrtf
+#define RSQRT(y) (1.0f / sqrtf(y))
+#define POW powf
+#define FABS fabsf
 #include "chain_math.inc"
 #include "chain_math_end.inc"
 #undef FN
@@ -48,6 +59,13 @@
 #define SIN sin
 #define SINCOS(x, s, c) (*(s) = sin(x), *(c) = cos(x))
 #define DIV(a, b) ((a) / (b))
+#define LOG log
+#define LOG1P log1p
+#define EXPM1 expm1
+#define SQRT sqrt
+#define RSQRT(y) (1.0 / sqrt(y))
+#define POW pow
+#define FABS fabs
 #include "chain_math.inc"
 #include "chain_math_end.inc"
 
@@ -61,10 +79,21 @@ static const struct {
     {"exp", BRRR_OP_EXP, 0},         {"cos", BRRR_OP_COS, 0},           {"sin", BRRR_OP_SIN, 0},
     {"add", BRRR_OP_ADD_SCALAR, 1},  {"mul", BRRR_OP_MUL_SCALAR, 1},    {"add_tensor", BRRR_OP_ADD_TENSOR, 0},
     {"mul_tensor", BRRR_OP_MUL_TENSOR, 0},
+    {"abs", BRRR_OP_ABS, 0},         {"neg", BRRR_OP_NEG, 0},           {"square", BRRR_OP_SQUARE, 0},
+    {"sqrt", BRRR_OP_SQRT, 0},       {"rsqrt", BRRR_OP_RSQRT, 0},       {"log", BRRR_OP_LOG, 0},
+    {"log1p", BRRR_OP_LOG1P, 0},     {"expm1", BRRR_OP_EXPM1, 0},       {"reciprocal", BRRR_OP_RECIPROCAL, 0},
+    {"pow", BRRR_OP_POW, 1},         {"clamp_min", BRRR_OP_CLAMP_MIN, 1}, {"clamp_max", BRRR_OP_CLAMP_MAX, 1},
+    {"softplus", BRRR_OP_SOFTPLUS, 0}, {"mish", BRRR_OP_MISH, 0},       {"hardswish", BRRR_OP_HARDSWISH, 0},
+    {"leaky_relu", BRRR_OP_LEAKY_RELU, 1},
 };
 #define N_CHAIN_OPS ((int)(sizeof CHAIN_OPS / sizeof CHAIN_OPS[0]))
 
 static int is_tensor_op(int op) { return op == BRRR_OP_ADD_TENSOR || op == BRRR_OP_MUL_TENSOR; }
+
+/* The head of a program's bytes, followed by n_steps brrr_chain_step. */
+typedef struct {
+    int32_t n_steps, n_operands;
+} chain_header;
 
 PyObject *brrr_py_chain_op_names(PyObject *module, PyObject *unused) {
     (void)module;
@@ -83,13 +112,15 @@ PyObject *brrr_py_chain_program(PyObject *module, PyObject *steps) {
     (void)module;
     PyObject *seq = PySequence_Fast(steps, "argument steps: expected a sequence of steps");
     if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    brrr_chain_program p;
-    memset(&p, 0, sizeof p);
-    if (n > BRRR_MAX_CHAIN_STEPS) {
-        PyErr_Format(PyExc_ValueError, "argument steps: a chain has at most %d steps, got %zd", BRRR_MAX_CHAIN_STEPS, n);
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *bytes = NULL;
+    if (n > INT32_MAX / (Py_ssize_t)sizeof(brrr_chain_step)) {
+        PyErr_Format(PyExc_ValueError, "argument steps: too many steps (%zd)", n);
         goto fail;
     }
+    bytes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sizeof(chain_header) + n * (Py_ssize_t)sizeof(brrr_chain_step));
+    if (bytes == NULL) goto fail;
+    chain_header h = {(int32_t)n, 0};
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *step = PySequence_Fast_GET_ITEM(seq, k), *name = step, *scalar = NULL;
         if (PyTuple_Check(step)) {
@@ -114,12 +145,13 @@ PyObject *brrr_py_chain_program(PyObject *module, PyObject *steps) {
             PyErr_Format(PyExc_ValueError, "argument steps[%zd]: unknown op '%s'", k, s);
             goto fail;
         }
-        brrr_chain_step *st = &p.steps[k];
-        st->op = CHAIN_OPS[found].op;
+        brrr_chain_step st;
+        memset(&st, 0, sizeof st);
+        st.op = CHAIN_OPS[found].op;
         if (CHAIN_OPS[found].takes_scalar) {
             char arg[48];
             snprintf(arg, sizeof arg, "steps[%zd]", k);
-            if (scalar == NULL || brrr_parse_double(scalar, arg, &st->scalar) < 0) {
+            if (scalar == NULL || brrr_parse_double(scalar, arg, &st.scalar) < 0) {
                 if (scalar == NULL || PyErr_ExceptionMatches(PyExc_TypeError)) {
                     PyErr_Clear();
                     PyErr_Format(PyExc_TypeError, "argument %s: '%s' needs a numeric scalar: ('%s', value)%s", arg, s, s,
@@ -131,37 +163,54 @@ PyObject *brrr_py_chain_program(PyObject *module, PyObject *steps) {
             PyErr_Format(PyExc_ValueError, "argument steps[%zd]: '%s' takes no scalar", k, s);
             goto fail;
         }
-        if (is_tensor_op(st->op)) {
-            if (p.n_operands == BRRR_MAX_CHAIN_OPERANDS) {
+        if (is_tensor_op(st.op)) {
+            if (h.n_operands == BRRR_MAX_CHAIN_OPERANDS) {
                 PyErr_Format(PyExc_ValueError, "argument steps: a chain has at most %d tensor steps",
                              BRRR_MAX_CHAIN_OPERANDS);
                 goto fail;
             }
-            st->operand = p.n_operands++;
+            st.operand = h.n_operands++;
         }
+        memcpy(PyBytes_AS_STRING(bytes) + sizeof h + (size_t)k * sizeof st, &st, sizeof st);
     }
-    p.n_steps = (int32_t)n;
+    memcpy(PyBytes_AS_STRING(bytes), &h, sizeof h);
     Py_DECREF(seq);
-    return PyBytes_FromStringAndSize((const char *)&p, sizeof p);
+    return bytes;
 fail:
+    Py_XDECREF(bytes);
     Py_DECREF(seq);
     return NULL;
 }
 
 /* Programs arrive as bytes from Python; check them as if they were hostile. */
-static int parse_program(PyObject *obj, brrr_chain_program *p) {
-    if (!PyBytes_Check(obj) || PyBytes_GET_SIZE(obj) != (Py_ssize_t)sizeof *p) {
+int brrr_chain_parse_program(PyObject *obj, brrr_chain_steps *p) {
+    chain_header h;
+    const Py_ssize_t size = PyBytes_Check(obj) ? PyBytes_GET_SIZE(obj) : -1;
+    if (size < (Py_ssize_t)sizeof h || (size - (Py_ssize_t)sizeof h) % (Py_ssize_t)sizeof(brrr_chain_step) != 0) {
         PyErr_SetString(PyExc_TypeError, "argument program: expected the bytes returned by chain_program()");
         return -1;
     }
-    memcpy(p, PyBytes_AS_STRING(obj), sizeof *p);
-    int operands = 0, ok = p->n_steps >= 0 && p->n_steps <= BRRR_MAX_CHAIN_STEPS && p->n_operands >= 0 &&
-                           p->n_operands <= BRRR_MAX_CHAIN_OPERANDS;
+    memcpy(&h, PyBytes_AS_STRING(obj), sizeof h);
+    p->n_steps = h.n_steps;
+    p->n_operands = h.n_operands;
+    p->steps = NULL;
+    int operands = 0, ok = (Py_ssize_t)h.n_steps == (size - (Py_ssize_t)sizeof h) / (Py_ssize_t)sizeof(brrr_chain_step) &&
+                           h.n_operands >= 0 && h.n_operands <= BRRR_MAX_CHAIN_OPERANDS;
+    if (ok && h.n_steps > 0) {
+        p->steps = PyMem_Malloc((size_t)h.n_steps * sizeof(brrr_chain_step));
+        if (p->steps == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(p->steps, PyBytes_AS_STRING(obj) + sizeof h, (size_t)h.n_steps * sizeof(brrr_chain_step));
+    }
     for (int k = 0; ok && k < p->n_steps; k++) {
         ok = p->steps[k].op >= 0 && p->steps[k].op < BRRR_OP_COUNT;
         if (ok && is_tensor_op(p->steps[k].op)) ok = p->steps[k].operand == operands++;
     }
     if (!ok || operands != p->n_operands) {
+        PyMem_Free(p->steps);
+        p->steps = NULL;
         PyErr_SetString(PyExc_ValueError, "argument program: malformed chain program");
         return -1;
     }
@@ -180,6 +229,7 @@ static int parse_program(PyObject *obj, brrr_chain_program *p) {
 
 typedef struct {
     const brrr_chain_launch *launch;
+    const brrr_chain_steps *prog;
     int rank;                       /* x's rank, at least 1 */
     const int64_t *shape;           /* x's shape */
     int64_t (*strides)[BRRR_MAX_RANK]; /* per tensor: x, out, grad_out, operands..., grad_operands... */
@@ -199,6 +249,13 @@ BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, 
         for (int64_t i = 0; i < n; i++) out[i] = name##_fwd_f32(in[i]);                               \
     }                                                                                                 \
     break;
+#define SCALAR(name)                                                                                  \
+    if (d) {                                                                                          \
+        for (int64_t i = 0; i < n; i++) out[i] = name##_fwd_grad_f32(in[i], c, &d[i]);                \
+    } else {                                                                                          \
+        for (int64_t i = 0; i < n; i++) out[i] = name##_fwd_f32(in[i], c);                            \
+    }                                                                                                 \
+    break;
     switch (op) {
     case BRRR_OP_RELU: UNARY(relu)
     case BRRR_OP_GELU: UNARY(gelu)
@@ -209,6 +266,22 @@ BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, 
     case BRRR_OP_EXP: UNARY(exp)
     case BRRR_OP_COS: UNARY(cos)
     case BRRR_OP_SIN: UNARY(sin)
+    case BRRR_OP_ABS: UNARY(abs)
+    case BRRR_OP_NEG: UNARY(neg)
+    case BRRR_OP_SQUARE: UNARY(square)
+    case BRRR_OP_SQRT: UNARY(sqrt)
+    case BRRR_OP_RSQRT: UNARY(rsqrt)
+    case BRRR_OP_LOG: UNARY(log)
+    case BRRR_OP_LOG1P: UNARY(log1p)
+    case BRRR_OP_EXPM1: UNARY(expm1)
+    case BRRR_OP_RECIPROCAL: UNARY(reciprocal)
+    case BRRR_OP_SOFTPLUS: UNARY(softplus)
+    case BRRR_OP_MISH: UNARY(mish)
+    case BRRR_OP_HARDSWISH: UNARY(hardswish)
+    case BRRR_OP_POW: SCALAR(pow)
+    case BRRR_OP_CLAMP_MIN: SCALAR(clamp_min)
+    case BRRR_OP_CLAMP_MAX: SCALAR(clamp_max)
+    case BRRR_OP_LEAKY_RELU: SCALAR(leaky_relu)
     case BRRR_OP_ADD_SCALAR:
         for (int64_t i = 0; i < n; i++) out[i] = in[i] + c;
         if (d) {
@@ -223,6 +296,7 @@ BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, 
         break;
     }
 #undef UNARY
+#undef SCALAR
     if (op != BRRR_OP_COS && op != BRRR_OP_SIN) return;
     int large = 0;
     for (int64_t i = 0; i < n; i++) large |= brrr_trig_needs_libm(in[i]);
@@ -239,7 +313,7 @@ BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, 
  * non-NULL, so that x and out can be read and written in place. vals[k] is operand k's block.
  * Backward (total non-NULL): total receives d out / d x and grads[k] d out / d operand k, d
  * being scratch. Returns where the result is. */
-BRRR_SIMD static const float *block_program_f32(const brrr_chain_program *p, const float *src, float *a, float *b,
+BRRR_SIMD static const float *block_program_f32(const brrr_chain_steps *p, const float *src, float *a, float *b,
                                                 float *dst, float *const *vals, float *d, float *total,
                                                 float *const *grads, int64_t n) {
     int active = 0; /* operands whose step has been passed: their gradient takes every later factor */
@@ -309,7 +383,7 @@ BRRR_SIMD static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
     const chain_work *w = ctx;
     const cpu_chain *c = w->c;
     const brrr_chain_launch *L = c->launch;
-    const brrr_chain_program *p = &L->program;
+    const brrr_chain_steps *p = c->prog;
     const int32_t dt = L->dtype;
     const int nops = p->n_operands, f64 = dt == BRRR_F64, bwd = w->backward;
     /* Block buffers: x (y for float64), two for the steps, d, total, grad_out, operands, their
@@ -342,10 +416,10 @@ BRRR_SIMD static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
                     double vals[BRRR_MAX_CHAIN_OPERANDS] = {0}, grads[BRRR_MAX_CHAIN_OPERANDS];
                     for (int b = 0; b < nops; b++) vals[b] = db[B_VALS + b][i];
                     if (!bwd) {
-                        y[i] = program_fwd_f64(p, y[i], vals);
+                        y[i] = program_fwd_f64(p->steps, p->n_steps, y[i], vals);
                         continue;
                     }
-                    y[i] = g[i] * program_grad_f64(p, y[i], vals, grads);
+                    y[i] = g[i] * program_grad_f64(p->steps, p->n_steps, y[i], vals, grads);
                     for (int b = 0; b < nops; b++) db[B_GRADS + b][i] = g[i] * grads[b];
                 }
                 brrr_cpu_store_f64(dt, out, col_stride(w, T_OUT), n, y);
@@ -487,8 +561,9 @@ static int operand_slot(const brrr_op_call *c, int b) { return c->spec->n_slots 
 static int grad_operand_slot(const brrr_op_call *c, int b) { return c->spec->n_slots + BRRR_MAX_CHAIN_OPERANDS + b; }
 
 static int chain_check(brrr_op_call *c) {
-    brrr_chain_program prog;
-    if (parse_program(c->arg[A_PROGRAM].o, &prog) < 0) return -1;
+    brrr_chain_steps prog;
+    if (brrr_chain_parse_program(c->arg[A_PROGRAM].o, &prog) < 0) return -1;
+    PyMem_Free(prog.steps);
     PyObject *operands = c->arg[A_OPERANDS].o, *grads = is_backward(c) ? c->arg[A_GRAD_OPERANDS].o : NULL;
     if (!PyTuple_Check(operands) || PyTuple_GET_SIZE(operands) != prog.n_operands) {
         PyErr_Format(PyExc_ValueError, "argument operands: expected a tuple of %d tensors (one per tensor step)",
@@ -533,15 +608,18 @@ static int64_t chain_scratch(const brrr_op_call *c) {
     return any && c->t[0].numel > 0 ? brrr_bias_partial_rows(c->t[0].numel / last) * last * n_operands : 0;
 }
 
-static int chain_cuda(brrr_op_call *c, brrr_chain_launch *L, int rank, int64_t *shape,
+static int chain_cuda(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_steps *prog, int rank, int64_t *shape,
                       int64_t (*strides)[BRRR_MAX_RANK], const int *vector, int any_vector_grad);
 
-static int chain_run(brrr_op_call *c) {
+static int chain_run_program(brrr_op_call *c, const brrr_chain_steps *prog) {
     const int backward = is_backward(c);
     brrr_chain_launch L;
     memset(&L, 0, sizeof L);
-    if (parse_program(c->arg[A_PROGRAM].o, &L.program) < 0) return -1;
-    const brrr_chain_program *prog = &L.program;
+    L.program.n_operands = prog->n_operands;
+    if (prog->n_steps <= BRRR_MAX_CHAIN_STEPS) { /* what the interpreted kernels take */
+        L.program.n_steps = prog->n_steps;
+        if (prog->n_steps) memcpy(L.program.steps, prog->steps, sizeof(brrr_chain_step) * (size_t)prog->n_steps);
+    }
     const brrr_tensor *x = &c->t[0], *out = &c->t[backward ? B_GRAD_X : F_OUT];
     int vector[BRRR_MAX_CHAIN_OPERANDS] = {0}, any_vector_grad = 0;
     L.dtype = x->dtype;
@@ -571,7 +649,7 @@ static int chain_run(brrr_op_call *c) {
         if (L.grad_operands[b].data)
             strides_over_x(&c->t[grad_operand_slot(c, b)], vector[b], rank, strides[T_GRAD_OPERANDS + b]);
     }
-    if (!brrr_on_cpu(c)) return chain_cuda(c, &L, rank, shape, strides, vector, any_vector_grad);
+    if (!brrr_on_cpu(c)) return chain_cuda(c, &L, prog, rank, shape, strides, vector, any_vector_grad);
 
     const int64_t cols = shape[rank - 1];
     double *acc = NULL;
@@ -579,7 +657,7 @@ static int chain_run(brrr_op_call *c) {
         PyErr_NoMemory();
         return -1;
     }
-    cpu_chain run = {&L, rank, shape, strides, {0}, acc};
+    cpu_chain run = {&L, prog, rank, shape, strides, {0}, acc};
     memcpy(run.vector_operand, vector, sizeof vector);
     Py_BEGIN_ALLOW_THREADS
     cpu_chain_run(&run, backward);
@@ -596,10 +674,18 @@ static int chain_run(brrr_op_call *c) {
     return 0;
 }
 
+static int chain_run(brrr_op_call *c) {
+    brrr_chain_steps prog;
+    if (brrr_chain_parse_program(c->arg[A_PROGRAM].o, &prog) < 0) return -1;
+    const int rc = chain_run_program(c, &prog);
+    PyMem_Free(prog.steps);
+    return rc;
+}
+
 /* CUDA: the glue chooses the layout. A bias gradient needs rows intact (the last dim stays last,
  * the leading dims coalesce among themselves); everything else coalesces freely, ordered by the
  * output's strides so that writes stay coalesced. */
-static int chain_cuda(brrr_op_call *c, brrr_chain_launch *L, int rank, int64_t *shape,
+static int chain_cuda(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_steps *prog, int rank, int64_t *shape,
                       int64_t (*strides)[BRRR_MAX_RANK], const int *vector, int any_vector_grad) {
     const int backward = is_backward(c), n_operands = L->program.n_operands;
     int tensor_ids[T_COUNT], count = 0;
@@ -659,6 +745,16 @@ static int chain_cuda(brrr_op_call *c, brrr_chain_launch *L, int rank, int64_t *
         int dense_columns = 1;
         for (int i = 0; i < count; i++) dense_columns &= packed[i][1] == 1;
         L->row_layout = dense_columns;
+    }
+#if BRRR_WITH_CUDA
+    const int compiled = brrr_chain_jit_run(c, L, prog, backward);
+    if (compiled) return compiled < 0 ? -1 : 0;
+#endif
+    if (prog->n_steps > BRRR_MAX_CHAIN_STEPS) {
+        PyErr_Format(PyExc_ValueError, "argument program: a chain of %d steps needs NVRTC on CUDA (the interpreted kernels "
+                     "take at most %d steps; docs/chains.md says where brrr looks for NVRTC)", (int)prog->n_steps,
+                     BRRR_MAX_CHAIN_STEPS);
+        return -1;
     }
     if (backward) BRRR_RETURN_CUDA(c, brrr_cuda_chain_bwd, L);
     BRRR_RETURN_CUDA(c, brrr_cuda_chain_fwd, L);

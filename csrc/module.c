@@ -2,6 +2,7 @@
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "op.h"
+#include "chain_jit.h"
 #include "cpu.h"
 
 #include <numpy/arrayobject.h>
@@ -71,6 +72,16 @@ static PyMethodDef methods[] = {
      "check_tensor(obj, name) -> None: raise the error brrr raises for obj as the input `name`, if any."},
     {"chain_op_names", brrr_py_chain_op_names, METH_NOARGS, "Names of the ops a chain step may use."},
     {"chain_program", brrr_py_chain_program, METH_O, "chain_program(steps) -> bytes: validate and pack a chain."},
+    {"chain_jit_compile", (PyCFunction)(void (*)(void))brrr_py_chain_jit_compile, METH_VARARGS | METH_KEYWORDS,
+     "chain_jit_compile(steps, dtype, backward=False, layout='contiguous', ndim=1, vector_mask=0, grad_mask=0, arch=90, "
+     "index32=False) -> "
+     "(source, cubin, origin): the kernel a CUDA call compiles for these steps, through the disk cache ('disk' or "
+     "'compiled'); needs NVRTC, not a GPU."},
+    {"chain_jit_info", brrr_py_chain_jit_info, METH_NOARGS,
+     "chain_jit_info() -> dict: NVRTC (path, version, or why it is missing), the cache folder, whether CUDA chains are "
+     "compiled, and how many kernels were compiled and read from the cache."},
+    {"chain_jit_enable", brrr_py_chain_jit_enable, METH_O,
+     "chain_jit_enable(flag) -> previous: run CUDA chains as compiled kernels (True, the default) or interpreted."},
     {"chain_partial_rows", brrr_py_chain_partial_rows, METH_O,
      "chain_partial_rows(rows) -> int: rows of the fp32 scratch a CUDA bias gradient needs per operand."},
     {"norm_partial_rows", (PyCFunction)(void (*)(void))brrr_py_norm_partial_rows, METH_FASTCALL,

@@ -20,6 +20,7 @@
 #include "op.h"
 #include "cpu.h"
 
+#include <float.h>
 #include <math.h>
 #include <numpy/arrayobject.h>
 #include <stdlib.h>
@@ -208,9 +209,19 @@ static int n_grads(const brrr_op_call *c) {
     return (t[R_GRAD_WEIGHT] != NULL) + (t[R_GRAD_BIAS] != NULL);
 }
 
+/* RMSNorm's weight offset (0 for LayerNorm). */
+static double weight_offset(const brrr_op_call *c) {
+    const norm_op *op = as_norm(c);
+    return op->rms ? c->arg[op->backward ? 2 : 3].f : 0.0;
+}
+
 static int norm_check(brrr_op_call *c) {
     const brrr_tensor *t[R_COUNT];
     by_role(c, t);
+    if (weight_offset(c) != 0.0 && t[R_WEIGHT] == NULL) {
+        PyErr_SetString(PyExc_ValueError, "argument offset: nonzero without weight (it is added to the weight)");
+        return -1;
+    }
     for (int s = 0; s < c->spec->n_slots; s++) /* grad_weight takes weight's place */
         if (as_norm(c)->role[s] == R_GRAD_WEIGHT && c->obj[s] && c->obj[s] != Py_None && t[R_WEIGHT] == NULL) {
             PyErr_SetString(PyExc_ValueError, "argument grad_weight: given without weight");
@@ -240,7 +251,7 @@ static int norm_run(brrr_op_call *c) {
     L.rows = c->n_rows;
     L.cols = c->n_cols;
     L.eps = op->backward ? 0.0 : c->arg[1].f;
-    L.partial_rows_max = brrr_norm_partial_rows(c->n_rows, c->n_cols);
+    L.weight_offset = weight_offset(c);
     L.partials = t[R_PARTIALS] ? t[R_PARTIALS]->data : NULL;
     if (coalesce_into(&L, t, 1, lead, k) < 0 || coalesce_into(&L, t, 0, lead, k) < 0) return -1;
     for (int r = 0; r < R_COUNT; r++)
@@ -278,6 +289,7 @@ static int norm_run(brrr_op_call *c) {
 #define NORM_NDIM {"norm_ndim", BRRR_ARG_INT, -9e18, 9e18, NULL, "an int (len(normalized_shape))"}
 #define EPS {"eps", BRRR_ARG_FLOAT, 0, INFINITY, NULL, "a float >= 0"}
 #define LLAMA {"llama", BRRR_ARG_BOOL, 0, 0, NULL, "a bool"}
+#define OFFSET {"offset", BRRR_ARG_FLOAT, -DBL_MAX, DBL_MAX, NULL, "a finite float", 1, 0.0}
 #define STAT(name) SLOT(name, BRRR_WRITE | BRRR_OPTIONAL | BRRR_ALLOC, ROWS, ACC)
 #define PARAM_GRAD(name) SLOT(name, BRRR_WRITE | BRRR_OPTIONAL | BRRR_ALLOC, COLS, PARAM)
 
@@ -298,12 +310,12 @@ static const norm_op LAYER_NORM_FWD = {
 static const norm_op RMS_NORM_FWD = {
     {.name = "rms_norm_fwd",
      .doc = "RMSNorm of x (of h = x + residual, written to residual_out) over its last norm_ndim dims: out = h * rstd "
-            "* weight, or with llama round(round(h * rstd) * weight). rstd per row where asked for (True allocates "
-            "it).",
+            "* w, or with llama round(round(h * rstd) * w), where w = weight + offset (Gemma's offset 1, added in "
+            "float32). rstd per row where asked for (True allocates it).",
      .n_slots = 6,
      .slots = {SLOT("x", 0, X, X), SLOT("weight", BRRR_OPTIONAL, COLS, PARAM), SLOT("residual", BRRR_OPTIONAL, X, X),
                SLOT("out", BRRR_WRITE | BRRR_ALLOC, X, X), OUT_WHEN("residual_out", 2), STAT("rstd")},
-     .n_args = 3, .args = {NORM_NDIM, EPS, LLAMA}, .split_arg = 0,
+     .n_args = 4, .args = {NORM_NDIM, EPS, LLAMA, OFFSET}, .split_arg = 0,
      .check = norm_check, .scratch = norm_scratch, .run = norm_run},
     0, 1, {R_X, R_WEIGHT, R_RESIDUAL, R_OUT, R_RESIDUAL_OUT, R_RSTD},
 };
@@ -327,13 +339,14 @@ static const norm_op RMS_NORM_BWD = {
     {.name = "rms_norm_bwd",
      .doc = "The gradients of rms_norm_fwd from the normalised input x (the forward's residual_out for the fused "
             "form) and its rstd: grad_x (plus grad_residual where given), and the weight gradient where asked for "
-            "(True allocates it), summed over rows in a fixed order.",
+            "(True allocates it), summed over rows in a fixed order. offset: the forward's (the weight gradient "
+            "does not depend on it).",
      .n_slots = 8,
      .slots = {SLOT("x", 0, X, X), SLOT("grad_out", 0, X, X), SLOT("grad_residual", BRRR_OPTIONAL, X, X),
                SLOT("weight", BRRR_OPTIONAL, COLS, PARAM), SLOT("rstd", 0, ROWS, ACC),
                SLOT("grad_x", BRRR_WRITE | BRRR_ALLOC, X, X), PARAM_GRAD("grad_weight"),
                SLOT("partials", BRRR_WRITE, SCRATCH, ACC)},
-     .n_args = 2, .args = {NORM_NDIM, LLAMA}, .split_arg = 0,
+     .n_args = 3, .args = {NORM_NDIM, LLAMA, OFFSET}, .split_arg = 0,
      .check = norm_check, .scratch = norm_scratch, .run = norm_run},
     1, 1, {R_X, R_GRAD_OUT, R_GRAD_RESIDUAL, R_WEIGHT, R_RSTD, R_GRAD_X, R_GRAD_WEIGHT, R_PARTIALS},
 };

@@ -1,6 +1,7 @@
 /* Rotary position embedding: the glue and the CPU twin (formulas: brrr_cuda.h).
  *
- * _C.rotary(x, cos, sin, out=None, backward) -> (out,): see the spec at the end.
+ * _C.rotary(x, cos, sin, out=None, backward, interleaved=False, rotary_dim=0) -> (out,): see the spec at the
+ * end.
  */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
@@ -25,74 +26,108 @@ static void rotary_rows(void *ctx, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) {
         const int64_t ox = row_offset(L, L->x.strides, r), oo = row_offset(L, L->out.strides, r);
         const int64_t oc = row_offset(L, L->cos.strides, r), os = row_offset(L, L->sin.strides, r);
-        for (int64_t j = 0; j < h; j++) {
-            const double a = brrr_load_f64(dt, L->x.data, ox + j * cs[0]), b = brrr_load_f64(dt, L->x.data, ox + (j + h) * cs[0]);
-            const double c_lo = brrr_load_f64(dt, L->cos.data, oc + j * cs[2]), c_hi = brrr_load_f64(dt, L->cos.data, oc + (j + h) * cs[2]);
-            const double s_lo = brrr_load_f64(dt, L->sin.data, os + j * cs[3]), s_hi = brrr_load_f64(dt, L->sin.data, os + (j + h) * cs[3]);
+        for (int64_t p = 0; p < h; p++) {
+            const int64_t e0 = L->interleaved ? 2 * p : p, e1 = L->interleaved ? 2 * p + 1 : p + h;
+            const int64_t a0 = L->pair_angles ? p : e0, a1 = L->pair_angles ? p : e1;
+            const double a = brrr_load_f64(dt, L->x.data, ox + e0 * cs[0]), b = brrr_load_f64(dt, L->x.data, ox + e1 * cs[0]);
+            const double c0 = brrr_load_f64(dt, L->cos.data, oc + a0 * cs[2]), c1 = brrr_load_f64(dt, L->cos.data, oc + a1 * cs[2]);
+            const double s0 = brrr_load_f64(dt, L->sin.data, os + a0 * cs[3]), s1 = brrr_load_f64(dt, L->sin.data, os + a1 * cs[3]);
             double lo, hi;
             if (dt == BRRR_F64) {
-                lo = L->backward ? a * c_lo + b * s_hi : a * c_lo - b * s_lo;
-                hi = L->backward ? b * c_hi - a * s_lo : b * c_hi + a * s_hi;
+                lo = L->backward ? a * c0 + b * s1 : a * c0 - b * s0;
+                hi = L->backward ? b * c1 - a * s0 : b * c1 + a * s1;
             } else { /* float32 products and sums, as the kernels */
                 const float fa = (float)a, fb = (float)b;
-                lo = L->backward ? (double)(fa * (float)c_lo + fb * (float)s_hi) : (double)(fa * (float)c_lo - fb * (float)s_lo);
-                hi = L->backward ? (double)(fb * (float)c_hi - fa * (float)s_lo) : (double)(fb * (float)c_hi + fa * (float)s_hi);
+                lo = L->backward ? (double)(fa * (float)c0 + fb * (float)s1) : (double)(fa * (float)c0 - fb * (float)s0);
+                hi = L->backward ? (double)(fb * (float)c1 - fa * (float)s0) : (double)(fb * (float)c1 + fa * (float)s1);
             }
-            brrr_store_f64(dt, L->out.data, oo + j * cs[1], lo);
-            brrr_store_f64(dt, L->out.data, oo + (j + h) * cs[1], hi);
+            brrr_store_f64(dt, L->out.data, oo + e0 * cs[1], lo);
+            brrr_store_f64(dt, L->out.data, oo + e1 * cs[1], hi);
         }
+        for (int64_t j = 2 * h; j < 2 * h + L->pass; j++) /* exact: every dtype round-trips through double */
+            brrr_store_f64(dt, L->out.data, oo + j * cs[1], brrr_load_f64(dt, L->x.data, ox + j * cs[0]));
     }
 }
 
 /* Rows on the call's threads. */
 static void cpu_rotary(const brrr_rotary_launch *L) {
-    brrr_cpu_parallel_for(L->rows, 2 * L->half, rotary_rows, (void *)L);
+    brrr_cpu_parallel_for(L->rows, 2 * L->half + L->pass, rotary_rows, (void *)L);
 }
 
-/* cos or sin: broadcastable to x's shape, D as its last dim. */
-static int check_angle(const brrr_tensor *t, const brrr_tensor *x) {
-    int ok = t->ndim >= 1 && t->ndim <= x->ndim && t->shape[t->ndim - 1] == x->shape[x->ndim - 1];
+enum { S_X, S_COS, S_SIN, S_OUT };
+enum { A_BACKWARD, A_INTERLEAVED, A_ROTARY_DIM };
+
+/* The rotated features of x's last dim: rotary_dim, or (0) cos's last dim (an angle per feature). */
+static int64_t rotary_dim(const brrr_op_call *c) {
+    const brrr_tensor *cos = &c->t[S_COS];
+    return c->arg[A_ROTARY_DIM].i ? c->arg[A_ROTARY_DIM].i : cos->shape[cos->ndim - 1];
+}
+
+/* cos or sin: broadcastable to x's shape, with last dim `last`. */
+static int check_angle(const brrr_tensor *t, const brrr_tensor *x, int64_t last, const char *what) {
+    int ok = t->ndim >= 1 && t->ndim <= x->ndim && t->shape[t->ndim - 1] == last;
     for (int d = 1; ok && d < t->ndim; d++) {
         const int64_t size = t->shape[t->ndim - 1 - d], want = x->shape[x->ndim - 1 - d];
         ok = size == want || size == 1;
     }
     if (!ok) {
-        PyErr_Format(PyExc_ValueError, "argument %s: shape must broadcast to x's shape with the same last dim "
-                     "(%lld)", t->name, (long long)x->shape[x->ndim - 1]);
+        PyErr_Format(PyExc_ValueError, "argument %s: shape must broadcast to x's shape with last dim %s (%lld)", t->name,
+                     what, (long long)last);
         return -1;
     }
     return 0;
 }
 
-enum { S_X, S_COS, S_SIN, S_OUT };
-
 static int rotary_check(brrr_op_call *c) {
-    const brrr_tensor *x = &c->t[S_X];
-    if (x->ndim == 0 || x->shape[x->ndim - 1] % 2 != 0) {
-        PyErr_SetString(PyExc_ValueError, "argument x: expected a tensor of shape (..., D) with D even");
+    const brrr_tensor *x = &c->t[S_X], *cos = &c->t[S_COS];
+    if (x->ndim == 0 || cos->ndim == 0) {
+        PyErr_Format(PyExc_ValueError, "argument %s: expected a tensor of shape (..., D)", x->ndim ? "cos" : "x");
         return -1;
     }
-    return check_angle(&c->t[S_COS], x) < 0 || check_angle(&c->t[S_SIN], x) < 0 ? -1 : 0;
+    const int64_t d = x->shape[x->ndim - 1], r = rotary_dim(c);
+    if (c->arg[A_ROTARY_DIM].i && (r % 2 != 0 || r > d)) {
+        PyErr_Format(PyExc_ValueError, "argument rotary_dim: expected an even int <= x's last dim (%lld), got %lld",
+                     (long long)d, (long long)r);
+        return -1;
+    }
+    if (r > d || (r == d && d % 2 != 0)) {
+        PyErr_Format(PyExc_ValueError, "argument x: expected a tensor of shape (..., D) with D even and at least cos's "
+                     "last dim (%lld)", (long long)r);
+        return -1;
+    }
+    if (r % 2 != 0) {
+        PyErr_Format(PyExc_ValueError, "argument cos: its last dim (the features rotated) must be even, got %lld",
+                     (long long)r);
+        return -1;
+    }
+    /* cos decides: one angle per rotated feature, or one per pair; sin must be alike */
+    const int pairs = cos->ndim >= 1 && cos->shape[cos->ndim - 1] == r / 2;
+    if (check_angle(cos, x, pairs ? r / 2 : r, pairs ? "rotary_dim / 2" : "rotary_dim (or rotary_dim / 2)") < 0) return -1;
+    return check_angle(&c->t[S_SIN], x, pairs ? r / 2 : r, pairs ? "rotary_dim / 2, as cos" : "rotary_dim, as cos");
 }
 
 static int rotary_run(brrr_op_call *c) {
-    const brrr_tensor *x = &c->t[S_X];
+    const brrr_tensor *x = &c->t[S_X], *cos = &c->t[S_COS];
     if (x->numel == 0) return 0;
+    const int64_t d = x->shape[x->ndim - 1], r = rotary_dim(c);
     brrr_rotary_launch L;
     memset(&L, 0, sizeof L);
     L.dtype = x->dtype;
-    L.backward = (int32_t)c->arg[0].i;
-    L.half = x->shape[x->ndim - 1] / 2;
-    L.rows = x->numel / (2 * L.half);
+    L.backward = (int32_t)c->arg[A_BACKWARD].i;
+    L.interleaved = (int32_t)c->arg[A_INTERLEAVED].i;
+    L.pair_angles = cos->shape[cos->ndim - 1] != r;
+    L.half = r / 2;
+    L.pass = c->t[S_OUT].data == x->data ? 0 : d - r; /* out is x itself (the only overlap allowed): in place */
+    L.rows = x->numel / d;
     /* Leading dims: x's, with cos and sin broadcast (stride 0) where they lack or have size 1. */
     const int lead = x->ndim - 1, slots[4] = {S_X, S_OUT, S_COS, S_SIN};
     int64_t shape[BRRR_MAX_RANK], strides[4][BRRR_MAX_RANK];
     memcpy(shape, x->shape, sizeof(int64_t) * (size_t)lead);
     for (int k = 0; k < 4; k++) {
         const brrr_tensor *t = &c->t[slots[k]];
-        for (int d = 0; d < lead; d++) {
-            const int td = d - (x->ndim - t->ndim); /* t's dim aligned with x's dim d, from the right */
-            strides[k][d] = td >= 0 && t->shape[td] != 1 ? t->strides[td] : 0;
+        for (int dim = 0; dim < lead; dim++) {
+            const int td = dim - (x->ndim - t->ndim); /* t's dim aligned with x's dim `dim`, from the right */
+            strides[k][dim] = td >= 0 && t->shape[td] != 1 ? t->strides[td] : 0;
         }
         L.col_stride[k] = t->strides[t->ndim - 1];
     }
@@ -119,16 +154,20 @@ static int rotary_run(brrr_op_call *c) {
 
 static const brrr_op_spec ROTARY = {
     .name = "rotary",
-    .doc = "x * cos + rotate_half(x) * sin over x's last dim D (even); cos and sin broadcast to x's shape with D as "
-           "their last dim. backward: the transposed rotation (the gradient with respect to x, given x = grad_out). "
-           "out may be x itself.",
+    .doc = "x * cos + rotate_half(x) * sin over the first rotary_dim features of x's last dim (the rest copied from "
+           "x), pairing feature j with j + rotary_dim / 2, or 2p with 2p + 1 when interleaved. cos and sin broadcast "
+           "to x's shape with last dim rotary_dim (an angle per feature) or rotary_dim / 2 (one per pair); rotary_dim "
+           "0: cos's last dim, an angle per feature. backward: the transposed rotation (the gradient with respect to "
+           "x, given x = grad_out). out may be x itself.",
     .n_slots = 4,
     .slots = {{"x", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
               {"cos", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
               {"sin", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
               {"out", BRRR_WRITE | BRRR_ALLOC | BRRR_INPLACE, BRRR_SHAPE_X, BRRR_DTYPE_X, -1}},
-    .n_args = 1,
-    .args = {{"backward", BRRR_ARG_BOOL, 0, 0, NULL, "a bool"}},
+    .n_args = 3,
+    .args = {{"backward", BRRR_ARG_BOOL, 0, 0, NULL, "a bool"},
+             {"interleaved", BRRR_ARG_BOOL, 0, 0, NULL, "a bool", 1, 0},
+             {"rotary_dim", BRRR_ARG_INT, 0, 4611686018427387904.0, NULL, "an int >= 0 (0: cos's last dim)", 1, 0}},
     .split_arg = -1,
     .check = rotary_check,
     .run = rotary_run,

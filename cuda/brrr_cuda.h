@@ -40,6 +40,22 @@ typedef enum {
     BRRR_OP_MUL_SCALAR,
     BRRR_OP_ADD_TENSOR,
     BRRR_OP_MUL_TENSOR,
+    BRRR_OP_ABS,
+    BRRR_OP_NEG,
+    BRRR_OP_SQUARE,
+    BRRR_OP_SQRT,
+    BRRR_OP_RSQRT,
+    BRRR_OP_LOG,
+    BRRR_OP_LOG1P,
+    BRRR_OP_EXPM1,
+    BRRR_OP_RECIPROCAL,
+    BRRR_OP_POW,        /* y ** scalar */
+    BRRR_OP_CLAMP_MIN,  /* max(y, scalar), NaN propagating */
+    BRRR_OP_CLAMP_MAX,  /* min(y, scalar), NaN propagating */
+    BRRR_OP_SOFTPLUS,   /* beta 1, threshold 20, as torch's defaults */
+    BRRR_OP_MISH,
+    BRRR_OP_HARDSWISH,
+    BRRR_OP_LEAKY_RELU, /* negative slope: scalar */
     BRRR_OP_COUNT
 } brrr_op;
 
@@ -85,6 +101,28 @@ typedef struct {
 
 int brrr_cuda_chain_fwd(const brrr_chain_launch *launch, int device, void *stream);
 int brrr_cuda_chain_bwd(const brrr_chain_launch *launch, int device, void *stream);
+/* The second pass of a bias gradient: grad_operands[b] = the launch's partials summed in a fixed
+ * order, for every vector operand b with a gradient (the kernels compiled at run time write the
+ * partials as the precompiled row kernels do). */
+int brrr_cuda_chain_vector_grad(const brrr_chain_launch *launch, int device, void *stream);
+
+/* The parameter of a chain kernel compiled at run time for dense tensors (csrc/chain_jit.c):
+ * element i of every tensor at i, of a vector operand at i % row_length. */
+typedef struct {
+    void *x, *out, *grad_out;
+    void *operands[BRRR_MAX_CHAIN_OPERANDS];
+    void *grad_operands[BRRR_MAX_CHAIN_OPERANDS];
+    int64_t numel, row_length;
+} brrr_chain_flat;
+
+/* Kernels compiled at run time (cuda/jit.cu): a cubin loaded with the runtime's library API,
+ * launched with one parameter, `param` pointing at its value. */
+int brrr_cuda_library_load(const void *image, const char *kernel_name, void **library, void **kernel);
+int brrr_cuda_kernel_launch(void *kernel, const unsigned grid[3], const unsigned block[3], const void *param,
+                            int device, void *stream);
+int brrr_cuda_device_arch(int device, int *arch);         /* 10 * major + minor */
+int brrr_cuda_multiprocessors(int device, int *count);
+int brrr_cuda_stream_capturing(void *stream, int *capturing);
 
 /* ---- LayerNorm / RMSNorm (csrc/norm.c, cuda/norm*.cu) -------------------------------------
  * A tensor of the input's shape is seen as rows (its leading dims) by columns (the normalised
@@ -118,20 +156,35 @@ typedef struct {
     int64_t row_shape[BRRR_MAX_DIMS];
     int64_t col_shape[BRRR_MAX_DIMS];
     double eps;
+    double weight_offset;    /* added to the weight wherever it is read: (1 + weight) is Gemma's RMSNorm */
     brrr_norm_view x, residual, out, residual_out;       /* forward (x also in the backward) */
     brrr_norm_view grad_out, grad_residual, grad_x;       /* backward */
     brrr_norm_view weight, bias, grad_weight, grad_bias;  /* column-indexed */
     brrr_norm_view mean, rstd;                            /* row-indexed */
-    void *partials;          /* backward with grad_weight/grad_bias: [n_grads][partial_rows_max][cols] */
-    int64_t partial_rows_max;
+    void *partials;          /* backward with grad_weight/grad_bias: [n_grads][brrr_norm_partial_rows][cols] */
 } brrr_norm_launch;
 
-/* Rows of the partials scratch a CUDA backward may use per weight/bias gradient (the launcher
- * picks at most this many from the device's occupancy): a function of the shape alone. */
+/* The order in which a CUDA backward sums the weight and bias gradients over rows: a function of
+ * the shape alone, so that every kernel, block count and GPU gives the same bits. The rows are
+ * cut into chunks of brrr_norm_chunk_rows(rows) consecutive rows (the last one shorter); row i
+ * of a chunk belongs to lane i % brrr_norm_lanes(cols); each lane sums its rows in row order
+ * (from 0: acc = fma(dy, xhat, acc) for the weight, acc + dy for the bias), the lanes of a chunk
+ * are then added in lane order (from lane 0) into the chunk's partial row, and the partial rows
+ * are summed by norm_finalize_kernel in its fixed order. The lanes let a block work on several
+ * rows of a chunk at once: 8 for rows of up to 1024 columns, halving down to 1 for 8192. */
+static inline int64_t brrr_norm_chunk_rows(int64_t rows) {
+    int64_t r = (rows + 255) / 256; /* at most 256 chunks: 2 per SM of an H200 */
+    return r < 8 ? 8 : r;
+}
+static inline int brrr_norm_lanes(int64_t cols) {
+    int lanes = 8;
+    while (lanes > 1 && lanes * cols > 8192) lanes /= 2;
+    return lanes;
+}
+/* Rows of the partials scratch per weight/bias gradient: the number of chunks. */
 static inline int64_t brrr_norm_partial_rows(int64_t rows, int64_t cols) {
-    int64_t by_size = cols > 0 ? ((int64_t)1 << 22) / cols : 1024;
-    int64_t p = by_size < 1 ? 1 : (by_size > 1024 ? 1024 : by_size);
-    return rows < p ? rows : p;
+    (void)cols;
+    return (rows + brrr_norm_chunk_rows(rows) - 1) / brrr_norm_chunk_rows(rows);
 }
 
 int brrr_cuda_norm_fwd(const brrr_norm_launch *launch, int device, void *stream);
@@ -226,21 +279,25 @@ int brrr_cuda_xent_bwd(const brrr_xent_launch *launch, int device, void *stream)
 /* ---- end softmax cross-entropy ---- */
 
 /* ---- rotary position embedding (csrc/rotary.c, cuda/rotary.cu) -----------------------------
- * x (..., D) with D = 2h is rotated pairwise, element j with element j + h, by the angles whose
- * cos and sin (broadcast to x's shape) are given, as Llama-style models do
- * (x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[h:], x[:h])), for j < h:
- *     out[j]     = x[j] cos[j] - x[j + h] sin[j]
- *     out[j + h] = x[j + h] cos[j + h] + x[j] sin[j + h]
- * and the backward (transpose) with x = grad_out:
- *     out[j]     = x[j] cos[j] + x[j + h] sin[j + h]
- *     out[j + h] = x[j + h] cos[j + h] - x[j] sin[j]
+ * The first 2h features of x's last dim (rotary_dim; the rest are copied through) are rotated
+ * in h pairs (e0, e1): (p, p + h), as Llama-style models pair them (rotate_half), or (2p, 2p + 1)
+ * when interleaved (GPT-J, Cohere, GLM). With the angles' cos and sin (broadcast to x's shape)
+ * read at (a0, a1) = (e0, e1), one per feature, or (p, p) when pair_angles (one per pair):
+ *     out[e0] = x[e0] cos[a0] - x[e1] sin[a0]
+ *     out[e1] = x[e1] cos[a1] + x[e0] sin[a1]
+ * (x * cos + rotate_half(x) * sin for Llama's pairs) and the backward (transpose) with x = grad_out:
+ *     out[e0] = x[e0] cos[a0] + x[e1] sin[a1]
+ *     out[e1] = x[e1] cos[a1] - x[e0] sin[a0]
  * The leading dims are coalesced into row_shape (x, out, cos, sin each with its row strides, 0
  * where broadcast); math in float32 (float64 for float64), rounded once. */
 typedef struct {
     int32_t dtype;    /* brrr_dtype of every tensor */
     int32_t backward;
+    int32_t interleaved; /* pairs (2p, 2p + 1) rather than (p, p + half) */
+    int32_t pair_angles; /* cos and sin hold one angle per pair (index p), not one per feature */
     int32_t row_ndim; /* >= 1 */
     int64_t rows, half;
+    int64_t pass;     /* features after the 2 * half rotated ones that are copied from x to out (0 in place) */
     int64_t row_shape[BRRR_MAX_DIMS];
     brrr_view x, out, cos, sin;      /* strides over row_shape */
     int64_t col_stride[4];           /* x, out, cos, sin: the stride of the last dim */

@@ -21,68 +21,10 @@
 #pragma once
 
 #include "brrr_cuda.h"
+#include "chain_math.cuh"
 #include "common.cuh"
 
 namespace brrr {
-
-// The step math three times: exact float (float32 storage), fast float (half storage), double.
-#define QUAL static __device__ __forceinline__
-#define FN(name) name
-struct Precise32 {
-#define REAL float
-#define EXP expf
-#define TANH tanhf
-#define ONE_PLUS_ERF(z) (1.0f + erff(z))
-#define COS precise_cos
-#define SIN precise_sin
-#define SINCOS precise_sincos
-#define COS_IN_RANGE precise_cos_in_range
-#define SIN_IN_RANGE precise_sin_in_range
-#define SINCOS_IN_RANGE precise_sincos_in_range
-#define TRIG_PACK_OK trig_in_range
-#define DIV(a, b) __fdividef((a), (b)) /* 2 ulp; IEEE division would call a slow-path routine */
-#include "chain_math.inc"
-#include "chain_apply.inc"
-#include "chain_math_end.inc"
-};
-struct Fast32 {
-#define REAL float
-#define EXP fast_exp
-#define TANH fast_tanh
-#define ONE_PLUS_ERF fast_one_plus_erf
-#define COS fast_cos
-#define SIN fast_sin
-#define SINCOS fast_sincos
-/* Up to |x| = 512 the MUFU's own reduction (x / 2pi truncated to fp32) errs by at most
- * 512 * 2^-23 = 6e-5 in phase: below float16's and bfloat16's resolution, for 2 instructions. */
-#define COS_IN_RANGE __cosf
-#define SIN_IN_RANGE __sinf
-#define SINCOS_IN_RANGE __sincosf
-#define TRIG_PACK_OK(v) (fabsf(v) <= 512.0f)
-#define DIV(a, b) __fdividef((a), (b))
-#include "chain_math.inc"
-#include "chain_apply.inc"
-#include "chain_math_end.inc"
-};
-struct Precise64 {
-#define REAL double
-#define EXP exp
-#define TANH tanh
-#define ONE_PLUS_ERF(z) (1.0 + erf(z))
-#define COS cos
-#define SIN sin
-#define SINCOS sincos_f64
-#define COS_IN_RANGE cos
-#define SIN_IN_RANGE sin
-#define SINCOS_IN_RANGE sincos_f64
-#define TRIG_PACK_OK(v) true
-#define DIV(a, b) ((a) / (b))
-#include "chain_math.inc"
-#include "chain_apply.inc"
-#include "chain_math_end.inc"
-};
-#undef FN
-#undef QUAL
 
 template <typename T> struct MathFor { using type = Fast32; };
 template <> struct MathFor<float> { using type = Precise32; };
@@ -209,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, contig_blocks_per_sm(kOps)) chain_fw
 #pragma unroll
             for (int b = 0; b < kOps; ++b)
                 if (b < L.program.n_operands) v[b] = to_float(in_ptr<T>(L.operands[b])[operand_index(L, b, i)]);
-            out_ptr<T>(L.out)[i] = to_storage<T, A>(M::program_fwd(&L.program, to_float(in_ptr<T>(L.x)[i]), v));
+            out_ptr<T>(L.out)[i] = to_storage<T, A>(M::program_fwd(L.program.steps, L.program.n_steps, to_float(in_ptr<T>(L.x)[i]), v));
         }
     }
 }
@@ -224,7 +166,7 @@ __global__ void __launch_bounds__(kThreads) chain_fwd_strided_kernel(const __gri
         for (int b = 0; b < kOps; ++b)
             if (b < L.program.n_operands) v[b] = to_float(in_ptr<T>(L.operands[b])[o.op[b]]);
         const A y = to_float(in_ptr<T>(L.x)[o.x]);
-        out_ptr<T>(L.out)[o.out] = to_storage<T, A>(MathFor<T>::type::program_fwd(&L.program, y, v));
+        out_ptr<T>(L.out)[o.out] = to_storage<T, A>(MathFor<T>::type::program_fwd(L.program.steps, L.program.n_steps, y, v));
     }
 }
 
@@ -297,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, contig_blocks_per_sm(kOps)) chain_bw
             for (int b = 0; b < kOps; ++b)
                 if (b < nops) vals[b] = to_float(in_ptr<T>(L.operands[b])[operand_index(L, b, i)]);
             const A gi = to_float(in_ptr<T>(L.grad_out)[i]);
-            out_ptr<T>(L.out)[i] = to_storage<T, A>(gi * M::program_grad(&L.program, to_float(in_ptr<T>(L.x)[i]), vals, gr));
+            out_ptr<T>(L.out)[i] = to_storage<T, A>(gi * M::program_grad(L.program.steps, L.program.n_steps, to_float(in_ptr<T>(L.x)[i]), vals, gr));
 #pragma unroll
             for (int b = 0; b < kOps; ++b)
                 if (b < nops && L.grad_operands[b].data) out_ptr<T>(L.grad_operands[b])[i] = to_storage<T, A>(gi * gr[b]);
@@ -419,7 +361,7 @@ __global__ void __launch_bounds__(kThreads) chain_bwd_strided_kernel(const __gri
         for (int b = 0; b < kOps; ++b)
             if (b < nops) vals[b] = to_float(in_ptr<T>(L.operands[b])[o.op[b]]);
         const A g = to_float(in_ptr<T>(L.grad_out)[o.grad_out]);
-        const A total = MathFor<T>::type::program_grad(&L.program, to_float(in_ptr<T>(L.x)[o.x]), vals, grads);
+        const A total = MathFor<T>::type::program_grad(L.program.steps, L.program.n_steps, to_float(in_ptr<T>(L.x)[o.x]), vals, grads);
         out_ptr<T>(L.out)[o.out] = to_storage<T, A>(g * total);
 #pragma unroll
         for (int b = 0; b < kOps; ++b)
@@ -712,6 +654,8 @@ static dim3 rows_grid(const brrr_chain_launch &L, int vec, int device) {
     return dim3((unsigned)tiles, (unsigned)slices);
 }
 
+template <typename T> void chain_vector_grad_typed(const brrr_chain_launch &L, cudaStream_t stream);
+
 template <typename T, int kOps>
 static void launch_fwd(const brrr_chain_launch &L, int device, cudaStream_t stream) {
     constexpr int VEC = 16 / sizeof(T);
@@ -743,8 +687,7 @@ static void launch_bwd(const brrr_chain_launch &L, int device, cudaStream_t stre
             chain_bwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC, device), row_block, 0, stream>>>(L);
         else
             chain_bwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1, device), row_block, 0, stream>>>(L);
-        if (L.partials)
-            chain_vector_grad_kernel<T><<<(unsigned)((L.row_length + kTileCols - 1) / kTileCols), dim3(kTileCols, kRowLanes), 0, stream>>>(L);
+        if (L.partials) chain_vector_grad_typed<T>(L, stream);
     } else if (L.contiguous && all_aligned(L, true) && (!has_vector_operand(L) || L.row_length % VEC == 0)) {
         const unsigned grid = grid_for_packs(L.numel / VEC);
         const int act = kOps == 1 ? glu_activation(L) : -1;
@@ -760,6 +703,11 @@ static void launch_bwd(const brrr_chain_launch &L, int device, cudaStream_t stre
 }
 
 // Defined here, instantiated once per dtype by the BRRR_INSTANTIATE block at the end.
+template <typename T>
+void chain_vector_grad_typed(const brrr_chain_launch &L, cudaStream_t stream) {
+    chain_vector_grad_kernel<T><<<(unsigned)((L.row_length + kTileCols - 1) / kTileCols), dim3(kTileCols, kRowLanes), 0, stream>>>(L);
+}
+
 template <typename T>
 void chain_fwd_typed(const brrr_chain_launch &L, int device, cudaStream_t stream) {
     const int nops = L.program.n_operands;
@@ -783,4 +731,5 @@ void chain_bwd_typed(const brrr_chain_launch &L, int device, cudaStream_t stream
 #ifdef BRRR_INSTANTIATE
 template void brrr::chain_fwd_typed<BRRR_INSTANTIATE>(const brrr_chain_launch &, int, cudaStream_t);
 template void brrr::chain_bwd_typed<BRRR_INSTANTIATE>(const brrr_chain_launch &, int, cudaStream_t);
+template void brrr::chain_vector_grad_typed<BRRR_INSTANTIATE>(const brrr_chain_launch &, cudaStream_t);
 #endif

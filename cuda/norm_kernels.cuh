@@ -6,6 +6,7 @@
 //              xhat = (h - K - m) * rstd;  out = xhat * w + b
 //   RMSNorm    rstd = 1 / sqrt(mean(h^2) + eps);  xhat = h * rstd
 //              out = xhat * w (torch's order) or round(round(xhat) * w) (Llama's order)
+//   w is weight + weight_offset wherever the weight is read (Gemma's 1 + weight, added in fp32)
 //   Backward   g = dy * w;  dx = rstd * (g - xhat * mean(g * xhat) - mean(g)) [+ grad_residual]
 //              (RMSNorm: no mean(g) term);  dw = sum over rows of dy * xhat;  db = sum of dy
 // The shift K, the row's first element, makes h - K exact for inputs with a large common offset
@@ -22,23 +23,25 @@
 //                     butterflies, then one over the group's warps through shared memory; one
 //                     per row (LayerNorm: two, the mean and then the squares about it).
 //                     Assumes: N <= 512 * PACKS * VEC, N % VEC == 0.
-// norm_bwd_kernel     the same row layout, with more threads per row (see row_config). A block
-//                     owns a contiguous slice of rows, walked by its groups, each thread loading
-//                     its share of the next row while it works on the current one; each thread
-//                     adds its columns' dw/db terms, row by row in order, in registers or shared
-//                     memory (BwdPlan); at the end the groups' sums are added in group order
-//                     into the block's partial row.
+// norm_bwd_kernel     the same row layout (up to 16 elements a thread), a block of
+//                     brrr_norm_lanes(cols) such groups within 512 threads (128 registers each;
+//                     1024 and 64 for the widest rows), each streaming its rows through a
+//                     cp.async ring in shared memory (up to 3 rows in flight per group), the
+//                     weight and bias gradients summed in registers in the order of brrr_cuda.h
+//                     (see the kernel).
 // norm_fwd_generic_kernel, norm_bwd_dx_generic_kernel
 //                     any strides, or rows too long for registers: a 256-thread block per row,
 //                     reading the row twice (the second time mostly from L2). Forward statistics:
 //                     per-thread shifted sums, merged with Chan's formula in a fixed tree.
-// norm_bwd_dwdb_generic_kernel  dw/db for the generic path: a block owns 32 columns of a slice
-//                     of rows, 8 row lanes summed in order through shared memory.
+// norm_bwd_dwdb_generic_kernel  dw/db for the generic path: a block owns 32 columns of a chunk of
+//                     rows, its lanes summed in order through shared memory (the same order).
 // norm_finalize_kernel  grad_weight/grad_bias[c] = sum over p, in order, of partials[p][c].
-// Every sum has a fixed order, so results are bitwise identical run to run on one GPU (the
-// number of partial rows follows its occupancy). Nothing is allocated; no atomics.
+// Every sum has a fixed order, so results are bitwise identical run to run; the weight and bias
+// gradients' order is a function of the shape alone (brrr_cuda.h), the same for every kernel,
+// block count and GPU. Nothing is allocated; no atomics.
 #pragma once
 
+#include <atomic>
 #include <mutex>
 #include <type_traits>
 
@@ -97,6 +100,16 @@ __device__ __forceinline__ void load_param(const brrr_norm_launch &L, const void
         }
     }
     load_vec<T, VEC>(static_cast<const T *>(p) + at, out);
+}
+
+// VEC weight values from element `at`, plus L.weight_offset (Gemma's 1 + weight, in A): the one
+// place the kernels read the weight. 1 where it is absent (the glue refuses an offset without one).
+template <typename T, int VEC, typename A>
+__device__ __forceinline__ void load_weight(const brrr_norm_launch &L, int64_t at, A *out) {
+    load_param<T, VEC>(L, L.weight.data, at, A(1), out);
+    const A offset = static_cast<A>(L.weight_offset);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] += offset;
 }
 
 template <typename T, typename A>
@@ -271,7 +284,10 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) squares[0] += (v[k][j] - mean) * (v[k][j] - mean);
+                for (int j = 0; j < VEC; ++j) {
+                    v[k][j] -= mean;  // kept: the output's (v - mean) too
+                    squares[0] += v[k][j] * v[k][j];
+                }
             }
             group_sum(squares, tpr, buf[parity]);
             rstd = rsqrt_of(squares[0] * inv_n + eps);
@@ -296,248 +312,330 @@ __global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC,
         for (int k = 0; k < PACKS; ++k) {
             if (k >= mine) continue;
             A w[VEC], b[VEC], y[VEC];
-            load_param<T, VEC>(L, L.weight.data, first + k * stride, A(1), w);
+            load_weight<T, VEC>(L, first + k * stride, w);
             if (L.llama) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[k][j] * rstd) * w[j];
             } else {
                 load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) y[j] = (v[k][j] - mean) * rstd * w[j] + b[j];
+                for (int j = 0; j < VEC; ++j) y[j] = v[k][j] * rstd * w[j] + b[j];
             }
             store_vec<T, VEC>(out + k * stride, y);
         }
     }
 }
 
-// Shared memory of norm_bwd_kernel: per group, per gradient (dw, then db), the sums of every
-// thread's columns, laid out so that consecutive threads touch consecutive chunks of up to 16
-// bytes, each read and written as one access (conflict-free).
-template <typename A, int VEC, int PACKS> struct BwdSums {
-    static constexpr int kChunk = VEC * (int)sizeof(A) > 16 ? 16 / (int)sizeof(A) : VEC;  // elements
-    static constexpr int kChunks = VEC / kChunk;
-    using Chunk = Pack<A, kChunk>;  // aligned to its size, which `at` offsets are multiples of
-    // Element offset, within one gradient of one group, of chunk c of pack k of thread t.
-    static __device__ __forceinline__ int at(int k, int c, int t, int tpr) { return ((k * kChunks + c) * tpr + t) * kChunk; }
-    // The column of element i of one gradient of one group (the inverse of `at`).
-    static __device__ __forceinline__ int column(int i, int tpr) {
-        const int e = i % kChunk;
-        i /= kChunk;
-        const int t = i % tpr;
-        i /= tpr;
-        return ((i / kChunks) * tpr + t) * VEC + (i % kChunks) * kChunk + e;
-    }
-};
+// ---- backward: the terms every kernel shares ------------------------------------------------
 
-// VEC elements of T in storage form, as 32-bit words: a pack of 8 bfloat16 takes 4 registers (as
-// Pack<T, 8> the compiler gives every element its own). p aligned to min(16, VEC * sizeof(T)).
-template <typename T, int VEC> struct Raw {
-    static constexpr int kBytes = VEC * (int)sizeof(T), kWords = kBytes < 4 ? 1 : kBytes / 4;
-    uint32_t w[kWords];
-};
+__device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double fma_rn(double a, double b, double c) { return __fma_rn(a, b, c); }
 
-template <typename T, int VEC> __device__ __forceinline__ Raw<T, VEC> load_raw(const T *p) {
-    using R = Raw<T, VEC>;
-    R r;
-    if constexpr (R::kBytes < 4) {
-        r.w[0] = *reinterpret_cast<const unsigned short *>(p);
+// What the backward keeps of a row to rematerialise xhat = fma(x - shift, rstd, -mean * rstd)
+// (RMSNorm: shift = mean = 0). Every backward kernel computes xhat and the weight and bias
+// gradients' terms with these functions, written with explicit fma and no contractible
+// products, so that those gradients' bits follow from the order of brrr_cuda.h alone.
+template <typename A> struct RowStats {
+    A shift, rstd, mean_rstd;
+};
+template <typename A> __device__ __forceinline__ RowStats<A> row_stats(bool layer, A shift, A mean, A rstd) {
+    return {layer ? shift : A(0), rstd, layer ? mean * rstd : A(0)};
+}
+template <typename A> __device__ __forceinline__ A xhat_of(const RowStats<A> &s, A x) {
+    return fma_rn(x - s.shift, s.rstd, -s.mean_rstd);
+}
+// grad_weight's running sum: acc + dy * xhat (Llama's order: xhat rounded to T first, as the
+// forward multiplies it); grad_bias's is acc + dy.
+template <typename T, typename A> __device__ __forceinline__ A add_dw(A acc, A dy, A xhat, bool llama) {
+    return fma_rn(dy, llama ? round_to<T>(xhat) : xhat, acc);
+}
+
+// ---- backward: the fast path ----------------------------------------------------------------
+
+constexpr int kBwdMaxThreads = 1024, kBwdMaxLanes = 8, kBwdMaxStages = 4;
+// A row's scalars in the ring, one slot per warp of a group: the saved mean and rstd, and x's
+// first element (the shift, as T).
+enum { kSlotMean, kSlotRstd, kSlotShift, kSlotSize = 4 };
+
+// BYTES from global to shared memory: cp.async (4, 8 or 16 bytes; see copy_async_wait_for), or
+// for 2 bytes a load and a store.
+template <int BYTES> __device__ __forceinline__ void stage_copy(void *smem, const void *gmem) {
+    if constexpr (BYTES == 16) {
+        copy_async16(smem, gmem);
+    } else if constexpr (BYTES == 8 || BYTES == 4) {
+        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(gmem), "n"(BYTES) : "memory");
     } else {
-        const Pack<uint32_t, R::kWords> pk = *reinterpret_cast<const Pack<uint32_t, R::kWords> *>(p);
+        static_assert(BYTES == 2, "stage_copy: 2, 4, 8 or 16 bytes");
+        *static_cast<unsigned short *>(smem) = *static_cast<const unsigned short *>(gmem);
+    }
+}
+
+// Waits until at most n (0..3) of this thread's committed copy groups are still in flight.
+__device__ __forceinline__ void copy_async_wait_for(int n) {
+    switch (n) {
+    case 0: copy_async_wait<0>(); break;
+    case 1: copy_async_wait<1>(); break;
+    case 2: copy_async_wait<2>(); break;
+    default: copy_async_wait<3>(); break;
+    }
+}
+
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Sums v over the tpr threads of group g of the block (tpr a power of two up to 32, or a multiple
+// of 32; the group's threads consecutive): a butterfly in each warp, then for more than one warp
+// each warp's result through `slots` (per value, one per warp), the group's own barrier (1 + g:
+// groups never wait for each other) and a second butterfly over the slots, zero-padded, that
+// every warp runs alike. Every thread of the group gets the same bits. `slots` must differ from
+// the previous call's, whose readers may still be at it.
+template <typename A, int kN>
+__device__ __forceinline__ void lane_group_sum(A (&v)[kN], int tpr, int g, A (*slots)[32]) {
+    const int lane = threadIdx.x & 31;
+    const unsigned mask = tpr >= 32 ? 0xffffffffu : ((1u << tpr) - 1u) << (lane & ~(tpr - 1));
+    auto butterfly = [&](int width) {
+        for (int off = width / 2; off > 0; off /= 2) {
 #pragma unroll
-        for (int i = 0; i < R::kWords; ++i) r.w[i] = pk.v[i];
+            for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(mask, v[i], off);
+        }
+    };
+    butterfly(tpr < 32 ? tpr : 32);
+    if (tpr <= 32) return;
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) slots[i][(threadIdx.x % tpr) / 32] = v[i];
     }
-    return r;
+    named_barrier(1 + g, tpr);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) v[i] = lane < tpr / 32 ? slots[i][lane] : A(0);
+    butterfly(32);
 }
 
-// Element j of r, converted to the compute type.
-template <typename T, int VEC>
-__device__ __forceinline__ typename Compute<T>::type raw_at(const Raw<T, VEC> &r, int j) {
-    if constexpr (sizeof(T) == 2) {
-        const unsigned short h = (unsigned short)(j % 2 ? r.w[j / 2] >> 16 : r.w[j / 2] & 0xffffu);
-        if constexpr (std::is_same<T, __half>::value) return __half2float(__ushort_as_half(h));
-        else return __bfloat162float(__ushort_as_bfloat16(h));
-    } else if constexpr (sizeof(T) == 4) {
-        return __uint_as_float(r.w[j]);
-    } else {
-        return __hiloint2double((int)r.w[2 * j + 1], (int)r.w[2 * j]);
+// The backward's shared memory, per group (lane) of the block: a ring of `stages` rows, each the
+// group's x, dy (and grad_residual) packs, [tensors][PACKS][tpr][VEC] so that a thread's packs
+// are 16-byte chunks next to its neighbours', then the rows' scalar slots; after every group's
+// ring, the buffer where the lanes' weight/bias sums meet at a chunk's end, [n_grads][lanes][cols].
+// With it, the launch's chunk_rows (brrr_norm_chunk_rows: plain C, host only).
+struct BwdLayout {
+    int tpr, lanes, stages, tensors, slots_per_group;
+    int slots_at, combine_at, weight_at, bytes;  // byte offsets in the block's shared memory, and its size
+    int64_t chunk_rows;
+    template <typename T, typename A>
+    static BwdLayout make(int tpr, int elements, int lanes, int stages, int tensors, int n_grads, int64_t cols) {
+        BwdLayout b{tpr, lanes, stages, tensors, tpr < 32 ? 1 : tpr / 32, 0, 0, 0, 0, 0};
+        const int64_t ring = ((int64_t)lanes * stages * tensors * tpr * elements * (int64_t)sizeof(T) + 15) / 16 * 16;
+        const int64_t slots = (int64_t)lanes * stages * b.slots_per_group * kSlotSize * (int64_t)sizeof(A);
+        const int64_t combine = lanes > 1 ? ((int64_t)n_grads * lanes * cols * (int64_t)sizeof(A) + 15) / 16 * 16 : 0;
+        const int64_t weight = ((int64_t)tpr * elements * (int64_t)sizeof(A) + 15) / 16 * 16;  // the row's, padded
+        const int64_t total = ring + slots + combine + weight;
+        if (total > INT32_MAX) return b;  // bytes 0: does not fit
+        b.slots_at = (int)ring;
+        b.combine_at = (int)(ring + slots);
+        b.weight_at = (int)(ring + slots + combine);
+        b.bytes = (int)total;
+        return b;
     }
-}
-
-// One row as the backward reads it, in storage form (converted where used, so that a thread's
-// registers hold its share of two rows at once): x and dy packs, x's first element (the shift),
-// the saved statistics, and the count of the thread's packs in the row (0: no row).
-template <typename T, int VEC, int PACKS> struct BwdRow {
-    using A = typename Compute<T>::type;
-    Raw<T, VEC> x[PACKS], dy[PACKS];
-    T x0;
-    A mean, rstd;
-    int mine;
 };
 
-template <typename T, int VEC, int PACKS>
-__device__ __forceinline__ BwdRow<T, VEC, PACKS> bwd_load(const brrr_norm_launch &L, int64_t row, bool active,
-                                                         int first, int stride) {
+// The fast path: the forward's row layout (pack k of thread t of a group holds columns
+// (k * tpr + t) * VEC + [0, VEC)), a block of `lanes` groups of tpr threads, group g being lane
+// g of the summation order (brrr_cuda.h). The block walks the chunks blockIdx.x, + gridDim.x, ...;
+// a group takes its lane's rows of each in turn. They stream through the group's ring: each
+// thread copies its own packs (cp.async) and reads back only those, so the ring needs no barrier
+// (a warp's first thread copies the row's scalars, shared in the warp after a __syncwarp; the
+// warp's next shuffle orders its reads before the slot is written again), and stages - 1 rows
+// are in flight while the group works on one; with one stage it waits for each. The weight and
+// bias gradients' sums of a thread's columns stay in registers; at a chunk's end the lanes meet
+// in shared memory, added in lane order into the chunk's partial row (one lane: straight from
+// registers). Per row: pass 1 converts x and dy, sums g * xhat and g (g = dy * w, w from a copy
+// in shared memory in the compute type) and adds the thread's dw/db terms; one group sum; pass 2
+// writes dx from xhat and g kept in registers (kThreads 512), or converted again from the ring
+// (1024: kept, they spilled at 64 registers; ptxas, sm_90).
+// Assumes: cols % VEC == 0, cols <= tpr * PACKS * VEC, rows and their offsets within 32 bits.
+template <typename T, int VEC, int PACKS, bool kBias, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1)
+    norm_bwd_kernel(const __grid_constant__ brrr_norm_launch L, const BwdLayout lay) {
     using A = typename Compute<T>::type;
-    BwdRow<T, VEC, PACKS> R;
-    R.mine = packs_in_row(active, (int)L.cols, first, stride);
-    R.x0 = to_storage<T, A>(A(0));
-    R.mean = R.rstd = A(0);
-    if (!active) return R;
-    const brrr_norm_view *const views[4] = {&L.x, &L.grad_out, &L.rstd, &L.mean};
-    int64_t off[4];
-    row_offsets(L, row, views, off);
-    const T *x = static_cast<const T *>(L.x.data) + off[0] + first, *dy = static_cast<const T *>(L.grad_out.data) + off[1] + first;
-#pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-        if (k >= R.mine) continue;
-        R.x[k] = load_raw<T, VEC>(x + k * stride);
-        R.dy[k] = load_raw<T, VEC>(dy + k * stride);
-    }
-    R.rstd = static_cast<const A *>(L.rstd.data)[off[2]];
-    if (!L.rms) {
-        R.mean = static_cast<const A *>(L.mean.data)[off[3]];
-        R.x0 = x[-first];
-    }
-    return R;
-}
-
-// Registers of one tensor's share of a row in storage form.
-template <typename T, int VEC> constexpr int raw_registers(int packs) { return packs * ((VEC * (int)sizeof(T) + 3) / 4); }
-
-// Rows a backward thread holds ahead of the one it works on. The backward keeps a thread's share
-// of a row small (see row_config) so that when it fits 8 registers per tensor the thread can hold
-// the x and dy of the next two rows (one with single-element accesses, which take an address
-// each), loaded before this row's sums: loads stay in flight through the reduction and the stores
-// (a warp of the kernel this replaced sat idle from its last load to its next one, at 45% of the
-// bandwidth floor). Larger shares put more bytes in flight per load instead.
-template <typename T, int VEC, int PACKS> constexpr int bwd_rows_ahead() {
-    return raw_registers<T, VEC>(PACKS) > 8 ? 0 : (VEC > 1 ? 2 : 1);
-}
-
-// __maxnreg__ rather than __launch_bounds__(512): with the latter ptxas caps some instances at 64
-// registers and spills; this way none spills (checked with -Xptxas -v for every instance).
-template <typename T, int VEC, int PACKS>
-__global__ void __maxnreg__(128)
-    norm_bwd_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr, const int64_t rows_per_block) {
-    using A = typename Compute<T>::type;
-    using Sums = BwdSums<A, VEC, PACKS>;
-    using Chunk = typename Sums::Chunk;
-    constexpr int kChunk = Sums::kChunk, kAhead = bwd_rows_ahead<T, VEC, PACKS>();
+    constexpr int E = PACKS * VEC;
+    constexpr bool kKeep = kThreads <= 512;  // 128 registers: xhat and g kept between the passes
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ A buf[2][2][kMaxWarps];
-    const int groups = blockDim.x / tpr, g = threadIdx.x / tpr, t = threadIdx.x % tpr;
-    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC;
+    __shared__ A red[2][kBwdMaxLanes][2][32];
+    const int tpr = lay.tpr, lanes = lay.lanes, stages = lay.stages, tensors = lay.tensors;
+    const int g = threadIdx.x / tpr, t = threadIdx.x % tpr, lane = threadIdx.x & 31;
+    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC, row_elems = tpr * E;
+    const int mine = packs_in_row(true, cols, first, stride);
+    const bool layer = !L.rms, llama = L.llama != 0, want_dw = L.grad_weight.data != nullptr, has_gres = tensors == 3;
+    constexpr bool want_db = kBias;  // grad_bias asked for (a template argument: its sums take E registers)
     const A inv_n = A(1) / static_cast<A>(cols);
-    const bool layer = !L.rms, want_dw = L.grad_weight.data != nullptr, want_db = L.grad_bias.data != nullptr;
-    const int n_grads = (int)want_dw + (int)want_db, per_grad = PACKS * VEC * tpr;  // one gradient of one group
-    A *const sums = reinterpret_cast<A *>(smem);
-    A *const dw_sums = sums + g * n_grads * per_grad, *const db_sums = dw_sums + (want_dw ? per_grad : 0);
-    Chunk zero;
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e) zero.v[e] = A(0);
-#pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-#pragma unroll
-        for (int c = 0; c < Sums::kChunks; ++c) {
-            if (want_dw) *reinterpret_cast<Chunk *>(dw_sums + Sums::at(k, c, t, tpr)) = zero;
-            if (want_db) *reinterpret_cast<Chunk *>(db_sums + Sums::at(k, c, t, tpr)) = zero;
+    const int rows = (int)L.rows, chunk_rows = (int)lay.chunk_rows, chunks = (rows + chunk_rows - 1) / chunk_rows;
+    T *const ring = reinterpret_cast<T *>(smem) + g * stages * tensors * row_elems;
+    const bool leader = tpr >= 32 ? lane == 0 : t == 0;
+    const unsigned warp_mask = tpr >= 32 ? 0xffffffffu : ((1u << tpr) - 1u) << (lane & ~(tpr - 1));
+    A *const slots = reinterpret_cast<A *>(smem + lay.slots_at) +
+                     (g * stages * lay.slots_per_group + (tpr >= 32 ? t / 32 : 0)) * kSlotSize;
+    A *const combine = reinterpret_cast<A *>(smem + lay.combine_at);
+
+    // The weight, in the compute type, for the whole block: the only place it is loaded.
+    A *const wsh = reinterpret_cast<A *>(smem + lay.weight_at);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) load_weight<T, 1>(L, i, wsh + i);
+    __syncthreads();
+
+    // This group's rows, in order: lane g of the chunks blockIdx.x, + gridDim.x, ...
+    int next_chunk = blockIdx.x, next = blockIdx.x * chunk_rows + g;
+    auto chunk_end = [&](int c) { return c < chunks - 1 ? (c + 1) * chunk_rows : rows; };
+    auto settle = [&]() {
+        while (next_chunk < chunks && next >= chunk_end(next_chunk)) {
+            next_chunk += gridDim.x;
+            next = next_chunk * chunk_rows + g;
         }
-    }
-    const int64_t begin = (int64_t)blockIdx.x * rows_per_block;
-    const int64_t end = begin + rows_per_block < L.rows ? begin + rows_per_block : L.rows;
-    const int64_t iters = (rows_per_block + groups - 1) / groups;
-    int parity = 0;
-    int64_t row = begin + g;
-    auto load = [&](int64_t r) { return bwd_load<T, VEC, PACKS>(L, r, r < end, first, stride); };
-    BwdRow<T, VEC, PACKS> cur, ahead[kAhead > 0 ? kAhead : 1];
-    if constexpr (kAhead > 0) cur = load(row);
+    };
+    settle();
+    // Copies the next row of the group (if any is left) into stage s, and commits a copy group.
+    auto issue = [&](int s) {
+        if (next_chunk < chunks) {
+            const brrr_norm_view *const views[5] = {&L.x, &L.grad_out, &L.grad_residual, &L.rstd, &L.mean};
+            int64_t off[5];
+            row_offsets(L, next, views, off);
+            T *dst = ring + s * tensors * row_elems + first;
 #pragma unroll
-    for (int d = 0; d < kAhead; ++d) ahead[d] = load(row + (d + 1) * groups);
-    for (int64_t it = 0; it < iters; ++it, row += groups) {
-        const bool active = row < end;
-        BwdRow<T, VEC, PACKS> incoming;
-        if constexpr (kAhead > 0) incoming = load(row + (kAhead + 1) * groups);
-        else cur = load(row);
-        const int mine = cur.mine;
-        const A shift = to_float(cur.x0), mean = cur.mean, rstd = cur.rstd;
-        auto xhat_of = [&](A x) { return layer ? (x - shift - mean) * rstd : x * rstd; };
-        // Pass 1: the row's sums of g = dy * w, and this thread's dw/db terms. Pass 2 converts x and
-        // dy again and rereads w (from L1) rather than keep g in registers through the reduction.
-        A s[2] = {A(0), A(0)};  // sum of g * xhat, sum of g
+            for (int q = 0; q < 3; ++q) {
+                if (q == tensors) break;
+                const T *src = static_cast<const T *>(views[q]->data) + off[q] + first;
 #pragma unroll
-        for (int k = 0; k < PACKS; ++k) {
-            if (k >= mine) continue;
-            A w[VEC], dwk[VEC];
-            load_param<T, VEC>(L, L.weight.data, first + k * stride, A(1), w);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const A xhat = xhat_of(raw_at(cur.x[k], j)), g = raw_at(cur.dy[k], j) * w[j];
-                dwk[j] = raw_at(cur.dy[k], j) * (L.llama ? round_to<T>(xhat) : xhat);
-                s[0] += g * xhat;
-                s[1] += g;
+                for (int k = 0; k < PACKS; ++k)
+                    if (k < mine) stage_copy<(int)(VEC * sizeof(T))>(dst + k * stride, src + k * stride);
+                dst += row_elems;
             }
-#pragma unroll
-            for (int ch = 0; ch < Sums::kChunks; ++ch) {
-                const int at = Sums::at(k, ch, t, tpr);
-                if (want_dw) {
-                    Chunk *p = reinterpret_cast<Chunk *>(dw_sums + at);
-                    Chunk acc = *p;
-#pragma unroll
-                    for (int e = 0; e < kChunk; ++e) acc.v[e] += dwk[ch * kChunk + e];
-                    *p = acc;
-                }
-                if (want_db) {
-                    Chunk *p = reinterpret_cast<Chunk *>(db_sums + at);
-                    Chunk acc = *p;
-#pragma unroll
-                    for (int e = 0; e < kChunk; ++e) acc.v[e] += raw_at(cur.dy[k], ch * kChunk + e);
-                    *p = acc;
+            if (leader) {
+                A *slot = slots + s * lay.slots_per_group * kSlotSize;
+                stage_copy<(int)sizeof(A)>(slot + kSlotRstd, static_cast<const A *>(L.rstd.data) + off[3]);
+                if (layer) {
+                    stage_copy<(int)sizeof(A)>(slot + kSlotMean, static_cast<const A *>(L.mean.data) + off[4]);
+                    stage_copy<(int)sizeof(T)>(reinterpret_cast<T *>(slot + kSlotShift), static_cast<const T *>(L.x.data) + off[0]);
                 }
             }
+            next += lanes;
+            settle();
         }
-        group_sum(s, tpr, buf[parity]);
-        parity ^= 1;
-        if (active) {
-            // Pass 2: dx = rstd * (g - xhat * c1 - c2) [+ grad_residual], xhat recomputed from x.
-            const A c1 = s[0] * inv_n, c2 = layer ? s[1] * inv_n : A(0);
-            const brrr_norm_view *const views[2] = {&L.grad_residual, &L.grad_x};
-            int64_t off[2];
-            row_offsets(L, row, views, off);
-            const T *gres = L.grad_residual.data ? static_cast<const T *>(L.grad_residual.data) + off[0] + first : nullptr;
-            T *dx = static_cast<T *>(L.grad_x.data) + off[1] + first;
+        copy_async_commit();
+    };
+
+    A dw[E], db[kBias ? E : 1];
+#pragma unroll
+    for (int i = 0; i < E; ++i) dw[i] = A(0);
+#pragma unroll
+    for (int i = 0; i < (kBias ? E : 1); ++i) db[i] = A(0);
+    for (int s = 0; s + 1 < stages; ++s) issue(s);
+    int in = stages - 1, out = 0, parity = 0;
+    for (int c = blockIdx.x; c < chunks; c += gridDim.x) {
+        for (int row = c * chunk_rows + g; row < chunk_end(c); row += lanes) {
+            issue(in);
+            in = in + 1 == stages ? 0 : in + 1;
+            copy_async_wait_for(stages - 1);
+            if (tpr >= 32) __syncwarp();  // the leader's copies of the scalars, for its warp
+            else __syncwarp(warp_mask);
+            const T *xs = ring + out * tensors * row_elems, *dys = xs + row_elems, *gs = dys + row_elems;
+            const A *slot = slots + out * lay.slots_per_group * kSlotSize;
+            out = out + 1 == stages ? 0 : out + 1;
+            const RowStats<A> st = row_stats(layer, layer ? to_float(*reinterpret_cast<const T *>(slot + kSlotShift)) : A(0),
+                                             layer ? slot[kSlotMean] : A(0), slot[kSlotRstd]);
+            A sums[2] = {A(0), A(0)};  // of g * xhat and of g
+            A xh[kKeep ? E : 1], gk[kKeep ? E : 1];
+            // Pass 1, with Llama's rounding a template argument: as a runtime select the rounding
+            // ran for every element, used or not.
+            auto pass1 = [&](auto kLlama) {
+#pragma unroll
+                for (int k = 0; k < PACKS; ++k) {
+                    if (k >= mine) continue;
+                    A xv[VEC], dv[VEC], w[VEC];
+                    load_vec<T, VEC>(xs + first + k * stride, xv);
+                    load_vec<T, VEC>(dys + first + k * stride, dv);
+                    load_vec<A, VEC>(wsh + first + k * stride, w);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const A xhat = xhat_of(st, xv[j]), gj = dv[j] * w[j];
+                        sums[0] += gj * xhat;
+                        sums[1] += gj;
+                        if (want_dw) dw[k * VEC + j] = add_dw<T>(dw[k * VEC + j], dv[j], xhat, decltype(kLlama)::value);
+                        if constexpr (kBias) db[k * VEC + j] += dv[j];
+                        if constexpr (kKeep) {
+                            xh[k * VEC + j] = xhat;
+                            gk[k * VEC + j] = gj;
+                        }
+                    }
+                }
+            };
+            if (llama) pass1(std::true_type());
+            else pass1(std::false_type());
+            lane_group_sum(sums, tpr, g, red[parity][g]);
+            parity ^= 1;
+            // dx = rstd * (g - xhat * c1 - c2) [+ grad_residual], c1 = mean(g * xhat), c2 = mean(g) (LayerNorm)
+            const A b1 = -(sums[0] * inv_n) * st.rstd, b2 = layer ? -(sums[1] * inv_n) * st.rstd : A(0);
+            const brrr_norm_view *const dx_view[1] = {&L.grad_x};
+            int64_t dx_off[1];
+            row_offsets(L, row, dx_view, dx_off);
+            T *dx = static_cast<T *>(L.grad_x.data) + dx_off[0] + first;
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
-                A w[VEC], d[VEC], extra[VEC];
-                load_param<T, VEC>(L, L.weight.data, first + k * stride, A(1), w);
+                A xv[VEC], dv[VEC], extra[VEC], d[VEC];
+                if constexpr (kKeep) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        xv[j] = xh[k * VEC + j];
+                        dv[j] = gk[k * VEC + j];
+                    }
+                } else {
+                    A w[VEC];
+                    load_vec<T, VEC>(xs + first + k * stride, xv);
+                    load_vec<T, VEC>(dys + first + k * stride, dv);
+                    load_vec<A, VEC>(wsh + first + k * stride, w);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        xv[j] = xhat_of(st, xv[j]);
+                        dv[j] *= w[j];
+                    }
+                }
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) extra[j] = A(0);
-                if (gres) load_vec<T, VEC>(gres + k * stride, extra);
+                if (has_gres) load_vec<T, VEC>(gs + first + k * stride, extra);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const A g = raw_at(cur.dy[k], j) * w[j];
-                    d[j] = rstd * (g - xhat_of(raw_at(cur.x[k], j)) * c1 - c2) + extra[j];
-                }
+                for (int j = 0; j < VEC; ++j) d[j] = fma_rn(dv[j], st.rstd, fma_rn(xv[j], b1, b2)) + extra[j];
                 store_vec<T, VEC>(dx + k * stride, d);
             }
         }
-        if constexpr (kAhead > 0) {
-            cur = ahead[0];
+        if (!want_dw && !want_db) continue;
+        // The chunk's partial row: the lanes' sums added in lane order.
+        A *const part = static_cast<A *>(L.partials);
+        const int n_grads = (int)want_dw + (int)want_db;
+        auto put = [&](int q, const A *acc) {
+            A *dst = lanes == 1 ? part + ((int64_t)q * chunks + c) * cols : combine + (q * lanes + g) * cols;
 #pragma unroll
-            for (int d = 0; d + 1 < kAhead; ++d) ahead[d] = ahead[d + 1];
-            ahead[kAhead - 1] = incoming;
+            for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) dst[first + k * stride + j] = acc[k * VEC + j];
+            }
+        };
+        if (want_dw) put(0, dw);
+        if constexpr (kBias) put(want_dw ? 1 : 0, db);
+        if (lanes > 1) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < n_grads * cols; i += blockDim.x) {
+                const int q = i / cols, col = i - q * cols;
+                const A *lane_sums = combine + (size_t)q * lanes * cols + col;
+                A total = lane_sums[0];
+                for (int l = 1; l < lanes; ++l) total += lane_sums[(size_t)l * cols];
+                part[((int64_t)q * chunks + c) * cols + col] = total;
+            }
+            __syncthreads();  // the buffer is the next chunk's
         }
-    }
-    if (n_grads == 0) return;
-    // This block's partial rows: the groups' sums, added in group order.
-    __syncthreads();
-    const int span = n_grads * per_grad;
-    for (int i = threadIdx.x; i < span; i += blockDim.x) {
-        const int q = i / per_grad, col = Sums::column(i % per_grad, tpr);
-        if (col >= cols) continue;
-        A total = sums[i];
-        for (int gg = 1; gg < groups; ++gg) total += sums[gg * span + i];
-        static_cast<A *>(L.partials)[((int64_t)q * gridDim.x + blockIdx.x) * cols + col] = total;
+#pragma unroll
+        for (int i = 0; i < E; ++i) dw[i] = A(0);
+#pragma unroll
+        for (int i = 0; i < (kBias ? E : 1); ++i) db[i] = A(0);
     }
 }
 
@@ -633,7 +731,7 @@ __global__ void __launch_bounds__(kGenericThreads) norm_fwd_generic_kernel(const
         for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
             const A h = res ? to_float(res_out[col_offset(L, L.residual_out, j)]) : to_float(x[col_offset(L, L.x, j)]);
             A w, b;
-            load_param<T, 1>(L, L.weight.data, col_offset(L, L.weight, j), A(1), &w);
+            load_weight<T, 1>(L, col_offset(L, L.weight, j), &w);
             load_param<T, 1>(L, L.bias.data, col_offset(L, L.bias, j), A(0), &b);
             const A xhat = (layer ? h - shift - mean : h) * rstd;
             out[col_offset(L, L.out, j)] = to_storage<T, A>(L.llama ? round_to<T>(xhat) * w : xhat * w + b);
@@ -653,12 +751,12 @@ __global__ void __launch_bounds__(kGenericThreads) norm_bwd_dx_generic_kernel(co
         const T *x = row_in<T>(L, L.x, row), *dy = row_in<T>(L, L.grad_out, row), *gres = row_in<T>(L, L.grad_residual, row);
         T *dx = row_out<T>(L, L.grad_x, row);
         const A rstd = static_cast<const A *>(L.rstd.data)[row_offset(L, L.rstd, row)];
-        const A shift = layer ? to_float(x[0]) : A(0);
-        const A mean = layer ? static_cast<const A *>(L.mean.data)[row_offset(L, L.mean, row)] : A(0);
+        const RowStats<A> st = row_stats(layer, layer ? to_float(x[0]) : A(0),
+                                         layer ? static_cast<const A *>(L.mean.data)[row_offset(L, L.mean, row)] : A(0), rstd);
         auto element = [&](int64_t j, A *xhat, A *g) {
             A w;
-            load_param<T, 1>(L, L.weight.data, col_offset(L, L.weight, j), A(1), &w);
-            *xhat = (to_float(x[col_offset(L, L.x, j)]) - shift - mean) * rstd;
+            load_weight<T, 1>(L, col_offset(L, L.weight, j), &w);
+            *xhat = xhat_of(st, to_float(x[col_offset(L, L.x, j)]));
             *g = to_float(dy[col_offset(L, L.grad_out, j)]) * w;
         };
         A s[2] = {A(0), A(0)};
@@ -680,39 +778,44 @@ __global__ void __launch_bounds__(kGenericThreads) norm_bwd_dx_generic_kernel(co
     }
 }
 
+// dw/db of one chunk (blockIdx.y) for 32 columns (blockIdx.x), in the order of brrr_cuda.h:
+// thread (x, y) sums column x's terms over the rows of lane y (blockDim.y = the lanes), then the
+// lanes are added in lane order, the same bits as norm_bwd_kernel's.
 template <typename T>
-__global__ void __launch_bounds__(kTileCols *kRowLanes)
-    norm_bwd_dwdb_generic_kernel(const __grid_constant__ brrr_norm_launch L, const int64_t rows_per_part) {
+__global__ void __launch_bounds__(kTileCols *kBwdMaxLanes)
+    norm_bwd_dwdb_generic_kernel(const __grid_constant__ brrr_norm_launch L, const int64_t chunk_rows) {
     using A = typename Compute<T>::type;
-    __shared__ A lanes[2][kRowLanes][kTileCols];
-    const int64_t col = (int64_t)blockIdx.x * kTileCols + threadIdx.x;
+    __shared__ A lane_sums[2][kBwdMaxLanes][kTileCols];
+    const int lanes = blockDim.y;
+    const int64_t col = (int64_t)blockIdx.x * kTileCols + threadIdx.x, chunk = blockIdx.y;
+    const int64_t chunks = (L.rows + chunk_rows - 1) / chunk_rows;
+    const int64_t begin = chunk * chunk_rows, end = begin + chunk_rows < L.rows ? begin + chunk_rows : L.rows;
     const bool active = col < L.cols, layer = !L.rms;
-    const int64_t begin = (int64_t)blockIdx.y * rows_per_part;
-    const int64_t end = begin + rows_per_part < L.rows ? begin + rows_per_part : L.rows;
     A dw = A(0), db = A(0);
-    for (int64_t r = begin + threadIdx.y; active && r < end; r += kRowLanes) {
+    for (int64_t r = begin + threadIdx.y; active && r < end; r += lanes) {
         const T *x = row_in<T>(L, L.x, r), *dy = row_in<T>(L, L.grad_out, r);
-        A xhat = to_float(x[col_offset(L, L.x, col)]);
-        if (layer) xhat = xhat - to_float(x[0]) - static_cast<const A *>(L.mean.data)[row_offset(L, L.mean, r)];
-        xhat *= static_cast<const A *>(L.rstd.data)[row_offset(L, L.rstd, r)];
-        const A g = to_float(dy[col_offset(L, L.grad_out, col)]);
-        dw += g * (L.llama ? round_to<T>(xhat) : xhat);
-        db += g;
+        const RowStats<A> st = row_stats(layer, layer ? to_float(x[0]) : A(0),
+                                         layer ? static_cast<const A *>(L.mean.data)[row_offset(L, L.mean, r)] : A(0),
+                                         static_cast<const A *>(L.rstd.data)[row_offset(L, L.rstd, r)]);
+        const A xhat = xhat_of(st, to_float(x[col_offset(L, L.x, col)]));
+        const A d = to_float(dy[col_offset(L, L.grad_out, col)]);
+        dw = add_dw<T>(dw, d, xhat, L.llama != 0);
+        db += d;
     }
-    lanes[0][threadIdx.y][threadIdx.x] = dw;
-    lanes[1][threadIdx.y][threadIdx.x] = db;
+    lane_sums[0][threadIdx.y][threadIdx.x] = dw;
+    lane_sums[1][threadIdx.y][threadIdx.x] = db;
     __syncthreads();
     if (threadIdx.y != 0 || !active) return;
-    dw = lanes[0][0][threadIdx.x];
-    db = lanes[1][0][threadIdx.x];
-    for (int lane = 1; lane < kRowLanes; ++lane) {
-        dw += lanes[0][lane][threadIdx.x];
-        db += lanes[1][lane][threadIdx.x];
+    dw = lane_sums[0][0][threadIdx.x];
+    db = lane_sums[1][0][threadIdx.x];
+    for (int lane = 1; lane < lanes; ++lane) {
+        dw += lane_sums[0][lane][threadIdx.x];
+        db += lane_sums[1][lane][threadIdx.x];
     }
     A *part = static_cast<A *>(L.partials);
     int q = 0;
-    if (L.grad_weight.data) part[((int64_t)q++ * gridDim.y + blockIdx.y) * L.cols + col] = dw;
-    if (L.grad_bias.data) part[((int64_t)q * gridDim.y + blockIdx.y) * L.cols + col] = db;
+    if (L.grad_weight.data) part[((int64_t)q++ * chunks + chunk) * L.cols + col] = dw;
+    if (L.grad_bias.data) part[((int64_t)q * chunks + chunk) * L.cols + col] = db;
 }
 
 // grad[c] = sum over the partial rows p < parts, in order, of partials[q][p][c]; blockIdx.y
@@ -774,29 +877,24 @@ static inline bool rows_aligned(const brrr_norm_launch &L, const brrr_norm_view 
     return true;
 }
 
-// The fast path's shape for this launch, or false when it does not apply (strided columns, or
-// a row longer than 512 threads can hold). A row gets the fewest threads (32 and up) that hold
-// it; in the backward, enough for a share of 8 registers per tensor where 512 threads allow (see
-// BwdPlan).
+// The forward's fast path for this launch, or false when it does not apply (strided columns, or
+// a row longer than 512 threads can hold): a row gets the fewest threads (32 and up) that hold it.
 template <typename T>
-static bool row_config(const brrr_norm_launch &L, bool backward, RowConfig *cfg) {
+static bool row_config(const brrr_norm_launch &L, RowConfig *cfg) {
     if (!L.contiguous_cols || (L.row_ndim > 1 && L.rows > INT32_MAX)) return false;  // see row_offsets
     constexpr int kVec = vec_width<T>();
-    const brrr_norm_view *const fwd[] = {&L.x, &L.residual, &L.out, &L.residual_out};
-    const brrr_norm_view *const bwd[] = {&L.x, &L.grad_out, &L.grad_residual, &L.grad_x};
-    const brrr_norm_view *const *views = backward ? bwd : fwd;
+    const brrr_norm_view *const views[] = {&L.x, &L.residual, &L.out, &L.residual_out};
     bool vector = L.cols % kVec == 0 && (L.weight.data == nullptr || aligned16(L.weight.data)) &&
                   (L.bias.data == nullptr || aligned16(L.bias.data));
     for (int i = 0; i < 4; ++i) vector = vector && rows_aligned(L, *views[i], (int64_t)sizeof(T));
     const int vec = vector ? kVec : 1, max_packs = max_elements<T>(vec) / vec;
-    const int want_packs = backward ? 8 / ((vec * (int)sizeof(T) + 3) / 4) : max_packs;
     const int64_t packs_total = (L.cols + vec - 1) / vec;
     int tpr = 1, packs = 1;
     if (packs_total <= 32) {
         while (tpr < packs_total) tpr *= 2;
     } else {
         tpr = 32;
-        while ((int64_t)tpr * want_packs < packs_total && tpr < kMaxRowThreads) tpr *= 2;
+        while ((int64_t)tpr * max_packs < packs_total && tpr < kMaxRowThreads) tpr *= 2;
         if ((int64_t)tpr * max_packs < packs_total) return false;
         packs = round_packs((int)((packs_total + tpr - 1) / tpr), vector);
     }
@@ -834,20 +932,6 @@ static inline unsigned generic_grid(int64_t rows, int device) {
     const int64_t cap = (int64_t)sm_count(device) * 16;
     return (unsigned)(rows < cap ? rows : cap);
 }
-
-struct RowSplit {
-    int64_t parts, rows_per_part;
-};
-
-// `rows` split into at most `target` equal slices (and at most `cap`), none empty.
-static inline RowSplit split_rows(int64_t rows, int64_t target, int64_t cap) {
-    int64_t parts = target < cap ? target : cap;
-    if (parts > rows) parts = rows;
-    if (parts < 1) parts = 1;
-    const int64_t per = (rows + parts - 1) / parts;
-    return {(rows + per - 1) / per, per};
-}
-
 
 constexpr int64_t kMaxGrid = (int64_t)1 << 30;
 
@@ -890,7 +974,7 @@ template <typename T>
 cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
     if (L.rows == 0 || L.cols == 0) return cudaSuccess;
     RowConfig cfg;
-    if (!row_config<T>(L, false, &cfg)) {
+    if (!row_config<T>(L, &cfg)) {
         norm_fwd_generic_kernel<T><<<generic_grid(L.rows, device), kGenericThreads, 0, stream>>>(L);
         return cudaSuccess;
     }
@@ -905,48 +989,135 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     });
 }
 
+// Elements a backward thread holds per tensor: 16 with 16-byte packs, 8 with single elements
+// (each taking its own address) or float64. The PACKS compiled are the powers of two up to that.
+template <typename T> constexpr int bwd_max_elements(int vec) {
+    return sizeof(typename Compute<T>::type) == 8 || vec == 1 ? 8 : 16;
+}
+
+struct BwdConfig {
+    int vec, packs, threads;  // threads: the kernel's bound, 512 (128 registers) or 1024 (64)
+    BwdLayout lay;
+};
+
+// Dynamic shared memory a block may have on `device` beside `static_bytes` of its own (the
+// runtime call is kept per device: it costs host time on every launch).
+static size_t dynamic_smem_limit(int device, size_t static_bytes) {
+    static std::atomic<int> optin[64];
+    int v = device >= 0 && device < 64 ? optin[device].load(std::memory_order_relaxed) : 0;
+    if (v == 0) {
+        if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess || v <= 0) v = 48 << 10;
+        if (device >= 0 && device < 64) optin[device].store(v, std::memory_order_relaxed);
+    }
+    return (size_t)v > static_bytes ? (size_t)v - static_bytes : 0;
+}
+
+// The backward's fast path for this launch, or false when it does not apply (strided columns,
+// rows too long for 1024 threads / lanes at bwd_max_elements each, or shared memory too small
+// for one stage). A row gets the most threads, up to 1024 / lanes, at the fewest elements a
+// thread; the ring as many stages, up to 4, as the device's shared memory holds.
+template <typename T>
+static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdConfig *cfg) {
+    using A = typename Compute<T>::type;
+    if (!L.contiguous_cols || L.cols > (1 << 30) || L.rows > (1 << 30)) return false;  // 32-bit row indices
+    constexpr int kVec = vec_width<T>();
+    const brrr_norm_view *const views[] = {&L.x, &L.grad_out, &L.grad_residual, &L.grad_x};
+    bool vector = L.cols % kVec == 0;  // (the weight is copied to shared memory element by element)
+    for (int i = 0; i < 4; ++i) vector = vector && rows_aligned(L, *views[i], (int64_t)sizeof(T));
+    const int vec = vector ? kVec : 1, lanes = brrr_norm_lanes(L.cols), tensors = L.grad_residual.data ? 3 : 2;
+    const int64_t packs_total = (L.cols + vec - 1) / vec;
+    const size_t limit = dynamic_smem_limit(device, sizeof(A) * 2 * kBwdMaxLanes * 2 * 32);
+    // The fewest elements a thread that leave a block within 512 threads (128 registers: room for
+    // 16 elements a thread with xhat and g kept), else within 1024 (64 registers).
+    for (int threads = 512; threads <= kBwdMaxThreads; threads *= 2) {
+        for (int packs = 1; packs * vec <= bwd_max_elements<T>(vec); packs *= 2) {
+            int64_t tpr = (packs_total + packs - 1) / packs;
+            if (tpr <= 32) {
+                int p2 = 1;
+                while (p2 < tpr) p2 *= 2;
+                tpr = p2;
+            } else {
+                tpr = (tpr + 31) / 32 * 32;
+            }
+            if (tpr * lanes > threads) continue;
+            if (threads == kBwdMaxThreads && packs * vec != bwd_max_elements<T>(vec)) continue;  // compiled only so
+            for (int stages = kBwdMaxStages; stages >= 1; --stages) {
+                BwdLayout lay = BwdLayout::make<T, A>((int)tpr, packs * vec, lanes, stages, tensors, n_grads, L.cols);
+                if (lay.bytes > 0 && (size_t)lay.bytes <= limit) {
+                    *cfg = {vec, packs, threads, lay};
+                    cfg->lay.chunk_rows = brrr_norm_chunk_rows(L.rows);
+                    return true;
+                }
+            }
+            return false;
+        }
+    }
+    return false;
+}
+
+// The instance for grad_bias (or not) and the block bound: 1024 threads only at the most
+// elements a thread (the widest rows), the only rows that need them.
+template <typename T, int VEC, int PACKS>
+static auto pick_bwd_kernel(bool bias, int threads) {
+    if constexpr (PACKS * VEC == bwd_max_elements<T>(VEC)) {
+        if (threads > 512) return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 1024> : norm_bwd_kernel<T, VEC, PACKS, false, 1024>;
+    }
+    return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 512> : norm_bwd_kernel<T, VEC, PACKS, false, 512>;
+}
+
+template <typename T, int VEC, int P, typename F> static cudaError_t call_bwd(F &f) {
+    if constexpr (P * VEC <= bwd_max_elements<T>(VEC))
+        return f(std::integral_constant<int, VEC>(), std::integral_constant<int, P>());
+    else
+        return cudaErrorInvalidValue;
+}
+
+template <typename T, int VEC, typename F> static cudaError_t with_bwd_packs(int packs, F &f) {
+    switch (packs) {
+    case 1: return call_bwd<T, VEC, 1>(f);
+    case 2: return call_bwd<T, VEC, 2>(f);
+    case 4: return call_bwd<T, VEC, 4>(f);
+    case 8: return call_bwd<T, VEC, 8>(f);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
 template <typename T>
 cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
-    using A = typename Compute<T>::type;
     if (L.cols == 0) return cudaSuccess;
     const int n_grads = (L.grad_weight.data != nullptr) + (L.grad_bias.data != nullptr);
-    const int64_t cap = n_grads > 0 ? L.partial_rows_max : L.rows;
-    int64_t parts = 0;
-    RowConfig cfg;
+    const int64_t chunks = brrr_norm_partial_rows(L.rows, L.cols);
+    BwdConfig cfg;
     if (L.rows == 0) {
         // nothing but the (zero) weight and bias gradients
-    } else if (row_config<T>(L, true, &cfg)) {
-        const cudaError_t err = with_row_config<T>(cfg, [&](auto vec, auto packs) {
+    } else if (bwd_config<T>(L, n_grads, device, &cfg)) {
+        auto launch = [&](auto vec, auto packs) {
             constexpr int VEC = decltype(vec)::value, PACKS = decltype(packs)::value;
-            auto kernel = norm_bwd_kernel<T, VEC, PACKS>;
-            const int groups = cfg.block / cfg.tpr;
-            const size_t smem = (size_t)groups * n_grads * PACKS * VEC * cfg.tpr * sizeof(A);
+            auto kernel = pick_bwd_kernel<T, VEC, PACKS>(L.grad_bias.data != nullptr, cfg.threads);
+            const int block = cfg.lay.lanes * cfg.lay.tpr;
             int per_sm = 0;
-            const cudaError_t e = blocks_per_sm(kernel, cfg.block, smem, device, &per_sm);
+            const cudaError_t e = blocks_per_sm(kernel, block, (size_t)cfg.lay.bytes, device, &per_sm);
             if (e != cudaSuccess) return e;
-            // One wave of blocks, each owning an equal slice of rows (and a partial row), no
-            // more blocks than groups of rows.
+            // As many blocks as run at once, walking the chunks: the order of the sums is the
+            // chunks', whatever the grid.
             const int64_t resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device);
-            const int64_t row_groups = (L.rows + groups - 1) / groups;
-            const RowSplit split = split_rows(L.rows, resident, cap < row_groups ? cap : row_groups);
-            parts = split.parts;
-            kernel<<<(unsigned)parts, cfg.block, smem, stream>>>(L, cfg.tpr, split.rows_per_part);
+            kernel<<<(unsigned)(chunks < resident ? chunks : resident), block, (size_t)cfg.lay.bytes, stream>>>(L, cfg.lay);
             return cudaSuccess;
-        });
+        };
+        const cudaError_t err = cfg.vec > 1 ? with_bwd_packs<T, vec_width<T>()>(cfg.packs, launch)
+                                            : with_bwd_packs<T, 1>(cfg.packs, launch);
         if (err != cudaSuccess) return err;
     } else {
         norm_bwd_dx_generic_kernel<T><<<generic_grid(L.rows, device), kGenericThreads, 0, stream>>>(L);
         if (n_grads > 0) {
-            const int64_t tiles = (L.cols + kTileCols - 1) / kTileCols, want = (int64_t)sm_count(device) * 8;
-            const RowSplit split = split_rows(L.rows, (want + tiles - 1) / tiles, cap);
-            parts = split.parts;
-            norm_bwd_dwdb_generic_kernel<T><<<dim3((unsigned)tiles, (unsigned)parts), dim3(kTileCols, kRowLanes), 0, stream>>>(
-                L, split.rows_per_part);
+            const dim3 grid((unsigned)((L.cols + kTileCols - 1) / kTileCols), (unsigned)chunks);
+            norm_bwd_dwdb_generic_kernel<T><<<grid, dim3(kTileCols, brrr_norm_lanes(L.cols)), 0, stream>>>(
+                L, brrr_norm_chunk_rows(L.rows));
         }
     }
     if (n_grads > 0) {
         const dim3 grid((unsigned)((L.cols + kFinalCols - 1) / kFinalCols), 2);
-        norm_finalize_kernel<T><<<grid, dim3(kFinalCols, kFinalLanes), 0, stream>>>(L, parts);
+        norm_finalize_kernel<T><<<grid, dim3(kFinalCols, kFinalLanes), 0, stream>>>(L, chunks);
     }
     return cudaSuccess;
 }

@@ -11,8 +11,10 @@
 //
 // softmax_rows_kernel    one block of at most 512 threads per row, the row in registers (PACKS
 //                        16-byte packs per thread, see max_packs): one read and one write per
-//                        element. For contiguous rows of up to 32768 elements forward and 16384
-//                        backward (float64: half as many).
+//                        element. For contiguous rows whose inputs take up to 32 KB.
+// softmax_smem_kernel    longer contiguous rows: the row in shared memory, split over a cluster
+//                        of up to 8 blocks (sm_90), loaded once with cp.async; one read and one
+//                        write per element (see the kernel).
 // softmax_stream_kernel  one block per row, two passes: an online max and sum (forward) or the dot
 //                        product (backward), then the outputs, reading the row again (from L2
 //                        where it is still there); 16-byte packs where the views allow, else
@@ -51,6 +53,11 @@ int brrr_cuda_softmax(const brrr_softmax_launch *launch, int device, void *strea
 #endif
 
 #ifdef __CUDACC__
+#include <atomic>
+#include <stdlib.h>
+#include <string.h>
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace brrr {
@@ -68,9 +75,14 @@ __device__ __forceinline__ int64_t row_off(const brrr_softmax_launch &L, int k, 
     return off;
 }
 
-template <typename A> __device__ __forceinline__ A exp_(A v);
-template <> __device__ __forceinline__ float exp_(float v) { return expf(v); }
-template <> __device__ __forceinline__ double exp_(double v) { return exp(v); }
+// exp for a result stored as TO: the hardware's ex2 (two instructions, a few float32 ulp) where
+// TO is float16 or bfloat16, whose rounding hides that; expf (about ten, under an ulp) for a
+// float32 result, exp for float64. The half kernels' instruction count is what keeps them near
+// the memory floor: three exps an element forward cost more than the bytes of a bfloat16 row.
+template <typename TO> __device__ __forceinline__ float exp_(float v) {
+    return std::is_same<TO, __half>::value || std::is_same<TO, __nv_bfloat16>::value ? __expf(v) : expf(v);
+}
+template <typename TO> __device__ __forceinline__ double exp_(double v) { return exp(v); }
 template <typename A> __device__ __forceinline__ A log_(A v) { return log(v); }
 template <> __device__ __forceinline__ float log_(float v) { return logf(v); }
 
@@ -97,30 +109,23 @@ __device__ __forceinline__ A block_reduce(A v, A *scratch) {
 // Online softmax state: running max m and sum of exp(v - m).
 template <typename A> struct Online { A m, s; };
 
-template <typename A>
+template <typename TO, typename A>
 __device__ __forceinline__ void absorb(Online<A> &o, A v) {
     if (v > o.m) {
-        o.s *= exp_(o.m - v);
+        o.s *= exp_<TO>(o.m - v);
         o.m = v;
     }
-    o.s += exp_(v - o.m);
-}
-
-template <typename A>
-__device__ __forceinline__ Online<A> merge(Online<A> a, Online<A> b) {
-    const A m = fmax(a.m, b.m);
-    return {m, a.s * exp_(a.m - m) + b.s * exp_(b.m - m)};
+    o.s += exp_<TO>(v - o.m);
 }
 
 // Elements per 16-byte access of the wider of the two dtypes.
 template <typename TX, typename TY> constexpr int pack_elems() { return 16 / (sizeof(TX) > sizeof(TY) ? sizeof(TX) : sizeof(TY)); }
 
-// Packs per thread that the row kernel keeps in registers without spilling at 512 threads (128
-// registers each): 64 registers of values forward, twice 32 backward (y and grad_y). One such
-// block fills an SM's register file; its 16-byte loads, all issued before the first reduction,
-// keep enough bytes in flight.
+// Packs per thread that the row kernel keeps in registers: 32 registers of values forward, twice
+// 16 backward (y and grad_y), which hold the 32 KB rows it takes (launch_typed) at 512 threads.
+// At twice that, bfloat16's forward spilled (ptxas, sm_90).
 template <typename TX, typename TY, bool kBackward> constexpr int max_packs() {
-    constexpr int n = 64 / (kBackward ? 2 : 1) / (int)(sizeof(typename Compute<TX>::type) / 4) / pack_elems<TX, TY>();
+    constexpr int n = 32 / (kBackward ? 2 : 1) / (int)(sizeof(typename Compute<TX>::type) / 4) / pack_elems<TX, TY>();
     return sizeof(TX) == 8 && n > 4 ? 4 : n;  // float64's address arithmetic spills beyond
 }
 
@@ -150,7 +155,7 @@ __global__ void __launch_bounds__(512) softmax_rows_kernel(const brrr_softmax_la
         m = block_reduce<true>(m, scratch);
         A s = A(0);
 #pragma unroll
-        for (int j = 0; j < PACKS * P; ++j) s += exp_(a[j] - m);  // 0 for the padding
+        for (int j = 0; j < PACKS * P; ++j) s += exp_<TY>(a[j] - m);  // 0 for the padding
         s = block_reduce<false>(s, scratch);
         const A shift = m + log_(s), inv = A(1) / s;
         TY *y = static_cast<TY *>(L.out) + row_off(L, 2, r);
@@ -159,7 +164,7 @@ __global__ void __launch_bounds__(512) softmax_rows_kernel(const brrr_softmax_la
             if (!have[k]) continue;
             A v[P];
 #pragma unroll
-            for (int j = 0; j < P; ++j) v[j] = L.log ? a[k * P + j] - shift : exp_(a[k * P + j] - m) * inv;
+            for (int j = 0; j < P; ++j) v[j] = L.log ? a[k * P + j] - shift : exp_<TY>(a[k * P + j] - m) * inv;
             store_pack<TY, P>(y + (threadIdx.x + (int64_t)k * blockDim.x) * P, v);
         }
         return;
@@ -185,7 +190,7 @@ __global__ void __launch_bounds__(512) softmax_rows_kernel(const brrr_softmax_la
         A v[P];
 #pragma unroll
         for (int j = 0; j < P; ++j)
-            v[j] = L.log ? b[k * P + j] - exp_(a[k * P + j]) * dot : a[k * P + j] * (b[k * P + j] - dot);
+            v[j] = L.log ? b[k * P + j] - exp_<TX>(a[k * P + j]) * dot : a[k * P + j] * (b[k * P + j] - dot);
         store_pack<TX, P>(gx + (threadIdx.x + (int64_t)k * blockDim.x) * P, v);
     }
 }
@@ -217,17 +222,17 @@ __global__ void __launch_bounds__(1024) softmax_stream_kernel(const brrr_softmax
             A v[P];
             load_at<TX, P>(x, c, cx, v);
 #pragma unroll
-            for (int j = 0; j < P; ++j) absorb(o, v[j]);
+            for (int j = 0; j < P; ++j) absorb<TY>(o, v[j]);
         }
         const A m = block_reduce<true>(o.m, scratch);
-        const A s = block_reduce<false>(o.s * exp_(o.m - m), scratch);
+        const A s = block_reduce<false>(o.s * exp_<TY>(o.m - m), scratch);
         const A shift = m + log_(s), inv = A(1) / s;
         TY *y = static_cast<TY *>(L.out) + row_off(L, 2, r);
         for (int64_t c = threadIdx.x * P; c < n; c += step) {
             A v[P];
             load_at<TX, P>(x, c, cx, v);
 #pragma unroll
-            for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_(v[j] - m) * inv;
+            for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_<TY>(v[j] - m) * inv;
             store_at<TY, P>(y, c, cy, v);
         }
         return;
@@ -250,8 +255,158 @@ __global__ void __launch_bounds__(1024) softmax_stream_kernel(const brrr_softmax
         load_at<TY, P>(y, c, cy, v);
         load_at<TY, P>(gy, c, cg, g);
 #pragma unroll
-        for (int j = 0; j < P; ++j) v[j] = L.log ? g[j] - exp_(v[j]) * dot : v[j] * (g[j] - dot);
+        for (int j = 0; j < P; ++j) v[j] = L.log ? g[j] - exp_<TX>(v[j]) * dot : v[j] * (g[j] - dot);
         store_at<TX, P>(gx, c, cx, v);
+    }
+}
+
+// ---- a row in shared memory, over a cluster of blocks -------------------------------------------
+
+constexpr int kSmemThreads = 512, kMaxCluster = 8;
+constexpr int64_t kSliceAlign = 16;  // elements: every slice starts 16-byte aligned in every dtype
+
+// BYTES (4, 8 or 16) from global to shared memory with cp.async; see copy_async_wait.
+template <int BYTES> __device__ __forceinline__ void copy_async_bytes(void *smem, const void *gmem) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    if constexpr (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(gmem), "n"(BYTES) : "memory");
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Cluster barriers (every thread of every block of the cluster), and a store into the shared
+// memory of block `rank` of the cluster at the address `local` has in this block.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_map(const void *local, unsigned rank) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+                 : "=r"(remote)
+                 : "r"(static_cast<unsigned>(__cvta_generic_to_shared(local))), "r"(rank));
+    return remote;
+}
+__device__ __forceinline__ void cluster_store(unsigned remote, float v) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(v) : "memory");
+}
+__device__ __forceinline__ void cluster_store(unsigned remote, double v) {
+    asm volatile("st.shared::cluster.f64 [%0], %1;\n" ::"r"(remote), "d"(v) : "memory");
+}
+#endif
+
+// The row held in shared memory, loaded once (cp.async), read from there by every pass: one read
+// and one write per element. A row is split over a cluster of `cluster` blocks (sm_90; one block
+// elsewhere), block `rank` holding columns [rank * slice, (rank + 1) * slice) (forward: x;
+// backward: y and grad_y), so that its share fits beside other blocks in an SM and rows overlap.
+// Each block reduces its slice (forward: the max, then the sum of exp(x - max); backward: the dot
+// product), stores its partial into every block of the cluster (distributed shared memory) and,
+// after one cluster barrier, merges the cluster's partials in rank order: the same bits in every
+// block. Then it writes its slice's outputs. A block's first cluster barrier (arrive early, wait
+// before the first remote store) makes sure that every block of the cluster runs; after the
+// second, nothing touches another block's memory, so each may exit. Assumes packable(L).
+template <typename TX, typename TY, bool kBackward>
+__global__ void __launch_bounds__(kSmemThreads) softmax_smem_kernel(const brrr_softmax_launch L, const int cluster,
+                                                                     const int64_t slice) {
+    using A = typename Compute<TX>::type;
+    using TI = typename std::conditional<kBackward, TY, TX>::type;  // what is read: x, or y and grad_y
+    using TO = typename std::conditional<kBackward, TX, TY>::type;
+    constexpr int P = pack_elems<TX, TY>();
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ A scratch[32];
+    __shared__ A parts[kMaxCluster][2];
+    const int rank = (int)(blockIdx.x % (unsigned)cluster);
+    const int64_t r = blockIdx.x / (unsigned)cluster, begin = (int64_t)rank * slice;
+    const int64_t n = begin >= L.cols ? 0 : (L.cols - begin < slice ? L.cols - begin : slice);
+    const int64_t step = (int64_t)blockDim.x * P;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cluster > 1) cluster_arrive_relaxed();
+#endif
+    TI *in0 = reinterpret_cast<TI *>(smem), *in1 = in0 + slice;
+    const TI *src0 = static_cast<const TI *>(L.in[0]) + row_off(L, 0, r) + begin;
+    const TI *src1 = kBackward ? static_cast<const TI *>(L.in[1]) + row_off(L, 1, r) + begin : nullptr;
+    for (int64_t c = threadIdx.x * P; c < n; c += step) {
+        copy_async_bytes<P * (int)sizeof(TI)>(in0 + c, src0 + c);
+        if (kBackward) copy_async_bytes<P * (int)sizeof(TI)>(in1 + c, src1 + c);
+    }
+    copy_async_commit();
+    copy_async_wait<0>();
+    __syncthreads();
+    // This block's partial: (max, sum of exp(x - max)) forward, (dot, unused) backward.
+    A part0, part1 = A(0);
+    if (!kBackward) {
+        A m = lowest<A>();
+        for (int64_t c = threadIdx.x * P; c < n; c += step) {
+            A v[P];
+            load_pack<TI, P>(in0 + c, v);
+#pragma unroll
+            for (int j = 0; j < P; ++j) m = fmax(m, v[j]);
+        }
+        m = block_reduce<true>(m, scratch);
+        A s = A(0);
+        for (int64_t c = threadIdx.x * P; c < n; c += step) {
+            A v[P];
+            load_pack<TI, P>(in0 + c, v);
+#pragma unroll
+            for (int j = 0; j < P; ++j) s += exp_<TO>(v[j] - m);
+        }
+        part0 = m;
+        part1 = block_reduce<false>(s, scratch);
+    } else {
+        A dot = A(0);
+        for (int64_t c = threadIdx.x * P; c < n; c += step) {
+            A y[P], g[P];
+            load_pack<TI, P>(in0 + c, y);
+            load_pack<TI, P>(in1 + c, g);
+#pragma unroll
+            for (int j = 0; j < P; ++j) dot += L.log ? g[j] : g[j] * y[j];
+        }
+        part0 = block_reduce<false>(dot, scratch);
+    }
+    // The row's: the cluster's partials merged in rank order.
+    A total0 = part0, total1 = part1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cluster > 1) {
+        cluster_wait();
+        if (threadIdx.x < (unsigned)cluster) {
+            const unsigned remote = cluster_map(&parts[rank][0], threadIdx.x);
+            cluster_store(remote, part0);
+            cluster_store(remote + sizeof(A), part1);
+        }
+        cluster_sync();
+        if (!kBackward) {
+            total0 = parts[0][0];
+            for (int k = 1; k < cluster; ++k) total0 = fmax(total0, parts[k][0]);
+            total1 = A(0);
+            for (int k = 0; k < cluster; ++k) total1 += parts[k][1] * exp_<TO>(parts[k][0] - total0);
+        } else {
+            total0 = parts[0][0];
+            for (int k = 1; k < cluster; ++k) total0 += parts[k][0];
+        }
+    }
+#endif
+    TO *out = static_cast<TO *>(L.out) + row_off(L, 2, r) + begin;
+    if (!kBackward) {
+        const A m = total0, shift = m + log_(total1), inv = A(1) / total1;
+        for (int64_t c = threadIdx.x * P; c < n; c += step) {
+            A v[P];
+            load_pack<TI, P>(in0 + c, v);
+#pragma unroll
+            for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_<TO>(v[j] - m) * inv;
+            store_pack<TO, P>(out + c, v);
+        }
+    } else {
+        const A dot = total0;
+        for (int64_t c = threadIdx.x * P; c < n; c += step) {
+            A y[P], g[P];
+            load_pack<TI, P>(in0 + c, y);
+            load_pack<TI, P>(in1 + c, g);
+#pragma unroll
+            for (int j = 0; j < P; ++j) y[j] = L.log ? g[j] - exp_<TO>(y[j]) * dot : y[j] * (g[j] - dot);
+            store_pack<TO, P>(out + c, y);
+        }
     }
 }
 
@@ -278,11 +433,77 @@ void launch_rows(const brrr_softmax_launch &L, int threads, cudaStream_t stream)
         softmax_rows_kernel<TX, TY, kBackward, PACKS><<<L.rows, threads, 0, stream>>>(L);
 }
 
+// A device attribute, kept per device (the runtime call costs host time on every launch).
+inline int device_attribute(cudaDeviceAttr attr, int device) {
+    static std::atomic<int> kept[2][64];
+    const int which = attr == cudaDevAttrComputeCapabilityMajor ? 0 : 1;
+    int v = device >= 0 && device < 64 ? kept[which][device].load(std::memory_order_relaxed) : 0;
+    if (v == 0) {
+        if (cudaDeviceGetAttribute(&v, attr, device) != cudaSuccess || v <= 0) return 0;
+        if (device >= 0 && device < 64) kept[which][device].store(v, std::memory_order_relaxed);
+    }
+    return v;
+}
+
+// softmax_smem_kernel for this launch, or false when the row does not fit: a cluster of the
+// fewest blocks (a power of two, up to kMaxCluster; one without clusters, before sm_90) that
+// hold it at up to 64 KB each, so that three share an SM; past kMaxCluster, as much as one
+// block may hold.
 template <typename TX, typename TY, bool kBackward>
-cudaError_t launch_typed(const brrr_softmax_launch &L, cudaStream_t stream) {
+bool launch_smem(const brrr_softmax_launch &L, int device, cudaStream_t stream, cudaError_t *err) {
+    using A = typename Compute<TX>::type;
+    using TI = typename std::conditional<kBackward, TY, TX>::type;
+    const int64_t per_col = (kBackward ? 2 : 1) * (int64_t)sizeof(TI);
+    const int max_cluster = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 ? kMaxCluster : 1;
+    auto slice_of = [&](int c) { return ((L.cols + c - 1) / c + kSliceAlign - 1) / kSliceAlign * kSliceAlign; };
+    int cluster = 1;
+    while (cluster < max_cluster && slice_of(cluster) * per_col > (64 << 10)) cluster *= 2;
+    const int64_t slice = slice_of(cluster), bytes = slice * per_col;
+    const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device) -
+                          (int64_t)(sizeof(A) * (32 + 2 * kMaxCluster));
+    if (bytes > limit || L.rows * cluster > INT32_MAX) return false;
+    auto kernel = softmax_smem_kernel<TX, TY, kBackward>;
+    static std::atomic<int64_t> allowed{0};  // the kernel's dynamic shared-memory limit, raised as needed
+    if (bytes > 48 * 1024 && bytes > allowed.load(std::memory_order_relaxed)) {
+        *err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)limit);
+        if (*err != cudaSuccess) return true;
+        allowed.store(limit, std::memory_order_relaxed);
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)(L.rows * cluster));
+    cfg.blockDim = dim3(kSmemThreads);
+    cfg.dynamicSmemBytes = (size_t)bytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = (unsigned)cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = cluster > 1 ? 1 : 0;
+    *err = cudaLaunchKernelEx(&cfg, kernel, L, cluster, slice);
+    return true;
+}
+
+// Rows whose inputs take more than 32 KB (forward: x; backward: y and grad_y) go to the
+// shared-memory kernel, shorter ones to the register kernel, unaligned or strided ones to the
+// streaming kernel. BRRR_SOFTMAX_KERNEL=rows, smem or stream picks one where it applies (for
+// measurements).
+template <typename TX, typename TY, bool kBackward>
+cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t stream) {
     constexpr int P = pack_elems<TX, TY>(), kMax = max_packs<TX, TY, kBackward>();
-    const int64_t packs = L.cols / P;
-    if (packable<TX, TY>(L) && packs <= 512 * kMax) {
+    using TI = typename std::conditional<kBackward, TY, TX>::type;
+    const int64_t packs = L.cols / P, held = L.cols * (kBackward ? 2 : 1) * (int64_t)sizeof(TI);
+    const char *force = getenv("BRRR_SOFTMAX_KERNEL");
+    const bool pack = packable<TX, TY>(L);
+    const bool rows_fit = pack && packs <= 512 * kMax;
+    const bool want_smem = force ? strcmp(force, "smem") == 0 : held > (32 << 10);
+    const bool want_rows = force ? strcmp(force, "rows") == 0 : true;
+    if (pack && want_smem) {
+        cudaError_t err = cudaSuccess;
+        if (launch_smem<TX, TY, kBackward>(L, device, stream, &err)) return err != cudaSuccess ? err : cudaGetLastError();
+    }
+    if (rows_fit && want_rows) {
         // As many packs per thread as keep 64 threads or more on the row: several 16-byte loads in
         // flight per thread, and small blocks, so that several rows share an SM and one row's
         // reductions overlap another's loads.
@@ -298,15 +519,15 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, cudaStream_t stream) {
         }
     } else {
         const int threads = L.cols >= 1024 * 4 ? 1024 : L.cols >= 256 * 4 ? 256 : 128;
-        if (packable<TX, TY>(L)) softmax_stream_kernel<TX, TY, P><<<L.rows, threads, 0, stream>>>(L);
+        if (pack) softmax_stream_kernel<TX, TY, P><<<L.rows, threads, 0, stream>>>(L);
         else softmax_stream_kernel<TX, TY, 1><<<L.rows, threads, 0, stream>>>(L);
     }
     return cudaGetLastError();
 }
 
 template <typename TX, typename TY>
-cudaError_t launch(const brrr_softmax_launch &L, cudaStream_t stream) {
-    return L.backward ? launch_typed<TX, TY, true>(L, stream) : launch_typed<TX, TY, false>(L, stream);
+cudaError_t launch(const brrr_softmax_launch &L, int device, cudaStream_t stream) {
+    return L.backward ? launch_typed<TX, TY, true>(L, device, stream) : launch_typed<TX, TY, false>(L, device, stream);
 }
 
 }  // namespace softmax

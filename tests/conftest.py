@@ -59,3 +59,20 @@ def brrr_cpu_threads(request):
     yield
     brrr.set_num_threads(threads)
     brrr._C.set_thread_grain(grain)
+
+
+@pytest.fixture(autouse=True)
+def cuda_state_after_a_failed_capture(request):
+    """A CUDA graph capture that fails inside a test leaves PyTorch's default CUDA generator in
+    capture mode and the capture stream current; without this every later random draw in the
+    process fails ("Offset increment outside graph capture"), and one failure reads as dozens.
+    Put both right after a CUDA test (brrr.capture_step does the same after its own failures)."""
+    yield
+    if "cuda" not in request.keywords or not HAVE_CUDA:
+        return
+    try:
+        torch.empty(1, device="cuda").uniform_()
+    except RuntimeError:
+        from brrr.graphs import _recover_from_failed_capture
+
+        _recover_from_failed_capture(torch.cuda.default_stream(), ())

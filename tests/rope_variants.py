@@ -1,7 +1,9 @@
 """Attention modules whose rotary embedding brrr.patch must treat with care, as transformers
 writes them: GPT-NeoX's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) rotates only the
 first cos.shape[-1] dims of each head (partial rotary), and some models keep heads in dim 2 and
-pass unsqueeze_dim=2 by position."""
+pass unsqueeze_dim=2 by position. STYLES: the other forms of the function, as Cohere (interleaved
+pairs, in float32) and GLM (interleaved pairs, each pair's angle from the first half of the
+given ones, partial) write them, and a look-alike turning the other way."""
 
 import torch
 import torch.nn as nn
@@ -18,6 +20,39 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     q_embed = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
     k_embed = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
     return q_embed, k_embed
+
+
+def rotate_interleaved(x):
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rotary_pos_emb_cohere(q, k, cos, sin, unsqueeze_dim=1):
+    dtype = q.dtype
+    q, k = q.float(), k.float()
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return ((q * cos + rotate_interleaved(q) * sin).to(dtype), (k * cos + rotate_interleaved(k) * sin).to(dtype))
+
+
+def apply_rotary_pos_emb_glm(q, k, cos, sin, unsqueeze_dim=1):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = torch.cat([q_rot * cos + rotate_interleaved(q_rot) * sin, q_pass], dim=-1)
+    k_embed = torch.cat([k_rot * cos + rotate_interleaved(k_rot) * sin, k_pass], dim=-1)
+    return q_embed, k_embed
+
+
+def apply_rotary_pos_emb_backwards(q, k, cos, sin, unsqueeze_dim=1):
+    """Interleaved pairs turned the other way: no rotary embedding brrr knows."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos - rotate_interleaved(q) * sin, k * cos - rotate_interleaved(k) * sin
+
+
+STYLES = {"neox": apply_rotary_pos_emb, "cohere": apply_rotary_pos_emb_cohere, "glm": apply_rotary_pos_emb_glm,
+          "backwards": apply_rotary_pos_emb_backwards}
 
 
 class VariantAttention(nn.Module):

@@ -98,8 +98,8 @@ CUSTOM_OPS = {
     "glu": lambda x: torch.ops.brrr.glu(x, None, "silu"),
     "layer_norm": lambda x: torch.ops.brrr.layer_norm(x, [6], None, None, 1e-5)[0],
     "add_layer_norm": lambda x: torch.ops.brrr.add_layer_norm(x, x.flip(-1), [6], None, None, 1e-5)[0],
-    "rms_norm": lambda x: torch.ops.brrr.rms_norm(x, [6], None, 1e-6, False)[0],
-    "add_rms_norm": lambda x: torch.ops.brrr.add_rms_norm(x, x.flip(-1), [6], None, 1e-6, True)[0],
+    "rms_norm": lambda x: torch.ops.brrr.rms_norm(x, [6], None, 1e-6, False, 0.0)[0],
+    "add_rms_norm": lambda x: torch.ops.brrr.add_rms_norm(x, x.flip(-1), [6], None, 1e-6, True, 0.0)[0],
     "cross_entropy": lambda x: torch.ops.brrr.cross_entropy(x, torch.tensor([0, 5, 2, 1]), -100, 0.0, None, 0.0, "mean")[0],
 }
 
@@ -113,7 +113,7 @@ def test_hessian_of_a_custom_op_is_refused(name):
 
 def test_linear_custom_ops_have_the_zero_hessian_of_their_sum():
     x, cos, sin = double(4, 6).requires_grad_(), double(6), double(6)
-    for fn in (lambda t: torch.ops.brrr.rotary(t, cos, sin, False),
+    for fn in (lambda t: torch.ops.brrr.rotary(t, cos, sin, False, False, 0),
                lambda t: torch.ops.brrr.bias_dropout_add(t, None, t.flip(-1), 0.5, 3, 0)):
         hessian = torch.autograd.functional.hessian(lambda t: fn(t).sum(), x)
         assert torch.equal(hessian, torch.zeros(4, 6, 4, 6, dtype=torch.float64))

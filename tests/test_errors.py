@@ -61,7 +61,8 @@ def test_program_errors():
         ((("add", "x"),), TypeError, "needs a numeric scalar"),
         ((("cos", 1.0),), ValueError, "'cos' takes no scalar"),
         ((3,), TypeError, r"argument steps\[0\]: expected an op name"),
-        (("cos",) * 17, ValueError, "at most 16 steps, got 17"),
+        ((("pow", True),), TypeError, "'pow' needs a numeric scalar: \\('pow', value\\), not a bool"),
+        (("leaky_relu",), TypeError, "'leaky_relu' needs a numeric scalar"),
         (("add_tensor",) * 5, ValueError, "at most 4 tensor steps"),
     ]
     for steps, exc, message in cases:
@@ -77,7 +78,16 @@ def test_program_errors():
 
 def test_chain_op_names_cover_the_documented_steps():
     assert set(_C.chain_op_names()) == {"relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "cos", "sin",
-                                        "add", "mul", "add_tensor", "mul_tensor"}
+                                        "add", "mul", "add_tensor", "mul_tensor", "abs", "neg", "square", "sqrt",
+                                        "rsqrt", "log", "log1p", "expm1", "reciprocal", "pow", "clamp_min", "clamp_max",
+                                        "softplus", "mish", "hardswish", "leaky_relu"}
+
+
+def test_malformed_programs_are_refused():
+    program = bytearray(brrr.chain("cos", "add_tensor").program)
+    for bad in (program[:-1], program + b"\0" * 16, program[:8] + b"\xff" * 16 + program[24:]):
+        with pytest.raises((TypeError, ValueError), match="argument program"):
+            _C.chain_fwd(np.ones(3, np.float32), None, bytes(bad), (np.ones(3, np.float32),))
 
 
 def test_failed_call_writes_nothing_into_numpy_out():

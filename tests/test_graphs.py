@@ -473,7 +473,8 @@ def test_reduce_overhead_compile_of_a_patched_model(brrr_kernels):
         explanation = torch._dynamo.explain(loss_fn)(batches[0])
         assert explanation.graph_break_count == 0, explanation.break_reasons
         ops = {str(n.target) for g in explanation.graphs for n in g.graph.nodes if str(n.target).startswith("brrr.")}
-        assert "brrr.cross_entropy.default" in ops and (len(ops) > 1) == brrr_kernels, ops
+        # the loss: brrr's fused linear cross-entropy (patch swaps the causal LM's head and loss)
+        assert "brrr.linear_cross_entropy.default" in ops and (len(ops) > 1) == brrr_kernels, ops
         torch._dynamo.reset()
         counters.clear()
         compiled = torch.compile(loss_fn, mode="reduce-overhead", fullgraph=True)

@@ -1,7 +1,8 @@
 """brrr.patch on models of a popular model library (transformers, pinned for CI in
 requirements-test.txt), built from small configs with random weights on the CPU: what it swaps
 and leaves, and logits, loss and every parameter gradient against the unpatched model, in float32
-and, for a Llama and a GPT-2, bfloat16 (the dtype's rounding: the RMSNorm cast order is the model's);
+and, for a Llama, a GPT-2, a Gemma and a Cohere, bfloat16 (the dtype's rounding: the RMSNorm cast
+order is the model's);
 and torch.compile(fullgraph=True) of each patched model without a graph break. A patched causal LM
 computes its training loss with brrr's fused linear cross-entropy and returns no logits then: its
 logits are compared from a call without labels."""
@@ -20,6 +21,7 @@ DECODER = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_
 SMALL = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 LOSS_BUILT_IN_FORWARD = "brrr.nn.CrossEntropyLoss (its forward's CrossEntropyLoss)"
 FUSED = "fused linear cross-entropy (training with labels: the loss from the head's input, logits None)"
+FUSED_PREFIX = "fused linear cross-entropy ("  # with the softcap or logit scale it takes in, where any
 # name: (config, model class, config arguments, what patch must swap, what it must leave)
 MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", DECODER,
@@ -28,17 +30,31 @@ MODELS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", DECODER,
               {"RMSNorm (llama cast order)", "gated MLP (swiglu)", "brrr rotary (its forward's apply_rotary_pos_emb)",
                FUSED}, set()),
-    # Gemma's RMSNorm scales by (1 + weight): a look-alike brrr must leave.
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", DECODER, {"gated MLP (geglu)", FUSED},
-              {("GemmaRMSNorm", "behaves like no RMSNorm")}),
+    # Gemma's RMSNorm scales by (1 + weight), in float32: brrr's rms_norm with offset=1.
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", DECODER,
+              {"RMSNorm (torch cast order, scaled by 1 + weight)", "gated MLP (geglu)", FUSED}, set()),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(DECODER, pad_token_id=0),
              {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)", FUSED}, set()),
+    # OLMo's LayerNorm has no parameters; Cohere's no bias, and its rotary pairs interleaved features,
+    # its logits scaled; GLM's rotary pairs interleaved features of half the head, angles from the first half.
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(DECODER, pad_token_id=0),
+             {"LayerNorm without weight or bias (eps 1e-05 in its forward)", "gated MLP (swiglu)",
+              "brrr rotary (its forward's apply_rotary_pos_emb)", FUSED}, set()),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(DECODER, pad_token_id=0),
+               {"LayerNorm without bias", "gated MLP (swiglu)",
+                "brrr rotary (its forward's apply_rotary_pos_emb, interleaved pairs)",
+                FUSED.replace(", logits None", ", its logit scale 0.0625 on the head's input, logits None")}, set()),
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(DECODER, pad_token_id=0),
+            {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)",
+             "brrr rotary (its forward's apply_rotary_pos_emb, interleaved pairs, angles from their first half, "
+             "partial rotary)", FUSED}, set()),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4),
              {"brrr.nn.LayerNorm", "gelu (approximate='tanh')", "loss_function: brrr causal-LM cross_entropy", FUSED},
              set()),
-    # Partial rotary (a quarter of each head): brrr's replacement hands it to the library's function.
+    # Partial rotary (a quarter of each head): brrr's rotary_dim.
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL,
-                 {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb)", FUSED}, set()),
+                 {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb, partial rotary)", FUSED},
+                 set()),
     "bert": ("BertConfig", "BertForMaskedLM", SMALL,
              {"brrr.nn.LayerNorm", "gelu", "LayerNorm with its residual add (add_layer_norm)", LOSS_BUILT_IN_FORWARD},
              {("BertForMaskedLM", "loss_function behaves like no causal-LM cross-entropy")}),
@@ -77,7 +93,7 @@ def run(model, name, tokens):
 
 
 @pytest.mark.parametrize("name,dtype", [(n, torch.float32) for n in MODELS] +
-                         [("llama", torch.bfloat16), ("gpt2", torch.bfloat16)], ids=str)
+                         [(n, torch.bfloat16) for n in ("llama", "gpt2", "gemma", "cohere")], ids=str)
 def test_patched_model_matches_the_unpatched_one(name, dtype):
     base = build(name, dtype)
     patched = copy.deepcopy(base)
@@ -90,7 +106,7 @@ def test_patched_model_matches_the_unpatched_one(name, dtype):
     p_logits, p_loss, p_grads, p_with_labels = run(patched, name, tokens)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(p_logits, logits, **tol)
-    fused = FUSED in {what for _, _, what in report.swapped}
+    fused = any(what.startswith(FUSED_PREFIX) for _, _, what in report.swapped)
     assert (p_with_labels is None) == fused and with_labels is not None
     if not fused:
         torch.testing.assert_close(p_with_labels, with_labels, **tol)
@@ -124,7 +140,8 @@ def test_patched_model_compiles_without_graph_breaks(name):
         ops = {str(n.target) for g in explanation.graphs for n in g.graph.nodes}
         swapped = {what for _, _, what in report.swapped}
         swaps_loss = any("CrossEntropyLoss" in what or "loss_function" in what for what in swapped)
-        loss_op = "brrr.linear_cross_entropy.default" if FUSED in swapped else "brrr.cross_entropy.default"
+        fused = any(what.startswith(FUSED_PREFIX) for what in swapped)
+        loss_op = "brrr.linear_cross_entropy.default" if fused else "brrr.cross_entropy.default"
         assert (loss_op in ops) == swaps_loss  # brrr's kernel under compile by default
         compiled = torch.compile(loss_of, fullgraph=True, backend="aot_eager")(tokens)
         eager = loss_of(tokens)

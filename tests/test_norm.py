@@ -1,11 +1,14 @@
 """LayerNorm and RMSNorm (brrr.layer_norm, rms_norm, add_layer_norm, add_rms_norm): outputs and
 every gradient against float64 torch.nn.functional on fresh random inputs; odd sizes, row counts
 that leave partial blocks, non-contiguous views, inputs offset by 1e4, fp32 weights for half
-inputs, the Llama cast order; gradcheck, determinism, opcheck, torch.compile, argument errors.
+inputs, the Llama cast order, RMSNorm's weight offset (Gemma's 1 + weight); gradcheck,
+determinism, opcheck, torch.compile, argument errors.
 
 On CUDA the sizes cover every kernel: the register-row path with 16-byte packs (768, 16384) and
 with single elements (3, 127, 4097), the generic path (65536, 8193, strided columns).
 """
+
+import math
 
 import numpy as np
 import pytest
@@ -39,9 +42,12 @@ def default_eps(kind, dtype):
     return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
 
 
-def reference(kind, dtype, x, residual, normalized_shape, weight=None, bias=None, eps=None, llama=False):
+def reference(kind, dtype, x, residual, normalized_shape, weight=None, bias=None, eps=None, llama=False, offset=0.0):
     """brrr's op in float64 on float64 leaves holding the same values: (out, h), where h is the
-    normalised input (x + residual rounded to dtype for the fused forms, else x)."""
+    normalised input (x + residual rounded to dtype for the fused forms, else x). offset: added to
+    the weight (RMSNorm)."""
+    if offset:
+        weight = weight + offset
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     h = x if residual is None else straight_round(x + residual, dtype)
@@ -59,8 +65,12 @@ def reference(kind, dtype, x, residual, normalized_shape, weight=None, bias=None
     return (y if weight is None else y * weight), h
 
 
-def call(kind, x, residual, normalized_shape, weight=None, bias=None, eps=None, cast_order="torch"):
-    """brrr's op: (out, h) with h = None for the plain forms."""
+def call(kind, x, residual, normalized_shape, weight=None, bias=None, eps=None, cast_order="torch", offset=0.0):
+    """brrr's op: (out, h) with h = None for the plain forms; offset only where given (RMSNorm)."""
+    if offset:
+        if residual is None:
+            return brrr.rms_norm(x, normalized_shape, weight, eps, cast_order=cast_order, offset=offset), None
+        return brrr.add_rms_norm(x, residual, normalized_shape, weight, eps, cast_order=cast_order, offset=offset)
     if kind == "layer_norm":
         eps = 1e-5 if eps is None else eps
         if residual is None:
@@ -107,14 +117,14 @@ def params(kind, affine, cols_shape, dtype, device, param_dtype=None):
     return w, b
 
 
-def compare(kind, dtype, x, residual, ns, weight, bias, eps=None, cast_order="torch", slack=1.0, grads=True):
+def compare(kind, dtype, x, residual, ns, weight, bias, eps=None, cast_order="torch", slack=1.0, grads=True, offset=0.0):
     """Run brrr and the reference on the same values; compare outputs and every gradient."""
     # detach() keeps each view's strides (clone() would densify strided views)
     leaves = [t if t is None else t.detach().requires_grad_(grads) for t in (x, residual, weight, bias)]
     refs = [t if t is None else t.detach().to("cpu", torch.float64).requires_grad_(grads)
             for t in (x, residual, weight, bias)]
-    out, h = call(kind, leaves[0], leaves[1], ns, leaves[2], leaves[3], eps, cast_order)
-    ref_out, ref_h = reference(kind, dtype, refs[0], refs[1], ns, refs[2], refs[3], eps, cast_order == "llama")
+    out, h = call(kind, leaves[0], leaves[1], ns, leaves[2], leaves[3], eps, cast_order, offset)
+    ref_out, ref_h = reference(kind, dtype, refs[0], refs[1], ns, refs[2], refs[3], eps, cast_order == "llama", offset)
     check("out", out, ref_out, dtype, slack)
     assert out.dtype == x.dtype and out.shape == x.shape
     if h is not None:
@@ -130,7 +140,8 @@ def compare(kind, dtype, x, residual, ns, weight, bias, eps=None, cast_order="to
         upstream.append(g_h)
     torch.autograd.backward(outputs, upstream)
     torch.autograd.backward(ref_outputs, [g.to("cpu", torch.float64) for g in upstream])
-    scales = gradient_scales(kind, dtype, ref_h.detach(), ns, refs[2], eps, [g.to("cpu", torch.float64) for g in upstream])
+    scales = gradient_scales(kind, dtype, ref_h.detach(), ns, None if refs[2] is None else refs[2] + offset, eps,
+                             [g.to("cpu", torch.float64) for g in upstream])
     for name, leaf, ref, scale in zip(("grad_x", "grad_residual", "grad_weight", "grad_bias"), leaves, refs, scales):
         if leaf is not None:
             check(name, leaf.grad, ref.grad, dtype, slack, scale)
@@ -154,6 +165,61 @@ def test_matches_torch(device, dtype, kind, cols, rows, affine):
     x = random((rows, cols), dtype, device)
     w, b = params(kind, affine, (cols,), dtype, device)
     compare(kind, dtype, x, None, (cols,), w, b)
+
+
+# The CUDA backward's block shapes switch with the row length: the lanes of its summation order
+# halve past 1024, 2048 and 4096 columns (brrr_norm_lanes), the threads of a row round up to 32s
+# past 32 packs, a thread holds 16 elements past 8192 (bfloat16; float32 past 4096 at 4 a pack),
+# and rows past 1024 threads at that go to the generic kernels. Rows: 37 leave the last chunk
+# of 8 rows short of the lanes; 3001 make 251 chunks of 12.
+EDGE_COLS = [1, 3, 8, 9, 127, 256, 257, 1023, 1024, 1025, 2047, 2048, 2049, 4095, 4096, 4097, 8191, 8192,
+             8200, 16384, 16392, 65537]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cols", EDGE_COLS)
+def test_backward_block_shape_edges(device, dtype, kind, cols):
+    for rows in (37, 3001) if device == "cuda" and cols <= 16392 else (37,):
+        x = random((rows, cols), dtype, device)
+        w, b = params(kind, "both", (cols,), dtype, device)
+        compare(kind, dtype, x, None, (cols,), w, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cols", [9, 768, 1024, 1025, 2049, 4096, 4097, 8192, 16384])
+@pytest.mark.parametrize("residual", [False, True])
+def test_parameter_gradients_are_the_same_bits_on_every_path(kind, cols, residual):
+    """grad_weight and grad_bias are summed in an order fixed by the shape (brrr_cuda.h): on the
+    16-byte fast path, its single-element form (rows misaligned by one element) and the generic
+    kernels (strided columns) each run gives the same bits as the last, and the paths agree to
+    rounding (not bitwise: each forward path sums the row statistics in its own order, and the
+    backward reads them)."""
+    dtype, rows = torch.bfloat16, 2053
+    x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
+    r = random((rows, cols), dtype, "cuda") if residual else None
+    w, b = params(kind, "both", (cols,), torch.float32, "cuda")
+
+    def grads(layout):
+        def place(t):
+            if t is None or layout == "aligned":
+                return t
+            if layout == "misaligned":  # rows one element off 16 bytes
+                return torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")[1:].view(t.shape).copy_(t)
+            return torch.empty(rows, 2 * cols, dtype=t.dtype, device="cuda")[:, ::2].copy_(t)  # strided columns
+        leaves = [t if t is None else t.detach().requires_grad_() for t in (place(x), place(r), w, b)]
+        out, h = call(kind, leaves[0], leaves[1], (cols,), leaves[2], leaves[3])
+        torch.autograd.backward([out] + ([h] if h is not None else []), [place(g)] + ([place(g)] if h is not None else []))
+        return [t.grad for t in leaves[2:] if t is not None]
+
+    expected = grads("aligned")
+    for layout in ("aligned", "misaligned", "strided"):
+        first = grads(layout)
+        for got, again, want in zip(first, grads(layout), expected):
+            assert torch.equal(got, again), layout
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()), msg=layout)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -190,6 +256,48 @@ def test_llama_cast_order_is_hugging_faces(device, dtype):
     ours = brrr.rms_norm(x, (512,), w, eps, cast_order="llama")
     ulp = torch.finfo(dtype).eps * hf.float().abs().clamp_min(torch.finfo(dtype).tiny)
     assert ((ours.float() - hf.float()).abs() <= 2 * ulp).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cols", [1, 3, 127, 768, 4097, 65536])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cast_order", ["torch", "llama"])
+def test_weight_offset(device, dtype, cols, residual, cast_order):
+    """RMSNorm of weight + offset (offset 1: Gemma's), every gradient; the weight's is the same
+    function of dy and xhat as without it. Every kernel path: packs (768, 65536 is generic),
+    single elements (3, 127, 4097)."""
+    rows = min(SIZES[cols], 64)
+    x = random((rows, cols), dtype, device)
+    r = random((rows, cols), dtype, device) if residual else None
+    w = random((cols,), dtype, device, -0.5, 0.5)
+    for offset in (1.0, -2.5):
+        compare("rms_norm", dtype, x, r, (cols,), w, None, cast_order=cast_order, offset=offset)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_weight_offset_layouts_and_float32_weights(device, dtype):
+    """The offset on strided views and strided weights, and on float32 weights for half inputs."""
+    for name, x, ns in _views(device, dtype):
+        w = random((3 * math.prod(ns),), dtype, device, -0.5, 0.5)[::3].reshape(ns)
+        compare("rms_norm", dtype, x, None, ns, w, None, offset=1.0)
+        compare("rms_norm", dtype, x, random(x.shape, dtype, device), ns, w.float(), None, offset=1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_weight_offset_is_gemmas(device, dtype):
+    """Gemma's RMSNorm as Hugging Face writes it (x * rsqrt(mean(x^2) + eps) * (1 + weight), all
+    in float32, cast once), computed by torch: within one rounding of the storage dtype."""
+    x, w = random((37, 512), dtype, device), random((512,), dtype, device, -0.5, 0.5)
+    eps = 1e-6
+    hidden = x.float()
+    gemma = (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).to(dtype)
+    ours = brrr.rms_norm(x, (512,), w, eps, offset=1.0)
+    ulp = torch.finfo(dtype).eps * gemma.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((ours.float() - gemma.float()).abs() <= ulp).all()
+    assert not torch.equal(ours, brrr.rms_norm(x, (512,), w, eps))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -242,7 +350,7 @@ def test_saved_statistics(device, dtype, kind):
         var = x64.var(-1, unbiased=False)
         check("mean", mean, x64.mean(-1) - x64[..., 0], torch.float32 if dtype != torch.float64 else dtype)
     else:
-        _, rstd = torch.ops.brrr.rms_norm(x, [96], None, 1e-5, False)
+        _, rstd = torch.ops.brrr.rms_norm(x, [96], None, 1e-5, False, 0.0)
         var = x64.pow(2).mean(-1)
     assert rstd.shape == (5, 7) and rstd.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     check("rstd", rstd, (var + 1e-5).rsqrt(), torch.float32 if dtype != torch.float64 else dtype)
@@ -396,6 +504,11 @@ def test_gradcheck(kind, cast_order, residual):
 
     assert torch.autograd.gradcheck(f, (x, r, w, b))
     assert torch.autograd.gradcheck(lambda x: call(kind, x, None, ns)[0], (x,))
+    if kind == "rms_norm":
+        def g(x, r, w):
+            out, h = call(kind, x, r if residual else None, ns, w, None, 1e-5, cast_order, offset=1.0)
+            return out if h is None else (out, h)
+        assert torch.autograd.gradcheck(g, (x, r, w))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -432,17 +545,18 @@ def test_opcheck(device):
     torch.library.opcheck(ops.layer_norm.default, (x, [32], w, b, 1e-5))
     torch.library.opcheck(ops.layer_norm.default, (x, [5, 32], None, None, 1e-5))
     torch.library.opcheck(ops.add_layer_norm.default, (x, r, [32], w, b, 1e-5))
-    torch.library.opcheck(ops.rms_norm.default, (x, [32], w, 1e-6, False))
-    torch.library.opcheck(ops.rms_norm.default, (x, [32], w, 1e-6, True))
-    torch.library.opcheck(ops.add_rms_norm.default, (x, r, [32], w, 1e-6, False))
+    torch.library.opcheck(ops.rms_norm.default, (x, [32], w, 1e-6, False, 0.0))
+    torch.library.opcheck(ops.rms_norm.default, (x, [32], w, 1e-6, True, 0.0))
+    torch.library.opcheck(ops.rms_norm.default, (x, [32], w, 1e-6, False, 1.0))
+    torch.library.opcheck(ops.add_rms_norm.default, (x, r, [32], w, 1e-6, False, 1.0))
     with torch.no_grad():
         _, mean, rstd = ops.layer_norm(x, [32], w, b, 1e-5)
-        _, rms_rstd = ops.rms_norm(x, [32], w, 1e-6, False)
+        _, rms_rstd = ops.rms_norm(x, [32], w, 1e-6, False, 1.0)
     g = random(x.shape, torch.float32, device)
     torch.library.opcheck(ops.norm_backward.default, (x.detach(), g, None, w.detach(), b.detach(), mean, rstd, 1,
-                                                      False, True, True))
+                                                      False, 0.0, True, True))
     torch.library.opcheck(ops.norm_backward.default, (x.detach(), g, g, w.detach(), None, None, rms_rstd, 1, False,
-                                                      True, False))
+                                                      1.0, True, False))
 
 
 def test_torch_compile_traces_without_graph_breaks():
@@ -524,6 +638,15 @@ def test_argument_errors():
         brrr.add_rms_norm(x, x.double(), (8,))
     with pytest.raises(ValueError, match="cast_order"):
         brrr.rms_norm(x, (8,), cast_order="hf")
+    for fn, weight in ((lambda **kw: brrr.rms_norm(x, (8,), **kw), w),
+                       (lambda **kw: brrr.add_rms_norm(x, x, (8,), **kw), w),
+                       (lambda **kw: brrr.rms_norm(x.numpy(), (8,), **kw), w.numpy())):
+        with pytest.raises(ValueError, match="argument offset: nonzero without weight"):
+            fn(offset=1.0)
+        with pytest.raises(ValueError, match="argument offset: expected a finite float"):
+            fn(weight=weight, offset=float("inf"))
+        with pytest.raises(TypeError, match="argument offset"):
+            fn(weight=weight, offset="1")
     with pytest.raises(TypeError, match="argument x"):
         brrr.layer_norm([[1.0, 2.0]], (2,))
 

@@ -64,7 +64,7 @@ def test_op_gradients_match_the_eager_path(device):
 def test_double_backward_through_an_op_raises():
     x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(8, dtype=torch.float64, requires_grad=True)
-    y = ops.rms_norm.default(x, [8], w, 1e-6, False)[0]
+    y = ops.rms_norm.default(x, [8], w, 1e-6, False, 0.0)[0]
     (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
     assert gx.requires_grad  # recorded, so that a second backward reaches the refusal
     with pytest.raises(RuntimeError, match="no derivative"):
@@ -103,5 +103,5 @@ def test_dispatch_modes_still_see_the_op(grad):
 def test_fake_tensors_take_the_fake_kernel():
     with FakeTensorMode():
         x = torch.empty(3, 5, 16)
-        out, rstd = ops.rms_norm.default(x, [16], None, 1e-6, False)
+        out, rstd = ops.rms_norm.default(x, [16], None, 1e-6, False, 0.0)
     assert out.shape == (3, 5, 16) and rstd.shape == (3, 5)

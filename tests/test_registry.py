@@ -32,10 +32,17 @@ class LlamaStyleRMSNorm(nn.Module):
 
 
 class GemmaStyleRMSNorm(LlamaStyleRMSNorm):
-    """Scales by (1 + weight): looks like an RMSNorm, computes something else."""
+    """Scales by (1 + weight), as Gemma's RMSNorm does."""
 
     def forward(self, x):
         return super().forward(x) / self.weight * (1 + self.weight)
+
+
+class TwoPlusWeightRMSNorm(LlamaStyleRMSNorm):
+    """Scales by (2 + weight): looks like an RMSNorm, computes something else."""
+
+    def forward(self, x):
+        return super().forward(x) / self.weight * (2 + self.weight)
 
 
 class NewGELU(nn.Module):
@@ -265,17 +272,24 @@ def test_patch_leaves_other_losses_and_unpatch_restores_the_loss_function():
 
 
 def test_patch_report_leaves_look_alikes_and_unpatch_restores():
-    model = nn.Sequential(GemmaStyleRMSNorm(16), LlamaStyleRMSNorm(16), nn.Identity(), nn.Dropout(0.1))
+    model = nn.Sequential(TwoPlusWeightRMSNorm(16), LlamaStyleRMSNorm(16), nn.Identity(), nn.Dropout(0.1),
+                          GemmaStyleRMSNorm(16))
     with torch.no_grad():
         model[0].weight.add_(0.5)
-    classes = [type(m) for m in model]
+        model[4].weight.add_(0.5)
+    classes = [type(m) for m in model.eval()]  # eval: the dropout off, for the comparison below
+    x = torch.randn(3, 16)
+    expected = model(x)
     report = brrr.patch(model)
-    assert [name for name, _, _ in report.swapped] == ["1"]
-    assert ("0", "GemmaStyleRMSNorm", "behaves like no RMSNorm") in report.left
+    assert [name for name, _, _ in report.swapped] == ["1", "4"]
+    assert ("0", "TwoPlusWeightRMSNorm", "behaves like no RMSNorm (of weight or 1 + weight) and no LayerNorm without "
+            "bias") in report.left
     assert "RMSNorm (llama cast order)" in str(report)
+    assert ("4", "GemmaStyleRMSNorm", "RMSNorm (torch cast order, scaled by 1 + weight)") in report.swapped
+    torch.testing.assert_close(model(x), expected)
     again = brrr.patch(model)
     assert not again.swapped and ("1", "BrrrLlamaStyleRMSNorm", "already patched") in again.left
-    assert brrr.unpatch(model) == 1
+    assert brrr.unpatch(model) == 2
     assert [type(m) for m in model] == classes
 
 
@@ -302,6 +316,82 @@ def test_patch_matches_the_exact_formula_in_low_precision(dtype):
         str(report)  # in float32 the two orders are one function, and the first is taken
     assert model[0]._brrr_kwargs == (("approximate", "tanh"),) and model[2]._brrr_cast_order == (
         "llama" if dtype == torch.float32 else "torch")
+
+
+class OlmoStyleLayerNorm(nn.Module):
+    """OLMo's LayerNorm: no weight, no bias, torch's default eps written into the forward, in float32."""
+
+    def __init__(self, hidden, eps_in_forward=1e-5):
+        super().__init__()
+        self.normalized_shape, self.eps_in_forward = (hidden,), eps_in_forward
+
+    def forward(self, x):
+        return F.layer_norm(x.float(), self.normalized_shape, None, None, eps=self.eps_in_forward).to(x.dtype)
+
+
+class PlainRMSNorm(nn.Module):
+    """An RMSNorm without weight, its eps an attribute."""
+
+    def __init__(self, hidden, eps=1e-4):
+        super().__init__()
+        self.normalized_shape, self.eps = hidden, eps
+
+    def forward(self, x):
+        return F.rms_norm(x, (self.normalized_shape,), None, self.eps)
+
+
+class CohereStyleLayerNorm(nn.Module):
+    """Cohere's LayerNorm: a weight, no bias, the statistics in float32."""
+
+    def __init__(self, hidden, eps=1e-5):
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.ones(hidden)), eps
+
+    def forward(self, x):
+        h = x.float()
+        mean = h.mean(-1, keepdim=True)
+        h = (h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("remat", [False, True])
+def test_patch_takes_norms_without_weight_or_bias(dtype, remat):
+    """OLMo's LayerNorm (no parameters, its eps in the forward), an RMSNorm without weight and
+    Cohere's LayerNorm without bias run brrr's norms: outputs and gradients as before; a
+    parameter-free LayerNorm whose eps brrr cannot know (not an attribute, not torch's default)
+    is left."""
+    reset_registry()  # the suite's setting: brrr's CPU code on CPU tensors
+    torch.manual_seed(4)
+    model = nn.Sequential(OlmoStyleLayerNorm(48), nn.Linear(48, 48), PlainRMSNorm(48), nn.Linear(48, 48),
+                          CohereStyleLayerNorm(48), nn.Linear(48, 48), OlmoStyleLayerNorm(48, eps_in_forward=1e-6),
+                          nn.Linear(48, 48))
+    with torch.no_grad():
+        model[4].weight.add_(torch.randn(48) * 0.3)
+    model = model.to(dtype)
+    reference = copy.deepcopy(model)
+    report = brrr.patch(model, remat=remat)
+    swapped = [(name, why) for name, _, why in report.swapped if name in ("0", "2", "4")]
+    assert swapped == [("0", "LayerNorm without weight or bias (eps 1e-05 in its forward)"),
+                       ("2", "RMSNorm without weight or bias"), ("4", "LayerNorm without bias")], str(report)
+    assert ("6", "OlmoStyleLayerNorm", "behaves like no LayerNorm or RMSNorm without weight (eps 1e-05, no eps "
+            "attribute: torch default)") in report.left
+    if remat:  # three norms' outputs of 48 features
+        assert f"recomputes the outputs of 3 norms and 0 gated MLPs' GLUs instead of saving them for their linear " \
+               f"layers: {3 * 48 * model[1].weight.element_size()} bytes per token" in str(report), str(report)
+    x, g = torch.randn(5, 7, 48, dtype=dtype) * 2 + 1, torch.randn(5, 7, 48, dtype=dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    outs = []
+    for m in (model, reference):
+        leaf = x.clone().requires_grad_()
+        out = m(leaf)
+        grads = torch.autograd.grad(out, [leaf, *m.parameters()], g)
+        outs.append((out, grads))
+    torch.testing.assert_close(outs[0][0], outs[1][0], **tol)
+    for a, b in zip(outs[0][1], outs[1][1]):  # sums over rows: the tolerance relative to the largest
+        torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * b.abs().max().item())
+    brrr.unpatch(model)
+    assert [type(m) for m in model] == [type(m) for m in reference]
 
 
 def test_patch_takes_a_gated_mlp_with_one_gate_up_projection():

@@ -3,7 +3,9 @@
 transposed heads of an attention block), head dims whose half is not a multiple of a 16-byte
 pack (scalar path on CUDA), NumPy, errors, opcheck, torch.compile, and brrr.patch giving a
 model's attention modules brrr's rotary in place of their library's apply_rotary_pos_emb
-(tests/rope_model.py) without touching the library, and unpatch restoring them."""
+(tests/rope_model.py) without touching the library, and unpatch restoring them. The layouts:
+interleaved pairs and partial rotary (rotary_dim), with an angle per feature or per pair, against
+a float64 reference and transformers' own Cohere, GLM, ERNIE 4.5 and GPT-NeoX functions."""
 
 import copy
 import functools
@@ -187,7 +189,10 @@ def test_opcheck_and_compile(device):
     x = torch.randn(2, 3, 4, 6, device=device, requires_grad=True)
     cos, sin = torch.randn(3, 1, 6, device=device), torch.randn(3, 1, 6, device=device)
     for backward in (False, True):
-        torch.library.opcheck(torch.ops.brrr.rotary.default, (x, cos, sin, backward))
+        torch.library.opcheck(torch.ops.brrr.rotary.default, (x, cos, sin, backward, False, 0))
+        torch.library.opcheck(torch.ops.brrr.rotary.default, (x, cos[..., :2], sin[..., :2], backward, True, 4))
+    q = torch.randn(2, 3, 4, 6, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.brrr.rotary_qk.default, (x, q, cos[..., :1], sin[..., :1], True, 2))
     torch._dynamo.reset()
     f = lambda x: brrr.rotary(x, cos, sin).square().sum()  # noqa: E731
     assert torch._dynamo.explain(f)(x).graph_break_count == 0
@@ -297,11 +302,10 @@ def test_patched_rope_model_compiles_without_graph_breaks(device):
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("rotary_dims,heads_dim,brrrs", [(8, 1, True), (8, 2, True), (4, 1, False)])
-def test_patched_rotary_follows_the_librarys_signature_and_falls_back_to_it(rotary_dims, heads_dim, brrrs,
-                                                                            monkeypatch):
+@pytest.mark.parametrize("rotary_dims,heads_dim", [(8, 1), (8, 2), (4, 1), (4, 2)])
+def test_patched_rotary_follows_the_librarys_signature(rotary_dims, heads_dim, monkeypatch):
     """unsqueeze_dim passed by position is read by the library function's signature; angles over
-    part of the head dim (GPT-NeoX's partial rotary) go to the library's own function."""
+    part of the head dim (GPT-NeoX's partial rotary) rotate that part in brrr's kernel."""
     torch.manual_seed(1)
     model = torch.nn.Sequential(rope_variants.VariantAttention(rotary_dims, heads_dim))
     x = torch.randn(2, 5, 32)
@@ -311,9 +315,10 @@ def test_patched_rotary_follows_the_librarys_signature_and_falls_back_to_it(rota
     monkeypatch.setattr(op, "implementation", _counting(op.implementation, calls))
     report = brrr.patch(model)
     try:
-        assert [why for _, _, why in report.swapped] == ["brrr rotary (its forward's apply_rotary_pos_emb)"]
+        assert [why for _, _, why in report.swapped] == ["brrr rotary (its forward's apply_rotary_pos_emb, partial "
+                                                         "rotary)"]
         torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
-        assert len(calls) == (1 if brrrs else 0)
+        assert len(calls) == 1
     finally:
         brrr.unpatch(model)
 
@@ -325,7 +330,7 @@ def test_patched_rotary_gives_calls_it_cannot_read_to_the_library():
         seen.append(position_ids)
         return rope_model.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
-    replacement = _patch._rotary_through_brrr(library_rotary)
+    replacement = _patch._rotary_through_brrr(library_rotary, _patch.RotaryLayout(False, False, False))
     q, k, cos, sin = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
     expected = rope_model.apply_rotary_pos_emb(q, k, cos, sin)
     for args, kwargs, library_called in [((), {}, False), ((None, 1), {}, False), ((), {"unsqueeze_dim": 1}, False),
@@ -363,8 +368,8 @@ def test_patch_leaves_a_decorated_forward_that_calls_the_rotary():
 
 
 @pytest.mark.parametrize("angle_shape,supported", [((1, 1, 5, 8), True), ((5, 8), True), ((2, 3, 5, 8), True),
-                                                   ((4, 5, 8), False), ((1, 3, 5, 4), False), ((1, 2, 3, 5, 8), False),
-                                                   ((1, 5, 1), False)])
+                                                   ((4, 5, 8), False), ((1, 3, 5, 4), True), ((1, 2, 3, 5, 8), False),
+                                                   ((1, 5, 1), False), ((5, 6), True), ((5, 10), False)])
 def test_registry_takes_only_angles_that_broadcast_to_x(angle_shape, supported):
     x = torch.randn(2, 3, 5, 8)
     angle = torch.randn(angle_shape)
@@ -372,4 +377,258 @@ def test_registry_takes_only_angles_that_broadcast_to_x(angle_shape, supported):
     assert (op.resolve(x, angle, angle) is op.implementation) == supported
     if supported:
         torch.testing.assert_close(brrr.registry("rotary", x, angle, angle),
-                                   reference(x.double(), angle.double(), angle.double()).float())
+                                   layout_reference(x.double(), angle.double(), angle.double(), False, None).float())
+
+
+# ---- layouts: interleaved pairs, partial rotary, angles per pair ------------------------------------
+
+def layout_reference(x, cos, sin, interleaved, rotary_dim):
+    """The rotation written as the model libraries write it: rotate_half of the half-split or of
+    the interleaved form on the first rotary_dim features (cos's last dim where not given), the
+    rest concatenated back; angles given per pair repeated to one per feature, as the pairs lie."""
+    r = cos.shape[-1] if rotary_dim is None else rotary_dim
+    if cos.shape[-1] == r // 2:
+        cos, sin = ((a.repeat_interleave(2, -1) if interleaved else torch.cat((a, a), -1)) for a in (cos, sin))
+    rot, rest = x[..., :r], x[..., r:]
+    if interleaved:
+        turned = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        turned = torch.cat((-rot[..., r // 2:], rot[..., :r // 2]), dim=-1)
+    return torch.cat((rot * cos + turned * sin, rest), dim=-1)
+
+
+LAYOUT_CASES = [  # x shape, leading dims of cos/sin, the features rotated
+    ((2, 3, 5, 10), (2, 1, 5), 6),      # odd pairs: the scalar path on CUDA
+    ((2, 4, 7, 64), (2, 1, 7), 32),     # 16-byte packs, half the head passed through
+    ((3, 130), (), 128),                # two features passed: scalar path
+    ((4, 6, 128), (6,), 128),           # all rotated
+    ((2, 9, 9), (9,), 4),               # an odd head dim, partly rotated
+]
+# angles per feature (rotary_dim given, or taken from cos's last dim) or per pair (rotary_dim given)
+ANGLES = [("feature", True), ("feature", False), ("pair", True)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,lead,r", LAYOUT_CASES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("angles,given", ANGLES)
+def test_layouts_match_reference(device, dtype, shape, lead, r, interleaved, angles, given):
+    rotary_dim = r if given else None
+    width = r if angles == "feature" else r // 2
+    x = random(shape, dtype, device)
+    cos, sin = random(lead + (width,), dtype, device, -1, 1), random(lead + (width,), dtype, device, -1, 1)
+    leaf = x.clone().requires_grad_()
+    out = brrr.rotary(leaf, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim)
+    ref_leaf = x.double().cpu().requires_grad_()
+    ref = layout_reference(ref_leaf, cos.double().cpu(), sin.double().cpu(), interleaved, rotary_dim)
+    check(out, ref, dtype, scale=3)
+    assert torch.equal(out[..., r:], x[..., r:])  # passed through exactly
+    g = random(shape, dtype, device)
+    out.backward(g)
+    ref.backward(g.double().cpu())
+    check(leaf.grad, ref_leaf.grad, dtype, scale=3)
+    assert torch.equal(leaf.grad[..., r:], g[..., r:])
+    with torch.no_grad():
+        assert torch.equal(brrr.rotary(x, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim), out.detach())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [None, 8])
+def test_layouts_on_strided_heads_and_q_k_pairs(device, dtype, interleaved, rotary_dim):
+    """Transposed heads (as attention blocks make them), grouped k heads, angles per pair given as
+    a slice of the model's angles (GLM's cos[..., :r/2]); q and k share one autograd node."""
+    b, t, h, d = 2, 9, 4, 16
+    qkv = random((b, t, 3, h, d), dtype, device)
+    q, k, _ = qkv.transpose(1, 3).unbind(2)  # (b, h, t, d), strided
+    k = k[:, :2]
+    r = d if rotary_dim is None else rotary_dim
+    angles = random((b, t, r), torch.float32, device, -5, 5)
+    cos, sin = angles.cos().to(dtype)[..., :r // 2], angles.sin().to(dtype)[..., :r // 2]  # per pair, strided rows
+    ql, kl = q.clone().requires_grad_(), k.clone().requires_grad_()
+    ours = brrr.apply_rotary_pos_emb(ql, kl, cos, sin, interleaved=interleaved, rotary_dim=r)
+    rq, rk = q.double().cpu().requires_grad_(), k.double().cpu().requires_grad_()
+    c64, s64 = cos.double().cpu()[:, None], sin.double().cpu()[:, None]
+    theirs = [layout_reference(t_, c64, s64, interleaved, r) for t_ in (rq, rk)]
+    for a, e in zip(ours, theirs):
+        check(a, e, dtype, scale=3)
+    grads = [random(o.shape, dtype, device) for o in ours]
+    torch.autograd.backward(ours, grads)
+    torch.autograd.backward(theirs, [g.double().cpu() for g in grads])
+    check(ql.grad, rq.grad, dtype, scale=3)
+    check(kl.grad, rk.grad, dtype, scale=3)
+    assert not q.is_contiguous()
+    torch.testing.assert_close(brrr.rotary(q, cos[:, None], sin[:, None], interleaved=interleaved, rotary_dim=r),
+                               brrr.rotary(q.contiguous(), cos[:, None].contiguous(), sin[:, None].contiguous(),
+                                           interleaved=interleaved, rotary_dim=r), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_layouts_write_every_element_in_place_and_transpose(device, interleaved):
+    """Out of place every element is written (the passed features copied), into a strided view
+    too; in place the passed features are left as they are; the backward is the transpose
+    (<rotary(x), g> = <x, rotary_backward(g)>), and inverts the forward where the two features of
+    a pair share their angle."""
+    x = random((3, 5, 12), torch.float32, device)
+    cos, sin = random((5, 8), torch.float32, device), random((5, 8), torch.float32, device)
+    kw = dict(interleaved=interleaved, rotary_dim=8)
+    expected = layout_reference(x.double(), cos.double(), sin.double(), interleaved, 8)
+    out = torch.full_like(x, float("nan"))
+    _C.rotary(x, cos, sin, out, False, **kw)
+    check(out, expected, torch.float32)
+    buffer = torch.full((3, 5, 24), float("nan"), device=device)
+    _C.rotary(x, cos, sin, buffer[..., ::2], False, **kw)
+    check(buffer[..., ::2], expected, torch.float32)
+    assert torch.isnan(buffer[..., 1::2]).all()
+    y = x.clone()
+    _C.rotary(y, cos, sin, y, backward=False, **kw)
+    torch.testing.assert_close(y, out, rtol=0, atol=0)
+    g = random(x.shape, torch.float32, device)
+    back = _C.rotary(g, cos, sin, None, True, **kw)[0]
+    torch.testing.assert_close((out.double() * g.double()).sum(), (x.double() * back.double()).sum(), rtol=1e-5, atol=1e-4)
+    half_angles = random((5, 4), torch.float32, device, -3, 3)
+    angles = half_angles.repeat_interleave(2, -1) if interleaved else torch.cat((half_angles, half_angles), dim=-1)
+    for c, s_ in ((angles.cos(), angles.sin()), (half_angles.cos(), half_angles.sin())):  # per feature, per pair
+        there = _C.rotary(x, c, s_, None, False, **kw)[0]
+        torch.testing.assert_close(_C.rotary(there, c, s_, None, True, **kw)[0], x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("family", ["cohere", "glm", "ernie4_5", "gpt_neox"])
+def test_layouts_are_the_model_librarys(device, dtype, family):
+    """transformers' own apply_rotary_pos_emb of Cohere (interleaved, an angle per feature), GLM
+    (interleaved from the first half of the angles, partial), ERNIE 4.5 (the same, whole) and
+    GPT-NeoX (half-split, partial), against brrr's call for each, on the angles those models build."""
+    module = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    b, h, t, d = 2, 4, 7, 32
+    r = d // 2 if family in ("glm", "gpt_neox") else d
+    q, k = random((b, h, t, d), dtype, device), random((b, 2, t, d), dtype, device)
+    freqs = torch.arange(t, dtype=torch.float32, device=device)[:, None] / 10000 ** (
+        torch.arange(0, r, 2, dtype=torch.float32, device=device) / r)
+    emb = freqs.repeat_interleave(2, -1) if family == "cohere" else torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos()[None].expand(b, t, r).to(dtype), emb.sin()[None].expand(b, t, r).to(dtype)
+    theirs = module.apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double())
+    if family in ("glm", "ernie4_5"):
+        ours = brrr.apply_rotary_pos_emb(q, k, cos[..., :r // 2], sin[..., :r // 2], interleaved=True, rotary_dim=r)
+    else:
+        ours = brrr.apply_rotary_pos_emb(q, k, cos, sin, interleaved=family == "cohere", rotary_dim=r)
+    for a, e in zip(ours, theirs):
+        check(a, e, dtype, scale=3)
+
+
+def test_layouts_numpy():
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64, np.float16):
+        x = rng.standard_normal((3, 4, 10)).astype(dtype)
+        cos, sin = rng.standard_normal((4, 3)).astype(dtype), rng.standard_normal((4, 3)).astype(dtype)
+        out = brrr.rotary(x, cos, sin, interleaved=True, rotary_dim=6)
+        assert isinstance(out, np.ndarray) and out.dtype == dtype
+        expected = layout_reference(*(torch.from_numpy(a.astype(np.float64)) for a in (x, cos, sin)), True, 6).numpy()
+        np.testing.assert_allclose(out.astype(np.float64), expected, rtol=4e-3 if dtype == np.float16 else 1e-5,
+                                   atol=4e-3 if dtype == np.float16 else 1e-5)
+
+
+def test_layout_errors():
+    x, c = torch.randn(2, 3, 10), torch.randn(3, 10)
+    with pytest.raises(ValueError, match="argument rotary_dim: expected an even int <= x's last dim"):
+        brrr.rotary(x, c[:, :5], c[:, :5], rotary_dim=5)
+    with pytest.raises(ValueError, match="argument rotary_dim: expected an even int <= x's last dim"):
+        brrr.rotary(x, c, c, rotary_dim=12)
+    with pytest.raises(ValueError, match="argument rotary_dim: expected None or an even int"):
+        brrr.rotary(x, c, c, rotary_dim=0)
+    with pytest.raises(TypeError, match="argument rotary_dim"):
+        brrr.rotary(x, c, c, rotary_dim=4.0)
+    with pytest.raises(TypeError, match="argument interleaved: expected a bool"):
+        brrr.rotary(x, c, c, interleaved=1)
+    with pytest.raises(ValueError, match="argument cos: shape must broadcast to x's shape with last dim rotary_dim"):
+        brrr.rotary(x, c[:, :6], c[:, :6], rotary_dim=8)
+    with pytest.raises(ValueError, match="argument sin: shape must broadcast to x's shape with last dim rotary_dim / 2"):
+        brrr.rotary(x, c[:, :4], c[:, :8], rotary_dim=8)  # cos per pair, sin per feature
+    with pytest.raises(ValueError, match="argument x: expected a tensor of shape"):
+        brrr.rotary(torch.randn(2, 9), torch.randn(9), torch.randn(9))
+    with pytest.raises(ValueError, match=r"argument cos: its last dim \(the features rotated\) must be even"):
+        brrr.rotary(x, c[:, :5], c[:, :5])
+    with pytest.raises(ValueError, match=r"argument x: expected a tensor of shape \(\.\.\., D\) with D even and at least "
+                       r"cos's last dim \(12\)"):
+        brrr.rotary(x, torch.randn(3, 12), torch.randn(3, 12))
+    with pytest.raises(ValueError, match="argument rotary_dim"):
+        brrr.apply_rotary_pos_emb(x[None], x[None], c[None], c[None], rotary_dim=3)
+    with pytest.raises(TypeError, match="argument interleaved"):
+        brrr.rotary(x.numpy(), c.numpy(), c.numpy(), interleaved="yes")
+    with pytest.raises(ValueError, match="argument rotary_dim"):
+        _C.rotary(x, c, c, None, False, rotary_dim=-2)
+
+
+@pytest.mark.parametrize("kwargs,supported", [({}, True), (dict(interleaved=True), True), (dict(rotary_dim=4), True),
+                                              (dict(rotary_dim=4, interleaved=True), True), (dict(rotary_dim=5), False),
+                                              (dict(rotary_dim=10), False), (dict(interleaved=1), False)])
+def test_registry_takes_the_layouts(kwargs, supported):
+    x = torch.randn(2, 3, 5, 8)
+    r = kwargs.get("rotary_dim") or 8
+    for width in {r, r // 2}:
+        angle = torch.randn(5, width)
+        for name, args in (("rotary", (x,)), ("rotary_qk", (x, x[:, :1]))):
+            op = brrr.registry.lookup(name)
+            assert (op.resolve(*args, angle, angle, **kwargs) is op.implementation) == supported, (name, width)
+            if supported:
+                for a, e in zip(torch.atleast_1d(brrr.registry(name, *args, angle, angle, **kwargs)),
+                                torch.atleast_1d(op.reference(*args, angle, angle, **kwargs))):
+                    torch.testing.assert_close(a, e)
+                for a in args:
+                    torch.testing.assert_close(brrr.registry("rotary", a, angle, angle, **kwargs),
+                                               layout_reference(a.double(), angle.double(), angle.double(),
+                                                                kwargs.get("interleaved", False),
+                                                                kwargs.get("rotary_dim")).float())
+
+
+@pytest.mark.parametrize("style,rotary_dims,what", [
+    ("neox", 4, ", partial rotary"), ("cohere", 8, ", interleaved pairs"),
+    ("glm", 8, ", interleaved pairs, angles from their first half, partial rotary"),
+    ("glm", 4, ", interleaved pairs, angles from their first half, partial rotary")])
+def test_patch_recognises_the_rotary_layouts(style, rotary_dims, what, monkeypatch):
+    """A library's apply_rotary_pos_emb in each of transformers' forms, recognised on its probe
+    and run by brrr's kernel: the module's output and every gradient as before."""
+    monkeypatch.setattr(rope_variants, "apply_rotary_pos_emb", rope_variants.STYLES[style])
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(rope_variants.VariantAttention(rotary_dims, 1))
+    x = torch.randn(2, 5, 32)
+    expected = model(x)
+    ref_grads = torch.autograd.grad(expected.square().sum(), list(model.parameters()))
+    calls = []
+    op = brrr.registry.lookup("rotary_qk")
+    monkeypatch.setattr(op, "implementation", _counting(op.implementation, calls))
+    report = brrr.patch(model)
+    try:
+        assert report.swapped == [("0", "VariantAttention", f"brrr rotary (its forward's apply_rotary_pos_emb{what})")]
+        out = model(x)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        for a, b in zip(torch.autograd.grad(out.square().sum(), list(model.parameters())), ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert len(calls) == 1
+    finally:
+        brrr.unpatch(model)
+
+
+def test_patch_leaves_a_rotary_look_alike_and_a_partial_call_a_full_form_cannot_take(monkeypatch):
+    """Interleaved pairs turned the other way are left; a form the probe saw take only angles over
+    the whole head dim (Cohere's) is given narrower ones by its own function, not brrr's."""
+    monkeypatch.setattr(rope_variants, "apply_rotary_pos_emb", rope_variants.STYLES["backwards"])
+    model = torch.nn.Sequential(rope_variants.VariantAttention(8, 1))
+    report = brrr.patch(model)
+    assert report.left == [("0", "VariantAttention", "its forward's apply_rotary_pos_emb behaves like no rotary "
+                            "embedding")], str(report)
+    seen = []
+
+    def cohere(q, k, cos, sin, unsqueeze_dim=1):
+        seen.append(cos.shape[-1])
+        return rope_variants.apply_rotary_pos_emb_cohere(q, k, cos, sin, unsqueeze_dim)
+
+    replacement = _patch._rotary_through_brrr(cohere, _patch.RotaryLayout(True, False, False))
+    q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    with pytest.raises(RuntimeError):  # its own error: it cannot take them
+        replacement(q, k, torch.randn(2, 5, 4), torch.randn(2, 5, 4))
+    assert seen == [4]

@@ -91,12 +91,29 @@ def test_strided_views(device, log):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("cols", [1, 3, 255, 256, 257, 4095, 4096, 4097, 16384, 16385, 32768, 40000])
+@pytest.mark.parametrize("cols", [1, 3, 255, 256, 257, 4095, 4096, 4097, 8192, 8200, 16384, 16385, 32768, 40000,
+                                  131072, 262144])
 def test_row_lengths_around_the_kernel_switches(device, dtype, cols):
-    """Register kernel up to 32768 (forward) and 16384 (backward) contiguous columns that fill
-    16-byte packs; the streaming kernel for the rest."""
+    """Contiguous rows that fill 16-byte packs: the register kernel while a row's inputs take up
+    to 32 KB, then the shared-memory kernel, over clusters of 2 to 8 blocks on sm_90 from 64 KB
+    (float32 backward at 262144 columns: more than 8 blocks hold, the streaming kernel); the
+    streaming kernel for the rest."""
     check_op(random((3, cols), dtype, device, -6, 6), -1, False, grad_scale=8.0)
     check_op(random((2, cols), dtype, device, -6, 6), -1, True, grad_scale=8.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["rows", "smem", "stream"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cols", [8, 1000, 4096, 40000])
+def test_every_kernel_where_it_applies(monkeypatch, kernel, dtype, cols):
+    """BRRR_SOFTMAX_KERNEL picks a kernel where it applies (else the next one): each against the
+    reference on rows that the default choice would give to another, -inf included."""
+    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", kernel)
+    x = random((3, cols), dtype, "cuda", -6, 6)
+    x[1, ::3] = float("-inf")
+    for log in (False, True):
+        check_op(x, -1, log, grad_scale=8.0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

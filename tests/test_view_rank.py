@@ -12,7 +12,7 @@ from op_table import OPS, OPS_BY_NAME
 
 # Ops whose last dim is counted apart (rows by a row length): their other dims reach the limit.
 LAST_DIM_APART = {"layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "rotary", "apply_rotary_pos_emb",
-                  "cross_entropy", "swiglu split"}
+                  "cross_entropy"}
 CPU_WALKS_ANY_RANK = {"relu", "gelu", "silu", "sigmoid", "tanh", "exp", "cos", "sin", "chain", "bias_gelu",
                       "bias_silu", "swiglu split", "swiglu", "geglu"}
 
@@ -37,6 +37,8 @@ def high_rank_args(op, merged, device):
     ndims = {name: args[name].dim() for name in op.floats}
     width = 4 if op.name in ("swiglu split", "rotary", "apply_rotary_pos_emb") else 2  # even halves
     shape = (2,) * merged + (width,) * (op.name in LAST_DIM_APART)
+    if op.name == "swiglu split":  # elementwise on the halves: the last dim (halved) is one of them
+        shape = (2,) * (merged - 1) + (width,)
     if op.name == "apply_rotary_pos_emb":
         shape = shape[:1] + (1,) + shape[1:]  # a heads dim of 1, where cos and sin get theirs
     if op.name == "cross_entropy":

@@ -1,0 +1,1112 @@
+/* Chains compiled for their exact sequence of steps.
+ *
+ * On first use of a chain on CUDA, a kernel is generated for its steps (unrolled, scalars as
+ * immediates), its dtype, forward or backward, and its layout class (contiguous, strided of a
+ * given rank, or rows for a bias gradient), compiled by NVRTC into a cubin for the device's
+ * exact architecture, loaded with the CUDA runtime's library API (cuda/jit.cu) and launched.
+ * The step math is the precompiled kernels' own: the generated source includes chain_math.cuh
+ * and what it includes, embedded at build time (setup.py writes brrr_jit_headers.h).
+ *
+ * NVRTC is loaded at run time (dlopen), so brrr neither links it nor needs it: without it the
+ * precompiled kernels interpret chains of up to BRRR_MAX_CHAIN_STEPS steps (a warning says so
+ * once). Where it is looked for: $BRRR_NVRTC (a file; "none" disables compiling), then
+ * libnvrtc.so.13 and .12 through the loader's search path, then $CUDA_HOME/lib64,
+ * $CUDA_PATH/lib64, /usr/local/cuda/lib64, and the nvidia/cu13/lib and nvidia/cuda_nvrtc/lib
+ * folders of NVIDIA's pip wheels along sys.path (where PyTorch's CUDA wheels put it).
+ *
+ * Compiled kernels are cached in memory (per process, keyed by the kernel's specification, steps
+ * and architecture) and on disk, in $BRRR_CACHE_DIR, else $XDG_CACHE_HOME/brrr, else
+ * ~/.cache/brrr: one file per kernel, named by a hash of its identity (brrr's version, NVRTC's,
+ * the architecture, the embedded headers and the whole generated source), holding that identity,
+ * the cubin and a checksum. A file is written to a temporary name and renamed into place, so
+ * readers see a whole file or none, and two processes compiling the same chain both succeed; a
+ * file whose identity or checksum does not match is compiled again and replaced.
+ * A kernel found on disk needs no NVRTC: NVRTC is loaded when a kernel is first compiled.
+ *
+ * The cache is process-wide, like the CUDA context the kernels load into; its table and the
+ * compiler (NVRTC's loading included) are guarded by mutexes, and building runs without the GIL. */
+#define _GNU_SOURCE
+#define NO_IMPORT_ARRAY
+#define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include "chain_jit.h"
+
+#include <dirent.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "brrr_jit_headers.h"
+
+/* ---- text ----------------------------------------------------------------------------------- */
+
+typedef struct {
+    char *data;
+    size_t len, cap;
+    int failed; /* out of memory: data is NULL from then on */
+} text;
+
+static void put(text *t, const char *fmt, ...) {
+    if (t->failed) return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        const int n = vsnprintf(t->data ? t->data + t->len : NULL, t->data ? t->cap - t->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) break;
+        if (t->data && t->len + (size_t)n < t->cap) {
+            t->len += (size_t)n;
+            return;
+        }
+        size_t cap = t->cap ? t->cap : 4096;
+        while (cap <= t->len + (size_t)n) cap *= 2;
+        char *grown = realloc(t->data, cap);
+        if (grown == NULL) break;
+        t->data = grown;
+        t->cap = cap;
+    }
+    free(t->data);
+    t->data = NULL;
+    t->failed = 1;
+}
+
+/* FNV-1a, 64 bits, continuing from h (start with FNV_OFFSET). */
+#define FNV_OFFSET UINT64_C(14695981039346656037)
+static uint64_t fnv1a(uint64_t h, const void *data, size_t n) {
+    const unsigned char *p = data;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * UINT64_C(1099511628211);
+    return h;
+}
+
+/* ---- source generation ------------------------------------------------------------------------ */
+
+/* The chain_math.inc function of each op that has one, and whether it takes the scalar. */
+static const char *op_function(int op, int *takes_scalar) {
+    *takes_scalar = 0;
+    switch (op) {
+    case BRRR_OP_RELU: return "relu";
+    case BRRR_OP_GELU: return "gelu";
+    case BRRR_OP_GELU_TANH: return "gelu_tanh";
+    case BRRR_OP_SILU: return "silu";
+    case BRRR_OP_SIGMOID: return "sigmoid";
+    case BRRR_OP_TANH: return "tanh";
+    case BRRR_OP_EXP: return "exp";
+    case BRRR_OP_COS: return "cos";
+    case BRRR_OP_SIN: return "sin";
+    case BRRR_OP_ABS: return "abs";
+    case BRRR_OP_NEG: return "neg";
+    case BRRR_OP_SQUARE: return "square";
+    case BRRR_OP_SQRT: return "sqrt";
+    case BRRR_OP_RSQRT: return "rsqrt";
+    case BRRR_OP_LOG: return "log";
+    case BRRR_OP_LOG1P: return "log1p";
+    case BRRR_OP_EXPM1: return "expm1";
+    case BRRR_OP_RECIPROCAL: return "reciprocal";
+    case BRRR_OP_SOFTPLUS: return "softplus";
+    case BRRR_OP_MISH: return "mish";
+    case BRRR_OP_HARDSWISH: return "hardswish";
+    default: break;
+    }
+    *takes_scalar = 1;
+    switch (op) {
+    case BRRR_OP_POW: return "pow";
+    case BRRR_OP_CLAMP_MIN: return "clamp_min";
+    case BRRR_OP_CLAMP_MAX: return "clamp_max";
+    case BRRR_OP_LEAKY_RELU: return "leaky_relu";
+    default: return NULL; /* add, mul and the tensor steps: written inline */
+    }
+}
+
+/* A step's scalar as an immediate of the compute type, rounded as the interpreted kernels round
+ * it (static_cast<A>(double)). */
+static void put_scalar(text *t, double c) {
+    if (isfinite(c)) {
+        put(t, "(A)%a", c);
+    } else {
+        uint64_t bits;
+        memcpy(&bits, &c, sizeof bits);
+        put(t, "(A)__longlong_as_double(0x%016llxLL)", (unsigned long long)bits);
+    }
+}
+
+/* Steps that call an elementary function (libdevice's or brrr's): tens of instructions each. */
+static int is_heavy(int op) {
+    switch (op) {
+    case BRRR_OP_ADD_SCALAR: case BRRR_OP_MUL_SCALAR: case BRRR_OP_ADD_TENSOR: case BRRR_OP_MUL_TENSOR:
+    case BRRR_OP_RELU: case BRRR_OP_ABS: case BRRR_OP_NEG: case BRRR_OP_SQUARE: case BRRR_OP_CLAMP_MIN:
+    case BRRR_OP_CLAMP_MAX: case BRRR_OP_LEAKY_RELU: case BRRR_OP_HARDSWISH: return 0;
+    default: return 1;
+    }
+}
+
+/* Chains with more heavy steps than this get one copy of the element function, called for each
+ * element, instead of a copy inlined per element (16 in a contiguous half-type kernel): NVRTC
+ * took 0.3-0.45 s for a 12-step mixed bfloat16 chain inlined, 0.08-0.09 s called (2-core host);
+ * the call's cost hides behind the steps' own. */
+#define BRRR_JIT_INLINE_HEAVY_STEPS 4
+
+/* The step sequence as a function of one element: chain_fwd(y, v0, ...) returns the chain's
+ * value; chain_bwd(y, v0, ..., g0, ...) returns d out / d x and sets gb = d out / d operand b,
+ * in one forward sweep as the interpreted program_grad does (the same operations in the same
+ * order, so the same values up to the compiler's contraction of a multiply and an add). */
+static void put_element_functions(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+    const int nops = p->n_operands;
+    int heavy = 0;
+    for (int s = 0; s < p->n_steps; s++) heavy += is_heavy(p->steps[s].op);
+    put(t, "__device__ %s A chain_%s(A y", heavy > BRRR_JIT_INLINE_HEAVY_STEPS ? "__noinline__" : "__forceinline__",
+        k->backward ? "bwd" : "fwd");
+    for (int b = 0; b < nops; b++) put(t, ", const A v%d", b);
+    for (int b = 0; k->backward && b < nops; b++) put(t, ", A &g%d", b);
+    put(t, ") {\n");
+    if (k->backward) {
+        put(t, "    A total = (A)1, d;\n");
+        for (int b = 0; b < nops; b++) put(t, "    g%d = (A)0;\n", b);
+    }
+    int active = 0; /* operands whose step has been passed */
+    for (int s = 0; s < p->n_steps; s++) {
+        const brrr_chain_step *st = &p->steps[s];
+        int takes_scalar;
+        const char *fn = op_function(st->op, &takes_scalar);
+        const int b = st->operand;
+        if (!k->backward) {
+            if (st->op == BRRR_OP_ADD_TENSOR) put(t, "    y = y + v%d;\n", b);
+            else if (st->op == BRRR_OP_MUL_TENSOR) put(t, "    y = y * v%d;\n", b);
+            else if (st->op == BRRR_OP_ADD_SCALAR || st->op == BRRR_OP_MUL_SCALAR) {
+                put(t, "    y = y %c ", st->op == BRRR_OP_ADD_SCALAR ? '+' : '*');
+                put_scalar(t, st->scalar);
+                put(t, ";\n");
+            } else {
+                put(t, "    y = M::%s_fwd(y", fn);
+                if (takes_scalar) {
+                    put(t, ", ");
+                    put_scalar(t, st->scalar);
+                }
+                put(t, ");\n");
+            }
+            continue;
+        }
+        if (st->op == BRRR_OP_ADD_TENSOR) {
+            put(t, "    y = y + v%d;\n    g%d = (A)1;\n", b, b);
+            active |= 1 << b;
+            continue;
+        }
+        if (st->op == BRRR_OP_ADD_SCALAR) {
+            put(t, "    y = y + ");
+            put_scalar(t, st->scalar);
+            put(t, ";\n");
+            continue;
+        }
+        if (st->op == BRRR_OP_MUL_TENSOR) {
+            put(t, "    d = v%d;\n    g%d = y;\n    y = y * d;\n", b, b);
+        } else if (st->op == BRRR_OP_MUL_SCALAR) {
+            put(t, "    d = ");
+            put_scalar(t, st->scalar);
+            put(t, ";\n    y = y * d;\n");
+        } else {
+            put(t, "    y = M::%s_fwd_grad(y, ", fn);
+            if (takes_scalar) {
+                put_scalar(t, st->scalar);
+                put(t, ", ");
+            }
+            put(t, "&d);\n");
+        }
+        put(t, "    total = total * d;\n");
+        for (int j = 0; j < nops; j++)
+            if (active >> j & 1) put(t, "    g%d = g%d * d;\n", j, j);
+        if (st->op == BRRR_OP_MUL_TENSOR) active |= 1 << b;
+    }
+    put(t, "    return %s;\n}\n\n", k->backward ? "total" : "y");
+}
+
+/* The arguments of chain_fwd/chain_bwd for element j of the arrays y, v0.. and g0.. */
+static void put_call(text *t, const brrr_chain_kernel *k, int nops, const char *j) {
+    put(t, "chain_%s(y%s", k->backward ? "bwd" : "fwd", j);
+    for (int b = 0; b < nops; b++) put(t, ", v%d%s", b, j);
+    for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d%s", b, j);
+    put(t, ")");
+}
+
+static int grad_wanted(const brrr_chain_kernel *k, int b) { return k->backward && (k->grad_mask >> b & 1); }
+static int is_vector(const brrr_chain_kernel *k, int b) { return k->vector_mask >> b & 1; }
+
+/* Dense tensors: each thread owns two 16-byte packs of every tensor, a block apart (coalesced),
+ * all loaded before any is computed, as the precompiled contiguous kernels do (the bytes in
+ * flight that keep HBM busy); block 0 takes the last numel % VEC elements one per thread. */
+static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops) {
+    const char *result = k->backward ? "t" : "y";
+    /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels. */
+    put(t, "extern \"C\" __global__ void __launch_bounds__(256, 2) brrr_chain(const __grid_constant__ brrr_chain_flat a) {\n"
+           "    constexpr int U = 2, N = VEC * U;\n"
+           "    const long long n_packs = a.numel / VEC;\n"
+           "    const long long first = (long long)blockIdx.x * (256 * U) + threadIdx.x;\n"
+           "    A y[N] = {}%s", k->backward ? ", gr[N] = {}, t[N]" : "");
+    for (int b = 0; b < nops; b++) put(t, ", v%d[N] = {}", b);
+    for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d[N]", b);
+    put(t, ";\n#pragma unroll\n"
+           "    for (int u = 0; u < U; ++u) {\n"
+           "        const long long p = first + (long long)u * 256;\n"
+           "        if (p >= n_packs) continue;\n"
+           "        ld_pack(static_cast<const T *>(a.x) + p * VEC, y + u * VEC);\n");
+    if (k->backward) put(t, "        ld_pack(static_cast<const T *>(a.grad_out) + p * VEC, gr + u * VEC);\n");
+    for (int b = 0; b < nops; b++)
+        put(t, "        ld_pack(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC);\n", b,
+            is_vector(k, b) ? "(p * VEC) % a.row_length" : "p * VEC", b);
+    put(t, "    }\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n        %s[j] = ", result);
+    put_call(t, k, nops, "[j]");
+    put(t, ";\n");
+    if (k->backward) {
+        put(t, "        t[j] = t[j] * gr[j];\n");
+        for (int b = 0; b < nops; b++)
+            if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "        g%d[j] = g%d[j] * gr[j];\n", b, b);
+    }
+    put(t, "    }\n#pragma unroll\n"
+           "    for (int u = 0; u < U; ++u) {\n"
+           "        const long long p = first + (long long)u * 256;\n"
+           "        if (p >= n_packs) continue;\n"
+           "        st_pack(static_cast<T *>(a.out) + p * VEC, %s + u * VEC);\n", result);
+    for (int b = 0; b < nops; b++)
+        if (grad_wanted(k, b) && !is_vector(k, b))
+            put(t, "        st_pack(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC);\n", b, b);
+    put(t, "    }\n"
+           "    const long long i = n_packs * VEC + threadIdx.x;\n"
+           "    if (VEC == 1 || blockIdx.x != 0 || i >= a.numel) return;\n"
+           "    const A y0 = ld(static_cast<const T *>(a.x)[i]);\n");
+    for (int b = 0; b < nops; b++)
+        put(t, "    const A v%d0 = ld(static_cast<const T *>(a.operands[%d])[%s]);\n", b, b,
+            is_vector(k, b) ? "i % a.row_length" : "i");
+    if (!k->backward) {
+        put(t, "    static_cast<T *>(a.out)[i] = st(");
+        put_call(t, k, nops, "0");
+        put(t, ");\n}\n");
+        return;
+    }
+    put(t, "    const A gr0 = ld(static_cast<const T *>(a.grad_out)[i]);\n    A ");
+    for (int b = 0; b < nops; b++) put(t, "g%d0, ", b);
+    put(t, "t0 = ");
+    put_call(t, k, nops, "0");
+    put(t, ";\n    static_cast<T *>(a.out)[i] = st(t0 * gr0);\n");
+    for (int b = 0; b < nops; b++)
+        if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "    static_cast<T *>(a.grad_operands[%d])[i] = st(g%d0 * gr0);\n", b, b);
+    put(t, "}\n");
+}
+
+/* The offsets of element (or row) r in every tensor the kernel touches, over dims [0, dims) of
+ * L.shape, innermost last, each dim's index added in at its stride. */
+static void put_offsets(text *t, const brrr_chain_kernel *k, int nops, int dims, const char *r) {
+    const char *index = k->index32 ? "unsigned" : "long long";
+    put(t, "        %s r = (%s)%s, c;\n        long long ox = 0, oo = 0%s", index, index, r, k->backward ? ", og = 0" : "");
+    for (int b = 0; b < nops; b++)
+        if (!(k->layout == BRRR_JIT_ROWS && is_vector(k, b))) put(t, ", o%d = 0", b);
+    for (int b = 0; b < nops; b++)
+        if (grad_wanted(k, b) && !is_vector(k, b)) put(t, ", q%d = 0", b);
+    put(t, ";\n");
+    for (int d = dims - 1; d >= 0; d--) {
+        if (d > 0) put(t, "        c = r %% (%s)L.shape[%d];\n        r /= (%s)L.shape[%d];\n", index, d, index, d);
+        else put(t, "        c = r;\n");
+        put(t, "        ox += (long long)c * L.x.strides[%d];\n        oo += (long long)c * L.out.strides[%d];\n", d, d);
+        if (k->backward) put(t, "        og += (long long)c * L.grad_out.strides[%d];\n", d);
+        for (int b = 0; b < nops; b++)
+            if (!(k->layout == BRRR_JIT_ROWS && is_vector(k, b)))
+                put(t, "        o%d += (long long)c * L.operands[%d].strides[%d];\n", b, b, d);
+        for (int b = 0; b < nops; b++)
+            if (grad_wanted(k, b) && !is_vector(k, b))
+                put(t, "        q%d += (long long)c * L.grad_operands[%d].strides[%d];\n", b, b, d);
+    }
+}
+
+/* Any strides over the launch's ndim dims: one element per thread per grid-stride step. */
+static void put_strided_kernel(text *t, const brrr_chain_kernel *k, int nops) {
+    put(t, "extern \"C\" __global__ void __launch_bounds__(256) brrr_chain(const __grid_constant__ brrr_chain_launch L) {\n"
+           "    for (long long i = (long long)blockIdx.x * 256 + threadIdx.x; i < L.numel; i += (long long)gridDim.x * 256) {\n");
+    put_offsets(t, k, nops, k->ndim, "i");
+    put(t, "        const A y = ld(static_cast<const T *>(L.x.data)[ox]);\n");
+    for (int b = 0; b < nops; b++) put(t, "        const A v%d = ld(static_cast<const T *>(L.operands[%d].data)[o%d]);\n", b, b, b);
+    if (!k->backward) {
+        put(t, "        static_cast<T *>(L.out.data)[oo] = st(");
+        put_call(t, k, nops, "");
+        put(t, ");\n    }\n}\n");
+        return;
+    }
+    put(t, "        const A gr = ld(static_cast<const T *>(L.grad_out.data)[og]);\n        A ");
+    for (int b = 0; b < nops; b++) put(t, "g%d, ", b);
+    put(t, "total = ");
+    put_call(t, k, nops, "");
+    put(t, ";\n        static_cast<T *>(L.out.data)[oo] = st(total * gr);\n");
+    for (int b = 0; b < nops; b++) /* a vector's gradient is a sum over rows: the rows layout's */
+        if (grad_wanted(k, b) && !is_vector(k, b))
+            put(t, "        static_cast<T *>(L.grad_operands[%d].data)[q%d] = st(g%d * gr);\n", b, b, b);
+    put(t, "    }\n}\n");
+}
+
+/* Backward with a bias gradient: a (32, 8) block owns 32 columns and the slice of rows
+ * blockIdx.y, its warps taking every 8th row; each thread sums its rows in order, the 8 lanes
+ * are summed in order into partials[b][blockIdx.y][column], and brrr_cuda_chain_vector_grad
+ * sums the slices in order: the precompiled row kernels' order, so the same sums. */
+static void put_rows_kernel(text *t, const brrr_chain_kernel *k, int nops) {
+    const int nd = k->ndim;
+    put(t, "extern \"C\" __global__ void __launch_bounds__(256) brrr_chain(const __grid_constant__ brrr_chain_launch L) {\n"
+           "    __shared__ A lanes[8][32];\n"
+           "    const long long cols = L.row_length, rows = L.numel / cols;\n"
+           "    const long long per_block = (rows + gridDim.y - 1) / gridDim.y;\n"
+           "    const long long begin = blockIdx.y * per_block;\n"
+           "    const long long end = begin + per_block < rows ? begin + per_block : rows;\n"
+           "    const long long col = (long long)blockIdx.x * 32 + threadIdx.x;\n"
+           "    const bool active = col < cols;\n");
+    for (int b = 0; b < nops; b++) {
+        if (!is_vector(k, b)) continue;
+        put(t, "    const A v%d = active ? ld(static_cast<const T *>(L.operands[%d].data)[col * L.operands[%d].strides[%d]]) : (A)0;\n",
+            b, b, b, nd - 1);
+        if (grad_wanted(k, b)) put(t, "    A acc%d = (A)0;\n", b);
+    }
+    put(t, "    for (long long row = begin + threadIdx.y; active && row < end; row += 8) {\n");
+    put_offsets(t, k, nops, nd - 1, "row");
+    put(t, "        ox += col * L.x.strides[%d];\n        oo += col * L.out.strides[%d];\n        og += col * L.grad_out.strides[%d];\n",
+        nd - 1, nd - 1, nd - 1);
+    for (int b = 0; b < nops; b++) {
+        if (is_vector(k, b)) continue;
+        put(t, "        o%d += col * L.operands[%d].strides[%d];\n", b, b, nd - 1);
+        if (grad_wanted(k, b)) put(t, "        q%d += col * L.grad_operands[%d].strides[%d];\n", b, b, nd - 1);
+    }
+    put(t, "        const A y = ld(static_cast<const T *>(L.x.data)[ox]);\n"
+           "        const A gr = ld(static_cast<const T *>(L.grad_out.data)[og]);\n");
+    for (int b = 0; b < nops; b++)
+        if (!is_vector(k, b)) put(t, "        const A v%d = ld(static_cast<const T *>(L.operands[%d].data)[o%d]);\n", b, b, b);
+    put(t, "        A ");
+    for (int b = 0; b < nops; b++) put(t, "g%d, ", b);
+    put(t, "total = ");
+    put_call(t, k, nops, "");
+    put(t, ";\n        static_cast<T *>(L.out.data)[oo] = st(total * gr);\n");
+    for (int b = 0; b < nops; b++) {
+        if (!grad_wanted(k, b)) continue;
+        if (is_vector(k, b)) put(t, "        acc%d += g%d * gr;\n", b, b);
+        else put(t, "        static_cast<T *>(L.grad_operands[%d].data)[q%d] = st(g%d * gr);\n", b, b, b);
+    }
+    put(t, "    }\n");
+    for (int b = 0; b < nops; b++) {
+        if (!grad_wanted(k, b) || !is_vector(k, b)) continue;
+        put(t, "    lanes[threadIdx.y][threadIdx.x] = acc%d;\n"
+               "    __syncthreads();\n"
+               "    if (threadIdx.y == 0 && active) {\n"
+               "        A s = (A)0;\n"
+               "#pragma unroll\n"
+               "        for (int lane = 0; lane < 8; ++lane) s += lanes[lane][threadIdx.x];\n"
+               "        static_cast<A *>(L.partials)[(%dLL * L.partial_rows + blockIdx.y) * cols + col] = s;\n"
+               "    }\n"
+               "    __syncthreads();\n", b, b);
+    }
+    put(t, "}\n");
+}
+
+/* The whole source of kernel k for steps p; NULL when out of memory. */
+static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+    text t = {NULL, 0, 0, 0};
+    const char *storage, *compute, *math, *ld, *st;
+    switch (k->dtype) {
+    case BRRR_F16:
+        storage = "unsigned short", compute = "float", math = "Fast32";
+        ld = "float f;\n    asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(v));\n    return f;";
+        st = "unsigned short h;\n    asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(v));\n    return h;";
+        break;
+    case BRRR_BF16:
+        storage = "unsigned short", compute = "float", math = "Fast32";
+        ld = "return __uint_as_float((unsigned)v << 16);";
+        st = "unsigned short h;\n    asm(\"cvt.rn.bf16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(v));\n    return h;";
+        break;
+    case BRRR_F64:
+        storage = "double", compute = "double", math = "Precise64", ld = "return v;", st = "return v;";
+        break;
+    default:
+        storage = "float", compute = "float", math = "Precise32", ld = "return v;", st = "return v;";
+        break;
+    }
+    static const char *const LAYOUT[] = {"contiguous", "strided", "rows"};
+    put(&t, "// brrr chain, %s, %s, %s over %d dims: %d steps.\n", brrr_dtype_name(k->dtype),
+        k->backward ? "backward" : "forward", LAYOUT[k->layout], k->ndim, (int)p->n_steps);
+    put(&t, "#define BRRR_LARGE_TRIG __noinline__\n#include \"chain_math.cuh\"\n\n"
+            "typedef %s T; // storage\n"
+            "typedef %s A; // compute\n"
+            "typedef brrr::%s M;\n"
+            "constexpr int VEC = 16 / (int)sizeof(T);\n"
+            "struct alignas(16) Pack {\n    T v[VEC];\n};\n"
+            "__device__ __forceinline__ A ld(const T v) {\n    %s\n}\n"
+            "__device__ __forceinline__ T st(const A v) {\n    %s\n}\n"
+            "__device__ __forceinline__ void ld_pack(const T *p, A *out) {\n"
+            "    const Pack k = *reinterpret_cast<const Pack *>(p);\n"
+            "#pragma unroll\n    for (int j = 0; j < VEC; ++j) out[j] = ld(k.v[j]);\n}\n"
+            "__device__ __forceinline__ void st_pack(T *p, const A *in) {\n"
+            "    Pack k;\n"
+            "#pragma unroll\n    for (int j = 0; j < VEC; ++j) k.v[j] = st(in[j]);\n"
+            "    *reinterpret_cast<Pack *>(p) = k;\n}\n\n",
+        storage, compute, math, ld, st);
+    put_element_functions(&t, k, p);
+    if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p->n_operands);
+    else if (k->layout == BRRR_JIT_STRIDED) put_strided_kernel(&t, k, p->n_operands);
+    else put_rows_kernel(&t, k, p->n_operands);
+    return t.data;
+}
+
+/* ---- NVRTC ------------------------------------------------------------------------------------ */
+
+typedef int (*nvrtc_create_fn)(void **, const char *, const char *, int, const char *const *, const char *const *);
+typedef int (*nvrtc_compile_fn)(void *, int, const char *const *);
+typedef int (*nvrtc_destroy_fn)(void **);
+typedef int (*nvrtc_size_fn)(void *, size_t *);
+typedef int (*nvrtc_get_fn)(void *, char *);
+typedef int (*nvrtc_version_fn)(int *, int *);
+typedef const char *(*nvrtc_error_fn)(int);
+
+/* Loaded once, under compile_lock (nvrtc_open). */
+static struct {
+    int state; /* 0: not tried, 1: loaded, -1: not available */
+    char path[PATH_MAX];
+    char error[512];
+    int major, minor;
+    nvrtc_create_fn create;
+    nvrtc_compile_fn compile;
+    nvrtc_destroy_fn destroy;
+    nvrtc_size_fn cubin_size, log_size;
+    nvrtc_get_fn cubin, log;
+    nvrtc_error_fn error_string;
+} nvrtc;
+
+/* NVRTC dlopens libnvrtc-builtins.so.<version> by name; when libnvrtc came from a folder that is
+ * not on the loader's path (a pip wheel's), the builtins are loaded from that folder first, which
+ * the loader then matches by name. */
+static void preload_builtins(const char *dir) {
+    DIR *d = opendir(dir);
+    if (d == NULL) return;
+    for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        if (strncmp(e->d_name, "libnvrtc-builtins.so.", 21) != 0) continue;
+        char path[PATH_MAX];
+        if (snprintf(path, sizeof path, "%s/%s", dir, e->d_name) < (int)sizeof path) dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    }
+    closedir(d);
+}
+
+static int nvrtc_bind(void *lib, const char *where) {
+#define BIND(field, symbol)                                                                              \
+    if ((*(void **)&nvrtc.field = dlsym(lib, symbol)) == NULL) {                                         \
+        snprintf(nvrtc.error, sizeof nvrtc.error, "%s lacks %s", where, symbol);                          \
+        return -1;                                                                                       \
+    }
+    BIND(create, "nvrtcCreateProgram")
+    BIND(compile, "nvrtcCompileProgram")
+    BIND(destroy, "nvrtcDestroyProgram")
+    BIND(cubin_size, "nvrtcGetCUBINSize")
+    BIND(cubin, "nvrtcGetCUBIN")
+    BIND(log_size, "nvrtcGetProgramLogSize")
+    BIND(log, "nvrtcGetProgramLog")
+    BIND(error_string, "nvrtcGetErrorString")
+#undef BIND
+    nvrtc_version_fn version = (nvrtc_version_fn)dlsym(lib, "nvrtcVersion");
+    if (version == NULL || version(&nvrtc.major, &nvrtc.minor) != 0) {
+        snprintf(nvrtc.error, sizeof nvrtc.error, "%s: nvrtcVersion failed", where);
+        return -1;
+    }
+    snprintf(nvrtc.path, sizeof nvrtc.path, "%s", where);
+    return 0;
+}
+
+/* dlopen `file` (a path, or a name for the loader's search: one a library already loaded, such as
+ * PyTorch's, answers) and bind it; its builtins are loaded from its folder before it needs them. */
+static int nvrtc_try(const char *file) {
+    void *lib = dlopen(file, RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL) return -1;
+    Dl_info info;
+    void *sym = dlsym(lib, "nvrtcVersion");
+    const char *where = sym && dladdr(sym, &info) && info.dli_fname ? info.dli_fname : file;
+    const char *slash = strrchr(where, '/');
+    if (slash) {
+        char dir[PATH_MAX];
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - where), where);
+        preload_builtins(dir);
+    }
+    if (nvrtc_bind(lib, where) == 0) return 0;
+    dlclose(lib);
+    return -1;
+}
+
+static int nvrtc_try_dir(const char *dir) {
+    static const char *const NAMES[] = {"libnvrtc.so.13", "libnvrtc.so.12"};
+    for (size_t i = 0; i < sizeof NAMES / sizeof NAMES[0]; i++) {
+        char path[PATH_MAX];
+        if (snprintf(path, sizeof path, "%s/%s", dir, NAMES[i]) < (int)sizeof path && access(path, R_OK) == 0 &&
+            nvrtc_try(path) == 0)
+            return 0;
+    }
+    return -1;
+}
+
+/* The folders of NVIDIA's pip wheels along sys.path, '\0'-separated, ending in an empty name:
+ * gathered with the GIL (nvrtc_prepare), so that nvrtc_open can run without it. */
+static char *wheel_dirs;
+
+/* 0, or -1 with a Python exception. Needs the GIL. */
+static int nvrtc_prepare(void) {
+    if (wheel_dirs) return 0;
+    text t = {NULL, 0, 0, 0};
+    PyObject *path = PySys_GetObject("path"); /* borrowed */
+    for (Py_ssize_t i = 0; path && PyList_Check(path) && i < PyList_GET_SIZE(path); i++) {
+        PyObject *entry = PyList_GET_ITEM(path, i);
+        const char *base = PyUnicode_Check(entry) ? PyUnicode_AsUTF8(entry) : NULL;
+        if (base == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        put(&t, "%s/nvidia/cu13/lib%c%s/nvidia/cuda_nvrtc/lib%c", base, 0, base, 0);
+    }
+    put(&t, "%c", 0);
+    if (t.failed) return PyErr_NoMemory(), -1;
+    wheel_dirs = t.data;
+    return 0;
+}
+
+/* 0 when NVRTC is loaded; -1 with the reason in nvrtc.error. Tried once; call under
+ * compile_lock, after nvrtc_prepare. */
+static int nvrtc_open(void) {
+    if (nvrtc.state) return nvrtc.state > 0 ? 0 : -1;
+    nvrtc.state = -1;
+    snprintf(nvrtc.error, sizeof nvrtc.error, "libnvrtc.so.13 or .12 not found");
+    const char *forced = getenv("BRRR_NVRTC");
+    if (forced && *forced) {
+        if (strcmp(forced, "none") == 0) snprintf(nvrtc.error, sizeof nvrtc.error, "BRRR_NVRTC=none");
+        else if (nvrtc_try(forced) == 0) nvrtc.state = 1;
+        else snprintf(nvrtc.error, sizeof nvrtc.error, "BRRR_NVRTC=%s: %s", forced, dlerror());
+        return nvrtc.state > 0 ? 0 : -1;
+    }
+    if (nvrtc_try("libnvrtc.so.13") == 0 || nvrtc_try("libnvrtc.so.12") == 0) return nvrtc.state = 1, 0;
+    const char *homes[] = {getenv("CUDA_HOME"), getenv("CUDA_PATH"), "/usr/local/cuda"};
+    for (size_t i = 0; i < sizeof homes / sizeof homes[0]; i++) {
+        char dir[PATH_MAX];
+        if (homes[i] && *homes[i] && snprintf(dir, sizeof dir, "%s/lib64", homes[i]) < (int)sizeof dir &&
+            nvrtc_try_dir(dir) == 0)
+            return nvrtc.state = 1, 0;
+    }
+    for (const char *dir = wheel_dirs; dir && *dir; dir += strlen(dir) + 1)
+        if (nvrtc_try_dir(dir) == 0) return nvrtc.state = 1, 0;
+    return -1;
+}
+
+/* Compile source for sm_<arch> into a cubin (malloc'd). On failure, -1 with the reason (and the
+ * compiler's log) in a malloc'd *error. Thread-safe; call without the GIL. */
+static int nvrtc_compile(const char *source, int arch, char **image, size_t *size, char **error) {
+    void *prog = NULL;
+    *image = NULL;
+    *error = NULL;
+    int rc = nvrtc.create(&prog, source, "brrr_chain.cu", BRRR_JIT_HEADER_COUNT, BRRR_JIT_HEADER_TEXTS,
+                          BRRR_JIT_HEADER_NAMES);
+    if (rc != 0) {
+        text t = {NULL, 0, 0, 0};
+        put(&t, "nvrtcCreateProgram: %s", nvrtc.error_string(rc));
+        *error = t.data;
+        return -1;
+    }
+    char arch_option[32];
+    snprintf(arch_option, sizeof arch_option, "-arch=sm_%d", arch);
+    /* -default-device: brrr_cuda.h declares the host launchers, unannotated. */
+    const char *options[] = {arch_option, "-std=c++17", "-default-device"};
+    rc = nvrtc.compile(prog, (int)(sizeof options / sizeof options[0]), options);
+    if (rc == 0 && nvrtc.cubin_size(prog, size) == 0 && (*image = malloc(*size)) != NULL &&
+        nvrtc.cubin(prog, *image) == 0) {
+        nvrtc.destroy(&prog);
+        return 0;
+    }
+    free(*image);
+    *image = NULL;
+    size_t log_size = 0;
+    char *log = NULL;
+    if (nvrtc.log_size(prog, &log_size) == 0 && (log = malloc(log_size + 1)) != NULL && nvrtc.log(prog, log) == 0)
+        log[log_size] = 0;
+    text t = {NULL, 0, 0, 0};
+    put(&t, "NVRTC (%s) failed on a generated chain kernel for sm_%d: %s\n%s", nvrtc.path, arch,
+        rc ? nvrtc.error_string(rc) : "no cubin", log ? log : "");
+    free(log);
+    nvrtc.destroy(&prog);
+    *error = t.data;
+    return -1;
+}
+
+/* ---- disk cache ------------------------------------------------------------------------------- */
+
+/* The cache folder, or 0 when there is none ($HOME unset). */
+static int cache_dir(char *dir, size_t size) {
+    const char *env = getenv("BRRR_CACHE_DIR");
+    if (env && *env) return snprintf(dir, size, "%s", env) < (int)size;
+    env = getenv("XDG_CACHE_HOME");
+    if (env && *env) return snprintf(dir, size, "%s/brrr", env) < (int)size;
+    env = getenv("HOME");
+    if (env && *env) return snprintf(dir, size, "%s/.cache/brrr", env) < (int)size;
+    return 0;
+}
+
+static int make_dirs(const char *dir) {
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof path, "%s", dir) >= (int)sizeof path) return -1;
+    for (char *p = path + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(path, 0777) != 0 && errno != EEXIST) return -1;
+        *p = '/';
+    }
+    return mkdir(path, 0777) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* What a compiled kernel depends on besides its source: brrr, the architecture and the embedded
+ * headers. Not NVRTC's version: a cached kernel loads without NVRTC (loading libnvrtc alone
+ * takes tens of milliseconds), and one that the driver refuses is compiled again. */
+static char *kernel_identity(const char *source, int arch) {
+    uint64_t headers = FNV_OFFSET;
+    for (int i = 0; i < BRRR_JIT_HEADER_COUNT; i++) {
+        headers = fnv1a(headers, BRRR_JIT_HEADER_NAMES[i], strlen(BRRR_JIT_HEADER_NAMES[i]) + 1);
+        headers = fnv1a(headers, BRRR_JIT_HEADER_TEXTS[i], strlen(BRRR_JIT_HEADER_TEXTS[i]) + 1);
+    }
+    text t = {NULL, 0, 0, 0};
+    put(&t, "brrr %s sm_%d headers %016llx\n%s", BRRR_VERSION, arch, (unsigned long long)headers, source);
+    return t.data;
+}
+
+static const char MAGIC[8] = {'B', 'R', 'R', 'R', 'J', 'I', 'T', '1'};
+
+/* A file: MAGIC, the identity's and the cubin's lengths (uint64), the identity, the cubin, and
+ * the FNV-1a hash of everything before it (uint64). */
+static void cache_file_name(const char *dir, const char *identity, char *path, size_t size) {
+    const size_t n = strlen(identity);
+    snprintf(path, size, "%s/chain-%016llx%016llx.cubin", dir, (unsigned long long)fnv1a(FNV_OFFSET, identity, n),
+             (unsigned long long)fnv1a(UINT64_C(0x84222325cbf29ce4), identity, n));
+}
+
+/* The cached cubin for identity (malloc'd), or NULL when there is none or it does not check. */
+static char *cache_read(const char *path, const char *identity, size_t *image_size) {
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) return NULL;
+    char *data = NULL, *image = NULL;
+    long size = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+    const size_t id_len = strlen(identity), head = sizeof MAGIC + 2 * sizeof(uint64_t);
+    if (size >= (long)(head + id_len + sizeof(uint64_t)) && size < (1L << 30) && fseek(f, 0, SEEK_SET) == 0 &&
+        (data = malloc((size_t)size)) != NULL && fread(data, 1, (size_t)size, f) == (size_t)size) {
+        uint64_t lengths[2], checksum;
+        memcpy(lengths, data + sizeof MAGIC, sizeof lengths);
+        memcpy(&checksum, data + size - sizeof checksum, sizeof checksum);
+        if (memcmp(data, MAGIC, sizeof MAGIC) == 0 && lengths[0] == id_len &&
+            lengths[1] == (uint64_t)size - head - id_len - sizeof checksum &&
+            memcmp(data + head, identity, id_len) == 0 &&
+            checksum == fnv1a(FNV_OFFSET, data, (size_t)size - sizeof checksum) && (image = malloc(lengths[1])) != NULL) {
+            memcpy(image, data + head + id_len, lengths[1]);
+            *image_size = lengths[1];
+        }
+    }
+    free(data);
+    fclose(f);
+    return image;
+}
+
+/* Store a cubin; a cache that cannot be written is no error (the kernel runs all the same). */
+static void cache_write(const char *dir, const char *path, const char *identity, const char *image, size_t image_size) {
+    if (make_dirs(dir) != 0) return;
+    char tmp[PATH_MAX];
+    if (snprintf(tmp, sizeof tmp, "%s.%ld.XXXXXX", path, (long)getpid()) >= (int)sizeof tmp) return;
+    const int fd = mkstemp(tmp);
+    if (fd < 0) return;
+    FILE *f = fdopen(fd, "wb");
+    if (f == NULL) {
+        close(fd);
+        unlink(tmp);
+        return;
+    }
+    const uint64_t lengths[2] = {strlen(identity), image_size};
+    uint64_t checksum = fnv1a(FNV_OFFSET, MAGIC, sizeof MAGIC);
+    checksum = fnv1a(checksum, lengths, sizeof lengths);
+    checksum = fnv1a(checksum, identity, lengths[0]);
+    checksum = fnv1a(checksum, image, image_size);
+    const int ok = fwrite(MAGIC, 1, sizeof MAGIC, f) == sizeof MAGIC && fwrite(lengths, 1, sizeof lengths, f) == sizeof lengths &&
+                   fwrite(identity, 1, lengths[0], f) == lengths[0] && fwrite(image, 1, image_size, f) == image_size &&
+                   fwrite(&checksum, 1, sizeof checksum, f) == sizeof checksum;
+    if (fclose(f) != 0 || !ok || rename(tmp, path) != 0) unlink(tmp);
+}
+
+enum { ORIGIN_COMPILED, ORIGIN_DISK };
+
+/* Counters for chain_jit_info(), updated under compile_lock. */
+static struct {
+    long long compiled, from_disk;
+    double last_seconds; /* the last kernel's compile (or disk read) and load */
+} stats;
+static pthread_mutex_t compile_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* The cubin of kernel k for steps p on sm_<arch>: from the disk cache unless skip_disk, else
+ * compiled and stored. On failure NULL with a malloc'd *error (*missing: for want of NVRTC).
+ * Call under compile_lock, without the GIL, after nvrtc_prepare. */
+static char *chain_cubin(const brrr_chain_kernel *k, const brrr_chain_steps *p, int arch, int skip_disk, size_t *size,
+                         int *origin, char **source_out, char **error, int *missing) {
+    *error = NULL;
+    *missing = 0;
+    char *source = chain_source(k, p), *identity = source ? kernel_identity(source, arch) : NULL, *image = NULL;
+    char dir[PATH_MAX], path[PATH_MAX + 64];
+    const int have_dir = identity && cache_dir(dir, sizeof dir);
+    text t = {NULL, 0, 0, 0};
+    if (identity == NULL) {
+        put(&t, "out of memory generating a chain kernel");
+    } else {
+        if (have_dir) cache_file_name(dir, identity, path, sizeof path);
+        if (have_dir && !skip_disk && (image = cache_read(path, identity, size)) != NULL) {
+            *origin = ORIGIN_DISK;
+        } else if (nvrtc_open() != 0) {
+            put(&t, "%s", nvrtc.error);
+            *missing = 1;
+        } else if (nvrtc_compile(source, arch, &image, size, error) == 0) {
+            *origin = ORIGIN_COMPILED;
+            if (have_dir) cache_write(dir, path, identity, image, *size);
+        }
+    }
+    if (t.data) *error = t.data;
+    free(identity);
+    if (source_out) *source_out = source;
+    else free(source);
+    return image;
+}
+
+/* ---- the kernels of this process -------------------------------------------------------------- */
+
+static int jit_enabled = 1;
+
+#if BRRR_WITH_CUDA
+/* The table of loaded kernels: open addressing on an FNV-1a hash of the key (the kernel's
+ * specification, the architecture, the steps). kernel NULL: that kernel failed to build (the
+ * interpreted kernels run it from then on). Guarded by table_lock. */
+typedef struct {
+    uint64_t hash;
+    size_t len;
+    unsigned char *key;
+    void *kernel;
+    int missing; /* kernel NULL for want of NVRTC */
+} kernel_entry;
+static struct {
+    kernel_entry *slots;
+    size_t cap, count;
+} table;
+static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+
+typedef struct {
+    brrr_chain_kernel k;
+    int32_t arch, n_steps;
+} key_head;
+
+static unsigned char *make_key(const brrr_chain_kernel *k, int arch, const brrr_chain_steps *p, size_t *len) {
+    const key_head head = {*k, arch, p->n_steps};
+    *len = sizeof head + (size_t)p->n_steps * sizeof(brrr_chain_step);
+    unsigned char *key = malloc(*len);
+    if (key == NULL) return NULL;
+    memcpy(key, &head, sizeof head);
+    if (p->n_steps) memcpy(key + sizeof head, p->steps, (size_t)p->n_steps * sizeof(brrr_chain_step));
+    return key;
+}
+
+/* The entry for key, or NULL. Hold table_lock. */
+static kernel_entry *table_find(const unsigned char *key, size_t len, uint64_t hash) {
+    for (size_t i = hash & (table.cap - 1); table.cap && table.slots[i].key; i = (i + 1) & (table.cap - 1))
+        if (table.slots[i].hash == hash && table.slots[i].len == len && memcmp(table.slots[i].key, key, len) == 0)
+            return &table.slots[i];
+    return NULL;
+}
+
+/* Add an entry (the table takes key). -1 when out of memory. Hold table_lock. */
+static int table_add(unsigned char *key, size_t len, uint64_t hash, void *kernel, int missing) {
+    if (2 * (table.count + 1) > table.cap) {
+        const size_t cap = table.cap ? 2 * table.cap : 64;
+        kernel_entry *slots = calloc(cap, sizeof *slots);
+        if (slots == NULL) return -1;
+        for (size_t i = 0; i < table.cap; i++) {
+            if (!table.slots[i].key) continue;
+            size_t j = table.slots[i].hash & (cap - 1);
+            while (slots[j].key) j = (j + 1) & (cap - 1);
+            slots[j] = table.slots[i];
+        }
+        free(table.slots);
+        table.slots = slots;
+        table.cap = cap;
+    }
+    size_t j = hash & (table.cap - 1);
+    while (table.slots[j].key) j = (j + 1) & (table.cap - 1);
+    table.slots[j] = (kernel_entry){hash, len, key, kernel, missing};
+    table.count++;
+    return 0;
+}
+
+static int warn_once(int *warned, const char *fmt, ...) {
+    if (*warned) return 0;
+    *warned = 1;
+    char message[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(message, sizeof message, fmt, ap);
+    va_end(ap);
+    return PyErr_WarnEx(PyExc_RuntimeWarning, message, 1);
+}
+
+static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* The layout class of launch L (chain.c's choice of shape, strides and row layout). */
+static brrr_chain_kernel kernel_for(const brrr_chain_launch *L, int n_operands, int backward) {
+    brrr_chain_kernel k = {backward, L->dtype, BRRR_JIT_STRIDED, L->ndim, 0, 0, L->numel <= 0xFFFFFFFFLL};
+    int aligned = aligned16(L->x.data) && aligned16(L->out.data) && (!backward || aligned16(L->grad_out.data));
+    for (int b = 0; b < n_operands; b++) {
+        k.vector_mask |= (L->operand_is_vector[b] ? 1 : 0) << b;
+        if (backward && L->grad_operands[b].data) k.grad_mask |= 1 << b;
+        aligned = aligned && aligned16(L->operands[b].data) &&
+                  (!backward || !L->grad_operands[b].data || L->operand_is_vector[b] || aligned16(L->grad_operands[b].data));
+    }
+    const int64_t vec = 16 / (int64_t)brrr_dtype_size(L->dtype);
+    if (L->partials) k.layout = BRRR_JIT_ROWS;
+    else if (L->contiguous && aligned && (!k.vector_mask || L->row_length % vec == 0))
+        k.layout = BRRR_JIT_CONTIGUOUS, k.ndim = 1, k.index32 = 0;
+    return k;
+}
+
+static int warned_missing, warned_capture, warned_failed;
+
+/* The loaded kernel for (k, arch, p), building it if need be: 1 found (*kernel NULL when it
+ * failed to build, with the reason in *error the first time, *missing when for want of NVRTC),
+ * 0 when it is not built and the stream is capturing, -1 with a Python exception. Builds without
+ * the GIL. */
+static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_steps *p, void *stream, void **kernel,
+                       char **error, int *missing) {
+    *kernel = NULL;
+    *error = NULL;
+    *missing = 0;
+    size_t len;
+    unsigned char *key = make_key(k, arch, p, &len);
+    if (key == NULL) return PyErr_NoMemory(), -1;
+    const uint64_t hash = fnv1a(FNV_OFFSET, key, len);
+    pthread_mutex_lock(&table_lock);
+    const kernel_entry *e = table_find(key, len, hash);
+    if (e) *kernel = e->kernel, *missing = e->missing;
+    pthread_mutex_unlock(&table_lock);
+    if (e) {
+        free(key);
+        return 1;
+    }
+    int capturing = 0;
+    if ((brrr_cuda_stream_capturing(stream, &capturing) == 0 && capturing) || nvrtc_prepare() < 0) {
+        free(key);
+        return capturing ? 0 : -1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&compile_lock);
+    pthread_mutex_lock(&table_lock);
+    e = table_find(key, len, hash); /* another thread may have built it meanwhile */
+    if (e) *kernel = e->kernel, *missing = e->missing;
+    pthread_mutex_unlock(&table_lock);
+    if (e == NULL) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        size_t size = 0;
+        int origin = ORIGIN_COMPILED;
+        char *image = chain_cubin(k, p, arch, 0, &size, &origin, NULL, error, missing);
+        void *library = NULL;
+        int err = image ? brrr_cuda_library_load(image, "brrr_chain", &library, kernel) : 0;
+        if (err && origin == ORIGIN_DISK) { /* a cached cubin this driver refuses: compile it again */
+            free(image);
+            image = chain_cubin(k, p, arch, 1, &size, &origin, NULL, error, missing);
+            err = image ? brrr_cuda_library_load(image, "brrr_chain", &library, kernel) : 0;
+        }
+        if (err) {
+            text t = {NULL, 0, 0, 0};
+            put(&t, "loading a compiled chain kernel: CUDA error %d (%s)", err, brrr_cuda_error_string(err));
+            *error = t.data;
+            *kernel = NULL;
+        }
+        free(image);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        stats.last_seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        if (*kernel) ++*(origin == ORIGIN_DISK ? &stats.from_disk : &stats.compiled);
+        pthread_mutex_lock(&table_lock);
+        if (table_add(key, len, hash, *kernel, *missing) == 0) key = NULL;
+        pthread_mutex_unlock(&table_lock);
+    }
+    pthread_mutex_unlock(&compile_lock);
+    Py_END_ALLOW_THREADS
+    free(key);
+    return 1;
+}
+
+int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_steps *prog, int backward) {
+    const int interpretable = prog->n_steps <= BRRR_MAX_CHAIN_STEPS, device = c->t[0].device_id;
+    static int archs[256];
+    /* Rows of dense columns (a bias gradient, the halves of a GLU input) go to the precompiled row
+     * kernels while they can take the chain: their loads are pipelined (cp.async), which the
+     * compiled row kernel's are not. */
+    if (!jit_enabled || device < 0 || device >= 256 || (interpretable && L->row_layout)) return 0;
+    if (archs[device] == 0) {
+        int arch = 0;
+        const int err = brrr_cuda_device_arch(device, &arch);
+        if (err) return brrr_cuda_result(err, c->spec->name) < 0 ? -1 : 0;
+        archs[device] = arch;
+    }
+    const brrr_chain_kernel k = kernel_for(L, prog->n_operands, backward);
+    void *stream = brrr_call_stream(&c->call), *kernel;
+    char *error;
+    int missing;
+    const int found = find_kernel(&k, archs[device], prog, stream, &kernel, &error, &missing);
+    if (found < 0) return -1;
+    if (!found) {
+        if (interpretable)
+            return warn_once(&warned_capture, "brrr: a chain met first under CUDA-graph capture runs in the interpreted "
+                                              "kernel; run it once before capture to capture its compiled kernel") < 0 ? -1 : 0;
+        PyErr_Format(PyExc_RuntimeError, "brrr.%s: a chain of %d steps met first under CUDA-graph capture: run it once "
+                     "before capture, which compiles its kernel", c->spec->name, (int)prog->n_steps);
+        return -1;
+    }
+    if (kernel == NULL) { /* the interpreted kernels run it; chain.c refuses what they cannot */
+        int rc = 0;
+        if (missing)
+            rc = warn_once(&warned_missing, "brrr: NVRTC was not found (%s): chains on CUDA run in the interpreted "
+                                            "kernels, which take at most %d steps (docs/chains.md)", error, BRRR_MAX_CHAIN_STEPS);
+        else if (!interpretable)
+            PyErr_Format(PyExc_RuntimeError, "brrr.%s: %s", c->spec->name, error ? error : "the chain's kernel failed to build");
+        else if (error)
+            rc = warn_once(&warned_failed, "brrr: a chain runs in the interpreted kernels: %s", error);
+        free(error);
+        return rc < 0 || (!missing && !interpretable) ? -1 : 0;
+    }
+    unsigned grid[3] = {1, 1, 1}, block[3] = {256, 1, 1};
+    brrr_chain_flat flat;
+    const void *param = L;
+    if (k.layout == BRRR_JIT_CONTIGUOUS) {
+        memset(&flat, 0, sizeof flat);
+        flat.x = L->x.data, flat.out = L->out.data, flat.grad_out = L->grad_out.data;
+        for (int b = 0; b < prog->n_operands; b++) flat.operands[b] = L->operands[b].data, flat.grad_operands[b] = L->grad_operands[b].data;
+        flat.numel = L->numel, flat.row_length = L->row_length;
+        const int64_t packs = L->numel / (16 / (int64_t)brrr_dtype_size(L->dtype)), per_block = 256 * 2; /* U = 2 */
+        grid[0] = (unsigned)((packs + per_block - 1) / per_block);
+        grid[0] = grid[0] ? grid[0] : 1;
+        param = &flat;
+    } else if (k.layout == BRRR_JIT_STRIDED) {
+        int sms = 1;
+        brrr_cuda_multiprocessors(device, &sms);
+        const int64_t blocks = (L->numel + 255) / 256, cap = (int64_t)sms * 16;
+        grid[0] = (unsigned)(blocks < cap ? blocks : cap);
+    } else { /* rows: the precompiled row kernels' grid with a bias gradient */
+        const int64_t rows = L->numel / L->row_length;
+        int64_t slices = L->partial_rows < rows ? L->partial_rows : rows;
+        slices = slices < 1 ? 1 : (slices > 65535 ? 65535 : slices);
+        grid[0] = (unsigned)((L->row_length + 31) / 32);
+        grid[1] = (unsigned)slices;
+        block[0] = 32, block[1] = 8;
+    }
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = brrr_cuda_kernel_launch(kernel, grid, block, param, device, stream);
+    if (err == 0 && k.layout == BRRR_JIT_ROWS) err = brrr_cuda_chain_vector_grad(L, device, stream);
+    Py_END_ALLOW_THREADS
+    return brrr_cuda_result(err, c->spec->name) < 0 ? -1 : 1;
+}
+#endif
+
+/* ---- Python ----------------------------------------------------------------------------------- */
+
+static int parse_dtype(const char *name, int32_t *dtype) {
+    static const struct {
+        const char *name;
+        int32_t dtype;
+    } DTYPES[] = {{"float32", BRRR_F32}, {"float16", BRRR_F16}, {"bfloat16", BRRR_BF16}, {"float64", BRRR_F64}};
+    for (size_t i = 0; i < sizeof DTYPES / sizeof DTYPES[0]; i++)
+        if (strcmp(name, DTYPES[i].name) == 0) return *dtype = DTYPES[i].dtype, 0;
+    PyErr_Format(PyExc_ValueError, "argument dtype: expected float32, float16, bfloat16 or float64, got '%s'", name);
+    return -1;
+}
+
+/* chain_jit_compile(steps, dtype, backward=False, layout="contiguous", ndim=1, vector_mask=0,
+ * grad_mask=0, arch=90, index32=False) -> (source, cubin, origin): what a CUDA call would compile, through the
+ * disk cache (origin "disk" or "compiled"), without a GPU. For tests. */
+PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *kwargs) {
+    (void)module;
+    static char *keywords[] = {"steps", "dtype", "backward", "layout", "ndim", "vector_mask", "grad_mask", "arch", "index32",
+                               NULL};
+    PyObject *steps;
+    const char *dtype_name, *layout_name = "contiguous";
+    int backward = 0, ndim = 1, vector_mask = 0, grad_mask = 0, arch = 90, index32 = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Os|psiiiip:chain_jit_compile", keywords, &steps, &dtype_name, &backward,
+                                     &layout_name, &ndim, &vector_mask, &grad_mask, &arch, &index32))
+        return NULL;
+    brrr_chain_kernel k = {backward, 0, -1, ndim, vector_mask, grad_mask, index32};
+    static const char *const LAYOUTS[] = {"contiguous", "strided", "rows"};
+    for (int i = 0; i < BRRR_JIT_LAYOUTS; i++)
+        if (strcmp(layout_name, LAYOUTS[i]) == 0) k.layout = i;
+    if (parse_dtype(dtype_name, &k.dtype) < 0) return NULL;
+    if (k.layout < 0 || ndim < 1 || ndim > BRRR_MAX_DIMS || (k.layout == BRRR_JIT_ROWS && (!backward || ndim < 2)) ||
+        (k.layout != BRRR_JIT_ROWS && (vector_mask & grad_mask))) {
+        PyErr_SetString(PyExc_ValueError, "argument layout: contiguous, strided or rows (backward only, and the layout of "
+                                          "every vector operand's gradient), with 1 <= ndim <= 16 (rows: >= 2)");
+        return NULL;
+    }
+    PyObject *bytes = PyObject_CallMethod(module, "chain_program", "O", steps);
+    brrr_chain_steps p;
+    const int parsed = bytes ? brrr_chain_parse_program(bytes, &p) : -1;
+    Py_XDECREF(bytes);
+    if (parsed < 0) return NULL;
+    if ((vector_mask | grad_mask) >> p.n_operands) {
+        PyMem_Free(p.steps);
+        PyErr_SetString(PyExc_ValueError, "argument vector_mask/grad_mask: a bit set past the chain's operands");
+        return NULL;
+    }
+    if (nvrtc_prepare() < 0) {
+        PyMem_Free(p.steps);
+        return NULL;
+    }
+    size_t size = 0;
+    int origin = ORIGIN_COMPILED, missing;
+    char *source = NULL, *error = NULL, *image;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&compile_lock);
+    image = chain_cubin(&k, &p, arch, 0, &size, &origin, &source, &error, &missing);
+    if (image) ++*(origin == ORIGIN_DISK ? &stats.from_disk : &stats.compiled);
+    pthread_mutex_unlock(&compile_lock);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(p.steps);
+    PyObject *result = NULL;
+    if (image) result = Py_BuildValue("(sy#s)", source, image, (Py_ssize_t)size, origin == ORIGIN_DISK ? "disk" : "compiled");
+    else PyErr_Format(PyExc_RuntimeError, "%s%s", missing ? "NVRTC not available: " : "", error ? error : "out of memory");
+    free(source);
+    free(image);
+    free(error);
+    return result;
+}
+
+/* chain_jit_info() -> dict: NVRTC's path and version (or why it is missing), the cache folder,
+ * whether compiling is on, and the counts of kernels compiled and read from the disk cache. */
+PyObject *brrr_py_chain_jit_info(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    if (nvrtc_prepare() < 0) return NULL;
+    char dir[PATH_MAX], version[32];
+    const int have_dir = cache_dir(dir, sizeof dir);
+    pthread_mutex_lock(&compile_lock);
+    const int loaded = nvrtc_open() == 0;
+    snprintf(version, sizeof version, "%d.%d", nvrtc.major, nvrtc.minor);
+    PyObject *info = Py_BuildValue("{s:z,s:z,s:z,s:z,s:O,s:L,s:L,s:d}", "nvrtc", loaded ? nvrtc.path : NULL, "nvrtc_version",
+                                   loaded ? version : NULL, "nvrtc_error", loaded ? NULL : nvrtc.error, "cache_dir",
+                                   have_dir ? dir : NULL, "enabled", jit_enabled ? Py_True : Py_False, "compiled",
+                                   stats.compiled, "from_disk", stats.from_disk, "last_seconds", stats.last_seconds);
+    pthread_mutex_unlock(&compile_lock);
+    return info;
+}
+
+/* chain_jit_enable(flag) -> previous: whether CUDA chains run compiled kernels (else the
+ * interpreted ones, which take at most BRRR_MAX_CHAIN_STEPS steps). */
+PyObject *brrr_py_chain_jit_enable(PyObject *module, PyObject *flag) {
+    (void)module;
+    int on;
+    if (brrr_parse_bool(flag, "flag", &on) < 0) return NULL;
+    const int previous = jit_enabled;
+    jit_enabled = on;
+    return PyBool_FromLong(previous);
+}

@@ -1,0 +1,90 @@
+// The chain step math for CUDA, three times: exact float (float32 storage), fast float (half
+// storage), double. Included by the precompiled kernels (chain_kernels.cuh) and, through NVRTC,
+// by the chains compiled at run time (csrc/chain_jit.c), so that both compute the same function.
+#pragma once
+
+#include "brrr_cuda.h"
+#include "elementary.cuh"
+
+namespace brrr {
+
+#define QUAL static __device__ __forceinline__
+#define FN(name) name
+struct Precise32 {
+#define REAL float
+#define EXP expf
+#define TANH tanhf
+#define ONE_PLUS_ERF(z) (1.0f + erff(z))
+#define COS precise_cos
+#define SIN precise_sin
+#define SINCOS precise_sincos
+#define COS_IN_RANGE precise_cos_in_range
+#define SIN_IN_RANGE precise_sin_in_range
+#define SINCOS_IN_RANGE precise_sincos_in_range
+#define TRIG_PACK_OK trig_in_range
+#define DIV(a, b) __fdividef((a), (b)) /* 2 ulp; IEEE division would call a slow-path routine */
+#define LOG logf
+#define LOG1P log1pf
+#define EXPM1 expm1f
+#define SQRT sqrtf
+#define RSQRT rsqrtf
+#define POW powf
+#define FABS fabsf
+#include "chain_math.inc"
+#include "chain_apply.inc"
+#include "chain_math_end.inc"
+};
+struct Fast32 {
+#define REAL float
+#define EXP fast_exp
+#define TANH fast_tanh
+#define ONE_PLUS_ERF fast_one_plus_erf
+#define COS fast_cos
+#define SIN fast_sin
+#define SINCOS fast_sincos
+/* Up to |x| = 512 the MUFU's own reduction (x / 2pi truncated to fp32) errs by at most
+ * 512 * 2^-23 = 6e-5 in phase: below float16's and bfloat16's resolution, for 2 instructions. */
+#define COS_IN_RANGE __cosf
+#define SIN_IN_RANGE __sinf
+#define SINCOS_IN_RANGE __sincosf
+#define TRIG_PACK_OK(v) (fabsf(v) <= 512.0f)
+#define DIV(a, b) __fdividef((a), (b))
+#define LOG logf
+#define LOG1P log1pf
+#define EXPM1 expm1f
+#define SQRT sqrtf
+#define RSQRT rsqrtf
+#define POW powf
+#define FABS fabsf
+#include "chain_math.inc"
+#include "chain_apply.inc"
+#include "chain_math_end.inc"
+};
+struct Precise64 {
+#define REAL double
+#define EXP exp
+#define TANH tanh
+#define ONE_PLUS_ERF(z) (1.0 + erf(z))
+#define COS cos
+#define SIN sin
+#define SINCOS sincos_f64
+#define COS_IN_RANGE cos
+#define SIN_IN_RANGE sin
+#define SINCOS_IN_RANGE sincos_f64
+#define TRIG_PACK_OK(v) true
+#define DIV(a, b) ((a) / (b))
+#define LOG log
+#define LOG1P log1p
+#define EXPM1 expm1
+#define SQRT sqrt
+#define RSQRT rsqrt
+#define POW pow
+#define FABS fabs
+#include "chain_math.inc"
+#include "chain_apply.inc"
+#include "chain_math_end.inc"
+};
+#undef FN
+#undef QUAL
+
+}  // namespace brrr

@@ -1,0 +1,158 @@
+// The elementary functions of the elementwise kernels (the fast ones for half-precision storage,
+// the exactly reduced sin and cos). Device code only, with no header but trig_reduce.h: the
+// chains compiled at run time (csrc/chain_jit.c) include it through NVRTC as well, so that they
+// compute exactly what the precompiled kernels compute.
+#pragma once
+
+#include "trig_reduce.h"
+
+namespace brrr {
+
+// Elementary functions. Two things keep elementwise kernels memory-bound on Hopper: no work on
+// the conversion/MUFU pipe beyond one op per function (it runs at 1/8 of the FMA rate: F2I, I2F
+// and FRND in a range reduction cost as much as the memory traffic of a bf16 element), and, for
+// float16/bfloat16 storage, hardware approximations whose error (MUFU.SIN ~2^-21 absolute after
+// an exact reduction, tanh.approx ~2^-11 relative) vanishes in the 8-11 bit result.
+__device__ __forceinline__ float fast_exp(float x) { return __expf(x); }
+// 1 + erf(z) for half-precision storage, in two MUFU ops and ~14 FMA-pipe instructions (erff is
+// ~35, which made bf16 gelu compute-bound): erfc(|z|) = t Q(t) exp(-z^2) with t = 1 / (1 + |z|/2)
+// and Q a degree-8 fit of erfc(z) exp(z^2) / t on [0, 10]; then 1 + erf(z) = 2 - erfc(z) for
+// z >= 0 and erfc(-z) below, so the left tail keeps its relative accuracy (fp32 1 + erff cancels
+// to 0 there). Relative error 4e-6 in a float32 simulation against mpmath (with an exact exp; __expf
+// adds its own few ulp); on the H200 every float16/bfloat16 gelu from -12 to 8 is within one ulp (a test).
+__device__ __forceinline__ float fast_one_plus_erf(float z) {
+    const float a = fabsf(z);
+    const float t = __fdividef(1.0f, fmaf(0.5f, a, 1.0f));
+    float q = -5.902037854e-02f;
+    q = fmaf(q, t, 2.843514223e-01f);
+    q = fmaf(q, t, -4.867668635e-01f);
+    q = fmaf(q, t, 2.776079514e-01f);
+    q = fmaf(q, t, -2.633550840e-02f);
+    q = fmaf(q, t, 2.025755606e-01f);
+    q = fmaf(q, t, 2.431289602e-01f);
+    q = fmaf(q, t, 2.823722423e-01f);
+    q = fmaf(q, t, 2.820865712e-01f);
+    const float erfc_a = t * q * __expf(-a * a);
+    return z >= 0.0f ? 2.0f - erfc_a : erfc_a;
+}
+__device__ __forceinline__ float fast_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// x = k * pi/2 + r with |r| <= pi/4 (+ rounding), k's low bits in q. Rounding uses the 1.5 * 2^23
+// trick (FMA pipe only); the three-part pi/2 (libdevice's) keeps r exact for |x| <= kTrigLimit.
+constexpr float kTrigLimit = 105615.0f;
+struct Reduced {
+    float r;
+    int q;
+};
+__device__ __forceinline__ Reduced reduce_half_pi(float x) {
+    const float t = fmaf(x, 0.636619772367581343f, 12582912.0f);
+    const float k = t - 12582912.0f;
+    float r = fmaf(k, -1.57079625129699707031f, x);
+    r = fmaf(k, -7.54978941586159635335e-08f, r);
+    r = fmaf(k, -5.39030252995776476554e-15f, r);
+    return {r, __float_as_int(t)};  // the integer k sits in the low mantissa bits: q & 3 == k & 3
+}
+
+// sin and cos of a reduced argument, |r| <= pi/4: minimax polynomials (Cephes), ~1 ulp.
+__device__ __forceinline__ void sincos_poly(float r, float &s, float &c) {
+    const float z = r * r;
+    s = fmaf(fmaf(fmaf(-1.9515295891e-4f, z, 8.3321608736e-3f), z, -1.6666654611e-1f), z * r, r);
+    c = fmaf(fmaf(fmaf(2.443315711809948e-5f, z, -1.388731625493765e-3f), z, 4.166664568298827e-2f), z * z,
+             fmaf(-0.5f, z, 1.0f));
+}
+
+// sin(k pi/2 + r) from sin r and cos r.
+__device__ __forceinline__ float quadrant_sin(int q, float s, float c) {
+    const float v = (q & 1) ? c : s;
+    return (q & 2) ? -v : v;
+}
+
+// Exact float32 sin/cos (float32 storage) for |x| <= kTrigLimit; callers check the range once
+// per pack and send the rest (large, inf, NaN) to large_sincos below.
+__device__ __forceinline__ void precise_sincos_in_range(float x, float *s, float *c) {
+    const Reduced a = reduce_half_pi(x);
+    float ps, pc;
+    sincos_poly(a.r, ps, pc);
+    *s = quadrant_sin(a.q, ps, pc);
+    *c = quadrant_sin(a.q + 1, ps, pc);
+}
+__device__ __forceinline__ float precise_sin_in_range(float x) {
+    const Reduced a = reduce_half_pi(x);
+    float s, c;
+    sincos_poly(a.r, s, c);
+    return quadrant_sin(a.q, s, c);
+}
+__device__ __forceinline__ float precise_cos_in_range(float x) {
+    const Reduced a = reduce_half_pi(x);
+    float s, c;
+    sincos_poly(a.r, s, c);
+    return quadrant_sin(a.q + 1, s, c);
+}
+
+// Half-storage sin/cos: the same exact reduction, then one MUFU.SIN on r or r + pi/2.
+__device__ __forceinline__ float fast_sin_turns_in_range(float x, int turns) {
+    const Reduced a = reduce_half_pi(x);
+    const int q = a.q + turns;
+    const float v = __sinf(a.r + ((q & 1) ? 1.57079632679489662f : 0.0f));
+    return (q & 2) ? -v : v;
+}
+__device__ __forceinline__ float fast_sin_in_range(float x) { return fast_sin_turns_in_range(x, 0); }
+__device__ __forceinline__ float fast_cos_in_range(float x) { return fast_sin_turns_in_range(x, 1); }
+__device__ __forceinline__ void fast_sincos_in_range(float x, float *s, float *c) {
+    const Reduced a = reduce_half_pi(x);
+    const float ps = __sinf(a.r), pc = __cosf(a.r);
+    *s = quadrant_sin(a.q, ps, pc);
+    *c = quadrant_sin(a.q + 1, ps, pc);
+}
+
+// Beyond kTrigLimit: the exact Payne-Hanek reduction (trig_reduce.h), then the polynomials.
+// Kernels compiled at run time call it (BRRR_LARGE_TRIG __noinline__): inlined at every trig
+// step of a long unrolled chain it made NVRTC several times slower, for arguments that are rare.
+#ifndef BRRR_LARGE_TRIG
+#define BRRR_LARGE_TRIG __forceinline__
+#endif
+__device__ BRRR_LARGE_TRIG void large_sincos(float x, float *s, float *c) {
+    if (!isfinite(x)) {
+        *s = *c = x - x;  // NaN for inf and NaN
+        return;
+    }
+    int q;
+    const float r = (float)brrr_reduce_large(x, &q);
+    float ps, pc;
+    sincos_poly(r, ps, pc);
+    *s = quadrant_sin(q, ps, pc);
+    *c = quadrant_sin(q + 1, ps, pc);
+}
+__device__ __forceinline__ float large_sin(float x) {
+    float s, c;
+    large_sincos(x, &s, &c);
+    return s;
+}
+__device__ __forceinline__ float large_cos(float x) {
+    float s, c;
+    large_sincos(x, &s, &c);
+    return c;
+}
+
+// The same with the range check, for code that handles one element at a time.
+__device__ __forceinline__ bool trig_in_range(float x) { return fabsf(x) <= kTrigLimit; }
+__device__ __forceinline__ float precise_sin(float x) { return trig_in_range(x) ? precise_sin_in_range(x) : large_sin(x); }
+__device__ __forceinline__ float precise_cos(float x) { return trig_in_range(x) ? precise_cos_in_range(x) : large_cos(x); }
+__device__ __forceinline__ float fast_sin(float x) { return trig_in_range(x) ? fast_sin_in_range(x) : large_sin(x); }
+__device__ __forceinline__ float fast_cos(float x) { return trig_in_range(x) ? fast_cos_in_range(x) : large_cos(x); }
+__device__ __forceinline__ void precise_sincos(float x, float *s, float *c) {
+    if (trig_in_range(x)) precise_sincos_in_range(x, s, c);
+    else large_sincos(x, s, c);
+}
+__device__ __forceinline__ void fast_sincos(float x, float *s, float *c) {
+    if (trig_in_range(x)) fast_sincos_in_range(x, s, c);
+    else large_sincos(x, s, c);
+}
+
+__device__ __forceinline__ void sincos_f64(double x, double *s, double *c) { sincos(x, s, c); }
+
+}  // namespace brrr

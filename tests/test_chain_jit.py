@@ -1,0 +1,291 @@
+"""Chains compiled for their exact steps (csrc/chain_jit.c): the generated CUDA source compiled by
+NVRTC for many chains (no GPU needed), the disk cache across processes, and on CUDA the compiled
+kernels against the interpreted ones."""
+
+import os
+import random as pyrandom
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import brrr
+from brrr import _C
+from helpers import assert_close, random
+from test_chain_ops import _operands, random_long_chain, reference
+
+HAVE_NVRTC = _C.chain_jit_info()["nvrtc"] is not None
+# CI installs NVRTC (requirements-test.txt) so that generated code that does not compile fails there.
+needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC and not os.environ.get("CI"),
+                                 reason=f"NVRTC not found ({_C.chain_jit_info()['nvrtc_error']})")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(folder))
+    return folder
+
+
+def compile_in_subprocess(steps, cache, dtype="float32", env=None):
+    """Start a process that compiles `steps` through the cache folder; returns it (running)."""
+    code = f"from brrr import _C; print(_C.chain_jit_compile({steps!r}, {dtype!r})[2])"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "BRRR_CACHE_DIR": str(cache), **(env or {})})
+
+
+def finish(process):
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    return out.strip()
+
+
+MIXED = ["gelu", "add_tensor", "silu", ("mul", 2.0), "tanh", "exp", "sin", ("add", 1.0), "mul_tensor", "sigmoid",
+         "log1p", ("pow", 3.0)]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("seed", range(6))
+def test_generated_sources_compile(cache_dir, seed):
+    """Random chains of every op, each dtype, layout and direction, compiled to sm_90 cubins."""
+    rng = pyrandom.Random(seed)
+    steps = random_long_chain(rng, rng.randint(1, 64))
+    n = sum(s in ("add_tensor", "mul_tensor") for s in steps)
+    vector = rng.randrange(1 << n) if n else 0
+    dtype = ["float32", "float16", "bfloat16", "float64"][seed % 4]
+    layouts = [("contiguous", 1), ("strided", 1 + seed % 3)] + ([("rows", 2 + seed % 2)] if vector else [])
+    for layout, ndim in layouts:
+        for backward in (False, True) if layout != "rows" else (True,):
+            grads = rng.randrange(1 << n) if backward and n else 0
+            grads = grads | vector if layout == "rows" else grads & ~vector  # bias gradients: the row layout
+            source, cubin, origin = _C.chain_jit_compile(steps, dtype, backward=backward, layout=layout, ndim=ndim,
+                                                         vector_mask=vector, grad_mask=grads, index32=seed % 2 == 0)
+            assert origin == "compiled" and cubin[:4] == b"\x7fELF", (layout, backward)
+
+
+@needs_nvrtc
+def test_the_source_is_specialised(cache_dir):
+    source, _, _ = _C.chain_jit_compile([("mul", 1.0001)] * 256, "float32")
+    assert source.count("y = y * (A)0x1.00068db8bac71p+0;") == 256  # unrolled, the scalar an immediate
+    source, _, _ = _C.chain_jit_compile(MIXED, "bfloat16", backward=True, grad_mask=3, vector_mask=1, layout="rows", ndim=3)
+    assert "M::gelu_fwd_grad(y, &d)" in source and "M::pow_fwd_grad(y, (A)0x1.8p+1, &d)" in source
+    assert "L.partials" in source and "__shared__" in source
+    assert "__noinline__ A chain_bwd" in source  # ten elementary functions: one copy, called
+    assert "__forceinline__ A chain_fwd" in _C.chain_jit_compile(["cos", "cos"], "float16")[0]
+    source, _, _ = _C.chain_jit_compile(["relu", ("add", float("inf")), ("mul", float("nan"))], "float64")
+    assert "__longlong_as_double(0x7ff0000000000000LL)" in source
+
+
+@needs_nvrtc
+def test_a_second_process_reads_the_cache(cache_dir):
+    steps = ["cos", ("mul", 1.5), "cos"]
+    assert _C.chain_jit_compile(steps, "float32")[2] == "compiled"
+    assert _C.chain_jit_compile(steps, "float32")[2] == "disk"
+    files = os.listdir(cache_dir)
+    assert len(files) == 1 and files[0].startswith("chain-") and files[0].endswith(".cubin")
+    started = time.perf_counter()
+    assert finish(compile_in_subprocess(steps, cache_dir)) == "disk"
+    print(f"new process, cached: {time.perf_counter() - started:.2f} s (with Python's start)")
+    # A cached kernel needs no NVRTC.
+    assert finish(compile_in_subprocess(steps, cache_dir, env={"BRRR_NVRTC": "none"})) == "disk"
+    # Another chain, dtype or direction is another kernel.
+    assert _C.chain_jit_compile(steps, "float16")[2] == "compiled"
+    assert _C.chain_jit_compile(steps, "float32", backward=True)[2] == "compiled"
+    assert _C.chain_jit_compile(["cos", ("mul", 1.25), "cos"], "float32")[2] == "compiled"
+
+
+@needs_nvrtc
+def test_a_corrupted_cache_file_is_rebuilt(cache_dir):
+    steps = ["sin", "softplus"]
+    _, cubin, _ = _C.chain_jit_compile(steps, "float32")
+    (path,) = cache_dir.iterdir()
+    good = path.read_bytes()
+    for damage in (lambda b: b[:-1] + bytes([b[-1] ^ 1]),            # the checksum
+                   lambda b: b[:200] + bytes([b[200] ^ 0x40]) + b[201:],  # the identity or the cubin
+                   lambda b: b[: len(b) // 2],                        # cut short
+                   lambda b: b""):
+        path.write_bytes(damage(good))
+        _, rebuilt, origin = _C.chain_jit_compile(steps, "float32")
+        assert origin == "compiled" and rebuilt == cubin
+        assert path.read_bytes() == good  # replaced by a whole file
+        assert _C.chain_jit_compile(steps, "float32")[2] == "disk"
+
+
+@needs_nvrtc
+def test_two_processes_compiling_the_same_chain_both_succeed(cache_dir):
+    steps = ["mish", ("leaky_relu", 0.1), "cos", ("clamp_max", 0.5)]
+    processes = [compile_in_subprocess(steps, cache_dir, "bfloat16") for _ in range(2)]
+    assert {finish(p) for p in processes} <= {"compiled", "disk"}
+    assert [f for f in os.listdir(cache_dir) if not f.startswith(".")] == os.listdir(cache_dir)
+    assert len(os.listdir(cache_dir)) == 1  # no temporary file left behind
+    assert _C.chain_jit_compile(steps, "bfloat16")[2] == "disk"
+
+
+@needs_nvrtc
+def test_an_unwritable_cache_folder_still_compiles(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(blocker / "cache"))
+    assert _C.chain_jit_compile(["relu", "neg"], "float32")[2] == "compiled"
+
+
+def test_the_cache_folder(monkeypatch):
+    monkeypatch.setenv("BRRR_CACHE_DIR", "/somewhere/brrr-cache")
+    assert _C.chain_jit_info()["cache_dir"] == "/somewhere/brrr-cache"
+    monkeypatch.delenv("BRRR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert _C.chain_jit_info()["cache_dir"] == "/xdg/brrr"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert _C.chain_jit_info()["cache_dir"] == "/home/someone/.cache/brrr"
+
+
+def test_without_nvrtc_brrr_imports_and_chains_run_on_the_cpu():
+    code = ("import brrr, numpy as np; from brrr import _C; info = _C.chain_jit_info(); "
+            "assert info['nvrtc'] is None and info['nvrtc_error'] == 'BRRR_NVRTC=none', info; "
+            "x = np.linspace(-1, 1, 100, dtype=np.float32); y = brrr.chain(*['sin'] * 40)(x); "
+            "assert abs(float(y[-1]) - 0.29) < 0.05, y[-1]; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "BRRR_NVRTC": "none"})
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@needs_nvrtc
+def test_an_nvrtc_already_loaded_is_used_with_its_builtins(tmp_path):
+    """PyTorch's CUDA wheels load libnvrtc from a folder off the loader's path: brrr finds it by name
+    and loads the builtins NVRTC needs from the same folder."""
+    path = _C.chain_jit_info()["nvrtc"]
+    code = (f"import ctypes; ctypes.CDLL({path!r}, mode=ctypes.RTLD_GLOBAL); from brrr import _C; "
+            "print(_C.chain_jit_compile(['cos', ('mul', 3.25)], 'float32')[2], _C.chain_jit_info()['nvrtc'])")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "BRRR_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["compiled", os.path.realpath(path)]
+
+
+def test_compile_arguments_are_checked():
+    with pytest.raises(ValueError, match="argument dtype"):
+        _C.chain_jit_compile(["relu"], "int8")
+    with pytest.raises(ValueError, match="argument layout"):
+        _C.chain_jit_compile(["relu"], "float32", layout="rows")  # rows: backward only
+    with pytest.raises(ValueError, match="vector_mask"):
+        _C.chain_jit_compile(["relu"], "float32", vector_mask=1)
+    with pytest.raises(ValueError, match="argument layout"):
+        _C.chain_jit_compile(["add_tensor"], "float32", backward=True, vector_mask=1, grad_mask=1)
+    with pytest.raises(ValueError, match=r"steps\[0\]: unknown op"):
+        _C.chain_jit_compile(["nope"], "float32")
+
+
+# ---- CUDA: compiled against interpreted ----------------------------------------------------------
+
+def _interpreted(fn):
+    previous = _C.chain_jit_enable(False)
+    try:
+        return fn()
+    finally:
+        _C.chain_jit_enable(previous)
+
+
+def _fwd_bwd(steps, x, operands, g):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, *operands)]
+    y = brrr.chain(*steps)(*leaves)
+    y.backward(g)
+    return [y.detach()] + [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("shape", [(4097,), (64, 1000), (3, 5, 40)], ids=str)
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_compiled_matches_interpreted(dtype, seed, shape, strided):
+    assert HAVE_NVRTC, _C.chain_jit_info()
+    rng = pyrandom.Random(seed)
+    steps = random_long_chain(rng, rng.randint(1, 16))
+    x = random(shape, dtype, "cuda", -2.0, 2.0)
+    if strided:
+        x = x.transpose(0, -1).contiguous().transpose(0, -1)
+    operands = _operands(steps, x, rng)
+    g = random(x.shape, dtype, "cuda")
+    compiled = _fwd_bwd(steps, x, operands, g)
+    interpreted = _interpreted(lambda: _fwd_bwd(steps, x, operands, g))
+    # The same functions in the same order; the compiler may contract a multiply and an add
+    # differently in the unrolled code. A wrong step is off by far more.
+    for a, b in zip(compiled, interpreted):
+        torch.testing.assert_close(a, b, rtol=4 * torch.finfo(dtype).eps * len(steps), atol=1e-6 * len(steps) *
+                                   max(1.0, float(b.abs().max())))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_chains_on_cuda_against_float64(dtype):
+    rng = pyrandom.Random(7)
+    for n in (17, 64, 200):
+        steps = random_long_chain(rng, n)
+        x = random((333, 65), dtype, "cuda", -2.0, 2.0)
+        operands = _operands(steps, x, rng)  # bias-like vectors among them: the rows layout's backward
+        g = random(x.shape, dtype, "cuda")
+        ours = _fwd_bwd(steps, x, operands, g)
+        leaves = [t.detach().to("cpu", torch.float64).requires_grad_() for t in (x, *operands)]
+        want = reference(steps, leaves[0], leaves[1:])
+        want.backward(g.double().cpu())
+        for got, expected in zip(ours, [want.detach()] + [leaf.grad for leaf in leaves]):
+            # a chain that clamps to a constant has a gradient of exactly 0: then the error itself
+            err = (got.double().cpu() - expected).norm() / (expected.norm() if expected.norm() > 0 else 1.0)
+            assert err < (1e-5 if dtype == torch.float32 else 2e-2) * n / 16, (n, float(err))
+
+
+@pytest.mark.cuda
+def test_first_call_compiles_then_the_memory_cache_answers(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(1 << 20, device="cuda")
+    chain = brrr.chain("cos", ("mul", 1.0 + pyrandom.random()), "cos")  # a scalar no other test uses
+    before = _C.chain_jit_info()["compiled"]
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    chain(x)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - started
+    assert _C.chain_jit_info()["compiled"] == before + 1
+    started = time.perf_counter()
+    for _ in range(10):
+        chain(x)
+    torch.cuda.synchronize()
+    again = (time.perf_counter() - started) / 10
+    print(f"first call {first * 1e3:.1f} ms (compile + load {_C.chain_jit_info()['last_seconds'] * 1e3:.1f} ms), "
+          f"then {again * 1e3:.3f} ms")
+    assert _C.chain_jit_info()["compiled"] == before + 1
+    assert first < 5.0 and again < first
+
+
+@pytest.mark.cuda
+def test_a_compiled_chain_is_captured_by_cuda_graphs():
+    x = torch.randn(1 << 16, device="cuda")
+    chain = brrr.chain(*[("mul", 1.001), "sin"] * 20)  # 40 steps: compiled kernels only
+    expected = chain(x)  # the first call, outside capture, compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, expected, rtol=0, atol=0)
+    fresh = brrr.chain(*[("mul", 1.002), "sin"] * 20)
+    with pytest.raises(RuntimeError, match="run it once before capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            fresh(x)
+
+
+@pytest.mark.cuda
+def test_without_nvrtc_long_chains_on_cuda_say_why(tmp_path):
+    code = ("import warnings, torch, brrr; x = torch.randn(100, device='cuda');\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always'); brrr.chain('cos', 'cos')(x); brrr.chain('sin')(x)\n"
+            "assert len(w) == 1 and 'NVRTC was not found' in str(w[0].message), [str(m.message) for m in w]\n"
+            "try:\n    brrr.chain(*['cos'] * 17)(x)\nexcept ValueError as e:\n    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "BRRR_NVRTC": "none", "BRRR_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "a chain of 17 steps needs NVRTC" in result.stdout
