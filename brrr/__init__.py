@@ -22,6 +22,7 @@ except ImportError:
         raise ImportError("brrr's C extension is not built in this source tree: pip install -e . or run from "
                           "elsewhere") from None
     raise
+from . import _frameworks
 from .chain import (
     Chain,
     chain,
@@ -69,9 +70,10 @@ def build_info() -> dict:
 
 
 # The PyTorch-only parts and brrr.diagnose load on first use, so that `import brrr` never imports
-# torch; where torch is already imported, its integration loads now, so that torch.ops.brrr.* exist
-# from here on. The modules behind them have other names (_registry, _patch): importing a submodule
-# binds its name in this package, which would hide the registry object and the patch function.
+# torch; where torch is already imported, brrr's PyTorch layer loads now, so that torch.ops.brrr.*
+# exist from here on (else on the first torch tensor: brrr/_frameworks.py). The modules behind them
+# have other names (_registry, _patch): importing a submodule binds its name in this package, which
+# would hide the registry object and the patch function.
 # brrr.diagnose is the exception: that module is itself callable as the function.
 _LAZY = {"registry": ("_registry", "registry"), "UnsupportedError": ("_registry", "UnsupportedError"),
          "nn": ("nn", None), "patch": ("_patch", "patch"), "unpatch": ("_patch", "unpatch"),
@@ -87,6 +89,10 @@ def __getattr__(name):
     import importlib
 
     module_name, attribute = _LAZY[name]
+    if module_name == "_registry":  # its ops are registered by the families' PyTorch layer
+        import torch  # noqa: F401 - which needs it
+
+        _frameworks.load_torch_layer()
     module = importlib.import_module(f"{__name__}.{module_name}")
     value = module if attribute is None else getattr(module, attribute)
     globals()[name] = value
@@ -94,7 +100,7 @@ def __getattr__(name):
 
 
 if "torch" in sys.modules:
-    from . import _torch, _torch_dropout, _torch_linear_xent, _torch_xent  # noqa: F401,E402  (they define torch.ops.brrr.*)
+    _frameworks.load_torch_layer()
 
 __all__ = [
     "Chain",

@@ -120,14 +120,21 @@ def _device(text):
     return text
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
-    return value
+def _positive(convert, what, expected):
+    """An argparse type: text as convert(text) > 0 (finite), else an error that says what it is not
+    (`what`) or what was expected."""
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a positive {expected}, got {text!r}")
+        return value
+    return parse
+
+
+_positive_int, _positive_float = _positive(int, "a whole number", "size"), _positive(float, "a number", "count")
 
 
 def _json_destination(path):
@@ -135,16 +142,6 @@ def _json_destination(path):
     if path != "-" and not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"no such folder for the JSON file: {folder!r}")
     return path
-
-
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive count, got {text!r}")
-    return value
 
 
 def _write_json(text, destination):
@@ -159,7 +156,8 @@ def _write_json(text, destination):
 
 
 def _run_diagnose(options):
-    from .diagnose import _device_of, device_ceilings, diagnose
+    from .diagnose import device_ceilings, diagnose
+    from .diagnose.common import device_of
 
     torch = _torch()
     if options.target in EXAMPLES:
@@ -175,7 +173,7 @@ def _run_diagnose(options):
             raise SystemExit("brrr diagnose: --size, --dtype and --device apply to the built-in examples only")
         fn, args, kwargs = _load_target(options.target)
     if options.refresh_ceilings:
-        device_ceilings(_device_of(args, kwargs), refresh=True)
+        device_ceilings(device_of(args, kwargs), refresh=True)
     report = diagnose(fn, *args, flops=options.flops, bytes=options.bytes,
                       scale=False if options.no_scale else None, **kwargs)
     if options.json != "-":

@@ -1,39 +1,49 @@
-"""Which framework an argument belongs to, decided without importing any framework."""
+"""Which framework an argument belongs to, decided without importing any framework, and the
+allocations brrr makes with a framework other than PyTorch. The first torch tensor loads brrr's
+PyTorch layer (brrr._op)."""
 
 import sys
 
-_torch_tensor = None  # torch.Tensor and brrr._torch (PyTorch integration), set by brrr._torch as
-_torch_ops = None  # it loads (torch_integration_loaded)
-
-
-def torch_ops_if_tensor(x):
-    """brrr._torch when x is a torch.Tensor, else None; cheap on the hot path: the type and the
-    module are looked up once, and brrr._torch is imported on the first torch tensor."""
-    if _torch_ops is None:
-        torch = sys.modules.get("torch")
-        if torch is None or not isinstance(x, torch.Tensor):
-            return None
-        from . import _torch
-
-        torch_integration_loaded(_torch)
-        return _torch
-    return _torch_ops if isinstance(x, _torch_tensor) else None
-
-
-def torch_integration_loaded(module):
-    """Set the two names above to torch.Tensor and brrr._torch; brrr._torch calls this as it loads.
-    Not while torch.compile traces: dynamo guards on the values it read (None), and setting them
-    from a traced call would fail that guard on the next call and compile the whole model again
-    (an import inside a traced call runs for real, so brrr._torch's call is skipped then too)."""
-    global _torch_tensor, _torch_ops
-    torch = sys.modules["torch"]
-    if not torch.compiler.is_compiling():
-        _torch_tensor, _torch_ops = torch.Tensor, module
+_torch_tensor = _torch = None  # torch.Tensor and torch, once brrr's PyTorch layer has loaded
 
 
 def torch_if_tensor(x):
-    """The torch module when x is a torch.Tensor, else None (torch is never imported here)."""
-    return sys.modules["torch"] if torch_ops_if_tensor(x) is not None else None
+    """The torch module when x is a torch.Tensor, else None; cheap on the hot path. torch is never
+    imported here: a torch tensor means it is. The first one loads brrr's PyTorch layer."""
+    if _torch_tensor is not None:
+        return _torch if isinstance(x, _torch_tensor) else None
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor):
+        return None
+    load_torch_layer()
+    return torch
+
+
+def load_torch_layer():
+    """Load brrr._op, which builds every family's PyTorch integration, and remember torch.Tensor.
+    Not while torch.compile traces: dynamo guards on the value it read (None), and setting it
+    from a traced call would fail that guard on the next call and compile the whole model again.
+    The import runs for real also then (dynamo runs imports), so no build is ever traced."""
+    global _torch_tensor, _torch
+    from . import _op  # noqa: F401 - for what loading it does
+
+    torch = sys.modules["torch"]
+    if not torch.compiler.is_compiling():
+        _torch_tensor, _torch = torch.Tensor, torch
+
+
+def check_torch(values, names):
+    """The other tensor arguments of a call whose x is a torch tensor: torch tensors or None, as
+    the tensors of one call come from one framework (docs/errors.md). TypeError naming the first
+    that is not."""
+    tensor = _torch_tensor or sys.modules["torch"].Tensor
+    for value, name in zip(values, names):
+        if value is not None and not isinstance(value, tensor):
+            if not hasattr(value, "__dlpack__"):
+                raise TypeError(f"argument {name}: expected a tensor or array implementing __dlpack__, got "
+                                f"{type(value).__name__}")
+            raise TypeError(f"argument {name}: expected a torch.Tensor like the call's first tensor (the tensors "
+                            f"of one call come from one framework), got {type(value).__name__}")
 
 
 def empty_like(x):
@@ -94,15 +104,3 @@ def astype(xp, x, dtype):
     if _is_numpy(x) or _cupy_for(x) is not None:
         return x.astype(dtype, copy=False)
     return xp.astype(x, dtype)
-
-
-def torch_integration(build):
-    """A family module's PyTorch integration: build() (which imports torch) runs once, on the
-    first call of the function this returns, so that `import brrr` never imports torch."""
-    built = []
-
-    def get():
-        if not built:
-            built.append(build())
-        return built[0]
-    return get

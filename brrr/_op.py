@@ -9,17 +9,21 @@ needs), its fake (the same, as empty tensors) and its backward formula, TorchOp 
   torch.compile traces without a graph break (`define` below);
 - an eager autograd.Function from the same pieces, for training outside torch.compile;
 - the entry that picks one per call: the operator under torch.compile, the Function when autograd
-  records, else the forward itself (the overhead regime's hot path: no dispatcher, no autograd).
+  records, else the forward itself or the op's cheaper inference (the overhead regime's hot path:
+  no dispatcher, no autograd).
 A backward formula calls its backward ops through `run`, which is the op's forward in eager mode
 and the operator under torch.compile, so that the compiled backward sees opaque nodes too.
 
-This module imports torch; family modules load it only once a torch tensor reaches them.
+This module imports torch. Loading it builds every family's integration (declared with
+brrr._integration.torch_integration): brrr loads it when it first sees a torch tensor
+(brrr._frameworks), or at `import brrr` when torch is imported already.
 """
 
 import functools
-import re
 
 import torch
+
+from ._integration import declared
 
 # torch 2.10+ publishes DLPack's C exchange table, from which brrr._C reads tensors and the
 # current stream without Python, and through which it allocates outputs with torch's allocator;
@@ -40,20 +44,13 @@ def out_like(x):
     return None if EXCHANGE_API and x.is_contiguous() else torch.empty_like(x)
 
 
-def needs_autograd(x, others=()):
-    """Whether autograd records an op on x and `others` (tensors or None); cheap first, as this is
-    the overhead regime's hot path."""
-    return torch.is_grad_enabled() and (x.requires_grad or (
-        bool(others) and any(o is not None and o.requires_grad for o in others)))
-
-
 _C_FUNCTION_APPLY = torch._C._FunctionBase.__dict__.get("apply")
 _functorch = getattr(torch._C, "_functorch", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 _functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None)
 
 
-def lean_apply(function):
+def _lean_apply(function):
     """function.apply less torch's Python wrapper around its C entry (signature binding, and
     functorch's dead-wrapper unwrapping run over every argument by a generator): about 3 us of the
     ~25 of a norm module's eager forward on this project's CPU machine. Calls inside functorch transforms
@@ -76,7 +73,7 @@ def lean_apply(function):
     return apply
 
 
-def lean_once_differentiable(backward):
+def _once_differentiable(backward):
     """torch's once_differentiable for the backward of an eager Function run by brrr's kernels,
     which record no graph. Where autograd records the backward (create_graph=True), the gradients
     it returns carry an error node whenever an incoming gradient or a saved tensor requires grad,
@@ -98,13 +95,9 @@ def lean_once_differentiable(backward):
 
 
 def _op_name(ctx):
-    """The op a Function's ctx belongs to, as brrr names it: layer_norm for brrr_layer_norm_eager
-    (TorchOp's) or _EagerLayerNorm / _ChainFunction (written by hand)."""
-    name = getattr(getattr(ctx, "_forward_cls", None), "__name__", "Op")
-    if name.startswith("brrr_"):
-        return name.removeprefix("brrr_").removesuffix("_eager")
-    name = name.lstrip("_").removeprefix("Eager").removesuffix("Function")
-    return re.sub(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+    """The op a Function's ctx belongs to: layer_norm for brrr_layer_norm_eager."""
+    name = getattr(getattr(ctx, "_forward_cls", None), "__name__", "brrr_op")
+    return name.removeprefix("brrr_").removesuffix("_eager")
 
 
 def _refuse_second_derivative(ctx, outputs, recorded):
@@ -121,19 +114,6 @@ def _refuse_second_derivative(ctx, outputs, recorded):
     aliases = [None if o is None else o.detach().requires_grad_() for o in outputs_]
     guarded = error(*aliases, *recorded)[:len(outputs_)]
     return guarded if isinstance(outputs, tuple) else guarded[0]
-
-
-def check_torch(values, names):
-    """The other tensor arguments of a call whose x is a torch tensor: torch tensors or None, as
-    the tensors of one call come from one framework (docs/errors.md). TypeError naming the first
-    that is not."""
-    for value, name in zip(values, names):
-        if value is not None and not isinstance(value, torch.Tensor):
-            if not hasattr(value, "__dlpack__"):
-                raise TypeError(f"argument {name}: expected a tensor or array implementing __dlpack__, got "
-                                f"{type(value).__name__}")
-            raise TypeError(f"argument {name}: expected a torch.Tensor like the call's first tensor (the tensors "
-                            f"of one call come from one framework), got {type(value).__name__}")
 
 
 # ---- torch.library operators ----------------------------------------------------------------------
@@ -168,26 +148,36 @@ def _requires_grad(args):
     return False
 
 
-def _flatten(args):
-    """autograd.Function tracks only tensor arguments: lists of tensors are spread out, with the
-    list lengths (None for any other argument) to rebuild them."""
-    flat, lengths = [], []
-    for a in args:
-        if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a):
-            flat.extend(a)
-            lengths.append(len(a))
-        else:
-            flat.append(a)
-            lengths.append(None)
-    return flat, lengths
+class _Lists:
+    """The lists of tensors among an op's arguments (by its schema). autograd.Function tracks only
+    the tensors among its own arguments: a Function applied to the op's arguments gets each list
+    as it is (a plain object to autograd) and its tensors again after all of them, one by one."""
 
+    def __init__(self, op):
+        arguments = op._schema.arguments
+        self.n = len(arguments)
+        self.positions = tuple(i for i, a in enumerate(arguments) if str(a.type) == "List[Tensor]")
 
-def _unflatten(flat, lengths):
-    args, i = [], 0
-    for n in lengths:
-        args.append(flat[i] if n is None else list(flat[i:i + n]))
-        i += 1 if n is None else n
-    return args
+    def spread(self, args):
+        """The Function's arguments for the op's."""
+        return (*args, *[t for i in self.positions for t in args[i]])
+
+    def enter(self, ctx, args):
+        """In the Function's forward: ctx.needs_input_grad as a formula reads it, one entry per
+        argument of the op (for a list, a tuple of one per tensor), and the lists' lengths."""
+        needs, k = list(ctx.needs_input_grad[:self.n]), self.n
+        for i in self.positions:
+            needs[i] = ctx.needs_input_grad[k:k + len(args[i])]
+            k += len(args[i])
+        ctx.needs_input_grad = tuple(needs)
+        ctx.brrr_lengths = [len(args[i]) for i in self.positions]
+
+    def gradients(self, ctx, grads):
+        """A formula's gradients (for a list: a list of them, or None) as the Function returns them."""
+        flat = [None if i in self.positions else g for i, g in enumerate(grads)]
+        for i, n in zip(self.positions, ctx.brrr_lengths):
+            flat.extend([None] * n if grads[i] is None else grads[i])
+        return tuple(flat)
 
 
 def _no_formula(name):
@@ -216,41 +206,27 @@ def define(name, impl, fake, backward=None, setup_context=None):
 
     formula = backward or _no_formula(name)
 
-    def forward(ctx, *flat_and_meta):
-        *flat, lengths, keyset = flat_and_meta
-        args = _unflatten(flat, lengths)
+    lists = _Lists(op)
+
+    def forward(ctx, *spread_and_keyset):
+        args, keyset = spread_and_keyset[:lists.n], spread_and_keyset[-1]
+        lists.enter(ctx, args)
         output = below_autograd(keyset, args)
         if setup_context is not None:
             setup_context(ctx, args, output)
-        ctx.brrr_lengths = lengths
         # A list would leave autograd's view: its tensors would not record this function.
         return tuple(output) if isinstance(output, list) else output
 
     def function_backward(ctx, *grads):
-        # As the formula sees the op's own arguments: one entry per argument, a list's any of its own.
-        needs, i = [], 0
-        for n in ctx.brrr_lengths:
-            needs.append(ctx.needs_input_grad[i] if n is None else any(ctx.needs_input_grad[i:i + n]))
-            i += 1 if n is None else n
-        ctx.needs_input_grad = tuple(needs)
         grads_in = formula(ctx, *grads)
-        if not isinstance(grads_in, tuple):
-            grads_in = (grads_in,)
-        flat = []
-        for g, n in zip(grads_in, ctx.brrr_lengths):
-            if n is None:
-                flat.append(g if isinstance(g, torch.Tensor) else None)  # e.g. [] for an empty tensor list
-            else:
-                flat.extend(g if g is not None else [None] * n)
-        return (*flat, None, None)
+        return (*lists.gradients(ctx, grads_in if isinstance(grads_in, tuple) else (grads_in,)), None)
 
     function = type(f"brrr_{name}", (torch.autograd.Function,),
                     {"forward": staticmethod(forward), "backward": staticmethod(function_backward)})
 
     def autograd_kernel(keyset, *args):
         if torch.is_grad_enabled() and _requires_grad(args):
-            flat, lengths = _flatten(args)
-            output = function.apply(*flat, lengths, keyset)
+            output = function.apply(*lists.spread(args), keyset)
             return list(output) if returns_list else output
         return below_autograd(keyset, args)
 
@@ -267,8 +243,10 @@ class TorchOp:
         results are the op's, the rest (non-differentiable) only what its backward needs.
     fake(*args): the same results as empty tensors (shape, dtype, device and strides).
     save(ctx, args, results): ctx.save_for_backward(...) and any attributes of ctx the formula reads.
-    backward(ctx, grads, run) -> one gradient (or None) per argument: grads holds one entry per
-        differentiable result (None where nothing flows); run(op, *args) runs a backward TorchOp.
+    backward(ctx, grads, run) -> one gradient (or None) per argument, for a list of tensors a list
+        of them (None where the list is empty): grads holds one entry per differentiable result
+        (None where nothing flows); run(op, *args) runs a backward TorchOp; ctx.needs_input_grad
+        has one entry per argument, for a list a tuple of one per tensor (False where it is empty).
     grad_args: the positions of the arguments that may require grad (the entry checks only those).
     inference(*args): the op's results where nothing records a gradient, when that is cheaper than
         the forward (no statistics for a backward); default: the forward.
@@ -281,7 +259,14 @@ class TorchOp:
         self._save, self._formula = save, backward
         self.op = define(name, forward, fake, self._compiled_backward if backward else None,
                          self._compiled_setup if backward else None)
-        self._apply = lean_apply(self._eager_function()) if backward else None
+        returns = self.op._schema.returns
+        self._single = len(returns) == 1 and str(returns[0].type) == "Tensor"  # the forward returns one tensor
+        self._apply = self._eager_apply() if backward else None
+        # Where nothing records: the inference, or the forward's results as the op's.
+        if inference is None and not self._single:
+            self._direct = lambda *args: _outputs(forward(*args), outputs)
+        else:
+            self._direct = forward if inference is None else inference
 
     # torch.compile: the operator returns every result; the extra ones are marked non-differentiable.
     def _compiled_setup(self, ctx, args, output):
@@ -293,38 +278,81 @@ class TorchOp:
     def _compiled_backward(self, ctx, *grads):
         return self._formula(ctx, grads[:self.outputs], _run_compiled)
 
-    def _eager_function(self):
-        op = self
+    def _eager_apply(self):
+        """The eager autograd.Function's apply: its forward is the op's, its backward the formula's
+        (once differentiable). An op with lists of tensors among its arguments has two: one for
+        calls where a list holds tensors (see _Lists), one for calls where none does."""
+        op, lists, single = self, _Lists(self.op), self._single
 
-        def forward(ctx, *args):
-            results = op.forward(*args)
-            results = results if isinstance(results, tuple) else (results,)
-            op._save(ctx, args, results)
-            ctx.set_materialize_grads(False)
-            return results[0] if op.outputs == 1 else results[:op.outputs]
+        def function(spread):
+            def forward(ctx, *args):
+                if spread:
+                    args = args[:lists.n]
+                    lists.enter(ctx, args)
+                if single:  # one result, which autograd always hands a gradient for
+                    result = op.forward(*args)
+                    op._save(ctx, args, (result,))
+                    return result
+                results = op.forward(*args)
+                op._save(ctx, args, results)
+                ctx.set_materialize_grads(False)
+                return _outputs(results, op.outputs)
 
-        @lean_once_differentiable
-        def backward(ctx, *grads):
-            return op._formula(ctx, grads, _run_eager)
+            @_once_differentiable
+            def backward(ctx, *grads):
+                grads_in = op._formula(ctx, grads, _run_eager)
+                return lists.gradients(ctx, grads_in) if spread else grads_in
 
-        return type(f"brrr_{self.name}_eager", (torch.autograd.Function,),
-                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+            return _lean_apply(type(f"brrr_{self.name}_eager", (torch.autograd.Function,),
+                                    {"forward": staticmethod(forward), "backward": staticmethod(backward)}))
+
+        plain = function(False)
+        if not lists.positions:
+            return plain
+        spreading = function(True)
+
+        def apply(*args):
+            for i in lists.positions:
+                if args[i]:
+                    return spreading(*lists.spread(args))
+            return plain(*args)
+        return apply
+
+    def _records(self, args):
+        """Whether autograd records the op on these arguments, grad mode on: a tensor at grad_args
+        (or in a list there) requires grad."""
+        for i in self.grad_args:
+            a = args[i]
+            if isinstance(a, torch.Tensor):
+                if a.requires_grad:
+                    return True
+            elif a and any(t.requires_grad for t in a):  # a list (None and empty ones skipped)
+                return True
+        return False
+
+    def runs_forward(self, args):
+        """Whether a call on these arguments runs the forward itself (outside torch.compile, with
+        nothing recorded): the only path on which a caller may give an output to write."""
+        return not _compiling() and not (self._apply is not None and _grad_enabled() and self._records(args))
 
     def __call__(self, *args):
         """The op's results (the first `outputs`): the operator under torch.compile, the eager
-        Function when autograd records, else the forward."""
-        if torch.compiler.is_compiling():
-            results = self.op(*args)
-        elif self._apply is not None and torch.is_grad_enabled() and any(
-                args[i] is not None and args[i].requires_grad for i in self.grad_args):
+        Function when autograd records, else the forward (or the inference)."""
+        if _compiling():
+            return _outputs(self.op(*args), self.outputs)
+        if self._apply is not None and _grad_enabled() and self._records(args):
             return self._apply(*args)
-        elif self.inference is not None:
-            return self.inference(*args)
-        else:
-            results = self.forward(*args)
-        if not isinstance(results, (tuple, list)):
-            return results
-        return results[0] if self.outputs == 1 else tuple(results[:self.outputs])
+        return self._direct(*args)
+
+
+_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
+
+
+def _outputs(results, n):
+    """An op's first n results (the rest are what its backward needs); one tensor for n == 1."""
+    if not isinstance(results, (tuple, list)):
+        return results
+    return results[0] if n == 1 else tuple(results[:n])
 
 
 def _run_eager(op, *args):
@@ -333,3 +361,8 @@ def _run_eager(op, *args):
 
 def _run_compiled(op, *args):
     return op.op(*args)
+
+
+# Every family's integration, built now that torch is in use (see the module): its namespace, with
+# the brrr.nn modules (`modules`) and torch.nn.functional routes (`functional`) it declares.
+INTEGRATIONS = [get() for get in declared()]

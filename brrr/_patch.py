@@ -63,7 +63,8 @@ import torch.nn.functional as F
 from . import nn as brrr_nn
 from . import remat as brrr_remat
 from .rotary import apply_rotary_pos_emb as brrr_apply_rotary_pos_emb
-from ._registry import TORCH_FUNCTIONS, _torch_rms_norm, _torch_rotary, registry
+from ._op import INTEGRATIONS
+from ._registry import registry
 
 _ORIGINAL = "_brrr_original_class"
 _ORIGINAL_LOSS = "_brrr_original_loss_attributes"  # what setting loss_function changed in __dict__
@@ -246,7 +247,7 @@ _WEIGHT_ONLY_NORMS = [("rms_norm", "llama", 0.0), ("rms_norm", "torch", 0.0), ("
 def _weight_only_norm(x, weight, eps, kind, order, offset):
     if kind == "layer_norm":
         return F.layer_norm(x, weight.shape, weight, None, eps)
-    return _torch_rms_norm(x, weight.shape, weight, eps, cast_order=order, offset=offset)
+    return registry.lookup("rms_norm").reference(x, weight.shape, weight, eps, cast_order=order, offset=offset)
 
 
 def _try_norm(module, remat):
@@ -602,7 +603,7 @@ def _rotary_of(q, k, cos, sin, interleaved, first_half):
     if first_half:
         cos, sin = cos[..., :r // 2], sin[..., :r // 2]
     kw = dict(interleaved=interleaved, rotary_dim=r)
-    return _torch_rotary(q, cos, sin, **kw), _torch_rotary(k, cos, sin, **kw)
+    return registry.lookup("rotary_qk").reference(q, k, cos, sin, **kw)
 
 
 def _rotary_layout(fn, device):
@@ -918,34 +919,9 @@ def unpatch(model):
     return restored
 
 
-def _route(name):
-    if name == "gelu":
-        return lambda input, approximate="none": registry("gelu", input, approximate=approximate)
-    if name == "silu":
-        def silu(input, inplace=False):
-            return registry("silu", input) if not inplace else TORCH_FUNCTIONS["silu"](input, inplace=True)
-        return silu
-    if name == "layer_norm":
-        return lambda input, normalized_shape, weight=None, bias=None, eps=1e-5: registry(
-            "layer_norm", input, normalized_shape, weight, bias, eps)
-    if name == "cross_entropy":
-        def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                          reduction="mean", label_smoothing=0.0):
-            if size_average is not None or reduce is not None:  # the deprecated pair: torch's own
-                return TORCH_FUNCTIONS["cross_entropy"](input, target, weight, size_average, ignore_index, reduce,
-                                                     reduction, label_smoothing)
-            return registry("cross_entropy", input, target, weight, ignore_index=ignore_index, reduction=reduction,
-                            label_smoothing=label_smoothing)
-        return cross_entropy
-    if name == "rms_norm":
-        return lambda input, normalized_shape, weight=None, eps=None: registry(
-            "rms_norm", input, normalized_shape, weight, eps)
-    if name in ("softmax", "log_softmax"):
-        return lambda input, dim=None, _stacklevel=3, dtype=None: registry(name, input, dim, _stacklevel, dtype)
-    raise AssertionError(name)
-
-
-_ROUTES = {name: _route(name) for name in TORCH_FUNCTIONS}
+# torch.nn.functional's names that brrr.use_fused routes into the registry, and their routes
+# (with F's signatures): each family declares its own (the `functional` of its PyTorch integration).
+_ROUTES = {name: route for family in INTEGRATIONS for name, route in family.functional.items()}
 
 
 @contextlib.contextmanager

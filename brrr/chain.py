@@ -20,7 +20,8 @@ inputs, and the backward recomputes the chain per element from x.
 
 from . import _C
 from ._args import bad_choice, refuse_kinds
-from ._frameworks import empty_like, torch_ops_if_tensor
+from ._frameworks import check_torch, empty_like, torch_if_tensor
+from ._integration import torch_integration
 
 SCALAR_OPS = ("add", "mul", "pow", "clamp_min", "clamp_max", "leaky_relu")
 TENSOR_OPS = ("add_tensor", "mul_tensor")
@@ -52,10 +53,9 @@ class Chain:
     def __call__(self, x, *operands, out=None, stream=None):
         if len(operands) != self.n_operands:
             raise TypeError(f"{self!r} takes {self.n_operands} tensor operand(s) after x, got {len(operands)}")
-        torch_ops = torch_ops_if_tensor(x)
-        if torch_ops is not None:
+        if torch_if_tensor(x) is not None:
             try:
-                return torch_ops.chain(self, x, operands, out, stream)
+                return torch_layer().chain(self, x, operands, out, stream)
             except RuntimeError:
                 refuse_kinds(("x", x), *zip(OPERAND_NAMES, operands), ("out", out))
                 raise
@@ -136,3 +136,138 @@ def cos(x, *, out=None):
 
 def sin(x, *, out=None):
     return _SIN(x, out=out)
+
+
+# ---- PyTorch: the custom ops brrr::chain (a chain by its op names, joined by commas, and scalars;
+# its tensor operands in a list) and brrr::chain_backward ([grad_x] + the gradients of the operands
+# asked for, in one kernel), the registry's elementwise ops and their brrr.nn modules.
+
+@torch_integration
+def torch_layer():
+    import functools
+    from types import SimpleNamespace
+
+    import torch
+    import torch.nn.functional as F
+
+    from ._op import TorchOp, out_like, stream
+    from ._registry import dispatch, registry, tensor_ok
+
+    Tensor = torch.Tensor
+
+    @functools.lru_cache(maxsize=1024)
+    def program(ops, scalars):
+        """The compiled chain of op names joined by commas (custom-op schemas take no list of str)."""
+        names = ops.split(",") if ops else []
+        return _C.chain_program([(o, s) if o in SCALAR_OPS else o for o, s in zip(names, scalars)])
+
+    def forward(x: Tensor, operands: list[Tensor], ops: str, scalars: list[float]) -> Tensor:
+        return _C.chain_fwd(x, out_like(x), program(ops, tuple(scalars)), tuple(operands), stream(x))[0]
+
+    def fake(x, operands, ops, scalars):
+        return torch.empty_like(x)
+
+    def backward_forward(x: Tensor, grad: Tensor, operands: list[Tensor], ops: str, scalars: list[float],
+                         operand_needs_grad: list[bool]) -> list[Tensor]:
+        """[grad_x] + the gradient of each operand whose operand_needs_grad is True, in one kernel."""
+        grad_x, grad_operands, partials = torch.empty_like(x), (), None
+        if operands:
+            # With no rows, a bias gradient is a sum of nothing: zeros (the kernels never run).
+            new_grad = torch.zeros_like if x.numel() == 0 else torch.empty_like
+            grad_operands = tuple(new_grad(o) if need else None for o, need in zip(operands, operand_needs_grad))
+            if x.is_cuda and x.numel() > 0 and any(need and o.shape != x.shape
+                                                   for o, need in zip(operands, operand_needs_grad)):
+                cols = x.shape[-1]  # a vector operand's gradient: column sums, through partial rows
+                partials = torch.empty(len(operands) * _C.chain_partial_rows(x.numel() // cols) * cols,
+                                       device=x.device,
+                                       dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+        _C.chain_bwd(x, grad, grad_x, partials, program(ops, tuple(scalars)), tuple(operands), grad_operands,
+                     stream(x))
+        return [grad_x, *(g for g in grad_operands if g is not None)]
+
+    def backward_fake(x, grad, operands, ops, scalars, operand_needs_grad):
+        return [torch.empty_like(x)] + [torch.empty_like(o) for o, need in zip(operands, operand_needs_grad) if need]
+
+    backward_op = TorchOp("chain_backward", backward_forward, backward_fake)
+
+    def save(ctx, args, results):
+        x, operands, ctx.ops, ctx.scalars = args
+        ctx.save_for_backward(x, *operands)
+
+    def formula(ctx, grads, run):
+        (grad,), (x, *operands) = grads, ctx.saved_tensors
+        if grad is None:
+            return None, None, None, None
+        needs = list(ctx.needs_input_grad[1]) if operands else []
+        got = run(backward_op, x, grad, operands, ctx.ops, ctx.scalars, needs)
+        rest = iter(got[1:])
+        return got[0], [next(rest) if need else None for need in needs] if operands else None, None, None
+
+    chain_op = TorchOp("chain", forward, fake, save=save, backward=formula, grad_args=(0, 1))
+
+    def chain(c, x, operands, out, cuda_stream):
+        """Chain `c` on torch tensors: its op, or with `out` or a stream given, straight to brrr._C
+        (refusing `out` where autograd records the op or torch.compile traces it)."""
+        if operands:
+            check_torch(operands, OPERAND_NAMES)
+        args = (x, operands, c.op_names, c.scalars)
+        if out is None and cuda_stream is None:
+            return chain_op(*args)
+        check_torch((out,), ("out",))
+        if not chain_op.runs_forward(args):
+            if out is not None:
+                raise ValueError(OUT_REFUSED)
+            return chain_op(*args)
+        return _C.chain_fwd(x, out_like(x) if out is None else out, c.program, operands,
+                            stream(x) if cuda_stream is None else cuda_stream)[0]
+
+    # ---- the registry: brrr's implementations for the torch tensors `supports` lets through call
+    # the op directly, without the public functions' framework dispatch (host time: the registry
+    # sits on every patched module's forward).
+    def unary(c):
+        return lambda x: chain_op(x, [], c.op_names, c.scalars)
+
+    def gelu_(x, approximate="none"):
+        c = _GELU_TANH if approximate == "tanh" else _GELU
+        return chain_op(x, [], c.op_names, c.scalars)
+
+    def unary_ok(x, *args, **kwargs):
+        return tensor_ok(x)
+
+    def gelu_ok(x, approximate="none"):
+        return tensor_ok(x) and approximate in ("none", "tanh")
+
+    # PyTorch's CPU kernels of the erf GELU, ReLU, SiLU and sigmoid measured as fast as brrr's or
+    # faster, tanh's slower (brrr/_registry.py).
+    for name, reference, implementation, supports, cpu in [
+        ("relu", torch.relu, unary(_RELU), unary_ok, "pytorch"),
+        ("gelu", F.gelu, gelu_, gelu_ok, "pytorch"),
+        ("silu", F.silu, unary(_SILU), unary_ok, "pytorch"),
+        ("sigmoid", torch.sigmoid, unary(_SIGMOID), unary_ok, "pytorch"),
+        ("tanh", torch.tanh, unary(_TANH), unary_ok, "kernel"),
+    ]:
+        registry.register(name, reference, implementation, supports, compiled="inductor", cpu=cpu)
+
+    class GELU(torch.nn.GELU):
+        def forward(self, x):
+            return dispatch("gelu", x, approximate=self.approximate)
+
+    def twin(base, name):
+        """torch.nn's activation module `base`, its forward the registry's op `name`."""
+        return type(base.__name__, (base,), {"forward": lambda self, x: dispatch(name, x)})
+
+    twins = [twin(base, name) for base, name in
+             ((torch.nn.SiLU, "silu"), (torch.nn.ReLU, "relu"), (torch.nn.Sigmoid, "sigmoid"), (torch.nn.Tanh, "tanh"))]
+
+    silu_ = F.silu  # torch's, bound before brrr.use_fused can route F.silu here
+
+    def silu_route(input, inplace=False):
+        return dispatch("silu", input) if not inplace else silu_(input, inplace=True)
+
+    return SimpleNamespace(
+        chain=chain, program=program, backward=backward_op, modules=[GELU, *twins],
+        functional={"gelu": lambda input, approximate="none": dispatch("gelu", input, approximate=approximate),
+                    "silu": silu_route})
+
+
+OUT_REFUSED = "argument out: not supported when autograd records the op or under torch.compile"

@@ -11,9 +11,12 @@ recomputes the activation from the saved inputs. The split form's backward write
 of grad_x in the same kernel, so no slice-gradient buffers are zero-filled and added.
 """
 
+from . import _C
 from ._args import last_dim, named, refuse_kinds, shape_of
-from .chain import Chain, gelu_step as _gelu_name
-from ._frameworks import torch_ops_if_tensor
+from ._frameworks import check_torch, torch_if_tensor
+from ._integration import torch_integration
+from .chain import OUT_REFUSED, Chain, gelu_step
+from .chain import torch_layer as chain_layer
 
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
 _BIAS = {name: Chain("add_tensor", op) for name, op in _ACTIVATIONS.items()}
@@ -26,7 +29,7 @@ _GLU_NAMES = {"x": "gate", "operands[0]": "up"}
 
 def bias_gelu(x, bias, approximate="none", *, out=None):
     """gelu(x + bias) in one pass; bias has shape x.shape[-1:] (or x.shape)."""
-    return named(_BIAS_NAMES, _BIAS[_gelu_name(approximate)], x, bias, out=out)
+    return named(_BIAS_NAMES, _BIAS[gelu_step(approximate)], x, bias, out=out)
 
 
 def bias_silu(x, bias, *, out=None):
@@ -43,20 +46,18 @@ def _halves(x):
 
 def _glu(activation, gate, up, out):
     if up is None:
-        torch_ops = torch_ops_if_tensor(gate)
-        if torch_ops is None:
+        if torch_if_tensor(gate) is None:
             return _GLU[activation](*_halves(gate), out=out)
         try:
-            return torch_ops.glu(activation, gate, None, out)
+            return torch_layer().glu(activation, gate, None, out)
         except RuntimeError:
             refuse_kinds(("x", gate))
             raise
     try:
+        if torch_if_tensor(gate) is not None:
+            return named(_GLU_NAMES, torch_layer().glu, activation, gate, up, out)
         if tuple(shape_of("up", up)) != tuple(shape_of("gate", gate)):
             raise ValueError(f"argument up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}")
-        torch_ops = torch_ops_if_tensor(gate)
-        if torch_ops is not None:
-            return named(_GLU_NAMES, torch_ops.glu, activation, gate, up, out)
     except RuntimeError:
         refuse_kinds(("gate", gate), ("up", up))
         raise
@@ -70,4 +71,146 @@ def swiglu(gate, up=None, *, out=None):
 
 def geglu(gate, up=None, approximate="none", *, out=None):
     """gelu(gate) * up; with up=None, gate is split in halves along its last dim (gate first)."""
-    return _glu(_gelu_name(approximate), gate, up, out)
+    return _glu(gelu_step(approximate), gate, up, out)
+
+
+# ---- PyTorch: the custom ops brrr::glu (act(gate) * up; up None: the halves of x) and
+# brrr::glu_backward ([grad_gate, grad_up (if asked)], or [grad_x] for the halves, in one kernel),
+# and the registry's bias+activation and GLU ops with their brrr.nn modules.
+
+@torch_integration
+def torch_layer():
+    from types import SimpleNamespace
+    from typing import Optional
+
+    import torch
+    import torch.nn.functional as F
+
+    from . import _op
+    from ._op import TorchOp, stream
+    from ._registry import dispatch, registry, same_kind, tensor_ok
+
+    Tensor = torch.Tensor
+    programs = {a: chain_layer().program(a + ",mul_tensor", (0.0, 0.0)) for a in _ACTIVATIONS}  # act(gate) * up
+
+    def split(x):
+        d = x.shape[-1] // 2
+        try:
+            return x[..., :d], x[..., d:]
+        except Exception:  # noqa: BLE001 - a tensor brrr cannot take (sparse, nested): brrr._C's error for it
+            _C.check_tensor(x, "x")
+            raise
+
+    def glu_forward(activation, gate, up, out):
+        g, u = split(gate) if up is None else (gate, up)
+        if out is None and not _op.EXCHANGE_API:
+            out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        return _C.chain_fwd(g, out, programs[activation], (u,), stream(g))[0]
+
+    def forward(x: Tensor, up: Optional[Tensor], activation: str) -> Tensor:
+        return glu_forward(activation, x, up, None)
+
+    def fake(x, up, activation):
+        shape = x.shape if up is not None else (*x.shape[:-1], x.shape[-1] // 2)
+        return x.new_empty(shape)
+
+    def backward_forward(x: Tensor, up: Optional[Tensor], grad: Tensor, activation: str,
+                         needs_grad: list[bool]) -> list[Tensor]:
+        program_ = programs[activation]
+        if up is None:  # both halves of one gradient, written by one kernel
+            grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            (gate, up_half), (grad_gate, grad_up) = split(x), split(grad_x)
+            _C.chain_bwd(gate, grad, grad_gate, None, program_, (up_half,), (grad_up,), stream(x))
+            return [grad_x]
+        grad_gate, grad_up = torch.empty_like(x), torch.empty_like(up) if needs_grad[1] else None
+        _C.chain_bwd(x, grad, grad_gate, None, program_, (up,), (grad_up,), stream(x))
+        return [grad_gate] if grad_up is None else [grad_gate, grad_up]
+
+    def backward_fake(x, up, grad, activation, needs_grad):
+        if up is None:
+            return [x.new_empty(x.shape)]
+        return [torch.empty_like(x)] + ([torch.empty_like(up)] if needs_grad[1] else [])
+
+    backward_op = TorchOp("glu_backward", backward_forward, backward_fake)
+
+    def save(ctx, args, results):
+        x, up, ctx.activation = args
+        ctx.save_for_backward(x, up)
+
+    def formula(ctx, grads, run):
+        (grad,), (x, up) = grads, ctx.saved_tensors
+        if grad is None:
+            return None, None, None
+        needs = [ctx.needs_input_grad[0], up is not None and ctx.needs_input_grad[1]]
+        got = run(backward_op, x, up, grad, ctx.activation, needs)
+        if up is None:
+            return got[0], None, None
+        return (got[0] if needs[0] else None), (got[1] if needs[1] else None), None
+
+    glu_op = TorchOp("glu", forward, fake, save=save, backward=formula, grad_args=(0, 1))
+
+    def glu(activation, gate, up, out):
+        """A gated linear unit on torch tensors (see brrr.glu): its op, or with `out` given,
+        straight to brrr._C (refused where autograd records the op or torch.compile traces it)."""
+        check_torch((up, out), ("up", "out"))
+        if up is not None and up.shape != gate.shape:
+            raise ValueError(f"argument up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}")
+        if up is None and last_dim("x", gate, "its last is split into gate and up halves") % 2:
+            raise ValueError(f"argument x: the last dim must be even to split into gate and up halves, got "
+                             f"{gate.shape[-1]}")
+        if out is None:
+            return glu_op(gate, up, activation)
+        if not glu_op.runs_forward((gate, up, activation)):
+            raise ValueError(OUT_REFUSED)
+        return glu_forward(activation, gate, up, out)
+
+    # ---- the registry
+    def glu_(activation):
+        return lambda gate, up=None: glu(activation, gate, up, None)
+
+    def geglu_(gate, up=None, approximate="none"):
+        return glu(gelu_step(approximate), gate, up, None)
+
+    def bias_ok(x, bias, *args, **kwargs):
+        return tensor_ok(x) and same_kind(x, bias) and x.dim() >= 1 and bias.shape in (x.shape[-1:], x.shape)
+
+    def glu_ok(gate, up=None, *args, **kwargs):
+        if not tensor_ok(gate) or not same_kind(gate, up):
+            return False
+        return gate.shape[-1] % 2 == 0 if up is None else up.shape == gate.shape
+
+    def bias_reference(act):
+        return lambda x, bias, *args, **kwargs: act(x + bias, *args, **kwargs)
+
+    def glu_reference(act):
+        def reference(gate, up=None, *args, **kwargs):
+            if up is None:
+                gate, up = gate.chunk(2, dim=-1)
+            return act(gate, *args, **kwargs) * up
+        return reference
+
+    for name, reference, implementation, supports in [
+        ("bias_gelu", bias_reference(F.gelu), bias_gelu, bias_ok),
+        ("bias_silu", bias_reference(F.silu), bias_silu, bias_ok),
+        ("swiglu", glu_reference(F.silu), glu_("silu"), glu_ok),
+        ("geglu", glu_reference(F.gelu), geglu_, glu_ok),
+    ]:
+        registry.register(name, reference, implementation, supports, compiled="inductor", cpu="pytorch")
+
+    class SwiGLU(torch.nn.Module):
+        """silu(x[..., :d]) * x[..., d:]: the activation of a fused gate/up projection."""
+
+        def forward(self, x):
+            return dispatch("swiglu", x)
+
+    class GeGLU(torch.nn.Module):
+        """gelu(x[..., :d]) * x[..., d:]."""
+
+        def __init__(self, approximate="none"):
+            super().__init__()
+            self.approximate = approximate
+
+        def forward(self, x):
+            return dispatch("geglu", x, approximate=self.approximate)
+
+    return SimpleNamespace(glu=glu, backward=backward_op, modules=[SwiGLU, GeGLU], functional={})

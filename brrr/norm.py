@@ -27,7 +27,8 @@ import numbers
 
 from . import _C
 from ._args import as_float, bad_choice, refuse_kinds, shape_of
-from ._frameworks import empty_like, torch_if_tensor, torch_integration
+from ._frameworks import check_torch, empty_like, torch_if_tensor
+from ._integration import torch_integration
 
 CAST_ORDERS = ("torch", "llama")
 
@@ -80,7 +81,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     trailing dims `normalized_shape` (biased variance)."""
     if torch_if_tensor(x) is not None:
         try:
-            return _torch().layer_norm(x, normalized_shape, weight, bias, eps)
+            return torch_layer().layer_norm(x, normalized_shape, weight, bias, eps)
         except RuntimeError:
             refuse_kinds(("x", x), ("weight", weight), ("bias", bias))
             raise
@@ -95,7 +96,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", 
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
         try:
-            return _torch().rms_norm(x, normalized_shape, weight, eps, llama, offset)
+            return torch_layer().rms_norm(x, normalized_shape, weight, eps, llama, offset)
         except RuntimeError:
             refuse_kinds(("x", x), ("weight", weight))
             raise
@@ -109,7 +110,7 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
     block's residual add and norm. Gradients flow into x and residual through both outputs."""
     if torch_if_tensor(x) is not None:
         try:
-            return _torch().add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
+            return torch_layer().add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
         except RuntimeError:
             refuse_kinds(("x", x), ("residual", residual), ("weight", weight), ("bias", bias))
             raise
@@ -123,7 +124,7 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_o
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
         try:
-            return _torch().add_rms_norm(x, residual, normalized_shape, weight, eps, llama, offset)
+            return torch_layer().add_rms_norm(x, residual, normalized_shape, weight, eps, llama, offset)
         except RuntimeError:
             refuse_kinds(("x", x), ("residual", residual), ("weight", weight))
             raise
@@ -140,15 +141,17 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_o
 # asked)]; the fused forms' backward adds the gradient of h and hands the sum to x and residual.
 
 @torch_integration
-def _torch():
+def torch_layer():
     import math
     from types import SimpleNamespace
     from typing import Optional
 
     import torch
+    import torch.nn.functional as F
 
     from . import _op
-    from ._op import TorchOp, check_torch, out_like, stream
+    from ._op import TorchOp, out_like, stream
+    from ._registry import dispatch, registry, same_kind, tensor_ok
 
     Tensor = torch.Tensor
 
@@ -195,23 +198,23 @@ def _torch():
                      llama: bool, offset: float) -> tuple[Tensor, Tensor, Tensor]:
         return rms_norm_fwd(x, normalized_shape, weight, eps, llama, offset, residual)
 
-    # Without gradients: no statistics.
+    # Without gradients: no statistics. Called only by the entries below, which checked normalized_shape.
     def layer_norm_inference(x, normalized_shape, weight, bias, eps):
-        return _C.layer_norm_fwd(x, weight, bias, out=out_like(x), norm_ndim=normalized_ndim(x.shape, normalized_shape),
+        return _C.layer_norm_fwd(x, weight, bias, out=out_like(x), norm_ndim=len(normalized_shape),
                                  eps=eps, stream=stream(x))[0]
 
     def add_layer_norm_inference(x, residual, normalized_shape, weight, bias, eps):
         return _C.layer_norm_fwd(x, weight, bias, residual, out_like(x), out_like(x),
-                                 norm_ndim=normalized_ndim(x.shape, normalized_shape), eps=eps, stream=stream(x))[:2]
+                                 norm_ndim=len(normalized_shape), eps=eps, stream=stream(x))[:2]
 
     def rms_norm_inference(x, normalized_shape, weight, eps, llama, offset):
-        return _C.rms_norm_fwd(x, weight, out=out_like(x), norm_ndim=normalized_ndim(x.shape, normalized_shape),
+        return _C.rms_norm_fwd(x, weight, out=out_like(x), norm_ndim=len(normalized_shape),
                                eps=eps, llama=llama, offset=offset, stream=stream(x))[0]
 
     def add_rms_norm_inference(x, residual, normalized_shape, weight, eps, llama, offset):
         return _C.rms_norm_fwd(x, weight, residual, out_like(x), out_like(x),
-                               norm_ndim=normalized_ndim(x.shape, normalized_shape), eps=eps, llama=llama,
-                               offset=offset, stream=stream(x))[:2]
+                               norm_ndim=len(normalized_shape), eps=eps, llama=llama, offset=offset,
+                               stream=stream(x))[:2]
 
     def fake(*outputs):
         """A fake kernel: the forward's outputs from x ("x") and its statistics ("stat")."""
@@ -327,5 +330,103 @@ def _torch():
         return ops.add_rms_norm(x, residual, shape_list(x, normalized_shape), weight, rms_eps(x, eps), llama,
                                 as_float("offset", offset))
 
+    # ---- the registry
+    def rms_norm_(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+        return rms_norm_entry(x, normalized_shape, weight, eps, llama_order(cast_order), offset)
+
+    def add_rms_norm_(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+        return add_rms_norm_entry(x, residual, normalized_shape, weight, eps, llama_order(cast_order), offset)
+
+    halves = (torch.float16, torch.bfloat16)
+
+    def params_ok(x, *params):
+        """Weight and bias in x's dtype, or float32 for half inputs (as autocast leaves them), on x's device."""
+        for p in params:
+            if p is None:
+                continue
+            if not isinstance(p, torch.Tensor) or not (p.dtype == x.dtype or (p.dtype == torch.float32 and
+                                                                              x.dtype in halves)):
+                return False
+            if p.device != x.device:
+                return False
+        return True
+
+    def layer_norm_ok(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+        return tensor_ok(x) and params_ok(x, weight, bias)
+
+    def rms_norm_ok(x, normalized_shape, weight=None, eps=None, **kwargs):
+        return tensor_ok(x) and params_ok(x, weight)
+
+    def add_layer_norm_ok(x, residual, normalized_shape, weight=None, bias=None, *args, **kwargs):
+        return tensor_ok(x) and same_kind(x, residual) and residual.shape == x.shape and params_ok(x, weight, bias)
+
+    def add_rms_norm_ok(x, residual, normalized_shape, weight=None, *args, **kwargs):
+        return tensor_ok(x) and same_kind(x, residual) and residual.shape == x.shape and params_ok(x, weight)
+
+    # torch's, bound before brrr.use_fused can route these names of F here
+    torch_layer_norm, torch_rms_norm = F.layer_norm, F.rms_norm
+
+    def rms_norm_reference(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+        if cast_order == "torch" and not offset:
+            return torch_rms_norm(x, normalized_shape, weight, eps)
+        dims = tuple(range(-(1 if isinstance(normalized_shape, int) else len(tuple(normalized_shape))), 0))
+        if offset:
+            # Gemma's form: normalised in fp32 (fp64 for float64), scaled by offset + weight in that
+            # dtype, one cast at the end (Llama's order: the normalised input rounded to x's dtype first).
+            if weight is None:
+                raise ValueError("argument offset: nonzero without weight (it is added to the weight)")
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            h = x.to(acc)
+            h = h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + (torch.finfo(acc).eps if eps is None else eps))
+            if cast_order == "llama":
+                h = h.to(x.dtype).to(acc)
+            return (h * (weight.to(acc) + offset)).to(x.dtype)
+        # Llama's order: normalise in fp32, round to x's dtype, then scale.
+        h = x.float()
+        eps = torch.finfo(torch.float32).eps if eps is None else eps
+        h = (h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + eps)).to(x.dtype)
+        return h if weight is None else weight * h
+
+    def add_layer_norm_reference(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
+        h = x + residual
+        return torch_layer_norm(h, normalized_shape, weight, bias, eps), h
+
+    def add_rms_norm_reference(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch",
+                               offset=0.0):
+        h = x + residual
+        return rms_norm_reference(h, normalized_shape, weight, eps, cast_order=cast_order, offset=offset), h
+
+    # On CPU tensors PyTorch's LayerNorm measured as fast as brrr's, its RMSNorm slower (brrr/_registry.py).
+    for name, reference, implementation, supports, cpu in [
+        ("layer_norm", torch_layer_norm, layer_norm_entry, layer_norm_ok, "pytorch"),
+        ("rms_norm", rms_norm_reference, rms_norm_, rms_norm_ok, "kernel"),
+        ("add_layer_norm", add_layer_norm_reference, add_layer_norm_entry, add_layer_norm_ok, "pytorch"),
+        ("add_rms_norm", add_rms_norm_reference, add_rms_norm_, add_rms_norm_ok, "pytorch"),
+    ]:
+        registry.register(name, reference, implementation, supports, compiled="inductor", cpu=cpu)
+
+    class LayerNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return dispatch("layer_norm", x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    class RMSNorm(torch.nn.RMSNorm):
+        """torch.nn.RMSNorm; cast_order="llama" rounds the normalised input before scaling, as
+        Llama-style models do, and offset=1.0 scales by (1 + weight) in float32, as Gemma's RMSNorm
+        does (see brrr.rms_norm)."""
+
+        cast_order = "torch"
+        offset = 0.0
+
+        def forward(self, x):
+            return dispatch("rms_norm", x, self.normalized_shape, self.weight, self.eps, cast_order=self.cast_order,
+                            offset=self.offset)
+
+    def layer_norm_route(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        return dispatch("layer_norm", input, normalized_shape, weight, bias, eps)
+
+    def rms_norm_route(input, normalized_shape, weight=None, eps=None):
+        return dispatch("rms_norm", input, normalized_shape, weight, eps)
+
     return SimpleNamespace(layer_norm=layer_norm_entry, add_layer_norm=add_layer_norm_entry, rms_norm=rms_norm_entry,
-                           add_rms_norm=add_rms_norm_entry, backward=backward_op)
+                           add_rms_norm=add_rms_norm_entry, backward=backward_op, modules=[LayerNorm, RMSNorm],
+                           functional={"layer_norm": layer_norm_route, "rms_norm": rms_norm_route})

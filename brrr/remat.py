@@ -21,6 +21,9 @@ plain composition: AOTAutograd's partitioner decides what to recompute there.
 import torch
 import torch.nn.functional as F
 
+from . import _op  # noqa: F401 - loading it registers the families' ops
+from ._registry import registry
+
 
 class Recompute:
     """How a linear layer's input is made again in the backward: fn(*inputs), where the inputs are
@@ -92,8 +95,6 @@ def glu_linear(gate, up, weight, bias=None, *, activation="silu"):
     """F.linear(act(gate) * up, weight, bias) (act: "silu", "gelu" or "gelu_tanh"; up None: gate
     split in halves along its last dim), the GLU's output recomputed in the backward from gate and
     up (which the GLU's backward saves) instead of saved by the linear layer."""
-    from ._registry import registry
-
     if activation not in _GLUS:
         raise ValueError(f"argument activation: expected 'silu', 'gelu' or 'gelu_tanh', got {activation!r}")
     op, kwargs = _GLUS[activation]

@@ -24,7 +24,8 @@ with rotary_dim=r, without the copy).
 
 from . import _C
 from ._args import as_int, dtype_name, is_float, named, refuse_kinds, shape_of
-from ._frameworks import empty_like, torch_if_tensor, torch_integration
+from ._frameworks import check_torch, empty_like, torch_if_tensor
+from ._integration import torch_integration
 
 
 def layout(interleaved, rotary_dim):
@@ -43,10 +44,9 @@ def rotary(x, cos, sin, *, interleaved=False, rotary_dim=None):
     """x * cos + rotate_half(x) * sin in one pass; interleaved pairs, the first rotary_dim features
     only, and angles per pair: see the module."""
     interleaved, rotary_dim = layout(interleaved, rotary_dim)
-    torch = torch_if_tensor(x)
-    if torch is not None:
+    if torch_if_tensor(x) is not None:
         try:
-            return _torch().rotary(x, cos, sin, interleaved, rotary_dim)
+            return torch_layer().rotary(x, cos, sin, interleaved, rotary_dim)
         except RuntimeError:
             refuse_kinds(("x", x), ("cos", cos), ("sin", sin))
             raise
@@ -78,8 +78,6 @@ def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, interleaved, rotary_dim
     shape_of("k", k)
     torch = torch_if_tensor(q)
     if torch is not None:
-        from ._op import check_torch
-
         check_torch((k, cos, sin), ("k", "cos", "sin"))
     if dtype_name(k) != dtype_name(q) and is_float(k) and is_float(q):  # else brrr._C's error: about cos and k
         raise ValueError(f"argument k has dtype {dtype_name(k)} but q has dtype {dtype_name(q)}")
@@ -89,8 +87,8 @@ def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, interleaved, rotary_dim
             raise ValueError(f"argument unsqueeze_dim: {unsqueeze_dim} is out of range for {name} of "
                              f"{len(angle.shape)} dims")
     if torch is not None:
-        return _torch().rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim), interleaved,
-                                  rotary_dim)
+        return torch_layer().rotary_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim), interleaved,
+                                       rotary_dim)
     # by each angle's own framework: a torch tensor's values are not always its memory (is_neg)
     cos, sin = (a.unsqueeze(unsqueeze_dim) if torch_if_tensor(a) is not None else _unsqueeze(a, unsqueeze_dim)
                 for a in (cos, sin))
@@ -113,12 +111,13 @@ Q_NAMES, K_NAMES = {"x": "q"}, {"x": "k"}  # rotary's x, as apply_rotary_pos_emb
 # with respect to x is the same op with `backward` flipped. rotary_dim: 0 for cos's last dim.
 
 @torch_integration
-def _torch():
+def torch_layer():
     from types import SimpleNamespace
 
     import torch
 
-    from ._op import TorchOp, check_torch, out_like, stream
+    from ._op import TorchOp, out_like, stream
+    from ._registry import registry, same_kind, tensor_ok
 
     Tensor = torch.Tensor
 
@@ -178,4 +177,67 @@ def _torch():
         return (named(Q_NAMES, rotary_op, q, cos, sin, False, interleaved, rotary_dim),
                 named(K_NAMES, rotary_op, k, cos, sin, False, interleaved, rotary_dim))
 
-    return SimpleNamespace(rotary=rotary, rotary_qk=rotary_qk)
+    # ---- the registry
+    def rotated(x, cos, rotary_dim):
+        """The features rotary rotates (rotary_dim, or cos's last dim), or None where they do not fit x."""
+        r = (cos.shape[-1] if cos.dim() else 0) if rotary_dim is None else rotary_dim
+        return r if type(r) is int and r % 2 == 0 and 2 <= r <= x.shape[-1] else None
+
+    def rotary_ok(x, cos, sin, *, interleaved=False, rotary_dim=None):
+        if not tensor_ok(x) or not same_kind(x, cos, sin) or x.dim() == 0 or type(interleaved) is not bool:
+            return False
+        r = rotated(x, cos, rotary_dim)
+        if r is None:
+            return False
+        if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+            return False  # brrr gives cos and sin no gradient
+        return angles_fit(cos, sin, x.shape, r)
+
+    def rotary_qk_ok(q, k, cos, sin, *, interleaved=False, rotary_dim=None):
+        return (rotary_ok(q, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim) and tensor_ok(k) and
+                k.dtype == q.dtype and k.device == q.device and
+                (k.shape == q.shape or (k.dim() == q.dim() and k.shape[-1] == q.shape[-1] and
+                                        angles_fit(cos, sin, k.shape, rotated(q, cos, rotary_dim)))))
+
+    def angles_fit(cos, sin, shape, rotated):
+        """cos and sin broadcast to x's shape with last dim `rotated` (an angle per feature) or half
+        of it (one per pair), both alike."""
+        last = cos.shape[-1] if cos.dim() and cos.shape[-1] in (rotated, rotated // 2) else rotated
+        return angle_fits(cos, shape, last) and (sin.shape == cos.shape or angle_fits(sin, shape, last))
+
+    def angle_fits(angle, shape, last):
+        """Whether cos or sin broadcasts to x's shape with last dim `last` (NumPy's rules, from the
+        right). Written out: torch.broadcast_shapes took 20 us of the 24 this check cost per call
+        (CPU, torch 2.13), twice per attention layer."""
+        n = angle.dim()
+        if n == 0 or n > len(shape) or angle.shape[-1] != last:
+            return False
+        return all(a == b or a == 1 for a, b in zip(angle.shape[:-1], shape[len(shape) - n:-1]))
+
+    def rotary_entry(x, cos, sin, *, interleaved=False, rotary_dim=None):
+        return rotary(x, cos, sin, interleaved, rotary_dim or 0)
+
+    def rotary_qk_entry(q, k, cos, sin, *, interleaved=False, rotary_dim=None):
+        return rotary_qk(q, k, cos, sin, interleaved, rotary_dim or 0)
+
+    def reference(x, cos, sin, *, interleaved=False, rotary_dim=None):
+        """brrr.rotary in PyTorch ops: transformers' rotate_half forms, the angles per pair repeated."""
+        r = cos.shape[-1] if rotary_dim is None else rotary_dim
+        if cos.shape[-1] == r // 2:  # an angle per pair: per feature, as the pairs lie
+            cos, sin = ((a.repeat_interleave(2, dim=-1) if interleaved else torch.cat((a, a), dim=-1))
+                        for a in (cos, sin))
+        rot = x[..., :r]
+        if interleaved:
+            turned = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+        else:
+            turned = torch.cat((-rot[..., r // 2:], rot[..., :r // 2]), dim=-1)
+        out = rot * cos + turned * sin
+        return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
+
+    def qk_reference(q, k, cos, sin, *, interleaved=False, rotary_dim=None):
+        return (reference(q, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim),
+                reference(k, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim))
+
+    registry.register("rotary", reference, rotary_entry, rotary_ok, compiled="inductor", cpu="pytorch")
+    registry.register("rotary_qk", qk_reference, rotary_qk_entry, rotary_qk_ok, compiled="inductor", cpu="pytorch")
+    return SimpleNamespace(rotary=rotary, rotary_qk=rotary_qk, modules=[], functional={})

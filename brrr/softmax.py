@@ -12,7 +12,8 @@ Any dim (the kernels see it as the last dim of a view), any strides, rows of any
 """
 
 from . import _C
-from ._frameworks import empty_like, torch_if_tensor, torch_integration
+from ._frameworks import empty_like, torch_if_tensor
+from ._integration import torch_integration
 
 
 def softmax(x, dim=-1, dtype=None):
@@ -43,7 +44,7 @@ def _dim(ndim, dim):
 
 def _softmax(x, dim, dtype, log):
     if torch_if_tensor(x) is not None:
-        return _torch().softmax(x, _dim(x.ndim, dim), dtype, log)
+        return torch_layer().softmax(x, _dim(x.ndim, dim), dtype, log)
     ndim = getattr(x, "ndim", None)
     if ndim is None:
         raise TypeError(f"argument x: expected a tensor or array, got {type(x).__name__}")
@@ -62,13 +63,16 @@ def _softmax(x, dim, dtype, log):
 # ---- PyTorch ---------------------------------------------------------------------------------------
 
 @torch_integration
-def _torch():
+def torch_layer():
     from types import SimpleNamespace
     from typing import Optional
 
     import torch
+    import torch.nn.functional as F
 
-    from ._op import EXCHANGE_API, TorchOp, stream
+    from . import _op
+    from ._op import TorchOp, stream
+    from ._registry import FLOATS, dispatch, registry, tensor_ok
 
     Tensor = torch.Tensor
     halves = (torch.float16, torch.bfloat16)
@@ -81,7 +85,7 @@ def _torch():
 
     def new(t, dtype):
         """The output of a brrr._C call on t (dims already moved): None where brrr._C allocates."""
-        if dtype == t.dtype and EXCHANGE_API and t.is_contiguous():
+        if dtype == t.dtype and _op.EXCHANGE_API and t.is_contiguous():
             return None
         return torch.empty(t.shape, dtype=dtype, device=t.device)
 
@@ -119,5 +123,33 @@ def _torch():
             return None, None, None, None
         return run(backward_op, y, grad_y, ctx.dim, ctx.x_dtype, ctx.log), None, None, None
 
-    return SimpleNamespace(softmax=TorchOp("softmax", forward, fake, save=save, backward=formula),
-                           backward=backward_op)
+    softmax_op = TorchOp("softmax", forward, fake, save=save, backward=formula)
+
+    # ---- the registry: torch.nn.functional's signature
+    def supports(input, dim=None, _stacklevel=3, dtype=None):
+        return tensor_ok(input) and isinstance(dim, int) and -max(input.dim(), 1) <= dim < max(input.dim(), 1) and \
+            dtype in (None,) + FLOATS
+
+    def implementation(log):
+        def softmax_(input, dim=None, _stacklevel=3, dtype=None):
+            return softmax_op(input, dim % max(input.dim(), 1), dtype, log)
+        return softmax_
+
+    def route(name):
+        return lambda input, dim=None, _stacklevel=3, dtype=None: dispatch(name, input, dim, _stacklevel, dtype)
+
+    # torch's, bound before brrr.use_fused can route these names of F here
+    registry.register("softmax", F.softmax, implementation(False), supports, compiled="inductor", cpu="pytorch")
+    registry.register("log_softmax", F.log_softmax, implementation(True), supports, compiled="inductor",
+                      cpu="pytorch")
+
+    class Softmax(torch.nn.Softmax):
+        def forward(self, input):
+            return dispatch("softmax", input, self.dim)
+
+    class LogSoftmax(torch.nn.LogSoftmax):
+        def forward(self, input):
+            return dispatch("log_softmax", input, self.dim)
+
+    return SimpleNamespace(softmax=softmax_op, backward=backward_op, modules=[Softmax, LogSoftmax],
+                           functional={"softmax": route("softmax"), "log_softmax": route("log_softmax")})

@@ -32,7 +32,8 @@ import numbers
 
 from . import _C
 from ._args import as_float, as_int, bad_choice, named, refuse_kinds
-from ._frameworks import array_namespace, astype, empty, torch_if_tensor
+from ._frameworks import array_namespace, astype, check_torch, empty, torch_if_tensor
+from ._integration import torch_integration
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -77,13 +78,10 @@ _NAMES = {"logits": "input"}  # brrr._C's name for it (the input with its class 
 
 
 def _cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype, softcap, z_loss):
-    torch = torch_if_tensor(input)
-    if torch is not None:
-        from . import _torch_xent
-
+    if torch_if_tensor(input) is not None:
         try:
-            return _torch_xent.cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype, softcap,
-                                             z_loss)
+            return torch_layer().cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype, softcap,
+                                          z_loss)
         except RuntimeError:
             refuse_kinds(("input", input), ("target", target))
             raise
@@ -123,11 +121,9 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
     _check_linear(torch, input, weight, target, bias)
     if isinstance(logits_budget, bool) or not isinstance(logits_budget, numbers.Integral) or logits_budget <= 0:
         raise ValueError(f"argument logits_budget: expected a positive int (bytes), got {logits_budget!r}")
-    from . import _torch_linear_xent
-
-    return _torch_linear_xent.linear_cross_entropy(input, weight, target, bias, int(ignore_index), reduction,
-                                                   float(label_smoothing), None if softcap is None else float(softcap),
-                                                   float(z_loss), dtype, int(logits_budget))
+    return torch_layer().linear_cross_entropy(input, weight, target, bias, int(ignore_index), reduction,
+                                         float(label_smoothing), None if softcap is None else float(softcap),
+                                         float(z_loss), dtype, int(logits_budget))
 
 
 def _check_linear(torch, input, weight, target, bias):
@@ -153,3 +149,403 @@ def _check_linear(torch, input, weight, target, bias):
     if target.shape != input.shape[:-1] or target.device != input.device:
         raise ValueError(f"argument target: expected shape {tuple(input.shape[:-1])} on {input.device} (the input's "
                          f"without its last dim), got {tuple(target.shape)} on {target.device}")
+
+
+def chunk_rows(vocab, itemsize, budget):
+    """Rows per chunk of linear_cross_entropy: as many as fit `budget` bytes of logits, at least one."""
+    return max(1, budget // max(1, vocab * itemsize))
+
+
+# ---- PyTorch: the custom ops brrr::cross_entropy and brrr::linear_cross_entropy, their backward
+# ops, the registry's entries and brrr.nn modules.
+#
+# brrr::cross_entropy takes logits with the class dim last (and softcap, None for none, and z_loss)
+# and returns [loss, lse, count]: the loss (float32, float64 for float64 logits; 0-d for mean and
+# sum, per row for none), and, as non-differentiable outputs for the backward, each row's
+# log-sum-exp (less the target's logit where that is finite: brrr_cuda.h) and the number of rows
+# counted. brrr::cross_entropy_backward rematerialises the softmax from logits and lse. Under
+# torch.compile the forward is brrr's kernel (one read of the logits; inductor's reads them more
+# than once) and the backward the same formula in PyTorch ops, which inductor fuses.
+#
+# brrr::linear_cross_entropy: cross_entropy(input @ weight.T + bias, target) without ever holding
+# more than one chunk of rows' logits. Per chunk of rows, in order:
+#     logits      = input[rows] @ weight.T + bias              torch.addmm / torch.mm (cuBLAS on CUDA)
+#     loss[rows], logits <- its gradient                       brrr's fused cross-entropy kernel, in place
+#     grad_input[rows]  = grad_logits @ weight                 torch.mm into the result's rows
+#     grad_weight      += grad_logits.T @ input[rows]          float32 accumulator (float64 for float64)
+#     grad_bias        += grad_logits summed over rows         float32 accumulator
+# so the chunk's logits buffer is the only vocabulary-sized activation, and the chunks run in a
+# fixed order (deterministic). With reduction "mean" or "sum" this is the forward, when autograd
+# records it: the backward only scales the three gradients by the loss's upstream gradient
+# (rounding the accumulators to the parameters' dtype then). With reduction "none" each row's
+# upstream gradient is needed inside the kernel, so the forward computes only the loss and the
+# backward runs the chunks again. Without autograd only the loss is computed.
+#
+# It takes input (N, H), weight (V, H), target (N,), bias, ..., chunk_rows, needs and returns
+# [loss, grad_input, grad_weight, grad_bias]: the loss in the accumulation dtype (float32, float64
+# for float64; 0-d, or (N,) for reduction "none"), and, for the inputs `needs` marks (with "mean"
+# or "sum"), their unscaled gradients (the weight's and bias's in the accumulation dtype); empty
+# tensors for the others. The chunk size is a Python int fixed by the vocabulary and the memory
+# budget, and the count of "mean" stays on the device: no host sync, no allocation that depends on
+# data, so the op is CUDA-graph capturable; torch.compile sees it through its fake kernel.
+
+@torch_integration
+def torch_layer():
+    from types import SimpleNamespace
+    from typing import Optional
+
+    import torch
+    import torch.nn.functional as F
+
+    from . import _op
+    from ._op import TorchOp, stream
+    from ._registry import dispatch, registry, same_kind, tensor_ok
+
+    Tensor = torch.Tensor
+
+    def acc_dtype(dtype):
+        return torch.float64 if dtype == torch.float64 else torch.float32
+
+    # ---- cross_entropy
+    def forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, softcap: Optional[float],
+                z_loss: float, reduction: str) -> list[Tensor]:
+        total = None if reduction == "none" else True
+        if _op.EXCHANGE_API:  # brrr._C allocates the outputs (None, True): no torch.empty per output
+            lse = rows = None
+            count = True
+        else:
+            acc, shape, device = acc_dtype(logits.dtype), target.shape, logits.device
+            lse, rows = torch.empty(shape, dtype=acc, device=device), torch.empty(shape, dtype=acc, device=device)
+            total = None if total is None else torch.empty((), dtype=acc, device=device)
+            count = torch.empty((), dtype=acc, device=device)
+        lse, rows, total, count = _C.cross_entropy_fwd(logits, target, lse, rows, total, count,
+                                                       ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                                       softcap=softcap, z_loss=z_loss, reduction=reduction,
+                                                       stream=stream(logits))
+        return [rows if total is None else total, lse, count]
+
+    def fake(logits, target, ignore_index, label_smoothing, softcap, z_loss, reduction):
+        acc = acc_dtype(logits.dtype)
+        loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=acc)
+        return [loss, logits.new_empty(target.shape, dtype=acc), logits.new_empty((), dtype=acc)]
+
+    def backward_forward(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Optional[Tensor],
+                         ignore_index: int, label_smoothing: float, softcap: Optional[float], z_loss: float) -> Tensor:
+        grad_logits = None if _op.EXCHANGE_API and logits.is_contiguous() else torch.empty_like(logits)
+        return _C.cross_entropy_bwd(logits, target, lse, grad, count, grad_logits, ignore_index=ignore_index,
+                                    label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                                    stream=stream(logits))[0]
+
+    def backward_fake(grad, logits, target, lse, count, ignore_index, label_smoothing, softcap, z_loss):
+        return torch.empty_like(logits)
+
+    backward_op = TorchOp("cross_entropy_backward", backward_forward, backward_fake)
+
+    def backward_in_torch_ops(grad, logits, target, lse, count, ignore_index, label_smoothing, softcap, z_loss):
+        """cross_entropy_backward's formula (brrr_cuda.h) in PyTorch ops, for compiled graphs:
+        inductor fuses it with its neighbours (in a model, with the gradient that flows into the
+        logits from elsewhere, at least a zero tangent: as an opaque op, that add took another pass
+        over the logits)."""
+        classes = logits.shape[-1]
+        target = target.long()  # compared in int64, as the kernel does (a uint8 target would wrap -100)
+        counted = target != ignore_index
+        index = torch.where(counted & (target >= 0) & (target < classes), target, 0)  # lse is NaN where invalid
+        z = logits.to(lse.dtype)
+        if softcap is not None:
+            th = torch.tanh(z / softcap)
+            z = softcap * th
+        z_t = z.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+        shift = torch.where(torch.isfinite(z_t), z_t, 0.0)
+        p = torch.exp((z - shift.unsqueeze(-1)) - lse.unsqueeze(-1))
+        if z_loss != 0.0:
+            p = p * (1.0 + 2.0 * z_loss * (lse + shift)).unsqueeze(-1)
+        scale = torch.where(counted, grad if count is None else grad / count, 0.0).unsqueeze(-1)
+        hot = torch.arange(classes, device=logits.device) == index.unsqueeze(-1)
+        grad = scale * (p - label_smoothing / classes - (1.0 - label_smoothing) * hot)
+        if softcap is not None:
+            grad = grad * (1.0 - th * th)
+        # Ignored rows exactly 0, as the kernel writes them (their p may overflow: 0 * inf is NaN).
+        return torch.where(counted.unsqueeze(-1), grad, 0.0).to(logits.dtype)
+
+    def save(ctx, args, results):
+        logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.z_loss, ctx.reduction = args
+        ctx.save_for_backward(logits, target, results[1], results[2])
+
+    def formula(ctx, grads, run):
+        (grad,), nones = grads, (None,) * 6
+        if grad is None or not ctx.needs_input_grad[0]:
+            return (None, *nones)
+        logits, target, lse, count = ctx.saved_tensors
+        args = (grad, logits, target, lse, count if ctx.reduction == "mean" else None, ctx.ignore_index,
+                ctx.label_smoothing, ctx.softcap, ctx.z_loss)
+        # Traced by torch.compile (AOTAutograd traces this formula; torch 2.11 does not report that as
+        # compiling, but its tensors are functional or fake ones) or on a tensor subclass: PyTorch
+        # ops, for inductor; brrr's kernel for plain tensors.
+        traced = torch.compiler.is_compiling() or type(grad) is not torch.Tensor or type(logits) is not torch.Tensor
+        return (backward_in_torch_ops(*args) if traced else run(backward_op, *args), *nones)
+
+    cross_entropy_op = TorchOp("cross_entropy", forward, fake, save=save, backward=formula)
+
+    def cross_entropy_(input, target, ignore_index, reduction, label_smoothing, dtype, softcap, z_loss):
+        """brrr.cross_entropy on torch tensors (arguments checked)."""
+        check_rank(input.dim())
+        check_torch((target,), ("target",))
+        logits = input if input.dim() <= 2 else input.movedim(1, -1)
+        loss = cross_entropy_op(logits, target, ignore_index, label_smoothing, softcap, z_loss, reduction)
+        dtype = input.dtype if dtype is None else dtype
+        return loss if loss.dtype == dtype else loss.to(dtype)
+
+    # ---- linear_cross_entropy
+    scale_slice_bytes = 2**26  # of float32 the backward's scaling of a half-precision gradient holds at a time
+
+    def count_rows(target, ignore_index, dtype):
+        """The rows "mean" divides by: over the whole input, not a chunk; on the device (compared in
+        int64, as the kernel compares: a uint8 target would wrap -100)."""
+        return (target.to(torch.int64) != ignore_index).sum().to(dtype)
+
+    def accumulate_weight_grad(grad_weight, grad_logits, x):
+        """grad_weight (accumulation dtype) += grad_logits.T @ x, summed in the accumulation dtype."""
+        if grad_logits.is_cuda and grad_logits.dtype != grad_weight.dtype:
+            # cuBLAS accumulates in float32 and writes float32: the chunks' sum is never rounded to bf16.
+            torch.addmm(grad_weight, grad_logits.t(), x, out_dtype=grad_weight.dtype, out=grad_weight)
+        else:
+            grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), x.to(grad_weight.dtype))
+
+    def run_chunks(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, rows_per_chunk, needs,
+                   loss_rows, grad_loss=None, count=None):
+        """The chunks (see above): every row's loss into loss_rows and, where `needs` asks, the
+        gradients scaled by grad_loss (None: 1 for every row) over count (None: 1). Returns
+        (grad_input, grad_weight, grad_bias), None where not needed, the last two in the
+        accumulation dtype."""
+        acc = loss_rows.dtype
+        grad_input = torch.empty_like(x) if needs[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None
+        grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if needs[2] else None
+        gradient = any(needs)
+        lse = None if gradient else torch.empty_like(loss_rows)
+        cuda_stream = stream(x)
+        # One chunk's logits, the only vocabulary-sized buffer, reused by every chunk.
+        buffer = x.new_empty((min(rows_per_chunk, x.shape[0]), weight.shape[0]))
+        for start in range(0, x.shape[0], rows_per_chunk):
+            end = min(start + rows_per_chunk, x.shape[0])
+            xs, ts, logits = x[start:end], target[start:end], buffer[:end - start]
+            if bias is None:
+                torch.mm(xs, weight.t(), out=logits)
+            else:
+                torch.addmm(bias, xs, weight.t(), out=logits)
+            if not gradient:
+                _C.cross_entropy_fwd(logits, ts, lse[start:end], loss_rows[start:end], ignore_index=ignore_index,
+                                     label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                                     reduction="none", stream=cuda_stream)
+                continue
+            rows_grad = None if grad_loss is None else grad_loss[start:end]
+            # In place: from here on `logits` holds their gradient.
+            _C.cross_entropy_fwd_bwd(logits, ts, loss_rows[start:end], rows_grad, count, logits,
+                                     ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+                                     z_loss=z_loss, stream=cuda_stream)
+            if grad_input is not None:
+                torch.mm(logits, weight, out=grad_input[start:end])
+            if grad_weight is not None:
+                accumulate_weight_grad(grad_weight, logits, xs)
+            if grad_bias is not None:
+                grad_bias += logits.sum(0, dtype=acc)
+        return grad_input, grad_weight, grad_bias
+
+    def linear_forward(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
+                       label_smoothing: float, softcap: Optional[float], z_loss: float, reduction: str,
+                       rows_per_chunk: int, needs: list[bool]) -> list[Tensor]:
+        acc = acc_dtype(x.dtype)
+        loss_rows = torch.empty(x.shape[0], dtype=acc, device=x.device)
+        count = count_rows(target, ignore_index, acc) if reduction == "mean" else None
+        grads = (None, None, None)
+        if reduction == "none" or not any(needs):
+            run_chunks(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, rows_per_chunk,
+                       (False, False, False), loss_rows)
+        else:
+            grads = run_chunks(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, rows_per_chunk,
+                               needs, loss_rows, count=count)
+        if reduction == "none":
+            loss = loss_rows
+        else:
+            loss = loss_rows.sum()
+            loss = loss / count if reduction == "mean" else loss
+        return [loss] + [loss.new_empty(0) if g is None else g for g in grads]
+
+    def linear_fake(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, reduction, rows_per_chunk,
+                    needs):
+        acc = acc_dtype(x.dtype)
+        loss = x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=acc)
+        computed = reduction != "none"
+        shapes = [(x.shape, x.dtype), (weight.shape, acc), (None if bias is None else bias.shape, acc)]
+        return [loss] + [x.new_empty(shape, dtype=dtype) if computed and need else x.new_empty(0, dtype=acc)
+                         for need, (shape, dtype) in zip(needs, shapes)]
+
+    def linear_backward_forward(grad: Tensor, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
+                                ignore_index: int, label_smoothing: float, softcap: Optional[float], z_loss: float,
+                                rows_per_chunk: int, needs: list[bool]) -> list[Tensor]:
+        """Reduction "none": the chunks again, each row's gradient scaled by its grad[row]."""
+        loss_rows = torch.empty(x.shape[0], dtype=grad.dtype, device=x.device)
+        grads = run_chunks(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, rows_per_chunk,
+                           needs, loss_rows, grad_loss=grad)
+        return [x.new_empty(0) if g is None else g.to(p.dtype) for g, p in zip(grads, (x, weight, bias))]
+
+    def linear_backward_fake(grad, x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss,
+                             rows_per_chunk, needs):
+        return [p.new_empty(p.shape) if need else x.new_empty(0) for need, p in zip(needs, (x, weight, bias))]
+
+    linear_backward_op = TorchOp("linear_cross_entropy_backward", linear_backward_forward, linear_backward_fake)
+
+    def linear_save(ctx, args, results):
+        x, weight, target, bias, *options = args
+        ctx.options, ctx.reduction, ctx.computed = options, options[4], options[6]
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if ctx.reduction == "none":
+            ctx.save_for_backward(x, weight, target, bias)
+        else:
+            ctx.save_for_backward(*results[1:])
+
+    def scaled_in_torch_ops(grad_acc, g, dtype):
+        return (grad_acc.to(g.dtype) * g).to(dtype)
+
+    def scaled_by_slices(grad_acc, g, dtype):
+        """grad_acc * g rounded once to `dtype`, a slice of rows at a time: no whole float32 copy of
+        a gradient (and on CUDA a half-precision tensor times a float32 0-d one rounds the factor
+        to half precision first). A new tensor: a second backward (retain_graph) finds grad_acc as
+        saved."""
+        if grad_acc.dtype == dtype == g.dtype:
+            return grad_acc * g
+        out = torch.empty(grad_acc.shape, dtype=dtype, device=grad_acc.device)
+        row_elements = grad_acc[0].numel() if grad_acc.dim() > 1 else 1
+        rows = chunk_rows(row_elements, g.element_size(), scale_slice_bytes)
+        for start in range(0, grad_acc.shape[0], rows):
+            out[start:start + rows] = grad_acc[start:start + rows].to(g.dtype) * g
+        return out
+
+    def linear_formula(ctx, grads, run):
+        (grad,), options = grads, (None,) * 7
+        needs = [ctx.needs_input_grad[i] for i in (0, 1, 3)]
+        if grad is None or not any(needs):
+            return (None, None, None, None) + options
+        if ctx.reduction == "none":
+            x, weight, target, bias = ctx.saved_tensors
+            got = run(linear_backward_op, grad, x, weight, target, bias, *ctx.options[:4], ctx.options[5], needs)
+        else:
+            for name, need, computed in zip(("input", "weight", "bias"), needs, ctx.computed):
+                if need and not computed:
+                    raise RuntimeError(f"brrr::linear_cross_entropy: autograd needs the gradient of {name}, which the "
+                                       "forward was not asked for (its `needs` argument)")
+            # Traced by torch.compile: PyTorch ops, which inductor fuses into one pass each.
+            traced = torch.compiler.is_compiling() or type(grad) is not torch.Tensor
+            scale = scaled_in_torch_ops if traced else scaled_by_slices
+            got = [scale(g, grad, dtype) if need else None for need, g, dtype in
+                   zip(needs, ctx.saved_tensors, ctx.dtypes)]
+        grad_input, grad_weight, grad_bias = (g if need else None for g, need in zip(got, needs))
+        return (grad_input, grad_weight, None, grad_bias) + options
+
+    linear_op = TorchOp("linear_cross_entropy", linear_forward, linear_fake, save=linear_save,
+                        backward=linear_formula, grad_args=(0, 1, 3))
+
+    def linear_cross_entropy_(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap, z_loss,
+                              dtype, budget):
+        """brrr.linear_cross_entropy on torch tensors (arguments checked)."""
+        hidden = input.shape[-1]
+        needs = [torch.is_grad_enabled() and p is not None and p.requires_grad for p in (input, weight, bias)]
+        rows = chunk_rows(weight.shape[0], input.element_size(), budget)
+        loss = linear_op(input.reshape(-1, hidden), weight, target.reshape(-1), bias, ignore_index, label_smoothing,
+                         softcap, z_loss, reduction, rows, needs)
+        if reduction == "none":
+            loss = loss.view(target.shape)
+        dtype = input.dtype if dtype is None else dtype
+        return loss if loss.dtype == dtype else loss.to(dtype)
+
+    # ---- the registry
+    class_indices = (torch.int64, torch.int32, torch.uint8)
+    loss_dtypes = (None, torch.float32, torch.float64)
+
+    def targets_ok(input, target, rows):
+        return (isinstance(target, torch.Tensor) and target.dtype in class_indices and target.device == input.device
+                and target.shape == rows)
+
+    def cross_entropy_ok(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                         dtype=None, **options):
+        if not tensor_ok(input) or input.dim() == 0 or weight is not None or reduction not in REDUCTIONS:
+            return False
+        rows = input.shape[:1] + input.shape[2:] if input.dim() >= 2 else ()
+        return targets_ok(input, target, rows) and (dtype in loss_dtypes or dtype == input.dtype)
+
+    def linear_cross_entropy_ok(input, weight, target, bias=None, *, reduction="mean", dtype=None, **options):
+        return (tensor_ok(input) and input.dim() >= 1 and isinstance(weight, torch.Tensor) and
+                same_kind(input, weight, bias) and weight.dim() == 2 and weight.shape[1] == input.shape[-1] and
+                weight.shape[0] > 0 and (bias is None or bias.shape == weight.shape[:1]) and reduction in REDUCTIONS
+                and targets_ok(input, target, input.shape[:-1]) and (dtype in loss_dtypes or dtype == input.dtype))
+
+    torch_cross_entropy = F.cross_entropy  # torch's, bound before brrr.use_fused can route F.cross_entropy here
+
+    def reference(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                  softcap=None, z_loss=0.0, dtype=None):
+        """dtype: the loss's dtype, as brrr.cross_entropy takes it (the input is cast to it first);
+        softcap and z_loss as brrr.cross_entropy defines them (the z-loss's mean over the counted
+        rows, also with per-class weights)."""
+        x = input if dtype is None else input.to(dtype)
+        if softcap is not None:
+            x = softcap * torch.tanh(x / softcap)
+        loss = torch_cross_entropy(x, target, weight, ignore_index=ignore_index,
+                                   reduction="none" if z_loss else reduction, label_smoothing=label_smoothing)
+        if not z_loss:
+            return loss
+        counted = target.long() != ignore_index  # in int64: a uint8 target would wrap a negative ignore_index
+        loss = loss + torch.where(counted, z_loss * torch.logsumexp(x, dim=1 if x.dim() >= 2 else 0) ** 2, 0.0)
+        if reduction == "none":
+            return loss
+        return loss.sum() / counted.sum() if reduction == "mean" else loss.sum()
+
+    def linear_reference(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
+                         label_smoothing=0.0, softcap=None, z_loss=0.0, dtype=None, logits_budget=None):
+        """The logits in full (logits_budget is brrr's alone)."""
+        logits = F.linear(input, weight, bias)
+        loss = reference(logits.reshape(-1, weight.shape[0]), target.reshape(-1), ignore_index=ignore_index,
+                         reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                         dtype=dtype)
+        return loss.reshape(target.shape) if reduction == "none" else loss
+
+    # Under torch.compile brrr's kernels: the forward reads the logits once (inductor's twice), and
+    # inductor's linear cross-entropy would hold the logits whole. On CPU tensors PyTorch's: the
+    # CPU twin is the single-threaded reference (brrr/_registry.py).
+    registry.register("cross_entropy", reference, cross_entropy, cross_entropy_ok, compiled="kernel", cpu="pytorch")
+    registry.register("linear_cross_entropy", linear_reference, linear_cross_entropy, linear_cross_entropy_ok,
+                      compiled="kernel", cpu="pytorch")
+
+    class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+        """torch.nn.CrossEntropyLoss; inputs brrr does not take (per-class weights, probability
+        targets) go to PyTorch's."""
+
+        def forward(self, input, target):
+            return dispatch("cross_entropy", input, target, self.weight, ignore_index=self.ignore_index,
+                            reduction=self.reduction, label_smoothing=self.label_smoothing)
+
+    class LinearCrossEntropyLoss(torch.nn.Module):
+        """The cross-entropy of a linear layer's output, brrr.linear_cross_entropy: forward(input,
+        weight, target, bias=None) never holds the logits whole (no torch.nn twin)."""
+
+        def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0):
+            super().__init__()
+            self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+            self.softcap, self.z_loss = softcap, z_loss
+
+        def forward(self, input, weight, target, bias=None):
+            return dispatch("linear_cross_entropy", input, weight, target, bias, ignore_index=self.ignore_index,
+                            reduction=self.reduction, label_smoothing=self.label_smoothing, softcap=self.softcap,
+                            z_loss=self.z_loss)
+
+    def cross_entropy_route(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                            reduction="mean", label_smoothing=0.0):
+        if size_average is not None or reduce is not None:  # the deprecated pair: torch's own
+            return torch_cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction,
+                                       label_smoothing)
+        return dispatch("cross_entropy", input, target, weight, ignore_index=ignore_index, reduction=reduction,
+                        label_smoothing=label_smoothing)
+
+    return SimpleNamespace(cross_entropy=cross_entropy_, linear_cross_entropy=linear_cross_entropy_,
+                           backward=backward_op, linear_backward=linear_backward_op,
+                           modules=[CrossEntropyLoss, LinearCrossEntropyLoss],
+                           functional={"cross_entropy": cross_entropy_route})

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import brrr
 from brrr import registry
 from brrr.diagnose import COMPUTE_BOUND, OVERHEAD_BOUND, diagnose
-from brrr._diagnose_step import StepDiagnosis
+from brrr.diagnose.step import StepDiagnosis
 from helpers import TOLERANCE, reset_registry
 
 transformers = pytest.importorskip("transformers")

@@ -139,6 +139,7 @@ def test_wheel_metadata_and_contents(wheel):
     assert [r for r in requires if "extra ==" not in r] == ["numpy>=1.23"], "torch must stay optional"
     assert not [r for r in requires if r.startswith("torch") and "==" in r.split(";")[0]], "torch must not be pinned"
     assert not [n for n in names if n.startswith(("csrc/", "cuda/", "tests/"))]
+    assert {"brrr/diagnose/__init__.py", "brrr/diagnose/common.py", "brrr/diagnose/step.py"} <= set(names)
     (shared,) = [n for n in names if n.startswith("brrr/_C.") and n.endswith(".so")]
     sections = section_names(str(site / shared))
     assert ".text" in sections and not [s for s in sections if s.startswith(".debug")], sections

@@ -23,19 +23,15 @@ measured there and then. A step that synchronises with the host (loss.item() eac
 not captured (the capture would fail); the report names the syncs instead.
 """
 
-import dataclasses
-import importlib
-import json
 import re
 import statistics
 import time
 import warnings
 from dataclasses import dataclass
 
-from .diagnose import COMPUTE_BOUND, MEMORY_BOUND, OVERHEAD_BOUND, KernelStat
-
-# The module, not the function: the package binds the name diagnose to the function.
-_diagnose = importlib.import_module(".diagnose", __package__)
+from .common import (COMPUTE_BOUND, FIXED_SHARE_OVERHEAD, GPU_BUSY_OVERHEAD, MEMORY_BOUND, OVERHEAD_BOUND,
+    PROFILED_CALLS, REMEDIES, KernelStat, Report, device_name, device_of, duration, import_torch, kernel_stats, line,
+    name_of, on_device, percent, report_end, sync, union_us)
 
 # The GPU idle share of a step from which a CUDA graph is worth trying.
 CAPTURE_IDLE_SHARE = 0.2
@@ -52,7 +48,7 @@ _MATMUL = re.compile(r"gemm|cutlass|cublas|xmma|gmma|nvjet|\b(?:aten::)?(?:mm|ad
 
 
 @dataclass
-class StepDiagnosis:
+class StepDiagnosis(Report):
     """The outcome of `diagnose(step, step=True)`: one training step's times, the verdict, the cure."""
 
     name: str
@@ -77,31 +73,10 @@ class StepDiagnosis:
     remedies: list
     notes: list
 
-    def to_dict(self):
-        return dataclasses.asdict(self)
-
-    def to_json(self, indent=2):
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_dict(cls, data):
-        if not isinstance(data, dict):
-            raise TypeError(f"argument data: expected a dict, got {type(data).__name__}")
-        data = dict(data)
-        if "kernels" not in data:
-            raise ValueError("argument data: missing field 'kernels'")
-        data["kernels"] = [_diagnose._construct(KernelStat, k) for k in data["kernels"]]
-        return _diagnose._construct(cls, data)
-
-    @classmethod
-    def from_json(cls, text):
-        return cls.from_dict(json.loads(text))
+    NESTED = {"kernels": KernelStat}
 
     def report(self):
         return _format_report(self)
-
-    def __str__(self):
-        return self.report()
 
 
 def diagnose_step(fn, args, kwargs, step, flops, bytes, scale):  # noqa: A002 - diagnose's names
@@ -114,14 +89,14 @@ def diagnose_step(fn, args, kwargs, step, flops, bytes, scale):  # noqa: A002 - 
     if given:
         raise ValueError(f"argument step: {', '.join(given)} describe a single op's work; with step=True they do "
                          f"not apply")
-    torch = _diagnose._import_torch()
-    device = _diagnose._device_of(args, kwargs)
+    torch = import_torch()
+    device = device_of(args, kwargs)
     notes = []
 
     def call():
         fn(*args, **kwargs)
 
-    with _diagnose._on_device(torch, device):
+    with on_device(torch, device):
         for _ in range(STEP_WARMUP):
             call()
         ms, steps = _steps_ms(call, device)
@@ -141,7 +116,7 @@ def diagnose_step(fn, args, kwargs, step, flops, bytes, scale):  # noqa: A002 - 
             else:
                 captured_ms = _captured_ms(torch, call, device, steps, notes)
         elif busy_fraction is not None:
-            notes.append(f"not captured in a CUDA graph: the GPU is busy {_diagnose._percent(busy_fraction)} of the "
+            notes.append(f"not captured in a CUDA graph: the GPU is busy {percent(busy_fraction)} of the "
                          f"step, so a graph could save at most the rest")
 
     dispatch_share = None
@@ -150,7 +125,7 @@ def diagnose_step(fn, args, kwargs, step, flops, bytes, scale):  # noqa: A002 - 
     matmul_share = profile.matmul_us / profile.total_us if profile.total_us > 0 else None
     verdict, reasons = _judge(ms, host_ms, profile, busy_fraction, dispatch_share, matmul_share)
     return StepDiagnosis(
-        name=_diagnose._name_of(fn), device=str(device), device_name=_diagnose._device_name(torch, device),
+        name=name_of(fn), device=str(device), device_name=device_name(torch, device),
         torch_version=torch.__version__, timer="CUDA events" if device.type == "cuda" else "perf_counter",
         ms=ms, steps=steps, host_ms=host_ms,
         gpu_busy_ms=profile.busy_us * 1e-3 if profile.busy_us is not None else None,
@@ -168,7 +143,7 @@ def _steps_ms(call, device):
     """(median ms per step over rounds of steps run back to back, steps per round)."""
     t0 = time.perf_counter()
     call()
-    _diagnose._sync(device)
+    sync(device)
     once_s = max(time.perf_counter() - t0, 1e-6)
     steps = min(MAX_STEPS, max(MIN_STEPS, round(STEP_TARGET_S / once_s)))
     rounds = [_burst_ms(call, device, steps) / steps for _ in range(STEP_ROUNDS)]
@@ -197,11 +172,11 @@ def _host_ms(call, device):
     (unless the step waits on the device itself)."""
     samples = []
     for _ in range(HOST_SAMPLES):
-        _diagnose._sync(device)
+        sync(device)
         t0 = time.perf_counter()
         call()
         samples.append((time.perf_counter() - t0) * 1e3)
-    _diagnose._sync(device)
+    sync(device)
     return statistics.median(samples)
 
 
@@ -220,26 +195,26 @@ def _profile_step(call, device):
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    _diagnose._sync(device)
+    sync(device)
     with profile(activities=activities) as prof:
-        for _ in range(_diagnose.PROFILED_CALLS):
+        for _ in range(PROFILED_CALLS):
             call()
-        _diagnose._sync(device)
+        sync(device)
     events = list(prof.events())
-    per_step = 1.0 / _diagnose.PROFILED_CALLS
+    per_step = 1.0 / PROFILED_CALLS
     host = [e for e in events if e.device_type == DeviceType.CPU and not e.is_user_annotation]
     top_level = [e for e in host if e.cpu_parent is None and "::" in e.name]
     busy_us = launches = None
     if device.type == "cuda":
         work = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
         timed = [(e.name, e.time_range.elapsed_us()) for e in work]
-        busy_us = _diagnose._union_us([(e.time_range.start, e.time_range.end) for e in work]) * per_step
+        busy_us = union_us([(e.time_range.start, e.time_range.end) for e in work]) * per_step
         launches = len(work) * per_step
     else:
         timed = [(e.name, e.cpu_time_total) for e in top_level]
     return _StepProfile(busy_us=busy_us, launches=launches, ops=len(top_level) * per_step,
                         matmul_us=sum(us for name, us in timed if _MATMUL.search(name)) * per_step,
-                        total_us=sum(us for _, us in timed) * per_step, kernels=_diagnose._kernel_stats(timed))
+                        total_us=sum(us for _, us in timed) * per_step, kernels=kernel_stats(timed))
 
 
 _CPU_OP_US = []
@@ -275,14 +250,14 @@ def _syncs_per_step(torch, call, device):
             call()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    _diagnose._sync(device)
+    sync(device)
     return sum(str(w.message).startswith("called a synchronizing CUDA operation") for w in caught)
 
 
 def _captured_ms(torch, call, device, steps, notes):
     """ms per step of the step replayed as one CUDA graph (side-stream warm-up, capture, replays
     back to back, as the eager steps were timed); None, with a note, if the capture fails."""
-    from .graphs import capture
+    from ..graphs import capture
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -307,10 +282,9 @@ def _captured_ms(torch, call, device, steps, notes):
 
 
 def _judge(ms, host_ms, profile, busy_fraction, dispatch_share, matmul_share):
-    duration, percent = _diagnose._duration, _diagnose._percent
     reasons = []
     if busy_fraction is not None:
-        overhead = busy_fraction < _diagnose.GPU_BUSY_OVERHEAD
+        overhead = busy_fraction < GPU_BUSY_OVERHEAD
         waits = "it waits on the host the rest" if overhead else "the GPU is the bottleneck"
         reasons.append(f"the GPU is busy {percent(busy_fraction)} of the step ({duration(profile.busy_us * 1e-3)} "
                        f"of {duration(ms)}): {waits}")
@@ -320,7 +294,7 @@ def _judge(ms, host_ms, profile, busy_fraction, dispatch_share, matmul_share):
     else:
         reasons.append(f"{profile.ops:g} op calls per step at the cost of a tiny autograd op are "
                        f"{percent(dispatch_share)} of the step")
-        overhead = dispatch_share >= _diagnose.FIXED_SHARE_OVERHEAD
+        overhead = dispatch_share >= FIXED_SHARE_OVERHEAD
     if overhead:
         return OVERHEAD_BOUND, reasons
     where = "GPU" if busy_fraction is not None else "op"
@@ -334,7 +308,6 @@ def _judge(ms, host_ms, profile, busy_fraction, dispatch_share, matmul_share):
 
 
 def _remedies(verdict, device, ms, captured_ms, syncs):
-    duration = _diagnose._duration
     capture = "capture the whole step in one CUDA graph (brrr.capture_step, or torch.cuda.graph; docs/graphs.md)"
     if captured_ms is not None:
         capture += (f": captured: {duration(captured_ms)} against {duration(ms)} eager "
@@ -342,7 +315,7 @@ def _remedies(verdict, device, ms, captured_ms, syncs):
     elif syncs:
         capture = f"remove the step's {syncs} host sync(s) (a loss.item() for logging, say), then " + capture
     if verdict != OVERHEAD_BOUND:
-        remedies = list(_diagnose._REMEDIES[verdict])
+        remedies = list(REMEDIES[verdict])
         return remedies + [capture] if captured_ms is not None else remedies
     if device.type != "cuda":
         return ["trace the Python away: torch.compile (CUDA graphs help on the GPU)",
@@ -357,12 +330,6 @@ def _remedies(verdict, device, ms, captured_ms, syncs):
 
 
 def _format_report(d):
-    duration, percent = _diagnose._duration, _diagnose._percent
-    label = 21
-
-    def line(key, text):
-        return f"  {key:<{label}}{text}"
-
     lines = [f"brrr.diagnose (training step): {d.name} on {d.device} ({d.device_name}), torch {d.torch_version}",
              line("time per step", f"{duration(d.ms)}  (steps back to back, median of {STEP_ROUNDS} rounds of "
                                    f"{d.steps}, {d.timer})")]
@@ -379,11 +346,4 @@ def _format_report(d):
     if d.captured_ms is not None:
         lines.append(line("captured (CUDA graph)", f"{duration(d.captured_ms)} per step ({d.ms / d.captured_ms:.2f}x)"))
     title = "kernels (profiled)" if d.gpu_busy_ms is not None else "top ops (profiled)"
-    for i, k in enumerate(d.kernels):
-        lines.append(line(title if i == 0 else "", f"{duration(k.us_per_call / 1000):>9}  x{k.calls_per_call:g}  "
-                                                   f"{k.name[:80]}"))
-    lines.append(line("verdict", d.verdict.upper()))
-    for key, items in (("why", d.reasons), ("remedies", d.remedies), ("notes", d.notes)):
-        for i, item in enumerate(items):
-            lines.append(line(key if i == 0 else "", f"- {item}"))
-    return "\n".join(lines)
+    return "\n".join(lines + report_end(title, d))

@@ -32,20 +32,18 @@ an unfused chain shows as a low fraction of the copy bandwidth, which is the roo
 
 A whole training step (forward, backward, optimizer): `diagnose(step, step=True)` reports host
 time, GPU busy time and launches per step, and where the GPU waits, the step captured in a CUDA
-graph and timed (brrr/_diagnose_step.py); it returns a StepDiagnosis.
+graph and timed (brrr/diagnose/step.py); it returns a StepDiagnosis.
 
 Keyword arguments other than flops, bytes, scale and step are passed to fn. The default overhead
 test repeats tensor arguments along their leading dimension; pass `scale(args, factor) -> args`
 when that does not fit fn, or `scale=False` to skip it.
 """
 
-import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import sys
@@ -55,16 +53,12 @@ import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-OVERHEAD_BOUND = "overhead-bound"
-MEMORY_BOUND = "memory-bound"
-COMPUTE_BOUND = "compute-bound"
-UNDETERMINED = "undetermined"
+from .common import (COMPUTE_BOUND, FIXED_SHARE_OVERHEAD, GPU_BUSY_OVERHEAD, MEMORY_BOUND, OVERHEAD_BOUND,
+    PROFILED_CALLS, REMEDIES, UNDETERMINED, KernelStat, Report, arrays_in, construct, device_name, device_of,
+    duration, import_torch, is_numpy_array, is_torch_tensor, kernel_stats, line, name_of, on_device, percent,
+    report_end, sync, union_us)
 
 SCALE_FACTORS = (2, 4, 8)
-# The time that does not grow with the input is fixed cost; past half of the time it dominates.
-FIXED_SHARE_OVERHEAD = 0.5
-# A GPU busy less than half the wall time is waiting on the host.
-GPU_BUSY_OVERHEAD = 0.5
 # The essay's rule of thumb: at 80% of the peak matrix throughput you are compute-bound.
 COMPUTE_BOUND_FRACTION = 0.8
 # Below this fraction of the binding ceiling, the report says the time goes somewhere else too.
@@ -80,8 +74,6 @@ MIN_REPS, MAX_REPS = 3, 1000
 # x1 and the largest input are timed again in alternating rounds, so that load which comes and
 # goes during the timing slows both alike instead of reading as time that does not grow.
 INTERLEAVED_ROUNDS = 5
-PROFILED_CALLS = 3
-TOP_KERNELS = 8
 
 # Ceilings: sizes big enough to leave the caches and fill the machine, small enough to stay fast.
 # The copy bandwidth is the bandwidth of memory: each buffer is past the caches, for on data that
@@ -99,32 +91,9 @@ LAUNCH_BURST = 200
 LAUNCH_ROUNDS = 5
 CEILINGS_FORMAT = 2                     # 2: best-of timings, copy buffers sized past the cache
 
-_REMEDIES = {
-    OVERHEAD_BOUND: (
-        ("trace the Python away: torch.compile, or capture a CUDA graph (torch.cuda.graphs, "
-         "torch.compile(mode='reduce-overhead')) so one launch replays the whole call"),
-        "less Python per call: fewer, larger ops (a brrr fused op is one launch for a whole chain)",
-        "bigger batches: the fixed cost per call stays while the useful work per call grows",
-    ),
-    MEMORY_BOUND: (
-        ("operator fusion: run chains of elementwise and normalisation ops as one pass over memory "
-         "(brrr.chain and brrr's fused ops, or torch.compile)"),
-        "rematerialise in the backward: recompute cheap values from the input instead of saving and re-reading them",
-        "move fewer bytes: bf16/fp16 storage halves the traffic of fp32",
-    ),
-    COMPUTE_BOUND: (
-        ("use the tensor cores: bf16/fp16 matmuls (TF32 for fp32: torch.set_float32_matmul_precision('high')) "
-         "with dimensions that are multiples of 16"),
-        "lower precision: each halving of the operand width raises the peak (fp8 where supported)",
-        "less work: a cheaper algorithm, or skip computing what is thrown away",
-    ),
-    UNDETERMINED: (
-        "pass flops= and/or bytes= (the work of one call) so the rates can be compared with the ceilings",
-    ),
-}
 _BRRR_ALREADY = {
-    _REMEDIES[OVERHEAD_BOUND][1]: "less Python per call: fewer, larger ops (more of the work in each brrr op)",
-    _REMEDIES[MEMORY_BOUND][0]: ("fuse further: this runs brrr's fused kernels already; fold the ops around them in "
+    REMEDIES[OVERHEAD_BOUND][1]: "less Python per call: fewer, larger ops (more of the work in each brrr op)",
+    REMEDIES[MEMORY_BOUND][0]: ("fuse further: this runs brrr's fused kernels already; fold the ops around them in "
                                  "(a longer brrr.chain, a norm fused with its residual add), or compile the whole "
                                  "step with torch.compile"),
 }
@@ -150,7 +119,7 @@ class Ceilings:
 
     @classmethod
     def from_dict(cls, data):
-        return _construct(cls, data)
+        return construct(cls, data)
 
 
 @dataclass
@@ -160,16 +129,7 @@ class ScalePoint:
 
 
 @dataclass
-class KernelStat:
-    """One GPU kernel (or, on the CPU, one top-level op) as the profiler saw it."""
-
-    name: str
-    calls_per_call: float
-    us_per_call: float
-
-
-@dataclass
-class Diagnosis:
+class Diagnosis(Report):
     """The outcome of `diagnose`: measurements, the ceilings they are judged against, the verdict."""
 
     name: str
@@ -202,44 +162,10 @@ class Diagnosis:
     notes: list
     ceilings: Ceilings
 
-    def to_dict(self):
-        return dataclasses.asdict(self)
-
-    def to_json(self, indent=2):
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_dict(cls, data):
-        if not isinstance(data, dict):
-            raise TypeError(f"argument data: expected a dict, got {type(data).__name__}")
-        data = dict(data)
-        for key in ("scaling", "kernels", "ceilings"):
-            if key not in data:
-                raise ValueError(f"argument data: missing field {key!r}")
-        data["scaling"] = [_construct(ScalePoint, p) for p in data["scaling"]]
-        data["kernels"] = [_construct(KernelStat, k) for k in data["kernels"]]
-        data["ceilings"] = Ceilings.from_dict(data["ceilings"])
-        return _construct(cls, data)
-
-    @classmethod
-    def from_json(cls, text):
-        return cls.from_dict(json.loads(text))
+    NESTED = {"scaling": ScalePoint, "kernels": KernelStat, "ceilings": Ceilings}
 
     def report(self):
         return _format_report(self)
-
-    def __str__(self):
-        return self.report()
-
-
-def _construct(cls, data):
-    names = {f.name for f in dataclasses.fields(cls)}
-    required = {f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    unknown, missing = set(data) - names, required - set(data)
-    if unknown or missing:
-        raise ValueError(f"not a {cls.__name__} record: unknown fields {sorted(unknown)}, missing {sorted(missing)}")
-    return cls(**data)
 
 
 def diagnose(fn, *args, flops=None, bytes=None, scale=None, step=False, **kwargs):  # noqa: A002 - the documented name
@@ -248,10 +174,10 @@ def diagnose(fn, *args, flops=None, bytes=None, scale=None, step=False, **kwargs
     flops, bytes: the work of one call, when you know it (otherwise profiler FLOPs and the byte
     floor of the arguments and outputs are used). scale: `scale(args, factor) -> args` for the
     overhead test, or False to skip it. Returns a Diagnosis. step=True: fn is a whole training
-    step; returns a StepDiagnosis (brrr/_diagnose_step.py).
+    step; returns a StepDiagnosis (brrr/diagnose/step.py).
     """
     if step is not False:
-        from ._diagnose_step import diagnose_step
+        from .step import diagnose_step
 
         return diagnose_step(fn, args, kwargs, step, flops, bytes, scale)
     if not callable(fn):
@@ -260,14 +186,14 @@ def diagnose(fn, *args, flops=None, bytes=None, scale=None, step=False, **kwargs
     user_bytes = _positive_count("bytes", bytes)
     if scale is not None and scale is not False and not callable(scale):
         raise TypeError(f"argument scale: expected a callable scale(args, factor), False or None, got {scale!r}")
-    torch = _import_torch()
-    device = _device_of(args, kwargs)
+    torch = import_torch()
+    device = device_of(args, kwargs)
     notes = []
 
     def call():
         return fn(*args, **kwargs)
 
-    with _on_device(torch, device):
+    with on_device(torch, device):
         ceilings = device_ceilings(device)
         output_bytes = _nbytes([call()])  # counted now, so the output is not held through the timing
         ms, reps = _median_ms(call, device)
@@ -320,7 +246,7 @@ def diagnose(fn, *args, flops=None, bytes=None, scale=None, step=False, **kwargs
                      f"({_si(cache, 'B')}): part of their traffic may stay in the cache, faster than the copy "
                      "bandwidth, which is measured past it")
     return Diagnosis(
-        name=_name_of(fn), device=str(device), device_name=ceilings.device_name,
+        name=name_of(fn), device=str(device), device_name=ceilings.device_name,
         timer="CUDA events" if device.type == "cuda" else "perf_counter", ms=ms, reps=reps,
         flops=work_flops, flops_source=flops_source, bytes=work_bytes, bytes_source=bytes_source,
         compute_dtype=compute_dtype,
@@ -336,14 +262,6 @@ def diagnose(fn, *args, flops=None, bytes=None, scale=None, step=False, **kwargs
 # Arguments
 
 
-def _import_torch():
-    try:
-        import torch
-    except ImportError as e:
-        raise ImportError("brrr.diagnose needs PyTorch (pip install torch)") from e
-    return torch
-
-
 def _positive_count(name, value):
     if value is None:
         return None
@@ -354,50 +272,15 @@ def _positive_count(name, value):
     return float(value)
 
 
-def _is_torch_tensor(x):
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _is_numpy_array(x):
-    numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(x, numpy.ndarray)
-
-
-def _arrays_in(values):
-    """Tensors and NumPy arrays among values, looking one level into lists, tuples and dicts."""
-    for value in values:
-        if isinstance(value, (list, tuple)):
-            yield from (v for v in value if _is_torch_tensor(v) or _is_numpy_array(v))
-        elif isinstance(value, dict):
-            yield from (v for v in value.values() if _is_torch_tensor(v) or _is_numpy_array(v))
-        elif _is_torch_tensor(value) or _is_numpy_array(value):
-            yield value
-
-
 def _nbytes(*groups):
     """Bytes of the distinct arrays in the groups (an array passed twice is read once)."""
     seen, total = set(), 0
     for group in groups:
-        for array in _arrays_in(group):
+        for array in arrays_in(group):
             if id(array) not in seen:
                 seen.add(id(array))
-                total += array.numel() * array.element_size() if _is_torch_tensor(array) else array.nbytes
+                total += array.numel() * array.element_size() if is_torch_tensor(array) else array.nbytes
     return total
-
-
-def _device_of(args, kwargs):
-    """Where the work runs: the device of the CUDA tensor arguments, else the CPU when there are
-    array arguments, else the GPU when there is one (fn closes over its data)."""
-    import torch
-
-    arrays = list(_arrays_in(list(args) + list(kwargs.values())))
-    for array in arrays:
-        if _is_torch_tensor(array) and array.device.type == "cuda":
-            return array.device
-    if not arrays and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _resolve_device(device):
@@ -419,34 +302,14 @@ def _resolve_device(device):
     return resolved
 
 
-@contextlib.contextmanager
-def _on_device(torch, device):
-    """Make `device` the current CUDA device for the duration (nothing to do on the CPU)."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            yield
-    else:
-        yield
-
-
-def _name_of(fn):
-    """'Model.forward' for a method, 'step' for a function defined inside another, a callable
-    object's repr when it is short (brrr.chain('cos', 'cos')), else its class name."""
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-    if name:
-        return name.rsplit("<locals>.", 1)[-1]
-    text = repr(fn)
-    return text if len(text) <= 60 and "\n" not in text and " at 0x" not in text else type(fn).__name__
-
-
 def _compute_dtype(torch, device, args, kwargs, ceilings, notes):
     """The dtype of the largest floating-point argument; fp32 runs as TF32 on the GPU when the
     process allows it, and is judged against the TF32 peak then."""
     floating = []   # (elements, dtype name)
-    for array in _arrays_in(list(args) + list(kwargs.values())):
-        if _is_torch_tensor(array) and array.dtype.is_floating_point:
+    for array in arrays_in(list(args) + list(kwargs.values())):
+        if is_torch_tensor(array) and array.dtype.is_floating_point:
             floating.append((array.numel(), str(array.dtype).removeprefix("torch.")))
-        elif _is_numpy_array(array) and array.dtype.kind == "f":
+        elif is_numpy_array(array) and array.dtype.kind == "f":
             floating.append((array.size, array.dtype.name))
     name = max(floating)[1] if floating else "float32"
     if name == "float32" and device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
@@ -459,13 +322,6 @@ def _compute_dtype(torch, device, args, kwargs, ceilings, notes):
 
 # ---------------------------------------------------------------------------------------------
 # Timing
-
-
-def _sync(device):
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
 
 
 def _call_ms(call, device):
@@ -541,7 +397,7 @@ def device_ceilings(device=None, refresh=False):
     device: 'cpu', 'cuda', 'cuda:N' or a torch.device; default the current GPU, else the CPU.
     refresh: measure again and overwrite the cache.
     """
-    torch = _import_torch()
+    torch = import_torch()
     device = _resolve_device(device)
     key = _ceilings_key(torch, device)
     path = os.path.join(cache_dir(), f"ceilings-{key}.json")
@@ -552,29 +408,16 @@ def device_ceilings(device=None, refresh=False):
         if cached is not None:
             _CEILINGS_IN_MEMORY[key] = cached
             return cached
-    with _on_device(torch, device):
+    with on_device(torch, device):
         ceilings = _measure_ceilings(torch, device)
     _CEILINGS_IN_MEMORY[key] = ceilings
     _write_cached_ceilings(path, ceilings)
     return ceilings
 
 
-def _device_name(torch, device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def _ceilings_key(torch, device):
     # CPU throughput depends on the thread count, so it is part of the key there.
-    parts = [device.type, _device_name(torch, device), "torch" + torch.__version__]
+    parts = [device.type, device_name(torch, device), "torch" + torch.__version__]
     if device.type == "cpu":
         parts.append(f"{torch.get_num_threads()}threads")
     return re.sub(r"[^A-Za-z0-9.+-]+", "_", "-".join(parts))
@@ -611,7 +454,7 @@ def _measure_ceilings(torch, device):
         notes.append(busy)
     copy_GBps = _measure_copy_GBps(torch, device)
     launch_us = _measure_launch_us(torch, device)
-    return Ceilings(device_name=_device_name(torch, device), torch_version=torch.__version__, copy_GBps=copy_GBps,
+    return Ceilings(device_name=device_name(torch, device), torch_version=torch.__version__, copy_GBps=copy_GBps,
                     matmul_GFLOPs=matmul, launch_us=launch_us,
                     measured_at=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     measure_s=time.perf_counter() - started, notes=notes)
@@ -631,7 +474,7 @@ def _busy_note():
 
 def last_level_cache_bytes(device):
     """Size of the device's last-level cache (the GPU's L2, the CPU's largest), or None if unknown."""
-    torch = _import_torch()
+    torch = import_torch()
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).L2_cache_size or None
@@ -757,10 +600,10 @@ def _measure_launch_us(torch, device):
     burst()
     per_round = []
     for _ in range(LAUNCH_ROUNDS):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         burst()
-        _sync(device)
+        sync(device)
         per_round.append((time.perf_counter() - t0) * 1e6 / LAUNCH_BURST)
     return statistics.median(per_round)
 
@@ -784,11 +627,11 @@ def _profile(call, device, notes):
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        _sync(device)
+        sync(device)
         with profile(activities=activities, with_flops=True) as prof:
             for _ in range(PROFILED_CALLS):
                 call()
-            _sync(device)
+            sync(device)
         events = list(prof.events())
     except Exception as e:  # noqa: BLE001 - the profiler is optional evidence; the report says it is missing
         notes.append(f"profiler unavailable ({type(e).__name__}: {e}): no FLOP count, op count or kernel list")
@@ -801,33 +644,13 @@ def _profile(call, device, notes):
     top_level = [e for e in host_events if e.cpu_parent is None and "::" in e.name]
     if device.type == "cuda":
         device_events = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
-        kernels = _kernel_stats((e.name, e.time_range.elapsed_us()) for e in device_events)
-        busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in device_events]) / PROFILED_CALLS
+        kernels = kernel_stats((e.name, e.time_range.elapsed_us()) for e in device_events)
+        busy_us = union_us([(e.time_range.start, e.time_range.end) for e in device_events]) / PROFILED_CALLS
     else:
-        kernels = _kernel_stats((e.name, e.cpu_time_total) for e in top_level)
+        kernels = kernel_stats((e.name, e.cpu_time_total) for e in top_level)
         busy_us = None
     return _ProfileSummary(flops_per_call=flops or None, ops_per_call=len(top_level) / PROFILED_CALLS,
                            kernels=kernels, device_busy_us_per_call=busy_us)
-
-
-def _kernel_stats(name_and_us):
-    totals = {}
-    for name, us in name_and_us:
-        count, total = totals.get(name, (0, 0.0))
-        totals[name] = (count + 1, total + us)
-    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
-    return [KernelStat(name=name, calls_per_call=count / PROFILED_CALLS, us_per_call=total / PROFILED_CALLS)
-            for name, (count, total) in ranked]
-
-
-def _union_us(intervals):
-    """Length of the union of intervals: kernels overlapping on several streams count once."""
-    busy, end_so_far = 0.0, -math.inf
-    for start, end in sorted(intervals):
-        if end > end_so_far:
-            busy += end - max(start, end_so_far)
-            end_so_far = end
-    return busy
 
 
 # ---------------------------------------------------------------------------------------------
@@ -839,7 +662,7 @@ def _repeat_leading(args, factor, indices):
     scaled = list(args)
     for i in indices:
         array = args[i]
-        if _is_torch_tensor(array):
+        if is_torch_tensor(array):
             repeated = array.detach().repeat(factor, *([1] * (array.dim() - 1)))
             scaled[i] = repeated.requires_grad_(array.requires_grad)
         else:
@@ -853,7 +676,7 @@ def _default_scalers(args):
     """Ways to scale the input, most natural first: every array sharing the first array's leading
     (batch) dimension, then the first array alone (x @ w, where w must keep its shape)."""
     arrays = [i for i, a in enumerate(args)
-              if (_is_torch_tensor(a) or _is_numpy_array(a)) and len(a.shape) >= 1 and a.shape[0] > 0]
+              if (is_torch_tensor(a) or is_numpy_array(a)) and len(a.shape) >= 1 and a.shape[0] > 0]
     if not arrays:
         return []
     leading = args[arrays[0]].shape[0]
@@ -988,19 +811,19 @@ def _judge(ev):
     elif ev.dispatch_share is not None:
         # Without a scaling test, the count of ops times the cost of an empty op stands in for it.
         reasons.append(f"launch cost: {ev.ops_per_call:g} ops per call x {ev.launch_us:.1f} µs per launch is "
-                       f"{_percent(ev.dispatch_share)} of the time")
+                       f"{percent(ev.dispatch_share)} of the time")
         overhead |= ev.dispatch_share >= FIXED_SHARE_OVERHEAD
     if ev.gpu_busy is not None:
-        reasons.append(f"the GPU is busy {_percent(ev.gpu_busy)} of the wall time")
+        reasons.append(f"the GPU is busy {percent(ev.gpu_busy)} of the wall time")
         overhead |= ev.gpu_busy < GPU_BUSY_OVERHEAD
     if overhead:
         return OVERHEAD_BOUND, reasons
 
     if ev.compute_fraction is not None:
-        reasons.append(f"FLOP/s reach {_percent(ev.compute_fraction)} of the {ev.compute_dtype} matmul peak")
+        reasons.append(f"FLOP/s reach {percent(ev.compute_fraction)} of the {ev.compute_dtype} matmul peak")
     if ev.bandwidth_fraction is not None:
         counted = "the byte floor" if ev.bytes_is_floor else "the counted bytes"
-        reasons.append(f"{counted} moves at {_percent(ev.bandwidth_fraction)} of the copy bandwidth")
+        reasons.append(f"{counted} moves at {percent(ev.bandwidth_fraction)} of the copy bandwidth")
     if ev.compute_fraction is not None and ev.compute_fraction >= COMPUTE_BOUND_FRACTION:
         return COMPUTE_BOUND, reasons
     if ev.memory_ms is None and ev.compute_ms is None:
@@ -1027,7 +850,7 @@ def _judge(ev):
 def _remedies(verdict, device, uses_brrr):
     """The verdict's remedies; for code that runs brrr's kernels already, the ones that would
     recommend them become what is left to do."""
-    remedies = list(_REMEDIES[verdict])
+    remedies = list(REMEDIES[verdict])
     if verdict == OVERHEAD_BOUND and device.type != "cuda":
         remedies[0] = "trace the Python away: torch.compile (CUDA graphs help on the GPU)"
     if uses_brrr:
@@ -1057,29 +880,10 @@ def _si(value, unit):
     return f"{value:.3g} {unit}"
 
 
-def _duration(ms):
-    if ms >= 1000:
-        return f"{ms / 1000:.3g} s"
-    if ms >= 1:
-        return f"{ms:.3g} ms"
-    return f"{ms * 1000:.3g} µs"
-
-
-def _percent(fraction):
-    if fraction is None:
-        return "-"
-    return f"{100 * fraction:.0f}%" if fraction >= 0.1 else f"{100 * fraction:.2g}%"
-
-
 def _format_report(d):
     c = d.ceilings
-    label = 21
-
-    def line(key, text):
-        return f"  {key:<{label}}{text}"
-
     lines = [f"brrr.diagnose: {d.name} on {d.device} ({d.device_name}), torch {c.torch_version}",
-             line("time per call", f"{_duration(d.ms)}  (median of {d.reps}, {d.timer})")]
+             line("time per call", f"{duration(d.ms)}  (median of {d.reps}, {d.timer})")]
     work = []
     if d.flops:
         work.append(f"{_si(d.flops, 'FLOP')} ({d.flops_source})")
@@ -1088,39 +892,30 @@ def _format_report(d):
     lines.append(line("work per call", "; ".join(work) or "unknown"))
     peak = c.matmul_GFLOPs[d.compute_dtype] * 1e9
     if d.GFLOPs:
-        lines.append(line("compute", f"{_si(d.GFLOPs * 1e9, 'FLOP/s')} = {_percent(d.compute_fraction)} of the "
+        lines.append(line("compute", f"{_si(d.GFLOPs * 1e9, 'FLOP/s')} = {percent(d.compute_fraction)} of the "
                                      f"{d.compute_dtype} matmul peak {_si(peak, 'FLOP/s')}"))
     if d.GBps:
-        lines.append(line("bandwidth", f"{_si(d.GBps * 1e9, 'B/s')} = {_percent(d.bandwidth_fraction)} of the "
+        lines.append(line("bandwidth", f"{_si(d.GBps * 1e9, 'B/s')} = {percent(d.bandwidth_fraction)} of the "
                                        f"copy bandwidth {_si(c.copy_GBps * 1e9, 'B/s')}"))
     if d.intensity is not None:
         lines.append(line("intensity", f"{d.intensity:.3g} FLOP/byte (ridge point {d.ridge:.3g})"))
     if len(d.scaling) > 1:
         base = d.scaling[0].ms
-        steps = " | ".join(f"x{p.factor} {_duration(p.ms)}" + (f" ({p.ms / base:.2f}x)" if p.factor > 1 else "")
+        steps = " | ".join(f"x{p.factor} {duration(p.ms)}" + (f" ({p.ms / base:.2f}x)" if p.factor > 1 else "")
                            for p in d.scaling)
         lines.append(line("input scaling", steps))
-        lines.append(line("", f"fixed share of the time {_percent(d.fixed_share)}  ({d.scaling_method})"))
+        lines.append(line("", f"fixed share of the time {percent(d.fixed_share)}  ({d.scaling_method})"))
     else:
         lines.append(line("input scaling", "not run (see notes)"))
     if d.gpu_busy_fraction is not None:
-        lines.append(line("GPU busy", f"{_percent(d.gpu_busy_fraction)} of the wall time"))
+        lines.append(line("GPU busy", f"{percent(d.gpu_busy_fraction)} of the wall time"))
     if d.ops_per_call:
         lines.append(line("op calls", f"{d.ops_per_call:g} per call; launch cost {c.launch_us:.2f} µs each "
-                                      f"({_percent(d.dispatch_share)} of the time)"))
+                                      f"({percent(d.dispatch_share)} of the time)"))
     elif d.ops_per_call == 0:
         lines.append(line("op calls", "none seen by the profiler (the work runs outside PyTorch's dispatcher)"))
-    if d.kernels:
-        title = "kernels" if d.device.startswith("cuda") else "top ops"
-        title += " (profiled)"
-        for i, k in enumerate(d.kernels):
-            lines.append(line(title if i == 0 else "",
-                              f"{_duration(k.us_per_call / 1000):>9}  x{k.calls_per_call:g}  {k.name[:80]}"))
-    lines.append(line("verdict", d.verdict.upper()))
-    for key, items in (("why", d.reasons), ("remedies", d.remedies), ("notes", d.notes)):
-        for i, item in enumerate(items):
-            lines.append(line(key if i == 0 else "", f"- {item}"))
-    return "\n".join(lines)
+    title = "kernels (profiled)" if d.device.startswith("cuda") else "top ops (profiled)"
+    return "\n".join(lines + report_end(title, d))
 
 
 class _CallableModule(types.ModuleType):
