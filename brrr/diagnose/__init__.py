@@ -513,8 +513,12 @@ def _measure_copy_GBps(torch, device):
     src = torch.full((elements,), 1.0, device=device)
     dst = torch.empty_like(src)
 
+    # Buffers of a GiB and more (4x a last-level cache of 256 MiB and up) take a third of a second
+    # a copy on a CPU, and each one is long enough to be steady: the best of a few will do.
+    calls = COPY_CALLS if src.numel() * src.element_size() < 2**30 else MIN_REPS
+
     def rate():
-        ms = _best_ms(lambda: dst.copy_(src), device, target_s=0.2, at_least=COPY_CALLS)
+        ms = _best_ms(lambda: dst.copy_(src), device, target_s=0.2, at_least=calls)
         return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
     if device.type == "cuda":
