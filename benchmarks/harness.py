@@ -5,6 +5,7 @@ copy bandwidth measured in the same run) and the fraction of the floor reached. 
 torch.compile) are timed in the same process, on the same inputs, so ratios are like for like.
 """
 
+import contextlib
 import json
 import os
 import platform
@@ -190,3 +191,18 @@ def markdown_table(rows):
         lines.append(f"| {op} | {dtype} | {'x'.join(map(str, shape))} | {pass_} | {ms(b)} | {ms(e)} | {ms(c)} | "
                      f"{frac} | {ratio(e)} | {ratio(c)} |")
     return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def module_names_restored(module):
+    """Every name of `module` as it was before the block (a peer's patch, Liger-Kernel's, rebinds
+    names in transformers' modeling modules for every model in the process)."""
+    saved = dict(vars(module))
+    try:
+        yield
+    finally:
+        for key in set(vars(module)) - set(saved):
+            delattr(module, key)
+        for key, value in saved.items():
+            if getattr(module, key, None) is not value:
+                setattr(module, key, value)

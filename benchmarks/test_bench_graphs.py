@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import brrr
-from harness import on_gpu, time_ms
+from harness import module_names_restored, on_gpu, time_ms
 
 transformers = pytest.importorskip("transformers")
 
@@ -180,16 +180,9 @@ def test_liger_kernel_llama(recorder):
     liger = pytest.importorskip("liger_kernel.transformers")
     from transformers.models.llama import modeling_llama
 
-    saved = dict(vars(modeling_llama))
-    try:
+    with module_names_restored(modeling_llama):
         model = unpatched("llama")
         liger.apply_liger_kernel_to_llama(model=model)
         for batch in SWEEP_BATCHES:
             tokens = torch.randint(0, VOCAB, (batch, SEQ), device=DEVICE)
             record(recorder, "llama", batch, "liger", eager_step(model, tokens))
-    finally:
-        for key in set(vars(modeling_llama)) - set(saved):
-            delattr(modeling_llama, key)
-        for key, value in saved.items():
-            if getattr(modeling_llama, key, None) is not value:
-                setattr(modeling_llama, key, value)

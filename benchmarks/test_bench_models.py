@@ -22,7 +22,7 @@ import torch
 
 import brrr
 from brrr import registry
-from harness import compiled, host_us_per_call, kernel_ms, on_gpu, time_ms
+from harness import compiled, host_us_per_call, kernel_ms, module_names_restored, on_gpu, time_ms
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not on_gpu(), reason="model benchmarks run on the GPU")
@@ -223,16 +223,9 @@ def liger_gemma2(model):
     cross-entropy), undone after: it also rebinds names in transformers' Gemma 2 module."""
     from transformers.models.gemma2 import modeling_gemma2
 
-    saved = dict(vars(modeling_gemma2))
-    try:
+    with module_names_restored(modeling_gemma2):
         liger.apply_liger_kernel_to_gemma2(model=model)
         yield model
-    finally:
-        for key in set(vars(modeling_gemma2)) - set(saved):
-            delattr(modeling_gemma2, key)
-        for key, value in saved.items():
-            if getattr(modeling_gemma2, key, None) is not value:
-                setattr(modeling_gemma2, key, value)
 
 
 def check_against_unpatched(recorder, name, base, patched, tokens):
