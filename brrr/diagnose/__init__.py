@@ -84,6 +84,8 @@ INTERLEAVED_ROUNDS = 5
 PAST_CACHE_FACTOR = 4
 PAST_CACHE_MIN_BYTES = 256 << 20
 GPU_COPY_ELEMENTS = 1 << 28            # 1 GiB per fp32 buffer, as in benchmarks/harness.py
+CPU_COPY_MAX_BYTES = 1 << 30           # a VM on a large host can report its host's whole L3 (480 MiB
+                                       # here): a GiB is past it, and 4x would take seconds a copy
 COPY_CALLS = 10                        # at least: the best of more calls is the steadier on a busy machine
 MATMUL_SIDES = {"cpu": (256, 512, 1024, 2048), "cuda": (2048, 4096, 8192)}
 MATMUL_ENOUGH_MS = {"cpu": 10.0, "cuda": 1.0}   # stop growing the matrix once a call takes this long
@@ -509,13 +511,14 @@ def _measure_copy_GBps(torch, device):
         free_bytes, _ = torch.cuda.mem_get_info(device)
         elements = min(GPU_COPY_ELEMENTS, free_bytes // 16)   # two fp32 buffers in at most half the free memory
     else:
-        elements = past_cache_bytes(device) // 4
+        elements = min(past_cache_bytes(device), CPU_COPY_MAX_BYTES) // 4
     src = torch.full((elements,), 1.0, device=device)
     dst = torch.empty_like(src)
 
-    # Buffers of a GiB and more (4x a last-level cache of 256 MiB and up) take a third of a second
-    # a copy on a CPU, and each one is long enough to be steady: the best of a few will do.
-    calls = COPY_CALLS if src.numel() * src.element_size() < 2**30 else MIN_REPS
+    # Buffers of a GiB take a fifth of a second a copy on a CPU, each long enough to be steady:
+    # the best of a few will do.
+    calls = MIN_REPS if device.type == "cpu" and src.numel() * src.element_size() >= CPU_COPY_MAX_BYTES \
+        else COPY_CALLS
 
     def rate():
         ms = _best_ms(lambda: dst.copy_(src), device, target_s=0.2, at_least=calls)
