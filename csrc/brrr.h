@@ -57,6 +57,10 @@ typedef struct {
     long long stream_arg;
     int resolved;
     void *stream;
+    /* The stream came from neither the caller nor the framework (CuPy, JAX, any other DLPack
+     * producer): the call waits for its kernels before returning, since DLPack can make our
+     * stream wait for a producer's work but cannot make the producer's later reads wait for ours. */
+    int wait_for_kernels;
     int cpu_threads_chosen; /* the CPU thread count was fixed by the first CPU tensor (csrc/cpu.h) */
 } brrr_call;
 

@@ -418,6 +418,21 @@ static PyObject *results(const brrr_op_call *c) {
     return tuple;
 }
 
+/* A CUDA call on a stream nobody named waits for its kernels (csrc/brrr.h: wait_for_kernels). */
+static int wait_for_kernels(brrr_op_call *c) {
+#if BRRR_WITH_CUDA
+    if (c->call.wait_for_kernels) {
+        int err;
+        Py_BEGIN_ALLOW_THREADS err = brrr_cuda_stream_synchronize(c->call.stream);
+        Py_END_ALLOW_THREADS
+        return brrr_cuda_result(err, c->spec->name);
+    }
+#else
+    (void)c;
+#endif
+    return 0;
+}
+
 static PyObject *op_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     op_object *self = (op_object *)callable;
     PyObject *values[MAX_PARAMS];
@@ -427,7 +442,7 @@ static PyObject *op_vectorcall(PyObject *callable, PyObject *const *args, size_t
     c.spec = self->spec;
     c.call.state = brrr_get_state(self->module);
     c.call.stream_arg = -1;
-    PyObject *result = run_call(&c, values) < 0 ? NULL : results(&c);
+    PyObject *result = run_call(&c, values) < 0 || wait_for_kernels(&c) < 0 ? NULL : results(&c);
     for (int s = 0; s < BRRR_OP_MAX_SLOTS; s++) {
         brrr_tensor_release(&c.t[s]);
         Py_XDECREF(c.owned[s]);

@@ -749,6 +749,7 @@ int brrr_parse_stream(PyObject *obj, long long *stream) {
 void *brrr_call_stream(brrr_call *call) {
     if (!call->resolved) {
         call->stream = call->stream_arg > 0 ? (void *)(uintptr_t)call->stream_arg : NULL;
+        call->wait_for_kernels = call->stream_arg < 0;
         call->resolved = 1;
     }
     return call->stream;

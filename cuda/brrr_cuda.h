@@ -307,6 +307,7 @@ int brrr_cuda_rotary(const brrr_rotary_launch *launch, int device, void *stream)
 /* ---- end rotary ---- */
 
 int brrr_cuda_device_count(int *count);
+int brrr_cuda_stream_synchronize(void *stream);
 int brrr_cuda_runtime_version(int *version);
 int brrr_cuda_driver_version(int *version);
 const char *brrr_cuda_error_string(int error);

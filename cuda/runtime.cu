@@ -1,4 +1,5 @@
-// Runtime queries for build_info() and cuda_available(); nothing here launches work.
+// Runtime queries for build_info() and cuda_available(), and the wait at the end of a call on an
+// unknown stream (csrc/brrr.h: wait_for_kernels); nothing here launches work.
 #include <cuda_runtime.h>
 
 #include "brrr_cuda.h"
@@ -17,3 +18,7 @@ extern "C" int brrr_cuda_runtime_version(int *version) { return (int)cudaRuntime
 extern "C" int brrr_cuda_driver_version(int *version) { return (int)cudaDriverGetVersion(version); }
 
 extern "C" const char *brrr_cuda_error_string(int error) { return cudaGetErrorString((cudaError_t)error); }
+
+extern "C" int brrr_cuda_stream_synchronize(void *stream) {
+    return (int)cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+}

@@ -1,6 +1,11 @@
+import os
 import zlib
 
 import pytest
+
+# JAX takes 75% of a GPU's memory when it first touches one; the CUDA tests share it with torch
+# (and, under pytest-xdist, with other test processes), so JAX allocates as it goes here.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 try:
     import torch

@@ -322,3 +322,30 @@ def test_jax_buffers_stay_as_jax_made_them():
 def test_arrays_without_a_namespace_are_refused_naming_the_argument():
     with pytest.raises(TypeError, match="argument input"):
         brrr.cross_entropy([[0.5, 1.0]], [0])
+
+
+# --- streams -------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ON_GPU)
+def test_a_result_is_ready_when_its_framework_reads_it(name):
+    """JAX and a CuPy stream of its own read a result on streams brrr cannot know: brrr waits for
+    its kernels before returning (csrc/brrr.h, wait_for_kernels). A slow chain (64 cosines over
+    2^26 elements, about 2 ms) gives the framework's read time to overtake an unfinished kernel;
+    the read comes first, the check after, each of several times."""
+    fw = framework(name)
+    chain = brrr.chain(*["cos"] * 64)
+    values = np.random.default_rng(0).uniform(-3, 3, 1 << 26).astype(np.float32)
+    x = fw.to_native(values)
+    expected = chain(values[:4096].astype(np.float64))
+    if name == "cupy":
+        import cupy
+
+        stream = cupy.cuda.Stream(non_blocking=True)
+    for _ in range(5):
+        if name == "cupy":
+            with stream:
+                first = fw.to_numpy(chain(x)[:4096])
+        else:
+            first = fw.to_numpy(chain(x)[:4096])
+        np.testing.assert_allclose(first.astype(np.float64), expected, rtol=1e-4, atol=1e-5)
