@@ -29,7 +29,7 @@ static PyObject *py_check_tensor(PyObject *module, PyObject *const *args, Py_ssi
     }
     const char *name = PyUnicode_AsUTF8(args[1]);
     if (name == NULL) return NULL;
-    brrr_call call = {brrr_get_state(module), -1, 0, NULL, 0};
+    brrr_call call = {.state = brrr_get_state(module), .stream_arg = -1};
     brrr_tensor t;
     if (brrr_tensor_import(&call, args[0], name, 0, &t) < 0) return NULL;
     brrr_tensor_release(&t);
