@@ -36,7 +36,6 @@ cell), and prints each row as it is measured and each section's elapsed time.
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -325,21 +324,29 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-# ---- compile warm-up in worker processes ----------------------------------------------------------
+# ---- processes: compiling in parallel, timing one at a time --------------------------------------
+#
+# torch.compile costs seconds of host time per row and shape (dynamo's trace, inductor, Triton),
+# and even a cache hit costs a trace and a load: too much for one process over some 230 rows.
+# So `workers` processes share the rows. Each first runs its rows' compiled functions and Liger's
+# once (compiling them, or loading them from inductor's and Triton's caches on disk), all workers
+# at once; then, when every worker is ready, they time their rows one worker after the other, so
+# the GPU times one process's calls at a time. A worker's files in the sync folder: ready-K, then
+# part-K.json and done-K; the parent stands in for a worker that died.
 
-def warm(todo):
-    """Run each row's torch.compile function (forward, forward+backward) and Liger's once, so that
-    inductor's and Triton's caches hold them. Runs in a worker process; a failure is measure()'s to
-    report."""
+
+def prepare(todo, with_compile):
+    """Run each row's torch.compile and Liger functions once, forward and forward+backward (they
+    compile now, not while timed). A failure is measure()'s to report."""
     for row in todo:
         try:
             case = make_case(row)
-            for impl, fn in implementations(case, True).items():
+            for impl, fn in implementations(case, with_compile).items():
                 if impl in ("compile", "liger") and callable(fn):
                     try:
                         for p in passes(fn, case).values():
                             p()
-                    except Exception:  # noqa: BLE001 - recorded in the cell by measure()
+                    except Exception:  # noqa: BLE001 - recorded in its cell by measure()
                         pass
             del case
         except Exception:  # noqa: BLE001 - e.g. out of memory: measure() meets it again
@@ -348,27 +355,99 @@ def warm(todo):
             torch.cuda.empty_cache()
 
 
-def warm_all(todo, workers):
-    """Compile the rows in `workers` fresh interpreters (this script with --warm): the rows with
-    inputs of BIG_BYTES or more in BIG_WORKERS of them (many at once would strain the GPU's memory),
-    the rest spread over the others, largest first. Fresh interpreters rather than
-    multiprocessing's: with those, inductor's cache keys for the same graph differed from this
-    process's (measured: no hits)."""
-    import subprocess
+def measure_rows(todo, with_compile, gbps, variant):
+    """Every row's records (each with the seconds it took), printed as they are measured; a row
+    that fails as a whole (out of memory) is recorded as failed and the run goes on."""
+    records = []
+    for row in todo:
+        t0 = time.perf_counter()
+        try:
+            recs = measure(row, with_compile, gbps, variant)
+        except Exception as e:  # noqa: BLE001 - the row says why
+            recs = failed_row(row, error_text(e))
+        for rec in recs:
+            rec["measure_s"] = (time.perf_counter() - t0) / len(recs)
+            print(console_line(rec, labels_of(recs)), flush=True)
+        records += recs
+        if cuda():
+            torch.cuda.empty_cache()
+    return records
 
-    big = sorted((r for r in todo if input_bytes(r) >= BIG_BYTES), key=input_bytes, reverse=True)
-    small = sorted((r for r in todo if input_bytes(r) < BIG_BYTES), key=input_bytes, reverse=True)
-    n_big = min(len(big), BIG_WORKERS, max(1, workers - 1)) if big else 0
-    n_small = max(1, min(workers - n_big, len(small)))
-    shares = [big[k::n_big] for k in range(n_big)] + [small[k::n_small] for k in range(n_small)]
+
+def failed_row(row, error):
+    section, op, dname, size = row
+    return [dict(section=section, op=op, dtype=dname, rows=SETTINGS["rows"], size=size, pass_=p, bytes=None,
+                 floor_ms=float("nan"), brrr_fwd_rel_err=None, cells={"brrr": {"error": error}}) for p in PASSES]
+
+
+def shares(todo, workers):
+    """The rows split over at most `workers` workers, largest first in each, bounding the GPU
+    memory that preparing them at once takes: with 5 workers or more, rows whose inputs take 2 GiB
+    or more go to one worker, 512 MiB or more to three, the rest to the others."""
+    def split(tier, n):
+        tier = sorted(tier, key=input_bytes, reverse=True)
+        n = min(n, len(tier))
+        return [tier[k::n] for k in range(n)]
+    if workers < 5:
+        return split(todo, workers)
+    sizes = [input_bytes(r) for r in todo]
+    return (split([r for r, b in zip(todo, sizes) if b >= 2 << 30], 1)
+            + split([r for r, b in zip(todo, sizes) if 512 << 20 <= b < 2 << 30], 3)
+            + split([r for r, b in zip(todo, sizes) if b < 512 << 20], workers - 4))
+
+
+def wait_for(condition):
+    while not condition():
+        time.sleep(0.05)
+
+
+def worker(todo, index, count, sync, with_compile, gbps, variant):
+    """One worker's rows: prepared at once with the others, timed in its turn (see above)."""
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", json.dumps(share),
-                               "--rows", str(SETTINGS["rows"]), "--device", SETTINGS["device"],
-                               "--head-dim", str(SETTINGS["head_dim"])])
-             for share in shares if share]
-    failed = sum(p.wait() != 0 for p in procs)
-    print(f"# torch.compile warm-up: {len(todo)} rows in {len(procs)} processes, {time.perf_counter() - t0:.0f} s"
-          + (f", {failed} failed (their rows compile here)" if failed else ""), flush=True)
+    prepare(todo, with_compile)
+    prepare_s = time.perf_counter() - t0
+    open(os.path.join(sync, f"ready-{index}"), "w").close()
+    wait_for(lambda: all(os.path.exists(os.path.join(sync, f"ready-{k}")) for k in range(count)))
+    wait_for(lambda: index == 0 or os.path.exists(os.path.join(sync, f"done-{index - 1}")))
+    records = measure_rows(todo, with_compile, gbps, variant)
+    with open(os.path.join(sync, f"part-{index}.json"), "w") as f:
+        json.dump({"prepare_s": prepare_s, "records": records}, f)
+    open(os.path.join(sync, f"done-{index}"), "w").close()
+
+
+def run_workers(todo, workers, with_compile, gbps, variant, argv):
+    """(records in todo's order, the longest worker's preparing seconds)."""
+    import subprocess
+    import tempfile
+
+    parts = shares(todo, workers)
+    sync = tempfile.mkdtemp(prefix="brrr-floor-probe-")
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--part", json.dumps(part),
+                               "--index", str(k), "--count", str(len(parts)), "--sync", sync, "--gbps", repr(gbps)])
+             for k, part in enumerate(parts)]
+    print(f"# {len(todo)} rows over {len(procs)} worker processes (preparing at once, timing in turn)", flush=True)
+    running = set(range(len(procs)))
+    while running:
+        for k in list(running):
+            if procs[k].poll() is not None:
+                running.discard(k)
+                for mark in ("ready", "done"):  # a worker that died: the others go on without it
+                    path = os.path.join(sync, f"{mark}-{k}")
+                    if not os.path.exists(path):
+                        open(path, "w").close()
+        time.sleep(0.1)
+    by_row, prepare_s = {}, 0.0
+    for k, part in enumerate(parts):
+        try:
+            with open(os.path.join(sync, f"part-{k}.json")) as f:
+                data = json.load(f)
+        except OSError:
+            data = {"prepare_s": 0.0, "records": [r for row in part for r in
+                                                  failed_row(row, f"worker {k} exited with {procs[k].returncode}")]}
+        prepare_s = max(prepare_s, data["prepare_s"])
+        for rec in data["records"]:
+            by_row.setdefault((rec["section"], rec["op"], rec["dtype"], rec["size"]), []).append(rec)
+    return [rec for row in todo for rec in by_row.get(tuple(row), [])], prepare_s
 
 
 # ---- measuring ------------------------------------------------------------------------------------
@@ -551,9 +630,11 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny sizes (64 rows, hidden 64 and 96, 128 and 200 columns, "
                    "head_dim 32): the code paths, not the numbers")
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
+    p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
+                   help="processes sharing the rows (1: this one alone)")
     p.add_argument("--variant", help="NAME=a,b: time brrr with the environment variable NAME at each value")
-    p.add_argument("--warm", help=argparse.SUPPRESS)  # a worker of warm_all: compile these rows (JSON)
+    for hidden_arg in ("--part", "--index", "--count", "--sync", "--gbps"):  # a worker's (run_workers)
+        p.add_argument(hidden_arg, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     bad = [s for s in args.only if s not in SECTIONS] + [d for d in args.dtypes if d not in DTYPES]
     if bad:
@@ -561,12 +642,14 @@ def main(argv=None):
     smoke = args.smoke
     SETTINGS.update(rows=args.rows or (64 if smoke else 16384), device=args.device,
                     head_dim=32 if smoke and args.head_dim == HEAD_DIM else args.head_dim)
-    if args.warm:
-        return warm([tuple(r) for r in json.loads(args.warm)])
     variant = None
     if args.variant:
         name, _, values = args.variant.partition("=")
         variant = (name, values.split(","))
+    with_compile = not args.no_compile
+    if args.part:
+        return worker([tuple(r) for r in json.loads(args.part)], int(args.index), int(args.count), args.sync,
+                      with_compile, float(args.gbps), variant)
     hidden = args.hidden or ([64, 96] if smoke else HIDDEN)
     cols = args.cols or ([128, 200] if smoke else SOFTMAX_COLS)
     t0 = time.perf_counter()
@@ -575,43 +658,28 @@ def main(argv=None):
     header = (f"# {where}, torch {torch.__version__}, brrr {brrr.__version__}"
               + (", smoke run (tiny sizes)" if smoke else ""))
     print(header, flush=True)
-    if not args.no_compile:
-        warm_all(todo, args.workers)
-    warm_s = time.perf_counter() - t0
     dev_gbps, wall_gbps = copy_gbps()
     gbps = max(dev_gbps, wall_gbps)
+    if cuda():
+        torch.cuda.empty_cache()  # the copy's buffers, before the workers start
     copy_line = (f"copy bandwidth (read + written): {dev_gbps:.0f} GB/s by device time, {wall_gbps:.0f} GB/s by "
                  f"CUDA events; the floor takes {gbps:.0f} GB/s")
     print("# " + copy_line, flush=True)
     if cuda() and not 0.9 < dev_gbps / wall_gbps < 1.1:
         print("# DEVICE TIME AND CUDA EVENTS DISAGREE ON THE COPY: the device-time sum is suspect", flush=True)
-    records, sections_s = [], {}
-    for section in args.only:
-        s0 = time.perf_counter()
-        for row in (r for r in todo if r[0] == section):
-            try:
-                recs = measure(row, not args.no_compile, gbps, variant)
-            except Exception as e:  # noqa: BLE001 - out of memory, a broken case: the row says so, the run goes on
-                print(f"# {row}: {error_text(e)}", flush=True)
-                recs = [dict(section=section, op=row[1], dtype=row[2], rows=SETTINGS["rows"], size=row[3], pass_=p,
-                             bytes=None, floor_ms=float("nan"), brrr_fwd_rel_err=None,
-                             cells={"brrr": {"error": error_text(e)}}) for p in PASSES]
-            labels = labels_of(recs)
-            for rec in recs:
-                print(console_line(rec, labels), flush=True)
-            records += recs
-            if cuda():
-                torch.cuda.empty_cache()
-        sections_s[section] = time.perf_counter() - s0
-        print(f"# {section}: {sections_s[section]:.1f} s", flush=True)
-    footer = [f"torch.compile warm-up {warm_s:.0f} s" if not args.no_compile else "torch.compile not run",
-              "sections: " + ", ".join(f"{s} {t:.0f} s" for s, t in sections_s.items()),
+    if args.workers > 1 and with_compile:
+        records, prepare_s = run_workers(todo, args.workers, with_compile, gbps, variant,
+                                         list(argv if argv is not None else sys.argv[1:]))
+    else:
+        t1 = time.perf_counter()
+        prepare(todo, with_compile)
+        prepare_s = time.perf_counter() - t1
+        records = measure_rows(todo, with_compile, gbps, variant)
+    sections_s = {s: sum(r.get("measure_s", 0.0) for r in records if r["section"] == s) for s in args.only}
+    footer = [f"preparing (torch.compile, Liger's first calls) {prepare_s:.0f} s"
+              + (f" in the slowest of {min(args.workers, len(todo))} workers" if args.workers > 1 and with_compile else ""),
+              "timing: " + ", ".join(f"{s} {t:.0f} s" for s, t in sections_s.items()),
               f"{len(records)} rows in {time.perf_counter() - t0:.0f} s"]
-    if not args.no_compile:
-        from torch._dynamo.utils import counters
-        footer.insert(1, f"this process's compiles: inductor cache {counters['inductor']['fxgraph_cache_hit']} hits, "
-                         f"{counters['inductor']['fxgraph_cache_miss']} misses; autograd cache "
-                         f"{counters['aot_autograd']['autograd_cache_hit']} hits")
     for line in footer:
         print("# " + line, flush=True)
     if args.out:
@@ -621,7 +689,7 @@ def main(argv=None):
         with open(os.path.join(args.out, "floor.json"), "w") as f:
             json.dump({"device": where, "torch": torch.__version__, "brrr": brrr.__version__, "smoke": smoke,
                        "copy_GBps": {"device": dev_gbps, "wall": wall_gbps, "floor": gbps},
-                       "warm_up_s": warm_s, "sections_s": sections_s, "rows": records}, f, indent=1)
+                       "prepare_s": prepare_s, "sections_s": sections_s, "rows": records}, f, indent=1)
     return records
 
 
