@@ -19,10 +19,17 @@ time: harness.time_ms, the median of warm calls between CUDA events. Floor: the 
 pass must move (inputs read once, outputs written once; forward+backward adds the backward's
 grad_out, the inputs it saves or recomputes from, and the gradients) over the bandwidth of a
 1 GiB device-to-device copy measured in the same run, by both clocks (the faster counts). "% of
-floor" is floor / time. torch.compile: default mode, dynamic=False; worker processes compile
-every row first, filling inductor's on-disk caches, so that this process's compiles are cache
-hits (it prints how many). Liger-Kernel joins where it is importable and has the op. A cell that
-fails (a peer refusing a shape, a compile error) holds its error; the run goes on.
+floor" is floor / time. torch.compile: default mode, dynamic=False. Liger-Kernel joins where it
+is importable and has the op. A cell that fails (a peer refusing a shape, a compile error) holds
+its error; the run goes on.
+
+Processes: --workers processes (default: the cores less two, at most 14) share the rows. They
+compile their rows' torch.compile functions and run Liger's once all at the same time, then time
+their rows one worker after another, so that the GPU runs one process's calls while it is timed
+(run_workers). Compiling at the same time, the compiled reductions pick their kernel configs on
+a shared GPU, as the old warm-up workers did. --workers 1 does everything in this process.
+On the CPU (--device cpu), device time is the time of the operators torch's profiler sees
+(brrr's forward calls into its extension are none of them): for exercising the code only.
 
 --variant NAME=a,b times brrr once per value of the environment variable NAME, set in this
 process before that value's calls. That serves switches that brrr's C code reads with getenv at
@@ -31,7 +38,8 @@ import, or cached in the module state as BRRR_NUM_THREADS is, csrc/cpu.c) needs 
 value: run the probe once per value with NAME set outside.
 
 Writes DIR/floor.txt (markdown tables, one per section and dtype) and DIR/floor.json (every
-cell), and prints each row as it is measured and each section's elapsed time.
+cell, and each row's timing seconds), and prints each row as it is measured, then the seconds
+spent preparing (compiling) and timing each section.
 """
 
 import argparse
@@ -40,13 +48,11 @@ import os
 import sys
 import time
 
-# Inductor's caches on disk, in one place for this process and its workers (set before torch is
-# imported, which reads them). One compile thread per worker, the workers being the parallelism,
-# set here so that this process's cache keys match theirs.
+# Inductor's and Triton's caches on disk, in one place (set before torch is imported, which reads
+# them): a second run on the same machine compiles from them.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/brrr-floor-probe-inductor")
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
 os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("TRITON_CACHE_DIR", "/tmp/brrr-floor-probe-triton")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -110,14 +116,25 @@ def error_text(e):
 # itself unless it is random).
 
 
-def liger(load):
-    """Liger-Kernel's function from load() on the GPU, None where it is not importable."""
+def liger(module, name):
+    """Liger-Kernel's liger_kernel.<module>.<name> (an autograd Function's apply) on the GPU; None
+    where Liger is not installed; where it is but fails to load, a function raising that error
+    (for the cells to show)."""
     if not cuda():
         return None
     try:
-        return load()
+        import importlib
+
+        fn = getattr(importlib.import_module("liger_kernel." + module), name)
+        return fn.apply if isinstance(fn, type) else fn
     except ImportError:
         return None
+    except Exception as e:  # noqa: BLE001 - e.g. a Liger built for another triton
+        text = error_text(e)
+
+        def broken(*args):
+            raise RuntimeError(f"Liger-Kernel failed to load: {text}")
+        return broken
 
 
 def norm_case(op, dtype, hidden):
@@ -128,13 +145,13 @@ def norm_case(op, dtype, hidden):
     params = [randn(hidden, dtype=dtype, grad=True) for _ in range(n_params)]
     if op == "layer_norm":
         ours, eager = (lambda x, w, b: brrr.layer_norm(x, ns, w, b, EPS)), (lambda x, w, b: F.layer_norm(x, ns, w, b, EPS))
-        peer = liger(lambda: __import__("liger_kernel.ops.layer_norm", fromlist=["x"]).LigerLayerNormFunction)
-        lig = peer and (lambda x, w, b: peer.apply(x, w, b, EPS))
+        peer = liger("ops.layer_norm", "LigerLayerNormFunction")
+        lig = peer and (lambda x, w, b: peer(x, w, b, EPS))
     elif op == "rms_norm":
         ours, eager = (lambda x, w: brrr.rms_norm(x, ns, w, EPS)), (lambda x, w: F.rms_norm(x, ns, w, EPS))
         # casting in float32 throughout, as torch and brrr do: Liger's "gemma" casting mode
-        peer = liger(lambda: __import__("liger_kernel.ops.rms_norm", fromlist=["x"]).LigerRMSNormFunction)
-        lig = peer and (lambda x, w: peer.apply(x, w, EPS, 0.0, "gemma", False))
+        peer = liger("ops.rms_norm", "LigerRMSNormFunction")
+        lig = peer and (lambda x, w: peer(x, w, EPS, 0.0, "gemma", False))
     elif op == "add_layer_norm":
         def eager(x, r, w, b):
             h = x + r
@@ -145,8 +162,8 @@ def norm_case(op, dtype, hidden):
             h = x + r
             return F.rms_norm(h, ns, w, EPS), h
         ours = lambda x, r, w: brrr.add_rms_norm(x, r, ns, w, EPS)  # noqa: E731
-        peer = liger(lambda: __import__("liger_kernel.ops.fused_add_rms_norm", fromlist=["x"]).LigerFusedAddRMSNormFunction)
-        lig = peer and (lambda x, r, w: peer.apply(x, r, w, EPS, 0.0, "gemma", False))
+        peer = liger("ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
+        lig = peer and (lambda x, r, w: peer(x, r, w, EPS, 0.0, "gemma", False))
     u, v = acts[0].numel() * acts[0].element_size(), hidden * params[0].element_size()
     # forward: the activations read, the outputs (normed, and the sum for the add_ forms) written;
     # backward: grad_out (and grad of the sum) and x (or the sum) read, grad_x (and grad_r) written
@@ -162,7 +179,7 @@ def softmax_case(op, dtype, cols):
         ours, eager, lig = (lambda x: brrr.log_softmax(x, -1)), (lambda x: torch.log_softmax(x, -1)), None  # Liger has none
     else:
         ours, eager = (lambda x: brrr.softmax(x, -1)), (lambda x: torch.softmax(x, -1))
-        lig = liger(lambda: __import__("liger_kernel.ops.softmax", fromlist=["x"]).LigerSoftmaxFunction.apply)
+        lig = liger("ops.softmax", "LigerSoftmaxFunction")
     # backward: y and grad_y read, grad_x written
     return dict(inputs=[x], grads_of=[0], brrr=ours, eager=eager, liger=lig, bytes={"fwd": 2 * u, "fwd+bwd": 5 * u})
 
@@ -212,8 +229,7 @@ def glu_case(op, dtype, hidden):
         inputs = [randn(SETTINGS["rows"], hidden, dtype=dtype, grad=True) for _ in range(2)]
         ours = (lambda g, u: brrr.geglu(g, u, approximate="tanh")) if tanh else brrr.swiglu
         eager = lambda g, u: act(g) * u  # noqa: E731
-        name = ("geglu", "LigerGELUMulFunction") if tanh else ("swiglu", "LigerSiLUMulFunction")
-        lig = liger(lambda: getattr(__import__("liger_kernel.ops." + name[0], fromlist=["x"]), name[1]).apply)
+        lig = liger("ops.geglu", "LigerGELUMulFunction") if tanh else liger("ops.swiglu", "LigerSiLUMulFunction")
     u = SETTINGS["rows"] * hidden * inputs[0].element_size()
     # forward: gate and up read, out written; backward: grad_out, gate and up read, their grads written
     return dict(inputs=inputs, grads_of=range(len(inputs)), brrr=ours, eager=eager, liger=lig,
@@ -257,7 +273,7 @@ def rotary_case(op, dtype, hidden):
     def eager(q, k, cos, sin):  # transformers' Llama apply_rotary_pos_emb
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    lig = liger(lambda: __import__("liger_kernel.transformers.rope", fromlist=["x"]).liger_rotary_pos_emb)
+    lig = liger("transformers.rope", "liger_rotary_pos_emb")
     u, a = q.numel() * q.element_size(), cos.numel() * cos.element_size()
     # forward: q, k, cos and sin read, both outputs written; backward: the same with the grads
     return dict(inputs=[q, k, cos, sin], grads_of=[0, 1], brrr=brrr.apply_rotary_pos_emb, eager=eager, liger=lig,
@@ -280,8 +296,8 @@ def make_case(row):
 
 
 def input_bytes(row):
-    section, _, dname, size = row
-    return SETTINGS["rows"] * size * DTYPES[dname].itemsize * (2 if row[1].endswith("_split") else 1)
+    _, op, dname, size = row
+    return SETTINGS["rows"] * size * DTYPES[dname].itemsize * (2 if op.endswith("_split") else 1)
 
 
 def outputs(y):
@@ -314,7 +330,7 @@ def compiled(fn):
 
 
 def implementations(case, with_compile):
-    """{impl: function, or an error text, or None where the impl does not apply}."""
+    """{impl: function, or None where the impl does not apply}."""
     return {"brrr": case["brrr"], "eager": case["eager"],
             "compile": compiled(case["eager"]) if with_compile else None, "liger": case["liger"]}
 
@@ -422,8 +438,10 @@ def run_workers(todo, workers, with_compile, gbps, variant, argv):
 
     parts = shares(todo, workers)
     sync = tempfile.mkdtemp(prefix="brrr-floor-probe-")
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")  # the workers are the parallelism
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--part", json.dumps(part),
-                               "--index", str(k), "--count", str(len(parts)), "--sync", sync, "--gbps", repr(gbps)])
+                               "--index", str(k), "--count", str(len(parts)), "--sync", sync, "--gbps", repr(gbps)],
+                              env=env)
              for k, part in enumerate(parts)]
     print(f"# {len(todo)} rows over {len(procs)} worker processes (preparing at once, timing in turn)", flush=True)
     running = set(range(len(procs)))
