@@ -79,6 +79,12 @@ def test_device_activities_are_the_gpu_work_without_annotations():
         "aten::add", "cudaLaunchKernel", "cudaLaunchKernel"]
 
 
+def test_a_gpu_range_without_its_flag_is_known_by_its_annotation_name():
+    events = [e for e in profile_of_two_windows() if not (e.device_type() == CUDA and e.is_user_annotation())]
+    events += [Event(harness.WINDOW + "a", CUDA, 100, 600), Event("## Call CompiledFxGraph fx ##", CUDA, 500, 600)]
+    assert harness.window_device_ms(events, CUDA) == {"a": pytest.approx(300e-6), "b": pytest.approx(100e-6)}
+
+
 def test_nested_cpu_operators_count_once_and_work_before_the_first_window_nowhere():
     w = harness.WINDOW
     events = [Event("aten::early", CPU, 0, 5), Event(w + "x", CPU, 10, 100, annotation=True),
@@ -86,16 +92,19 @@ def test_nested_cpu_operators_count_once_and_work_before_the_first_window_nowher
     assert harness.window_device_ms(events, CPU) == {"x": pytest.approx(50e-6)}
 
 
-def test_device_ms_divides_each_window_by_its_own_calls():
-    """A real profile on the CPU: per-call times of one op run 1 and 8 times agree (dividing 8
-    calls by 1 would make them 8x apart), and every window is found."""
-    x = torch.randn(256, 256)
-    op = lambda: x @ x  # noqa: E731
-    for _ in range(3):
-        op()
-    ms = harness.device_ms([("once", op, 1), ("eight", op, 8), ("none", lambda: None, 2)])
-    assert set(ms) == {"once", "eight", "none"} and ms["none"] == 0
-    assert ms["once"] > 0 and 1 / 3 < ms["eight"] / ms["once"] < 3
+def test_device_ms_divides_each_window_by_its_own_calls(monkeypatch):
+    """Each window's device time over its own calls (one profile of 8 calls over 1 would be 8x)."""
+    monkeypatch.setattr(harness, "window_device_ms", lambda events, device_type: {"once": 2.0, "eight": 16.0})
+    calls = []
+    ms = harness.device_ms([("once", lambda: calls.append(1), 1), ("eight", lambda: calls.append(8), 8),
+                            ("none", lambda: None, 2)])
+    assert ms == {"once": 2.0, "eight": 2.0, "none": 0.0} and calls == [1] + [8] * 8
+
+
+def test_device_ms_finds_its_windows_in_a_real_profile():
+    x = torch.randn(128, 128)
+    ms = harness.device_ms([("mm", lambda: x @ x, 3), ("nothing", lambda: None, 2)])
+    assert ms["mm"] > 0 and ms["nothing"] == 0
 
 
 def test_window_names_must_be_distinct():
