@@ -139,7 +139,7 @@ def test_a_failing_implementation_fills_its_own_cell(monkeypatch):
     def refuses(*args):
         raise RuntimeError("n = 131072 exceeds the recommended Triton blocksize | 65536")
     monkeypatch.setattr(floor_probe, "implementations",
-                        lambda case, with_compile: {"brrr": case["brrr"], "eager": case["eager"], "liger": refuses})
+                        lambda row, case, with_compile: {"brrr": case["brrr"], "eager": case["eager"], "liger": refuses})
     records = floor_probe.measure(("softmax", "softmax", "fp32", 40), False, 10.0)
     assert [r["pass_"] for r in records] == ["fwd", "fwd+bwd"]
     for r in records:
@@ -160,7 +160,7 @@ def test_a_variant_times_brrr_once_per_value_with_the_variable_set(monkeypatch):
         seen.append(os.environ.get("BRRR_PROBE_TEST_SWITCH"))
         return case["brrr"](x)
     monkeypatch.setattr(floor_probe, "implementations",
-                        lambda c, with_compile: {"brrr": brrr_fn, "eager": c["eager"]})
+                        lambda row, c, with_compile: {"brrr": brrr_fn, "eager": c["eager"]})
     records = floor_probe.measure(("chains", "cos.cos", "fp32", 16), False, 10.0,
                                   ("BRRR_PROBE_TEST_SWITCH", ["one", "two"]))
     assert set(records[0]["cells"]) == {"brrr[one]", "brrr[two]", "eager"}
@@ -171,10 +171,10 @@ def test_workers_time_their_rows_in_turn_and_the_records_keep_the_rows_order():
     """Two worker processes (as a run with torch.compile starts them), without compiling here."""
     floor_probe.SETTINGS.update(rows=64, device="cpu", head_dim=32)
     todo = [("chains", "cos.cos", "fp32", 64), ("norms", "rms_norm", "fp32", 96), ("softmax", "softmax", "fp32", 200)]
-    records, prepare_s = floor_probe.run_workers(todo, 2, False, 10.0, None,
+    records, prepare_s, recompiled = floor_probe.run_workers(todo, 2, False, 10.0, None,
                                                  ["--device", "cpu", "--smoke", "--no-compile"])
     assert [(r["section"], r["op"], r["dtype"], r["size"], r["pass_"]) for r in records] == [
         row + (p,) for row in todo for p in floor_probe.PASSES]
     for r in records:
         assert r["cells"]["brrr"]["wall_ms"] > 0 and r["cells"]["eager"]["wall_ms"] > 0 and r["measure_s"] > 0
-    assert prepare_s >= 0
+    assert prepare_s >= 0 and recompiled == 0

@@ -166,7 +166,8 @@ def norm_case(op, dtype, hidden):
         lig = peer and (lambda x, r, w: peer(x, r, w, EPS, 0.0, "gemma", False))
     u, v = acts[0].numel() * acts[0].element_size(), hidden * params[0].element_size()
     # forward: the activations read, the outputs (normed, and the sum for the add_ forms) written;
-    # backward: grad_out (and grad of the sum) and x (or the sum) read, grad_x (and grad_r) written
+    # backward: grad_out (and the sum's gradient) and x (or the sum) read, grad_x written (the
+    # residual's gradient is the same tensor); the parameters read, their gradients written
     fwd = (4 if add else 2) * u + n_params * v
     return dict(inputs=acts + params, grads_of=range(len(acts) + n_params), brrr=ours, eager=eager, liger=lig,
                 bytes={"fwd": fwd, "fwd+bwd": fwd + (4 if add else 3) * u + (n_params + 1) * v})
@@ -329,10 +330,17 @@ def compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def implementations(case, with_compile):
-    """{impl: function, or None where the impl does not apply}."""
-    return {"brrr": case["brrr"], "eager": case["eager"],
-            "compile": compiled(case["eager"]) if with_compile else None, "liger": case["liger"]}
+COMPILED = {}  # row -> its torch.compile function, compiled once in this process
+
+
+def implementations(row, case, with_compile):
+    """{impl: function, or None where the impl does not apply}. The torch.compile function is the
+    one made when the row was first prepared (eager functions close over no tensor), so its
+    compiled graphs and guards serve every case of the row without compiling again."""
+    if with_compile and row not in COMPILED:
+        COMPILED[row] = compiled(case["eager"])
+    return {"brrr": case["brrr"], "eager": case["eager"], "compile": COMPILED.get(row) if with_compile else None,
+            "liger": case["liger"]}
 
 
 def rel_err(a, b):
@@ -352,13 +360,14 @@ def rel_err(a, b):
 
 
 def prepare(todo, with_compile):
-    """Run each row's torch.compile and Liger functions once, forward and forward+backward (they
-    compile now, not while timed). A failure is measure()'s to report."""
+    """Run each row's functions but eager's once, forward and forward+backward: torch.compile's,
+    Liger's Triton kernels and brrr's compiled chains compile now, not while timed. A failure is
+    measure()'s to report."""
     for row in todo:
         try:
             case = make_case(row)
-            for impl, fn in implementations(case, with_compile).items():
-                if impl in ("compile", "liger") and callable(fn):
+            for impl, fn in implementations(row, case, with_compile).items():
+                if impl != "eager" and fn is not None:
                     try:
                         for p in passes(fn, case).values():
                             p()
@@ -369,6 +378,12 @@ def prepare(todo, with_compile):
             pass
         if cuda():
             torch.cuda.empty_cache()
+
+
+def frames_compiled():
+    """How many frames dynamo has compiled in this process (to see that timing compiled none)."""
+    from torch._dynamo.utils import counters
+    return counters["frames"]["ok"]
 
 
 def measure_rows(todo, with_compile, gbps, variant):
@@ -425,14 +440,16 @@ def worker(todo, index, count, sync, with_compile, gbps, variant):
     open(os.path.join(sync, f"ready-{index}"), "w").close()
     wait_for(lambda: all(os.path.exists(os.path.join(sync, f"ready-{k}")) for k in range(count)))
     wait_for(lambda: index == 0 or os.path.exists(os.path.join(sync, f"done-{index - 1}")))
+    frames = frames_compiled()
     records = measure_rows(todo, with_compile, gbps, variant)
     with open(os.path.join(sync, f"part-{index}.json"), "w") as f:
-        json.dump({"prepare_s": prepare_s, "records": records}, f)
+        json.dump({"prepare_s": prepare_s, "records": records, "recompiled": frames_compiled() - frames}, f)
     open(os.path.join(sync, f"done-{index}"), "w").close()
 
 
 def run_workers(todo, workers, with_compile, gbps, variant, argv):
-    """(records in todo's order, the longest worker's preparing seconds)."""
+    """(records in todo's order, the longest worker's preparing seconds, the frames compiled while
+    timing)."""
     import subprocess
     import tempfile
 
@@ -454,18 +471,18 @@ def run_workers(todo, workers, with_compile, gbps, variant, argv):
                     if not os.path.exists(path):
                         open(path, "w").close()
         time.sleep(0.1)
-    by_row, prepare_s = {}, 0.0
+    by_row, prepare_s, recompiled = {}, 0.0, 0
     for k, part in enumerate(parts):
         try:
             with open(os.path.join(sync, f"part-{k}.json")) as f:
                 data = json.load(f)
         except OSError:
-            data = {"prepare_s": 0.0, "records": [r for row in part for r in
-                                                  failed_row(row, f"worker {k} exited with {procs[k].returncode}")]}
-        prepare_s = max(prepare_s, data["prepare_s"])
+            data = {"prepare_s": 0.0, "recompiled": 0, "records": [
+                r for row in part for r in failed_row(row, f"worker {k} exited with {procs[k].returncode}")]}
+        prepare_s, recompiled = max(prepare_s, data["prepare_s"]), recompiled + data["recompiled"]
         for rec in data["records"]:
             by_row.setdefault((rec["section"], rec["op"], rec["dtype"], rec["size"]), []).append(rec)
-    return [rec for row in todo for rec in by_row.get(tuple(row), [])], prepare_s
+    return [rec for row in todo for rec in by_row.get(tuple(row), [])], prepare_s, recompiled
 
 
 # ---- measuring ------------------------------------------------------------------------------------
@@ -514,7 +531,7 @@ def measure(row, with_compile, gbps, variant=None):
     case = make_case(row)
     cells = {p: {} for p in PASSES}
     timed = {}  # impl -> {pass: fn}
-    for impl, fn in implementations(case, with_compile).items():
+    for impl, fn in implementations(row, case, with_compile).items():
         if fn is None:
             continue
         try:
@@ -686,17 +703,20 @@ def main(argv=None):
     if cuda() and not 0.9 < dev_gbps / wall_gbps < 1.1:
         print("# DEVICE TIME AND CUDA EVENTS DISAGREE ON THE COPY: the device-time sum is suspect", flush=True)
     if args.workers > 1 and with_compile:
-        records, prepare_s = run_workers(todo, args.workers, with_compile, gbps, variant,
-                                         list(argv if argv is not None else sys.argv[1:]))
+        records, prepare_s, recompiled = run_workers(todo, args.workers, with_compile, gbps, variant,
+                                                     list(argv if argv is not None else sys.argv[1:]))
     else:
         t1 = time.perf_counter()
         prepare(todo, with_compile)
         prepare_s = time.perf_counter() - t1
+        frames = frames_compiled()
         records = measure_rows(todo, with_compile, gbps, variant)
+        recompiled = frames_compiled() - frames
     sections_s = {s: sum(r.get("measure_s", 0.0) for r in records if r["section"] == s) for s in args.only}
     footer = [f"preparing (torch.compile, Liger's first calls) {prepare_s:.0f} s"
               + (f" in the slowest of {min(args.workers, len(todo))} workers" if args.workers > 1 and with_compile else ""),
-              "timing: " + ", ".join(f"{s} {t:.0f} s" for s, t in sections_s.items()),
+              "timing: " + ", ".join(f"{s} {t:.0f} s" for s, t in sections_s.items())
+              + f" (frames compiled while timing: {recompiled})",
               f"{len(records)} rows in {time.perf_counter() - t0:.0f} s"]
     for line in footer:
         print("# " + line, flush=True)
@@ -707,7 +727,8 @@ def main(argv=None):
         with open(os.path.join(args.out, "floor.json"), "w") as f:
             json.dump({"device": where, "torch": torch.__version__, "brrr": brrr.__version__, "smoke": smoke,
                        "copy_GBps": {"device": dev_gbps, "wall": wall_gbps, "floor": gbps},
-                       "prepare_s": prepare_s, "sections_s": sections_s, "rows": records}, f, indent=1)
+                       "prepare_s": prepare_s, "sections_s": sections_s, "frames_compiled_while_timing": recompiled,
+                       "rows": records}, f, indent=1)
     return records
 
 
