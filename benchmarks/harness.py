@@ -98,11 +98,9 @@ def device_activities(events, device_type):
     """The device work among raw profiler events (torch's KinetoEvent: name(), device_type(),
     start_ns(), end_ns(), is_user_annotation()): kernels, copies and fills on the GPU
     (device_type CUDA), or the operators on the CPU (device_type CPU, for CPU runs), never a
-    user annotation's range, which only encloses such work. A GPU range is known by its flag,
-    and, should a torch version not set it there, by the name of its annotation on the CPU."""
-    annotations = {e.name() for e in events if e.device_type() == DeviceType.CPU and e.is_user_annotation()}
-    return [e for e in events if e.device_type() == device_type and not e.is_user_annotation()
-            and (device_type == DeviceType.CPU or e.name() not in annotations)]
+    user annotation's range, which only encloses such work (torch's own table totals leave them
+    out the same way)."""
+    return [e for e in events if e.device_type() == device_type and not e.is_user_annotation()]
 
 
 def busy_ms(intervals):

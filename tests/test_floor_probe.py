@@ -79,12 +79,6 @@ def test_device_activities_are_the_gpu_work_without_annotations():
         "aten::add", "cudaLaunchKernel", "cudaLaunchKernel"]
 
 
-def test_a_gpu_range_without_its_flag_is_known_by_its_annotation_name():
-    events = [e for e in profile_of_two_windows() if not (e.device_type() == CUDA and e.is_user_annotation())]
-    events += [Event(harness.WINDOW + "a", CUDA, 100, 600), Event("## Call CompiledFxGraph fx ##", CUDA, 500, 600)]
-    assert harness.window_device_ms(events, CUDA) == {"a": pytest.approx(300e-6), "b": pytest.approx(100e-6)}
-
-
 def test_nested_cpu_operators_count_once_and_work_before_the_first_window_nowhere():
     w = harness.WINDOW
     events = [Event("aten::early", CPU, 0, 5), Event(w + "x", CPU, 10, 100, annotation=True),

@@ -19,15 +19,18 @@ time: harness.time_ms, the median of warm calls between CUDA events. Floor: the 
 pass must move (inputs read once, outputs written once; forward+backward adds the backward's
 grad_out, the inputs it saves or recomputes from, and the gradients) over the bandwidth of a
 1 GiB device-to-device copy measured in the same run, by both clocks (the faster counts). "% of
-floor" is floor / time. torch.compile: default mode, dynamic=False. Liger-Kernel joins where it
+floor" is floor / time. Two checks of the device-time count: the copy's two bandwidths must agree
+within 10% (else a line says so), and no cell's device time may pass its wall time by 10% (else
+the cell says DEVICE > WALL). torch.compile: default mode, dynamic=False. Liger-Kernel joins where it
 is importable and has the op. A cell that fails (a peer refusing a shape, a compile error) holds
 its error; the run goes on.
 
 Processes: --workers processes (default: the cores less two, at most 14) share the rows. They
 compile their rows' torch.compile functions and run Liger's once all at the same time, then time
 their rows one worker after another, so that the GPU runs one process's calls while it is timed
-(run_workers). Compiling at the same time, the compiled reductions pick their kernel configs on
-a shared GPU, as the old warm-up workers did. --workers 1 does everything in this process.
+(run_workers). A cost of compiling at the same time: inductor's reductions pick their kernel
+configs (benchmarking them at their first call) on a busy GPU. --workers 1 does everything in
+this process.
 On the CPU (--device cpu), device time is the time of the operators torch's profiler sees
 (brrr's forward calls into its extension are none of them): for exercising the code only.
 
@@ -43,7 +46,9 @@ spent preparing (compiling) and timing each section.
 """
 
 import argparse
+import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -88,8 +93,6 @@ CHAIN12 = [(("mul", 1.5), lambda t: t * 1.5), ("sin", torch.sin), (("add", 0.25)
            (("clamp_max", 4.0), lambda t: t.clamp_max(4.0)), ("silu", F.silu), (("add", -0.3), lambda t: t - 0.3),
            ("cos", torch.cos), ("sigmoid", torch.sigmoid)]
 TOL = {"bf16": 2e-2, "fp32": 1e-4}  # brrr's forward against eager's, relative
-BIG_BYTES = 1 << 30  # rows with an input this large compile in workers of their own (memory)
-BIG_WORKERS = 3
 # Timing: wall time is the median of up to REPS calls (at least 5) within about MAX_WALL_S; the
 # device window runs as many calls as fill about WINDOW_MS of GPU time, between 2 and REPS.
 REPS, MAX_WALL_S, WINDOW_MS = 20, 0.03, 10.0
@@ -111,7 +114,7 @@ def error_text(e):
 # ---- the rows: inputs, implementations, bytes -----------------------------------------------------
 #
 # A case: inputs (all of them, in call order), grads_of (the indices of those that get gradients),
-# brrr, eager, liger (a function, None where Liger lacks the op, or an error text), bytes
+# brrr, eager, liger (a function, or None where Liger lacks the op or is not installed), bytes
 # {"fwd", "fwd+bwd"}, and check: the (brrr, eager) pair compared before timing (the timed pair
 # itself unless it is random).
 
@@ -123,8 +126,6 @@ def liger(module, name):
     if not cuda():
         return None
     try:
-        import importlib
-
         fn = getattr(importlib.import_module("liger_kernel." + module), name)
         return fn.apply if isinstance(fn, type) else fn
     except ImportError:
@@ -568,6 +569,8 @@ def measure(row, with_compile, gbps, variant=None):
             for clock in ("device", "wall"):
                 if c.get(clock + "_ms"):
                     c[clock + "_pct"] = 100 * floor / c[clock + "_ms"]
+            # a call's device work fits between the CUDA events around it: more is a miscount
+            c["device_over_wall"] = cuda() and c.get("device_ms", 0) > 1.1 * c.get("wall_ms", math.inf)
         records.append(dict(section=section, op=op, dtype=dname, rows=SETTINGS["rows"], size=size, pass_=p,
                             bytes=case["bytes"][p], floor_ms=floor, brrr_fwd_rel_err=err, cells=cells[p]))
     return records
@@ -606,7 +609,7 @@ def cell_text(c, width=None):
         text = "error: " + c["error"]
         return text if width is None else text[:width]
     return " · ".join(f"{c[k + '_ms']:.4f} ({c[k + '_pct']:.0f}%)" if c.get(k + "_ms") else "-"
-                      for k in ("device", "wall"))
+                      for k in ("device", "wall")) + (" DEVICE > WALL" if c.get("device_over_wall") else "")
 
 
 def ratio_text(record):
@@ -630,7 +633,8 @@ def markdown(records, header):
     out = [header, "",
            "Each cell: device ms (% of floor) · wall ms (% of floor). Device: the GPU's kernels, copies and "
            "fills of a call (torch.profiler); wall: CUDA events around a call, median. Last column: the "
-           "fastest peer's time over brrr's (above 1: brrr faster), device · wall.", ""]
+           "fastest peer's time over brrr's (above 1: brrr faster), device · wall. DEVICE > WALL marks a cell "
+           "whose device time exceeds its wall time by over 10%, which only a miscount gives.", ""]
     groups = {}
     for r in records:
         groups.setdefault((r["section"], r["dtype"]), []).append(r)
