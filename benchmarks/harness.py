@@ -135,25 +135,26 @@ def window_device_ms(events, device_type):
     return {name: busy_ms(s) for name, s in spans.items()}
 
 
-def device_ms(windows):
+def device_ms(windows, where=None):
     """Device milliseconds per call of each (name, fn, reps) in windows, in one profiler session:
     fn runs reps times in a window of its own, closed by a synchronize, and its device work is
-    divided by reps. On the GPU that is the kernels, copies and fills (host time does not count);
-    on the CPU, the operators' time. Call fn warm (after a timing run)."""
+    divided by reps. where="cuda" (the default on a GPU machine): the kernels, copies and fills
+    (host time does not count); "cpu": the operators' time. Call fn warm (after a timing run)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     names = [name for name, _, _ in windows]
     if len(set(names)) != len(names) or any(n.startswith(WINDOW) for n in names):
         raise ValueError(f"window names must be distinct: {names}")
-    _sync()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu() else [])
-    with profile(activities=activities) as prof:
+    gpu = (where or device()) == "cuda"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
         for name, fn, reps in windows:
             with record_function(WINDOW + name):
                 for _ in range(reps):
                     fn()
-                _sync()
-    ms = window_device_ms(prof.profiler.kineto_results.events(), DeviceType.CUDA if on_gpu() else DeviceType.CPU)
+                sync()
+    ms = window_device_ms(prof.profiler.kineto_results.events(), DeviceType.CUDA if gpu else DeviceType.CPU)
     return {name: ms.get(name, 0.0) / reps for name, _, reps in windows}
 
 

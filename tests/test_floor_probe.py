@@ -91,19 +91,37 @@ def test_device_ms_divides_each_window_by_its_own_calls(monkeypatch):
     monkeypatch.setattr(harness, "window_device_ms", lambda events, device_type: {"once": 2.0, "eight": 16.0})
     calls = []
     ms = harness.device_ms([("once", lambda: calls.append(1), 1), ("eight", lambda: calls.append(8), 8),
-                            ("none", lambda: None, 2)])
+                            ("none", lambda: None, 2)], "cpu")
     assert ms == {"once": 2.0, "eight": 2.0, "none": 0.0} and calls == [1] + [8] * 8
 
 
 def test_device_ms_finds_its_windows_in_a_real_profile():
     x = torch.randn(128, 128)
-    ms = harness.device_ms([("mm", lambda: x @ x, 3), ("nothing", lambda: None, 2)])
+    ms = harness.device_ms([("mm", lambda: x @ x, 3), ("nothing", lambda: None, 2)], "cpu")
     assert ms["mm"] > 0 and ms["nothing"] == 0
 
 
 def test_window_names_must_be_distinct():
     with pytest.raises(ValueError, match="distinct"):
-        harness.device_ms([("a", lambda: None, 1), ("a", lambda: None, 1)])
+        harness.device_ms([("a", lambda: None, 1), ("a", lambda: None, 1)], "cpu")
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_device_time_agrees_with_cuda_events():
+    """A 1 GiB copy and a compiled cos.cos (whose calls torch.compile wraps in a record_function
+    of its own), GPU-bound: device time per call within 10% of the CUDA events' wall time (the
+    double count read half the copy's bandwidth)."""
+    import torch._dynamo
+
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    f = torch.compile(lambda t: t.cos().cos(), dynamic=False)
+    f(src)
+    for name, fn in (("copy", lambda: dst.copy_(src)), ("compiled cos.cos", lambda: f(src))):
+        wall = harness.time_ms(fn, warmup=5, reps=20)
+        dev = harness.device_ms([(name, fn, 10)], "cuda")[name]
+        assert 0.9 < dev / wall < 1.1, (name, dev, wall)
+    torch._dynamo.reset()
 
 
 def test_floor_probe_smoke_run_on_the_cpu(tmp_path):

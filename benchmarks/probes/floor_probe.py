@@ -493,7 +493,7 @@ def copy_gbps():
     dst = torch.empty_like(src)
     copy = lambda: dst.copy_(src)  # noqa: E731
     wall = harness.time_ms(copy, warmup=3, reps=REPS, max_time_s=0.2)
-    dev = harness.device_ms([("copy", copy, 10)])["copy"]
+    dev = harness.device_ms([("copy", copy, 10)], SETTINGS["device"])["copy"]
     moved = 2 * src.numel() * src.element_size()
     return moved / (dev * 1e-3) / 1e9, moved / (wall * 1e-3) / 1e9
 
@@ -512,7 +512,7 @@ def time_cells(fns):
         windows.append((str(k), key, fn, max(2, min(REPS, int(WINDOW_MS / max(wall, 1e-3))))))
     if windows:
         try:
-            ms = harness.device_ms([(name, fn, reps) for name, _, fn, reps in windows])
+            ms = harness.device_ms([(name, fn, reps) for name, _, fn, reps in windows], SETTINGS["device"])
         except Exception as e:  # noqa: BLE001 - the profiler failing: the wall times stand
             ms = {name: None for name, _, _, _ in windows}
             for _, key, _, _ in windows:
