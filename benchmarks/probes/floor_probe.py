@@ -3,15 +3,17 @@ in device time and wall time, forward and forward+backward, in one run of under 
 
     python3 benchmarks/probes/floor_probe.py --out DIR                  # every row below
     python3 benchmarks/probes/floor_probe.py --out DIR --only norms,softmax --no-compile
+    python3 benchmarks/probes/floor_probe.py --out DIR --only norms --ops rms_norm,rms_norm_llama --dtypes bf16
     python3 benchmarks/probes/floor_probe.py --out DIR --only softmax --variant BRRR_SOFTMAX_KERNEL=rows,smem
     python3 benchmarks/probes/floor_probe.py --out DIR --device cpu --smoke   # the code paths, tiny sizes
 
-Sections (--only): norms (layer_norm, rms_norm, add_layer_norm, add_rms_norm), softmax (softmax,
-log_softmax at 1024, 4096, 32768, 131072 columns), activations (bias_gelu erf and tanh,
-bias_silu), chains (cos.cos, a 12-step mixed chain), glu (swiglu and geglu with tanh, Liger's form,
-each as two tensors and as the halves of one), dropout (bias_dropout_add, p 0.1), rotary
-(apply_rotary_pos_emb on q and k, head_dim 128, q and k laid out as Llama's projections leave
-them). 16384 rows (tokens) x hidden 768, 1024, 2048, 4096, 5120, 8192, 16384; bfloat16 and float32.
+Sections (--only; --ops picks ops within them): norms (layer_norm, rms_norm in torch's and in
+Llama's cast order, add_layer_norm, add_rms_norm), softmax (softmax, log_softmax at 1024, 4096,
+32768, 131072 columns), activations (bias_gelu erf and tanh, bias_silu), chains (cos.cos, a
+12-step mixed chain), glu (swiglu and geglu with tanh, Liger's form, each as two tensors and as
+the halves of one), dropout (bias_dropout_add, p 0.1), rotary (apply_rotary_pos_emb on q and k,
+head_dim 128, q and k laid out as Llama's projections leave them). 16384 rows (tokens) x hidden
+768, 1024, 2048, 4096, 5120, 8192, 16384; bfloat16 and float32.
 
 Device time: harness.device_ms, the GPU's kernels, copies and fills of each implementation's
 calls in a profiler window of their own, divided by the calls (host time does not count). Wall
@@ -70,7 +72,7 @@ import brrr  # noqa: E402
 import harness  # noqa: E402
 
 SECTIONS = {
-    "norms": ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"],
+    "norms": ["layer_norm", "rms_norm", "rms_norm_llama", "add_layer_norm", "add_rms_norm"],
     "softmax": ["softmax", "log_softmax"],
     "activations": ["bias_gelu", "bias_gelu_tanh", "bias_silu"],
     "chains": ["cos.cos", "chain12"],
@@ -152,6 +154,13 @@ def norm_case(op, dtype, hidden):
         # casting in float32 throughout, as torch and brrr do: Liger's "gemma" casting mode
         peer = liger("ops.rms_norm", "LigerRMSNormFunction")
         lig = peer and (lambda x, w: peer(x, w, EPS, 0.0, "gemma", False))
+    elif op == "rms_norm_llama":
+        def eager(x, w):  # Hugging Face's LlamaRMSNorm: x * rstd rounded to x's dtype, then the weight
+            h = x.float()
+            return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+        ours = lambda x, w: brrr.rms_norm(x, ns, w, EPS, cast_order="llama")  # noqa: E731
+        peer = liger("ops.rms_norm", "LigerRMSNormFunction")
+        lig = peer and (lambda x, w: peer(x, w, EPS, 0.0, "llama", False))
     elif op == "add_layer_norm":
         def eager(x, r, w, b):
             h = x + r
@@ -285,10 +294,11 @@ BUILDERS = {"norms": norm_case, "softmax": softmax_case, "activations": activati
             "glu": glu_case, "dropout": dropout_case, "rotary": rotary_case}
 
 
-def rows(sections, hidden, cols, dtypes):
-    """Every (section, op, dtype name, size) of this run, section by section."""
+def rows(sections, hidden, cols, dtypes, ops=None):
+    """Every (section, op, dtype name, size) of this run, section by section (only the ops named in
+    ops, when given)."""
     return [(s, op, d, n) for s in sections for n in (cols if s == "softmax" else hidden)
-            for d in dtypes for op in SECTIONS[s]]
+            for d in dtypes for op in SECTIONS[s] if ops is None or op in ops]
 
 
 def make_case(row):
@@ -665,6 +675,7 @@ def main(argv=None):
     p.add_argument("--out", help="write floor.txt and floor.json into this folder")
     p.add_argument("--only", type=lambda s: s.split(","), default=list(SECTIONS),
                    help="sections, comma-separated: " + ",".join(SECTIONS))
+    p.add_argument("--ops", type=lambda s: s.split(","), help="only these ops of the sections, comma-separated")
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     p.add_argument("--hidden", type=ints, help="default: " + ",".join(map(str, HIDDEN)))
     p.add_argument("--cols", type=ints, help="softmax columns; default: " + ",".join(map(str, SOFTMAX_COLS)))
@@ -681,9 +692,10 @@ def main(argv=None):
     for hidden_arg in ("--part", "--index", "--count", "--sync", "--gbps"):  # a worker's (run_workers)
         p.add_argument(hidden_arg, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    bad = [s for s in args.only if s not in SECTIONS] + [d for d in args.dtypes if d not in DTYPES]
+    bad = ([s for s in args.only if s not in SECTIONS] + [d for d in args.dtypes if d not in DTYPES]
+           + [op for op in args.ops or [] if not any(op in ops for ops in SECTIONS.values())])
     if bad:
-        p.error(f"unknown sections or dtypes: {bad}")
+        p.error(f"unknown sections, dtypes or ops: {bad}")
     smoke = args.smoke
     SETTINGS.update(rows=args.rows or (64 if smoke else 16384), device=args.device,
                     head_dim=32 if smoke and args.head_dim == HEAD_DIM else args.head_dim)
@@ -698,7 +710,7 @@ def main(argv=None):
     hidden = args.hidden or ([64, 96] if smoke else HIDDEN)
     cols = args.cols or ([128, 200] if smoke else SOFTMAX_COLS)
     t0 = time.perf_counter()
-    todo = rows(args.only, hidden, cols, args.dtypes)
+    todo = rows(args.only, hidden, cols, args.dtypes, args.ops)
     where = torch.cuda.get_device_name() if cuda() else "CPU"
     header = (f"# {where}, torch {torch.__version__}, brrr {brrr.__version__}"
               + (", smoke run (tiny sizes)" if smoke else ""))
