@@ -14,6 +14,7 @@ import time
 from datetime import datetime, timezone
 
 import torch
+from torch.autograd import DeviceType
 
 
 def on_gpu():
@@ -81,17 +82,86 @@ def host_us_per_call(fn, calls=2000, rounds=5):
     return statistics.median(per_round)
 
 
-def kernel_ms(fn):
-    """The summed device time of the kernels one call of fn() launches (torch.profiler; GPU only;
-    call it warm, after time_ms). Where a call's host time exceeds its kernels', time_ms measures
-    the host: this does not."""
-    from torch.profiler import ProfilerActivity, profile
+# ---- device time: one definition for every benchmark ---------------------------------------------
+#
+# A profile with CPU activity holds, besides the kernels, copies and fills, the GPU-side range of
+# every record_function annotation that launched GPU work (kineto's gpu_user_annotation): an event
+# of device type CUDA spanning the kernels it encloses. torch.compile opens such annotations itself
+# ("## Call CompiledFxGraph ... ##"), and device_ms opens one per window. Summing every CUDA event
+# therefore counted each kernel twice (h200-2026-12-02-97cae4b/floor.txt: a copy at half its
+# bandwidth); device work is the CUDA events that are not user annotations.
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+WINDOW = "device_window::"  # the record_function name of a device_ms window
+
+
+def device_activities(events, device_type):
+    """The device work among raw profiler events (torch's KinetoEvent: name(), device_type(),
+    start_ns(), end_ns(), is_user_annotation()): kernels, copies and fills on the GPU
+    (device_type CUDA), or the operators on the CPU (device_type CPU, for CPU runs), never a
+    user annotation's range, which only encloses such work (torch's own table totals leave them
+    out the same way)."""
+    return [e for e in events if e.device_type() == device_type and not e.is_user_annotation()]
+
+
+def busy_ms(intervals):
+    """Milliseconds covered by the union of (start_ns, end_ns) intervals: on one stream the sum of
+    its kernels' times; on the CPU, nested operators count once."""
+    total, end = 0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e6
+
+
+def window_device_ms(events, device_type):
+    """{window name: device milliseconds} from one profile's raw events: every device activity
+    counts for the last window (a record_function named WINDOW + name, opened on the CPU) that
+    began before the activity did; device_ms closes each window with a synchronize, so nothing
+    spills into the next one. Work before the first window counts nowhere."""
+    import bisect
+
+    starts = sorted((e.start_ns(), e.name()[len(WINDOW):]) for e in events
+                    if e.device_type() == DeviceType.CPU and e.name().startswith(WINDOW))
+    times = [t for t, _ in starts]
+    spans = {name: [] for _, name in starts}
+    for e in device_activities(events, device_type):
+        k = bisect.bisect_right(times, e.start_ns()) - 1
+        if k >= 0:
+            spans[starts[k][1]].append((e.start_ns(), e.end_ns()))
+    return {name: busy_ms(s) for name, s in spans.items()}
+
+
+def device_ms(windows, where=None):
+    """Device milliseconds per call of each (name, fn, reps) in windows, in one profiler session:
+    fn runs reps times in a window of its own, closed by a synchronize, and its device work is
+    divided by reps. where="cuda" (the default on a GPU machine): the kernels, copies and fills
+    (host time does not count); "cpu": the operators' time. Call fn warm (after a timing run)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    names = [name for name, _, _ in windows]
+    if len(set(names)) != len(names) or any(n.startswith(WINDOW) for n in names):
+        raise ValueError(f"window names must be distinct: {names}")
+    gpu = (where or device()) == "cuda"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+        for name, fn, reps in windows:
+            with record_function(WINDOW + name):
+                for _ in range(reps):
+                    fn()
+                sync()
+    ms = window_device_ms(prof.profiler.kineto_results.events(), DeviceType.CUDA if gpu else DeviceType.CPU)
+    return {name: ms.get(name, 0.0) / reps for name, _, reps in windows}
+
+
+def kernel_ms(fn):
+    """The device time of one call of fn() (device_ms; call it warm, after time_ms). Where a call's
+    host time exceeds its kernels', time_ms measures the host: this does not."""
+    return device_ms([("call", fn, 1)])["call"]
 
 
 _COPY_GBPS = None

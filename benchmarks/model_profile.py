@@ -30,7 +30,7 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from harness import compiled, time_ms
+from harness import busy_ms, compiled, device_activities, time_ms
 import brrr
 from brrr import _patch
 from test_bench_models import BATCHES, MODELS, SEQ, build, set_patched, step_fn
@@ -57,9 +57,12 @@ def kernel_profile(step):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    # the step's device time as every benchmark counts it (harness.device_activities: without the
+    # GPU-side ranges of record_function annotations, which torch.compile opens around its graphs)
+    gpu_us = 1e3 * busy_ms([(e.start_ns(), e.end_ns()) for e in
+                            device_activities(prof.profiler.kineto_results.events(), torch.autograd.DeviceType.CUDA)])
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    gpu_us = sum(e.self_device_time_total for e in kernels)
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
     launches = sum(e.count for e in kernels)
     top_gpu = sorted(kernels, key=lambda e: -e.self_device_time_total)[:16]
     cpu_ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
@@ -76,8 +79,8 @@ def gpu_gaps(step, top=10):
         step()
         step()
         torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and not e.is_user_annotation), key=lambda e: e.time_range.start)
     gaps, busy_until, previous = [], None, None
     for e in kernels:
         if busy_until is not None and e.time_range.start > busy_until:

@@ -52,6 +52,8 @@ def main(profile=True, only=None):
                 torch.cuda.synchronize()
             print(f"== {name} {dtype}")
             for evt in prof.key_averages():
+                if evt.is_user_annotation:  # a range around kernels listed themselves
+                    continue
                 if evt.device_time_total > 0 and ("brrr" in evt.key or "chain" in evt.key or "norm" in evt.key or "kernel" in evt.key.lower()):
                     print(f"  {evt.key[:90]:90s} n={evt.count:3d} avg_device_us={evt.device_time_total / evt.count:9.1f}")
     x = torch.randn(1024, device="cuda")
