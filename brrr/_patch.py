@@ -50,10 +50,16 @@ A patched model pickles only after unpatch (its classes are made at run time); s
 unaffected.
 """
 
+import __future__
+import ast
 import contextlib
+import copy
 import dis
+import functools
 import inspect
 import math
+import operator
+import textwrap
 import types
 from dataclasses import dataclass, field
 
@@ -166,9 +172,29 @@ def _layer_norm_forward(self, x):
 
 def _plain_norm_forward(self, x):
     """A norm without parameters: its eps an attribute (_brrr_eps) or a constant (_brrr_eps_value)."""
-    eps = getattr(self, self._brrr_eps) if self._brrr_eps else self._brrr_eps_value
-    out = registry(self._brrr_op, x, self.normalized_shape, eps=eps)
+    out = registry(self._brrr_op, x, self.normalized_shape, eps=_plain_norm_eps(self))
     return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
+
+
+def _plain_norm_eps(self):
+    return getattr(self, self._brrr_eps) if self._brrr_eps else self._brrr_eps_value
+
+
+# The residual forms of the swapped norms: residual_forward(x, residual) is (norm(residual + x),
+# residual + x) in one pass (the sum rounded to x's dtype, then normalised), which a decoder
+# layer's rewritten forward calls (residual_norm). No remat tag: with remat the layers are left.
+def _rms_norm_residual_forward(self, x, residual):
+    return registry("add_rms_norm", x, residual, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
+                    cast_order=self._brrr_cast_order, offset=self._brrr_offset)
+
+
+def _layer_norm_residual_forward(self, x, residual):
+    return registry("add_layer_norm", x, residual, self.weight.shape, self.weight,
+                    self.bias if self._brrr_bias else None, getattr(self, self._brrr_eps))
+
+
+def _plain_norm_residual_forward(self, x, residual):
+    return registry("add_" + self._brrr_op, x, residual, self.normalized_shape, eps=_plain_norm_eps(self))
 
 
 def _activation_forward(self, x):
@@ -266,7 +292,7 @@ def _try_norm(module, remat):
     if isinstance(bias, torch.nn.Parameter):
         if _close(y, F.layer_norm(x, weight.shape, weight, bias, e)):
             return (_subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps, _brrr_bias=True,
-                              _brrr_remat=remat), "LayerNorm")
+                              _brrr_remat=remat, residual_forward=_layer_norm_residual_forward), "LayerNorm")
         return None, "behaves like no LayerNorm"
     found = _closest(y, ((form, _weight_only_norm(x, weight, e, *form)) for form in _WEIGHT_ONLY_NORMS))
     if found is None:
@@ -274,10 +300,11 @@ def _try_norm(module, remat):
     kind, order, offset = found
     if kind == "layer_norm":
         return (_subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps, _brrr_bias=False,
-                          _brrr_remat=remat), "LayerNorm without bias")
+                          _brrr_remat=remat, residual_forward=_layer_norm_residual_forward), "LayerNorm without bias")
     scale = f", scaled by {offset:g} + weight" if offset else ""
     return (_subclass(type(module), "rms_norm", _rms_norm_forward, _brrr_eps=eps, _brrr_cast_order=order,
-                      _brrr_offset=offset, _brrr_remat=remat), f"RMSNorm ({order} cast order{scale})")
+                      _brrr_offset=offset, _brrr_remat=remat, residual_forward=_rms_norm_residual_forward),
+            f"RMSNorm ({order} cast order{scale})")
 
 
 def _try_plain_norm(module, device, remat):
@@ -303,7 +330,8 @@ def _try_plain_norm(module, device, remat):
                for y, p in zip(ys, probes)):
             name = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm"}[op]
             return (_subclass(type(module), "plain " + op, _plain_norm_forward, _brrr_op=op, _brrr_eps=eps,
-                              _brrr_eps_value=e, _brrr_remat=remat),
+                              _brrr_eps_value=e, _brrr_remat=remat,
+                              residual_forward=_plain_norm_residual_forward),
                     f"{name} without weight or bias" + ("" if eps else f" (eps {e:g} in its forward)"))
     return None, (f"behaves like no LayerNorm or RMSNorm without weight (eps {e:g}, "
                   f"{'its ' + eps if eps else 'no eps attribute: torch default'})")
@@ -673,9 +701,10 @@ def _calls_global(function, name):
     return any(ins.opname == "LOAD_GLOBAL" and ins.argval == name for ins in dis.get_instructions(function))
 
 
-def _copy_function(function, scope, closure):
-    """function's code run with the globals `scope` and the closure cells `closure`."""
-    copy = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__, closure)
+def _copy_function(function, scope, closure, code=None):
+    """function's code (or `code`, made from its source) run with the globals `scope` and the
+    closure cells `closure`."""
+    copy = types.FunctionType(code or function.__code__, scope, function.__name__, function.__defaults__, closure)
     copy.__kwdefaults__, copy.__annotations__ = function.__kwdefaults__, function.__annotations__
     copy.__qualname__, copy.__doc__ = function.__qualname__, function.__doc__
     copy.__dict__.update(function.__dict__)
@@ -704,17 +733,17 @@ def _cell_holds(cell, value):
         return False
 
 
-def _rebuild_forward(chain, replacements):
+def _rebuild_forward(chain, replacements, code=None):
     """The forward whose decorator chain is `chain`, with `replacements` in its innermost
-    function's globals (a copy of them; the model library's module is not touched) and each
-    decorator rebuilt around the new function."""
+    function's globals (a copy of them; the model library's module is not touched), its code
+    replaced by `code` where given, and each decorator rebuilt around the new function."""
     inner = chain[-1]
     scope = dict(inner.__globals__)
     scope.update(replacements)
     # Without the module's name torch.compile reads these globals from this dict, not from the
     # module it would import by that name (which holds the library's own functions).
     scope.pop("__name__", None)
-    rebuilt = _copy_function(inner, scope, inner.__closure__)
+    rebuilt = _copy_function(inner, scope, inner.__closure__, code)
     for wrapper, wrapped in zip(reversed(chain[:-1]), reversed(chain[1:])):
         closure = tuple(types.CellType(rebuilt) if _cell_holds(c, wrapped) else c for c in wrapper.__closure__)
         outer = _copy_function(wrapper, wrapper.__globals__, closure)
@@ -781,6 +810,184 @@ def _try_forward_globals(module, device, made):
     rebuilt = _rebuild_forward(chain, replacements)
     made[cls] = type(f"Brrr{cls.__name__}", (cls,), {"forward": rebuilt, "__module__": __name__}), "; ".join(whats)
     return made[cls]
+
+
+# ---- the residual add of pre-norm decoder layers --------------------------------------------------
+# A pre-norm decoder layer adds each sublayer's output to the residual stream and hands the sum to
+# its next norm, which transformers writes (in Llama and some 20 other families) as
+#
+#     hidden_states = residual + hidden_states      # any expression in place of hidden_states
+#     residual = hidden_states
+#     hidden_states = self.post_attention_layernorm(hidden_states)
+#
+# Where that norm was swapped and its residual form (residual_forward: add_rms_norm or
+# add_layer_norm, the sum rounded to the model's dtype and then normalised, as those statements
+# compute it) matches the original norm on a probe, outputs and gradients, the three statements
+# become one call of residual_norm. The layer's new forward is its own source with only those
+# statements replaced, compiled against a copy of its module's globals, its decorators rebuilt
+# around it. The add that ends a layer feeds the next layer's first norm across the layer
+# boundary and stays a separate add.
+
+_RESIDUAL_NORM = "_brrr_residual_norm"
+_RESIDUAL = "residual"  # the name transformers' layers keep the residual stream in
+_FUTURE_FLAGS = functools.reduce(operator.or_, (getattr(__future__, name).compiler_flag
+                                                for name in __future__.all_feature_names))
+
+
+def residual_norm(norm, x, residual):
+    """(norm(residual + x), residual + x): one pass of the swapped norm's residual form, or the
+    add and the norm's own call where norm has none or has hooks (which that call runs)."""
+    fused = getattr(type(norm), "residual_forward", None)
+    if fused is None or _has_hooks(norm):
+        h = residual + x  # a tensor sum, the same bits in either order
+        return norm(h), h
+    return fused(norm, x, residual)
+
+
+def _has_hooks(module):
+    hooks = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+def _assignment(statement):
+    """(name, value) of the statement `name = value`, else (None, None)."""
+    if isinstance(statement, ast.Assign) and len(statement.targets) == 1 and isinstance(statement.targets[0], ast.Name):
+        return statement.targets[0].id, statement.value
+    return None, None
+
+
+def _residual_norm_site(statements, self_name):
+    """(the norm's attribute, one statement calling residual_norm) when the three statements are
+    `total = residual + other` (either order), `residual = total`, `total = self.norm(total)`;
+    else None."""
+    (total, add), (residual, copied), (normed, call) = map(_assignment, statements)
+    if not (total and residual and residual != total and normed == total and isinstance(add, ast.BinOp)
+            and isinstance(add.op, ast.Add) and isinstance(copied, ast.Name) and copied.id == total
+            and isinstance(call, ast.Call) and not call.keywords and len(call.args) == 1
+            and isinstance(call.args[0], ast.Name) and call.args[0].id == total
+            and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
+            and call.func.value.id == self_name):
+        return None
+    if isinstance(add.left, ast.Name) and add.left.id == residual:
+        other = add.right
+    elif isinstance(add.right, ast.Name) and add.right.id == residual:
+        other = add.left
+    else:
+        return None
+    targets = ast.Tuple([ast.Name(total, ast.Store()), ast.Name(residual, ast.Store())], ast.Store())
+    fused = ast.Call(ast.Name(_RESIDUAL_NORM, ast.Load()), [call.func, other, ast.Name(residual, ast.Load())], [])
+    return call.func.attr, ast.fix_missing_locations(ast.copy_location(ast.Assign([targets], fused), statements[0]))
+
+
+def _residual_norm_sites(definition):
+    """{norm attribute: [(block, index, statement)]} of the residual adds in a function's blocks."""
+    self_name = definition.args.args[0].arg if definition.args.args else None
+    sites = {}
+    for node in ast.walk(definition):
+        for block in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
+            if isinstance(block, list):
+                for i in range(len(block) - 2):
+                    site = _residual_norm_site(block[i:i + 3], self_name)
+                    if site is not None:
+                        sites.setdefault(site[0], []).append((block, i, site[1]))
+    return sites
+
+
+def _residual_form_matches(norm, device):
+    """Whether the swapped norm's residual_forward(x, residual) is its original class's forward of
+    residual + x, and that sum, on a probe: the outputs and the gradients of x, residual and the
+    norm's parameters."""
+    original = norm.__dict__[_ORIGINAL]
+    weight = getattr(norm, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        shape, dtype, device = tuple(weight.shape), weight.dtype, weight.device
+    else:
+        shape, dtype = norm.normalized_shape, torch.get_default_dtype()
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    g = _probe_generator()
+    x, residual, grad_y, grad_h = (_randn(g, 3, 5, *shape, device=device, dtype=dtype) * 2 + 0.5 for _ in range(4))
+    inputs = [x.requires_grad_(), residual.requires_grad_()] + [p for p in norm.parameters() if p.requires_grad]
+    try:
+        with torch.enable_grad():
+            got = type(norm).residual_forward(norm, x, residual)
+            h = residual + x
+            expected = (original.forward(norm, h), h)
+            got, expected = ([*outs, *torch.autograd.grad(outs, inputs, (grad_y, grad_h), allow_unused=True)]
+                             for outs in (got, expected))
+    except Exception:  # noqa: BLE001 - a norm whose residual form fails on the probe is simply not a match
+        return False
+    return all(a is None and b is None or a is not None and b is not None and _close(a, b)
+               for a, b in zip(got, expected))
+
+
+def _try_residual_norms(module, device, remat, made):
+    """(subclass, what) for a module whose forward adds a residual and hands the sum to a norm
+    brrr swapped (see above), (None, why) for one that keeps a `residual` and calls a swapped
+    norm but has no such add brrr fuses, (None, None) for any other. The rewritten forwards are
+    compiled once per class and patch, in `made`."""
+    norms = {name for name, child in module.named_children() if hasattr(type(child), "residual_forward")}
+    if not norms:
+        return None, None
+    cls = type(module)
+    chain = _decorators(cls.forward)
+    inner = chain[-1] if chain else inspect.unwrap(cls.forward)
+    if cls not in made:
+        made[cls] = _residual_norm_source(inner)
+    definition, sites = made[cls]
+    if definition is None or not any(isinstance(n, ast.Name) and n.id == _RESIDUAL and isinstance(n.ctx, ast.Store)
+                                     for n in ast.walk(definition)):
+        return None, None
+    fused = sorted(norms & sites.keys())
+    if not fused:
+        return None, (f"its forward has no `h = {_RESIDUAL} + x; {_RESIDUAL} = h; h = self.norm(h)` with a norm brrr "
+                      "swapped: the residual adds are left")
+    if chain is None:
+        return None, "its forward is wrapped by a decorator that brrr cannot rebuild: the residual adds are left"
+    if inner.__code__.co_freevars:
+        return None, "its forward uses a closure (super() or an enclosing function's names): the residual adds are left"
+    if remat:
+        return None, ("remat recomputes a norm's output from its input, which the fused residual form does not "
+                      "keep: the residual adds are left")
+    wrong = [name for name in fused if not _residual_form_matches(getattr(module, name), device)]
+    if wrong:
+        return None, f"the residual form of {', '.join(wrong)} does not match its norm on a probe: the residual adds are left"
+    key = (cls, tuple(fused))
+    if key not in made:
+        made[key] = _residual_norm_class(cls, chain, definition, {name: sites[name] for name in fused})
+    return made[key], f"the residual add fused into {', '.join(fused)}"
+
+
+def _residual_norm_source(inner):
+    """(the function definition, its residual-add sites) parsed from inner's source, or (None, {})
+    where it has none that parses."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
+    except (OSError, TypeError, SyntaxError):
+        return None, {}
+    definition = tree.body[0] if len(tree.body) == 1 else None
+    if not isinstance(definition, ast.FunctionDef) or definition.name != inner.__name__:
+        return None, {}
+    return definition, _residual_norm_sites(definition)
+
+
+def _residual_norm_class(cls, chain, definition, sites):
+    """cls's subclass whose forward is its own with the residual adds of `sites` fused."""
+    inner = chain[-1]
+    definition = copy.deepcopy(definition)
+    fresh = _residual_norm_sites(definition)  # the same sites, in the copy
+    # Each block from its last site back, so that a replacement moves none still to be made.
+    for block, i, statement in sorted((site for name in sites for site in fresh[name]), key=lambda s: -s[1]):
+        block[i:i + 3] = [statement]
+    definition.decorator_list = []  # rebuilt around it from the function objects, as they are
+    module = ast.Module([definition], [])
+    ast.increment_lineno(module, inner.__code__.co_firstlineno - 1)  # the source began at the decorators
+    code = compile(module, inspect.getsourcefile(inner) or "<brrr>", "exec",
+                   flags=inner.__code__.co_flags & _FUTURE_FLAGS, dont_inherit=True)
+    code = next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == inner.__name__)
+    forward = _rebuild_forward(chain, {_RESIDUAL_NORM: residual_norm}, code)
+    return type(f"Brrr{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
 
 
 def patch(model, *, fused_linear_cross_entropy=True, remat=False):
@@ -874,6 +1081,17 @@ def _patch(model, fused_linear_cross_entropy, remat):
                 kind, out, like = _remat_output(module, first)
                 remat_bytes[kind][0] += 1
                 remat_bytes[kind][1] += out * like.element_size()
+    residual_made = {}  # per class: its forward's source and sites; per class and norms: its subclass
+    for name, module in model.named_modules():
+        if _ORIGINAL in module.__dict__:
+            continue
+        cls = type(module)
+        new_class, what = _try_residual_norms(module, device, remat, residual_made)
+        if new_class is not None:
+            _swap(module, new_class)
+            report.swapped.append((name, cls.__name__, what))
+        elif what is not None:
+            report.left.append((name, cls.__name__, what))
     if remat:
         (norms, norm_bytes), (glus, glu_bytes) = remat_bytes["norm"], remat_bytes["GLU"]
         report.notes.append(f"remat: the backward recomputes the outputs of {norms} norms and {glus} gated MLPs' GLUs "
