@@ -829,6 +829,7 @@ def _try_forward_globals(module, device, made):
 # boundary and stays a separate add.
 
 _RESIDUAL_NORM = "_brrr_residual_norm"
+_NORMED = "_brrr_normed"  # a rewritten forward's local: the norm's output on its way into the call that reads it
 _RESIDUAL = "residual"  # the name transformers' layers keep the residual stream in
 _FUTURE_FLAGS = functools.reduce(operator.or_, (getattr(__future__, name).compiler_flag
                                                 for name in __future__.all_feature_names))
@@ -858,40 +859,80 @@ def _assignment(statement):
     return None, None
 
 
+def _is_name(node, name):
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _single_call(node):
+    """The argument of `f(arg)` where f is a name or a chain of attributes of one (self.mlp), else None."""
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords
+            and not isinstance(node.args[0], ast.Starred)):
+        return None
+    f = node.func
+    while isinstance(f, ast.Attribute):
+        f = f.value
+    return node.args[0] if isinstance(f, ast.Name) else None
+
+
 def _residual_norm_site(statements, self_name):
-    """(the norm's attribute, one statement calling residual_norm) when the three statements are
-    `total = residual + other` (either order), `residual = total`, `total = self.norm(total)`;
-    else None."""
-    (total, add), (residual, copied), (normed, call) = map(_assignment, statements)
-    if not (total and residual and residual != total and normed == total and isinstance(add, ast.BinOp)
-            and isinstance(add.op, ast.Add) and isinstance(copied, ast.Name) and copied.id == total
-            and isinstance(call, ast.Call) and not call.keywords and len(call.args) == 1
-            and isinstance(call.args[0], ast.Name) and call.args[0].id == total
-            and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
-            and call.func.value.id == self_name):
+    """(the norm's attribute, how many statements, what replaces them) where `statements` begin
+    with a residual add whose sum a norm of self's reads next:
+
+        total = a + b
+        residual = total                  # where the sum is kept apart (Llama), else in total (StableLM)
+        out = self.norm(total)            # or out = f(self.norm(total)): self.mlp, say
+
+    and the sum is kept (out is not total, or the copy is there); else None. The sum and the norm
+    become one call of residual_norm, its results bound to the same names."""
+    total, add = _assignment(statements[0])
+    if not (total and isinstance(add, ast.BinOp) and isinstance(add.op, ast.Add)):
         return None
-    if isinstance(add.left, ast.Name) and add.left.id == residual:
-        other = add.right
-    elif isinstance(add.right, ast.Name) and add.right.id == residual:
-        other = add.left
+    rest, copy_ = statements[1:], []
+    residual, value = _assignment(rest[0]) if rest else (None, None)
+    if residual and residual != total and _is_name(value, total):
+        rest, copy_ = rest[1:], rest[:1]
     else:
+        residual = None
+    out, value = _assignment(rest[0]) if rest else (None, None)
+    outer = None
+    if _single_call(value) is not None and not _is_name(_single_call(value), total):
+        outer, value = value, _single_call(value)
+    norm = value.func if _is_name(_single_call(value), total) else None
+    if not (out and isinstance(norm, ast.Attribute) and _is_name(norm.value, self_name)) or out == residual \
+            or (out == total and not copy_):
         return None
-    targets = ast.Tuple([ast.Name(total, ast.Store()), ast.Name(residual, ast.Store())], ast.Store())
-    fused = ast.Call(ast.Name(_RESIDUAL_NORM, ast.Load()), [call.func, other, ast.Name(residual, ast.Load())], [])
-    return call.func.attr, ast.fix_missing_locations(ast.copy_location(ast.Assign([targets], fused), statements[0]))
+    call = ast.Call(ast.Name(_RESIDUAL_NORM, ast.Load()), [norm, add.right, add.left], [])
+
+    def assign(names, value):
+        target = ast.Tuple([ast.Name(n, ast.Store()) for n in names], ast.Store()) if len(names) > 1 else \
+            ast.Name(names[0], ast.Store())
+        return ast.Assign([target], value)
+
+    if outer is None and out == total:  # Llama's: the copy folded in
+        new = [assign((total, residual), call)]
+    elif outer is None:
+        new = [assign((out, total), call)] + copy_
+    else:
+        outer = ast.Call(outer.func, [ast.Name(_NORMED, ast.Load())], [])
+        new = [assign((_NORMED, total), call)] + copy_ + [assign((out,), outer),
+                                                           ast.Delete([ast.Name(_NORMED, ast.Del())])]
+    for statement in new:
+        ast.fix_missing_locations(ast.copy_location(statement, statements[0]))
+    return norm.attr, len(statements) - len(rest) + 1, new
 
 
 def _residual_norm_sites(definition):
-    """{norm attribute: [(block, index, statement)]} of the residual adds in a function's blocks."""
+    """{norm attribute: [(block, index, statements replaced, what replaces them)]} of the residual
+    adds in a function's blocks."""
     self_name = definition.args.args[0].arg if definition.args.args else None
     sites = {}
     for node in ast.walk(definition):
         for block in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
             if isinstance(block, list):
-                for i in range(len(block) - 2):
+                for i in range(len(block) - 1):
                     site = _residual_norm_site(block[i:i + 3], self_name)
                     if site is not None:
-                        sites.setdefault(site[0], []).append((block, i, site[1]))
+                        sites.setdefault(site[0], []).append((block, i, *site[1:]))
     return sites
 
 
@@ -936,11 +977,11 @@ def _try_residual_norms(module, device, remat, made):
     if cls not in made:
         made[cls] = _residual_norm_source(inner)
     definition, sites = made[cls]
-    if definition is None or not any(isinstance(n, ast.Name) and n.id == _RESIDUAL and isinstance(n.ctx, ast.Store)
-                                     for n in ast.walk(definition)):
-        return None, None
     fused = sorted(norms & sites.keys())
     if not fused:
+        if definition is None or not any(isinstance(n, ast.Name) and n.id == _RESIDUAL and isinstance(n.ctx, ast.Store)
+                                         for n in ast.walk(definition)):
+            return None, None
         return None, (f"its forward has no `h = {_RESIDUAL} + x; {_RESIDUAL} = h; h = self.norm(h)` with a norm brrr "
                       "swapped: the residual adds are left")
     if chain is None:
@@ -978,8 +1019,8 @@ def _residual_norm_class(cls, chain, definition, sites):
     definition = copy.deepcopy(definition)
     fresh = _residual_norm_sites(definition)  # the same sites, in the copy
     # Each block from its last site back, so that a replacement moves none still to be made.
-    for block, i, statement in sorted((site for name in sites for site in fresh[name]), key=lambda s: -s[1]):
-        block[i:i + 3] = [statement]
+    for block, i, n, statements in sorted((site for name in sites for site in fresh[name]), key=lambda s: -s[1]):
+        block[i:i + n] = statements
     definition.decorator_list = []  # rebuilt around it from the function objects, as they are
     module = ast.Module([definition], [])
     ast.increment_lineno(module, inner.__code__.co_firstlineno - 1)  # the source began at the decorators

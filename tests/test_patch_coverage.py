@@ -117,9 +117,10 @@ FAMILIES = {
                      "norms after the sublayers: the residual adds stay separate"),
     "granite": _family("GraniteForCausalLM", {}, llama_like("Granite"), LLAMA_OPS),
     "stablelm": _family("StableLmForCausalLM", {}, (
-        llama_like("StableLm", residual=None)[0] - {("StableLmRMSNorm", LLAMA_RMS)} | {("LayerNorm", LAYER_NORM)},
-        llama_like("StableLm", residual=None)[1]), {"layer_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
-        "partial rotary split off in the attention's forward: brrr rotates the rotated part"),
+        llama_like("StableLm")[0] - {("StableLmRMSNorm", LLAMA_RMS)} | {("LayerNorm", LAYER_NORM)},
+        llama_like("StableLm")[1]), {"layer_norm", "add_layer_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
+        "partial rotary split off in the attention's forward: brrr rotates the rotated part; the residual sum "
+        "normalised inside the MLP's call (`self.mlp(self.post_attention_layernorm(residual))`)"),
     "starcoder2": _family("Starcoder2ForCausalLM", {}, (
         causal_lm("Starcoder2ForCausalLM") | {("Starcoder2Attention", ROTARY.format("")),
                                               ("GELUTanh", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM),
@@ -167,8 +168,11 @@ FAMILIES = {
         "attention and MLP in parallel: the residual add stays separate"),
     "gpt_neox": _family("GPTNeoXForCausalLM", {}, (
         causal_lm("GPTNeoXForCausalLM") | {("GPTNeoXAttention", ROTARY.format(", partial rotary")),
-                                           ("GELUActivation", "gelu"), ("LayerNorm", LAYER_NORM)},
-        set()), {"layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"}, "partial rotary: brrr's rotary_dim"),
+                                           ("GELUActivation", "gelu"), ("LayerNorm", LAYER_NORM),
+                                           ("GPTNeoXLayer", RESIDUAL.format(FUSED_RESIDUAL))},
+        set()), {"layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"},
+        "partial rotary: brrr's rotary_dim; the residual add fused in its sequential branch "
+        "(use_parallel_residual=False; the default runs the parallel one)"),
     "gpt2": _family("GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_inner=64), (
         causal_lm("GPT2LMHeadModel") | {("NewGELUActivation", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM)},
         {("GPT2Block", NO_RESIDUAL)}), {"layer_norm", "gelu", "linear_cross_entropy"},
