@@ -182,19 +182,27 @@ def _plain_norm_eps(self):
 
 # The residual forms of the swapped norms: residual_forward(x, residual) is (norm(residual + x),
 # residual + x) in one pass (the sum rounded to x's dtype, then normalised), which a decoder
-# layer's rewritten forward calls (residual_norm). No remat tag: with remat the layers are left.
+# layer's rewritten forward calls (residual_norm). Its output is the norm's forward of the sum,
+# bitwise (the same row math on the rounded sum), so remat recomputes it by that forward.
 def _rms_norm_residual_forward(self, x, residual):
-    return registry("add_rms_norm", x, residual, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
-                    cast_order=self._brrr_cast_order, offset=self._brrr_offset)
+    out, h = registry("add_rms_norm", x, residual, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
+                      cast_order=self._brrr_cast_order, offset=self._brrr_offset)
+    return _remat_tagged(self, out, h)
 
 
 def _layer_norm_residual_forward(self, x, residual):
-    return registry("add_layer_norm", x, residual, self.weight.shape, self.weight,
-                    self.bias if self._brrr_bias else None, getattr(self, self._brrr_eps))
+    out, h = registry("add_layer_norm", x, residual, self.weight.shape, self.weight,
+                      self.bias if self._brrr_bias else None, getattr(self, self._brrr_eps))
+    return _remat_tagged(self, out, h)
 
 
 def _plain_norm_residual_forward(self, x, residual):
-    return registry("add_" + self._brrr_op, x, residual, self.normalized_shape, eps=_plain_norm_eps(self))
+    out, h = registry("add_" + self._brrr_op, x, residual, self.normalized_shape, eps=_plain_norm_eps(self))
+    return _remat_tagged(self, out, h)
+
+
+def _remat_tagged(self, out, h):
+    return (brrr_remat.tag(out, self.forward, h) if self._brrr_remat else out), h
 
 
 def _activation_forward(self, x):
@@ -963,7 +971,7 @@ def _residual_form_matches(norm, device):
                for a, b in zip(got, expected))
 
 
-def _try_residual_norms(module, device, remat, made):
+def _try_residual_norms(module, device, made):
     """(subclass, what) for a module whose forward adds a residual and hands the sum to a norm
     brrr swapped (see above), (None, why) for one that keeps a `residual` and calls a swapped
     norm but has no such add brrr fuses, (None, None) for any other. The rewritten forwards are
@@ -988,9 +996,6 @@ def _try_residual_norms(module, device, remat, made):
         return None, "its forward is wrapped by a decorator that brrr cannot rebuild: the residual adds are left"
     if inner.__code__.co_freevars:
         return None, "its forward uses a closure (super() or an enclosing function's names): the residual adds are left"
-    if remat:
-        return None, ("remat recomputes a norm's output from its input, which the fused residual form does not "
-                      "keep: the residual adds are left")
     wrong = [name for name in fused if not _residual_form_matches(getattr(module, name), device)]
     if wrong:
         return None, f"the residual form of {', '.join(wrong)} does not match its norm on a probe: the residual adds are left"
@@ -1127,7 +1132,7 @@ def _patch(model, fused_linear_cross_entropy, remat):
         if _ORIGINAL in module.__dict__:
             continue
         cls = type(module)
-        new_class, what = _try_residual_norms(module, device, remat, residual_made)
+        new_class, what = _try_residual_norms(module, device, residual_made)
         if new_class is not None:
             _swap(module, new_class)
             report.swapped.append((name, cls.__name__, what))
