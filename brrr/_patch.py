@@ -17,6 +17,19 @@ it; activations are probed in float32), so a look-alike that computes something 
 The children such a module's new forward computes itself (a gated MLP's activation, the residual
 block's LayerNorm) are left as they are, and the report says so.
 
+A pre-norm decoder layer whose forward adds a sublayer's output to its residual stream and hands
+the sum straight to one of its norms that brrr swapped (`h = residual + x; residual = h; h =
+self.post_attention_layernorm(h)`, as transformers writes Llama's and some 20 other families'
+layers; or `residual = residual + x; y = self.mlp(self.post_attention_layernorm(residual))`, as
+StableLM's) gets a forward in which that add and norm are one add_rms_norm or add_layer_norm:
+the layer's own source with only those statements replaced, compiled against a copy of its
+module's globals, its decorators rebuilt around it. The sum is rounded to the model's dtype and
+then normalised, as the unpatched statements compute it, and each such norm's fused form is
+checked against the original norm on a probe (outputs and gradients). A layer that keeps a
+`residual` but has no such add (attention and MLP in parallel, norms after the sublayers) is
+reported as left. The add that ends a layer feeds the next layer's first norm across the layer
+boundary and stays a separate add.
+
 Some globals a module's forward uses are replaced for that module alone: a global
 `apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers' attention) that behaves like a rotary
 embedding on a probe becomes brrr's rotary in the layout the probe showed (Llama's halves, the
