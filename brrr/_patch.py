@@ -841,10 +841,11 @@ def _try_forward_globals(module, device, made):
 #     residual = hidden_states
 #     hidden_states = self.post_attention_layernorm(hidden_states)
 #
-# Where that norm was swapped and its residual form (residual_forward: add_rms_norm or
-# add_layer_norm, the sum rounded to the model's dtype and then normalised, as those statements
-# compute it) matches the original norm on a probe, outputs and gradients, the three statements
-# become one call of residual_norm. The layer's new forward is its own source with only those
+# (or StableLM's `residual = residual + x; y = self.mlp(self.post_attention_layernorm(residual))`:
+# _residual_norm_site says which forms). Where that norm was swapped and its residual form
+# (residual_forward: add_rms_norm or add_layer_norm, the sum rounded to the model's dtype and then
+# normalised, as those statements compute it) matches the original norm on a probe, outputs and
+# gradients, the add and the norm become one call of residual_norm. The layer's new forward is its own source with only those
 # statements replaced, compiled against a copy of its module's globals, its decorators rebuilt
 # around it. The add that ends a layer feeds the next layer's first norm across the layer
 # boundary and stays a separate add.
@@ -987,8 +988,8 @@ def _residual_form_matches(norm, device):
 def _try_residual_norms(module, device, made):
     """(subclass, what) for a module whose forward adds a residual and hands the sum to a norm
     brrr swapped (see above), (None, why) for one that keeps a `residual` and calls a swapped
-    norm but has no such add brrr fuses, (None, None) for any other. The rewritten forwards are
-    compiled once per class and patch, in `made`."""
+    norm but has no such add brrr fuses, (None, None) for any other. `made` keeps, for one patch,
+    each class's parsed forward and sites (by class) and its subclasses (by class and norms fused)."""
     norms = {name for name, child in module.named_children() if hasattr(type(child), "residual_forward")}
     if not norms:
         return None, None
@@ -1011,7 +1012,8 @@ def _try_residual_norms(module, device, made):
         return None, "its forward uses a closure (super() or an enclosing function's names): the residual adds are left"
     wrong = [name for name in fused if not _residual_form_matches(getattr(module, name), device)]
     if wrong:
-        return None, f"the residual form of {', '.join(wrong)} does not match its norm on a probe: the residual adds are left"
+        return None, (f"the residual form of {', '.join(wrong)} does not match its norm on a probe: the residual adds "
+                      "are left")
     key = (cls, tuple(fused))
     if key not in made:
         made[key] = _residual_norm_class(cls, chain, definition, {name: sites[name] for name in fused})

@@ -228,7 +228,8 @@ def test_patch_fuses_the_residual_add_of_pre_norm_layers(layer):
 @pytest.mark.parametrize("layer,why", [
     (ParallelLayer, NO_SITE),
     (SubtractingLayer, NO_SITE),
-    (OpaqueDecoratedLayer, "its forward is wrapped by a decorator that brrr cannot rebuild: the residual adds are left"),
+    (OpaqueDecoratedLayer,
+     "its forward is wrapped by a decorator that brrr cannot rebuild: the residual adds are left"),
     (SuperLayer, "its forward uses a closure (super() or an enclosing function's names): the residual adds are left"),
     (functools.partial(Layer, ClampedRMSNorm),
      "the residual form of post_attention_layernorm does not match its norm on a probe: the residual adds are left"),
