@@ -1022,7 +1022,8 @@ def _try_residual_norms(module, device, made):
 
 def _residual_norm_source(inner):
     """(the function definition, its residual-add sites) parsed from inner's source, or (None, {})
-    where it has none that parses."""
+    where it has none that parses, or the source compiles to other code than inner's (a file
+    changed since it was imported)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
     except (OSError, TypeError, SyntaxError):
@@ -1030,24 +1031,33 @@ def _residual_norm_source(inner):
     definition = tree.body[0] if len(tree.body) == 1 else None
     if not isinstance(definition, ast.FunctionDef) or definition.name != inner.__name__:
         return None, {}
+    # (A forward with a closure is left as it is, for that reason: compiled alone it has none.)
+    same = None if inner.__code__.co_freevars else _compiled(inner, copy.deepcopy(definition))
+    if same and (same.co_code, same.co_names, same.co_varnames) != (inner.__code__.co_code, inner.__code__.co_names,
+                                                                    inner.__code__.co_varnames):
+        return None, {}
     return definition, _residual_norm_sites(definition)
+
+
+def _compiled(inner, definition):
+    """The code of `definition` (inner's, maybe rewritten) compiled as inner was: its file, lines
+    and __future__ flags; its decorators left out (they are rebuilt around it as objects)."""
+    definition.decorator_list = []
+    module = ast.Module([definition], [])
+    ast.increment_lineno(module, inner.__code__.co_firstlineno - 1)  # the source began at the decorators
+    code = compile(module, inspect.getsourcefile(inner) or "<brrr>", "exec",
+                   flags=inner.__code__.co_flags & _FUTURE_FLAGS, dont_inherit=True)
+    return next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == inner.__name__)
 
 
 def _residual_norm_class(cls, chain, definition, sites):
     """cls's subclass whose forward is its own with the residual adds of `sites` fused."""
-    inner = chain[-1]
     definition = copy.deepcopy(definition)
     fresh = _residual_norm_sites(definition)  # the same sites, in the copy
     # Each block from its last site back, so that a replacement moves none still to be made.
     for block, i, n, statements in sorted((site for name in sites for site in fresh[name]), key=lambda s: -s[1]):
         block[i:i + n] = statements
-    definition.decorator_list = []  # rebuilt around it from the function objects, as they are
-    module = ast.Module([definition], [])
-    ast.increment_lineno(module, inner.__code__.co_firstlineno - 1)  # the source began at the decorators
-    code = compile(module, inspect.getsourcefile(inner) or "<brrr>", "exec",
-                   flags=inner.__code__.co_flags & _FUTURE_FLAGS, dont_inherit=True)
-    code = next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == inner.__name__)
-    forward = _rebuild_forward(chain, {_RESIDUAL_NORM: residual_norm}, code)
+    forward = _rebuild_forward(chain, {_RESIDUAL_NORM: residual_norm}, _compiled(chain[-1], definition))
     return type(f"Brrr{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
 
 

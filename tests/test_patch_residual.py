@@ -173,6 +173,14 @@ class SubtractingLayer(Layer):
         return residual + self.mlp(hidden_states)
 
 
+class StaleSourceLayer(Layer):
+    """SubtractingLayer's code with Layer.forward's lines as its place in the file: its source (read
+    from those lines) is not its code, as after a file changed since it was imported."""
+
+    forward = type(Layer.forward)(SubtractingLayer.forward.__code__.replace(
+        co_firstlineno=Layer.forward.__code__.co_firstlineno), globals())
+
+
 def stack(layer, *args, **kwargs):
     torch.manual_seed(0)
     return nn.Sequential(layer(*args, **kwargs), layer(*args, **kwargs))
@@ -241,6 +249,16 @@ def test_patch_leaves_a_layer_it_cannot_fuse_with_the_reason(layer, why):
     assert [(n, w) for n, _, w in report.left if "residual" in w] == [("0", why), ("1", why)], str(report)
     assert not any(w.startswith("the residual") for _, _, w in report.swapped), str(report)
     assert all(type(part).forward is type(original).forward for part, original in zip(model, unpatched))
+    x, grad = torch.randn(3, 5, HIDDEN), torch.randn(3, 5, HIDDEN)
+    torch.testing.assert_close(outputs_and_grads(model, x, grad)[0], outputs_and_grads(unpatched, x, grad)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_patch_leaves_a_layer_whose_source_is_not_its_code():
+    model = stack(StaleSourceLayer)
+    unpatched = copy.deepcopy(model)
+    report = brrr.patch(model)
+    assert not any("residual" in what for _, _, what in report.swapped + report.left), str(report)
     x, grad = torch.randn(3, 5, HIDDEN), torch.randn(3, 5, HIDDEN)
     torch.testing.assert_close(outputs_and_grads(model, x, grad)[0], outputs_and_grads(unpatched, x, grad)[0],
                                rtol=1e-5, atol=1e-5)
