@@ -35,8 +35,10 @@ Some globals a module's forward uses are replaced for that module alone: a globa
 embedding on a probe becomes brrr's rotary in the layout the probe showed (Llama's halves, the
 interleaved pairs of Cohere, GLM's and ERNIE 4.5's interleaved pairs with each pair's angle from
 the first half; partial rotary where the function takes angles over part of the head, as GPT-NeoX's
-and GLM's do), and torch's `CrossEntropyLoss`, which transformers' masked-LM, sequence-to-sequence
-and classification heads build inside their forward, becomes brrr.nn.CrossEntropyLoss. The module
+and GLM's do; DeepSeek V3's apply_rotary_pos_emb_interleave, GLM's pairs and angles with the results
+in halves, as brrr's interleaved rotary and one copy into halves), and torch's `CrossEntropyLoss`,
+which transformers' masked-LM, sequence-to-sequence and classification heads build inside their
+forward, becomes brrr.nn.CrossEntropyLoss. The module
 gets a subclass whose forward is the same code run with a copy of its globals in which only those
 names differ (and decorators that hold the function they wrap in a closure, such as transformers'
 can_return_tuple, rebuilt around it). The model library's module is not touched, so other models of
@@ -88,6 +90,7 @@ from ._registry import registry
 _ORIGINAL = "_brrr_original_class"
 _ORIGINAL_LOSS = "_brrr_original_loss_attributes"  # what setting loss_function changed in __dict__
 _ROTARY_NAME = "apply_rotary_pos_emb"
+_ROTARY_INTERLEAVE_NAME = "apply_rotary_pos_emb_interleave"  # DeepSeek V3's (config.rope_interleave)
 _LOSS_CLASS_NAME = "CrossEntropyLoss"
 _MISSING = object()
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
@@ -634,25 +637,33 @@ class RotaryLayout:
 
     interleaved: bool  # pairs (2p, 2p + 1) (Cohere, GLM, ERNIE 4.5), not (j, j + r/2) (Llama)
     first_half: bool  # each pair's angle at p of the given ones (GLM's cos[..., :r/2].repeat_interleave(2))
+    halves_out: bool  # pair p's results at p and p + r/2 (DeepSeek V3's interleaved pairs in, halves out)
     partial: bool  # angles over r < head dim features rotate those, the rest passed through (GPT-NeoX)
 
     def describe(self):
         return "".join((", interleaved pairs" if self.interleaved else "",
                         ", angles from their first half" if self.first_half else "",
+                        ", halves out" if self.halves_out else "",
                         ", partial rotary" if self.partial else ""))
 
 
-# (interleaved, first_half): the forms transformers' models write.
-_ROTARY_FORMS = [(False, False), (True, False), (True, True)]
+# (interleaved, first_half, halves_out): the forms transformers' models write.
+_ROTARY_FORMS = [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]
 
 
-def _rotary_of(q, k, cos, sin, interleaved, first_half):
+def _rotary_of(q, k, cos, sin, interleaved, first_half, halves_out):
     """(q, k) rotated as a library's function of that form rotates them: rotary_dim cos's last dim."""
     r = cos.shape[-1]
     if first_half:
         cos, sin = cos[..., :r // 2], sin[..., :r // 2]
     kw = dict(interleaved=interleaved, rotary_dim=r)
-    return registry.lookup("rotary_qk").reference(q, k, cos, sin, **kw)
+    out = registry.lookup("rotary_qk").reference(q, k, cos, sin, **kw)
+    return tuple(_halves(t, r) for t in out) if halves_out else out
+
+
+def _halves(t, r):
+    """t with its first r features' pairs (2p, 2p + 1) moved to (p, p + r/2): one copy."""
+    return torch.cat([t[..., 0:r:2], t[..., 1:r:2], t[..., r:]], dim=-1)
 
 
 def _rotary_layout(fn, device):
@@ -711,7 +722,9 @@ def _rotary_through_brrr(original, layout):
                 options = dict(interleaved=layout.interleaved, rotary_dim=r)
                 fn = op.resolve(q, k, c, s, **options)
                 if fn is not op.reference:
-                    return fn(q, k, c, s, **options)
+                    out = fn(q, k, c, s, **options)
+                    # DeepSeek V3's halves out: the permutation its own torch.cat makes, as one copy
+                    return tuple(_halves(t, cos.shape[-1]) for t in out) if layout.halves_out else out
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb._brrr_original = original
@@ -773,22 +786,23 @@ def _rebuild_forward(chain, replacements, code=None):
     return rebuilt
 
 
-def _rotary_replacement(fn, device):
-    """(brrr's replacement for the library's apply_rotary_pos_emb `fn`, what) or (None, why)."""
+def _rotary_replacement(fn, device, name):
+    """(brrr's replacement for the library's apply_rotary_pos_emb `fn`, the global `name`, what)
+    or (None, why)."""
     if fn is brrr_apply_rotary_pos_emb:
-        return None, f"its forward's {_ROTARY_NAME} is already brrr's"
+        return None, f"its forward's {name} is already brrr's"
     if device.type not in registry.lookup("rotary_qk").devices:
         return None, f"brrr's rotary has no {device.type} kernel"
     layout = _rotary_layout(fn, device) if callable(fn) else None
     if layout is None:
-        return None, f"its forward's {_ROTARY_NAME} behaves like no rotary embedding"
+        return None, f"its forward's {name} behaves like no rotary embedding"
     try:
-        return _rotary_through_brrr(fn, layout), f"brrr rotary (its forward's {_ROTARY_NAME}{layout.describe()})"
+        return _rotary_through_brrr(fn, layout), f"brrr rotary (its forward's {name}{layout.describe()})"
     except (TypeError, ValueError):  # no signature to read its extra arguments by
-        return None, f"its forward's {_ROTARY_NAME} has no signature brrr can read"
+        return None, f"its forward's {name} has no signature brrr can read"
 
 
-def _loss_class_replacement(cls, device):
+def _loss_class_replacement(cls, device, name):
     """brrr.nn.CrossEntropyLoss for a forward that builds torch's CrossEntropyLoss (as
     transformers' masked-LM, sequence-to-sequence and classification heads do)."""
     if cls is not torch.nn.CrossEntropyLoss:
@@ -797,7 +811,8 @@ def _loss_class_replacement(cls, device):
 
 
 # The globals of a forward brrr can replace: name -> (replacement, what) or (None, why) or (None, None).
-_FORWARD_GLOBALS = {_ROTARY_NAME: _rotary_replacement, _LOSS_CLASS_NAME: _loss_class_replacement}
+_FORWARD_GLOBALS = {_ROTARY_NAME: _rotary_replacement, _ROTARY_INTERLEAVE_NAME: _rotary_replacement,
+                    _LOSS_CLASS_NAME: _loss_class_replacement}
 
 
 def _try_forward_globals(module, device, made):
@@ -819,7 +834,7 @@ def _try_forward_globals(module, device, made):
         return made[cls]
     replacements, whats, whys = {}, [], []
     for name in used:
-        replacement, what = _FORWARD_GLOBALS[name](inner.__globals__.get(name), device)
+        replacement, what = _FORWARD_GLOBALS[name](inner.__globals__.get(name), device, name)
         if replacement is not None:
             replacements[name] = replacement
             whats.append(what)

@@ -33,6 +33,7 @@ LOSS = "loss_function: brrr causal-LM cross_entropy"
 FUSED = "fused linear cross-entropy (training with labels: the loss from the head's input{}, logits None)"
 HEAD = ("Linear", "its logits left to the fused linear cross-entropy in training with labels")
 ROTARY = "brrr rotary (its forward's apply_rotary_pos_emb{})"
+ROTARY_INTERLEAVE = "brrr rotary (its forward's apply_rotary_pos_emb_interleave{})"  # DeepSeek V3's
 LLAMA_RMS = "RMSNorm (llama cast order)"
 GEMMA_RMS = "RMSNorm (torch cast order, scaled by 1 + weight)"
 SWIGLU, GEGLU = "gated MLP (swiglu)", "gated MLP (geglu)"
@@ -156,11 +157,14 @@ FAMILIES = {
         num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, q_lora_rank=16,
         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
         first_k_dense_replace=1), (
-        llama_like("DeepseekV3")[0] | {("SiLUActivation", "silu")},
+        llama_like("DeepseekV3")[0] - {("DeepseekV3Attention", ROTARY.format(""))} | {
+            ("SiLUActivation", "silu"),
+            ("DeepseekV3Attention", ROTARY.format("") + "; " + ROTARY_INTERLEAVE.format(
+                ", interleaved pairs, angles from their first half, halves out"))},
         llama_like("DeepseekV3")[1] | {("SiLUActivation", COMPUTED.format("model.layers.N.mlp.shared_experts"))}),
-        {"rms_norm", "add_rms_norm", "silu", "swiglu", "linear_cross_entropy"},
-        "config.rope_interleave (its default) rotates through apply_rotary_pos_emb_interleave, which brrr leaves "
-        "(interleaved pairs in, halves out): its apply_rotary_pos_emb is brrr's but does not run"),
+        {"rms_norm", "add_rms_norm", "silu", "swiglu", "rotary_qk", "linear_cross_entropy"},
+        "config.rope_interleave (its default) rotates through apply_rotary_pos_emb_interleave (interleaved pairs "
+        "in, halves out): brrr's interleaved rotary, then the halves as one copy (its own torch.cat)"),
     "falcon": _family("FalconForCausalLM", dict(head_dim=None), (
         causal_lm("FalconForCausalLM") | {("FalconAttention", ROTARY.format("")), ("GELUActivation", "gelu"),
                                           ("LayerNorm", LAYER_NORM)},
@@ -294,10 +298,15 @@ def test_every_causal_lm_family_of_transformers_is_known():
 # ---- docs/patch-coverage.md -----------------------------------------------------------------------
 
 def _short(cls, what):
-    """A swap as the table shows it: the rotary by its layout, the loss by what is fused into it."""
-    rotary = re.fullmatch(re.escape(ROTARY.format("")[:-1]) + r"(.*)\)", what)
-    if rotary:
-        return f"{cls}: " + (rotary.group(1)[2:] or "halves (rotate_half)")
+    """A swap as the table shows it: the rotary by its layout (and the function, where a forward
+    has two), the loss by what is fused into it."""
+    rotaries = [re.fullmatch(re.escape(ROTARY.format("")[:-1]) + r"(_interleave)?(.*)\)", part)
+                for part in what.split("; ")]
+    if all(rotaries):
+        layouts = [r.group(2)[2:] or "halves (rotate_half)" for r in rotaries]
+        if len(layouts) > 1:
+            layouts = [f"apply_rotary_pos_emb{r.group(1) or ''}: {layout}" for r, layout in zip(rotaries, layouts)]
+        return f"{cls}: " + "; ".join(layouts)
     fused = re.fullmatch(re.escape(FUSED.format("")[:-len(", logits None)")]) + r"(.*), logits None\)", what)
     if fused:
         return "head and loss: brrr linear cross-entropy" + (f" ({fused.group(1)[2:]})" if fused.group(1) else "")
