@@ -38,10 +38,9 @@ the first half; partial rotary where the function takes angles over part of the 
 and GLM's do; DeepSeek V3's apply_rotary_pos_emb_interleave, GLM's pairs and angles with the results
 in halves, as brrr's interleaved rotary and one copy into halves), and torch's `CrossEntropyLoss`,
 which transformers' masked-LM, sequence-to-sequence and classification heads build inside their
-forward, becomes brrr.nn.CrossEntropyLoss. The module
-gets a subclass whose forward is the same code run with a copy of its globals in which only those
-names differ (and decorators that hold the function they wrap in a closure, such as transformers'
-can_return_tuple, rebuilt around it). The model library's module is not touched, so other models of
+forward, becomes brrr.nn.CrossEntropyLoss. The module gets a subclass whose forward is the same
+code run with a copy of its globals in which only those names differ (and decorators that hold the
+function they wrap in a closure, such as transformers' can_return_tuple, rebuilt around it). The model library's module is not touched, so other models of
 that library keep their own. The copy is taken when patching, so rebinding one of its globals in
 the library afterwards does not reach a patched module until it is unpatched and patched again.
 
