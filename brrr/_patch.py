@@ -40,9 +40,10 @@ in halves, as brrr's interleaved rotary and one copy into halves), and torch's `
 which transformers' masked-LM, sequence-to-sequence and classification heads build inside their
 forward, becomes brrr.nn.CrossEntropyLoss. The module gets a subclass whose forward is the same
 code run with a copy of its globals in which only those names differ (and decorators that hold the
-function they wrap in a closure, such as transformers' can_return_tuple, rebuilt around it). The model library's module is not touched, so other models of
-that library keep their own. The copy is taken when patching, so rebinding one of its globals in
-the library afterwards does not reach a patched module until it is unpatched and patched again.
+function they wrap in a closure, such as transformers' can_return_tuple, rebuilt around it). The
+model library's module is not touched, so other models of that library keep their own. The copy
+is taken when patching, so rebinding one of its globals in the library afterwards does not reach a
+patched module until it is unpatched and patched again.
 
 A model whose forward takes `labels` and whose `loss_function` behaves like a causal language
 model's loss (Hugging Face's ForCausalLMLoss: shift the labels by one, cross-entropy over the
