@@ -17,18 +17,33 @@ it; activations are probed in float32), so a look-alike that computes something 
 The children such a module's new forward computes itself (a gated MLP's activation, the residual
 block's LayerNorm) are left as they are, and the report says so.
 
+A pre-norm decoder layer whose forward adds a sublayer's output to its residual stream and hands
+the sum straight to one of its norms that brrr swapped (`h = residual + x; residual = h; h =
+self.post_attention_layernorm(h)`, as transformers writes Llama's and some 20 other families'
+layers; or `residual = residual + x; y = self.mlp(self.post_attention_layernorm(residual))`, as
+StableLM's) gets a forward in which that add and norm are one add_rms_norm or add_layer_norm:
+the layer's own source with only those statements replaced, compiled against a copy of its
+module's globals, its decorators rebuilt around it. The sum is rounded to the model's dtype and
+then normalised, as the unpatched statements compute it, and each such norm's fused form is
+checked against the original norm on a probe (outputs and gradients). A layer that keeps a
+`residual` but has no such add (attention and MLP in parallel, norms after the sublayers) is
+reported as left. The add that ends a layer feeds the next layer's first norm across the layer
+boundary and stays a separate add.
+
 Some globals a module's forward uses are replaced for that module alone: a global
 `apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers' attention) that behaves like a rotary
 embedding on a probe becomes brrr's rotary in the layout the probe showed (Llama's halves, the
 interleaved pairs of Cohere, GLM's and ERNIE 4.5's interleaved pairs with each pair's angle from
 the first half; partial rotary where the function takes angles over part of the head, as GPT-NeoX's
-and GLM's do), and torch's `CrossEntropyLoss`, which transformers' masked-LM, sequence-to-sequence
-and classification heads build inside their forward, becomes brrr.nn.CrossEntropyLoss. The module
-gets a subclass whose forward is the same code run with a copy of its globals in which only those
-names differ (and decorators that hold the function they wrap in a closure, such as transformers'
-can_return_tuple, rebuilt around it). The model library's module is not touched, so other models of
-that library keep their own. The copy is taken when patching, so rebinding one of its globals in
-the library afterwards does not reach a patched module until it is unpatched and patched again.
+and GLM's do; DeepSeek V3's apply_rotary_pos_emb_interleave, GLM's pairs and angles with the results
+in halves, as brrr's interleaved rotary and one copy into halves), and torch's `CrossEntropyLoss`,
+which transformers' masked-LM, sequence-to-sequence and classification heads build inside their
+forward, becomes brrr.nn.CrossEntropyLoss. The module gets a subclass whose forward is the same
+code run with a copy of its globals in which only those names differ (and decorators that hold the
+function they wrap in a closure, such as transformers' can_return_tuple, rebuilt around it). The
+model library's module is not touched, so other models of that library keep their own. The copy
+is taken when patching, so rebinding one of its globals in the library afterwards does not reach a
+patched module until it is unpatched and patched again.
 
 A model whose forward takes `labels` and whose `loss_function` behaves like a causal language
 model's loss (Hugging Face's ForCausalLMLoss: shift the labels by one, cross-entropy over the
@@ -50,10 +65,16 @@ A patched model pickles only after unpatch (its classes are made at run time); s
 unaffected.
 """
 
+import __future__
+import ast
 import contextlib
+import copy
 import dis
+import functools
 import inspect
 import math
+import operator
+import textwrap
 import types
 from dataclasses import dataclass, field
 
@@ -69,6 +90,7 @@ from ._registry import registry
 _ORIGINAL = "_brrr_original_class"
 _ORIGINAL_LOSS = "_brrr_original_loss_attributes"  # what setting loss_function changed in __dict__
 _ROTARY_NAME = "apply_rotary_pos_emb"
+_ROTARY_INTERLEAVE_NAME = "apply_rotary_pos_emb_interleave"  # DeepSeek V3's (config.rope_interleave)
 _LOSS_CLASS_NAME = "CrossEntropyLoss"
 _MISSING = object()
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
@@ -166,9 +188,37 @@ def _layer_norm_forward(self, x):
 
 def _plain_norm_forward(self, x):
     """A norm without parameters: its eps an attribute (_brrr_eps) or a constant (_brrr_eps_value)."""
-    eps = getattr(self, self._brrr_eps) if self._brrr_eps else self._brrr_eps_value
-    out = registry(self._brrr_op, x, self.normalized_shape, eps=eps)
+    out = registry(self._brrr_op, x, self.normalized_shape, eps=_plain_norm_eps(self))
     return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
+
+
+def _plain_norm_eps(self):
+    return getattr(self, self._brrr_eps) if self._brrr_eps else self._brrr_eps_value
+
+
+# The residual forms of the swapped norms: residual_forward(x, residual) is (norm(residual + x),
+# residual + x) in one pass (the sum rounded to x's dtype, then normalised), which a decoder
+# layer's rewritten forward calls (residual_norm). Its output is the norm's forward of the sum,
+# bitwise (the same row math on the rounded sum), so remat recomputes it by that forward.
+def _rms_norm_residual_forward(self, x, residual):
+    out, h = registry("add_rms_norm", x, residual, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
+                      cast_order=self._brrr_cast_order, offset=self._brrr_offset)
+    return _remat_tagged(self, out, h)
+
+
+def _layer_norm_residual_forward(self, x, residual):
+    out, h = registry("add_layer_norm", x, residual, self.weight.shape, self.weight,
+                      self.bias if self._brrr_bias else None, getattr(self, self._brrr_eps))
+    return _remat_tagged(self, out, h)
+
+
+def _plain_norm_residual_forward(self, x, residual):
+    out, h = registry("add_" + self._brrr_op, x, residual, self.normalized_shape, eps=_plain_norm_eps(self))
+    return _remat_tagged(self, out, h)
+
+
+def _remat_tagged(self, out, h):
+    return (brrr_remat.tag(out, self.forward, h) if self._brrr_remat else out), h
 
 
 def _activation_forward(self, x):
@@ -266,7 +316,7 @@ def _try_norm(module, remat):
     if isinstance(bias, torch.nn.Parameter):
         if _close(y, F.layer_norm(x, weight.shape, weight, bias, e)):
             return (_subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps, _brrr_bias=True,
-                              _brrr_remat=remat), "LayerNorm")
+                              _brrr_remat=remat, residual_forward=_layer_norm_residual_forward), "LayerNorm")
         return None, "behaves like no LayerNorm"
     found = _closest(y, ((form, _weight_only_norm(x, weight, e, *form)) for form in _WEIGHT_ONLY_NORMS))
     if found is None:
@@ -274,10 +324,11 @@ def _try_norm(module, remat):
     kind, order, offset = found
     if kind == "layer_norm":
         return (_subclass(type(module), "layer_norm", _layer_norm_forward, _brrr_eps=eps, _brrr_bias=False,
-                          _brrr_remat=remat), "LayerNorm without bias")
+                          _brrr_remat=remat, residual_forward=_layer_norm_residual_forward), "LayerNorm without bias")
     scale = f", scaled by {offset:g} + weight" if offset else ""
     return (_subclass(type(module), "rms_norm", _rms_norm_forward, _brrr_eps=eps, _brrr_cast_order=order,
-                      _brrr_offset=offset, _brrr_remat=remat), f"RMSNorm ({order} cast order{scale})")
+                      _brrr_offset=offset, _brrr_remat=remat, residual_forward=_rms_norm_residual_forward),
+            f"RMSNorm ({order} cast order{scale})")
 
 
 def _try_plain_norm(module, device, remat):
@@ -303,7 +354,8 @@ def _try_plain_norm(module, device, remat):
                for y, p in zip(ys, probes)):
             name = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm"}[op]
             return (_subclass(type(module), "plain " + op, _plain_norm_forward, _brrr_op=op, _brrr_eps=eps,
-                              _brrr_eps_value=e, _brrr_remat=remat),
+                              _brrr_eps_value=e, _brrr_remat=remat,
+                              residual_forward=_plain_norm_residual_forward),
                     f"{name} without weight or bias" + ("" if eps else f" (eps {e:g} in its forward)"))
     return None, (f"behaves like no LayerNorm or RMSNorm without weight (eps {e:g}, "
                   f"{'its ' + eps if eps else 'no eps attribute: torch default'})")
@@ -585,25 +637,33 @@ class RotaryLayout:
 
     interleaved: bool  # pairs (2p, 2p + 1) (Cohere, GLM, ERNIE 4.5), not (j, j + r/2) (Llama)
     first_half: bool  # each pair's angle at p of the given ones (GLM's cos[..., :r/2].repeat_interleave(2))
+    halves_out: bool  # pair p's results at p and p + r/2 (DeepSeek V3's interleaved pairs in, halves out)
     partial: bool  # angles over r < head dim features rotate those, the rest passed through (GPT-NeoX)
 
     def describe(self):
         return "".join((", interleaved pairs" if self.interleaved else "",
                         ", angles from their first half" if self.first_half else "",
+                        ", halves out" if self.halves_out else "",
                         ", partial rotary" if self.partial else ""))
 
 
-# (interleaved, first_half): the forms transformers' models write.
-_ROTARY_FORMS = [(False, False), (True, False), (True, True)]
+# (interleaved, first_half, halves_out): the forms transformers' models write.
+_ROTARY_FORMS = [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]
 
 
-def _rotary_of(q, k, cos, sin, interleaved, first_half):
+def _rotary_of(q, k, cos, sin, interleaved, first_half, halves_out):
     """(q, k) rotated as a library's function of that form rotates them: rotary_dim cos's last dim."""
     r = cos.shape[-1]
     if first_half:
         cos, sin = cos[..., :r // 2], sin[..., :r // 2]
     kw = dict(interleaved=interleaved, rotary_dim=r)
-    return registry.lookup("rotary_qk").reference(q, k, cos, sin, **kw)
+    out = registry.lookup("rotary_qk").reference(q, k, cos, sin, **kw)
+    return tuple(_halves(t, r) for t in out) if halves_out else out
+
+
+def _halves(t, r):
+    """t with its first r features' pairs (2p, 2p + 1) moved to (p, p + r/2): one copy."""
+    return torch.cat([t[..., 0:r:2], t[..., 1:r:2], t[..., r:]], dim=-1)
 
 
 def _rotary_layout(fn, device):
@@ -662,7 +722,9 @@ def _rotary_through_brrr(original, layout):
                 options = dict(interleaved=layout.interleaved, rotary_dim=r)
                 fn = op.resolve(q, k, c, s, **options)
                 if fn is not op.reference:
-                    return fn(q, k, c, s, **options)
+                    out = fn(q, k, c, s, **options)
+                    # DeepSeek V3's halves out: the permutation its own torch.cat makes, as one copy
+                    return tuple(_halves(t, cos.shape[-1]) for t in out) if layout.halves_out else out
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb._brrr_original = original
@@ -673,9 +735,10 @@ def _calls_global(function, name):
     return any(ins.opname == "LOAD_GLOBAL" and ins.argval == name for ins in dis.get_instructions(function))
 
 
-def _copy_function(function, scope, closure):
-    """function's code run with the globals `scope` and the closure cells `closure`."""
-    copy = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__, closure)
+def _copy_function(function, scope, closure, code=None):
+    """function's code (or `code`, made from its source) run with the globals `scope` and the
+    closure cells `closure`."""
+    copy = types.FunctionType(code or function.__code__, scope, function.__name__, function.__defaults__, closure)
     copy.__kwdefaults__, copy.__annotations__ = function.__kwdefaults__, function.__annotations__
     copy.__qualname__, copy.__doc__ = function.__qualname__, function.__doc__
     copy.__dict__.update(function.__dict__)
@@ -704,17 +767,17 @@ def _cell_holds(cell, value):
         return False
 
 
-def _rebuild_forward(chain, replacements):
+def _rebuild_forward(chain, replacements, code=None):
     """The forward whose decorator chain is `chain`, with `replacements` in its innermost
-    function's globals (a copy of them; the model library's module is not touched) and each
-    decorator rebuilt around the new function."""
+    function's globals (a copy of them; the model library's module is not touched), its code
+    replaced by `code` where given, and each decorator rebuilt around the new function."""
     inner = chain[-1]
     scope = dict(inner.__globals__)
     scope.update(replacements)
     # Without the module's name torch.compile reads these globals from this dict, not from the
     # module it would import by that name (which holds the library's own functions).
     scope.pop("__name__", None)
-    rebuilt = _copy_function(inner, scope, inner.__closure__)
+    rebuilt = _copy_function(inner, scope, inner.__closure__, code)
     for wrapper, wrapped in zip(reversed(chain[:-1]), reversed(chain[1:])):
         closure = tuple(types.CellType(rebuilt) if _cell_holds(c, wrapped) else c for c in wrapper.__closure__)
         outer = _copy_function(wrapper, wrapper.__globals__, closure)
@@ -723,22 +786,23 @@ def _rebuild_forward(chain, replacements):
     return rebuilt
 
 
-def _rotary_replacement(fn, device):
-    """(brrr's replacement for the library's apply_rotary_pos_emb `fn`, what) or (None, why)."""
+def _rotary_replacement(fn, device, name):
+    """(brrr's replacement for the library's apply_rotary_pos_emb `fn`, the global `name`, what)
+    or (None, why)."""
     if fn is brrr_apply_rotary_pos_emb:
-        return None, f"its forward's {_ROTARY_NAME} is already brrr's"
+        return None, f"its forward's {name} is already brrr's"
     if device.type not in registry.lookup("rotary_qk").devices:
         return None, f"brrr's rotary has no {device.type} kernel"
     layout = _rotary_layout(fn, device) if callable(fn) else None
     if layout is None:
-        return None, f"its forward's {_ROTARY_NAME} behaves like no rotary embedding"
+        return None, f"its forward's {name} behaves like no rotary embedding"
     try:
-        return _rotary_through_brrr(fn, layout), f"brrr rotary (its forward's {_ROTARY_NAME}{layout.describe()})"
+        return _rotary_through_brrr(fn, layout), f"brrr rotary (its forward's {name}{layout.describe()})"
     except (TypeError, ValueError):  # no signature to read its extra arguments by
-        return None, f"its forward's {_ROTARY_NAME} has no signature brrr can read"
+        return None, f"its forward's {name} has no signature brrr can read"
 
 
-def _loss_class_replacement(cls, device):
+def _loss_class_replacement(cls, device, name):
     """brrr.nn.CrossEntropyLoss for a forward that builds torch's CrossEntropyLoss (as
     transformers' masked-LM, sequence-to-sequence and classification heads do)."""
     if cls is not torch.nn.CrossEntropyLoss:
@@ -747,7 +811,8 @@ def _loss_class_replacement(cls, device):
 
 
 # The globals of a forward brrr can replace: name -> (replacement, what) or (None, why) or (None, None).
-_FORWARD_GLOBALS = {_ROTARY_NAME: _rotary_replacement, _LOSS_CLASS_NAME: _loss_class_replacement}
+_FORWARD_GLOBALS = {_ROTARY_NAME: _rotary_replacement, _ROTARY_INTERLEAVE_NAME: _rotary_replacement,
+                    _LOSS_CLASS_NAME: _loss_class_replacement}
 
 
 def _try_forward_globals(module, device, made):
@@ -769,7 +834,7 @@ def _try_forward_globals(module, device, made):
         return made[cls]
     replacements, whats, whys = {}, [], []
     for name in used:
-        replacement, what = _FORWARD_GLOBALS[name](inner.__globals__.get(name), device)
+        replacement, what = _FORWARD_GLOBALS[name](inner.__globals__.get(name), device, name)
         if replacement is not None:
             replacements[name] = replacement
             whats.append(what)
@@ -781,6 +846,234 @@ def _try_forward_globals(module, device, made):
     rebuilt = _rebuild_forward(chain, replacements)
     made[cls] = type(f"Brrr{cls.__name__}", (cls,), {"forward": rebuilt, "__module__": __name__}), "; ".join(whats)
     return made[cls]
+
+
+# ---- the residual add of pre-norm decoder layers --------------------------------------------------
+# A pre-norm decoder layer adds each sublayer's output to the residual stream and hands the sum to
+# its next norm, which transformers writes (in Llama and some 20 other families) as
+#
+#     hidden_states = residual + hidden_states      # any expression in place of hidden_states
+#     residual = hidden_states
+#     hidden_states = self.post_attention_layernorm(hidden_states)
+#
+# (or StableLM's `residual = residual + x; y = self.mlp(self.post_attention_layernorm(residual))`:
+# _residual_norm_site says which forms). Where that norm was swapped and its residual form
+# (residual_forward: add_rms_norm or add_layer_norm, the sum rounded to the model's dtype and then
+# normalised, as those statements compute it) matches the original norm on a probe, outputs and
+# gradients, the add and the norm become one call of residual_norm. The layer's new forward is its own source with only those
+# statements replaced, compiled against a copy of its module's globals, its decorators rebuilt
+# around it. The add that ends a layer feeds the next layer's first norm across the layer
+# boundary and stays a separate add.
+
+_RESIDUAL_NORM = "_brrr_residual_norm"
+_NORMED = "_brrr_normed"  # a rewritten forward's local: the norm's output on its way into the call that reads it
+_RESIDUAL = "residual"  # the name transformers' layers keep the residual stream in
+_FUTURE_FLAGS = functools.reduce(operator.or_, (getattr(__future__, name).compiler_flag
+                                                for name in __future__.all_feature_names))
+
+
+def residual_norm(norm, x, residual):
+    """(norm(residual + x), residual + x): one pass of the swapped norm's residual form, or the
+    add and the norm's own call where norm has none or has hooks (which that call runs)."""
+    fused = getattr(type(norm), "residual_forward", None)
+    if fused is None or _has_hooks(norm):
+        h = residual + x  # a tensor sum, the same bits in either order
+        return norm(h), h
+    return fused(norm, x, residual)
+
+
+def _has_hooks(module):
+    hooks = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+def _assignment(statement):
+    """(name, value) of the statement `name = value`, else (None, None)."""
+    if isinstance(statement, ast.Assign) and len(statement.targets) == 1 and isinstance(statement.targets[0], ast.Name):
+        return statement.targets[0].id, statement.value
+    return None, None
+
+
+def _is_name(node, name):
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _single_call(node):
+    """The argument of `f(arg)` where f is a name or a chain of attributes of one (self.mlp), else None."""
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords
+            and not isinstance(node.args[0], ast.Starred)):
+        return None
+    f = node.func
+    while isinstance(f, ast.Attribute):
+        f = f.value
+    return node.args[0] if isinstance(f, ast.Name) else None
+
+
+def _residual_norm_site(statements, self_name):
+    """(the norm's attribute, how many statements, what replaces them) where `statements` begin
+    with a residual add whose sum a norm of self's reads next:
+
+        total = a + b
+        residual = total                  # where the sum is kept apart (Llama), else in total (StableLM)
+        out = self.norm(total)            # or out = f(self.norm(total)): self.mlp, say
+
+    and the sum is kept (out is not total, or the copy is there); else None. The sum and the norm
+    become one call of residual_norm, its results bound to the same names."""
+    total, add = _assignment(statements[0])
+    if not (total and isinstance(add, ast.BinOp) and isinstance(add.op, ast.Add)):
+        return None
+    rest, copy_ = statements[1:], []
+    residual, value = _assignment(rest[0]) if rest else (None, None)
+    if residual and residual != total and _is_name(value, total):
+        rest, copy_ = rest[1:], rest[:1]
+    else:
+        residual = None
+    out, value = _assignment(rest[0]) if rest else (None, None)
+    outer = None
+    if _single_call(value) is not None and not _is_name(_single_call(value), total):
+        outer, value = value, _single_call(value)
+    norm = value.func if _is_name(_single_call(value), total) else None
+    if not (out and isinstance(norm, ast.Attribute) and _is_name(norm.value, self_name)) or out == residual \
+            or (out == total and not copy_):
+        return None
+    call = ast.Call(ast.Name(_RESIDUAL_NORM, ast.Load()), [norm, add.right, add.left], [])
+
+    def assign(names, value):
+        target = ast.Tuple([ast.Name(n, ast.Store()) for n in names], ast.Store()) if len(names) > 1 else \
+            ast.Name(names[0], ast.Store())
+        return ast.Assign([target], value)
+
+    if outer is None and out == total:  # Llama's: the copy folded in
+        new = [assign((total, residual), call)]
+    elif outer is None:
+        new = [assign((out, total), call)] + copy_
+    else:
+        outer = ast.Call(outer.func, [ast.Name(_NORMED, ast.Load())], [])
+        new = [assign((_NORMED, total), call)] + copy_ + [assign((out,), outer),
+                                                           ast.Delete([ast.Name(_NORMED, ast.Del())])]
+    for statement in new:
+        ast.fix_missing_locations(ast.copy_location(statement, statements[0]))
+    return norm.attr, len(statements) - len(rest) + 1, new
+
+
+def _residual_norm_sites(definition):
+    """{norm attribute: [(block, index, statements replaced, what replaces them)]} of the residual
+    adds in a function's blocks."""
+    self_name = definition.args.args[0].arg if definition.args.args else None
+    sites = {}
+    for node in ast.walk(definition):
+        for block in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
+            if isinstance(block, list):
+                for i in range(len(block) - 1):
+                    site = _residual_norm_site(block[i:i + 3], self_name)
+                    if site is not None:
+                        sites.setdefault(site[0], []).append((block, i, *site[1:]))
+    return sites
+
+
+def _residual_form_matches(norm, device):
+    """Whether the swapped norm's residual_forward(x, residual) is its original class's forward of
+    residual + x, and that sum, on a probe: the outputs and the gradients of x, residual and the
+    norm's parameters."""
+    original = norm.__dict__[_ORIGINAL]
+    weight = getattr(norm, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        shape, dtype, device = tuple(weight.shape), weight.dtype, weight.device
+    else:
+        shape, dtype = norm.normalized_shape, torch.get_default_dtype()
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    g = _probe_generator()
+    x, residual, grad_y, grad_h = (_randn(g, 3, 5, *shape, device=device, dtype=dtype) * 2 + 0.5 for _ in range(4))
+    inputs = [x.requires_grad_(), residual.requires_grad_()] + [p for p in norm.parameters() if p.requires_grad]
+    try:
+        with torch.enable_grad():
+            got = type(norm).residual_forward(norm, x, residual)
+            h = residual + x
+            expected = (original.forward(norm, h), h)
+            got, expected = ([*outs, *torch.autograd.grad(outs, inputs, (grad_y, grad_h), allow_unused=True)]
+                             for outs in (got, expected))
+    except Exception:  # noqa: BLE001 - a norm whose residual form fails on the probe is simply not a match
+        return False
+    return all(a is None and b is None or a is not None and b is not None and _close(a, b)
+               for a, b in zip(got, expected))
+
+
+def _try_residual_norms(module, device, made):
+    """(subclass, what) for a module whose forward adds a residual and hands the sum to a norm
+    brrr swapped (see above), (None, why) for one that keeps a `residual` and calls a swapped
+    norm but has no such add brrr fuses, (None, None) for any other. `made` keeps, for one patch,
+    each class's parsed forward and sites (by class) and its subclasses (by class and norms fused)."""
+    norms = {name for name, child in module.named_children() if hasattr(type(child), "residual_forward")}
+    if not norms:
+        return None, None
+    cls = type(module)
+    chain = _decorators(cls.forward)
+    inner = chain[-1] if chain else inspect.unwrap(cls.forward)
+    if cls not in made:
+        made[cls] = _residual_norm_source(inner)
+    definition, sites = made[cls]
+    fused = sorted(norms & sites.keys())
+    if not fused:
+        if definition is None or not any(isinstance(n, ast.Name) and n.id == _RESIDUAL and isinstance(n.ctx, ast.Store)
+                                         for n in ast.walk(definition)):
+            return None, None
+        return None, (f"its forward has no `h = {_RESIDUAL} + x; {_RESIDUAL} = h; h = self.norm(h)` with a norm brrr "
+                      "swapped: the residual adds are left")
+    if chain is None:
+        return None, "its forward is wrapped by a decorator that brrr cannot rebuild: the residual adds are left"
+    if inner.__code__.co_freevars:
+        return None, "its forward uses a closure (super() or an enclosing function's names): the residual adds are left"
+    wrong = [name for name in fused if not _residual_form_matches(getattr(module, name), device)]
+    if wrong:
+        return None, (f"the residual form of {', '.join(wrong)} does not match its norm on a probe: the residual adds "
+                      "are left")
+    key = (cls, tuple(fused))
+    if key not in made:
+        made[key] = _residual_norm_class(cls, chain, definition, {name: sites[name] for name in fused})
+    return made[key], f"the residual add fused into {', '.join(fused)}"
+
+
+def _residual_norm_source(inner):
+    """(the function definition, its residual-add sites) parsed from inner's source, or (None, {})
+    where it has none that parses, or the source compiles to other code than inner's (a file
+    changed since it was imported)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
+    except (OSError, TypeError, SyntaxError):
+        return None, {}
+    definition = tree.body[0] if len(tree.body) == 1 else None
+    if not isinstance(definition, ast.FunctionDef) or definition.name != inner.__name__:
+        return None, {}
+    # (A forward with a closure is left as it is, for that reason: compiled alone it has none.)
+    same = None if inner.__code__.co_freevars else _compiled(inner, copy.deepcopy(definition))
+    if same and (same.co_code, same.co_names, same.co_varnames) != (inner.__code__.co_code, inner.__code__.co_names,
+                                                                    inner.__code__.co_varnames):
+        return None, {}
+    return definition, _residual_norm_sites(definition)
+
+
+def _compiled(inner, definition):
+    """The code of `definition` (inner's, maybe rewritten) compiled as inner was: its file, lines
+    and __future__ flags; its decorators left out (they are rebuilt around it as objects)."""
+    definition.decorator_list = []
+    module = ast.Module([definition], [])
+    ast.increment_lineno(module, inner.__code__.co_firstlineno - 1)  # the source began at the decorators
+    code = compile(module, inspect.getsourcefile(inner) or "<brrr>", "exec",
+                   flags=inner.__code__.co_flags & _FUTURE_FLAGS, dont_inherit=True)
+    return next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == inner.__name__)
+
+
+def _residual_norm_class(cls, chain, definition, sites):
+    """cls's subclass whose forward is its own with the residual adds of `sites` fused."""
+    definition = copy.deepcopy(definition)
+    fresh = _residual_norm_sites(definition)  # the same sites, in the copy
+    # Each block from its last site back, so that a replacement moves none still to be made.
+    for block, i, n, statements in sorted((site for name in sites for site in fresh[name]), key=lambda s: -s[1]):
+        block[i:i + n] = statements
+    forward = _rebuild_forward(chain, {_RESIDUAL_NORM: residual_norm}, _compiled(chain[-1], definition))
+    return type(f"Brrr{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
 
 
 def patch(model, *, fused_linear_cross_entropy=True, remat=False):
@@ -874,6 +1167,17 @@ def _patch(model, fused_linear_cross_entropy, remat):
                 kind, out, like = _remat_output(module, first)
                 remat_bytes[kind][0] += 1
                 remat_bytes[kind][1] += out * like.element_size()
+    residual_made = {}  # per class: its forward's source and sites; per class and norms: its subclass
+    for name, module in model.named_modules():
+        if _ORIGINAL in module.__dict__:
+            continue
+        cls = type(module)
+        new_class, what = _try_residual_norms(module, device, residual_made)
+        if new_class is not None:
+            _swap(module, new_class)
+            report.swapped.append((name, cls.__name__, what))
+        elif what is not None:
+            report.left.append((name, cls.__name__, what))
     if remat:
         (norms, norm_bytes), (glus, glu_bytes) = remat_bytes["norm"], remat_bytes["GLU"]
         report.notes.append(f"remat: the backward recomputes the outputs of {norms} norms and {glus} gated MLPs' GLUs "

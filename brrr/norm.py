@@ -409,6 +409,10 @@ def torch_layer():
         def forward(self, x):
             return dispatch("layer_norm", x, self.normalized_shape, self.weight, self.bias, self.eps)
 
+        def residual_forward(self, x, residual):
+            """(self(residual + x), residual + x) in one pass: brrr.add_layer_norm."""
+            return dispatch("add_layer_norm", x, residual, self.normalized_shape, self.weight, self.bias, self.eps)
+
     class RMSNorm(torch.nn.RMSNorm):
         """torch.nn.RMSNorm; cast_order="llama" rounds the normalised input before scaling, as
         Llama-style models do, and offset=1.0 scales by (1 + weight) in float32, as Gemma's RMSNorm
@@ -420,6 +424,11 @@ def torch_layer():
         def forward(self, x):
             return dispatch("rms_norm", x, self.normalized_shape, self.weight, self.eps, cast_order=self.cast_order,
                             offset=self.offset)
+
+        def residual_forward(self, x, residual):
+            """(self(residual + x), residual + x) in one pass: brrr.add_rms_norm."""
+            return dispatch("add_rms_norm", x, residual, self.normalized_shape, self.weight, self.eps,
+                            cast_order=self.cast_order, offset=self.offset)
 
     def layer_norm_route(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         return dispatch("layer_norm", input, normalized_shape, weight, bias, eps)

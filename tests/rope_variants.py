@@ -2,8 +2,9 @@
 writes them: GPT-NeoX's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) rotates only the
 first cos.shape[-1] dims of each head (partial rotary), and some models keep heads in dim 2 and
 pass unsqueeze_dim=2 by position. STYLES: the other forms of the function, as Cohere (interleaved
-pairs, in float32) and GLM (interleaved pairs, each pair's angle from the first half of the
-given ones, partial) write them, and a look-alike turning the other way."""
+pairs, in float32), GLM (interleaved pairs, each pair's angle from the first half of the given
+ones, partial) and DeepSeek V3 (GLM's pairs and angles, the results in halves) write them, and a
+look-alike turning the other way."""
 
 import torch
 import torch.nn as nn
@@ -45,6 +46,17 @@ def apply_rotary_pos_emb_glm(q, k, cos, sin, unsqueeze_dim=1):
     return q_embed, k_embed
 
 
+def apply_rotary_pos_emb_deepseek(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """DeepSeek V3's apply_rotary_pos_emb_interleave: interleaved pairs in, each pair's angle from
+    the first half of the given ones, the pairs' results out in halves."""
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    return (torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1),
+            torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1))
+
+
 def apply_rotary_pos_emb_backwards(q, k, cos, sin, unsqueeze_dim=1):
     """Interleaved pairs turned the other way: no rotary embedding brrr knows."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
@@ -52,7 +64,7 @@ def apply_rotary_pos_emb_backwards(q, k, cos, sin, unsqueeze_dim=1):
 
 
 STYLES = {"neox": apply_rotary_pos_emb, "cohere": apply_rotary_pos_emb_cohere, "glm": apply_rotary_pos_emb_glm,
-          "backwards": apply_rotary_pos_emb_backwards}
+          "deepseek": apply_rotary_pos_emb_deepseek, "backwards": apply_rotary_pos_emb_backwards}
 
 
 class VariantAttention(nn.Module):

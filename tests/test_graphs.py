@@ -475,6 +475,8 @@ def test_reduce_overhead_compile_of_a_patched_model(brrr_kernels):
         ops = {str(n.target) for g in explanation.graphs for n in g.graph.nodes if str(n.target).startswith("brrr.")}
         # the loss: brrr's fused linear cross-entropy (patch swaps the causal LM's head and loss)
         assert "brrr.linear_cross_entropy.default" in ops and (len(ops) > 1) == brrr_kernels, ops
+        # the decoder layers' residual add and second norm: one brrr::add_rms_norm where brrr's kernels are asked for
+        assert ("brrr.add_rms_norm.default" in ops) == brrr_kernels, ops
         torch._dynamo.reset()
         counters.clear()
         compiled = torch.compile(loss_fn, mode="reduce-overhead", fullgraph=True)

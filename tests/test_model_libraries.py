@@ -22,35 +22,39 @@ SMALL = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_la
 LOSS_BUILT_IN_FORWARD = "brrr.nn.CrossEntropyLoss (its forward's CrossEntropyLoss)"
 FUSED = "fused linear cross-entropy (training with labels: the loss from the head's input, logits None)"
 FUSED_PREFIX = "fused linear cross-entropy ("  # with the softcap or logit scale it takes in, where any
+RESIDUAL = "the residual add fused into post_attention_layernorm"  # the decoder layer's add before its second norm
+NO_RESIDUAL = ("its forward has no `h = residual + x; residual = h; h = self.norm(h)` with a norm brrr swapped: the "
+               "residual adds are left")
 # name: (config, model class, config arguments, what patch must swap, what it must leave)
 MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", DECODER,
               {"RMSNorm (llama cast order)", "gated MLP (swiglu)", "brrr rotary (its forward's apply_rotary_pos_emb)",
-               "loss_function: brrr causal-LM cross_entropy", FUSED}, set()),
+               "loss_function: brrr causal-LM cross_entropy", FUSED, RESIDUAL}, set()),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", DECODER,
               {"RMSNorm (llama cast order)", "gated MLP (swiglu)", "brrr rotary (its forward's apply_rotary_pos_emb)",
-               FUSED}, set()),
+               FUSED, RESIDUAL}, set()),
     # Gemma's RMSNorm scales by (1 + weight), in float32: brrr's rms_norm with offset=1.
     "gemma": ("GemmaConfig", "GemmaForCausalLM", DECODER,
-              {"RMSNorm (torch cast order, scaled by 1 + weight)", "gated MLP (geglu)", FUSED}, set()),
+              {"RMSNorm (torch cast order, scaled by 1 + weight)", "gated MLP (geglu)", FUSED, RESIDUAL}, set()),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(DECODER, pad_token_id=0),
-             {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)", FUSED}, set()),
+             {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)", FUSED, RESIDUAL}, set()),
     # OLMo's LayerNorm has no parameters; Cohere's no bias, and its rotary pairs interleaved features,
     # its logits scaled; GLM's rotary pairs interleaved features of half the head, angles from the first half.
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(DECODER, pad_token_id=0),
              {"LayerNorm without weight or bias (eps 1e-05 in its forward)", "gated MLP (swiglu)",
-              "brrr rotary (its forward's apply_rotary_pos_emb)", FUSED}, set()),
+              "brrr rotary (its forward's apply_rotary_pos_emb)", FUSED, RESIDUAL}, set()),
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(DECODER, pad_token_id=0),
                {"LayerNorm without bias", "gated MLP (swiglu)",
                 "brrr rotary (its forward's apply_rotary_pos_emb, interleaved pairs)",
-                FUSED.replace(", logits None", ", its logit scale 0.0625 on the head's input, logits None")}, set()),
+                FUSED.replace(", logits None", ", its logit scale 0.0625 on the head's input, logits None")},
+               {("CohereDecoderLayer", NO_RESIDUAL)}),  # attention and MLP in parallel: no add before a norm
     "glm": ("GlmConfig", "GlmForCausalLM", dict(DECODER, pad_token_id=0),
             {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)",
              "brrr rotary (its forward's apply_rotary_pos_emb, interleaved pairs, angles from their first half, "
-             "partial rotary)", FUSED}, set()),
+             "partial rotary)", FUSED, RESIDUAL}, set()),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4),
              {"brrr.nn.LayerNorm", "gelu (approximate='tanh')", "loss_function: brrr causal-LM cross_entropy", FUSED},
-             set()),
+             {("GPT2Block", NO_RESIDUAL)}),  # its cross-attention's branch sits between the add and ln_2
     # Partial rotary (a quarter of each head): brrr's rotary_dim.
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL,
                  {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb, partial rotary)", FUSED},

@@ -33,12 +33,16 @@ LOSS = "loss_function: brrr causal-LM cross_entropy"
 FUSED = "fused linear cross-entropy (training with labels: the loss from the head's input{}, logits None)"
 HEAD = ("Linear", "its logits left to the fused linear cross-entropy in training with labels")
 ROTARY = "brrr rotary (its forward's apply_rotary_pos_emb{})"
+ROTARY_INTERLEAVE = "brrr rotary (its forward's apply_rotary_pos_emb_interleave{})"  # DeepSeek V3's
 LLAMA_RMS = "RMSNorm (llama cast order)"
 GEMMA_RMS = "RMSNorm (torch cast order, scaled by 1 + weight)"
 SWIGLU, GEGLU = "gated MLP (swiglu)", "gated MLP (geglu)"
 SWIGLU_FUSED = "gated MLP (swiglu, one gate_up projection)"
 COMPUTED = "computed by its parent's brrr forward ({})"
 LAYER_NORM = "brrr.nn.LayerNorm"
+RESIDUAL = "the residual add fused into {}"
+NO_RESIDUAL = ("its forward has no `h = residual + x; residual = h; h = self.norm(h)` with a norm brrr swapped: the "
+               "residual adds are left")
 
 
 def causal_lm(model, fused=""):
@@ -46,12 +50,19 @@ def causal_lm(model, fused=""):
     return {(model, LOSS), (model, FUSED.format(fused)), HEAD}
 
 
-def llama_like(prefix, rotary="", mlp=SWIGLU, norm=LLAMA_RMS, act="SiLUActivation", fused=""):
+def llama_like(prefix, rotary="", mlp=SWIGLU, norm=LLAMA_RMS, act="SiLUActivation", fused="",
+               residual="post_attention_layernorm"):
     """(swapped, left) of a Llama-style decoder: RMSNorm, gated MLP (its activation computed by the
-    MLP's brrr forward), rotary; class names from `prefix`."""
+    MLP's brrr forward), rotary, the residual add fused into the norm `residual` (None: the layer
+    left, with no such add); class names from `prefix`."""
     swapped = causal_lm(f"{prefix}ForCausalLM", fused) | {
         (f"{prefix}Attention", ROTARY.format(rotary)), (f"{prefix}MLP", mlp), (f"{prefix}RMSNorm", norm)}
-    return swapped, {(act, COMPUTED.format("model.layers.N.mlp"))}
+    left = {(act, COMPUTED.format("model.layers.N.mlp"))}
+    if residual:
+        swapped.add((f"{prefix}DecoderLayer", RESIDUAL.format(residual)))
+    else:
+        left.add((f"{prefix}DecoderLayer", NO_RESIDUAL))
+    return swapped, left
 
 
 @dataclass
@@ -67,7 +78,9 @@ class Family:
 TINY = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-LLAMA_OPS = {"rms_norm", "swiglu", "rotary_qk", "linear_cross_entropy"}
+LLAMA_OPS = {"rms_norm", "add_rms_norm", "swiglu", "rotary_qk", "linear_cross_entropy"}
+POST_NORM_OPS = LLAMA_OPS - {"add_rms_norm"}  # norms after the sublayers: no norm reads a residual sum
+FUSED_RESIDUAL = "post_attention_layernorm"
 
 
 def _family(model, config, swapped_left, ops, note=""):
@@ -82,87 +95,107 @@ FAMILIES = {
     "qwen3": _family("Qwen3ForCausalLM", {}, llama_like("Qwen3"), LLAMA_OPS,
                      "the per-head q and k norms are the same RMSNorm class"),
     "gemma": _family("GemmaForCausalLM", {}, llama_like("Gemma", mlp=GEGLU, norm=GEMMA_RMS, act="GELUTanh"),
-                     {"rms_norm", "geglu", "rotary_qk", "linear_cross_entropy"},
+                     {"rms_norm", "add_rms_norm", "geglu", "rotary_qk", "linear_cross_entropy"},
                      "RMSNorm of (1 + weight) in float32: brrr.rms_norm(offset=1.0)"),
     "gemma2": _family("Gemma2ForCausalLM", {},
-                      llama_like("Gemma2", mlp=GEGLU, norm=GEMMA_RMS, act="GELUTanh", fused=", its softcap 30 fused"),
-                      {"rms_norm", "geglu", "rotary_qk", "linear_cross_entropy"},
-                      "the final-logit softcap (30) inside brrr's linear cross-entropy"),
+                      llama_like("Gemma2", mlp=GEGLU, norm=GEMMA_RMS, act="GELUTanh", fused=", its softcap 30 fused",
+                                 residual="pre_feedforward_layernorm"),
+                      {"rms_norm", "add_rms_norm", "geglu", "rotary_qk", "linear_cross_entropy"},
+                      "the final-logit softcap (30) inside brrr's linear cross-entropy; norms after the sublayers "
+                      "too: the add before the MLP's norm fused"),
     "gemma3_text": _family("Gemma3ForCausalLM", {},
-                           llama_like("Gemma3", mlp=GEGLU, norm=GEMMA_RMS, act="GELUTanh"),
-                           {"rms_norm", "geglu", "rotary_qk", "linear_cross_entropy"}),
+                           llama_like("Gemma3", mlp=GEGLU, norm=GEMMA_RMS, act="GELUTanh",
+                                      residual="pre_feedforward_layernorm"),
+                           {"rms_norm", "add_rms_norm", "geglu", "rotary_qk", "linear_cross_entropy"}),
     "phi3": _family("Phi3ForCausalLM", {}, llama_like("Phi3", rotary=", partial rotary", mlp=SWIGLU_FUSED),
                     LLAMA_OPS, "one gate_up projection split by brrr's swiglu"),
     "olmo": _family("OlmoForCausalLM", {}, (
         llama_like("Olmo")[0] - {("OlmoRMSNorm", LLAMA_RMS)}
         | {("OlmoLayerNorm", "LayerNorm without weight or bias (eps 1e-05 in its forward)")},
-        llama_like("Olmo")[1]), {"layer_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
+        llama_like("Olmo")[1]), {"layer_norm", "add_layer_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
         "LayerNorm without parameters: brrr.layer_norm(weight=None, bias=None)"),
-    "olmo2": _family("Olmo2ForCausalLM", {}, llama_like("Olmo2"), LLAMA_OPS),
+    "olmo2": _family("Olmo2ForCausalLM", {}, llama_like("Olmo2", residual=None), POST_NORM_OPS,
+                     "norms after the sublayers: the residual adds stay separate"),
     "granite": _family("GraniteForCausalLM", {}, llama_like("Granite"), LLAMA_OPS),
     "stablelm": _family("StableLmForCausalLM", {}, (
         llama_like("StableLm")[0] - {("StableLmRMSNorm", LLAMA_RMS)} | {("LayerNorm", LAYER_NORM)},
-        llama_like("StableLm")[1]), {"layer_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
-        "partial rotary split off in the attention's forward: brrr rotates the rotated part"),
+        llama_like("StableLm")[1]), {"layer_norm", "add_layer_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
+        "partial rotary split off in the attention's forward: brrr rotates the rotated part; the residual sum "
+        "normalised inside the MLP's call (`self.mlp(self.post_attention_layernorm(residual))`)"),
     "starcoder2": _family("Starcoder2ForCausalLM", {}, (
         causal_lm("Starcoder2ForCausalLM") | {("Starcoder2Attention", ROTARY.format("")),
-                                              ("GELUTanh", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM)},
-        set()), {"layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"}),
+                                              ("GELUTanh", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM),
+                                              ("Starcoder2DecoderLayer", RESIDUAL.format(FUSED_RESIDUAL))},
+        set()), {"layer_norm", "add_layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"}),
     "cohere": _family("CohereForCausalLM", {}, (
-        llama_like("Cohere", rotary=", interleaved pairs", fused=", its logit scale 0.0625 on the head's input")[0]
-        - {("CohereRMSNorm", LLAMA_RMS)} | {("CohereLayerNorm", "LayerNorm without bias")},
-        llama_like("Cohere")[1]), {"layer_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
-        "LayerNorm without bias; rotary of interleaved pairs; logits times logit_scale: the head's input scaled"),
+        llama_like("Cohere", rotary=", interleaved pairs", fused=", its logit scale 0.0625 on the head's input",
+                   residual=None)[0] - {("CohereRMSNorm", LLAMA_RMS)} | {("CohereLayerNorm", "LayerNorm without bias")},
+        llama_like("Cohere", residual=None)[1]), {"layer_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
+        "LayerNorm without bias; rotary of interleaved pairs; logits times logit_scale: the head's input scaled; "
+        "attention and MLP in parallel: the residual add stays separate"),
     "smollm3": _family("SmolLM3ForCausalLM", {}, llama_like("SmolLM3"), LLAMA_OPS),
     "glm": _family("GlmForCausalLM", {}, llama_like(
         "Glm", rotary=", interleaved pairs, angles from their first half, partial rotary", mlp=SWIGLU_FUSED), LLAMA_OPS,
         "rotary of interleaved pairs over half the head, each pair's angle read in place (no repeat_interleave)"),
     "mixtral": _family("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2), (
         causal_lm("MixtralForCausalLM") | {("MixtralAttention", ROTARY.format("")),
-                                           ("MixtralRMSNorm", LLAMA_RMS), ("SiLUActivation", "silu")},
-        set()), {"rms_norm", "silu", "rotary_qk", "linear_cross_entropy"},
+                                           ("MixtralRMSNorm", LLAMA_RMS), ("SiLUActivation", "silu"),
+                                           ("MixtralDecoderLayer", RESIDUAL.format(FUSED_RESIDUAL))},
+        set()), {"rms_norm", "add_rms_norm", "silu", "rotary_qk", "linear_cross_entropy"},
         "experts' gated MLPs are batched matmuls, not gate/up Linears: their SiLU alone is brrr's"),
     "qwen2_moe": _family("Qwen2MoeForCausalLM", dict(MOE, shared_expert_intermediate_size=32), (
         llama_like("Qwen2Moe")[0] | {("SiLUActivation", "silu")},
         {("SiLUActivation", COMPUTED.format("model.layers.N.mlp.shared_expert"))}),
-        {"rms_norm", "silu", "swiglu", "rotary_qk", "linear_cross_entropy"},
+        {"rms_norm", "add_rms_norm", "silu", "swiglu", "rotary_qk", "linear_cross_entropy"},
         "the shared expert is a gated MLP; the routed experts' SiLU alone is brrr's"),
     "qwen3_moe": _family("Qwen3MoeForCausalLM", MOE, (
         causal_lm("Qwen3MoeForCausalLM") | {("Qwen3MoeAttention", ROTARY.format("")),
-                                            ("Qwen3MoeRMSNorm", LLAMA_RMS), ("SiLUActivation", "silu")},
-        set()), {"rms_norm", "silu", "rotary_qk", "linear_cross_entropy"}),
+                                            ("Qwen3MoeRMSNorm", LLAMA_RMS), ("SiLUActivation", "silu"),
+                                            ("Qwen3MoeDecoderLayer", RESIDUAL.format(FUSED_RESIDUAL))},
+        set()), {"rms_norm", "add_rms_norm", "silu", "rotary_qk", "linear_cross_entropy"}),
     "deepseek_v3": _family("DeepseekV3ForCausalLM", dict(
         num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, q_lora_rank=16,
         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
         first_k_dense_replace=1), (
-        llama_like("DeepseekV3")[0] | {("SiLUActivation", "silu")},
+        llama_like("DeepseekV3")[0] - {("DeepseekV3Attention", ROTARY.format(""))} | {
+            ("SiLUActivation", "silu"),
+            ("DeepseekV3Attention", ROTARY.format("") + "; " + ROTARY_INTERLEAVE.format(
+                ", interleaved pairs, angles from their first half, halves out"))},
         llama_like("DeepseekV3")[1] | {("SiLUActivation", COMPUTED.format("model.layers.N.mlp.shared_experts"))}),
-        {"rms_norm", "silu", "swiglu", "linear_cross_entropy"},
-        "config.rope_interleave (its default) rotates through apply_rotary_pos_emb_interleave, which brrr leaves "
-        "(interleaved pairs in, halves out): its apply_rotary_pos_emb is brrr's but does not run"),
+        {"rms_norm", "add_rms_norm", "silu", "swiglu", "rotary_qk", "linear_cross_entropy"},
+        "config.rope_interleave (its default) rotates through apply_rotary_pos_emb_interleave (interleaved pairs "
+        "in, halves out): brrr's interleaved rotary, then the halves as one copy (its own torch.cat)"),
     "falcon": _family("FalconForCausalLM", dict(head_dim=None), (
         causal_lm("FalconForCausalLM") | {("FalconAttention", ROTARY.format("")), ("GELUActivation", "gelu"),
                                           ("LayerNorm", LAYER_NORM)},
-        set()), {"layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"}),
+        {("FalconDecoderLayer", NO_RESIDUAL)}), {"layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"},
+        "attention and MLP in parallel: the residual add stays separate"),
     "gpt_neox": _family("GPTNeoXForCausalLM", {}, (
         causal_lm("GPTNeoXForCausalLM") | {("GPTNeoXAttention", ROTARY.format(", partial rotary")),
-                                           ("GELUActivation", "gelu"), ("LayerNorm", LAYER_NORM)},
-        set()), {"layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"}, "partial rotary: brrr's rotary_dim"),
+                                           ("GELUActivation", "gelu"), ("LayerNorm", LAYER_NORM),
+                                           ("GPTNeoXLayer", RESIDUAL.format(FUSED_RESIDUAL))},
+        set()), {"layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"},
+        "partial rotary: brrr's rotary_dim; the residual add fused in its sequential branch "
+        "(use_parallel_residual=False; the default runs the parallel one)"),
     "gpt2": _family("GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_inner=64), (
         causal_lm("GPT2LMHeadModel") | {("NewGELUActivation", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM)},
-        set()), {"layer_norm", "gelu", "linear_cross_entropy"}, "learned positions: no rotary"),
+        {("GPT2Block", NO_RESIDUAL)}), {"layer_norm", "gelu", "linear_cross_entropy"},
+        "learned positions: no rotary; the cross-attention's branch between the add and ln_2 keeps them apart"),
     "phi": _family("PhiForCausalLM", {}, (
         causal_lm("PhiForCausalLM") | {("PhiAttention", ROTARY.format("")),
                                        ("NewGELUActivation", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM)},
-        set()), {"layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"},
-        "partial rotary split off in the attention's forward: brrr rotates the rotated part"),
-    "exaone4": _family("Exaone4ForCausalLM", {}, llama_like("Exaone4"), LLAMA_OPS),
+        {("PhiDecoderLayer", NO_RESIDUAL)}), {"layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"},
+        "partial rotary split off in the attention's forward: brrr rotates the rotated part; attention and MLP in "
+        "parallel"),
+    "exaone4": _family("Exaone4ForCausalLM", {}, llama_like("Exaone4", residual=None), POST_NORM_OPS,
+                       "norms after the sublayers: the residual adds stay separate"),
     "ernie4_5": _family("Ernie4_5ForCausalLM", {}, llama_like(
         "Ernie4_5", rotary=", interleaved pairs, angles from their first half"), LLAMA_OPS,
         "rotary of interleaved pairs, each pair's angle read in place (no repeat_interleave)"),
     "apertus": _family("ApertusForCausalLM", {}, (
-        causal_lm("ApertusForCausalLM") | {("ApertusAttention", ROTARY.format("")), ("ApertusRMSNorm", LLAMA_RMS)},
-        set()), {"rms_norm", "rotary_qk", "linear_cross_entropy"},
+        causal_lm("ApertusForCausalLM") | {("ApertusAttention", ROTARY.format("")), ("ApertusRMSNorm", LLAMA_RMS),
+                                           ("ApertusDecoderLayer", RESIDUAL.format("feedforward_layernorm"))},
+        set()), {"rms_norm", "add_rms_norm", "rotary_qk", "linear_cross_entropy"},
         "its MLP is up, xIELU (an activation with parameters), down: left, unreported"),
     "seed_oss": _family("SeedOssForCausalLM", {}, llama_like("SeedOss"), LLAMA_OPS,
                         "a gated MLP with a dropout after it: swapped only with that dropout off (here)"),
@@ -265,10 +298,15 @@ def test_every_causal_lm_family_of_transformers_is_known():
 # ---- docs/patch-coverage.md -----------------------------------------------------------------------
 
 def _short(cls, what):
-    """A swap as the table shows it: the rotary by its layout, the loss by what is fused into it."""
-    rotary = re.fullmatch(re.escape(ROTARY.format("")[:-1]) + r"(.*)\)", what)
-    if rotary:
-        return f"{cls}: " + (rotary.group(1)[2:] or "halves (rotate_half)")
+    """A swap as the table shows it: the rotary by its layout (and the function, where a forward
+    has two), the loss by what is fused into it."""
+    rotaries = [re.fullmatch(re.escape(ROTARY.format("")[:-1]) + r"(_interleave)?(.*)\)", part)
+                for part in what.split("; ")]
+    if all(rotaries):
+        layouts = [r.group(2)[2:] or "halves (rotate_half)" for r in rotaries]
+        if len(layouts) > 1:
+            layouts = [f"apply_rotary_pos_emb{r.group(1) or ''}: {layout}" for r, layout in zip(rotaries, layouts)]
+        return f"{cls}: " + "; ".join(layouts)
     fused = re.fullmatch(re.escape(FUSED.format("")[:-len(", logits None)")]) + r"(.*), logits None\)", what)
     if fused:
         return "head and loss: brrr linear cross-entropy" + (f" ({fused.group(1)[2:]})" if fused.group(1) else "")
@@ -278,6 +316,7 @@ def _short(cls, what):
 
 
 _COLUMNS = [("norms", lambda w: w.startswith(("RMSNorm", "LayerNorm", "brrr.nn.LayerNorm"))),
+            ("residual add", lambda w: w.startswith(RESIDUAL.format(""))),
             ("MLP and activations", lambda w: w.startswith(("gated MLP", "gelu", "silu", "relu"))),
             ("rotary", lambda w: w.startswith("brrr rotary")),
             ("loss", lambda w: w in (LOSS, HEAD[1]) or w.startswith("fused linear"))]
@@ -296,7 +335,9 @@ def coverage_table():
              "gradient and its logits compared with the unpatched model's (float32, brrr's CPU kernels). The test fails "
              "when what patch swaps or leaves in a family, or the ops that run, differ from this table, and when this "
              "file differs from what it generates.", "",
-             "Cells read `module class: what brrr.patch made of it` (as its report says). Rotary: the layout of the "
+             "Cells read `module class: what brrr.patch made of it` (as its report says). Residual add: the decoder "
+             "layer's add whose sum its next norm reads, one add_rms_norm or add_layer_norm with that norm (the add "
+             "that ends a layer feeds the next layer's norm and stays separate). Rotary: the layout of the "
              "model's apply_rotary_pos_emb that brrr's kernel runs. Loss: the model's loss_function is brrr's "
              "cross-entropy; in training with labels the head and the loss are one brrr linear cross-entropy, the "
              "logits never held whole (docs/linear-cross-entropy.md). *brrr kernels*: the registry ops whose brrr "

@@ -330,7 +330,7 @@ def test_patched_rotary_gives_calls_it_cannot_read_to_the_library():
         seen.append(position_ids)
         return rope_model.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
-    replacement = _patch._rotary_through_brrr(library_rotary, _patch.RotaryLayout(False, False, False))
+    replacement = _patch._rotary_through_brrr(library_rotary, _patch.RotaryLayout(False, False, False, False))
     q, k, cos, sin = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
     expected = rope_model.apply_rotary_pos_emb(q, k, cos, sin)
     for args, kwargs, library_called in [((), {}, False), ((None, 1), {}, False), ((), {"unsqueeze_dim": 1}, False),
@@ -588,7 +588,8 @@ def test_registry_takes_the_layouts(kwargs, supported):
 @pytest.mark.parametrize("style,rotary_dims,what", [
     ("neox", 4, ", partial rotary"), ("cohere", 8, ", interleaved pairs"),
     ("glm", 8, ", interleaved pairs, angles from their first half, partial rotary"),
-    ("glm", 4, ", interleaved pairs, angles from their first half, partial rotary")])
+    ("glm", 4, ", interleaved pairs, angles from their first half, partial rotary"),
+    ("deepseek", 8, ", interleaved pairs, angles from their first half, halves out")])
 def test_patch_recognises_the_rotary_layouts(style, rotary_dims, what, monkeypatch):
     """A library's apply_rotary_pos_emb in each of transformers' forms, recognised on its probe
     and run by brrr's kernel: the module's output and every gradient as before."""
@@ -627,7 +628,7 @@ def test_patch_leaves_a_rotary_look_alike_and_a_partial_call_a_full_form_cannot_
         seen.append(cos.shape[-1])
         return rope_variants.apply_rotary_pos_emb_cohere(q, k, cos, sin, unsqueeze_dim)
 
-    replacement = _patch._rotary_through_brrr(cohere, _patch.RotaryLayout(True, False, False))
+    replacement = _patch._rotary_through_brrr(cohere, _patch.RotaryLayout(True, False, False, False))
     q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
     with pytest.raises(RuntimeError):  # its own error: it cannot take them
         replacement(q, k, torch.randn(2, 5, 4), torch.randn(2, 5, 4))
