@@ -6,7 +6,7 @@
 #   bash benchmarks/device_run.sh "<pytest targets for the CUDA tests>" "<benchmark files>"
 #
 # Both arguments are optional (defaults: all tests, all benchmarks); "none" skips a stage.
-# BRRR_BENCH_TIMEOUT (seconds) bounds the benchmark stage.
+# BRRR_TEST_TIMEOUT and BRRR_BENCH_TIMEOUT (seconds) bound the test and benchmark stages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -44,7 +44,7 @@ python3 -c "import liger_kernel; print('liger-kernel', getattr(liger_kernel, '__
 status=0
 if [ "$TESTS" != "none" ]; then
   start=$(date +%s)
-  python3 -m pytest $TESTS -q -m cuda -p no:cacheprovider --maxfail=20 --durations=5 2>&1 | tee "$RESULTS/tests.log" | tail -25
+  timeout "${BRRR_TEST_TIMEOUT:-3000}" python3 -m pytest $TESTS -q -m cuda -p no:cacheprovider --maxfail=20 --durations=5 2>&1 | tee "$RESULTS/tests.log" | tail -25
   status=${PIPESTATUS[0]}
   echo "tests: $(( $(date +%s) - start )) s, exit $status"
 fi
