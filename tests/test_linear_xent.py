@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import brrr
+from brrr.xent import ACCUMULATIONS, LOGITS_BUDGET, chunk_rows
 from helpers import DEVICES, DTYPES, TOLERANCE, random
 from test_xent import IGNORE, make_targets, reference_loss
 
@@ -36,31 +37,39 @@ def reference(x, weight, target, bias=None, ignore_index=-100, reduction="mean",
     return leaves, logits, loss.reshape(target.shape) if reduction == "none" else loss
 
 
-def check(name, actual, expected, terms, dtype):
+def check(name, actual, expected, terms, dtype, roundings=1):
     """Elementwise: |actual - expected| <= rtol * terms + atol * max(terms), with the storage
     dtype's tolerance; `terms` is the sum of the absolute values of the terms each element adds up
-    (the gradients are sums over classes or rows, rounded in the storage dtype term by term)."""
+    (the gradients are sums over classes or rows, rounded in the storage dtype term by term).
+    roundings: how often a partial sum (at most terms) is rounded to the dtype: each one past the
+    first may add half a unit in the last place of it."""
     tol = TOLERANCE[dtype]
     actual64 = actual.detach().to("cpu", torch.float64)
     assert actual64.shape == expected.shape, (name, actual64.shape, expected.shape)
     # never below the spacing of the dtype's subnormals (the result itself is rounded to them)
     subnormal = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
-    bound = tol["rtol"] * terms + max(tol["atol"] * (terms.max().item() if terms.numel() else 0.0), subnormal)
+    rtol = tol["rtol"] + (roundings - 1) * torch.finfo(dtype).eps / 2
+    bound = rtol * terms + max(tol["atol"] * (terms.max().item() if terms.numel() else 0.0), subnormal)
     error = (actual64 - expected).abs()
     bad = ~(error <= bound) & ~(actual64.isnan() & expected.isnan())
     assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.numel()} elements off, the worst by "
                            f"{(error - bound)[bad].max().item():.3g} (error {error[bad].max().item():.3g})")
 
 
-def compare(x, weight, target, bias=None, what="", g=None, budget=None, **options):
+def compare(x, weight, target, bias=None, what="", g=None, budget=None, accumulation="weight", **options):
     """brrr and the reference: the loss, and the gradients of x, weight and bias (those that
     require grad) for the upstream gradient g (random by default). Returns (loss, grads)."""
     dtype = x.dtype
     leaves = [None if p is None else p.detach().requires_grad_(p.requires_grad) for p in (x, weight, bias)]
-    extra = {} if budget is None else {"logits_budget": budget}
-    loss = brrr.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], **options, **extra)
+    budget = LOGITS_BUDGET if budget is None else budget
+    loss = brrr.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], **options, logits_budget=budget,
+                                     accumulation=accumulation)
+    # Accumulated in a half-precision weight's dtype, its gradient is rounded once per chunk.
+    rows = target.numel()
+    chunks = -(-rows // chunk_rows(weight.shape[0], x.element_size(), budget, 128)) if rows else 1
+    roundings = {"weight": chunks if accumulation == "weight" and x.element_size() == 2 else 1}
     ref_leaves, logits, ref = reference(x, weight, target, bias, **options)
-    where = f"{what} {options}"
+    where = f"{what} {options} {accumulation}"
     assert loss.dtype == dtype and loss.device == x.device and loss.shape == ref.shape, where
     finite = ref[torch.isfinite(ref)]
     scale = max(finite.abs().max().item() if finite.numel() else 0.0, 1.0)
@@ -85,7 +94,7 @@ def compare(x, weight, target, bias=None, what="", g=None, budget=None, **option
     for (name, a, _), grad, ref_grad in zip(wanted, grads, ref_grads[1:]):
         assert grad.dtype == a.dtype and grad.shape == a.shape, (where, name)
         check(f"grad of {name} ({where})", grad, torch.zeros(a.shape, dtype=torch.float64) if ref_grad is None
-              else ref_grad, terms[name], dtype)
+              else ref_grad, terms[name], dtype, roundings.get(name, 1))
     return loss, grads
 
 
@@ -124,13 +133,15 @@ def chunk_budget(rows_per_chunk, classes, dtype):
 @pytest.mark.parametrize("rows,hidden,classes", SHAPES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_matches_torch(device, dtype, rows, hidden, classes, reduction):
-    """Chunks of 7 rows (the row counts are not multiples of it) and of 1, every option."""
+    """Chunks of 7 rows (the row counts are not multiples of it) and of 1, every option; for half
+    precision both accumulations of the weight's gradient (float32 and float64 have one)."""
     x, w, b = make(rows, hidden, classes, dtype, device)
-    for budget_rows, options in [(7, {}), (7, dict(label_smoothing=0.1)), (1, dict(softcap=2.0)),
-                                 (7, dict(z_loss=0.1, label_smoothing=0.1)), (7, dict(softcap=30.0, z_loss=1e-4))]:
-        t = make_targets((rows,), classes, device, IGNORE[0])
-        compare(x, w, t, b, what=f"{rows}x{hidden}x{classes}", budget=chunk_budget(budget_rows, classes, dtype),
-                reduction=reduction, **options)
+    for accumulation in ACCUMULATIONS if x.element_size() == 2 else ACCUMULATIONS[:1]:
+        for budget_rows, options in [(7, {}), (7, dict(label_smoothing=0.1)), (1, dict(softcap=2.0)),
+                                     (7, dict(z_loss=0.1, label_smoothing=0.1)), (7, dict(softcap=30.0, z_loss=1e-4))]:
+            t = make_targets((rows,), classes, device, IGNORE[0])
+            compare(x, w, t, b, what=f"{rows}x{hidden}x{classes}", budget=chunk_budget(budget_rows, classes, dtype),
+                    reduction=reduction, accumulation=accumulation, **options)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -215,7 +226,8 @@ def test_loss_dtype_and_no_grad_path(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_deterministic(device, dtype):
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+def test_deterministic(device, dtype, accumulation):
     """Two calls: bitwise the same loss and gradients (the weight's summed over many chunks)."""
     rows, hidden, classes = (4099, 256, 32000) if device == "cuda" else (301, 32, 1001)
     x, w, b = make(rows, hidden, classes, dtype, device)
@@ -223,28 +235,70 @@ def test_deterministic(device, dtype):
     runs = []
     for _ in range(2):
         loss = brrr.linear_cross_entropy(x, w, t, b, label_smoothing=0.1, z_loss=1e-4,
-                                         logits_budget=chunk_budget(97, classes, dtype))
+                                         logits_budget=chunk_budget(97, classes, dtype), accumulation=accumulation)
         runs.append((loss.detach(),) + torch.autograd.grad(loss, (x, w, b)))
     for a, c in zip(*runs):
         assert torch.equal(a, c)
 
 
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_gradcheck(reduction):
+def test_gradcheck():
+    """Reduction "none" (its backward runs the chunks): torch's gradcheck, which runs each backward
+    twice through one graph."""
     x, w, b = make(5, 3, 7, torch.float64, "cpu")
     t = torch.tensor([1, -100, 6, 0, 3])
     assert torch.autograd.gradcheck(lambda x, w, b: brrr.linear_cross_entropy(
-        x, w, t, b, reduction=reduction, label_smoothing=0.2, softcap=2.0, z_loss=0.1, logits_budget=2 * 7 * 8),
+        x, w, t, b, reduction="none", label_smoothing=0.2, softcap=2.0, z_loss=0.1, logits_budget=2 * 7 * 8),
         (x, w, b))
 
 
-def test_chunk_size_follows_the_budget():
-    """The rows per chunk are the budget over a row of logits, at least 1."""
-    from brrr.xent import chunk_rows
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradient_against_finite_differences(reduction):
+    """Reductions "mean" and "sum", whose backward scales the forward's gradients in place (so
+    one backward per forward, which gradcheck does not do): the derivative along random
+    directions of the inputs against central differences, in float64."""
+    x, w, b = make(5, 3, 7, torch.float64, "cpu")
+    t = torch.tensor([1, -100, 6, 0, 3])
 
-    assert chunk_rows(128256, 2, 2**28) == 2**28 // (128256 * 2)
-    assert chunk_rows(32000, 4, 2**28) == 2**28 // (32000 * 4)
-    assert chunk_rows(32000, 2, 10) == 1
+    def f(x, w, b):
+        return brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, label_smoothing=0.2, softcap=2.0,
+                                         z_loss=0.1, logits_budget=2 * 7 * 8)
+
+    grads = torch.autograd.grad(f(x, w, b), (x, w, b))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        d = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in (x, w, b)]
+        eps = 1e-6
+        with torch.no_grad():
+            plus = f(*(p + eps * e for p, e in zip((x, w, b), d)))
+            minus = f(*(p - eps * e for p, e in zip((x, w, b), d)))
+        numeric = ((plus - minus) / (2 * eps)).item()
+        analytic = sum((gr * e).sum() for gr, e in zip(grads, d)).item()
+        assert abs(numeric - analytic) <= 1e-7 * max(1.0, abs(numeric)), (numeric, analytic)
+
+
+def test_second_backward_through_the_graph_raises():
+    """The backward scales the forward's gradients in place: a second one (retain_graph) would
+    scale them twice, so it raises, after a first that is right."""
+    x, w, b = make(9, 4, 11, torch.float32, "cpu")
+    t = make_targets((9,), 11, "cpu", IGNORE[0])
+    loss = brrr.linear_cross_entropy(x, w, t, b)
+    first = torch.autograd.grad(loss, (x, w, b), retain_graph=True)
+    leaves, _, ref = reference(x, w, t, b)
+    for a, e in zip(first, torch.autograd.grad(ref, leaves)):
+        torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="second backward"):
+        torch.autograd.grad(loss, (x, w, b))
+
+
+def test_chunk_size_follows_the_budget():
+    """The rows per chunk are the budget over a row of logits, at least 1, rounded down to whole
+    128-row tiles where at least 128 rows fit."""
+    assert chunk_rows(128256, 2, 2**28) == 2**28 // (128256 * 2) == 1046
+    assert chunk_rows(128256, 2, 2**28, 128) == 1024
+    assert chunk_rows(128256, 2, 2**27, 128) == 512  # 16384 rows: 32 chunks
+    assert chunk_rows(32000, 4, 2**28, 128) == 2048
+    assert chunk_rows(32000, 2, 32000 * 2 * 100, 128) == 100  # fewer than 128 rows: as many as fit
+    assert chunk_rows(32000, 2, 10, 128) == 1
 
 
 def test_saves_no_logits():
@@ -270,10 +324,11 @@ def test_opcheck(device):
     x, w, b = make(9, 4, 11, torch.float32, device)
     t = make_targets((9,), 11, device, IGNORE[0])
     for reduction in REDUCTIONS:
-        for options in [(-100, 0.0, None, 0.0), (-100, 0.1, 3.0, 0.1)]:
-            torch.library.opcheck(op, (x, w, t, b, *options, reduction, 4, [True, True, True]), test_utils=utils)
-        torch.library.opcheck(op, (x, w.detach(), t, None, -100, 0.0, None, 0.0, reduction, 2, [True, False, False]),
-                              test_utils=utils)
+        for options, accumulation in [((-100, 0.0, None, 0.0), "weight"), ((-100, 0.1, 3.0, 0.1), "float32")]:
+            torch.library.opcheck(op, (x, w, t, b, *options, reduction, 4, accumulation, [True, True, True]),
+                                  test_utils=utils)
+        torch.library.opcheck(op, (x, w.detach(), t, None, -100, 0.0, None, 0.0, reduction, 2, "weight",
+                                   [True, False, False]), test_utils=utils)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -320,6 +375,8 @@ def test_argument_errors():
         (lambda: lce(x, w, t, z_loss=float("inf")), ValueError, "z_loss"),
         (lambda: lce(x, w, t, ignore_index=1.0), TypeError, "ignore_index"),
         (lambda: lce(x, w, t, logits_budget=0), ValueError, "logits_budget"),
+        (lambda: lce(x, w, t, accumulation="bf16"), ValueError, "accumulation"),
+        (lambda: lce(x, w, t, accumulation=torch.float32), TypeError, "accumulation"),
         (lambda: lce(x.numpy(force=True), w, t), TypeError, "input"),
         (lambda: lce(x, w.numpy(force=True), t), TypeError, "weight"),
         (lambda: lce(x, w[:, :2], t), ValueError, "weight"),
