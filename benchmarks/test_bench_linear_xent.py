@@ -9,7 +9,8 @@ Liger-Kernel (when liger_kernel is importable), in one run: time and peak memory
   of 256 MiB, and with the float32 accumulator.
 - A training step (forward and backward, bf16 weights) of a Llama-style model from transformers'
   config (2 layers, hidden 2048, random weights) at vocabularies 32000, 128256 and 256000 and
-  4 x 2048 and 2 x 8192 tokens: unpatched eager, brrr.patch eager, Liger-Kernel's Llama patch
+  4 x 2048 and 2 x 8192 tokens: unpatched eager, brrr.patch eager (and with remat=True: the
+  norms' and GLUs' outputs recomputed in the backward, docs/remat.md), Liger-Kernel's Llama patch
   with its cross-entropy and with its fused linear cross-entropy; unpatched torch.compile at
   2 x 8192 tokens, and brrr.patch compiled at 2 x 8192 tokens of 128256 words (compiling takes
   most of the benchmark's time: about 150 s in all on an H200, estimated).
@@ -212,6 +213,10 @@ def test_training_step(recorder, vocab, batch, seq):
     case = (vocab, batch, seq)
     measure(recorder, case, "unpatched eager", base, tokens)
     measure(recorder, case, "brrr.patch eager", patched, tokens)
+    rematerialised = copy.deepcopy(base)
+    brrr.patch(rematerialised, remat=True)  # its gradients are the patched model's bitwise (tests/test_remat.py)
+    measure(recorder, case, "brrr.patch eager remat", rematerialised, tokens)
+    del rematerialised
     if not QUICK and seq == 8192:  # compiling is most of the benchmark's time
         measure(recorder, case, "unpatched compile", base, tokens, compile_it=True)
         if vocab == 128256:
