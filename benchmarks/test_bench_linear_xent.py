@@ -89,11 +89,12 @@ def exact_grads(x, w, t, rows_per_chunk=2048):
     scale = 1.0 / kept.sum().double()
     grad_x, grad_w = torch.empty_like(x64), torch.zeros_like(w64)
     for start in range(0, x.shape[0], rows_per_chunk):
-        xs, ts, ks = x64[start:start + rows_per_chunk], t[start:start + rows_per_chunk], kept[start:start + rows_per_chunk]
+        rows = slice(start, start + rows_per_chunk)
+        xs, ts, ks = x64[rows], t[rows], kept[rows]
         p = torch.softmax(xs @ w64.T, dim=-1)
         p[torch.arange(len(ts), device=p.device)[ks], ts[ks]] -= 1.0
         p *= (ks.double() * scale).unsqueeze(1)
-        grad_x[start:start + rows_per_chunk] = p @ w64
+        grad_x[rows] = p @ w64
         grad_w += p.T @ xs
     return grad_x, grad_w
 

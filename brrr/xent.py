@@ -312,7 +312,7 @@ def torch_layer():
         return loss if loss.dtype == dtype else loss.to(dtype)
 
     # ---- linear_cross_entropy
-    scale_slice_bytes = 2**26  # at most, of the backward's scaling of a gradient in slices (a copy of one at a time)
+    scale_slice_bytes = 2**26  # the backward's slices of a gradient: 8M elements (2**26 bytes of float64)
     gemm_tile_rows = 128  # the chunks' rows a multiple of it where the budget fits that many (chunk_rows)
 
     def count_rows(target, ignore_index, dtype):
@@ -443,13 +443,12 @@ def torch_layer():
         grad_acc's storage: a slice's rows land at or below the bytes they were read from, past the
         rows already written, and the result is a view of that storage (which stays allocated
         until the view is freed)."""
-        if g is None and grad_acc.dtype == dtype:
-            return grad_acc
-        if grad_acc.dtype == dtype == getattr(g, "dtype", dtype):
-            return grad_acc.mul_(g)
-        # (a narrower dtype: the accumulator, contiguous)
-        out = grad_acc if grad_acc.dtype == dtype else grad_acc.view(-1).view(dtype)[:grad_acc.numel()].view(grad_acc.shape)
-        rows = chunk_rows(math.prod(grad_acc.shape[1:]), 8, scale_slice_bytes)
+        if grad_acc.dtype == dtype and (g is None or g.dtype == dtype):
+            return grad_acc if g is None else grad_acc.mul_(g)
+        out = grad_acc
+        if grad_acc.dtype != dtype:  # a narrower dtype: grad_acc is the (contiguous) accumulator
+            out = grad_acc.view(-1).view(dtype)[:grad_acc.numel()].view(grad_acc.shape)
+        rows = chunk_rows(math.prod(grad_acc.shape[1:]), 8, scale_slice_bytes)  # a copy of 32 MiB of float32
         for start in range(0, grad_acc.shape[0], rows):
             part = grad_acc[start:start + rows]  # read whole into a copy before `out` is written
             out[start:start + rows] = part.clone() if g is None else part.to(g.dtype, copy=True).mul_(g)
