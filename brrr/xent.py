@@ -323,11 +323,14 @@ def torch_layer():
     def weight_grad_dtype(weight, accumulation):
         return weight.dtype if accumulation == "weight" else acc_dtype(weight.dtype)
 
-    def accumulate_weight_grad(grad_weight, grad_logits, x):
+    def accumulate_weight_grad(grad_weight, grad_logits, x, first):
         """grad_weight += grad_logits.T @ x, each chunk's product summed in float32 (cuBLAS's
-        compute type for half precision) and added to grad_weight, rounded once to its dtype."""
+        compute type for half precision) and added to grad_weight, rounded once to its dtype. In
+        the logits' dtype the first chunk writes grad_weight without reading it (allocated empty:
+        no zero fill, one read of a weight's size fewer); an accumulator of another dtype starts
+        as zeros."""
         if grad_logits.dtype == grad_weight.dtype:
-            grad_weight.addmm_(grad_logits.t(), x)
+            grad_weight.addmm_(grad_logits.t(), x, beta=0 if first else 1)
         elif grad_logits.is_cuda:
             # cuBLAS accumulates in float32 and writes float32: the chunks' sum is never rounded to bf16.
             torch.addmm(grad_weight, grad_logits.t(), x, out_dtype=grad_weight.dtype, out=grad_weight)
@@ -342,8 +345,9 @@ def torch_layer():
         weight's in weight_grad_dtype, the bias's in the accumulation dtype."""
         acc = loss_rows.dtype
         grad_input = torch.empty_like(x) if needs[0] else None
-        grad_weight = (torch.zeros(weight.shape, dtype=weight_grad_dtype(weight, accumulation), device=weight.device)
-                       if needs[1] else None)
+        weight_dtype = weight_grad_dtype(weight, accumulation)
+        new = torch.empty if weight_dtype == x.dtype and x.shape[0] else torch.zeros  # see accumulate_weight_grad
+        grad_weight = new(weight.shape, dtype=weight_dtype, device=weight.device) if needs[1] else None
         grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if needs[2] else None
         gradient = any(needs)
         lse = None if gradient else torch.empty_like(loss_rows)
@@ -370,7 +374,7 @@ def torch_layer():
             if grad_input is not None:
                 torch.mm(logits, weight, out=grad_input[start:end])
             if grad_weight is not None:
-                accumulate_weight_grad(grad_weight, logits, xs)
+                accumulate_weight_grad(grad_weight, logits, xs, start == 0)
             if grad_bias is not None:
                 grad_bias += logits.sum(0, dtype=acc)
         return grad_input, grad_weight, grad_bias
