@@ -517,8 +517,9 @@ def test_cuda_matches_cpu_at_size(dtype):
 def test_cuda_peak_memory_of_each_accumulation():
     """bf16, 8192 x 1024, 32768 classes, the default budget (128 MiB: 4 chunks of 2048 rows):
     forward and backward allocate at their peak (torch.cuda.max_memory_allocated) at most the
-    weight's gradient, the input's, one chunk of logits and 8 MiB with accumulation "weight"; at
-    least twice the weight's bytes more with "float32"."""
+    weight's gradient, the input's, one chunk of logits and 8 MiB with accumulation "weight"; with
+    "float32" at least the float32 accumulator (twice the weight's bytes), the input's gradient and
+    a chunk."""
     rows, hidden, classes = 8192, 1024, 32768
     x, w, _ = make(rows, hidden, classes, torch.bfloat16, "cuda", bias=False)
     t = make_targets((rows,), classes, "cuda", IGNORE[0])
@@ -538,7 +539,7 @@ def test_cuda_peak_memory_of_each_accumulation():
         if accumulation == "weight":
             assert peak <= w_bytes + x_bytes + chunk_bytes + 2**23, peak / 2**20
         else:
-            assert peak >= 3 * w_bytes + x_bytes + chunk_bytes, peak / 2**20
+            assert peak >= 2 * w_bytes + x_bytes + chunk_bytes, peak / 2**20
         del grads
 
 
