@@ -191,19 +191,19 @@ def chunk_rows(vocab, itemsize, budget, multiple=1):
 # so the chunk's logits buffer is the only vocabulary-sized activation, and the chunks run in a
 # fixed order (deterministic). With reduction "mean" or "sum" this is the forward, when autograd
 # records it: the backward only scales the three gradients by the loss's upstream gradient, in
-# place where they have the parameters' dtype (a second backward through the graph raises), else
-# into new tensors of it. With reduction "none" each row's
+# their own memory (a float32 accumulator rounded to the parameter's dtype into the start of its
+# storage), so a second backward through the graph raises. With reduction "none" each row's
 # upstream gradient is needed inside the kernel, so the forward computes only the loss and the
 # backward runs the chunks again. Without autograd only the loss is computed.
 #
 # It takes input (N, H), weight (V, H), target (N,), bias, ..., chunk_rows, accumulation, needs and
 # returns [loss, grad_input, grad_weight, grad_bias]: the loss in the accumulation dtype (float32,
 # float64 for float64; 0-d, or (N,) for reduction "none"), and, for the inputs `needs` marks (with
-# "mean" or "sum"), their unscaled gradients (the input's in its dtype, the weight's in its own
-# for accumulation "weight", else and the bias's in the accumulation dtype); empty tensors for the
-# others. The chunk size is a Python int fixed by the vocabulary and the memory
-# budget, and the count of "mean" stays on the device: no host sync, no allocation that depends on
-# data, so the op is CUDA-graph capturable; torch.compile sees it through its fake kernel.
+# "mean" or "sum"), their unscaled gradients (the input's in its dtype; the weight's in its dtype
+# with accumulation "weight", else in the accumulation dtype, as the bias's); empty tensors for
+# the others. The chunk size is a Python int fixed by the vocabulary and the memory budget, and
+# the count of "mean" stays on the device: no host sync, no allocation that depends on data, so
+# the op is CUDA-graph capturable; torch.compile sees it through its fake kernel.
 
 @torch_integration
 def torch_layer():
