@@ -2,13 +2,16 @@
 F.cross_entropy(input.double() @ weight.double().T + bias) (with the softcap and z-loss written
 out) on fresh random inputs: rows that are not a multiple of the chunk, class counts on both sides
 of the kernels' switches, every reduction, ignore_index (all rows ignored too), label smoothing,
-softcap, z_loss, every dtype, 3-d, unbatched, empty and non-contiguous inputs, frozen parameters;
-the weight gradient bitwise the same run to run; what autograd saves (no logits); the
+softcap, z_loss, every dtype, 3-d, unbatched, empty and non-contiguous inputs, frozen parameters,
+both accumulations of the weight's gradient; the weight gradient bitwise the same run to run;
+central differences (gradcheck for "none"); a second backward refused; what autograd saves (no
+logits); the peak bytes of each accumulation (CPU: a counter of live storages, CUDA:
+max_memory_allocated) and the weight gradient's error against float64 at 32 chunks; the
 torch.library op (opcheck, torch.compile without graph breaks); argument errors; the registry
 entry and brrr.nn module. brrr.patch on transformers' Llama, Gemma 2 (its softcap) and Cohere
 (its logit scale): the patched model's loss and every gradient against the unpatched model's.
-CUDA only: a vocabulary of 32000, and CUDA graph captures of the op's and of a patched model's
-training step.
+CUDA only: a vocabulary of 32000, the peak memory, and CUDA graph captures of the op's and of a
+patched model's training step.
 """
 
 import weakref
