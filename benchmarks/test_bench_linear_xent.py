@@ -12,8 +12,9 @@ Liger-Kernel (when liger_kernel is importable), in one run: time and peak memory
   4 x 2048 and 2 x 8192 tokens: unpatched eager, brrr.patch eager (and with remat=True: the
   norms' and GLUs' outputs recomputed in the backward, docs/remat.md), Liger-Kernel's Llama patch
   with its cross-entropy and with its fused linear cross-entropy; unpatched torch.compile at
-  2 x 8192 tokens, and brrr.patch compiled at 2 x 8192 tokens of 128256 words (compiling takes
-  most of the benchmark's time: about 150 s in all on an H200, estimated).
+  2 x 8192 tokens (compiling takes most of the benchmark's time: about 150 s in all on an H200,
+  estimated; brrr.patch under torch.compile is tests/test_linear_xent.py's and
+  benchmarks/test_bench_models.py's).
 Each row has the median time (CUDA events) and the step's peak memory above what was allocated
 before it (torch.cuda.max_memory_allocated). The op's rows also have each implementation's
 gradients' relative error against float64 (input_grad_error, weight_grad_error); the steps'
@@ -220,8 +221,6 @@ def test_training_step(recorder, vocab, batch, seq):
     del rematerialised
     if not QUICK and seq == 8192:  # compiling is most of the benchmark's time
         measure(recorder, case, "unpatched compile", base, tokens, compile_it=True)
-        if vocab == 128256:
-            measure(recorder, case, "brrr.patch compile", patched, tokens, compile_it=True)
     if liger is not None and on_gpu():
         for fused, impl in ((False, "liger cross_entropy"), (True, "liger fused linear CE")):
             with liger_patched(copy.deepcopy(base), fused) as model:
