@@ -98,21 +98,30 @@ def _cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtyp
     return astype(xp, result, input.dtype if dtype is None else dtype)
 
 
-# Bytes of logits linear_cross_entropy holds at once by default: one chunk of rows.
-LOGITS_BUDGET = 2**28
+# Bytes of logits linear_cross_entropy holds at once by default: one chunk of rows (at 16384 x 4096
+# and 128256 words in bf16, 512 rows: no more than the input, about Liger-Kernel's chunk).
+LOGITS_BUDGET = 2**27
+# How its weight gradient accumulates over the chunks: in the weight's dtype, in place (no buffer
+# beyond the gradient itself), or in float32 (float64 for float64), rounded once in the backward.
+ACCUMULATIONS = ("weight", "float32")
 _INDEX_DTYPES = ("torch.int64", "torch.int32", "torch.uint8")
 
 
 def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, softcap=None, z_loss=0.0, dtype=None, logits_budget=LOGITS_BUDGET):
+                         label_smoothing=0.0, softcap=None, z_loss=0.0, dtype=None, logits_budget=LOGITS_BUDGET,
+                         accumulation="float32"):
     """cross_entropy(input @ weight.T + bias, target) (the arguments as cross_entropy's) without
     ever holding more than `logits_budget` bytes of logits: the rows go in chunks of that size,
     each chunk's logits turned into its loss and, in place, its gradient by brrr's kernel, the
     GEMMs run by PyTorch. input (..., H), weight (V, H), bias None or (V,), all of one floating
     dtype on one device; target input.shape[:-1] of class indices; the loss in `dtype` (default:
     the input's). With autograd recording and reduction "mean" or "sum" the forward computes the
-    gradients too (the backward only scales them); the weight's and bias's accumulate over the
-    chunks in float32 (float64 for float64), in a fixed order. PyTorch tensors only."""
+    gradients too (the backward only scales them, in place). The chunks sum into the weight's
+    gradient in a fixed order: with accumulation "float32" (the default) in float32 (float64 for
+    float64), rounded once at the end (a buffer of twice a half-precision weight's bytes); with
+    "weight" in the weight's dtype, in place (each chunk's GEMM accumulates in float32 and rounds
+    the sum once to the weight's dtype; no buffer beyond the gradient: Liger-Kernel's choice, at a
+    few times the rounding error). The bias's in float32. PyTorch tensors only."""
     check_args(None, ignore_index, reduction, label_smoothing, softcap, z_loss)
     torch = torch_if_tensor(input)
     if torch is None:
@@ -121,9 +130,11 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
     _check_linear(torch, input, weight, target, bias)
     if isinstance(logits_budget, bool) or not isinstance(logits_budget, numbers.Integral) or logits_budget <= 0:
         raise ValueError(f"argument logits_budget: expected a positive int (bytes), got {logits_budget!r}")
+    if not isinstance(accumulation, str) or accumulation not in ACCUMULATIONS:
+        raise bad_choice("accumulation", accumulation, ACCUMULATIONS)
     return torch_layer().linear_cross_entropy(input, weight, target, bias, int(ignore_index), reduction,
                                          float(label_smoothing), None if softcap is None else float(softcap),
-                                         float(z_loss), dtype, int(logits_budget))
+                                         float(z_loss), dtype, int(logits_budget), accumulation)
 
 
 def _check_linear(torch, input, weight, target, bias):
@@ -151,9 +162,12 @@ def _check_linear(torch, input, weight, target, bias):
                          f"without its last dim), got {tuple(target.shape)} on {target.device}")
 
 
-def chunk_rows(vocab, itemsize, budget):
-    """Rows per chunk of linear_cross_entropy: as many as fit `budget` bytes of logits, at least one."""
-    return max(1, budget // max(1, vocab * itemsize))
+def chunk_rows(vocab, itemsize, budget, multiple=1):
+    """Rows per chunk of linear_cross_entropy: as many as fit `budget` bytes of logits, at least one,
+    rounded down to a multiple of `multiple` where at least that many fit (whole GEMM tiles: at 523
+    rows a 128-row tile would run 11 rows of its fifth)."""
+    rows = max(1, budget // max(1, vocab * itemsize))
+    return rows - rows % multiple if rows >= multiple else rows
 
 
 # ---- PyTorch: the custom ops brrr::cross_entropy and brrr::linear_cross_entropy, their backward
@@ -172,22 +186,24 @@ def chunk_rows(vocab, itemsize, budget):
 #     logits      = input[rows] @ weight.T + bias              torch.addmm / torch.mm (cuBLAS on CUDA)
 #     loss[rows], logits <- its gradient                       brrr's fused cross-entropy kernel, in place
 #     grad_input[rows]  = grad_logits @ weight                 torch.mm into the result's rows
-#     grad_weight      += grad_logits.T @ input[rows]          float32 accumulator (float64 for float64)
+#     grad_weight      += grad_logits.T @ input[rows]          in place, in the weight's dtype or float32
 #     grad_bias        += grad_logits summed over rows         float32 accumulator
 # so the chunk's logits buffer is the only vocabulary-sized activation, and the chunks run in a
 # fixed order (deterministic). With reduction "mean" or "sum" this is the forward, when autograd
-# records it: the backward only scales the three gradients by the loss's upstream gradient
-# (rounding the accumulators to the parameters' dtype then). With reduction "none" each row's
+# records it: the backward only scales the three gradients by the loss's upstream gradient, in
+# their own memory (a float32 accumulator rounded to the parameter's dtype into the start of its
+# storage), so a second backward through the graph raises. With reduction "none" each row's
 # upstream gradient is needed inside the kernel, so the forward computes only the loss and the
 # backward runs the chunks again. Without autograd only the loss is computed.
 #
-# It takes input (N, H), weight (V, H), target (N,), bias, ..., chunk_rows, needs and returns
-# [loss, grad_input, grad_weight, grad_bias]: the loss in the accumulation dtype (float32, float64
-# for float64; 0-d, or (N,) for reduction "none"), and, for the inputs `needs` marks (with "mean"
-# or "sum"), their unscaled gradients (the weight's and bias's in the accumulation dtype); empty
-# tensors for the others. The chunk size is a Python int fixed by the vocabulary and the memory
-# budget, and the count of "mean" stays on the device: no host sync, no allocation that depends on
-# data, so the op is CUDA-graph capturable; torch.compile sees it through its fake kernel.
+# It takes input (N, H), weight (V, H), target (N,), bias, ..., chunk_rows, accumulation, needs and
+# returns [loss, grad_input, grad_weight, grad_bias]: the loss in the accumulation dtype (float32,
+# float64 for float64; 0-d, or (N,) for reduction "none"), and, for the inputs `needs` marks (with
+# "mean" or "sum"), their unscaled gradients (the input's in its dtype; the weight's in its dtype
+# with accumulation "weight", else in the accumulation dtype, as the bias's); empty tensors for
+# the others. The chunk size is a Python int fixed by the vocabulary and the memory budget, and
+# the count of "mean" stays on the device: no host sync, no allocation that depends on data, so
+# the op is CUDA-graph capturable; torch.compile sees it through its fake kernel.
 
 @torch_integration
 def torch_layer():
@@ -296,30 +312,42 @@ def torch_layer():
         return loss if loss.dtype == dtype else loss.to(dtype)
 
     # ---- linear_cross_entropy
-    scale_slice_bytes = 2**26  # of float32 the backward's scaling of a half-precision gradient holds at a time
+    scale_slice_bytes = 2**26  # the backward's slices of a gradient: 8M elements (2**26 bytes of float64)
+    gemm_tile_rows = 128  # the chunks' rows a multiple of it where the budget fits that many (chunk_rows)
 
     def count_rows(target, ignore_index, dtype):
         """The rows "mean" divides by: over the whole input, not a chunk; on the device (compared in
         int64, as the kernel compares: a uint8 target would wrap -100)."""
         return (target.to(torch.int64) != ignore_index).sum().to(dtype)
 
-    def accumulate_weight_grad(grad_weight, grad_logits, x):
-        """grad_weight (accumulation dtype) += grad_logits.T @ x, summed in the accumulation dtype."""
-        if grad_logits.is_cuda and grad_logits.dtype != grad_weight.dtype:
+    def weight_grad_dtype(weight, accumulation):
+        return weight.dtype if accumulation == "weight" else acc_dtype(weight.dtype)
+
+    def accumulate_weight_grad(grad_weight, grad_logits, x, first):
+        """grad_weight += grad_logits.T @ x, each chunk's product summed in float32 (cuBLAS's
+        compute type for half precision) and added to grad_weight, rounded once to its dtype. In
+        the logits' dtype the first chunk writes grad_weight without reading it (allocated empty:
+        no zero fill, one read of a weight's size fewer); an accumulator of another dtype starts
+        as zeros."""
+        if grad_logits.dtype == grad_weight.dtype:
+            grad_weight.addmm_(grad_logits.t(), x, beta=0 if first else 1)
+        elif grad_logits.is_cuda:
             # cuBLAS accumulates in float32 and writes float32: the chunks' sum is never rounded to bf16.
             torch.addmm(grad_weight, grad_logits.t(), x, out_dtype=grad_weight.dtype, out=grad_weight)
         else:
             grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), x.to(grad_weight.dtype))
 
-    def run_chunks(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, rows_per_chunk, needs,
-                   loss_rows, grad_loss=None, count=None):
+    def run_chunks(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, rows_per_chunk,
+                   accumulation, needs, loss_rows, grad_loss=None, count=None):
         """The chunks (see above): every row's loss into loss_rows and, where `needs` asks, the
         gradients scaled by grad_loss (None: 1 for every row) over count (None: 1). Returns
-        (grad_input, grad_weight, grad_bias), None where not needed, the last two in the
-        accumulation dtype."""
+        (grad_input, grad_weight, grad_bias), None where not needed: the input's in its dtype, the
+        weight's in weight_grad_dtype, the bias's in the accumulation dtype."""
         acc = loss_rows.dtype
         grad_input = torch.empty_like(x) if needs[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None
+        weight_dtype = weight_grad_dtype(weight, accumulation)
+        new = torch.empty if weight_dtype == x.dtype and x.shape[0] else torch.zeros  # see accumulate_weight_grad
+        grad_weight = new(weight.shape, dtype=weight_dtype, device=weight.device) if needs[1] else None
         grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if needs[2] else None
         gradient = any(needs)
         lse = None if gradient else torch.empty_like(loss_rows)
@@ -346,24 +374,24 @@ def torch_layer():
             if grad_input is not None:
                 torch.mm(logits, weight, out=grad_input[start:end])
             if grad_weight is not None:
-                accumulate_weight_grad(grad_weight, logits, xs)
+                accumulate_weight_grad(grad_weight, logits, xs, start == 0)
             if grad_bias is not None:
                 grad_bias += logits.sum(0, dtype=acc)
         return grad_input, grad_weight, grad_bias
 
     def linear_forward(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
                        label_smoothing: float, softcap: Optional[float], z_loss: float, reduction: str,
-                       rows_per_chunk: int, needs: list[bool]) -> list[Tensor]:
+                       rows_per_chunk: int, accumulation: str, needs: list[bool]) -> list[Tensor]:
         acc = acc_dtype(x.dtype)
         loss_rows = torch.empty(x.shape[0], dtype=acc, device=x.device)
         count = count_rows(target, ignore_index, acc) if reduction == "mean" else None
         grads = (None, None, None)
         if reduction == "none" or not any(needs):
             run_chunks(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, rows_per_chunk,
-                       (False, False, False), loss_rows)
+                       accumulation, (False, False, False), loss_rows)
         else:
             grads = run_chunks(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, rows_per_chunk,
-                               needs, loss_rows, count=count)
+                               accumulation, needs, loss_rows, count=count)
         if reduction == "none":
             loss = loss_rows
         else:
@@ -372,32 +400,35 @@ def torch_layer():
         return [loss] + [loss.new_empty(0) if g is None else g for g in grads]
 
     def linear_fake(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, reduction, rows_per_chunk,
-                    needs):
+                    accumulation, needs):
         acc = acc_dtype(x.dtype)
         loss = x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=acc)
         computed = reduction != "none"
-        shapes = [(x.shape, x.dtype), (weight.shape, acc), (None if bias is None else bias.shape, acc)]
+        shapes = [(x.shape, x.dtype), (weight.shape, weight_grad_dtype(weight, accumulation)),
+                  (None if bias is None else bias.shape, acc)]
         return [loss] + [x.new_empty(shape, dtype=dtype) if computed and need else x.new_empty(0, dtype=acc)
                          for need, (shape, dtype) in zip(needs, shapes)]
 
     def linear_backward_forward(grad: Tensor, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
                                 ignore_index: int, label_smoothing: float, softcap: Optional[float], z_loss: float,
-                                rows_per_chunk: int, needs: list[bool]) -> list[Tensor]:
+                                rows_per_chunk: int, accumulation: str, needs: list[bool]) -> list[Tensor]:
         """Reduction "none": the chunks again, each row's gradient scaled by its grad[row]."""
         loss_rows = torch.empty(x.shape[0], dtype=grad.dtype, device=x.device)
         grads = run_chunks(x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, rows_per_chunk,
-                           needs, loss_rows, grad_loss=grad)
-        return [x.new_empty(0) if g is None else g.to(p.dtype) for g, p in zip(grads, (x, weight, bias))]
+                           accumulation, needs, loss_rows, grad_loss=grad)
+        return [x.new_empty(0) if g is None else scaled_in_place(g, None, p.dtype) for g, p in
+                zip(grads, (x, weight, bias))]
 
     def linear_backward_fake(grad, x, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss,
-                             rows_per_chunk, needs):
+                             rows_per_chunk, accumulation, needs):
         return [p.new_empty(p.shape) if need else x.new_empty(0) for need, p in zip(needs, (x, weight, bias))]
 
     linear_backward_op = TorchOp("linear_cross_entropy_backward", linear_backward_forward, linear_backward_fake)
 
     def linear_save(ctx, args, results):
         x, weight, target, bias, *options = args
-        ctx.options, ctx.reduction, ctx.computed = options, options[4], options[6]
+        ctx.options, ctx.reduction, ctx.computed = options, options[4], options[7]
+        ctx.consumed = False
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         if ctx.reduction == "none":
             ctx.save_for_backward(x, weight, target, bias)
@@ -407,28 +438,34 @@ def torch_layer():
     def scaled_in_torch_ops(grad_acc, g, dtype):
         return (grad_acc.to(g.dtype) * g).to(dtype)
 
-    def scaled_by_slices(grad_acc, g, dtype):
-        """grad_acc * g rounded once to `dtype`, a slice of rows at a time: no whole float32 copy of
-        a gradient (and on CUDA a half-precision tensor times a float32 0-d one rounds the factor
-        to half precision first). A new tensor: a second backward (retain_graph) finds grad_acc as
-        saved."""
-        if grad_acc.dtype == dtype == g.dtype:
-            return grad_acc * g
-        out = torch.empty(grad_acc.shape, dtype=dtype, device=grad_acc.device)
-        row_elements = grad_acc[0].numel() if grad_acc.dim() > 1 else 1
-        rows = chunk_rows(row_elements, g.element_size(), scale_slice_bytes)
+    def scaled_in_place(grad_acc, g, dtype):
+        """grad_acc * g (g None: 1) rounded once to `dtype`, in grad_acc's memory: no second tensor of
+        a weight's size. A slice of rows at a time through g's dtype (no whole float32 copy of a
+        gradient; and on CUDA a half-precision tensor times a float32 0-d one would round the
+        factor to half precision first). Into a narrower dtype (a float32 accumulator of a bf16
+        weight's gradient) the slices are written in increasing row order over the start of
+        grad_acc's storage: a slice's rows land at or below the bytes they were read from, past the
+        rows already written, and the result is a view of that storage (which stays allocated
+        until the view is freed)."""
+        if grad_acc.dtype == dtype and (g is None or g.dtype == dtype):
+            return grad_acc if g is None else grad_acc.mul_(g)
+        out = grad_acc
+        if grad_acc.dtype != dtype:  # a narrower dtype: grad_acc is the (contiguous) accumulator
+            out = grad_acc.view(-1).view(dtype)[:grad_acc.numel()].view(grad_acc.shape)
+        rows = chunk_rows(math.prod(grad_acc.shape[1:]), 8, scale_slice_bytes)  # a copy of 32 MiB of float32
         for start in range(0, grad_acc.shape[0], rows):
-            out[start:start + rows] = grad_acc[start:start + rows].to(g.dtype) * g
+            part = grad_acc[start:start + rows]  # read whole into a copy before `out` is written
+            out[start:start + rows] = part.clone() if g is None else part.to(g.dtype, copy=True).mul_(g)
         return out
 
     def linear_formula(ctx, grads, run):
-        (grad,), options = grads, (None,) * 7
+        (grad,), options = grads, (None,) * 8
         needs = [ctx.needs_input_grad[i] for i in (0, 1, 3)]
         if grad is None or not any(needs):
             return (None, None, None, None) + options
         if ctx.reduction == "none":
             x, weight, target, bias = ctx.saved_tensors
-            got = run(linear_backward_op, grad, x, weight, target, bias, *ctx.options[:4], ctx.options[5], needs)
+            got = run(linear_backward_op, grad, x, weight, target, bias, *ctx.options[:4], *ctx.options[5:7], needs)
         else:
             for name, need, computed in zip(("input", "weight", "bias"), needs, ctx.computed):
                 if need and not computed:
@@ -436,9 +473,14 @@ def torch_layer():
                                        "forward was not asked for (its `needs` argument)")
             # Traced by torch.compile: PyTorch ops, which inductor fuses into one pass each.
             traced = torch.compiler.is_compiling() or type(grad) is not torch.Tensor
-            scale = scaled_in_torch_ops if traced else scaled_by_slices
-            got = [scale(g, grad, dtype) if need else None for need, g, dtype in
-                   zip(needs, ctx.saved_tensors, ctx.dtypes)]
+            if ctx.consumed:
+                raise RuntimeError("brrr::linear_cross_entropy: a second backward through the same graph "
+                                   "(retain_graph) is not supported: the first scaled the gradients the forward "
+                                   "computed in place; run the forward again")
+            saved = ctx.saved_tensors
+            ctx.consumed = not traced  # outside torch.compile, in the saved gradients' memory
+            scale = scaled_in_torch_ops if traced else scaled_in_place
+            got = [scale(g, grad, dtype) if need else None for need, g, dtype in zip(needs, saved, ctx.dtypes)]
         grad_input, grad_weight, grad_bias = (g if need else None for g, need in zip(got, needs))
         return (grad_input, grad_weight, None, grad_bias) + options
 
@@ -446,13 +488,13 @@ def torch_layer():
                         backward=linear_formula, grad_args=(0, 1, 3))
 
     def linear_cross_entropy_(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap, z_loss,
-                              dtype, budget):
+                              dtype, budget, accumulation):
         """brrr.linear_cross_entropy on torch tensors (arguments checked)."""
         hidden = input.shape[-1]
         needs = [torch.is_grad_enabled() and p is not None and p.requires_grad for p in (input, weight, bias)]
-        rows = chunk_rows(weight.shape[0], input.element_size(), budget)
+        rows = chunk_rows(weight.shape[0], input.element_size(), budget, gemm_tile_rows)
         loss = linear_op(input.reshape(-1, hidden), weight, target.reshape(-1), bias, ignore_index, label_smoothing,
-                         softcap, z_loss, reduction, rows, needs)
+                         softcap, z_loss, reduction, rows, accumulation, needs)
         if reduction == "none":
             loss = loss.view(target.shape)
         dtype = input.dtype if dtype is None else dtype
@@ -500,8 +542,9 @@ def torch_layer():
         return loss.sum() / counted.sum() if reduction == "mean" else loss.sum()
 
     def linear_reference(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, softcap=None, z_loss=0.0, dtype=None, logits_budget=None):
-        """The logits in full (logits_budget is brrr's alone)."""
+                         label_smoothing=0.0, softcap=None, z_loss=0.0, dtype=None, logits_budget=None,
+                         accumulation=None):
+        """The logits in full (logits_budget and accumulation are brrr's alone)."""
         logits = F.linear(input, weight, bias)
         loss = reference(logits.reshape(-1, weight.shape[0]), target.reshape(-1), ignore_index=ignore_index,
                          reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,

@@ -1,6 +1,6 @@
 """Peak memory of the weight-gradient accumulation of linear_cross_entropy (grad_weight float32
 += grad_logits.T @ x in bf16, through cuBLAS's float32 output) by the ways PyTorch can write it,
-and of brrr.linear_cross_entropy's forward and backward, on a CUDA device:
+and of brrr.linear_cross_entropy's forward and backward with each accumulation, on a CUDA device:
 
     python benchmarks/probes/addmm_out_dtype_memory.py
 """
@@ -36,11 +36,14 @@ t = torch.randint(0, V, (16384,), device=dev)
 loss = None
 
 
-def forward():
+def forward(accumulation):
     global loss
-    loss = brrr.linear_cross_entropy(xs, w, t, dtype=torch.float32)
+    loss = brrr.linear_cross_entropy(xs, w, t, dtype=torch.float32, accumulation=accumulation)
 
 
-print(f"linear_cross_entropy forward (grads computed): {peak_above(forward):.2f} GiB above")
-print(f"  held after it: {torch.cuda.memory_allocated() / 2**30:.2f} GiB in all")
-print(f"its backward: {peak_above(lambda: loss.backward()):.2f} GiB above")
+for accumulation in brrr.xent.ACCUMULATIONS:
+    print(f"linear_cross_entropy, accumulation {accumulation!r}, forward (grads computed): "
+          f"{peak_above(lambda: forward(accumulation)):.2f} GiB above")
+    print(f"  held after it: {torch.cuda.memory_allocated() / 2**30:.2f} GiB in all")
+    print(f"  its backward: {peak_above(lambda: loss.backward()):.2f} GiB above")
+    loss = xs.grad = w.grad = None
