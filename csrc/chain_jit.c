@@ -154,77 +154,142 @@ static int is_heavy(int op) {
  * the call's cost hides behind the steps' own. */
 #define BRRR_JIT_INLINE_HEAVY_STEPS 4
 
-/* The step sequence as a function of one element: chain_fwd(y, v0, ...) returns the chain's
- * value; chain_bwd(y, v0, ..., g0, ...) returns d out / d x and sets gb = d out / d operand b,
- * in one forward sweep as the interpreted program_grad does (the same operations in the same
- * order, so the same values up to the compiler's contraction of a multiply and an add). */
-static void put_element_functions(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
-    const int nops = p->n_operands;
+static int inlined(const brrr_chain_steps *p) {
     int heavy = 0;
     for (int s = 0; s < p->n_steps; s++) heavy += is_heavy(p->steps[s].op);
-    put(t, "__device__ %s A chain_%s(A y", heavy > BRRR_JIT_INLINE_HEAVY_STEPS ? "__noinline__" : "__forceinline__",
-        k->backward ? "bwd" : "fwd");
-    for (int b = 0; b < nops; b++) put(t, ", const A v%d", b);
-    for (int b = 0; k->backward && b < nops; b++) put(t, ", A &g%d", b);
-    put(t, ") {\n");
-    if (k->backward) {
-        put(t, "    A total = (A)1, d;\n");
-        for (int b = 0; b < nops; b++) put(t, "    g%d = (A)0;\n", b);
-    }
-    int active = 0; /* operands whose step has been passed */
-    for (int s = 0; s < p->n_steps; s++) {
-        const brrr_chain_step *st = &p->steps[s];
-        int takes_scalar;
-        const char *fn = op_function(st->op, &takes_scalar);
-        const int b = st->operand;
-        if (!k->backward) {
-            if (st->op == BRRR_OP_ADD_TENSOR) put(t, "    y = y + v%d;\n", b);
-            else if (st->op == BRRR_OP_MUL_TENSOR) put(t, "    y = y * v%d;\n", b);
-            else if (st->op == BRRR_OP_ADD_SCALAR || st->op == BRRR_OP_MUL_SCALAR) {
-                put(t, "    y = y %c ", st->op == BRRR_OP_ADD_SCALAR ? '+' : '*');
-                put_scalar(t, st->scalar);
-                put(t, ";\n");
-            } else {
-                put(t, "    y = M::%s_fwd(y", fn);
-                if (takes_scalar) {
-                    put(t, ", ");
-                    put_scalar(t, st->scalar);
-                }
-                put(t, ");\n");
-            }
-            continue;
-        }
-        if (st->op == BRRR_OP_ADD_TENSOR) {
-            put(t, "    y = y + v%d;\n    g%d = (A)1;\n", b, b);
-            active |= 1 << b;
-            continue;
-        }
-        if (st->op == BRRR_OP_ADD_SCALAR) {
-            put(t, "    y = y + ");
+    return heavy <= BRRR_JIT_INLINE_HEAVY_STEPS;
+}
+
+static int is_trig(int op) { return op == BRRR_OP_COS || op == BRRR_OP_SIN; }
+
+/* The statements of step st on element j of y, v0.. and, backward, t (d out / d x so far) and
+ * g0.. (d out / d operand); j is "" in the element function, "[j]" in the pack one. in_range:
+ * a trig step's value is known to be in the pack range (M::pack_in_trig_range). *active: the
+ * operands whose step has been passed. */
+static void put_step(text *t, const brrr_chain_kernel *k, const brrr_chain_step *st, int nops, const char *j,
+                     int in_range, int *active) {
+    int takes_scalar;
+    const char *fn = op_function(st->op, &takes_scalar), *range = in_range ? "_in_range" : "";
+    const int b = st->operand;
+    if (!k->backward) {
+        if (st->op == BRRR_OP_ADD_TENSOR || st->op == BRRR_OP_MUL_TENSOR) {
+            put(t, "    y%s = y%s %c v%d%s;\n", j, j, st->op == BRRR_OP_ADD_TENSOR ? '+' : '*', b, j);
+        } else if (st->op == BRRR_OP_ADD_SCALAR || st->op == BRRR_OP_MUL_SCALAR) {
+            put(t, "    y%s = y%s %c ", j, j, st->op == BRRR_OP_ADD_SCALAR ? '+' : '*');
             put_scalar(t, st->scalar);
             put(t, ";\n");
-            continue;
-        }
-        if (st->op == BRRR_OP_MUL_TENSOR) {
-            put(t, "    d = v%d;\n    g%d = y;\n    y = y * d;\n", b, b);
-        } else if (st->op == BRRR_OP_MUL_SCALAR) {
-            put(t, "    d = ");
-            put_scalar(t, st->scalar);
-            put(t, ";\n    y = y * d;\n");
         } else {
-            put(t, "    y = M::%s_fwd_grad(y, ", fn);
+            put(t, "    y%s = M::%s_fwd%s(y%s", j, fn, range, j);
             if (takes_scalar) {
-                put_scalar(t, st->scalar);
                 put(t, ", ");
+                put_scalar(t, st->scalar);
             }
-            put(t, "&d);\n");
+            put(t, ");\n");
         }
-        put(t, "    total = total * d;\n");
-        for (int j = 0; j < nops; j++)
-            if (active >> j & 1) put(t, "    g%d = g%d * d;\n", j, j);
-        if (st->op == BRRR_OP_MUL_TENSOR) active |= 1 << b;
+        return;
     }
-    put(t, "    return %s;\n}\n\n", k->backward ? "total" : "y");
+    if (st->op == BRRR_OP_ADD_TENSOR) {
+        put(t, "    y%s = y%s + v%d%s;\n    g%d%s = (A)1;\n", j, j, b, j, b, j);
+        *active |= 1 << b;
+        return;
+    }
+    if (st->op == BRRR_OP_ADD_SCALAR) {
+        put(t, "    y%s = y%s + ", j, j);
+        put_scalar(t, st->scalar);
+        put(t, ";\n");
+        return;
+    }
+    if (st->op == BRRR_OP_MUL_TENSOR) {
+        put(t, "    d = v%d%s;\n    g%d%s = y%s;\n    y%s = y%s * d;\n", b, j, b, j, j, j, j);
+    } else if (st->op == BRRR_OP_MUL_SCALAR) {
+        put(t, "    d = ");
+        put_scalar(t, st->scalar);
+        put(t, ";\n    y%s = y%s * d;\n", j, j);
+    } else {
+        put(t, "    y%s = M::%s_fwd_grad%s(y%s, ", j, fn, range, j);
+        if (takes_scalar) {
+            put_scalar(t, st->scalar);
+            put(t, ", ");
+        }
+        put(t, "&d);\n");
+    }
+    put(t, "    t%s = t%s * d;\n", j, j);
+    for (int o = 0; o < nops; o++)
+        if (*active >> o & 1) put(t, "    g%d%s = g%d%s * d;\n", o, j, o, j);
+    if (st->op == BRRR_OP_MUL_TENSOR) *active |= 1 << b;
+}
+
+/* The parameters of chain_fwd/chain_bwd (element function) or chain_fwd_n/chain_bwd_n (pack
+ * function, of arrays of N values). */
+static void put_parameters(text *t, const brrr_chain_kernel *k, int nops, int pack) {
+    put(t, pack ? "A (&y)[N]" : "A y");
+    for (int b = 0; b < nops; b++) put(t, pack ? ", const A (&v%d)[N]" : ", const A v%d", b);
+    if (k->backward && pack) put(t, ", A (&t)[N]");
+    for (int b = 0; k->backward && b < nops; b++) put(t, pack ? ", A (&g%d)[N]" : ", A &g%d", b);
+}
+
+/* The step sequence, applied in one forward sweep as the interpreted program_grad does (the same
+ * operations in the same order, so the same values up to the compiler's contraction of a
+ * multiply and an add): the chain's value, and backward d out / d x and d out / d operand b.
+ *
+ * Element function: chain_fwd(y, v0, ...) returns the chain's value; chain_bwd(y, v0, ..., g0,
+ * ...) returns d out / d x and sets gb. Chains of few heavy steps (inlined) also get the pack
+ * function chain_fwd_n / chain_bwd_n, which applies each step to all N values of a thread
+ * before the next (the element function calls it with N = 1): a trig step then checks its range
+ * once for the pack, as the interpreted kernels do, instead of branching around every value's
+ * fast path, and the steps' constants stay in registers across the pack. */
+static void put_element_functions(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+    const int nops = p->n_operands, pack = inlined(p);
+    const char *name = k->backward ? "bwd" : "fwd";
+    int active = 0;
+    if (pack) {
+        put(t, "template <int N>\n__device__ __forceinline__ void chain_%s_n(", name);
+        put_parameters(t, k, nops, 1);
+        put(t, ") {\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n");
+        if (k->backward) put(t, "        t[j] = (A)1;\n");
+        for (int b = 0; k->backward && b < nops; b++) put(t, "        g%d[j] = (A)0;\n", b);
+        put(t, "    }\n");
+        for (int s = 0; s < p->n_steps;) {
+            const int op = p->steps[s].op;
+            if (is_trig(op)) { /* the pack's range checked once: the fast path, else every value's own */
+                put(t, "    if (M::pack_in_trig_range(y)) {\n");
+                for (int in_range = 1; in_range >= 0; in_range--) {
+                    int passed = active;
+                    put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n%s", k->backward ? "    A d;\n" : "");
+                    put_step(t, k, &p->steps[s], nops, "[j]", in_range, &passed);
+                    put(t, in_range ? "    }\n    } else {\n" : "    }\n    }\n");
+                }
+                s++;
+                continue;
+            }
+            put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n%s", k->backward ? "    A d;\n" : "");
+            for (; s < p->n_steps && !is_trig(p->steps[s].op); s++) put_step(t, k, &p->steps[s], nops, "[j]", 0, &active);
+            put(t, "    }\n");
+        }
+        put(t, "}\n\n__device__ __forceinline__ A chain_%s(", name);
+        put_parameters(t, k, nops, 0);
+        put(t, ") {\n    A y_[1] = {y}%s", k->backward ? ", t_[1]" : "");
+        for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d_[1]", b);
+        put(t, ";\n");
+        for (int b = 0; b < nops; b++) put(t, "    const A v%d_[1] = {v%d};\n", b, b);
+        put(t, "    chain_%s_n<1>(y_", name);
+        for (int b = 0; b < nops; b++) put(t, ", v%d_", b);
+        if (k->backward) put(t, ", t_");
+        for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d_", b);
+        put(t, ");\n");
+        for (int b = 0; k->backward && b < nops; b++) put(t, "    g%d = g%d_[0];\n", b, b);
+        put(t, "    return %s;\n}\n\n", k->backward ? "t_[0]" : "y_[0]");
+        return;
+    }
+    put(t, "__device__ __noinline__ A chain_%s(", name);
+    put_parameters(t, k, nops, 0);
+    put(t, ") {\n");
+    if (k->backward) {
+        put(t, "    A t = (A)1, d;\n");
+        for (int b = 0; b < nops; b++) put(t, "    g%d = (A)0;\n", b);
+    }
+    for (int s = 0; s < p->n_steps; s++) put_step(t, k, &p->steps[s], nops, "", 0, &active);
+    put(t, "    return %s;\n}\n\n", k->backward ? "t" : "y");
 }
 
 /* The arguments of chain_fwd/chain_bwd for element j of the arrays y, v0.. and g0.. */
@@ -241,7 +306,7 @@ static int is_vector(const brrr_chain_kernel *k, int b) { return k->vector_mask 
 /* Dense tensors: each thread owns two 16-byte packs of every tensor, a block apart (coalesced),
  * all loaded before any is computed, as the precompiled contiguous kernels do (the bytes in
  * flight that keep HBM busy); block 0 takes the last numel % VEC elements one per thread. */
-static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops) {
+static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops, int pack) {
     const char *result = k->backward ? "t" : "y";
     /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels. */
     put(t, "extern \"C\" __global__ void __launch_bounds__(256, 2) brrr_chain(const __grid_constant__ brrr_chain_flat a) {\n"
@@ -260,9 +325,17 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops)
     for (int b = 0; b < nops; b++)
         put(t, "        ld_pack(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC);\n", b,
             is_vector(k, b) ? "(p * VEC) % a.row_length" : "p * VEC", b);
-    put(t, "    }\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n        %s[j] = ", result);
-    put_call(t, k, nops, "[j]");
-    put(t, ";\n");
+    if (pack) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
+        put(t, "    }\n    chain_%s_n(y", k->backward ? "bwd" : "fwd");
+        for (int b = 0; b < nops; b++) put(t, ", v%d", b);
+        if (k->backward) put(t, ", t");
+        for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d", b);
+        put(t, ");\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n");
+    } else {
+        put(t, "    }\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n        %s[j] = ", result);
+        put_call(t, k, nops, "[j]");
+        put(t, ";\n");
+    }
     if (k->backward) {
         put(t, "        t[j] = t[j] * gr[j];\n");
         for (int b = 0; b < nops; b++)
@@ -448,7 +521,7 @@ static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p)
             "    *reinterpret_cast<Pack *>(p) = k;\n}\n\n",
         storage, compute, math, ld, st);
     put_element_functions(&t, k, p);
-    if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p->n_operands);
+    if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p->n_operands, inlined(p));
     else if (k->layout == BRRR_JIT_STRIDED) put_strided_kernel(&t, k, p->n_operands);
     else put_rows_kernel(&t, k, p->n_operands);
     return t.data;

@@ -69,12 +69,15 @@ def test_generated_sources_compile(cache_dir, seed):
 @needs_nvrtc
 def test_the_source_is_specialised(cache_dir):
     source, _, _ = _C.chain_jit_compile([("mul", 1.0001)] * 256, "float32")
-    assert source.count("y = y * (A)0x1.00068db8bac71p+0;") == 256  # unrolled, the scalar an immediate
+    assert source.count("y[j] = y[j] * (A)0x1.00068db8bac71p+0;") == 256  # unrolled, the scalar an immediate
     source, _, _ = _C.chain_jit_compile(MIXED, "bfloat16", backward=True, grad_mask=3, vector_mask=1, layout="rows", ndim=3)
     assert "M::gelu_fwd_grad(y, &d)" in source and "M::pow_fwd_grad(y, (A)0x1.8p+1, &d)" in source
     assert "L.partials" in source and "__shared__" in source
     assert "__noinline__ A chain_bwd" in source  # ten elementary functions: one copy, called
-    assert "__forceinline__ A chain_fwd" in _C.chain_jit_compile(["cos", "cos"], "float16")[0]
+    source = _C.chain_jit_compile(["cos", "cos"], "float16")[0]
+    assert "__forceinline__ A chain_fwd" in source  # two: inlined, each step on the whole pack
+    assert source.count("if (M::pack_in_trig_range(y))") == 2 and source.count("M::cos_fwd_in_range(y[j])") == 2
+    assert "M::cos_fwd_grad_in_range(y[j], &d)" in _C.chain_jit_compile(["cos", "cos"], "float32", backward=True)[0]
     source, _, _ = _C.chain_jit_compile(["relu", ("add", float("inf")), ("mul", float("nan"))], "float64")
     assert "__longlong_as_double(0x7ff0000000000000LL)" in source
 
