@@ -69,13 +69,13 @@ def test_generated_sources_compile(cache_dir, seed):
 @needs_nvrtc
 def test_the_source_is_specialised(cache_dir):
     source, _, _ = _C.chain_jit_compile([("mul", 1.0001)] * 256, "float32")
-    assert source.count("y[j] = y[j] * (A)0x1.00068db8bac71p+0;") == 256  # unrolled, the scalar an immediate
+    assert source.count("y = y * (A)0x1.00068db8bac71p+0;") == 256  # unrolled, the scalar an immediate
     source, _, _ = _C.chain_jit_compile(MIXED, "bfloat16", backward=True, grad_mask=3, vector_mask=1, layout="rows", ndim=3)
     assert "M::gelu_fwd_grad(y, &d)" in source and "M::pow_fwd_grad(y, (A)0x1.8p+1, &d)" in source
     assert "L.partials" in source and "__shared__" in source
     assert "__noinline__ A chain_bwd" in source  # ten elementary functions: one copy, called
     source = _C.chain_jit_compile(["cos", "cos"], "float16")[0]
-    assert "__forceinline__ A chain_fwd" in source  # two: inlined, each step on the whole pack
+    assert "__forceinline__ A chain_fwd" in source  # two trig steps: inlined, each on the whole pack
     assert source.count("if (M::pack_in_trig_range(y))") == 2 and source.count("M::cos_fwd_in_range(y[j])") == 2
     assert "M::cos_fwd_grad_in_range(y[j], &d)" in _C.chain_jit_compile(["cos", "cos"], "float32", backward=True)[0]
     source, _, _ = _C.chain_jit_compile(["relu", ("add", float("inf")), ("mul", float("nan"))], "float64")
@@ -167,6 +167,16 @@ def test_an_nvrtc_already_loaded_is_used_with_its_builtins(tmp_path):
                             env={**os.environ, "BRRR_CACHE_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["compiled", os.path.realpath(path)]
+
+
+def test_build_info_reports_no_chain_step_limit():
+    # Chains have none (the CPU twin, the compiled kernels); the interpreted kernels, which run
+    # CUDA chains without NVRTC, take MAX_CHAIN_STEPS.
+    info = brrr.build_info()
+    assert info["max_chain_steps"] is None and info["max_interpreted_chain_steps"] == _C.MAX_CHAIN_STEPS == 16
+    steps = [("mul", 1.0001)] * (2 * _C.MAX_CHAIN_STEPS + 1)
+    x = random((1000,), torch.float32, "cpu")
+    assert_close(brrr.chain(*steps)(x), x.double() * 1.0001 ** len(steps), torch.float32)
 
 
 def test_compile_arguments_are_checked():
