@@ -106,6 +106,24 @@ def test_scalar_op_forward_and_gradient(device, dtype, name):
         assert_near(grad, want, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("c", [2.0, 3.0])
+def test_pow_by_two_and_three_over_every_sign_and_special_value(device, dtype, c):
+    # Squares and cubes are computed as products: negative bases, signed zeros, infinities and
+    # NaN as torch.pow gives them, and the derivative c y ** (c - 1).
+    x = random((1031,), dtype, device)
+    x[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -1.0], dtype=dtype)
+    steps = [("pow", c)]
+    got = brrr.chain(*steps)(x, out=poisoned_like(x))
+    assert_close(got, reference(steps, x), dtype)
+    assert torch.equal(torch.signbit(got[:2].cpu()), torch.tensor([False, c == 3.0]))
+    g = random((1031,), dtype, device)
+    _, (grad,) = grads_of(brrr.chain(*steps), x, [], g)
+    _, (want,) = reference_grads(steps, x, [], g)
+    assert_near(grad, want, dtype)
+
+
 @pytest.mark.parametrize("name", list(NEW_OPS) + list(SCALAR_OPS))
 def test_gradcheck(name):
     low, high = NEW_OPS[name][1] if name in NEW_OPS else SCALAR_OPS[name][1]
