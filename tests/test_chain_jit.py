@@ -67,6 +67,22 @@ def test_generated_sources_compile(cache_dir, seed):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_packed_chains_with_operands_compile(cache_dir, dtype):
+    """Chains of few heavy steps with a trig step get the pack function: with tensor operands
+    (dense and vector), every layout, both directions and every gradient mask."""
+    steps = ["add_tensor", "cos", ("mul", 2.0), "mul_tensor", "sin", "relu"]
+    for vector in range(4):
+        for layout, ndim in [("contiguous", 1), ("strided", 2)] + ([("rows", 2)] if vector else []):
+            for backward in (False, True) if layout != "rows" else (True,):
+                for grads in range(4) if backward else (0,):
+                    grads = grads | vector if layout == "rows" else grads & ~vector
+                    source, cubin, _ = _C.chain_jit_compile(steps, dtype, backward=backward, layout=layout, ndim=ndim,
+                                                            vector_mask=vector, grad_mask=grads)
+                    assert "chain_%s_n" % ("bwd" if backward else "fwd") in source and cubin[:4] == b"\x7fELF"
+
+
+@needs_nvrtc
 def test_the_source_is_specialised(cache_dir):
     source, _, _ = _C.chain_jit_compile([("mul", 1.0001)] * 256, "float32")
     assert source.count("y = y * (A)0x1.00068db8bac71p+0;") == 256  # unrolled, the scalar an immediate

@@ -202,6 +202,25 @@ def test_random_long_chains(device, dtype, seed, strided):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vector", [False, True], ids=["dense", "vector"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_trig_chains_with_operands(device, dtype, vector, strided):
+    # Few heavy steps and a trig step: compiled on CUDA as steps over a thread's whole pack.
+    steps = ["add_tensor", "cos", ("mul", 2.0), "mul_tensor", "sin", "relu", ("add", 0.25), "cos"]
+    x = random((67, 131), dtype, device)
+    if strided:
+        x = x.t().contiguous().t()
+    operands = [random(x.shape[-1:] if vector else x.shape, dtype, device, -1.5, 1.5) for _ in range(2)]
+    assert_near(brrr.chain(*steps)(x, *operands), reference(steps, x, operands), dtype, 4.0)
+    g = random(x.shape, dtype, device)
+    _, grads = grads_of(brrr.chain(*steps), x, operands, g)
+    _, want = reference_grads(steps, x, operands, g)
+    for got, expected in zip(grads, want):
+        assert_near(got, expected, dtype, 8.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_chain_of_256_steps_is_one_call(device):
     steps = [("mul", 1.0001)] * 256
     x = random((1 << 12,), torch.float32, device)
