@@ -156,21 +156,22 @@ static int is_heavy(int op) {
 
 static int is_trig(int op) { return op == BRRR_OP_COS || op == BRRR_OP_SIN; }
 
-/* Whether the chain gets the pack function (put_element_functions): an inlined chain with a trig
- * step. Other chains gain nothing from it (their inlined copies share one basic block, and its
- * constants, already), and NVRTC folds them faster as element functions: the backward of 256
- * multiplies by a scalar, a constant derivative, compiled in 0.05 s as one, 0.14 s as a pack. */
+/* Whether the element function is inlined at every element (else called). */
 static int inlined(const brrr_chain_steps *p) {
     int heavy = 0;
     for (int s = 0; s < p->n_steps; s++) heavy += is_heavy(p->steps[s].op);
     return heavy <= BRRR_JIT_INLINE_HEAVY_STEPS;
 }
+
+/* Whether the chain gets the pack function (put_element_functions): an inlined chain with a trig
+ * step. Other chains gain nothing from it (their inlined copies share one basic block, and its
+ * constants, already), and NVRTC folds them faster as element functions: the backward of 256
+ * multiplies by a scalar, a constant derivative, compiled in 0.05 s as one, 0.14 s as a pack. */
 static int packed(const brrr_chain_steps *p) {
     int trig = 0;
     for (int s = 0; s < p->n_steps; s++) trig |= is_trig(p->steps[s].op);
     return trig && inlined(p);
 }
-
 
 /* How a trig step of a pack function is computed: the pack is in range (M::pack_in_trig_range),
  * or it is not, and each value goes through one called copy of the whole function. */
@@ -349,8 +350,9 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops,
     for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d[N]", b);
     /* A pack past the end loads the last one again (its values are computed, not stored). With
      * a branch around each load, ptxas sank the first pack's steps into it and loaded the second
-     * pack only after computing the first: half the bytes in flight, which float32 x * c 64
-     * times (0.88 of torch.compile's speed) felt. Unguarded, the second load is issued first. */
+     * pack only after computing the first: half the bytes in flight (the likely cause of float32
+     * x * c 64 times running at 0.88 of torch.compile's speed). Unguarded, the second load is
+     * issued first. */
     put(t, ";\n    if (n_packs > 0) {\n#pragma unroll\n"
            "    for (int u = 0; u < U; ++u) {\n"
            "        const long long q = first + (long long)u * 256, p = q < n_packs ? q : n_packs - 1;\n"
