@@ -294,8 +294,11 @@ static void put_element_functions(text *t, const brrr_chain_kernel *k, const brr
                 s++;
                 continue;
             }
-            put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n%s", k->backward ? "    A d;\n" : "");
-            for (; s < p->n_steps && !is_trig(p->steps[s].op); s++) put_step(t, k, &p->steps[s], nops, "[j]", TRIG_INLINE, &active);
+            int end = s, uses_d = 0; /* the run of steps up to the next trig step; whether one has a derivative */
+            for (; end < p->n_steps && !is_trig(p->steps[end].op); end++)
+                uses_d |= p->steps[end].op != BRRR_OP_ADD_TENSOR && p->steps[end].op != BRRR_OP_ADD_SCALAR;
+            put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n%s", k->backward && uses_d ? "    A d;\n" : "");
+            for (; s < end; s++) put_step(t, k, &p->steps[s], nops, "[j]", TRIG_INLINE, &active);
             put(t, "    }\n");
         }
         put(t, "}\n\n__device__ __forceinline__ A chain_%s(", name);
