@@ -154,77 +154,177 @@ static int is_heavy(int op) {
  * the call's cost hides behind the steps' own. */
 #define BRRR_JIT_INLINE_HEAVY_STEPS 4
 
-/* The step sequence as a function of one element: chain_fwd(y, v0, ...) returns the chain's
- * value; chain_bwd(y, v0, ..., g0, ...) returns d out / d x and sets gb = d out / d operand b,
- * in one forward sweep as the interpreted program_grad does (the same operations in the same
- * order, so the same values up to the compiler's contraction of a multiply and an add). */
-static void put_element_functions(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
-    const int nops = p->n_operands;
+static int is_trig(int op) { return op == BRRR_OP_COS || op == BRRR_OP_SIN; }
+
+/* Whether the element function is inlined at every element (else called). */
+static int inlined(const brrr_chain_steps *p) {
     int heavy = 0;
     for (int s = 0; s < p->n_steps; s++) heavy += is_heavy(p->steps[s].op);
-    put(t, "__device__ %s A chain_%s(A y", heavy > BRRR_JIT_INLINE_HEAVY_STEPS ? "__noinline__" : "__forceinline__",
-        k->backward ? "bwd" : "fwd");
-    for (int b = 0; b < nops; b++) put(t, ", const A v%d", b);
-    for (int b = 0; k->backward && b < nops; b++) put(t, ", A &g%d", b);
-    put(t, ") {\n");
-    if (k->backward) {
-        put(t, "    A total = (A)1, d;\n");
-        for (int b = 0; b < nops; b++) put(t, "    g%d = (A)0;\n", b);
-    }
-    int active = 0; /* operands whose step has been passed */
-    for (int s = 0; s < p->n_steps; s++) {
-        const brrr_chain_step *st = &p->steps[s];
-        int takes_scalar;
-        const char *fn = op_function(st->op, &takes_scalar);
-        const int b = st->operand;
-        if (!k->backward) {
-            if (st->op == BRRR_OP_ADD_TENSOR) put(t, "    y = y + v%d;\n", b);
-            else if (st->op == BRRR_OP_MUL_TENSOR) put(t, "    y = y * v%d;\n", b);
-            else if (st->op == BRRR_OP_ADD_SCALAR || st->op == BRRR_OP_MUL_SCALAR) {
-                put(t, "    y = y %c ", st->op == BRRR_OP_ADD_SCALAR ? '+' : '*');
-                put_scalar(t, st->scalar);
-                put(t, ";\n");
-            } else {
-                put(t, "    y = M::%s_fwd(y", fn);
-                if (takes_scalar) {
-                    put(t, ", ");
-                    put_scalar(t, st->scalar);
-                }
-                put(t, ");\n");
-            }
-            continue;
-        }
-        if (st->op == BRRR_OP_ADD_TENSOR) {
-            put(t, "    y = y + v%d;\n    g%d = (A)1;\n", b, b);
-            active |= 1 << b;
-            continue;
-        }
-        if (st->op == BRRR_OP_ADD_SCALAR) {
-            put(t, "    y = y + ");
+    return heavy <= BRRR_JIT_INLINE_HEAVY_STEPS;
+}
+
+/* Whether the chain gets the pack function (put_element_functions): an inlined chain with a trig
+ * step. Other chains gain nothing from it (their inlined copies share one basic block, and its
+ * constants, already), and NVRTC folds them faster as element functions: the backward of 256
+ * multiplies by a scalar, a constant derivative, compiled in 0.05 s as one, 0.14 s as a pack. */
+static int packed(const brrr_chain_steps *p) {
+    int trig = 0;
+    for (int s = 0; s < p->n_steps; s++) trig |= is_trig(p->steps[s].op);
+    return trig && inlined(p);
+}
+
+/* How a trig step of a pack function is computed: the pack is in range (M::pack_in_trig_range),
+ * or it is not, and each value goes through one called copy of the whole function. */
+enum { TRIG_INLINE, TRIG_IN_RANGE, TRIG_CALLED };
+
+/* The statements of step st on element j of y, v0.. and, backward, t (d out / d x so far) and
+ * g0.. (d out / d operand); j is "" in the element function, "[j]" in the pack one. trig: how
+ * a trig step is computed. *active: the operands whose step has been passed. */
+static void put_step(text *t, const brrr_chain_kernel *k, const brrr_chain_step *st, int nops, const char *j, int trig,
+                     int *active) {
+    int takes_scalar;
+    const char *fn = op_function(st->op, &takes_scalar);
+    const char *range = is_trig(st->op) && trig == TRIG_IN_RANGE ? "_in_range" : "";
+    const int b = st->operand, called = is_trig(st->op) && trig == TRIG_CALLED;
+    if (!k->backward) {
+        if (st->op == BRRR_OP_ADD_TENSOR || st->op == BRRR_OP_MUL_TENSOR) {
+            put(t, "    y%s = y%s %c v%d%s;\n", j, j, st->op == BRRR_OP_ADD_TENSOR ? '+' : '*', b, j);
+        } else if (st->op == BRRR_OP_ADD_SCALAR || st->op == BRRR_OP_MUL_SCALAR) {
+            put(t, "    y%s = y%s %c ", j, j, st->op == BRRR_OP_ADD_SCALAR ? '+' : '*');
             put_scalar(t, st->scalar);
             put(t, ";\n");
-            continue;
-        }
-        if (st->op == BRRR_OP_MUL_TENSOR) {
-            put(t, "    d = v%d;\n    g%d = y;\n    y = y * d;\n", b, b);
-        } else if (st->op == BRRR_OP_MUL_SCALAR) {
-            put(t, "    d = ");
-            put_scalar(t, st->scalar);
-            put(t, ";\n    y = y * d;\n");
+        } else if (called) {
+            put(t, "    y%s = %s_any(y%s);\n", j, fn, j);
         } else {
-            put(t, "    y = M::%s_fwd_grad(y, ", fn);
+            put(t, "    y%s = M::%s_fwd%s(y%s", j, fn, range, j);
             if (takes_scalar) {
-                put_scalar(t, st->scalar);
                 put(t, ", ");
+                put_scalar(t, st->scalar);
             }
-            put(t, "&d);\n");
+            put(t, ");\n");
         }
-        put(t, "    total = total * d;\n");
-        for (int j = 0; j < nops; j++)
-            if (active >> j & 1) put(t, "    g%d = g%d * d;\n", j, j);
-        if (st->op == BRRR_OP_MUL_TENSOR) active |= 1 << b;
+        return;
     }
-    put(t, "    return %s;\n}\n\n", k->backward ? "total" : "y");
+    if (st->op == BRRR_OP_ADD_TENSOR) {
+        put(t, "    y%s = y%s + v%d%s;\n    g%d%s = (A)1;\n", j, j, b, j, b, j);
+        *active |= 1 << b;
+        return;
+    }
+    if (st->op == BRRR_OP_ADD_SCALAR) {
+        put(t, "    y%s = y%s + ", j, j);
+        put_scalar(t, st->scalar);
+        put(t, ";\n");
+        return;
+    }
+    if (st->op == BRRR_OP_MUL_TENSOR) {
+        put(t, "    d = v%d%s;\n    g%d%s = y%s;\n    y%s = y%s * d;\n", b, j, b, j, j, j, j);
+    } else if (st->op == BRRR_OP_MUL_SCALAR) {
+        put(t, "    d = ");
+        put_scalar(t, st->scalar);
+        put(t, ";\n    y%s = y%s * d;\n", j, j);
+    } else if (called) {
+        put(t, "    const Step r = %s_any(y%s);\n    y%s = r.y;\n    d = r.d;\n", fn, j, j);
+    } else {
+        put(t, "    y%s = M::%s_fwd_grad%s(y%s, ", j, fn, range, j);
+        if (takes_scalar) {
+            put_scalar(t, st->scalar);
+            put(t, ", ");
+        }
+        put(t, "&d);\n");
+    }
+    put(t, "    t%s = t%s * d;\n", j, j);
+    for (int o = 0; o < nops; o++)
+        if (*active >> o & 1) put(t, "    g%d%s = g%d%s * d;\n", o, j, o, j);
+    if (st->op == BRRR_OP_MUL_TENSOR) *active |= 1 << b;
+}
+
+/* The parameters of chain_fwd/chain_bwd (element function) or chain_fwd_n/chain_bwd_n (pack
+ * function, of arrays of N values). */
+static void put_parameters(text *t, const brrr_chain_kernel *k, int nops, int pack) {
+    put(t, pack ? "A (&y)[N]" : "A y");
+    for (int b = 0; b < nops; b++) put(t, pack ? ", const A (&v%d)[N]" : ", const A v%d", b);
+    if (k->backward && pack) put(t, ", A (&t)[N]");
+    for (int b = 0; k->backward && b < nops; b++) put(t, pack ? ", A (&g%d)[N]" : ", A &g%d", b);
+}
+
+/* The step sequence, applied in one forward sweep as the interpreted program_grad does (the same
+ * operations in the same order, so the same values up to the compiler's contraction of a
+ * multiply and an add): the chain's value, and backward d out / d x and d out / d operand b.
+ *
+ * Element function: chain_fwd(y, v0, ...) returns the chain's value; chain_bwd(y, v0, ..., g0,
+ * ...) returns d out / d x and sets gb. Inlined chains with a trig step (packed) also get the
+ * pack function chain_fwd_n / chain_bwd_n, which applies each step to all N values of a thread
+ * before the next (the element function calls it with N = 1): a trig step then checks its range
+ * once for the pack, as the interpreted kernels do, instead of branching around every value's
+ * fast path (which kept the compiler from sharing the polynomials' constants across values:
+ * cos.cos in float32 went from about 33 instructions a cos to 21). */
+static void put_element_functions(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+    const int nops = p->n_operands, pack = packed(p);
+    const char *name = k->backward ? "bwd" : "fwd";
+    int active = 0;
+    if (pack) {
+        /* Packs out of the fast range (a large, infinite or NaN value) are rare: their trig steps
+         * call one copy of the function rather than inlining it for every value. */
+        int trig_ops = 0;
+        for (int s = 0; s < p->n_steps; s++) trig_ops |= is_trig(p->steps[s].op) << (p->steps[s].op == BRRR_OP_SIN);
+        if (trig_ops && k->backward) put(t, "struct Step {\n    A y, d;\n};\n");
+        for (int i = 0; i < 2; i++) {
+            const char *fn = i ? "sin" : "cos";
+            if (!(trig_ops >> i & 1)) continue;
+            if (k->backward) put(t, "__device__ __noinline__ Step %s_any(A y) {\n    Step r;\n    r.y = M::%s_fwd_grad(y, &r.d);\n"
+                                    "    return r;\n}\n", fn, fn);
+            else put(t, "__device__ __noinline__ A %s_any(A y) {\n    return M::%s_fwd(y);\n}\n", fn, fn);
+        }
+        put(t, "template <int N>\n__device__ __forceinline__ void chain_%s_n(", name);
+        put_parameters(t, k, nops, 1);
+        put(t, ") {\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n");
+        if (k->backward) put(t, "        t[j] = (A)1;\n");
+        for (int b = 0; k->backward && b < nops; b++) put(t, "        g%d[j] = (A)0;\n", b);
+        put(t, "    }\n");
+        for (int s = 0; s < p->n_steps;) {
+            const int op = p->steps[s].op;
+            if (is_trig(op)) { /* the pack's range checked once: the fast path, else every value's own */
+                put(t, "    if (M::pack_in_trig_range(y)) {\n");
+                for (int trig = TRIG_IN_RANGE; trig <= TRIG_CALLED; trig++) {
+                    int passed = active;
+                    put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n%s", k->backward ? "    A d;\n" : "");
+                    put_step(t, k, &p->steps[s], nops, "[j]", trig, &passed);
+                    put(t, trig == TRIG_IN_RANGE ? "    }\n    } else {\n" : "    }\n    }\n");
+                }
+                s++;
+                continue;
+            }
+            int end = s, uses_d = 0; /* the run of steps up to the next trig step; whether one has a derivative */
+            for (; end < p->n_steps && !is_trig(p->steps[end].op); end++)
+                uses_d |= p->steps[end].op != BRRR_OP_ADD_TENSOR && p->steps[end].op != BRRR_OP_ADD_SCALAR;
+            put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n%s", k->backward && uses_d ? "    A d;\n" : "");
+            for (; s < end; s++) put_step(t, k, &p->steps[s], nops, "[j]", TRIG_INLINE, &active);
+            put(t, "    }\n");
+        }
+        put(t, "}\n\n__device__ __forceinline__ A chain_%s(", name);
+        put_parameters(t, k, nops, 0);
+        put(t, ") {\n    A y_[1] = {y}%s", k->backward ? ", t_[1]" : "");
+        for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d_[1]", b);
+        put(t, ";\n");
+        for (int b = 0; b < nops; b++) put(t, "    const A v%d_[1] = {v%d};\n", b, b);
+        put(t, "    chain_%s_n<1>(y_", name);
+        for (int b = 0; b < nops; b++) put(t, ", v%d_", b);
+        if (k->backward) put(t, ", t_");
+        for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d_", b);
+        put(t, ");\n");
+        for (int b = 0; k->backward && b < nops; b++) put(t, "    g%d = g%d_[0];\n", b, b);
+        put(t, "    return %s;\n}\n\n", k->backward ? "t_[0]" : "y_[0]");
+        return;
+    }
+    put(t, "__device__ %s A chain_%s(", inlined(p) ? "__forceinline__" : "__noinline__", name);
+    put_parameters(t, k, nops, 0);
+    put(t, ") {\n");
+    if (k->backward) {
+        put(t, "    A t = (A)1, d;\n");
+        for (int b = 0; b < nops; b++) put(t, "    g%d = (A)0;\n", b);
+    }
+    for (int s = 0; s < p->n_steps; s++) put_step(t, k, &p->steps[s], nops, "", TRIG_INLINE, &active);
+    put(t, "    return %s;\n}\n\n", k->backward ? "t" : "y");
 }
 
 /* The arguments of chain_fwd/chain_bwd for element j of the arrays y, v0.. and g0.. */
@@ -241,28 +341,41 @@ static int is_vector(const brrr_chain_kernel *k, int b) { return k->vector_mask 
 /* Dense tensors: each thread owns two 16-byte packs of every tensor, a block apart (coalesced),
  * all loaded before any is computed, as the precompiled contiguous kernels do (the bytes in
  * flight that keep HBM busy); block 0 takes the last numel % VEC elements one per thread. */
-static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops) {
+static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops, int pack) {
     const char *result = k->backward ? "t" : "y";
     /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels. */
     put(t, "extern \"C\" __global__ void __launch_bounds__(256, 2) brrr_chain(const __grid_constant__ brrr_chain_flat a) {\n"
            "    constexpr int U = 2, N = VEC * U;\n"
            "    const long long n_packs = a.numel / VEC;\n"
            "    const long long first = (long long)blockIdx.x * (256 * U) + threadIdx.x;\n"
-           "    A y[N] = {}%s", k->backward ? ", gr[N] = {}, t[N]" : "");
-    for (int b = 0; b < nops; b++) put(t, ", v%d[N] = {}", b);
+           "    A y[N]%s", k->backward ? ", gr[N], t[N]" : "");
+    for (int b = 0; b < nops; b++) put(t, ", v%d[N]", b);
     for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d[N]", b);
-    put(t, ";\n#pragma unroll\n"
+    /* A pack past the end loads the last one again (its values are computed, not stored). With
+     * a branch around each load, ptxas sank the first pack's steps into it and loaded the second
+     * pack only after computing the first: half the bytes in flight (the likely cause of float32
+     * x * c 64 times running at 0.88 of torch.compile's speed). Unguarded, the second load is
+     * issued first. */
+    put(t, ";\n    if (n_packs > 0) {\n#pragma unroll\n"
            "    for (int u = 0; u < U; ++u) {\n"
-           "        const long long p = first + (long long)u * 256;\n"
-           "        if (p >= n_packs) continue;\n"
+           "        const long long q = first + (long long)u * 256, p = q < n_packs ? q : n_packs - 1;\n"
            "        ld_pack(static_cast<const T *>(a.x) + p * VEC, y + u * VEC);\n");
     if (k->backward) put(t, "        ld_pack(static_cast<const T *>(a.grad_out) + p * VEC, gr + u * VEC);\n");
     for (int b = 0; b < nops; b++)
         put(t, "        ld_pack(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC);\n", b,
             is_vector(k, b) ? "(p * VEC) % a.row_length" : "p * VEC", b);
-    put(t, "    }\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n        %s[j] = ", result);
-    put_call(t, k, nops, "[j]");
-    put(t, ";\n");
+    put(t, "    }\n");
+    if (pack) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
+        put(t, "    chain_%s_n(y", k->backward ? "bwd" : "fwd");
+        for (int b = 0; b < nops; b++) put(t, ", v%d", b);
+        if (k->backward) put(t, ", t");
+        for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d", b);
+        put(t, ");\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n");
+    } else {
+        put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n        %s[j] = ", result);
+        put_call(t, k, nops, "[j]");
+        put(t, ";\n");
+    }
     if (k->backward) {
         put(t, "        t[j] = t[j] * gr[j];\n");
         for (int b = 0; b < nops; b++)
@@ -276,7 +389,7 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops)
     for (int b = 0; b < nops; b++)
         if (grad_wanted(k, b) && !is_vector(k, b))
             put(t, "        st_pack(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC);\n", b, b);
-    put(t, "    }\n"
+    put(t, "    }\n    }\n"
            "    const long long i = n_packs * VEC + threadIdx.x;\n"
            "    if (VEC == 1 || blockIdx.x != 0 || i >= a.numel) return;\n"
            "    const A y0 = ld(static_cast<const T *>(a.x)[i]);\n");
@@ -410,19 +523,20 @@ static void put_rows_kernel(text *t, const brrr_chain_kernel *k, int nops) {
 static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
     text t = {NULL, 0, 0, 0};
     const char *storage, *compute, *math, *ld, *st;
+    int math_id = 1; /* chain_math.cuh's BRRR_CHAIN_MATH for M */
     switch (k->dtype) {
     case BRRR_F16:
-        storage = "unsigned short", compute = "float", math = "Fast32";
+        storage = "unsigned short", compute = "float", math = "Fast32", math_id = 2;
         ld = "float f;\n    asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(v));\n    return f;";
         st = "unsigned short h;\n    asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(v));\n    return h;";
         break;
     case BRRR_BF16:
-        storage = "unsigned short", compute = "float", math = "Fast32";
+        storage = "unsigned short", compute = "float", math = "Fast32", math_id = 2;
         ld = "return __uint_as_float((unsigned)v << 16);";
         st = "unsigned short h;\n    asm(\"cvt.rn.bf16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(v));\n    return h;";
         break;
     case BRRR_F64:
-        storage = "double", compute = "double", math = "Precise64", ld = "return v;", st = "return v;";
+        storage = "double", compute = "double", math = "Precise64", math_id = 3, ld = "return v;", st = "return v;";
         break;
     default:
         storage = "float", compute = "float", math = "Precise32", ld = "return v;", st = "return v;";
@@ -431,7 +545,7 @@ static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p)
     static const char *const LAYOUT[] = {"contiguous", "strided", "rows"};
     put(&t, "// brrr chain, %s, %s, %s over %d dims: %d steps.\n", brrr_dtype_name(k->dtype),
         k->backward ? "backward" : "forward", LAYOUT[k->layout], k->ndim, (int)p->n_steps);
-    put(&t, "#define BRRR_LARGE_TRIG __noinline__\n#include \"chain_math.cuh\"\n\n"
+    put(&t, "#define BRRR_LARGE_TRIG __noinline__\n#define BRRR_CHAIN_MATH %d\n#include \"chain_math.cuh\"\n\n"
             "typedef %s T; // storage\n"
             "typedef %s A; // compute\n"
             "typedef brrr::%s M;\n"
@@ -446,9 +560,9 @@ static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p)
             "    Pack k;\n"
             "#pragma unroll\n    for (int j = 0; j < VEC; ++j) k.v[j] = st(in[j]);\n"
             "    *reinterpret_cast<Pack *>(p) = k;\n}\n\n",
-        storage, compute, math, ld, st);
+        math_id, storage, compute, math, ld, st);
     put_element_functions(&t, k, p);
-    if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p->n_operands);
+    if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p->n_operands, packed(p));
     else if (k->layout == BRRR_JIT_STRIDED) put_strided_kernel(&t, k, p->n_operands);
     else put_rows_kernel(&t, k, p->n_operands);
     return t.data;
@@ -612,9 +726,12 @@ static int nvrtc_compile(const char *source, int arch, char **image, size_t *siz
     }
     char arch_option[32];
     snprintf(arch_option, sizeof arch_option, "-arch=sm_%d", arch);
-    /* -default-device: brrr_cuda.h declares the host launchers, unannotated. */
-    const char *options[] = {arch_option, "-std=c++17", "-default-device"};
-    rc = nvrtc.compile(prog, (int)(sizeof options / sizeof options[0]), options);
+    /* -default-device: brrr_cuda.h declares the host launchers, unannotated. --minimal (NVRTC
+     * 12.4 and later) leaves out the runtime API's device-side declarations, which the kernels do
+     * not use: about 5 ms of every compile. */
+    const char *options[] = {arch_option, "-std=c++17", "-default-device", "--minimal"};
+    const int minimal = nvrtc.major > 12 || (nvrtc.major == 12 && nvrtc.minor >= 4);
+    rc = nvrtc.compile(prog, (int)(sizeof options / sizeof options[0]) - !minimal, options);
     if (rc == 0 && nvrtc.cubin_size(prog, size) == 0 && (*image = malloc(*size)) != NULL &&
         nvrtc.cubin(prog, *image) == 0) {
         nvrtc.destroy(&prog);

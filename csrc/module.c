@@ -59,10 +59,13 @@ static PyObject *py_build_info(PyObject *module, PyObject *unused) {
     brrr_cuda_runtime_version(&runtime);
     if (brrr_cuda_driver_version(&driver) != 0) driver = 0;
 #endif
-    return Py_BuildValue("{s:O,s:s,s:i,s:i,s:i,s:s,s:i,s:i}", "cuda_compiled", BRRR_WITH_CUDA ? Py_True : Py_False,
+    /* Chains have no step limit (the CPU twin, and on CUDA the kernels compiled for each chain);
+     * without NVRTC (chain_jit_info() says), CUDA chains run in the interpreted kernels, which
+     * take at most max_interpreted_chain_steps. */
+    return Py_BuildValue("{s:O,s:s,s:i,s:i,s:i,s:s,s:i,s:O,s:i}", "cuda_compiled", BRRR_WITH_CUDA ? Py_True : Py_False,
                          "cuda_archs", BRRR_BUILD_CUDA_ARCHS, "cuda_runtime_version", runtime, "cuda_driver_version",
                          driver, "cuda_device_count", cuda_device_count(), "dlpack_version", "1.3", "max_dims",
-                         BRRR_MAX_DIMS, "max_chain_steps", BRRR_MAX_CHAIN_STEPS);
+                         BRRR_MAX_DIMS, "max_chain_steps", Py_None, "max_interpreted_chain_steps", BRRR_MAX_CHAIN_STEPS);
 }
 
 static PyMethodDef methods[] = {

@@ -10,6 +10,9 @@ namespace brrr {
 
 #define QUAL static __device__ __forceinline__
 #define FN(name) name
+// A chain compiled at run time needs one of the three, which it names in BRRR_CHAIN_MATH (1, 2
+// or 3): parsing the other two cost NVRTC about 5 ms of every compile.
+#if !defined(BRRR_CHAIN_MATH) || BRRR_CHAIN_MATH == 1
 struct Precise32 {
 #define REAL float
 #define EXP expf
@@ -34,6 +37,8 @@ struct Precise32 {
 #include "chain_apply.inc"
 #include "chain_math_end.inc"
 };
+#endif
+#if !defined(BRRR_CHAIN_MATH) || BRRR_CHAIN_MATH == 2
 struct Fast32 {
 #define REAL float
 #define EXP fast_exp
@@ -60,6 +65,8 @@ struct Fast32 {
 #include "chain_apply.inc"
 #include "chain_math_end.inc"
 };
+#endif
+#if !defined(BRRR_CHAIN_MATH) || BRRR_CHAIN_MATH == 3
 struct Precise64 {
 #define REAL double
 #define EXP exp
@@ -84,6 +91,7 @@ struct Precise64 {
 #include "chain_apply.inc"
 #include "chain_math_end.inc"
 };
+#endif
 #undef FN
 #undef QUAL
 

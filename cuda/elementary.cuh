@@ -112,31 +112,24 @@ __device__ __forceinline__ void fast_sincos_in_range(float x, float *s, float *c
 // Beyond kTrigLimit: the exact Payne-Hanek reduction (trig_reduce.h), then the polynomials.
 // Kernels compiled at run time call it (BRRR_LARGE_TRIG __noinline__): inlined at every trig
 // step of a long unrolled chain it made NVRTC several times slower, for arguments that are rare.
+// Sin and cos come back by value: a call that wrote them through pointers kept them in local
+// memory, and the fast path then stored them there too (one STL per element and trig step).
+struct SinCos {
+    float s, c;
+};
 #ifndef BRRR_LARGE_TRIG
 #define BRRR_LARGE_TRIG __forceinline__
 #endif
-__device__ BRRR_LARGE_TRIG void large_sincos(float x, float *s, float *c) {
-    if (!isfinite(x)) {
-        *s = *c = x - x;  // NaN for inf and NaN
-        return;
-    }
+__device__ BRRR_LARGE_TRIG SinCos large_sincos(float x) {
+    if (!isfinite(x)) return {x - x, x - x};  // NaN for inf and NaN
     int q;
     const float r = (float)brrr_reduce_large(x, &q);
     float ps, pc;
     sincos_poly(r, ps, pc);
-    *s = quadrant_sin(q, ps, pc);
-    *c = quadrant_sin(q + 1, ps, pc);
+    return {quadrant_sin(q, ps, pc), quadrant_sin(q + 1, ps, pc)};
 }
-__device__ __forceinline__ float large_sin(float x) {
-    float s, c;
-    large_sincos(x, &s, &c);
-    return s;
-}
-__device__ __forceinline__ float large_cos(float x) {
-    float s, c;
-    large_sincos(x, &s, &c);
-    return c;
-}
+__device__ __forceinline__ float large_sin(float x) { return large_sincos(x).s; }
+__device__ __forceinline__ float large_cos(float x) { return large_sincos(x).c; }
 
 // The same with the range check, for code that handles one element at a time.
 __device__ __forceinline__ bool trig_in_range(float x) { return fabsf(x) <= kTrigLimit; }
@@ -145,12 +138,20 @@ __device__ __forceinline__ float precise_cos(float x) { return trig_in_range(x) 
 __device__ __forceinline__ float fast_sin(float x) { return trig_in_range(x) ? fast_sin_in_range(x) : large_sin(x); }
 __device__ __forceinline__ float fast_cos(float x) { return trig_in_range(x) ? fast_cos_in_range(x) : large_cos(x); }
 __device__ __forceinline__ void precise_sincos(float x, float *s, float *c) {
-    if (trig_in_range(x)) precise_sincos_in_range(x, s, c);
-    else large_sincos(x, s, c);
+    if (trig_in_range(x)) {
+        precise_sincos_in_range(x, s, c);
+    } else {
+        const SinCos v = large_sincos(x);
+        *s = v.s, *c = v.c;
+    }
 }
 __device__ __forceinline__ void fast_sincos(float x, float *s, float *c) {
-    if (trig_in_range(x)) fast_sincos_in_range(x, s, c);
-    else large_sincos(x, s, c);
+    if (trig_in_range(x)) {
+        fast_sincos_in_range(x, s, c);
+    } else {
+        const SinCos v = large_sincos(x);
+        *s = v.s, *c = v.c;
+    }
 }
 
 __device__ __forceinline__ void sincos_f64(double x, double *s, double *c) { sincos(x, s, c); }

@@ -223,6 +223,30 @@ def test_trig_of_large_float32_arguments(device):
     assert_close(grad_x.grad, torch.cos(x.double().cpu()), torch.float32)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("steps", [["cos"], ["sin"], [("mul", 2.0), "cos", "sin"], [("mul", -1.0), "sin", ("mul", 2.0), "cos"]],
+                         ids=str)
+def test_trig_steps_on_packs_mixing_small_large_and_special_arguments(device, dtype, steps):
+    # Compiled chains check a trig step's range once for all the values a thread holds: a pack
+    # with one large, infinite or NaN value among small ones sends every value through the
+    # general path, and each must come out as exact as in an all-small pack. Multiplying by 2
+    # and by -1 is exact, so the float64 reference sees the same arguments.
+    gen = torch.Generator().manual_seed(5)
+    n = 4099
+    x = (torch.rand(n, generator=gen, dtype=torch.float64) * 2 - 1) * 3
+    x[::7] = torch.logspace(0, 38 if dtype != torch.float16 else 4.8, len(range(0, n, 7)), dtype=torch.float64)
+    x[3::7] *= -1
+    x[5::97], x[11::101], x[13::103] = float("inf"), float("-inf"), float("nan")
+    x = x.to(dtype).to(device)
+    assert_close(run(brrr.chain(*steps), x), reference_chain(steps, x), dtype)
+    leaf, g = x.detach().clone().requires_grad_(), random((n,), dtype, device)
+    brrr.chain(*steps)(leaf).backward(g)
+    want = x.detach().to("cpu", torch.float64).requires_grad_()
+    reference_chain(steps, want).backward(g.to("cpu", torch.float64))
+    assert_close(leaf.grad, want.grad, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cpu_half_rounding_is_round_to_nearest_even(dtype):
     # x + c is exact in fp32, so the only rounding is the store back to the half type; it must

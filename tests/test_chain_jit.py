@@ -67,6 +67,22 @@ def test_generated_sources_compile(cache_dir, seed):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_packed_chains_with_operands_compile(cache_dir, dtype):
+    """Chains of few heavy steps with a trig step get the pack function: with tensor operands
+    (dense and vector), every layout, both directions and every gradient mask."""
+    steps = ["add_tensor", "cos", ("mul", 2.0), "mul_tensor", "sin", "relu"]
+    for vector in range(4):
+        for layout, ndim in [("contiguous", 1), ("strided", 2)] + ([("rows", 2)] if vector else []):
+            for backward in (False, True) if layout != "rows" else (True,):
+                for grads in range(4) if backward else (0,):
+                    grads = grads | vector if layout == "rows" else grads & ~vector
+                    source, cubin, _ = _C.chain_jit_compile(steps, dtype, backward=backward, layout=layout, ndim=ndim,
+                                                            vector_mask=vector, grad_mask=grads)
+                    assert "chain_%s_n" % ("bwd" if backward else "fwd") in source and cubin[:4] == b"\x7fELF"
+
+
+@needs_nvrtc
 def test_the_source_is_specialised(cache_dir):
     source, _, _ = _C.chain_jit_compile([("mul", 1.0001)] * 256, "float32")
     assert source.count("y = y * (A)0x1.00068db8bac71p+0;") == 256  # unrolled, the scalar an immediate
@@ -74,7 +90,10 @@ def test_the_source_is_specialised(cache_dir):
     assert "M::gelu_fwd_grad(y, &d)" in source and "M::pow_fwd_grad(y, (A)0x1.8p+1, &d)" in source
     assert "L.partials" in source and "__shared__" in source
     assert "__noinline__ A chain_bwd" in source  # ten elementary functions: one copy, called
-    assert "__forceinline__ A chain_fwd" in _C.chain_jit_compile(["cos", "cos"], "float16")[0]
+    source = _C.chain_jit_compile(["cos", "cos"], "float16")[0]
+    assert "__forceinline__ A chain_fwd" in source  # two trig steps: inlined, each on the whole pack
+    assert source.count("if (M::pack_in_trig_range(y))") == 2 and source.count("M::cos_fwd_in_range(y[j])") == 2
+    assert "M::cos_fwd_grad_in_range(y[j], &d)" in _C.chain_jit_compile(["cos", "cos"], "float32", backward=True)[0]
     source, _, _ = _C.chain_jit_compile(["relu", ("add", float("inf")), ("mul", float("nan"))], "float64")
     assert "__longlong_as_double(0x7ff0000000000000LL)" in source
 
@@ -164,6 +183,16 @@ def test_an_nvrtc_already_loaded_is_used_with_its_builtins(tmp_path):
                             env={**os.environ, "BRRR_CACHE_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["compiled", os.path.realpath(path)]
+
+
+def test_build_info_reports_no_chain_step_limit():
+    # Chains have none (the CPU twin, the compiled kernels); the interpreted kernels, which run
+    # CUDA chains without NVRTC, take MAX_CHAIN_STEPS.
+    info = brrr.build_info()
+    assert info["max_chain_steps"] is None and info["max_interpreted_chain_steps"] == _C.MAX_CHAIN_STEPS == 16
+    steps = [("mul", 1.0001)] * (2 * _C.MAX_CHAIN_STEPS + 1)
+    x = random((1000,), torch.float32, "cpu")
+    assert_close(brrr.chain(*steps)(x), x.double() * 1.0001 ** len(steps), torch.float32)
 
 
 def test_compile_arguments_are_checked():

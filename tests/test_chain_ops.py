@@ -106,6 +106,24 @@ def test_scalar_op_forward_and_gradient(device, dtype, name):
         assert_near(grad, want, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("c", [2.0, 3.0])
+def test_pow_by_two_and_three_over_every_sign_and_special_value(device, dtype, c):
+    # Squares and cubes are computed as products: negative bases, signed zeros, infinities and
+    # NaN as torch.pow gives them, and the derivative c y ** (c - 1).
+    x = random((1031,), dtype, device)
+    x[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -1.0], dtype=dtype)
+    steps = [("pow", c)]
+    got = brrr.chain(*steps)(x, out=poisoned_like(x))
+    assert_close(got, reference(steps, x), dtype)
+    assert torch.equal(torch.signbit(got[:2].cpu()), torch.tensor([False, c == 3.0]))
+    g = random((1031,), dtype, device)
+    _, (grad,) = grads_of(brrr.chain(*steps), x, [], g)
+    _, (want,) = reference_grads(steps, x, [], g)
+    assert_near(grad, want, dtype)
+
+
 @pytest.mark.parametrize("name", list(NEW_OPS) + list(SCALAR_OPS))
 def test_gradcheck(name):
     low, high = NEW_OPS[name][1] if name in NEW_OPS else SCALAR_OPS[name][1]
@@ -181,6 +199,25 @@ def test_random_long_chains(device, dtype, seed, strided):
     want_y, want = reference_grads(steps, x, operands, g)
     for got, expected in zip(grads, want):
         assert_near(got, expected, dtype, scale * 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vector", [False, True], ids=["dense", "vector"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_trig_chains_with_operands(device, dtype, vector, strided):
+    # Few heavy steps and a trig step: compiled on CUDA as steps over a thread's whole pack.
+    steps = ["add_tensor", "cos", ("mul", 2.0), "mul_tensor", "sin", "relu", ("add", 0.25), "cos"]
+    x = random((67, 131), dtype, device)
+    if strided:
+        x = x.t().contiguous().t()
+    operands = [random(x.shape[-1:] if vector else x.shape, dtype, device, -1.5, 1.5) for _ in range(2)]
+    assert_near(brrr.chain(*steps)(x, *operands), reference(steps, x, operands), dtype, 4.0)
+    g = random(x.shape, dtype, device)
+    _, grads = grads_of(brrr.chain(*steps), x, operands, g)
+    _, want = reference_grads(steps, x, operands, g)
+    for got, expected in zip(grads, want):
+        assert_near(got, expected, dtype, 8.0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
