@@ -43,6 +43,8 @@
 
 #include <atomic>
 #include <mutex>
+#include <stdlib.h>
+#include <string.h>
 #include <type_traits>
 
 #include "brrr_cuda.h"
@@ -416,24 +418,28 @@ __device__ __forceinline__ void lane_group_sum(A (&v)[kN], int tpr, int g, A (*s
 // The backward's shared memory, per group (lane) of the block: a ring of `stages` rows, each the
 // group's x, dy (and grad_residual) packs, [tensors][PACKS][tpr][VEC] so that a thread's packs
 // are 16-byte chunks next to its neighbours', then the rows' scalar slots; after every group's
-// ring, the buffer where the lanes' weight/bias sums meet at a chunk's end, [n_grads][lanes][cols].
+// ring, the buffer where the lanes' weight/bias sums meet at a chunk's end, [n_grads][lanes][cols],
+// and the weight in the compute type, unless weight_at is -1 (the kernel reads it from global
+// memory: rows whose ring and weight copy do not fit together, see bwd_config).
 // With it, the launch's chunk_rows (brrr_norm_chunk_rows: plain C, host only).
 struct BwdLayout {
     int tpr, lanes, stages, tensors, slots_per_group;
     int slots_at, combine_at, weight_at, bytes;  // byte offsets in the block's shared memory, and its size
+    int shift_word;                              // LayerNorm's shift copied as a 4-byte word (see issue)
     int64_t chunk_rows;
     template <typename T, typename A>
-    static BwdLayout make(int tpr, int elements, int lanes, int stages, int tensors, int n_grads, int64_t cols) {
-        BwdLayout b{tpr, lanes, stages, tensors, tpr < 32 ? 1 : tpr / 32, 0, 0, 0, 0, 0};
+    static BwdLayout make(int tpr, int elements, int lanes, int stages, int tensors, int n_grads, int64_t cols,
+                          bool weight_copy) {
+        BwdLayout b{tpr, lanes, stages, tensors, tpr < 32 ? 1 : tpr / 32, 0, 0, 0, 0, 1, 0};
         const int64_t ring = ((int64_t)lanes * stages * tensors * tpr * elements * (int64_t)sizeof(T) + 15) / 16 * 16;
         const int64_t slots = (int64_t)lanes * stages * b.slots_per_group * kSlotSize * (int64_t)sizeof(A);
         const int64_t combine = lanes > 1 ? ((int64_t)n_grads * lanes * cols * (int64_t)sizeof(A) + 15) / 16 * 16 : 0;
-        const int64_t weight = ((int64_t)tpr * elements * (int64_t)sizeof(A) + 15) / 16 * 16;  // the row's, padded
+        const int64_t weight = weight_copy ? ((int64_t)tpr * elements * (int64_t)sizeof(A) + 15) / 16 * 16 : 0;  // the row's, padded
         const int64_t total = ring + slots + combine + weight;
         if (total > INT32_MAX) return b;  // bytes 0: does not fit
         b.slots_at = (int)ring;
         b.combine_at = (int)(ring + slots);
-        b.weight_at = (int)(ring + slots + combine);
+        b.weight_at = weight_copy ? (int)(ring + slots + combine) : -1;
         b.bytes = (int)total;
         return b;
     }
@@ -450,7 +456,7 @@ struct BwdLayout {
 // bias gradients' sums of a thread's columns stay in registers; at a chunk's end the lanes meet
 // in shared memory, added in lane order into the chunk's partial row (one lane: straight from
 // registers). Per row: pass 1 converts x and dy, sums g * xhat and g (g = dy * w, w from a copy
-// in shared memory in the compute type) and adds the thread's dw/db terms; one group sum; pass 2
+// in shared memory in the compute type, or from global memory where that does not fit) and adds the thread's dw/db terms; one group sum; pass 2
 // writes dx from xhat and g kept in registers (kThreads 512), or converted again from the ring
 // (1024: kept, they spilled at 64 registers; ptxas, sm_90).
 // Assumes: cols % VEC == 0, cols <= tpr * PACKS * VEC, rows and their offsets within 32 bits.
@@ -477,10 +483,19 @@ __global__ void __launch_bounds__(kThreads, 1)
                      (g * stages * lay.slots_per_group + (tpr >= 32 ? t / 32 : 0)) * kSlotSize;
     A *const combine = reinterpret_cast<A *>(smem + lay.combine_at);
 
-    // The weight, in the compute type, for the whole block: the only place it is loaded.
-    A *const wsh = reinterpret_cast<A *>(smem + lay.weight_at);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) load_weight<T, 1>(L, i, wsh + i);
-    __syncthreads();
+    // The weight, in the compute type, for the whole block, where it fits beside the ring; else
+    // each pass reads it from global memory (L2), the same values.
+    const bool weight_copy = lay.weight_at >= 0;
+    A *const wsh = reinterpret_cast<A *>(smem + (weight_copy ? lay.weight_at : 0));
+    if (weight_copy) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) load_weight<T, 1>(L, i, wsh + i);
+        __syncthreads();
+    }
+    auto weight = [&](int at, A *w) {
+        if constexpr (is_half<T>) load_vec<A, VEC>(wsh + at, w);  // the copy always fits (bwd_config)
+        else if (weight_copy) load_vec<A, VEC>(wsh + at, w);
+        else load_weight<T, VEC>(L, at, w);
+    };
 
     // This group's rows, in order: lane g of the chunks blockIdx.x, + gridDim.x, ...
     int next_chunk = blockIdx.x, next = blockIdx.x * chunk_rows + g;
@@ -513,7 +528,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                 stage_copy<(int)sizeof(A)>(slot + kSlotRstd, static_cast<const A *>(L.rstd.data) + off[3]);
                 if (layer) {
                     stage_copy<(int)sizeof(A)>(slot + kSlotMean, static_cast<const A *>(L.mean.data) + off[4]);
-                    stage_copy<(int)sizeof(T)>(reinterpret_cast<T *>(slot + kSlotShift), static_cast<const T *>(L.x.data) + off[0]);
+                    // x's first element. A half's 2-byte copy is a load that the leader's warp
+                    // waits for, a memory latency on every LayerNorm row: with 16-byte rows
+                    // (VEC > 1) its 4-byte word goes by cp.async instead, the shift its first half
+                    // (lay.shift_word; BRRR_NORM_BWD_SHIFT=load for the load).
+                    T *shift = reinterpret_cast<T *>(slot + kSlotShift);
+                    const T *x0 = static_cast<const T *>(L.x.data) + off[0];
+                    if constexpr (VEC > 1 && sizeof(T) == 2) {
+                        if (lay.shift_word) stage_copy<4>(shift, x0);
+                        else stage_copy<2>(shift, x0);
+                    } else {
+                        stage_copy<(int)sizeof(T)>(shift, x0);
+                    }
                 }
             }
             next += lanes;
@@ -552,7 +578,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     A xv[VEC], dv[VEC], w[VEC];
                     load_vec<T, VEC>(xs + first + k * stride, xv);
                     load_vec<T, VEC>(dys + first + k * stride, dv);
-                    load_vec<A, VEC>(wsh + first + k * stride, w);
+                    weight(first + k * stride, w);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
                         const A xhat = xhat_of(st, xv[j]), gj = dv[j] * w[j];
@@ -591,7 +617,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     A w[VEC];
                     load_vec<T, VEC>(xs + first + k * stride, xv);
                     load_vec<T, VEC>(dys + first + k * stride, dv);
-                    load_vec<A, VEC>(wsh + first + k * stride, w);
+                    weight(first + k * stride, w);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
                         xv[j] = xhat_of(st, xv[j]);
@@ -819,8 +845,12 @@ __global__ void __launch_bounds__(kTileCols *kBwdMaxLanes)
 }
 
 // grad[c] = sum over the partial rows p < parts, in order, of partials[q][p][c]; blockIdx.y
-// picks grad_weight (0) or grad_bias (1). parts == 0 (no rows) writes zeros.
-template <typename T>
+// picks grad_weight (0) or grad_bias (1). parts == 0 (no rows) writes zeros. Thread (x, y) adds
+// partial rows y, y + kFinalLanes, ... in turn, loading kBatch of them before it adds them (in
+// the same order: the same bits for every kBatch). One at a time, the 16 dependent loads of 256
+// partial rows from 48-64 blocks were a latency chain beside a backward of tens of microseconds
+// at 768-1024 columns; BRRR_NORM_FINALIZE=serial picks kBatch 1 (docs/kernel-switches.md).
+template <typename T, int kBatch>
 __global__ void __launch_bounds__(kFinalCols *kFinalLanes)
     norm_finalize_kernel(const __grid_constant__ brrr_norm_launch L, const int64_t parts) {
     using A = typename Compute<T>::type;
@@ -832,7 +862,17 @@ __global__ void __launch_bounds__(kFinalCols *kFinalLanes)
     const int64_t col = (int64_t)blockIdx.x * kFinalCols + threadIdx.x;
     const A *part = static_cast<const A *>(L.partials) + (int64_t)q * parts * L.cols;
     A s = A(0);
-    for (int64_t p = threadIdx.y; col < L.cols && p < parts; p += kFinalLanes) s += part[p * L.cols + col];
+    for (int64_t p0 = threadIdx.y; col < L.cols && p0 < parts; p0 += (int64_t)kBatch * kFinalLanes) {
+        A v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const int64_t p = p0 + (int64_t)u * kFinalLanes;
+            v[u] = p < parts ? part[p * L.cols + col] : A(0);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+            if (p0 + (int64_t)u * kFinalLanes < parts) s += v[u];
+    }
     lanes[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y != 0 || col >= L.cols) return;
@@ -1012,21 +1052,42 @@ static size_t dynamic_smem_limit(int device, size_t static_bytes) {
     return (size_t)v > static_bytes ? (size_t)v - static_bytes : 0;
 }
 
+// Where the backward's fast path keeps the weight: BRRR_NORM_BWD_WEIGHT=smem (a copy in shared
+// memory, or the generic path where the ring and the copy do not fit together: the choice before
+// the global fallback) or global (read from global memory by every pass, more ring stages);
+// unset: the copy where it fits, else global. For measurements (docs/kernel-switches.md).
+enum class WeightPlace { kCopyOrGlobal, kCopy, kGlobal };
+static WeightPlace weight_place() {
+    const char *v = getenv("BRRR_NORM_BWD_WEIGHT");
+    if (v == nullptr) return WeightPlace::kCopyOrGlobal;
+    return strcmp(v, "global") == 0 ? WeightPlace::kGlobal : strcmp(v, "smem") == 0 ? WeightPlace::kCopy : WeightPlace::kCopyOrGlobal;
+}
+
 // The backward's fast path for this launch, or false when it does not apply (strided columns,
 // rows too long for 1024 threads / lanes at bwd_max_elements each, or shared memory too small
 // for one stage). A row gets the most threads, up to 1024 / lanes, at the fewest elements a
-// thread; the ring as many stages, up to 4, as the device's shared memory holds.
+// thread; the ring as many stages, up to 4, as the device's shared memory holds beside the
+// weight's copy; without room for one, the weight is read from global memory instead (float32
+// add_layer_norm at 16384 columns: three rows of 64 KB and the weight's 64 KB, past the 227 KB
+// of an H200, which sent it to the generic path at 35% of the memory floor).
 template <typename T>
 static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdConfig *cfg) {
     using A = typename Compute<T>::type;
     if (!L.contiguous_cols || L.cols > (1 << 30) || L.rows > (1 << 30)) return false;  // 32-bit row indices
     constexpr int kVec = vec_width<T>();
     const brrr_norm_view *const views[] = {&L.x, &L.grad_out, &L.grad_residual, &L.grad_x};
-    bool vector = L.cols % kVec == 0;  // (the weight is copied to shared memory element by element)
+    bool vector = L.cols % kVec == 0;  // (the weight's copy is made element by element)
     for (int i = 0; i < 4; ++i) vector = vector && rows_aligned(L, *views[i], (int64_t)sizeof(T));
     const int vec = vector ? kVec : 1, lanes = brrr_norm_lanes(L.cols), tensors = L.grad_residual.data ? 3 : 2;
     const int64_t packs_total = (L.cols + vec - 1) / vec;
     const size_t limit = dynamic_smem_limit(device, sizeof(A) * 2 * kBwdMaxLanes * 2 * 32);
+    // Reading the weight from global memory takes 16-byte loads where vec > 1.
+    const WeightPlace place = weight_place();
+    // Half rows never need it: their widest ring (three rows of 16384 columns, 96 KB) and the
+    // float32 copy (64 KB) fit together, and its second dtype branch cost the 1024-thread
+    // kernels spills.
+    const bool global_ok = !is_half<T> && place != WeightPlace::kCopy &&
+                           (vec == 1 || L.weight.data == nullptr || aligned16(L.weight.data));
     // The fewest elements a thread that leave a block within 512 threads (128 registers: room for
     // 16 elements a thread with xhat and g kept), else within 1024 (64 registers).
     for (int threads = 512; threads <= kBwdMaxThreads; threads *= 2) {
@@ -1041,12 +1102,16 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
             }
             if (tpr * lanes > threads) continue;
             if (threads == kBwdMaxThreads && packs * vec != bwd_max_elements<T>(vec)) continue;  // compiled only so
-            for (int stages = kBwdMaxStages; stages >= 1; --stages) {
-                BwdLayout lay = BwdLayout::make<T, A>((int)tpr, packs * vec, lanes, stages, tensors, n_grads, L.cols);
-                if (lay.bytes > 0 && (size_t)lay.bytes <= limit) {
-                    *cfg = {vec, packs, threads, lay};
-                    cfg->lay.chunk_rows = brrr_norm_chunk_rows(L.rows);
-                    return true;
+            for (int copy = place == WeightPlace::kGlobal && global_ok ? 0 : 1; copy >= (global_ok ? 0 : 1); --copy) {
+                for (int stages = kBwdMaxStages; stages >= 1; --stages) {
+                    BwdLayout lay = BwdLayout::make<T, A>((int)tpr, packs * vec, lanes, stages, tensors, n_grads, L.cols, copy == 1);
+                    if (lay.bytes > 0 && (size_t)lay.bytes <= limit) {
+                        *cfg = {vec, packs, threads, lay};
+                        cfg->lay.chunk_rows = brrr_norm_chunk_rows(L.rows);
+                        const char *shift = getenv("BRRR_NORM_BWD_SHIFT");
+                        cfg->lay.shift_word = shift == nullptr || strcmp(shift, "load") != 0;
+                        return true;
+                    }
                 }
             }
             return false;
@@ -1117,7 +1182,9 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     }
     if (n_grads > 0) {
         const dim3 grid((unsigned)((L.cols + kFinalCols - 1) / kFinalCols), 2);
-        norm_finalize_kernel<T><<<grid, dim3(kFinalCols, kFinalLanes), 0, stream>>>(L, chunks);
+        const char *finalize = getenv("BRRR_NORM_FINALIZE");
+        auto kernel = finalize && strcmp(finalize, "serial") == 0 ? norm_finalize_kernel<T, 1> : norm_finalize_kernel<T, 8>;
+        kernel<<<grid, dim3(kFinalCols, kFinalLanes), 0, stream>>>(L, chunks);
     }
     return cudaSuccess;
 }
