@@ -277,29 +277,6 @@ template <int BYTES> __device__ __forceinline__ void copy_async_bytes(void *smem
         asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(gmem), "n"(BYTES) : "memory");
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Cluster barriers (every thread of every block of the cluster), and a store into the shared
-// memory of block `rank` of the cluster at the address `local` has in this block.
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ unsigned cluster_map(const void *local, unsigned rank) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
-                 : "=r"(remote)
-                 : "r"(static_cast<unsigned>(__cvta_generic_to_shared(local))), "r"(rank));
-    return remote;
-}
-__device__ __forceinline__ void cluster_store(unsigned remote, float v) {
-    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(v) : "memory");
-}
-__device__ __forceinline__ void cluster_store(unsigned remote, double v) {
-    asm volatile("st.shared::cluster.f64 [%0], %1;\n" ::"r"(remote), "d"(v) : "memory");
-}
-#endif
-
 // The row held in shared memory, loaded once (cp.async), read from there by every pass: one read
 // and one write per element. A row is split over a cluster of `cluster` blocks (sm_90; one block
 // elsewhere), block `rank` holding columns [rank * slice, (rank + 1) * slice) (forward: x;

@@ -279,6 +279,35 @@ def test_backward_weight_from_global_memory(monkeypatch, kind, residual, cols):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", [8192, 8200, 12296, 16376, 16384])
+def test_backward_split_over_a_cluster(monkeypatch, dtype, kind, residual, cols):
+    """Rows past 8192 columns (one summation lane): on sm_90 two blocks of a cluster share each
+    row, rank 0 taking the first half rounded up to a 16-byte pack (8200, 12296 and 16376 leave
+    the halves unequal); BRRR_NORM_BWD_SPLIT=0 runs one 1024-thread block instead. Against the
+    float64 reference, for row counts that leave one chunk (1, 3) and many; the weight and bias
+    gradients the same bits either way (the same order), grad_x to rounding (its row sums are
+    added in another order)."""
+    for rows in (1, 3, 37):
+        x = random((rows, cols), dtype, "cuda")
+        r = random((rows, cols), dtype, "cuda") if residual else None
+        w, b = params(kind, "both", (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b)
+    x, g = random((301, cols), dtype, "cuda"), random((301, cols), dtype, "cuda")
+    r = random((301, cols), dtype, "cuda") if residual else None
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    split = _gradients_under(monkeypatch, {}, kind, x, r, w, b, g)
+    whole = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_SPLIT": "0"}, kind, x, r, w, b, g)
+    _assert_same_bits(split[2:], whole[2:], "split")
+    for a, e in zip(split[:2], whole[:2]):
+        if a is not None:
+            torch.testing.assert_close(a.float(), e.float(), rtol=TOLERANCE[dtype]["rtol"],
+                                       atol=TOLERANCE[dtype]["atol"] * float(e.float().abs().max()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("cols", [8, 768, 1024, 4096])
 @pytest.mark.parametrize("rows", [1, 37, 3001])
 def test_finalize_batched_loads_give_the_same_bits(monkeypatch, dtype, kind, cols, rows):
