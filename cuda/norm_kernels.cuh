@@ -25,7 +25,8 @@
 //                     Assumes: N <= 512 * PACKS * VEC, N % VEC == 0.
 // norm_bwd_kernel     the same row layout (up to 16 elements a thread), a block of
 //                     brrr_norm_lanes(cols) such groups within 512 threads (128 registers each;
-//                     1024 and 64 for the widest rows), each streaming its rows through a
+//                     the widest rows split over a cluster of two such blocks on sm_90, else
+//                     1024 threads at 64 registers), each streaming its rows through a
 //                     cp.async ring in shared memory (up to 3 rows in flight per group), the
 //                     weight and bias gradients summed in registers in the order of brrr_cuda.h
 //                     (see the kernel).
