@@ -1056,6 +1056,35 @@ static cudaError_t blocks_per_sm(Kernel kernel, int block, size_t smem, int devi
     return e;
 }
 
+// Clusters of a launch's cluster size that run at once: the blocks of a cluster share a GPC, so
+// this can be fewer than blocks_per_sm * SMs / size (a wave of clusters past it doubles a
+// kernel's time). Kept like blocks_per_sm, for the same reason.
+template <typename Kernel>
+static cudaError_t clusters_resident(Kernel kernel, cudaLaunchConfig_t cfg, int device, int *clusters) {
+    struct Entry {
+        const void *kernel;
+        int block, device;
+        size_t smem;
+        int clusters;
+    };
+    static std::mutex mutex;
+    static Entry table[32];
+    static int used = 0;
+    std::lock_guard<std::mutex> lock(mutex);
+    const int block = (int)cfg.blockDim.x;
+    for (int i = 0; i < used; ++i) {
+        if (table[i].kernel == (const void *)kernel && table[i].device == device && table[i].block == block &&
+            table[i].smem == cfg.dynamicSmemBytes) {
+            *clusters = table[i].clusters;
+            return cudaSuccess;
+        }
+    }
+    cfg.gridDim = dim3(cfg.attrs[0].val.clusterDim.x);  // one cluster: the query reads its shape
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(clusters, kernel, &cfg);
+    if (e == cudaSuccess && used < 32) table[used++] = {(const void *)kernel, block, device, cfg.dynamicSmemBytes, *clusters};
+    return e;
+}
+
 template <typename T>
 cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
     if (L.rows == 0 || L.cols == 0) return cudaSuccess;
@@ -1243,15 +1272,12 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
             if (e != cudaSuccess) return e;
             // As many blocks (clusters of `split`) as run at once, walking the chunks: the order
             // of the sums is the chunks', whatever the grid.
-            int64_t resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device) / split;
-            if (resident < 1) resident = 1;
-            const unsigned grid = (unsigned)((chunks < resident ? chunks : resident) * split);
+            const int64_t resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device);
             if (split == 1) {
-                kernel<<<grid, block, (size_t)cfg.lay.bytes, stream>>>(L, cfg.lay);
+                kernel<<<(unsigned)(chunks < resident ? chunks : resident), block, (size_t)cfg.lay.bytes, stream>>>(L, cfg.lay);
                 return cudaSuccess;
             }
             cudaLaunchConfig_t launch_cfg = {};
-            launch_cfg.gridDim = dim3(grid);
             launch_cfg.blockDim = dim3((unsigned)block);
             launch_cfg.dynamicSmemBytes = (size_t)cfg.lay.bytes;
             launch_cfg.stream = stream;
@@ -1262,6 +1288,11 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
             attr[0].val.clusterDim.z = 1;
             launch_cfg.attrs = attr;
             launch_cfg.numAttrs = 1;
+            int clusters = 0;
+            const cudaError_t ce = clusters_resident(kernel, launch_cfg, device, &clusters);
+            if (ce != cudaSuccess) return ce;
+            const int64_t fit = clusters > 0 ? clusters : 1;
+            launch_cfg.gridDim = dim3((unsigned)((chunks < fit ? chunks : fit) * split));
             return cudaLaunchKernelEx(&launch_cfg, kernel, L, cfg.lay);
         };
         const cudaError_t err = cfg.vec > 1 ? with_bwd_packs<T, vec_width<T>()>(cfg.packs, launch)
