@@ -251,12 +251,12 @@ def _assert_same_bits(got, want, what):
 @pytest.mark.parametrize("cols", [8196, 12288, 16384])
 def test_backward_weight_from_global_memory(monkeypatch, kind, residual, cols):
     """float32 rows past 8192 columns: where the backward's ring and its copy of the weight do not
-    fit in shared memory together (the fused forms' three rows at 16384 columns), the fast path
-    reads the weight from global memory instead of falling back to the generic kernels. Against
-    the float64 reference; BRRR_NORM_BWD_WEIGHT=global (every width here) gives the same bits as
-    the copy where the copy fits (the same kernel, the same values of w), and the weight and bias
-    gradients the same bits as the generic kernels (=smem where it does not fit: the same order,
-    brrr_cuda.h)."""
+    fit in shared memory together, or leave one stage of the ring (the fused forms' three rows at
+    16384 columns), the fast path reads the weight from global memory. Against the float64
+    reference; BRRR_NORM_BWD_WEIGHT=global (every width here) gives the same bits as the default
+    (the same kernel and values of w, whatever the stages); =smem keeps the copy (fewer stages, or
+    the generic kernels where none fits): the weight and bias gradients the same bits (the same
+    order, brrr_cuda.h), grad_x to rounding."""
     dtype = torch.float32
     for rows in (3, 37):
         x = random((rows, cols), dtype, "cuda")
