@@ -500,7 +500,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     norm_bwd_kernel(const __grid_constant__ brrr_norm_launch L, const BwdLayout lay) {
     using A = typename Compute<T>::type;
     constexpr int E = PACKS * VEC;
-    constexpr bool kKeep = kThreads <= 512;  // 128 registers: xhat and g kept between the passes
+    // 128 registers: xhat and g kept between the passes (not float64's in the split kernel, whose
+    // cluster state spilled 8 bytes beside them; ptxas, sm_90)
+    constexpr bool kKeep = kThreads <= 512 && !(kSplit > 1 && sizeof(A) == 8);
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ A red[2][kBwdMaxLanes][2][32];
     __shared__ A xch[2][kSplit][2];  // split_sum's buffers
