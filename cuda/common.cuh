@@ -146,6 +146,30 @@ __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.com
 // Waits until at most N of this thread's committed copy groups are still in flight.
 template <int N> __device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// (sm_90: thread block clusters; the softmax row kernel and the widest norm backward.)
+// Cluster barriers (every thread of every block of the cluster), and a store into the shared
+// memory of block `rank` of the cluster at the address `local` has in this block.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_map(const void *local, unsigned rank) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+                 : "=r"(remote)
+                 : "r"(static_cast<unsigned>(__cvta_generic_to_shared(local))), "r"(rank));
+    return remote;
+}
+__device__ __forceinline__ void cluster_store(unsigned remote, float v) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(v) : "memory");
+}
+__device__ __forceinline__ void cluster_store(unsigned remote, double v) {
+    asm volatile("st.shared::cluster.f64 [%0], %1;\n" ::"r"(remote), "d"(v) : "memory");
+}
+#endif
+
 // Run on `device`, restoring the caller's current device afterwards.
 struct DeviceGuard {
     int previous = -1, device;

@@ -25,7 +25,8 @@
 //                     Assumes: N <= 512 * PACKS * VEC, N % VEC == 0.
 // norm_bwd_kernel     the same row layout (up to 16 elements a thread), a block of
 //                     brrr_norm_lanes(cols) such groups within 512 threads (128 registers each;
-//                     1024 and 64 for the widest rows), each streaming its rows through a
+//                     the widest rows split over a cluster of two such blocks on sm_90, else
+//                     1024 threads at 64 registers), each streaming its rows through a
 //                     cp.async ring in shared memory (up to 3 rows in flight per group), the
 //                     weight and bias gradients summed in registers in the order of brrr_cuda.h
 //                     (see the kernel).
@@ -43,6 +44,8 @@
 
 #include <atomic>
 #include <mutex>
+#include <stdlib.h>
+#include <string.h>
 #include <type_traits>
 
 #include "brrr_cuda.h"
@@ -416,32 +419,65 @@ __device__ __forceinline__ void lane_group_sum(A (&v)[kN], int tpr, int g, A (*s
 // The backward's shared memory, per group (lane) of the block: a ring of `stages` rows, each the
 // group's x, dy (and grad_residual) packs, [tensors][PACKS][tpr][VEC] so that a thread's packs
 // are 16-byte chunks next to its neighbours', then the rows' scalar slots; after every group's
-// ring, the buffer where the lanes' weight/bias sums meet at a chunk's end, [n_grads][lanes][cols].
+// ring, the buffer where the lanes' weight/bias sums meet at a chunk's end, [n_grads][lanes][cols],
+// and the weight in the compute type, unless weight_at is -1 (the kernel reads it from global
+// memory: rows whose ring and weight copy do not fit together, see bwd_config).
 // With it, the launch's chunk_rows (brrr_norm_chunk_rows: plain C, host only).
 struct BwdLayout {
     int tpr, lanes, stages, tensors, slots_per_group;
     int slots_at, combine_at, weight_at, bytes;  // byte offsets in the block's shared memory, and its size
+    int shift_word;                              // LayerNorm's shift copied as a 4-byte word (see issue)
+    int split, split_cols;                       // blocks per row (a cluster), and rank 0's columns
     int64_t chunk_rows;
     template <typename T, typename A>
-    static BwdLayout make(int tpr, int elements, int lanes, int stages, int tensors, int n_grads, int64_t cols) {
-        BwdLayout b{tpr, lanes, stages, tensors, tpr < 32 ? 1 : tpr / 32, 0, 0, 0, 0, 0};
+    static BwdLayout make(int tpr, int elements, int lanes, int stages, int tensors, int n_grads, int64_t cols,
+                          bool weight_copy) {
+        BwdLayout b{tpr, lanes, stages, tensors, tpr < 32 ? 1 : tpr / 32, 0, 0, 0, 0, 1, 1, (int)cols, 0};
         const int64_t ring = ((int64_t)lanes * stages * tensors * tpr * elements * (int64_t)sizeof(T) + 15) / 16 * 16;
         const int64_t slots = (int64_t)lanes * stages * b.slots_per_group * kSlotSize * (int64_t)sizeof(A);
         const int64_t combine = lanes > 1 ? ((int64_t)n_grads * lanes * cols * (int64_t)sizeof(A) + 15) / 16 * 16 : 0;
-        const int64_t weight = ((int64_t)tpr * elements * (int64_t)sizeof(A) + 15) / 16 * 16;  // the row's, padded
+        const int64_t weight = weight_copy ? ((int64_t)tpr * elements * (int64_t)sizeof(A) + 15) / 16 * 16 : 0;  // the row's, padded
         const int64_t total = ring + slots + combine + weight;
         if (total > INT32_MAX) return b;  // bytes 0: does not fit
         b.slots_at = (int)ring;
         b.combine_at = (int)(ring + slots);
-        b.weight_at = (int)(ring + slots + combine);
+        b.weight_at = weight_copy ? (int)(ring + slots + combine) : -1;
         b.bytes = (int)total;
         return b;
     }
 };
 
+// The row sums (v: sum of g * xhat and of g) of a row split over the kSplit blocks of a cluster
+// (sm_90), from each block's sums over its columns: each block stores its pair into every block
+// of the cluster (xch: [rank][pair], this row's parity of a double buffer), and after one cluster
+// barrier adds the pairs in rank order, the same bits in every block. The next row's stores go
+// to the other buffer; the one after reuses this one only past the next barrier, which every
+// block reaches after reading this row's pairs. The whole cluster calls it, every thread.
+template <int kSplit, typename A> __device__ __forceinline__ void split_sum(A (&v)[2], A (*xch)[2], int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x < (unsigned)kSplit) {
+        const unsigned remote = cluster_map(&xch[rank][0], threadIdx.x);
+        cluster_store(remote, v[0]);
+        cluster_store(remote + sizeof(A), v[1]);
+    }
+    cluster_sync();
+    v[0] = xch[0][0];
+    v[1] = xch[0][1];
+#pragma unroll
+    for (int r = 1; r < kSplit; ++r) {
+        v[0] += xch[r][0];
+        v[1] += xch[r][1];
+    }
+#else
+    (void)v, (void)xch, (void)rank;
+    __trap();  // never launched before sm_90 (bwd_config)
+#endif
+}
+
 // The fast path: the forward's row layout (pack k of thread t of a group holds columns
 // (k * tpr + t) * VEC + [0, VEC)), a block of `lanes` groups of tpr threads, group g being lane
-// g of the summation order (brrr_cuda.h). The block walks the chunks blockIdx.x, + gridDim.x, ...;
+// g of the summation order (brrr_cuda.h). The block walks the chunks c, c + n, ... (c: its
+// cluster's index, n: the clusters; a block is a cluster of one without a split);
 // a group takes its lane's rows of each in turn. They stream through the group's ring: each
 // thread copies its own packs (cp.async) and reads back only those, so the ring needs no barrier
 // (a warp's first thread copies the row's scalars, shared in the warp after a __syncwarp; the
@@ -450,22 +486,38 @@ struct BwdLayout {
 // bias gradients' sums of a thread's columns stay in registers; at a chunk's end the lanes meet
 // in shared memory, added in lane order into the chunk's partial row (one lane: straight from
 // registers). Per row: pass 1 converts x and dy, sums g * xhat and g (g = dy * w, w from a copy
-// in shared memory in the compute type) and adds the thread's dw/db terms; one group sum; pass 2
+// in shared memory in the compute type, or from global memory where that does not fit) and adds the thread's dw/db terms; one group sum; pass 2
 // writes dx from xhat and g kept in registers (kThreads 512), or converted again from the ring
 // (1024: kept, they spilled at 64 registers; ptxas, sm_90).
-// Assumes: cols % VEC == 0, cols <= tpr * PACKS * VEC, rows and their offsets within 32 bits.
-template <typename T, int VEC, int PACKS, bool kBias, int kThreads>
+// kSplit 2 (sm_90, rows past 8192 columns, one lane): a cluster of two 512-thread blocks shares
+// each row, block `rank` holding columns [col0, col0 + ncols) (rank 0: lay.split_cols), the row
+// sums joined by split_sum; the weight and bias gradients' order is unchanged (each column is one
+// block's). At 1024 threads a block, 64 registers, the float32 and bfloat16 kernels with a bias
+// gradient spilled 168-188 bytes (ptxas, sm_90); these run at 512, with xhat and g kept.
+// Assumes: cols % VEC == 0, ncols <= tpr * PACKS * VEC, rows and their offsets within 32 bits.
+template <typename T, int VEC, int PACKS, bool kBias, int kThreads, int kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
     norm_bwd_kernel(const __grid_constant__ brrr_norm_launch L, const BwdLayout lay) {
     using A = typename Compute<T>::type;
     constexpr int E = PACKS * VEC;
-    constexpr bool kKeep = kThreads <= 512;  // 128 registers: xhat and g kept between the passes
+    // 128 registers: xhat and g kept between the passes (not float64's in the split kernel, whose
+    // cluster state spilled 8 bytes beside them; ptxas, sm_90)
+    constexpr bool kKeep = kThreads <= 512 && !(kSplit > 1 && sizeof(A) == 8);
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ A red[2][kBwdMaxLanes][2][32];
+    __shared__ A xch[2][kSplit][2];  // split_sum's buffers
     const int tpr = lay.tpr, lanes = lay.lanes, stages = lay.stages, tensors = lay.tensors;
     const int g = threadIdx.x / tpr, t = threadIdx.x % tpr, lane = threadIdx.x & 31;
+    const int rank = kSplit > 1 ? (int)(blockIdx.x % kSplit) : 0, cluster = (int)(blockIdx.x / kSplit),
+              clusters = (int)(gridDim.x / kSplit);
     const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC, row_elems = tpr * E;
-    const int mine = packs_in_row(true, cols, first, stride);
+    const int col0 = rank * lay.split_cols, ncols = kSplit > 1 && rank > 0 ? cols - col0 : (kSplit > 1 ? lay.split_cols : cols);
+    const int mine = packs_in_row(true, ncols, first, stride);
+    if constexpr (kSplit > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        cluster_sync();  // every block of the cluster runs before the first store into its memory
+#endif
+    }
     const bool layer = !L.rms, llama = L.llama != 0, want_dw = L.grad_weight.data != nullptr, has_gres = tensors == 3;
     constexpr bool want_db = kBias;  // grad_bias asked for (a template argument: its sums take E registers)
     const A inv_n = A(1) / static_cast<A>(cols);
@@ -477,17 +529,27 @@ __global__ void __launch_bounds__(kThreads, 1)
                      (g * stages * lay.slots_per_group + (tpr >= 32 ? t / 32 : 0)) * kSlotSize;
     A *const combine = reinterpret_cast<A *>(smem + lay.combine_at);
 
-    // The weight, in the compute type, for the whole block: the only place it is loaded.
-    A *const wsh = reinterpret_cast<A *>(smem + lay.weight_at);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) load_weight<T, 1>(L, i, wsh + i);
-    __syncthreads();
+    // The weight, in the compute type, for the whole block, where it fits beside the ring; else
+    // each pass reads it from global memory (L2), the same values.
+    const bool weight_copy = lay.weight_at >= 0;
+    A *const wsh = reinterpret_cast<A *>(smem + (weight_copy ? lay.weight_at : 0));
+    if (weight_copy) {
+        for (int i = threadIdx.x; i < ncols; i += blockDim.x) load_weight<T, 1>(L, col0 + i, wsh + i);
+        __syncthreads();
+    }
+    auto weight = [&](int at, A *w) {
+        if constexpr (is_half<T>) load_vec<A, VEC>(wsh + at, w);  // the copy always fits (bwd_config)
+        else if (weight_copy) load_vec<A, VEC>(wsh + at, w);
+        else load_weight<T, VEC>(L, col0 + at, w);
+    };
 
-    // This group's rows, in order: lane g of the chunks blockIdx.x, + gridDim.x, ...
-    int next_chunk = blockIdx.x, next = blockIdx.x * chunk_rows + g;
+    // This group's rows, in order: lane g of the chunks `cluster`, + clusters, ... (a cluster of
+    // one block without a split)
+    int next_chunk = cluster, next = cluster * chunk_rows + g;
     auto chunk_end = [&](int c) { return c < chunks - 1 ? (c + 1) * chunk_rows : rows; };
     auto settle = [&]() {
         while (next_chunk < chunks && next >= chunk_end(next_chunk)) {
-            next_chunk += gridDim.x;
+            next_chunk += clusters;
             next = next_chunk * chunk_rows + g;
         }
     };
@@ -502,7 +564,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int q = 0; q < 3; ++q) {
                 if (q == tensors) break;
-                const T *src = static_cast<const T *>(views[q]->data) + off[q] + first;
+                const T *src = static_cast<const T *>(views[q]->data) + off[q] + col0 + first;
 #pragma unroll
                 for (int k = 0; k < PACKS; ++k)
                     if (k < mine) stage_copy<(int)(VEC * sizeof(T))>(dst + k * stride, src + k * stride);
@@ -513,7 +575,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                 stage_copy<(int)sizeof(A)>(slot + kSlotRstd, static_cast<const A *>(L.rstd.data) + off[3]);
                 if (layer) {
                     stage_copy<(int)sizeof(A)>(slot + kSlotMean, static_cast<const A *>(L.mean.data) + off[4]);
-                    stage_copy<(int)sizeof(T)>(reinterpret_cast<T *>(slot + kSlotShift), static_cast<const T *>(L.x.data) + off[0]);
+                    // x's first element. A half's 2-byte copy is a load that the leader's warp
+                    // waits for, a memory latency on every LayerNorm row: with 16-byte rows
+                    // (VEC > 1) its 4-byte word goes by cp.async instead, the shift its first half
+                    // (lay.shift_word; BRRR_NORM_BWD_SHIFT=load for the load).
+                    T *shift = reinterpret_cast<T *>(slot + kSlotShift);
+                    const T *x0 = static_cast<const T *>(L.x.data) + off[0];
+                    if constexpr (VEC > 1 && sizeof(T) == 2) {
+                        if (lay.shift_word) stage_copy<4>(shift, x0);
+                        else stage_copy<2>(shift, x0);
+                    } else {
+                        stage_copy<(int)sizeof(T)>(shift, x0);
+                    }
                 }
             }
             next += lanes;
@@ -529,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < (kBias ? E : 1); ++i) db[i] = A(0);
     for (int s = 0; s + 1 < stages; ++s) issue(s);
     int in = stages - 1, out = 0, parity = 0;
-    for (int c = blockIdx.x; c < chunks; c += gridDim.x) {
+    for (int c = cluster; c < chunks; c += clusters) {
         for (int row = c * chunk_rows + g; row < chunk_end(c); row += lanes) {
             issue(in);
             in = in + 1 == stages ? 0 : in + 1;
@@ -552,7 +625,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     A xv[VEC], dv[VEC], w[VEC];
                     load_vec<T, VEC>(xs + first + k * stride, xv);
                     load_vec<T, VEC>(dys + first + k * stride, dv);
-                    load_vec<A, VEC>(wsh + first + k * stride, w);
+                    weight(first + k * stride, w);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
                         const A xhat = xhat_of(st, xv[j]), gj = dv[j] * w[j];
@@ -570,13 +643,14 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (llama) pass1(std::true_type());
             else pass1(std::false_type());
             lane_group_sum(sums, tpr, g, red[parity][g]);
+            if constexpr (kSplit > 1) split_sum<kSplit>(sums, xch[parity], rank);
             parity ^= 1;
             // dx = rstd * (g - xhat * c1 - c2) [+ grad_residual], c1 = mean(g * xhat), c2 = mean(g) (LayerNorm)
             const A b1 = -(sums[0] * inv_n) * st.rstd, b2 = layer ? -(sums[1] * inv_n) * st.rstd : A(0);
             const brrr_norm_view *const dx_view[1] = {&L.grad_x};
             int64_t dx_off[1];
             row_offsets(L, row, dx_view, dx_off);
-            T *dx = static_cast<T *>(L.grad_x.data) + dx_off[0] + first;
+            T *dx = static_cast<T *>(L.grad_x.data) + dx_off[0] + col0 + first;
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
@@ -591,7 +665,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     A w[VEC];
                     load_vec<T, VEC>(xs + first + k * stride, xv);
                     load_vec<T, VEC>(dys + first + k * stride, dv);
-                    load_vec<A, VEC>(wsh + first + k * stride, w);
+                    weight(first + k * stride, w);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
                         xv[j] = xhat_of(st, xv[j]);
@@ -611,7 +685,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         A *const part = static_cast<A *>(L.partials);
         const int n_grads = (int)want_dw + (int)want_db;
         auto put = [&](int q, const A *acc) {
-            A *dst = lanes == 1 ? part + ((int64_t)q * chunks + c) * cols : combine + (q * lanes + g) * cols;
+            A *dst = lanes == 1 ? part + ((int64_t)q * chunks + c) * cols + col0 : combine + (q * lanes + g) * cols;
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
@@ -819,8 +893,12 @@ __global__ void __launch_bounds__(kTileCols *kBwdMaxLanes)
 }
 
 // grad[c] = sum over the partial rows p < parts, in order, of partials[q][p][c]; blockIdx.y
-// picks grad_weight (0) or grad_bias (1). parts == 0 (no rows) writes zeros.
-template <typename T>
+// picks grad_weight (0) or grad_bias (1). parts == 0 (no rows) writes zeros. Thread (x, y) adds
+// partial rows y, y + kFinalLanes, ... in turn, loading kBatch of them before it adds them (in
+// the same order: the same bits for every kBatch). One at a time, the 16 dependent loads of 256
+// partial rows from 48-64 blocks were a latency chain beside a backward of tens of microseconds
+// at 768-1024 columns; BRRR_NORM_FINALIZE=serial picks kBatch 1 (docs/kernel-switches.md).
+template <typename T, int kBatch>
 __global__ void __launch_bounds__(kFinalCols *kFinalLanes)
     norm_finalize_kernel(const __grid_constant__ brrr_norm_launch L, const int64_t parts) {
     using A = typename Compute<T>::type;
@@ -832,7 +910,17 @@ __global__ void __launch_bounds__(kFinalCols *kFinalLanes)
     const int64_t col = (int64_t)blockIdx.x * kFinalCols + threadIdx.x;
     const A *part = static_cast<const A *>(L.partials) + (int64_t)q * parts * L.cols;
     A s = A(0);
-    for (int64_t p = threadIdx.y; col < L.cols && p < parts; p += kFinalLanes) s += part[p * L.cols + col];
+    for (int64_t p0 = threadIdx.y; col < L.cols && p0 < parts; p0 += (int64_t)kBatch * kFinalLanes) {
+        A v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const int64_t p = p0 + (int64_t)u * kFinalLanes;
+            v[u] = p < parts ? part[p * L.cols + col] : A(0);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+            if (p0 + (int64_t)u * kFinalLanes < parts) s += v[u];
+    }
     lanes[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y != 0 || col >= L.cols) return;
@@ -970,6 +1058,35 @@ static cudaError_t blocks_per_sm(Kernel kernel, int block, size_t smem, int devi
     return e;
 }
 
+// Clusters of a launch's cluster size that run at once: the blocks of a cluster share a GPC, so
+// this can be fewer than blocks_per_sm * SMs / size (a wave of clusters past it doubles a
+// kernel's time). Kept like blocks_per_sm, for the same reason.
+template <typename Kernel>
+static cudaError_t clusters_resident(Kernel kernel, cudaLaunchConfig_t cfg, int device, int *clusters) {
+    struct Entry {
+        const void *kernel;
+        int block, device;
+        size_t smem;
+        int clusters;
+    };
+    static std::mutex mutex;
+    static Entry table[32];
+    static int used = 0;
+    std::lock_guard<std::mutex> lock(mutex);
+    const int block = (int)cfg.blockDim.x;
+    for (int i = 0; i < used; ++i) {
+        if (table[i].kernel == (const void *)kernel && table[i].device == device && table[i].block == block &&
+            table[i].smem == cfg.dynamicSmemBytes) {
+            *clusters = table[i].clusters;
+            return cudaSuccess;
+        }
+    }
+    cfg.gridDim = dim3(cfg.attrs[0].val.clusterDim.x);  // one cluster: the query reads its shape
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(clusters, kernel, &cfg);
+    if (e == cudaSuccess && used < 32) table[used++] = {(const void *)kernel, block, device, cfg.dynamicSmemBytes, *clusters};
+    return e;
+}
+
 template <typename T>
 cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
     if (L.rows == 0 || L.cols == 0) return cudaSuccess;
@@ -1012,57 +1129,113 @@ static size_t dynamic_smem_limit(int device, size_t static_bytes) {
     return (size_t)v > static_bytes ? (size_t)v - static_bytes : 0;
 }
 
+// The device's compute capability major, kept per device (the same reason).
+static int compute_major(int device) {
+    static std::atomic<int> major[64];
+    int v = device >= 0 && device < 64 ? major[device].load(std::memory_order_relaxed) : 0;
+    if (v == 0) {
+        if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || v <= 0) return 0;
+        if (device >= 0 && device < 64) major[device].store(v, std::memory_order_relaxed);
+    }
+    return v;
+}
+
+// Where the backward's fast path keeps the weight: BRRR_NORM_BWD_WEIGHT=smem (a copy in shared
+// memory, or the generic path where the ring and the copy do not fit together: the choice before
+// the global fallback) or global (read from global memory by every pass, more ring stages);
+// unset: as bwd_config's fit decides. For measurements (docs/kernel-switches.md).
+enum class WeightPlace { kCopyOrGlobal, kCopy, kGlobal };
+static WeightPlace weight_place() {
+    const char *v = getenv("BRRR_NORM_BWD_WEIGHT");
+    if (v == nullptr) return WeightPlace::kCopyOrGlobal;
+    return strcmp(v, "global") == 0 ? WeightPlace::kGlobal : strcmp(v, "smem") == 0 ? WeightPlace::kCopy : WeightPlace::kCopyOrGlobal;
+}
+
 // The backward's fast path for this launch, or false when it does not apply (strided columns,
 // rows too long for 1024 threads / lanes at bwd_max_elements each, or shared memory too small
-// for one stage). A row gets the most threads, up to 1024 / lanes, at the fewest elements a
-// thread; the ring as many stages, up to 4, as the device's shared memory holds.
+// for one stage). A row gets the most threads, up to 512 / lanes, at the fewest elements a
+// thread; past that, two such blocks of a cluster (sm_90) or one of 1024 threads; the ring as
+// many stages, up to 4, as the device's shared memory holds beside the weight's copy, or without
+// the copy (the weight read from global memory) where that is the only way to hold one stage or
+// a second one. Without it, float32 add_layer_norm at 16384 columns (three rows of 64 KB and the
+// weight's 64 KB, past the 227 KB of an H200) took the generic kernels, at 35% of the memory
+// floor.
 template <typename T>
 static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdConfig *cfg) {
     using A = typename Compute<T>::type;
     if (!L.contiguous_cols || L.cols > (1 << 30) || L.rows > (1 << 30)) return false;  // 32-bit row indices
     constexpr int kVec = vec_width<T>();
     const brrr_norm_view *const views[] = {&L.x, &L.grad_out, &L.grad_residual, &L.grad_x};
-    bool vector = L.cols % kVec == 0;  // (the weight is copied to shared memory element by element)
+    bool vector = L.cols % kVec == 0;  // (the weight's copy is made element by element)
     for (int i = 0; i < 4; ++i) vector = vector && rows_aligned(L, *views[i], (int64_t)sizeof(T));
     const int vec = vector ? kVec : 1, lanes = brrr_norm_lanes(L.cols), tensors = L.grad_residual.data ? 3 : 2;
     const int64_t packs_total = (L.cols + vec - 1) / vec;
     const size_t limit = dynamic_smem_limit(device, sizeof(A) * 2 * kBwdMaxLanes * 2 * 32);
-    // The fewest elements a thread that leave a block within 512 threads (128 registers: room for
-    // 16 elements a thread with xhat and g kept), else within 1024 (64 registers).
-    for (int threads = 512; threads <= kBwdMaxThreads; threads *= 2) {
-        for (int packs = 1; packs * vec <= bwd_max_elements<T>(vec); packs *= 2) {
-            int64_t tpr = (packs_total + packs - 1) / packs;
-            if (tpr <= 32) {
-                int p2 = 1;
-                while (p2 < tpr) p2 *= 2;
-                tpr = p2;
-            } else {
-                tpr = (tpr + 31) / 32 * 32;
+    // Reading the weight from global memory takes 16-byte loads where vec > 1.
+    const WeightPlace place = weight_place();
+    // Half rows never need it: their widest ring (three rows of 16384 columns, 96 KB) and the
+    // float32 copy (64 KB) fit together, and its second dtype branch cost the 1024-thread
+    // kernels spills.
+    const bool global_ok = !is_half<T> && place != WeightPlace::kCopy &&
+                           (vec == 1 || L.weight.data == nullptr || aligned16(L.weight.data));
+    // The layout of a row of tpr threads a group (ncols columns a block) with the most stages that
+    // fit beside the weight's copy; without the copy (global_ok) where that gives more stages and
+    // the copy leaves fewer than 2 (no row in flight while the group works on one).
+    auto fit = [&](int64_t tpr, int packs, int threads, int split, int64_t ncols) {
+        BwdLayout best[2] = {};  // [copy]
+        for (int copy = 0; copy < 2; ++copy) {
+            if (copy == 0 ? !global_ok : place == WeightPlace::kGlobal && global_ok) continue;
+            for (int stages = kBwdMaxStages; stages >= 1 && best[copy].bytes == 0; --stages) {
+                BwdLayout lay = BwdLayout::make<T, A>((int)tpr, packs * vec, lanes, stages, tensors, n_grads, ncols, copy == 1);
+                if (lay.bytes > 0 && (size_t)lay.bytes <= limit) best[copy] = lay;
             }
-            if (tpr * lanes > threads) continue;
-            if (threads == kBwdMaxThreads && packs * vec != bwd_max_elements<T>(vec)) continue;  // compiled only so
-            for (int stages = kBwdMaxStages; stages >= 1; --stages) {
-                BwdLayout lay = BwdLayout::make<T, A>((int)tpr, packs * vec, lanes, stages, tensors, n_grads, L.cols);
-                if (lay.bytes > 0 && (size_t)lay.bytes <= limit) {
-                    *cfg = {vec, packs, threads, lay};
-                    cfg->lay.chunk_rows = brrr_norm_chunk_rows(L.rows);
-                    return true;
-                }
-            }
-            return false;
         }
+        const bool global = best[0].bytes > 0 && (best[1].bytes == 0 || (best[1].stages < 2 && best[0].stages > best[1].stages));
+        const BwdLayout &lay = best[global ? 0 : 1];
+        if (lay.bytes == 0) return false;
+        *cfg = {vec, packs, threads, lay};
+        cfg->lay.chunk_rows = brrr_norm_chunk_rows(L.rows);
+        cfg->lay.split = split;
+        cfg->lay.split_cols = (int)ncols;
+        const char *shift = getenv("BRRR_NORM_BWD_SHIFT");
+        cfg->lay.shift_word = shift == nullptr || strcmp(shift, "load") != 0;
+        return true;
+    };
+    auto threads_for = [](int64_t packs_total, int packs) {
+        int64_t tpr = (packs_total + packs - 1) / packs;
+        if (tpr <= 32) {
+            int p2 = 1;
+            while (p2 < tpr) p2 *= 2;
+            return (int64_t)p2;
+        }
+        return (tpr + 31) / 32 * 32;
+    };
+    // The fewest elements a thread that leave a block within 512 threads (128 registers: room for
+    // 16 elements a thread with xhat and g kept); else, on sm_90, the row split over a cluster of
+    // two such blocks (BRRR_NORM_BWD_SPLIT=0: not), else one block of 1024 (64 registers).
+    for (int packs = 1; packs * vec <= bwd_max_elements<T>(vec); packs *= 2) {
+        const int64_t tpr = threads_for(packs_total, packs);
+        if (tpr * lanes <= 512) return fit(tpr, packs, 512, 1, L.cols);
     }
-    return false;
+    const int packs = bwd_max_elements<T>(vec) / vec;
+    const char *split = getenv("BRRR_NORM_BWD_SPLIT");
+    if (lanes == 1 && compute_major(device) >= 9 && !(split && strcmp(split, "0") == 0)) {
+        const int64_t half = ((L.cols + 1) / 2 + vec - 1) / vec * vec, tpr = threads_for((half + vec - 1) / vec, packs);
+        if (tpr <= 512 && fit(tpr, packs, 512, 2, half)) return true;
+    }
+    const int64_t tpr = threads_for(packs_total, packs);
+    return tpr * lanes <= kBwdMaxThreads && fit(tpr, packs, kBwdMaxThreads, 1, L.cols);
 }
 
 // The instance for grad_bias (or not) and the block bound: 1024 threads only at the most
 // elements a thread (the widest rows), the only rows that need them.
 template <typename T, int VEC, int PACKS>
-static auto pick_bwd_kernel(bool bias, int threads) {
+static auto pick_bwd_kernel(bool bias, int threads, int split) {
     if constexpr (PACKS * VEC == bwd_max_elements<T>(VEC)) {
-        if (threads > 512) return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 1024> : norm_bwd_kernel<T, VEC, PACKS, false, 1024>;
+        if (threads > 512) return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 1024, 1> : norm_bwd_kernel<T, VEC, PACKS, false, 1024, 1>;
+        if (split > 1) return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 512, 2> : norm_bwd_kernel<T, VEC, PACKS, false, 512, 2>;
     }
-    return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 512> : norm_bwd_kernel<T, VEC, PACKS, false, 512>;
+    return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 512, 1> : norm_bwd_kernel<T, VEC, PACKS, false, 512, 1>;
 }
 
 template <typename T, int VEC, int P, typename F> static cudaError_t call_bwd(F &f) {
@@ -1093,16 +1266,36 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     } else if (bwd_config<T>(L, n_grads, device, &cfg)) {
         auto launch = [&](auto vec, auto packs) {
             constexpr int VEC = decltype(vec)::value, PACKS = decltype(packs)::value;
-            auto kernel = pick_bwd_kernel<T, VEC, PACKS>(L.grad_bias.data != nullptr, cfg.threads);
+            const int split = cfg.lay.split;
+            auto kernel = pick_bwd_kernel<T, VEC, PACKS>(L.grad_bias.data != nullptr, cfg.threads, split);
             const int block = cfg.lay.lanes * cfg.lay.tpr;
             int per_sm = 0;
             const cudaError_t e = blocks_per_sm(kernel, block, (size_t)cfg.lay.bytes, device, &per_sm);
             if (e != cudaSuccess) return e;
-            // As many blocks as run at once, walking the chunks: the order of the sums is the
-            // chunks', whatever the grid.
+            // As many blocks (clusters of `split`) as run at once, walking the chunks: the order
+            // of the sums is the chunks', whatever the grid.
             const int64_t resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device);
-            kernel<<<(unsigned)(chunks < resident ? chunks : resident), block, (size_t)cfg.lay.bytes, stream>>>(L, cfg.lay);
-            return cudaSuccess;
+            if (split == 1) {
+                kernel<<<(unsigned)(chunks < resident ? chunks : resident), block, (size_t)cfg.lay.bytes, stream>>>(L, cfg.lay);
+                return cudaSuccess;
+            }
+            cudaLaunchConfig_t launch_cfg = {};
+            launch_cfg.blockDim = dim3((unsigned)block);
+            launch_cfg.dynamicSmemBytes = (size_t)cfg.lay.bytes;
+            launch_cfg.stream = stream;
+            cudaLaunchAttribute attr[1];
+            attr[0].id = cudaLaunchAttributeClusterDimension;
+            attr[0].val.clusterDim.x = (unsigned)split;
+            attr[0].val.clusterDim.y = 1;
+            attr[0].val.clusterDim.z = 1;
+            launch_cfg.attrs = attr;
+            launch_cfg.numAttrs = 1;
+            int clusters = 0;
+            const cudaError_t ce = clusters_resident(kernel, launch_cfg, device, &clusters);
+            if (ce != cudaSuccess) return ce;
+            const int64_t fit = clusters > 0 ? clusters : 1;
+            launch_cfg.gridDim = dim3((unsigned)((chunks < fit ? chunks : fit) * split));
+            return cudaLaunchKernelEx(&launch_cfg, kernel, L, cfg.lay);
         };
         const cudaError_t err = cfg.vec > 1 ? with_bwd_packs<T, vec_width<T>()>(cfg.packs, launch)
                                             : with_bwd_packs<T, 1>(cfg.packs, launch);
@@ -1117,7 +1310,9 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     }
     if (n_grads > 0) {
         const dim3 grid((unsigned)((L.cols + kFinalCols - 1) / kFinalCols), 2);
-        norm_finalize_kernel<T><<<grid, dim3(kFinalCols, kFinalLanes), 0, stream>>>(L, chunks);
+        const char *finalize = getenv("BRRR_NORM_FINALIZE");
+        auto kernel = finalize && strcmp(finalize, "serial") == 0 ? norm_finalize_kernel<T, 1> : norm_finalize_kernel<T, 8>;
+        kernel<<<grid, dim3(kFinalCols, kFinalLanes), 0, stream>>>(L, chunks);
     }
     return cudaSuccess;
 }

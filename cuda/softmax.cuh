@@ -9,9 +9,12 @@
 // float64); y may have a wider dtype than x (torch's dtype= argument: float32 for float16/bfloat16
 // x), and the backward's grad_y has y's, its grad_x x's.
 //
+// softmax_tile_kernel    contiguous rows whose inputs take up to 32 KB: 1 to 4 rows per block of
+//                        128 threads, each row's inputs in shared memory (cp.async), each thread
+//                        reading back only the packs it copied; one read and one write per element.
 // softmax_rows_kernel    one block of at most 512 threads per row, the row in registers (PACKS
 //                        16-byte packs per thread, see max_packs): one read and one write per
-//                        element. For contiguous rows whose inputs take up to 32 KB.
+//                        element. The same rows as the tile kernel, where BRRR_SOFTMAX_KERNEL=rows.
 // softmax_smem_kernel    longer contiguous rows: the row in shared memory, split over a cluster
 //                        of up to 8 blocks (sm_90), loaded once with cp.async; one read and one
 //                        write per element (see the kernel).
@@ -274,29 +277,6 @@ template <int BYTES> __device__ __forceinline__ void copy_async_bytes(void *smem
         asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(gmem), "n"(BYTES) : "memory");
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Cluster barriers (every thread of every block of the cluster), and a store into the shared
-// memory of block `rank` of the cluster at the address `local` has in this block.
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ unsigned cluster_map(const void *local, unsigned rank) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
-                 : "=r"(remote)
-                 : "r"(static_cast<unsigned>(__cvta_generic_to_shared(local))), "r"(rank));
-    return remote;
-}
-__device__ __forceinline__ void cluster_store(unsigned remote, float v) {
-    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(v) : "memory");
-}
-__device__ __forceinline__ void cluster_store(unsigned remote, double v) {
-    asm volatile("st.shared::cluster.f64 [%0], %1;\n" ::"r"(remote), "d"(v) : "memory");
-}
-#endif
-
 // The row held in shared memory, loaded once (cp.async), read from there by every pass: one read
 // and one write per element. A row is split over a cluster of `cluster` blocks (sm_90; one block
 // elsewhere), block `rank` holding columns [rank * slice, (rank + 1) * slice) (forward: x;
@@ -410,6 +390,114 @@ __global__ void __launch_bounds__(kSmemThreads) softmax_smem_kernel(const brrr_s
     }
 }
 
+// ---- rows in shared memory, several per block ------------------------------------------------
+
+// The tile kernel's block: kTileThreads threads, split into 1 to 4 row groups (threadIdx.y) of
+// blockDim.x threads, whose rows' inputs take up to kTileBlockBytes of shared memory together.
+// Staging the rows in shared memory rather than registers is what keeps enough bytes in flight:
+// the register kernel's 93 registers a thread (bfloat16, 4096 columns) left 5 rows of 8 KB per SM
+// loading at a time, and it ran at 41% of the memory floor on an H200 (Liger-Kernel's Triton
+// kernel at 95%). At 32 KB a block, 6 blocks share an SM's 228 KB: 6 to 24 rows and up to 192 KB
+// in flight per SM. The split follows QuACK's (Dao-AILab/quack): one warp on each row up to a few
+// thousand columns, more only where a row outgrows what 4 rows may take.
+constexpr int kTileThreads = 128, kTileMaxRows = 4;
+constexpr int64_t kTileBlockBytes = 32 << 10;
+
+// The reduction of v over the `warps` warps of this thread's row group (threadIdx.y); every thread
+// of the group gets it, in the same order in every group. One warp: shuffles only; more: through
+// scratch, with two barriers, which the whole block reaches (warps is the same in every group).
+template <bool kMax, typename A>
+__device__ __forceinline__ A group_reduce(A v, A *scratch, int warps) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) {
+        const A o = __shfl_xor_sync(0xffffffffu, v, m);
+        v = kMax ? fmax(v, o) : v + o;
+    }
+    if (warps == 1) return v;
+    A *mine = scratch + threadIdx.y * warps;
+    __syncthreads();  // scratch may still be read from the previous reduction
+    if ((threadIdx.x & 31) == 0) mine[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = mine[0];
+    for (int w = 1; w < warps; ++w) v = kMax ? fmax(v, mine[w]) : v + mine[w];
+    return v;
+}
+
+// Row blockIdx.x * blockDim.y + threadIdx.y, its inputs (forward: x; backward: y and grad_y) at
+// `slice` elements each in this group's part of shared memory. Each thread copies its packs
+// (columns threadIdx.x * P, then every blockDim.x * P) with cp.async and, once its own copies
+// have landed, reads back only those: no barrier between the copy and the passes. Forward: the
+// max, the sum of exp(x - max), the outputs; backward: the dot product, the outputs. Rows past
+// L.rows copy and write nothing but take part in the reductions' barriers. Assumes packable(L)
+// and cols * sizeof(input) <= kTileBlockBytes (int columns).
+template <typename TX, typename TY, bool kBackward>
+__global__ void __launch_bounds__(kTileThreads) softmax_tile_kernel(const brrr_softmax_launch L, const int slice) {
+    using A = typename Compute<TX>::type;
+    using TI = typename std::conditional<kBackward, TY, TX>::type;
+    using TO = typename std::conditional<kBackward, TX, TY>::type;
+    constexpr int P = pack_elems<TX, TY>();
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ A scratch[kTileThreads / 32];
+    const int64_t r = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+    const int n = r < L.rows ? (int)L.cols : 0, step = (int)blockDim.x * P, warps = (int)blockDim.x >> 5;
+    TI *in0 = reinterpret_cast<TI *>(smem) + (int64_t)threadIdx.y * (kBackward ? 2 : 1) * slice, *in1 = in0 + slice;
+    if (n > 0) {
+        const TI *src0 = static_cast<const TI *>(L.in[0]) + row_off(L, 0, r);
+        const TI *src1 = kBackward ? static_cast<const TI *>(L.in[1]) + row_off(L, 1, r) : nullptr;
+        for (int c = threadIdx.x * P; c < n; c += step) {
+            copy_async_bytes<P * (int)sizeof(TI)>(in0 + c, src0 + c);
+            if (kBackward) copy_async_bytes<P * (int)sizeof(TI)>(in1 + c, src1 + c);
+        }
+    }
+    copy_async_commit();
+    copy_async_wait<0>();
+    TO *out = n > 0 ? static_cast<TO *>(L.out) + row_off(L, 2, r) : nullptr;
+    if (!kBackward) {
+        A m = lowest<A>();
+        for (int c = threadIdx.x * P; c < n; c += step) {
+            A v[P];
+            load_pack<TI, P>(in0 + c, v);
+#pragma unroll
+            for (int j = 0; j < P; ++j) m = fmax(m, v[j]);
+        }
+        m = group_reduce<true>(m, scratch, warps);
+        A s = A(0);
+        for (int c = threadIdx.x * P; c < n; c += step) {
+            A v[P];
+            load_pack<TI, P>(in0 + c, v);
+#pragma unroll
+            for (int j = 0; j < P; ++j) s += exp_<TO>(v[j] - m);
+        }
+        s = group_reduce<false>(s, scratch, warps);
+        const A shift = m + log_(s), inv = A(1) / s;
+        for (int c = threadIdx.x * P; c < n; c += step) {
+            A v[P];
+            load_pack<TI, P>(in0 + c, v);
+#pragma unroll
+            for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_<TO>(v[j] - m) * inv;
+            store_pack<TO, P>(out + c, v);
+        }
+        return;
+    }
+    A dot = A(0);
+    for (int c = threadIdx.x * P; c < n; c += step) {
+        A y[P], g[P];
+        load_pack<TI, P>(in0 + c, y);
+        load_pack<TI, P>(in1 + c, g);
+#pragma unroll
+        for (int j = 0; j < P; ++j) dot += L.log ? g[j] : g[j] * y[j];
+    }
+    dot = group_reduce<false>(dot, scratch, warps);
+    for (int c = threadIdx.x * P; c < n; c += step) {
+        A y[P], g[P];
+        load_pack<TI, P>(in0 + c, y);
+        load_pack<TI, P>(in1 + c, g);
+#pragma unroll
+        for (int j = 0; j < P; ++j) y[j] = L.log ? g[j] - exp_<TO>(y[j]) * dot : y[j] * (g[j] - dot);
+        store_pack<TO, P>(out + c, y);
+    }
+}
+
 // Is every view of the launch contiguous along its columns, its rows 16-byte aligned for packs of P?
 template <typename TX, typename TY>
 inline bool packable(const brrr_softmax_launch &L) {
@@ -485,10 +573,28 @@ bool launch_smem(const brrr_softmax_launch &L, int device, cudaStream_t stream, 
     return true;
 }
 
-// Rows whose inputs take more than 32 KB (forward: x; backward: y and grad_y) go to the
-// shared-memory kernel, shorter ones to the register kernel, unaligned or strided ones to the
-// streaming kernel. BRRR_SOFTMAX_KERNEL=rows, smem or stream picks one where it applies (for
-// measurements).
+// softmax_tile_kernel for this launch: as many rows a block (up to kTileMaxRows) as take up to
+// kTileBlockBytes of inputs, the block's 128 threads split evenly among them. False where the
+// rows' inputs take more or the grid would be too large.
+template <typename TX, typename TY, bool kBackward>
+bool launch_tile(const brrr_softmax_launch &L, cudaStream_t stream) {
+    using TI = typename std::conditional<kBackward, TY, TX>::type;
+    const int64_t slice = (L.cols + kSliceAlign - 1) / kSliceAlign * kSliceAlign;
+    const int64_t row_bytes = slice * (kBackward ? 2 : 1) * (int64_t)sizeof(TI);
+    if (row_bytes > kTileBlockBytes) return false;
+    int rows = kTileMaxRows;
+    while (rows > 1 && rows * row_bytes > kTileBlockBytes) rows /= 2;
+    const int64_t blocks = (L.rows + rows - 1) / rows;
+    if (blocks > INT32_MAX) return false;
+    softmax_tile_kernel<TX, TY, kBackward>
+        <<<(unsigned)blocks, dim3(kTileThreads / rows, rows), (size_t)(rows * row_bytes), stream>>>(L, (int)slice);
+    return true;
+}
+
+// Rows whose inputs take up to 32 KB go to the tile kernel, longer ones to the shared-memory
+// (cluster) kernel, unaligned or strided ones to the streaming kernel. BRRR_SOFTMAX_KERNEL=tile,
+// rows, smem or stream picks one where it applies, else the streaming kernel (for measurements;
+// docs/kernel-switches.md).
 template <typename TX, typename TY, bool kBackward>
 cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t stream) {
     constexpr int P = pack_elems<TX, TY>(), kMax = max_packs<TX, TY, kBackward>();
@@ -498,11 +604,13 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t 
     const bool pack = packable<TX, TY>(L);
     const bool rows_fit = pack && packs <= 512 * kMax;
     const bool want_smem = force ? strcmp(force, "smem") == 0 : held > (32 << 10);
+    const bool want_tile = force ? strcmp(force, "tile") == 0 : true;
     const bool want_rows = force ? strcmp(force, "rows") == 0 : true;
     if (pack && want_smem) {
         cudaError_t err = cudaSuccess;
         if (launch_smem<TX, TY, kBackward>(L, device, stream, &err)) return err != cudaSuccess ? err : cudaGetLastError();
     }
+    if (pack && want_tile && launch_tile<TX, TY, kBackward>(L, stream)) return cudaGetLastError();
     if (rows_fit && want_rows) {
         // As many packs per thread as keep 64 threads or more on the row: several 16-byte loads in
         // flight per thread, and small blocks, so that several rows share an SM and one row's

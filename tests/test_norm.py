@@ -222,6 +222,124 @@ def test_parameter_gradients_are_the_same_bits_on_every_path(kind, cols, residua
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()), msg=layout)
 
 
+def _gradients_under(monkeypatch, env, kind, x, r, w, b, g):
+    """Every gradient (x, residual, weight, bias; None where absent) of one forward+backward on
+    CUDA with the environment variables of `env` set around the calls."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        leaves = [t if t is None else t.detach().requires_grad_() for t in (x, r, w, b)]
+        out, h = call(kind, leaves[0], leaves[1], (x.shape[-1],), leaves[2], leaves[3])
+        torch.autograd.backward([out] + ([h] if h is not None else []), [g] + ([g * 0.5] if h is not None else []))
+        torch.cuda.synchronize()
+        return [None if t is None else t.grad for t in leaves]
+    finally:
+        for name in env:
+            monkeypatch.delenv(name)
+
+
+def _assert_same_bits(got, want, what):
+    for name, a, e in zip(("grad_x", "grad_residual", "grad_weight", "grad_bias"), got, want):
+        assert (a is None) == (e is None), (what, name)
+        if a is not None:
+            assert torch.equal(a, e), (what, name, (a.double() - e.double()).abs().max().item())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", [8196, 12288, 16384])
+def test_backward_weight_from_global_memory(monkeypatch, kind, residual, cols):
+    """float32 rows past 8192 columns: where the backward's ring and its copy of the weight do not
+    fit in shared memory together, or leave one stage of the ring (the fused forms' three rows at
+    16384 columns), the fast path reads the weight from global memory. Against the float64
+    reference; BRRR_NORM_BWD_WEIGHT=global (every width here) gives the same bits as the default
+    (the same kernel and values of w, whatever the stages); =smem keeps the copy (fewer stages, or
+    the generic kernels where none fits): the weight and bias gradients the same bits (the same
+    order, brrr_cuda.h), grad_x to rounding."""
+    dtype = torch.float32
+    for rows in (3, 37):
+        x = random((rows, cols), dtype, "cuda")
+        r = random((rows, cols), dtype, "cuda") if residual else None
+        w, b = params(kind, "both", (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b)
+    x, g = random((203, cols), dtype, "cuda"), random((203, cols), dtype, "cuda")
+    r = random((203, cols), dtype, "cuda") if residual else None
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    default = _gradients_under(monkeypatch, {}, kind, x, r, w, b, g)
+    forced = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_WEIGHT": "global"}, kind, x, r, w, b, g)
+    copy = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_WEIGHT": "smem"}, kind, x, r, w, b, g)
+    _assert_same_bits(forced, default, "global")
+    _assert_same_bits(copy[2:], default[2:], "smem")
+    for a, e in zip(copy[:2], default[:2]):
+        if a is not None:
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * float(e.abs().max()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", [8192, 8200, 12296, 16376, 16384])
+def test_backward_split_over_a_cluster(monkeypatch, dtype, kind, residual, cols):
+    """Rows past 8192 columns (one summation lane): on sm_90 two blocks of a cluster share each
+    row, rank 0 taking the first half rounded up to a 16-byte pack (8200, 12296 and 16376 leave
+    the halves unequal); BRRR_NORM_BWD_SPLIT=0 runs one 1024-thread block instead. Against the
+    float64 reference, for row counts that leave one chunk (1, 3) and many; the weight and bias
+    gradients the same bits either way (the same order), grad_x to rounding (its row sums are
+    added in another order)."""
+    for rows in (1, 3, 37):
+        x = random((rows, cols), dtype, "cuda")
+        r = random((rows, cols), dtype, "cuda") if residual else None
+        w, b = params(kind, "both", (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b)
+    x, g = random((301, cols), dtype, "cuda"), random((301, cols), dtype, "cuda")
+    r = random((301, cols), dtype, "cuda") if residual else None
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    split = _gradients_under(monkeypatch, {}, kind, x, r, w, b, g)
+    whole = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_SPLIT": "0"}, kind, x, r, w, b, g)
+    _assert_same_bits(split[2:], whole[2:], "split")
+    for a, e in zip(split[:2], whole[:2]):
+        if a is not None:
+            torch.testing.assert_close(a.float(), e.float(), rtol=TOLERANCE[dtype]["rtol"],
+                                       atol=TOLERANCE[dtype]["atol"] * float(e.float().abs().max()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cols", [8, 768, 1024, 4096])
+@pytest.mark.parametrize("rows", [1, 37, 3001])
+def test_finalize_batched_loads_give_the_same_bits(monkeypatch, dtype, kind, cols, rows):
+    """The weight and bias gradients' final sum loads 8 partial rows at a time, then adds them in
+    the order of one at a time (BRRR_NORM_FINALIZE=serial): the same bits, for partial-row counts
+    that fill no batch (1, 5) or leave one part-filled (251)."""
+    x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    batched = _gradients_under(monkeypatch, {}, kind, x, None, w, b, g)
+    serial = _gradients_under(monkeypatch, {"BRRR_NORM_FINALIZE": "serial"}, kind, x, None, w, b, g)
+    _assert_same_bits(batched, serial, "finalize")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", [8, 768, 1024, 4096, 16384])
+def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
+    """The half LayerNorm backward copies each row's shift (its first element) as the 4-byte word
+    that holds it, asynchronously; BRRR_NORM_BWD_SHIFT=load copies the element itself: the same
+    bits. The shift is the row's first element, not its neighbour: rows whose first two
+    elements differ, against the float64 reference too."""
+    x, g = random((301, cols), dtype, "cuda"), random((301, cols), dtype, "cuda")
+    x[:, 1] = x[:, 0] + 2.0
+    r = random((301, cols), dtype, "cuda") if residual else None
+    w, b = params("layer_norm", "both", (cols,), dtype, "cuda")
+    word = _gradients_under(monkeypatch, {}, "layer_norm", x, r, w, b, g)
+    load = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_SHIFT": "load"}, "layer_norm", x, r, w, b, g)
+    _assert_same_bits(word, load, "shift")
+    compare("layer_norm", dtype, x, r, (cols,), w, b)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)

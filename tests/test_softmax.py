@@ -1,6 +1,6 @@
 """brrr.softmax and brrr.log_softmax: outputs and gradients against float64 PyTorch on fresh random
-inputs (every dim, odd row lengths, rows that take the register kernel and the streaming one on
-CUDA, strided views, dtype=), rows with -inf, NumPy, the C op's argument checks, opcheck,
+inputs (every dim, odd row lengths, rows that take each CUDA kernel and each block shape of the
+tile kernel, strided views, dtype=), rows with -inf, NumPy, the C op's argument checks, opcheck,
 torch.compile, the registry, brrr.nn and torch.nn.functional routing."""
 
 import numpy as np
@@ -94,8 +94,8 @@ def test_strided_views(device, log):
 @pytest.mark.parametrize("cols", [1, 3, 255, 256, 257, 4095, 4096, 4097, 8192, 8200, 16384, 16385, 32768, 40000,
                                   131072, 262144])
 def test_row_lengths_around_the_kernel_switches(device, dtype, cols):
-    """Contiguous rows that fill 16-byte packs: the register kernel while a row's inputs take up
-    to 32 KB, then the shared-memory kernel, over clusters of 2 to 8 blocks on sm_90 from 64 KB
+    """Contiguous rows that fill 16-byte packs: the tile kernel while a row's inputs take up to
+    32 KB, then the shared-memory kernel, over clusters of 2 to 8 blocks on sm_90 from 64 KB
     (float32 backward at 262144 columns: more than 8 blocks hold, the streaming kernel); the
     streaming kernel for the rest."""
     check_op(random((3, cols), dtype, device, -6, 6), -1, False, grad_scale=8.0)
@@ -103,7 +103,7 @@ def test_row_lengths_around_the_kernel_switches(device, dtype, cols):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["rows", "smem", "stream"])
+@pytest.mark.parametrize("kernel", ["tile", "rows", "smem", "stream"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cols", [8, 1000, 4096, 40000])
 def test_every_kernel_where_it_applies(monkeypatch, kernel, dtype, cols):
@@ -114,6 +114,23 @@ def test_every_kernel_where_it_applies(monkeypatch, kernel, dtype, cols):
     x[1, ::3] = float("-inf")
     for log in (False, True):
         check_op(x, -1, log, grad_scale=8.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cols", [8, 1024, 1028, 2048, 2052, 2056, 4096, 4100, 4104, 8192, 8196, 8200, 16384])
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_tile_kernel_rows_per_block(dtype, cols, rows):
+    """The tile kernel puts 4, 2 or 1 rows in a block as a row's inputs take up to 8, 16 or 32 KB
+    (forward: x; backward: y and grad_y; float32 and bfloat16 switch at different columns): rows
+    at each side of every switch, in numbers that leave the last block part-filled, -inf
+    included. Each row's result must not depend on its neighbours in the block."""
+    x = random((rows, cols), dtype, "cuda", -6, 6)
+    x[0, ::5] = float("-inf")
+    for log in (False, True):
+        check_op(x, -1, log, grad_scale=8.0)
+        alone = FUNCTIONS[log](x[rows - 1:].clone(), -1)
+        assert torch.equal(FUNCTIONS[log](x, -1)[rows - 1:], alone)
 
 
 @pytest.mark.parametrize("device", DEVICES)
