@@ -4,6 +4,7 @@
     PYTHONPATH=$PWD python benchmarks/cpu_twins.py --smoke    # seconds (CI runs it: test_cpu_twins.py)
     PYTHONPATH=$PWD python benchmarks/cpu_twins.py --markdown out.md
     PYTHONPATH=$PWD python benchmarks/cpu_twins.py --threads 1 --clock cpu   # a loaded machine
+    PYTHONPATH=$PWD python benchmarks/cpu_twins.py --only cross_entropy      # the cases naming it
 
 Cases: chain("cos", "cos") on 2^24 float32 against x.cos().cos() and np.cos(np.cos(x)); each single
 activation on 2^24 elements; LayerNorm, RMSNorm, SwiGLU, GeGLU and cross-entropy at 4096 x
@@ -117,7 +118,7 @@ def cases(smoke):
                 yield f"{name} fwd+bwd {size}", {"brrr": _fwd_bwd(ours, *inputs), "torch": _fwd_bwd(theirs, *inputs)}
 
 
-def run(smoke=False, rounds=None, markdown=None, threads=None, clock="wall"):
+def run(smoke=False, rounds=None, markdown=None, threads=None, clock="wall", only=None):
     rounds = rounds or (3 if smoke else 21)
     if threads:
         torch.set_num_threads(threads)
@@ -132,6 +133,8 @@ def run(smoke=False, rounds=None, markdown=None, threads=None, clock="wall"):
     print(header)
     results = {}
     for name, impls in cases(smoke):
+        if only and only not in name:
+            continue
         r = measure(impls, rounds, time.process_time if clock == "cpu" else time.perf_counter)
         results[name] = r
         ours = r["brrr"][0]
@@ -155,8 +158,9 @@ def main():
     parser.add_argument("--markdown", help="also write the table to this file")
     parser.add_argument("--threads", type=int, help="torch's and brrr's thread count (default: theirs)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall clock or process CPU time")
+    parser.add_argument("--only", help="run only the cases whose name contains this")
     args = parser.parse_args()
-    run(args.smoke, args.rounds, args.markdown, args.threads, args.clock)
+    run(args.smoke, args.rounds, args.markdown, args.threads, args.clock, args.only)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,19 @@ static inline float brrr_erfcf(float x) {
     return x >= 0.0f ? tail : (x != x ? x : 2.0f - tail);
 }
 
+/* An order-preserving integer key of a float (x < y gives key(x) < key(y); -0 just below +0; a
+ * NaN above +inf or below -inf by its sign bit) and its inverse: a maximum taken over keys is an
+ * integer reduction, which GCC vectorises (a float one it vectorises only without NaN rules). */
+static inline int32_t brrr_float_key(float x) {
+    const brrr_f32_bits b = {x};
+    const int32_t s = (int32_t)b.u;
+    return s ^ (int32_t)((uint32_t)(s >> 31) >> 1); /* negative: flip all but the sign bit */
+}
+static inline float brrr_key_float(int32_t k) {
+    const brrr_f32_bits b = {.u = (uint32_t)(k ^ (int32_t)((uint32_t)(k >> 31) >> 1))};
+    return b.f;
+}
+
 #define BRRR_TRIG_REDUCED_MAX 8192.0f /* q < 2^13: q times each of the first two parts is exact */
 
 /* Does x need libm's reduction (BRRR_TRIG_REDUCED_MAX < |x| < inf)? NaN and inf do not: the

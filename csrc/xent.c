@@ -72,6 +72,22 @@ typedef struct {
 
 #define XENT_LANES 16
 
+/* The largest of z[0, n), through the integer keys of cpu_math.h (a vectorised reduction); -inf
+ * for n = 0, and possibly a NaN where the block holds one. */
+BRRR_INLINE float block_max_f32(const float *z, int64_t n) {
+    int32_t k = brrr_float_key(-INFINITY);
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t ki = brrr_float_key(z[i]);
+        k = ki > k ? ki : k;
+    }
+    return brrr_key_float(k);
+}
+BRRR_INLINE double block_max_f64(const double *z, int64_t n) {
+    double m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = z[i] > m ? z[i] : m; /* passes a NaN over */
+    return m;
+}
+
 #define REAL float
 #define REAL_DTYPE BRRR_F32
 #define FN(name) name##_f32
