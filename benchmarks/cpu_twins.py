@@ -7,7 +7,7 @@
     PYTHONPATH=$PWD python benchmarks/cpu_twins.py --only cross_entropy      # the cases naming it
 
 Cases: chain("cos", "cos") on 2^24 float32 against x.cos().cos() and np.cos(np.cos(x)); each single
-activation on 2^24 elements; LayerNorm, RMSNorm, SwiGLU, GeGLU and cross-entropy at 4096 x
+activation on 2^24 elements; LayerNorm, RMSNorm, SwiGLU, GeGLU, cross-entropy and softmax at 4096 x
 {1024, 4096}, forward and forward+backward, float32 and bfloat16. Every implementation of a case
 runs in the same round, one call each in turn, for many rounds (a shared machine's noise hits
 them alike); a case reports the median time of each and the spread (interquartile range over
@@ -112,6 +112,7 @@ def cases(smoke):
                 "swiglu": (brrr.swiglu, lambda a, c: F.silu(a) * c, (g, u)),
                 "geglu": (brrr.geglu, lambda a, c: F.gelu(a) * c, (g, u)),
                 "cross_entropy": (lambda x: brrr.cross_entropy(x, target), lambda x: F.cross_entropy(x, target), (h,)),
+                "softmax": (lambda x: brrr.softmax(x, -1), lambda x: torch.softmax(x, -1), (h,)),
             }
             for name, (ours, theirs, inputs) in norms.items():
                 yield f"{name} fwd {size}", {"brrr": lambda o=ours, i=inputs: o(*i), "torch": lambda t=theirs, i=inputs: t(*i)}

@@ -72,22 +72,6 @@ typedef struct {
 
 #define XENT_LANES 16
 
-/* The largest of z[0, n), through the integer keys of cpu_math.h (a vectorised reduction); -inf
- * for n = 0, and possibly a NaN where the block holds one. */
-BRRR_INLINE float block_max_f32(const float *z, int64_t n) {
-    int32_t k = brrr_float_key(-INFINITY);
-    for (int64_t i = 0; i < n; i++) {
-        const int32_t ki = brrr_float_key(z[i]);
-        k = ki > k ? ki : k;
-    }
-    return brrr_key_float(k);
-}
-BRRR_INLINE double block_max_f64(const double *z, int64_t n) {
-    double m = -INFINITY;
-    for (int64_t i = 0; i < n; i++) m = z[i] > m ? z[i] : m; /* passes a NaN over */
-    return m;
-}
-
 #define REAL float
 #define REAL_DTYPE BRRR_F32
 #define FN(name) name##_f32
@@ -95,6 +79,7 @@ BRRR_INLINE double block_max_f64(const double *z, int64_t n) {
 #define CPU_STORE brrr_cpu_store_f32
 #define EXP brrr_expf
 #define TANH brrr_tanhf
+#define BLOCK_MAX brrr_block_maxf
 #include "xent_cpu.inc"
 #undef REAL
 #undef REAL_DTYPE
@@ -103,6 +88,7 @@ BRRR_INLINE double block_max_f64(const double *z, int64_t n) {
 #undef CPU_STORE
 #undef EXP
 #undef TANH
+#undef BLOCK_MAX
 #define REAL double
 #define REAL_DTYPE BRRR_F64
 #define FN(name) name##_f64
@@ -110,6 +96,7 @@ BRRR_INLINE double block_max_f64(const double *z, int64_t n) {
 #define CPU_STORE brrr_cpu_store_f64
 #define EXP exp
 #define TANH tanh
+#define BLOCK_MAX brrr_block_max
 #include "xent_cpu.inc"
 #undef REAL
 #undef REAL_DTYPE
@@ -118,6 +105,7 @@ BRRR_INLINE double block_max_f64(const double *z, int64_t n) {
 #undef CPU_STORE
 #undef EXP
 #undef TANH
+#undef BLOCK_MAX
 
 static void cpu_xent(const brrr_xent_launch *L, int forward) {
     const xent_work w = {L, forward};

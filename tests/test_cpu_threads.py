@@ -169,6 +169,36 @@ def test_fused_cross_entropy_bitwise_same_at_every_thread_count(rows, classes, d
     assert_close(results[0][1], x64.grad, dtype=dtype, scale=4)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 65])
+@pytest.mark.parametrize("cols", [15, 17, 512, 513, 1031])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_bitwise_same_at_every_thread_count(rows, cols, dtype, log):
+    """softmax and log_softmax, forward and backward: bitwise the same at 1, 2 and 3 threads, and
+    the float64 reference's; rows around the vector widths and the 512-column block, with -inf in
+    some rows' later blocks and a large offset common to other rows."""
+    x = random((rows, cols), dtype, "cpu", low=-10, high=10)
+    x[::2, cols // 2:] = -float("inf")
+    x[1::3] += 1000
+    grad = random((rows, cols), dtype, "cpu")
+    fn = brrr.log_softmax if log else brrr.softmax
+
+    def run():
+        xs = x.clone().requires_grad_()
+        y = fn(xs, -1)
+        y.backward(grad)
+        return y.detach(), xs.grad
+
+    results = _at_threads(run)
+    _assert_bitwise_same(results)
+    x64 = x.to(torch.float64).requires_grad_()
+    ref = (torch.log_softmax if log else torch.softmax)(x64, -1)
+    ref.backward(grad.double())
+    assert_close(results[0][0], ref, scale=4)
+    # the gradient's terms are O(|grad|) with cancellation in the row sums (as tests/test_softmax.py)
+    assert_close(results[0][1], x64.grad, scale=4 * cols ** 0.5)
+
+
 @pytest.mark.parametrize("shape", [(1, 3), (65, 513), (130, 17)])
 def test_dropout_and_rotary_bitwise_same_at_every_thread_count(shape):
     x, bias = random(shape, torch.float32, "cpu"), random(shape[-1:], torch.float32, "cpu")
