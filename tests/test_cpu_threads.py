@@ -264,10 +264,16 @@ def test_fork_child_after_parent_used_threads():
     previous = brrr.set_num_threads(2)
     try:
         expected = cos_cos(x)  # the parent's OpenMP pool is up
+        target = np.arange(400, dtype=np.int64) % 500
+        expected_softmax = brrr.softmax(x[:200000].reshape(400, 500), -1)
+        expected_loss = brrr.cross_entropy(x[:200000].reshape(400, 500), target, reduction="none")
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: the same kernel, then report and leave without cleanup
-            ok = np.array_equal(cos_cos(x), expected) and np.array_equal(brrr.silu(x), brrr.silu(x))
+            rows = x[:200000].reshape(400, 500)
+            ok = (np.array_equal(cos_cos(x), expected) and np.array_equal(brrr.silu(x), brrr.silu(x))
+                  and np.array_equal(brrr.softmax(rows, -1), expected_softmax)
+                  and np.array_equal(brrr.cross_entropy(rows, target, reduction="none"), expected_loss))
             os.write(write, b"ok" if ok else b"wrong")
             os._exit(0)
         os.close(write)
@@ -289,7 +295,8 @@ def test_eight_python_threads_at_once():
     gelu = brrr.chain("gelu")
 
     def work(x):
-        return gelu(x), brrr.layer_norm(x, (1031,), weight), brrr.cross_entropy(x, torch.zeros(37, dtype=torch.long))
+        return (gelu(x), brrr.layer_norm(x, (1031,), weight), brrr.cross_entropy(x, torch.zeros(37, dtype=torch.long)),
+                brrr.softmax(x, -1))
 
     previous = brrr.set_num_threads(2)
     try:
