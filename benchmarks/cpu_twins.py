@@ -4,9 +4,10 @@
     PYTHONPATH=$PWD python benchmarks/cpu_twins.py --smoke    # seconds (CI runs it: test_cpu_twins.py)
     PYTHONPATH=$PWD python benchmarks/cpu_twins.py --markdown out.md
     PYTHONPATH=$PWD python benchmarks/cpu_twins.py --threads 1 --clock cpu   # a loaded machine
+    PYTHONPATH=$PWD python benchmarks/cpu_twins.py --only cross_entropy      # the cases naming it
 
 Cases: chain("cos", "cos") on 2^24 float32 against x.cos().cos() and np.cos(np.cos(x)); each single
-activation on 2^24 elements; LayerNorm, RMSNorm, SwiGLU, GeGLU and cross-entropy at 4096 x
+activation on 2^24 elements; LayerNorm, RMSNorm, SwiGLU, GeGLU, cross-entropy and softmax at 4096 x
 {1024, 4096}, forward and forward+backward, float32 and bfloat16. Every implementation of a case
 runs in the same round, one call each in turn, for many rounds (a shared machine's noise hits
 them alike); a case reports the median time of each and the spread (interquartile range over
@@ -111,13 +112,14 @@ def cases(smoke):
                 "swiglu": (brrr.swiglu, lambda a, c: F.silu(a) * c, (g, u)),
                 "geglu": (brrr.geglu, lambda a, c: F.gelu(a) * c, (g, u)),
                 "cross_entropy": (lambda x: brrr.cross_entropy(x, target), lambda x: F.cross_entropy(x, target), (h,)),
+                "softmax": (lambda x: brrr.softmax(x, -1), lambda x: torch.softmax(x, -1), (h,)),
             }
             for name, (ours, theirs, inputs) in norms.items():
                 yield f"{name} fwd {size}", {"brrr": lambda o=ours, i=inputs: o(*i), "torch": lambda t=theirs, i=inputs: t(*i)}
                 yield f"{name} fwd+bwd {size}", {"brrr": _fwd_bwd(ours, *inputs), "torch": _fwd_bwd(theirs, *inputs)}
 
 
-def run(smoke=False, rounds=None, markdown=None, threads=None, clock="wall"):
+def run(smoke=False, rounds=None, markdown=None, threads=None, clock="wall", only=None):
     rounds = rounds or (3 if smoke else 21)
     if threads:
         torch.set_num_threads(threads)
@@ -132,6 +134,8 @@ def run(smoke=False, rounds=None, markdown=None, threads=None, clock="wall"):
     print(header)
     results = {}
     for name, impls in cases(smoke):
+        if only and only not in name:
+            continue
         r = measure(impls, rounds, time.process_time if clock == "cpu" else time.perf_counter)
         results[name] = r
         ours = r["brrr"][0]
@@ -155,8 +159,9 @@ def main():
     parser.add_argument("--markdown", help="also write the table to this file")
     parser.add_argument("--threads", type=int, help="torch's and brrr's thread count (default: theirs)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall clock or process CPU time")
+    parser.add_argument("--only", help="run only the cases whose name contains this")
     args = parser.parse_args()
-    run(args.smoke, args.rounds, args.markdown, args.threads, args.clock)
+    run(args.smoke, args.rounds, args.markdown, args.threads, args.clock, args.only)
 
 
 if __name__ == "__main__":

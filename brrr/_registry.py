@@ -27,10 +27,9 @@ the seed) to "kernel".
 On CPU tensors each op runs brrr's CPU kernel or the PyTorch function it replaces, whichever
 measured faster on this project's 2-core CPU machine (benchmarks/cpu_twins.py, numbers in
 benchmarks/results/cpu-2026-12-02.md; ops a user registers run their implementation there, as on
-any device they list): brrr's kernel for tanh and rms_norm, where it won both on one thread and
-on two; PyTorch's for the rest (the erf GELU, ReLU, SiLU, sigmoid and LayerNorm, where PyTorch's
-CPU kernels were as fast or faster; cross_entropy, whose CPU twin is the single-threaded
-reference; ops not measured there).
+any device they list): brrr's kernel for tanh, rms_norm and cross_entropy, where it won both on
+one thread and on two; PyTorch's for the rest (the erf GELU, ReLU, SiLU, sigmoid and LayerNorm,
+where PyTorch's CPU kernels were as fast or faster; ops not measured there).
 registry.on_cpu(name, "kernel" | "pytorch") changes it.
 
 An input brrr does not support (a dtype or device it has no kernel for, mixed dtypes that
@@ -173,9 +172,9 @@ class Registry:
         self.lookup(name).compiled = mode
 
     def on_cpu(self, name, mode):
-        """'pytorch' (the PyTorch function: the default of brrr's ops) or 'kernel' (the op's
-        implementation: brrr's CPU code, the twin of its CUDA kernels and many times slower than
-        PyTorch's; the default of ops a user registers) for `name` on CPU tensors."""
+        """'pytorch' (the PyTorch function) or 'kernel' (the op's implementation: brrr's CPU code,
+        the twin of its CUDA kernels; the default of ops a user registers) for `name` on CPU
+        tensors. brrr's ops default to whichever measured faster (the module says which)."""
         _check_choice("mode", mode, _CPU_MODES)
         self.lookup(name).cpu = mode
 

@@ -35,6 +35,15 @@
 #define BRRR_SIMD
 #endif
 
+/* A helper of BRRR_SIMD functions: GCC inlines a function into a target clone of another
+ * architecture only when told to always inline it, and so compiles its loops for that clone's
+ * vector width; otherwise they would run at baseline width through a call. */
+#if defined(__GNUC__)
+#define BRRR_INLINE static inline __attribute__((always_inline))
+#else
+#define BRRR_INLINE static inline
+#endif
+
 /* Elements a kernel processes per step of its inner loops: small enough for the L1 cache. */
 #define BRRR_CPU_BLOCK 512
 

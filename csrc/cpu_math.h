@@ -18,6 +18,7 @@
 #ifndef BRRR_CPU_MATH_H
 #define BRRR_CPU_MATH_H
 
+#include <math.h>
 #include <stdint.h>
 
 typedef union {
@@ -88,6 +89,36 @@ static inline float brrr_erfcf(float x) {
     hi.u &= 0xFFFFF000u;
     const float tail = t * brrr_exp_sum(-hi.f * hi.f, (hi.f - z) * (hi.f + z) - 1.26551223f + t * p);
     return x >= 0.0f ? tail : (x != x ? x : 2.0f - tail);
+}
+
+/* An order-preserving integer key of a float (x < y gives key(x) < key(y); -0 just below +0; a
+ * NaN above +inf or below -inf by its sign bit) and its inverse: a maximum taken over keys is an
+ * integer reduction, which GCC vectorises (a float one it vectorises only without NaN rules). */
+static inline int32_t brrr_float_key(float x) {
+    const brrr_f32_bits b = {x};
+    const int32_t s = (int32_t)b.u;
+    return s ^ (int32_t)((uint32_t)(s >> 31) >> 1); /* negative: flip all but the sign bit */
+}
+static inline float brrr_key_float(int32_t k) {
+    const brrr_f32_bits b = {.u = (uint32_t)(k ^ (int32_t)((uint32_t)(k >> 31) >> 1))};
+    return b.f;
+}
+
+/* The largest of z[0, n): -inf for n = 0, and possibly a NaN where z holds one. The float one
+ * reduces integer keys, at the vector width; both are inlined always, so that a target clone of
+ * their caller compiles them for its own width. */
+static inline __attribute__((always_inline)) float brrr_block_maxf(const float *z, int64_t n) {
+    int32_t k = brrr_float_key(-INFINITY);
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t ki = brrr_float_key(z[i]);
+        k = ki > k ? ki : k;
+    }
+    return brrr_key_float(k);
+}
+static inline __attribute__((always_inline)) double brrr_block_max(const double *z, int64_t n) {
+    double m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = z[i] > m ? z[i] : m; /* passes a NaN over */
+    return m;
 }
 
 #define BRRR_TRIG_REDUCED_MAX 8192.0f /* q < 2^13: q times each of the first two parts is exact */

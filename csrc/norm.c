@@ -68,14 +68,14 @@ static int acc_dtype(int32_t dtype) { return dtype == BRRR_F64 ? BRRR_F64 : BRRR
 
 /* ---- CPU twin --------------------------------------------------------------------------------
  * Rows are shared out between threads. A row is walked in blocks of BRRR_CPU_BLOCK columns, the
- * elementwise math in float (double for float64), its sums in double, kept in NORM_LANES fixed
- * lanes so that the compiler vectorises them: one pass for the mean and the mean square, one for
- * the output (and a second for the variance where the first would cancel); the row stays in the
- * cache between passes. The backward's weight and bias
+ * elementwise math in float (double for float64), its sums in NORM_LANES fixed lanes so that the
+ * compiler vectorises them (a block's in float, the row's in double): one pass for the mean and
+ * the mean square, one for the output (and a second for the variance where the first would
+ * cancel); the row stays in the cache between passes. The backward's weight and bias
  * gradients sum each chunk of rows (brrr_cpu_chunk_rows) into a partial row of their own, added
  * in chunk order at the end: the same sums whatever the thread count. */
 
-#define NORM_LANES 8
+#define NORM_LANES 16
 
 /* v rounded to dtype (as a store and a load would). */
 static double round_d(int32_t dtype, double v) {

@@ -2,12 +2,15 @@
  *
  * y may be float32 for a float16/bfloat16 x (torch's dtype=float32): the forward writes it so
  * from x in one pass, and the backward reads y and grad_y of that dtype and writes grad_x in x's.
- * The CPU twin computes in float64 and rounds once.
+ * The CPU twin computes in float (double for float64) with double sums, rows on threads.
  */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "op.h"
+
+#include "cpu.h"
+#include "cpu_math.h"
 
 #include <math.h>
 #include <string.h>
@@ -18,32 +21,46 @@ static int64_t row_off(const brrr_softmax_launch *L, int k, int64_t r) {
     return brrr_unravel(L->row_ndim, L->row_shape, L->row_strides[k], r);
 }
 
+/* ---- CPU twin: rows on threads (softmax_cpu.inc: float math for every dtype but float64, sums
+ * in double, in an order fixed by the row length: the same at any thread count) ---- */
+
+#define SOFTMAX_LANES 16
+#define SOFTMAX_ROW_KEEP 4096 /* columns: a row's exponentials kept on the stack, 16 or 32 KiB */
+
+#define REAL float
+#define REAL_DTYPE BRRR_F32
+#define FN(name) name##_f32
+#define CPU_LOAD brrr_cpu_load_f32
+#define CPU_STORE brrr_cpu_store_f32
+#define EXP brrr_expf
+#define BLOCK_MAX brrr_block_maxf
+#include "softmax_cpu.inc"
+#undef REAL
+#undef REAL_DTYPE
+#undef FN
+#undef CPU_LOAD
+#undef CPU_STORE
+#undef EXP
+#undef BLOCK_MAX
+#define REAL double
+#define REAL_DTYPE BRRR_F64
+#define FN(name) name##_f64
+#define CPU_LOAD brrr_cpu_load_f64
+#define CPU_STORE brrr_cpu_store_f64
+#define EXP exp
+#define BLOCK_MAX brrr_block_max
+#include "softmax_cpu.inc"
+#undef REAL
+#undef REAL_DTYPE
+#undef FN
+#undef CPU_LOAD
+#undef CPU_STORE
+#undef EXP
+#undef BLOCK_MAX
+
 static void cpu_softmax(const brrr_softmax_launch *L) {
-    const int32_t in_dtype = L->backward ? L->y_dtype : L->x_dtype, out_dtype = L->backward ? L->x_dtype : L->y_dtype;
-    const int64_t n = L->cols, c0 = L->col_stride[0], c1 = L->col_stride[1], c2 = L->col_stride[2];
-    for (int64_t r = 0; r < L->rows; r++) {
-        const int64_t o0 = row_off(L, 0, r), o1 = row_off(L, 1, r), o2 = row_off(L, 2, r);
-#define IN0(j) brrr_load_f64(in_dtype, L->in[0], o0 + (j) * c0)
-#define IN1(j) brrr_load_f64(in_dtype, L->in[1], o1 + (j) * c1)
-        if (!L->backward) {
-            double m = -INFINITY, s = 0.0;
-            for (int64_t j = 0; j < n; j++) m = fmax(m, IN0(j));
-            if (m == -INFINITY) m = 0.0; /* a row of -inf: exp(-inf - 0) = 0, then 0/0 = NaN as torch */
-            for (int64_t j = 0; j < n; j++) s += exp(IN0(j) - m);
-            const double shift = m + log(s);
-            for (int64_t j = 0; j < n; j++)
-                brrr_store_f64(out_dtype, L->out, o2 + j * c2, L->log ? IN0(j) - shift : exp(IN0(j) - m) / s);
-            continue;
-        }
-        double dot = 0.0;
-        for (int64_t j = 0; j < n; j++) dot += L->log ? IN1(j) : IN1(j) * IN0(j);
-        for (int64_t j = 0; j < n; j++) {
-            const double y = IN0(j), g = IN1(j);
-            brrr_store_f64(out_dtype, L->out, o2 + j * c2, L->log ? g - exp(y) * dot : y * (g - dot));
-        }
-#undef IN0
-#undef IN1
-    }
+    const int f64 = L->x_dtype == BRRR_F64; /* then y is float64 too */
+    brrr_cpu_parallel_for(L->rows, L->cols, f64 ? softmax_rows_f64 : softmax_rows_f32, (void *)L);
 }
 
 /* Slots: forward x, out; backward y, grad_y, grad_x. */

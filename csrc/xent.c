@@ -3,7 +3,8 @@
  * logits (..., C) are rows by classes; target (...) holds a class index per row (int64, int32
  * or uint8). The forward saves one log-sum-exp per row (relative to the target's logit); the
  * backward rematerialises the softmax from logits and lse instead of keeping log-probabilities
- * (formulas: brrr_cuda.h). The CPU twin computes the same function in float64.
+ * (formulas: brrr_cuda.h). The CPU twin computes the same function, rows on threads, in float
+ * math with double sums (float64 for float64 logits): xent_cpu.inc.
  * Every entry takes softcap (None, or c: the loss sees c * tanh(logits / c)) and z_loss (the
  * coefficient of each counted row's squared log-sum-exp added to its loss; 0: none).
  *
@@ -31,6 +32,9 @@
 #include <numpy/arrayobject.h>
 #include <string.h>
 
+#include "cpu.h"
+#include "cpu_math.h"
+
 static int32_t acc_dtype(int32_t dtype) { return dtype == BRRR_F64 ? BRRR_F64 : BRRR_F32; }
 
 static int64_t load_index(int32_t dtype, const void *base, int64_t i) {
@@ -46,87 +50,77 @@ static int64_t row_offset(const brrr_xent_launch *L, const int64_t *strides, int
     return brrr_unravel(L->row_ndim, L->row_shape, strides, r);
 }
 
-/* ---- CPU twin ---------------------------------------------------------------------------------- */
+/* ---- CPU twin ----------------------------------------------------------------------------------
+ * Rows are shared out between threads (xent_cpu.inc: float math for every dtype but float64, sums
+ * in double); the total adds the rows' losses in row order afterwards, so every result is
+ * bitwise the same whatever the thread count. */
 
 /* The logit the loss sees (brrr_cuda.h): softcap * tanh(v / softcap), or v without a softcap. */
 static double capped(const brrr_xent_launch *L, double v) { return L->softcap != 0.0 ? L->softcap * tanh(v / L->softcap) : v; }
 
-static double logit(const brrr_xent_launch *L, int64_t base, int64_t c) {
-    return capped(L, brrr_load_f64(L->dtype, L->logits, base + c * L->logits_class_stride));
-}
-
 static double shift_of(double z_t) { return isfinite(z_t) ? z_t : 0.0; }
-
-/* Row r's gradient from its lse (relative to the shift); g: its grad_loss over the count. The row
- * is read whole before grad_logits is written, element by element after it: in place is fine. */
-static void cpu_grad_row(const brrr_xent_launch *L, int64_t r, int64_t t, double lse, double g) {
-    const int64_t C = L->classes, in = row_offset(L, L->logits_rows, r), out = row_offset(L, L->grad_rows, r);
-    if (t == L->ignore_index) {
-        for (int64_t c = 0; c < C; c++) brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, 0.0);
-        return;
-    }
-    const double shift = shift_of(logit(L, in, t)), uniform = L->smoothing / (double)C;
-    const double p_scale = 1.0 + (L->z_loss != 0.0 ? 2.0 * L->z_loss * (lse + shift) : 0.0);
-    for (int64_t c = 0; c < C; c++) {
-        const double v = brrr_load_f64(L->dtype, L->logits, in + c * L->logits_class_stride), z = capped(L, v);
-        const double dz = L->softcap != 0.0 ? 1.0 - (z / L->softcap) * (z / L->softcap) : 1.0;
-        const double p = exp((z - shift) - lse), hot = c == t ? 1.0 - L->smoothing : 0.0;
-        brrr_store_f64(L->dtype, L->grad_logits, out + c * L->grad_class_stride, g * (p * p_scale - uniform - hot) * dz);
-    }
-}
 
 static double grad_scale(const brrr_xent_launch *L, int64_t r, double divisor) {
     const int32_t acc = acc_dtype(L->dtype);
     return (L->grad_loss ? brrr_load_f64(acc, L->grad_loss, row_offset(L, L->grad_loss_rows, r)) : 1.0) / divisor;
 }
 
-static void cpu_xent_fwd(const brrr_xent_launch *L) {
+typedef struct {
+    const brrr_xent_launch *L;
+    int forward; /* lse and loss (and the gradient with grad_logits); else the backward alone */
+} xent_work;
+
+#define XENT_LANES 16
+
+#define REAL float
+#define REAL_DTYPE BRRR_F32
+#define FN(name) name##_f32
+#define CPU_LOAD brrr_cpu_load_f32
+#define CPU_STORE brrr_cpu_store_f32
+#define EXP brrr_expf
+#define TANH brrr_tanhf
+#define BLOCK_MAX brrr_block_maxf
+#include "xent_cpu.inc"
+#undef REAL
+#undef REAL_DTYPE
+#undef FN
+#undef CPU_LOAD
+#undef CPU_STORE
+#undef EXP
+#undef TANH
+#undef BLOCK_MAX
+#define REAL double
+#define REAL_DTYPE BRRR_F64
+#define FN(name) name##_f64
+#define CPU_LOAD brrr_cpu_load_f64
+#define CPU_STORE brrr_cpu_store_f64
+#define EXP exp
+#define TANH tanh
+#define BLOCK_MAX brrr_block_max
+#include "xent_cpu.inc"
+#undef REAL
+#undef REAL_DTYPE
+#undef FN
+#undef CPU_LOAD
+#undef CPU_STORE
+#undef EXP
+#undef TANH
+#undef BLOCK_MAX
+
+static void cpu_xent(const brrr_xent_launch *L, int forward) {
+    const xent_work w = {L, forward};
+    const int64_t passes = L->grad_logits ? (forward ? 2 : 1) + 1 : 1; /* reads of the row, plus the write */
+    brrr_cpu_parallel_for(L->rows, passes * L->classes, L->dtype == BRRR_F64 ? xent_rows_f64 : xent_rows_f32, (void *)&w);
+    if (!forward || (L->total == NULL && L->count_out == NULL)) return;
     const int32_t acc = acc_dtype(L->dtype);
-    const int64_t C = L->classes;
-    const double divisor = L->count ? brrr_load_f64(acc, L->count, 0) : 1.0;
     double sum = 0.0;
     int64_t counted = 0;
     for (int64_t r = 0; r < L->rows; r++) {
-        const int64_t t = load_index(L->target_dtype, L->target, row_offset(L, L->target_rows, r));
-        double lse = 0.0, loss = 0.0;
-        if (t != L->ignore_index) {
-            const int64_t base = row_offset(L, L->logits_rows, r);
-            double m = -INFINITY, s = 0.0, sz = 0.0;
-            for (int64_t c = 0; c < C; c++) {
-                const double z = logit(L, base, c);
-                if (z > m || z != z) m = z;
-                if (m != m) break;
-            }
-            for (int64_t c = 0; c < C; c++) {
-                const double z = logit(L, base, c);
-                s += exp(z - m);
-                sz += z;
-            }
-            /* t is a class: check_targets ran first. lse relative to the shift: brrr_cuda.h. */
-            const double z_t = logit(L, base, t), shift = shift_of(z_t);
-            lse = (m - shift) + log(s);
-            loss = (1.0 - L->smoothing) * (lse - (z_t - shift));
-            if (L->smoothing != 0.0) loss += L->smoothing * (lse - (sz / (double)C - shift)); /* 0 * inf: NaN */
-            if (L->z_loss != 0.0) loss += L->z_loss * (lse + shift) * (lse + shift);
-            counted++;
-        }
-        if (L->lse) brrr_store_f64(acc, L->lse, r, lse);
-        brrr_store_f64(acc, L->loss, r, loss);
-        sum += loss;
-        if (L->grad_logits) cpu_grad_row(L, r, t, lse, t == L->ignore_index ? 0.0 : grad_scale(L, r, divisor));
+        sum += brrr_load_f64(acc, L->loss, r);
+        counted += load_index(L->target_dtype, L->target, row_offset(L, L->target_rows, r)) != L->ignore_index;
     }
     if (L->total) brrr_store_f64(acc, L->total, 0, L->mean ? sum / (double)counted : sum);
     if (L->count_out) brrr_store_f64(acc, L->count_out, 0, (double)counted);
-}
-
-static void cpu_xent_bwd(const brrr_xent_launch *L) {
-    const int32_t acc = acc_dtype(L->dtype);
-    const double divisor = L->count ? brrr_load_f64(acc, L->count, 0) : 1.0;
-    for (int64_t r = 0; r < L->rows; r++) {
-        const int64_t t = load_index(L->target_dtype, L->target, row_offset(L, L->target_rows, r));
-        cpu_grad_row(L, r, t, t == L->ignore_index ? 0.0 : brrr_load_f64(acc, L->lse, r),
-                     t == L->ignore_index ? 0.0 : grad_scale(L, r, divisor));
-    }
 }
 
 /* ---- layout and launch ------------------------------------------------------------------------- */
@@ -231,8 +225,8 @@ static int xent_run(brrr_op_call *c, xent_mode mode) {
     if (xent_layout(&L, target, views, strides, 4) < 0) return -1;
     if (brrr_on_cpu(c)) {
         if (check_targets(&L) < 0) return -1;
-        if (mode == XENT_BWD) BRRR_RUN_CPU(cpu_xent_bwd, &L);
-        else BRRR_RUN_CPU(cpu_xent_fwd, &L); /* with grad_logits: the gradient too */
+        Py_BEGIN_ALLOW_THREADS cpu_xent(&L, mode != XENT_BWD); /* with grad_logits: the gradient too */
+        Py_END_ALLOW_THREADS
         return 0;
     }
     if (mode == XENT_BWD) BRRR_RETURN_CUDA(c, brrr_cuda_xent_bwd, &L);

@@ -133,6 +133,72 @@ def test_cross_entropy_bitwise_same_at_every_thread_count(rows, classes, dtype):
     assert_close(results[0][1], l64.grad, dtype=dtype, scale=4)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 65])
+@pytest.mark.parametrize("classes", [15, 17, 512, 513, 1031])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("softcap, z_loss", [(None, 0.0), (15.0, 1e-2)])
+def test_fused_cross_entropy_bitwise_same_at_every_thread_count(rows, classes, dtype, softcap, z_loss):
+    """The fused forward+backward, its gradient written over the logits (in place), with and
+    without softcap and z_loss: bitwise the same at 1, 2 and 3 threads, and the float64
+    reference's. Class counts around the vector widths and the 512-class block (a row's maximum
+    and sums fold block by block); -inf logits in some rows' later blocks."""
+    from brrr import _C
+
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    logits = random((rows, classes), dtype, "cpu", low=-20, high=20)
+    logits[::2, classes // 2:] = -float("inf")
+    target = torch.randint(0, max(classes // 2, 1), (rows,))
+    target[1::4] = -100
+    count = (target != -100).sum().to(acc)
+    args = dict(ignore_index=-100, label_smoothing=0.0, softcap=softcap, z_loss=z_loss)
+
+    def run():
+        grad, loss = logits.clone(), torch.empty(rows, dtype=acc)
+        _C.cross_entropy_fwd_bwd(grad, target, loss, None, count, grad, **args)
+        return loss, grad
+
+    results = _at_threads(run)
+    _assert_bitwise_same(results)
+    x64 = logits.to(torch.float64).requires_grad_()
+    z = x64 if softcap is None else softcap * torch.tanh(x64 / softcap)
+    keep = target != -100
+    rows_loss = torch.nn.functional.cross_entropy(z, target, reduction="none")
+    rows_loss = rows_loss + torch.where(keep, z_loss * torch.logsumexp(z, -1) ** 2, 0.0)
+    (rows_loss.sum() / count.double()).backward()
+    assert_close(results[0][0], rows_loss, dtype=acc, scale=4)
+    assert_close(results[0][1], x64.grad, dtype=dtype, scale=4)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 65])
+@pytest.mark.parametrize("cols", [15, 17, 512, 513, 1031])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_bitwise_same_at_every_thread_count(rows, cols, dtype, log):
+    """softmax and log_softmax, forward and backward: bitwise the same at 1, 2 and 3 threads, and
+    the float64 reference's; rows around the vector widths and the 512-column block, with -inf in
+    some rows' later blocks and a large offset common to other rows."""
+    x = random((rows, cols), dtype, "cpu", low=-10, high=10)
+    x[::2, cols // 2:] = -float("inf")
+    x[1::3] += 1000
+    grad = random((rows, cols), dtype, "cpu")
+    fn = brrr.log_softmax if log else brrr.softmax
+
+    def run():
+        xs = x.clone().requires_grad_()
+        y = fn(xs, -1)
+        y.backward(grad)
+        return y.detach(), xs.grad
+
+    results = _at_threads(run)
+    _assert_bitwise_same(results)
+    x64 = x.to(torch.float64).requires_grad_()
+    ref = (torch.log_softmax if log else torch.softmax)(x64, -1)
+    ref.backward(grad.double())
+    assert_close(results[0][0], ref, scale=4)
+    # the gradient's terms are O(|grad|) with cancellation in the row sums (as tests/test_softmax.py)
+    assert_close(results[0][1], x64.grad, scale=4 * cols ** 0.5)
+
+
 @pytest.mark.parametrize("shape", [(1, 3), (65, 513), (130, 17)])
 def test_dropout_and_rotary_bitwise_same_at_every_thread_count(shape):
     x, bias = random(shape, torch.float32, "cpu"), random(shape[-1:], torch.float32, "cpu")
@@ -198,10 +264,16 @@ def test_fork_child_after_parent_used_threads():
     previous = brrr.set_num_threads(2)
     try:
         expected = cos_cos(x)  # the parent's OpenMP pool is up
+        target = np.arange(400, dtype=np.int64) % 500
+        expected_softmax = brrr.softmax(x[:200000].reshape(400, 500), -1)
+        expected_loss = brrr.cross_entropy(x[:200000].reshape(400, 500), target, reduction="none")
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: the same kernel, then report and leave without cleanup
-            ok = np.array_equal(cos_cos(x), expected) and np.array_equal(brrr.silu(x), brrr.silu(x))
+            rows = x[:200000].reshape(400, 500)
+            ok = (np.array_equal(cos_cos(x), expected) and np.array_equal(brrr.silu(x), brrr.silu(x))
+                  and np.array_equal(brrr.softmax(rows, -1), expected_softmax)
+                  and np.array_equal(brrr.cross_entropy(rows, target, reduction="none"), expected_loss))
             os.write(write, b"ok" if ok else b"wrong")
             os._exit(0)
         os.close(write)
@@ -223,7 +295,8 @@ def test_eight_python_threads_at_once():
     gelu = brrr.chain("gelu")
 
     def work(x):
-        return gelu(x), brrr.layer_norm(x, (1031,), weight), brrr.cross_entropy(x, torch.zeros(37, dtype=torch.long))
+        return (gelu(x), brrr.layer_norm(x, (1031,), weight), brrr.cross_entropy(x, torch.zeros(37, dtype=torch.long)),
+                brrr.softmax(x, -1))
 
     previous = brrr.set_num_threads(2)
     try:

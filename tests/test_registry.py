@@ -811,13 +811,14 @@ def test_register_a_users_op():
 
 def test_cpu_tensors_run_the_faster_kernel_measured_unless_told():
     """The registry's default on CPU tensors is brrr's CPU kernel for the ops where it measured
-    faster than PyTorch's (benchmarks/results/cpu-2026-12-02.md), PyTorch's function for the rest;
+    faster than PyTorch's (benchmarks/cpu_twins.py; docs/cpu.md), PyTorch's function for the rest;
     the rest of this suite asks for brrr's everywhere (conftest)."""
     registry.reset()  # the defaults, as a user has them
     try:
         x = torch.randn(5, 8)
+        faster = {"tanh", "rms_norm", "cross_entropy"}
         for name in registry.names():
-            assert registry.lookup(name).cpu == ("kernel" if name in {"tanh", "rms_norm"} else "pytorch"), name
+            assert registry.lookup(name).cpu == ("kernel" if name in faster else "pytorch"), name
         rms = registry.lookup("rms_norm")
         assert rms.resolve(x, (8,)) is rms.implementation
         op = registry.lookup("gelu")
