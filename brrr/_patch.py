@@ -996,8 +996,19 @@ def _residual_form_matches(norm, device):
                              for outs in (got, expected))
     except Exception:  # noqa: BLE001 - a norm whose residual form fails on the probe is simply not a match
         return False
-    return all(a is None and b is None or a is not None and b is not None and _close(a, b)
+    return all(a is None and b is None or a is not None and b is not None and _close_in_scale(a, b)
                for a, b in zip(got, expected))
+
+
+def _close_in_scale(a, b):
+    """_close with the absolute tolerance scaled by b's largest magnitude: a parameter's gradient
+    sums over the probe's rows, and an element that cancels to near 0 keeps the rounding of the
+    large terms (a half-precision reference rounds each product before summing; brrr does not)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    tol = 1e-5 if a.dtype in (torch.float32, torch.float64) else 2e-2
+    scale = max(b.float().abs().max().item(), 1.0) if b.numel() else 1.0
+    return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * scale)
 
 
 def _try_residual_norms(module, device, made):

@@ -464,3 +464,22 @@ def test_a_patched_llama_on_cuda_runs_the_fused_add_and_matches(dtype):
     torch.testing.assert_close(loss, expected_loss, **tol)
     for a, b in zip(grads, expected_grads):
         torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("hidden", [1024, 2048])
+def test_a_half_precision_llama_layer_is_fused_at_real_widths(hidden):
+    """bf16 at widths of real models, brrr's CPU kernels forced: the probe's parameter gradient sums
+    15 rows, and where an element cancels to near 0 the unpatched bf16 reference keeps the
+    rounding of its rounded products; an elementwise tolerance refused the fused form on the H200
+    (Llama, hidden 1024) for that alone."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=4)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    try:
+        registry.on_cpu("add_rms_norm", "kernel")
+        registry.on_cpu("rms_norm", "kernel")
+        report = brrr.patch(model)
+    finally:
+        reset_registry()
+    assert ("model.layers.0", FUSED) in {(n, what) for n, _, what in report.swapped}, str(report)
