@@ -195,6 +195,15 @@ def capture(fn, pool=None, generators=(), stream=None):
     for generator in generators:
         graph.register_generator_state(generator)
     current = torch.cuda.current_stream()
+    # cuBLAS keeps a workspace per stream, allocated by the first GEMM outside any graph's pool. A
+    # graph captured with it writes there on every replay, yet PyTorch frees it whenever the
+    # workspaces are cleared (torch.compile's mode="reduce-overhead" clears them around each
+    # recording; torch/_inductor/cudagraph_trees.py says why) and hands the memory to other tensors:
+    # on the H200 a captured step's first replay after reduce-overhead steps failed with "unspecified
+    # launch failure". Cleared before the capture, the captured GEMMs allocate their workspace in the
+    # graph's own pool; cleared after it, eager GEMMs stop using memory that lives as long as the
+    # graph. PyTorch has no public call for this.
+    torch._C._cuda_clearCublasWorkspaces()
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             outputs = fn()
@@ -205,6 +214,8 @@ def capture(fn, pool=None, generators=(), stream=None):
                            f"Something in it cannot be captured: a host sync (.item(), .cpu(), printing a tensor, "
                            f"a data-dependent shape), or a library call that synchronises; docs/graphs.md lists "
                            f"the known cases") from e
+    finally:
+        torch._C._cuda_clearCublasWorkspaces()
     return graph, outputs
 
 

@@ -379,6 +379,36 @@ def test_optimizer_step_inside_the_graph_trains_like_eager():
 
 
 @pytest.mark.cuda
+def test_a_captured_step_replays_after_reduce_overhead_steps_cleared_cublas_workspaces(monkeypatch):
+    """torch.compile(mode="reduce-overhead") frees cuBLAS's workspaces around each recording; a
+    graph that captured GEMMs with a workspace from outside its pool would then write into memory
+    the allocator hands to other tensors (the graphs benchmark failed so on the H200, "unspecified
+    launch failure" at the first replay). capture_step clears the workspaces around its capture,
+    so its GEMMs own theirs; after reduce-overhead steps on the same model, fresh tensors the size
+    of a workspace keep their values through replays, and the replays match eager."""
+    clears = []
+    clear = torch._C._cuda_clearCublasWorkspaces
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: clears.append(1) or clear())
+    model = patched_cuda_model("llama", torch.bfloat16)
+    loss_fn = loss_fn_of(model, "llama")
+    tokens = torch.randint(0, 101, (4, 32), device="cuda")
+    expected = eager_loss_and_grads(model, loss_fn, tokens)
+    step = brrr.capture_step(loss_fn, model, warmup=2)
+    for _ in range(3):
+        step(tokens)
+    assert step.graphs == 1 and len(clears) == 2, clears  # before and after the one capture
+    compiled = torch.compile(loss_fn, mode="reduce-overhead")
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled(tokens).backward()
+    sentinels = [torch.full((mib << 18,), 7.0, device="cuda") for mib in (1, 2, 4, 8, 16, 32, 64)]
+    for _ in range(3):
+        assert_step_matches(model, step(tokens), expected, torch.bfloat16, "replay after reduce-overhead")
+    torch.cuda.synchronize()
+    assert all(bool((t == 7.0).all()) for t in sentinels)
+
+
+@pytest.mark.cuda
 def test_new_shapes_capture_up_to_max_graphs_then_run_eagerly():
     model = patched_cuda_model("llama", torch.float32)
     loss_fn = loss_fn_of(model, "llama")
