@@ -578,7 +578,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     // x's first element. A half's 2-byte copy is a load that the leader's warp
                     // waits for, a memory latency on every LayerNorm row: with 16-byte rows
                     // (VEC > 1) its 4-byte word goes by cp.async instead, the shift its first half
-                    // (lay.shift_word; BRRR_NORM_BWD_SHIFT=load for the load).
+                    // (lay.shift_word, with BRRR_NORM_BWD_SHIFT=word; unset, the load).
                     T *shift = reinterpret_cast<T *>(slot + kSlotShift);
                     const T *x0 = static_cast<const T *>(L.x.data) + off[0];
                     if constexpr (VEC > 1 && sizeof(T) == 2) {
@@ -897,7 +897,7 @@ __global__ void __launch_bounds__(kTileCols *kBwdMaxLanes)
 // partial rows y, y + kFinalLanes, ... in turn, loading kBatch of them before it adds them (in
 // the same order: the same bits for every kBatch). One at a time, the 16 dependent loads of 256
 // partial rows from 48-64 blocks were a latency chain beside a backward of tens of microseconds
-// at 768-1024 columns; BRRR_NORM_FINALIZE=serial picks kBatch 1 (docs/kernel-switches.md).
+// at 768-1024 columns. BRRR_NORM_FINALIZE=batched picks kBatch 8, unset 1 (docs/kernel-switches.md).
 template <typename T, int kBatch>
 __global__ void __launch_bounds__(kFinalCols *kFinalLanes)
     norm_finalize_kernel(const __grid_constant__ brrr_norm_launch L, const int64_t parts) {
@@ -1140,15 +1140,15 @@ static int compute_major(int device) {
     return v;
 }
 
-// Where the backward's fast path keeps the weight: BRRR_NORM_BWD_WEIGHT=smem (a copy in shared
-// memory, or the generic path where the ring and the copy do not fit together: the choice before
-// the global fallback) or global (read from global memory by every pass, more ring stages);
-// unset: as bwd_config's fit decides. For measurements (docs/kernel-switches.md).
+// Where the backward's fast path keeps the weight: unset or smem, a copy in shared memory (or the
+// generic path where the ring and the copy do not fit together); global, read from global memory
+// by every pass (more ring stages); auto, as bwd_config's fit decides. auto becomes the default
+// once a GPU run has measured it (docs/kernel-switches.md).
 enum class WeightPlace { kCopyOrGlobal, kCopy, kGlobal };
 static WeightPlace weight_place() {
     const char *v = getenv("BRRR_NORM_BWD_WEIGHT");
-    if (v == nullptr) return WeightPlace::kCopyOrGlobal;
-    return strcmp(v, "global") == 0 ? WeightPlace::kGlobal : strcmp(v, "smem") == 0 ? WeightPlace::kCopy : WeightPlace::kCopyOrGlobal;
+    if (v == nullptr) return WeightPlace::kCopy;
+    return strcmp(v, "global") == 0 ? WeightPlace::kGlobal : strcmp(v, "auto") == 0 ? WeightPlace::kCopyOrGlobal : WeightPlace::kCopy;
 }
 
 // The backward's fast path for this launch, or false when it does not apply (strided columns,
@@ -1198,7 +1198,7 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
         cfg->lay.split = split;
         cfg->lay.split_cols = (int)ncols;
         const char *shift = getenv("BRRR_NORM_BWD_SHIFT");
-        cfg->lay.shift_word = shift == nullptr || strcmp(shift, "load") != 0;
+        cfg->lay.shift_word = shift != nullptr && strcmp(shift, "word") == 0;  // not yet measured: opt-in
         return true;
     };
     auto threads_for = [](int64_t packs_total, int packs) {
@@ -1212,14 +1212,14 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     };
     // The fewest elements a thread that leave a block within 512 threads (128 registers: room for
     // 16 elements a thread with xhat and g kept); else, on sm_90, the row split over a cluster of
-    // two such blocks (BRRR_NORM_BWD_SPLIT=0: not), else one block of 1024 (64 registers).
+    // two such blocks (with BRRR_NORM_BWD_SPLIT=1), else one block of 1024 (64 registers).
     for (int packs = 1; packs * vec <= bwd_max_elements<T>(vec); packs *= 2) {
         const int64_t tpr = threads_for(packs_total, packs);
         if (tpr * lanes <= 512) return fit(tpr, packs, 512, 1, L.cols);
     }
     const int packs = bwd_max_elements<T>(vec) / vec;
     const char *split = getenv("BRRR_NORM_BWD_SPLIT");
-    if (lanes == 1 && compute_major(device) >= 9 && !(split && strcmp(split, "0") == 0)) {
+    if (lanes == 1 && compute_major(device) >= 9 && split && strcmp(split, "1") == 0) {  // not yet measured: opt-in
         const int64_t half = ((L.cols + 1) / 2 + vec - 1) / vec * vec, tpr = threads_for((half + vec - 1) / vec, packs);
         if (tpr <= 512 && fit(tpr, packs, 512, 2, half)) return true;
     }
@@ -1311,7 +1311,7 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     if (n_grads > 0) {
         const dim3 grid((unsigned)((L.cols + kFinalCols - 1) / kFinalCols), 2);
         const char *finalize = getenv("BRRR_NORM_FINALIZE");
-        auto kernel = finalize && strcmp(finalize, "serial") == 0 ? norm_finalize_kernel<T, 1> : norm_finalize_kernel<T, 8>;
+        auto kernel = finalize && strcmp(finalize, "batched") == 0 ? norm_finalize_kernel<T, 8> : norm_finalize_kernel<T, 1>;
         kernel<<<grid, dim3(kFinalCols, kFinalLanes), 0, stream>>>(L, chunks);
     }
     return cudaSuccess;

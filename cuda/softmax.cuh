@@ -591,10 +591,10 @@ bool launch_tile(const brrr_softmax_launch &L, cudaStream_t stream) {
     return true;
 }
 
-// Rows whose inputs take up to 32 KB go to the tile kernel, longer ones to the shared-memory
+// Rows whose inputs take up to 32 KB go to the register kernel, longer ones to the shared-memory
 // (cluster) kernel, unaligned or strided ones to the streaming kernel. BRRR_SOFTMAX_KERNEL=tile,
 // rows, smem or stream picks one where it applies, else the streaming kernel (for measurements;
-// docs/kernel-switches.md).
+// docs/kernel-switches.md). The tile kernel is not the default until a GPU run has measured it.
 template <typename TX, typename TY, bool kBackward>
 cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t stream) {
     constexpr int P = pack_elems<TX, TY>(), kMax = max_packs<TX, TY, kBackward>();
@@ -604,7 +604,7 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t 
     const bool pack = packable<TX, TY>(L);
     const bool rows_fit = pack && packs <= 512 * kMax;
     const bool want_smem = force ? strcmp(force, "smem") == 0 : held > (32 << 10);
-    const bool want_tile = force ? strcmp(force, "tile") == 0 : true;
+    const bool want_tile = force ? strcmp(force, "tile") == 0 : false;
     const bool want_rows = force ? strcmp(force, "rows") == 0 : true;
     if (pack && want_smem) {
         cudaError_t err = cudaSuccess;

@@ -253,11 +253,12 @@ def test_backward_weight_from_global_memory(monkeypatch, kind, residual, cols):
     """float32 rows past 8192 columns: where the backward's ring and its copy of the weight do not
     fit in shared memory together, or leave one stage of the ring (the fused forms' three rows at
     16384 columns), the fast path reads the weight from global memory. Against the float64
-    reference; BRRR_NORM_BWD_WEIGHT=global (every width here) gives the same bits as the default
+    reference; BRRR_NORM_BWD_WEIGHT=global (every width here) gives the same bits as auto
     (the same kernel and values of w, whatever the stages); =smem keeps the copy (fewer stages, or
     the generic kernels where none fits): the weight and bias gradients the same bits (the same
     order, brrr_cuda.h), grad_x to rounding."""
     dtype = torch.float32
+    monkeypatch.setenv("BRRR_NORM_BWD_WEIGHT", "auto")
     for rows in (3, 37):
         x = random((rows, cols), dtype, "cuda")
         r = random((rows, cols), dtype, "cuda") if residual else None
@@ -266,7 +267,7 @@ def test_backward_weight_from_global_memory(monkeypatch, kind, residual, cols):
     x, g = random((203, cols), dtype, "cuda"), random((203, cols), dtype, "cuda")
     r = random((203, cols), dtype, "cuda") if residual else None
     w, b = params(kind, "both", (cols,), dtype, "cuda")
-    default = _gradients_under(monkeypatch, {}, kind, x, r, w, b, g)
+    default = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_WEIGHT": "auto"}, kind, x, r, w, b, g)
     forced = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_WEIGHT": "global"}, kind, x, r, w, b, g)
     copy = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_WEIGHT": "smem"}, kind, x, r, w, b, g)
     _assert_same_bits(forced, default, "global")
@@ -284,10 +285,11 @@ def test_backward_weight_from_global_memory(monkeypatch, kind, residual, cols):
 def test_backward_split_over_a_cluster(monkeypatch, dtype, kind, residual, cols):
     """Rows past 8192 columns (one summation lane): on sm_90 two blocks of a cluster share each
     row, rank 0 taking the first half rounded up to a 16-byte pack (8200, 12296 and 16376 leave
-    the halves unequal); BRRR_NORM_BWD_SPLIT=0 runs one 1024-thread block instead. Against the
+    the halves unequal) with BRRR_NORM_BWD_SPLIT=1; =0 or unset runs one 1024-thread block. Against the
     float64 reference, for row counts that leave one chunk (1, 3) and many; the weight and bias
     gradients the same bits either way (the same order), grad_x to rounding (its row sums are
-    added in another order)."""
+    added in another order). The split is opt-in (BRRR_NORM_BWD_SPLIT=1) until measured."""
+    monkeypatch.setenv("BRRR_NORM_BWD_SPLIT", "1")
     for rows in (1, 3, 37):
         x = random((rows, cols), dtype, "cuda")
         r = random((rows, cols), dtype, "cuda") if residual else None
@@ -296,7 +298,7 @@ def test_backward_split_over_a_cluster(monkeypatch, dtype, kind, residual, cols)
     x, g = random((301, cols), dtype, "cuda"), random((301, cols), dtype, "cuda")
     r = random((301, cols), dtype, "cuda") if residual else None
     w, b = params(kind, "both", (cols,), dtype, "cuda")
-    split = _gradients_under(monkeypatch, {}, kind, x, r, w, b, g)
+    split = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_SPLIT": "1"}, kind, x, r, w, b, g)
     whole = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_SPLIT": "0"}, kind, x, r, w, b, g)
     _assert_same_bits(split[2:], whole[2:], "split")
     for a, e in zip(split[:2], whole[:2]):
@@ -316,7 +318,7 @@ def test_finalize_batched_loads_give_the_same_bits(monkeypatch, dtype, kind, col
     that fill no batch (1, 5) or leave one part-filled (251)."""
     x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
     w, b = params(kind, "both", (cols,), dtype, "cuda")
-    batched = _gradients_under(monkeypatch, {}, kind, x, None, w, b, g)
+    batched = _gradients_under(monkeypatch, {"BRRR_NORM_FINALIZE": "batched"}, kind, x, None, w, b, g)
     serial = _gradients_under(monkeypatch, {"BRRR_NORM_FINALIZE": "serial"}, kind, x, None, w, b, g)
     _assert_same_bits(batched, serial, "finalize")
 
@@ -334,9 +336,10 @@ def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
     x[:, 1] = x[:, 0] + 2.0
     r = random((301, cols), dtype, "cuda") if residual else None
     w, b = params("layer_norm", "both", (cols,), dtype, "cuda")
-    word = _gradients_under(monkeypatch, {}, "layer_norm", x, r, w, b, g)
+    word = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_SHIFT": "word"}, "layer_norm", x, r, w, b, g)
     load = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_SHIFT": "load"}, "layer_norm", x, r, w, b, g)
     _assert_same_bits(word, load, "shift")
+    monkeypatch.setenv("BRRR_NORM_BWD_SHIFT", "word")
     compare("layer_norm", dtype, x, r, (cols,), w, b)
 
 
