@@ -8,6 +8,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "brrr_build_config.h"
@@ -70,14 +71,18 @@ typedef struct {
     int32_t ndim;
     int64_t numel;
     int readonly;
-    int64_t shape[BRRR_MAX_RANK];
-    int64_t strides[BRRR_MAX_RANK]; /* in elements */
     /* What must be released: a NumPy array or a resolved torch view we hold, or a DLPack managed
      * tensor we own. */
     PyObject *owner;
     DLManagedTensorVersioned *managed_versioned;
     DLManagedTensor *managed_legacy;
+    /* Last, and valid up to ndim only: an import zeroes the fields above (BRRR_TENSOR_HEAD
+     * bytes), not these 1 KiB, which cost a tiny call more than its kernel. */
+    int64_t shape[BRRR_MAX_RANK];
+    int64_t strides[BRRR_MAX_RANK]; /* in elements */
 } brrr_tensor;
+
+#define BRRR_TENSOR_HEAD offsetof(brrr_tensor, shape)
 
 brrr_state *brrr_get_state(PyObject *module);
 

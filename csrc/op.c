@@ -19,6 +19,7 @@ typedef struct {
     PyObject *module;             /* strong: its state holds the DLPack exchange-table cache */
     PyObject *names[MAX_PARAMS];  /* interned parameter names, for keyword matching */
     PyObject *doc;
+    char rows_name[48], cols_name[48]; /* "x.shape[:-1]", "x.shape[-1:]": the names of x's rows and columns */
 } op_object;
 
 static int n_params(const brrr_op_spec *spec) { return spec->n_slots + spec->n_args + 1; }
@@ -294,10 +295,9 @@ int brrr_op_import_extra(brrr_op_call *c, int slot, PyObject *obj, const char *n
 static int split_x(brrr_op_call *c) {
     const brrr_op_spec *spec = c->spec;
     const brrr_tensor *x = &c->t[0];
-    const char *k_name = "1";
     long long k = 1;
     if (spec->split_arg >= 0) {
-        k_name = spec->args[spec->split_arg].name;
+        const char *k_name = spec->args[spec->split_arg].name;
         k = c->arg[spec->split_arg].i;
         if (k < 1 || k > x->ndim) {
             PyErr_Format(PyExc_ValueError, "argument %s: expected 1 <= %s <= %s.ndim (%d), got %lld", k_name, k_name,
@@ -307,12 +307,8 @@ static int split_x(brrr_op_call *c) {
     }
     c->split = (int)(k < x->ndim ? k : x->ndim);
     const int lead = x->ndim - c->split;
-    snprintf(c->rows_name, sizeof c->rows_name, "%s.shape[:-%s]", x->name, k_name);
-    snprintf(c->cols_name, sizeof c->cols_name, "%s.shape[-%s:]", x->name, k_name);
-    c->rows.name = c->rows_name;
     c->rows.ndim = lead;
     memcpy(c->rows.shape, x->shape, sizeof(int64_t) * (size_t)lead);
-    c->cols.name = c->cols_name;
     c->cols.ndim = c->split;
     memcpy(c->cols.shape, x->shape + lead, sizeof(int64_t) * (size_t)c->split);
     c->n_rows = c->n_cols = 1;
@@ -423,7 +419,12 @@ static PyObject *op_vectorcall(PyObject *callable, PyObject *const *args, size_t
     PyObject *values[MAX_PARAMS];
     if (bind(self, args, nargsf, kwnames, values) < 0) return NULL;
     brrr_op_call c;
-    memset(&c, 0, sizeof c);
+    memset(&c, 0, offsetof(brrr_op_call, rows));
+    memset(&c.rows, 0, BRRR_TENSOR_HEAD);
+    memset(&c.cols, 0, BRRR_TENSOR_HEAD);
+    for (int s = 0; s < BRRR_OP_MAX_SLOTS; s++) memset(&c.t[s], 0, BRRR_TENSOR_HEAD);
+    c.rows.name = self->rows_name;
+    c.cols.name = self->cols_name;
     c.spec = self->spec;
     c.call.state = brrr_get_state(self->module);
     c.call.stream_arg = -1;
@@ -578,6 +579,9 @@ int brrr_add_ops(PyObject *module, const brrr_op_spec *const *specs) {
         op->module = Py_NewRef(module);
         memset(op->names, 0, sizeof op->names);
         op->doc = make_doc(spec);
+        const char *k_name = spec->split_arg >= 0 ? spec->args[spec->split_arg].name : "1";
+        snprintf(op->rows_name, sizeof op->rows_name, "%s.shape[:-%s]", spec->slots[0].name, k_name);
+        snprintf(op->cols_name, sizeof op->cols_name, "%s.shape[-%s:]", spec->slots[0].name, k_name);
         for (int i = 0; op->doc && i < n_params(spec); i++)
             if ((op->names[i] = PyUnicode_InternFromString(param_name(spec, i))) == NULL) Py_CLEAR(op->doc);
         PyObject_GC_Track((PyObject *)op);

@@ -592,7 +592,7 @@ static int import_materialised(brrr_call *call, PyObject *obj, const char *name,
 }
 
 static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, int index, brrr_tensor *t) {
-    memset(t, 0, sizeof(*t));
+    memset(t, 0, BRRR_TENSOR_HEAD);
     t->name = name;
     if (obj == Py_None) {
         PyErr_Format(PyExc_TypeError, "argument %s: expected a tensor or array, got None", name);
