@@ -216,6 +216,7 @@ static int import_slot(brrr_op_call *c, int s, PyObject *obj) {
     const brrr_slot_spec *spec = &c->spec->slots[s];
     c->written[s] = (spec->flags & BRRR_WRITE) != 0;
     if (spec->dtype == BRRR_DTYPE_INDEX) return brrr_index_import(&c->call, obj, spec->name, &c->t[s]);
+    if (c->owned[s] == obj && brrr_has(c, s)) return 0; /* described by brrr_new_like */
     return brrr_tensor_import(&c->call, obj, spec->name, c->written[s], &c->t[s]);
 }
 
@@ -243,7 +244,8 @@ static PyObject *allocate(brrr_op_call *c, int s) {
         const int typenum = dtype == BRRR_F64 ? NPY_FLOAT64 : dtype == BRRR_F16 ? NPY_FLOAT16 : NPY_FLOAT32;
         return PyArray_SimpleNew(ndim, dims, typenum);
     }
-    PyObject *obj = brrr_new_shaped(&c->call, x_obj, x, ndim, shape, dtype);
+    c->t[s].name = spec->name; /* described by the allocation: import_slot takes it as it is */
+    PyObject *obj = brrr_new_shaped(&c->call, x_obj, x, ndim, shape, dtype, &c->t[s]);
     if (obj == NULL && !PyErr_Occurred())
         PyErr_Format(PyExc_TypeError, "argument %s: brrr._C allocates outputs only for NumPy arrays and tensors of "
                      "frameworks with DLPack's C exchange table; pass one for %s of type %.200s", spec->name, x->name,
@@ -264,7 +266,8 @@ static int import_scratch(brrr_op_call *c, int s, int64_t want) {
                          (long long)want);
             return -1;
         }
-        obj = c->owned[s] = brrr_new_shaped(&c->call, c->obj[0], x, 1, &want, acc_dtype(x->dtype));
+        c->t[s].name = name;
+        obj = c->owned[s] = brrr_new_shaped(&c->call, c->obj[0], x, 1, &want, acc_dtype(x->dtype), &c->t[s]);
         if (obj == NULL) {
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_TypeError, "argument %s: required on CUDA (a contiguous 1-D %s tensor of at least "
@@ -275,8 +278,8 @@ static int import_scratch(brrr_op_call *c, int s, int64_t want) {
     }
     c->written[s] = 1;
     brrr_tensor *t = &c->t[s];
-    if (brrr_tensor_import(&c->call, obj, name, 1, t) < 0 || brrr_check_same_device(t, x) < 0 || check_dtype(c, s) < 0)
-        return -1;
+    if (!(c->owned[s] == obj && brrr_has(c, s)) && brrr_tensor_import(&c->call, obj, name, 1, t) < 0) return -1;
+    if (brrr_check_same_device(t, x) < 0 || check_dtype(c, s) < 0) return -1;
     if (t->ndim != 1 || t->numel < want || (t->numel > 1 && t->strides[0] != 1)) {
         PyErr_Format(PyExc_ValueError, "argument %s: expected a contiguous 1-D tensor of at least %lld elements", name,
                      (long long)want);
