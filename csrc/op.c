@@ -390,12 +390,14 @@ static int run_call(brrr_op_call *c, PyObject **values) {
         const int64_t want = spec->scratch ? spec->scratch(c) : 0;
         if (want > 0 && import_scratch(c, scratch_slot, want) < 0) return -1;
     }
-    /* No written tensor may share memory with another argument; an in-place output may be x. */
+    /* No written tensor may share memory with another argument; an in-place output may be x. An
+     * output allocated here is new memory, which shares none. */
     for (int o = 0; o < BRRR_OP_MAX_SLOTS; o++) {
-        if (!c->written[o] || c->t[o].name == NULL) continue;
+        if (!c->written[o] || c->t[o].name == NULL || c->owned[o]) continue;
         const int inplace = o < spec->n_slots && (spec->slots[o].flags & BRRR_INPLACE);
         for (int i = 0; i < BRRR_OP_MAX_SLOTS; i++)
-            if (i != o && c->t[i].name && brrr_check_no_overlap(&c->t[o], &c->t[i], inplace && !c->written[i]) < 0)
+            if (i != o && c->t[i].name && !c->owned[i] &&
+                brrr_check_no_overlap(&c->t[o], &c->t[i], inplace && !c->written[i]) < 0)
                 return -1;
     }
     return spec->run(c);
