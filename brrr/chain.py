@@ -170,7 +170,7 @@ def torch_layer():
     def backward_forward(x: Tensor, grad: Tensor, operands: list[Tensor], ops: str, scalars: list[float],
                          operand_needs_grad: list[bool]) -> list[Tensor]:
         """[grad_x] + the gradient of each operand whose operand_needs_grad is True, in one kernel."""
-        grad_x, grad_operands, partials = torch.empty_like(x), (), None
+        grad_operands, partials = (), None
         if operands:
             # With no rows, a bias gradient is a sum of nothing: zeros (the kernels never run).
             new_grad = torch.zeros_like if x.numel() == 0 else torch.empty_like
@@ -181,8 +181,8 @@ def torch_layer():
                 partials = torch.empty(len(operands) * _C.chain_partial_rows(x.numel() // cols) * cols,
                                        device=x.device,
                                        dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-        _C.chain_bwd(x, grad, grad_x, partials, program(ops, tuple(scalars)), tuple(operands), grad_operands,
-                     stream(x))
+        grad_x = _C.chain_bwd(x, grad, out_like(x), partials, program(ops, tuple(scalars)), tuple(operands),
+                              grad_operands, stream(x))[0]
         return [grad_x, *(g for g in grad_operands if g is not None)]
 
     def backward_fake(x, grad, operands, ops, scalars, operand_needs_grad):

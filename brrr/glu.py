@@ -87,7 +87,7 @@ def torch_layer():
     import torch.nn.functional as F
 
     from . import _op
-    from ._op import TorchOp, stream
+    from ._op import TorchOp, out_like, stream
     from ._registry import dispatch, registry, same_kind, tensor_ok
 
     Tensor = torch.Tensor
@@ -122,8 +122,8 @@ def torch_layer():
             (gate, up_half), (grad_gate, grad_up) = split(x), split(grad_x)
             _C.chain_bwd(gate, grad, grad_gate, None, program_, (up_half,), (grad_up,), stream(x))
             return [grad_x]
-        grad_gate, grad_up = torch.empty_like(x), torch.empty_like(up) if needs_grad[1] else None
-        _C.chain_bwd(x, grad, grad_gate, None, program_, (up,), (grad_up,), stream(x))
+        grad_up = torch.empty_like(up) if needs_grad[1] else None
+        grad_gate = _C.chain_bwd(x, grad, out_like(x), None, program_, (up,), (grad_up,), stream(x))[0]
         return [grad_gate] if grad_up is None else [grad_gate, grad_up]
 
     def backward_fake(x, up, grad, activation, needs_grad):

@@ -19,6 +19,7 @@ typedef struct {
     PyObject *module;             /* strong: its state holds the DLPack exchange-table cache */
     PyObject *names[MAX_PARAMS];  /* interned parameter names, for keyword matching */
     PyObject *doc;
+    char rows_name[48], cols_name[48]; /* "x.shape[:-1]", "x.shape[-1:]": the names of x's rows and columns */
 } op_object;
 
 static int n_params(const brrr_op_spec *spec) { return spec->n_slots + spec->n_args + 1; }
@@ -215,6 +216,7 @@ static int import_slot(brrr_op_call *c, int s, PyObject *obj) {
     const brrr_slot_spec *spec = &c->spec->slots[s];
     c->written[s] = (spec->flags & BRRR_WRITE) != 0;
     if (spec->dtype == BRRR_DTYPE_INDEX) return brrr_index_import(&c->call, obj, spec->name, &c->t[s]);
+    if (c->owned[s] == obj && brrr_has(c, s)) return 0; /* described by brrr_new_like */
     return brrr_tensor_import(&c->call, obj, spec->name, c->written[s], &c->t[s]);
 }
 
@@ -242,7 +244,8 @@ static PyObject *allocate(brrr_op_call *c, int s) {
         const int typenum = dtype == BRRR_F64 ? NPY_FLOAT64 : dtype == BRRR_F16 ? NPY_FLOAT16 : NPY_FLOAT32;
         return PyArray_SimpleNew(ndim, dims, typenum);
     }
-    PyObject *obj = brrr_new_shaped(&c->call, x_obj, x, ndim, shape, dtype);
+    c->t[s].name = spec->name; /* described by the allocation: import_slot takes it as it is */
+    PyObject *obj = brrr_new_shaped(&c->call, x_obj, x, ndim, shape, dtype, &c->t[s]);
     if (obj == NULL && !PyErr_Occurred())
         PyErr_Format(PyExc_TypeError, "argument %s: brrr._C allocates outputs only for NumPy arrays and tensors of "
                      "frameworks with DLPack's C exchange table; pass one for %s of type %.200s", spec->name, x->name,
@@ -263,7 +266,8 @@ static int import_scratch(brrr_op_call *c, int s, int64_t want) {
                          (long long)want);
             return -1;
         }
-        obj = c->owned[s] = brrr_new_shaped(&c->call, c->obj[0], x, 1, &want, acc_dtype(x->dtype));
+        c->t[s].name = name;
+        obj = c->owned[s] = brrr_new_shaped(&c->call, c->obj[0], x, 1, &want, acc_dtype(x->dtype), &c->t[s]);
         if (obj == NULL) {
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_TypeError, "argument %s: required on CUDA (a contiguous 1-D %s tensor of at least "
@@ -274,8 +278,8 @@ static int import_scratch(brrr_op_call *c, int s, int64_t want) {
     }
     c->written[s] = 1;
     brrr_tensor *t = &c->t[s];
-    if (brrr_tensor_import(&c->call, obj, name, 1, t) < 0 || brrr_check_same_device(t, x) < 0 || check_dtype(c, s) < 0)
-        return -1;
+    if (!(c->owned[s] == obj && brrr_has(c, s)) && brrr_tensor_import(&c->call, obj, name, 1, t) < 0) return -1;
+    if (brrr_check_same_device(t, x) < 0 || check_dtype(c, s) < 0) return -1;
     if (t->ndim != 1 || t->numel < want || (t->numel > 1 && t->strides[0] != 1)) {
         PyErr_Format(PyExc_ValueError, "argument %s: expected a contiguous 1-D tensor of at least %lld elements", name,
                      (long long)want);
@@ -294,10 +298,9 @@ int brrr_op_import_extra(brrr_op_call *c, int slot, PyObject *obj, const char *n
 static int split_x(brrr_op_call *c) {
     const brrr_op_spec *spec = c->spec;
     const brrr_tensor *x = &c->t[0];
-    const char *k_name = "1";
     long long k = 1;
     if (spec->split_arg >= 0) {
-        k_name = spec->args[spec->split_arg].name;
+        const char *k_name = spec->args[spec->split_arg].name;
         k = c->arg[spec->split_arg].i;
         if (k < 1 || k > x->ndim) {
             PyErr_Format(PyExc_ValueError, "argument %s: expected 1 <= %s <= %s.ndim (%d), got %lld", k_name, k_name,
@@ -307,12 +310,8 @@ static int split_x(brrr_op_call *c) {
     }
     c->split = (int)(k < x->ndim ? k : x->ndim);
     const int lead = x->ndim - c->split;
-    snprintf(c->rows_name, sizeof c->rows_name, "%s.shape[:-%s]", x->name, k_name);
-    snprintf(c->cols_name, sizeof c->cols_name, "%s.shape[-%s:]", x->name, k_name);
-    c->rows.name = c->rows_name;
     c->rows.ndim = lead;
     memcpy(c->rows.shape, x->shape, sizeof(int64_t) * (size_t)lead);
-    c->cols.name = c->cols_name;
     c->cols.ndim = c->split;
     memcpy(c->cols.shape, x->shape + lead, sizeof(int64_t) * (size_t)c->split);
     c->n_rows = c->n_cols = 1;
@@ -391,12 +390,14 @@ static int run_call(brrr_op_call *c, PyObject **values) {
         const int64_t want = spec->scratch ? spec->scratch(c) : 0;
         if (want > 0 && import_scratch(c, scratch_slot, want) < 0) return -1;
     }
-    /* No written tensor may share memory with another argument; an in-place output may be x. */
+    /* No written tensor may share memory with another argument; an in-place output may be x. An
+     * output allocated here is new memory, which shares none. */
     for (int o = 0; o < BRRR_OP_MAX_SLOTS; o++) {
-        if (!c->written[o] || c->t[o].name == NULL) continue;
+        if (!c->written[o] || c->t[o].name == NULL || c->owned[o]) continue;
         const int inplace = o < spec->n_slots && (spec->slots[o].flags & BRRR_INPLACE);
         for (int i = 0; i < BRRR_OP_MAX_SLOTS; i++)
-            if (i != o && c->t[i].name && brrr_check_no_overlap(&c->t[o], &c->t[i], inplace && !c->written[i]) < 0)
+            if (i != o && c->t[i].name && !c->owned[i] &&
+                brrr_check_no_overlap(&c->t[o], &c->t[i], inplace && !c->written[i]) < 0)
                 return -1;
     }
     return spec->run(c);
@@ -438,7 +439,12 @@ static PyObject *op_vectorcall(PyObject *callable, PyObject *const *args, size_t
     PyObject *values[MAX_PARAMS];
     if (bind(self, args, nargsf, kwnames, values) < 0) return NULL;
     brrr_op_call c;
-    memset(&c, 0, sizeof c);
+    memset(&c, 0, offsetof(brrr_op_call, rows));
+    memset(&c.rows, 0, BRRR_TENSOR_HEAD);
+    memset(&c.cols, 0, BRRR_TENSOR_HEAD);
+    for (int s = 0; s < BRRR_OP_MAX_SLOTS; s++) memset(&c.t[s], 0, BRRR_TENSOR_HEAD);
+    c.rows.name = self->rows_name;
+    c.cols.name = self->cols_name;
     c.spec = self->spec;
     c.call.state = brrr_get_state(self->module);
     c.call.stream_arg = -1;
@@ -593,6 +599,9 @@ int brrr_add_ops(PyObject *module, const brrr_op_spec *const *specs) {
         op->module = Py_NewRef(module);
         memset(op->names, 0, sizeof op->names);
         op->doc = make_doc(spec);
+        const char *k_name = spec->split_arg >= 0 ? spec->args[spec->split_arg].name : "1";
+        snprintf(op->rows_name, sizeof op->rows_name, "%s.shape[:-%s]", spec->slots[0].name, k_name);
+        snprintf(op->cols_name, sizeof op->cols_name, "%s.shape[-%s:]", spec->slots[0].name, k_name);
         for (int i = 0; op->doc && i < n_params(spec); i++)
             if ((op->names[i] = PyUnicode_InternFromString(param_name(spec, i))) == NULL) Py_CLEAR(op->doc);
         PyObject_GC_Track((PyObject *)op);

@@ -96,19 +96,19 @@ typedef union {
 
 struct brrr_op_spec;
 
-/* One call in progress. */
+/* One call in progress. The tensors come last: a call zeroes the fields before them and each
+ * tensor's head only (BRRR_TENSOR_HEAD), not its shape and strides. */
 typedef struct {
     const struct brrr_op_spec *spec;
     brrr_call call;
     PyObject *obj[BRRR_OP_MAX_SLOTS];   /* what the caller passed (borrowed); NULL: not passed */
     PyObject *owned[BRRR_OP_MAX_SLOTS]; /* allocated here */
-    brrr_tensor t[BRRR_OP_MAX_SLOTS];   /* imported; t[s].name NULL: absent */
     uint8_t written[BRRR_OP_MAX_SLOTS]; /* the op writes t[s] */
     brrr_arg arg[BRRR_OP_MAX_ARGS];
     int split;                          /* the column dims of x */
-    brrr_tensor rows, cols;             /* x's row and column shapes, as references for errors */
-    char rows_name[48], cols_name[48];
     int64_t n_rows, n_cols;
+    brrr_tensor rows, cols;             /* x's row and column shapes, as references for errors */
+    brrr_tensor t[BRRR_OP_MAX_SLOTS];   /* imported; t[s].name NULL: absent */
 } brrr_op_call;
 
 typedef struct brrr_op_spec {

@@ -242,7 +242,7 @@ static void set_allocation_error(void *context, const char *kind, const char *me
     PyErr_Format(PyExc_RuntimeError, "the framework could not allocate an output (%s: %s)", kind, message);
 }
 
-PyObject *brrr_new_like(brrr_call *call, PyObject *like_obj, const brrr_tensor *like) {
+PyObject *brrr_new_like(brrr_call *call, PyObject *like_obj, const brrr_tensor *like, brrr_tensor *t) {
     brrr_type_info scratch = {0};
     const DLPackExchangeAPI *api = type_info(call->state, Py_TYPE(like_obj), &scratch)->api;
     PyObject *result = NULL;
@@ -263,6 +263,11 @@ PyObject *brrr_new_like(brrr_call *call, PyObject *like_obj, const brrr_tensor *
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "the framework could not allocate an output");
         goto done;
     }
+    /* Described before the object takes the tensor over, which wraps its memory as it is. */
+    if (t != NULL && fill_from_dltensor(&managed->dl_tensor, 0, 0, t) < 0) {
+        if (managed->deleter) managed->deleter(managed);
+        goto done;
+    }
     void *obj = NULL;
     if (api->managed_tensor_to_py_object_no_sync(managed, &obj) != 0 || obj == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "the framework could not wrap an output");
@@ -270,20 +275,21 @@ PyObject *brrr_new_like(brrr_call *call, PyObject *like_obj, const brrr_tensor *
     }
     result = (PyObject *)obj;
 done:
+    if (result == NULL && t != NULL) memset(t, 0, BRRR_TENSOR_HEAD);
     brrr_type_info_clear(&scratch);
     return result;
 }
 
 PyObject *brrr_new_shaped(brrr_call *call, PyObject *like_obj, const brrr_tensor *on, int ndim, const int64_t *shape,
-                          int32_t dtype) {
+                          int32_t dtype, brrr_tensor *t) {
     brrr_tensor like;
-    memset(&like, 0, sizeof like);
+    memset(&like, 0, BRRR_TENSOR_HEAD);
     like.ndim = ndim;
     memcpy(like.shape, shape, sizeof(int64_t) * (size_t)ndim);
     like.dtype = dtype;
     like.device_type = on->device_type;
     like.device_id = on->device_id;
-    return brrr_new_like(call, like_obj, &like);
+    return brrr_new_like(call, like_obj, &like, t);
 }
 
 static int import_numpy(PyArrayObject *arr, int index, brrr_tensor *t) {
@@ -592,7 +598,7 @@ static int import_materialised(brrr_call *call, PyObject *obj, const char *name,
 }
 
 static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, int index, brrr_tensor *t) {
-    memset(t, 0, sizeof(*t));
+    memset(t, 0, BRRR_TENSOR_HEAD);
     t->name = name;
     if (obj == Py_None) {
         PyErr_Format(PyExc_TypeError, "argument %s: expected a tensor or array, got None", name);
