@@ -106,28 +106,12 @@ typedef struct {
     double *partial_w, *partial_b; /* [chunk][cols], or NULL */
 } norm_bwd_work;
 
-#define REAL float
-#define REAL_DTYPE BRRR_F32
-#define FN(name) name##_f32
-#define CPU_LOAD brrr_cpu_load_f32
-#define CPU_STORE brrr_cpu_store_f32
+#include "cpu_real_f32.h"
 #include "norm_cpu.inc"
-#undef REAL
-#undef REAL_DTYPE
-#undef FN
-#undef CPU_LOAD
-#undef CPU_STORE
-#define REAL double
-#define REAL_DTYPE BRRR_F64
-#define FN(name) name##_f64
-#define CPU_LOAD brrr_cpu_load_f64
-#define CPU_STORE brrr_cpu_store_f64
+#include "cpu_real_end.h"
+#include "cpu_real_f64.h"
 #include "norm_cpu.inc"
-#undef REAL
-#undef REAL_DTYPE
-#undef FN
-#undef CPU_LOAD
-#undef CPU_STORE
+#include "cpu_real_end.h"
 
 static void cpu_norm_fwd(const brrr_norm_launch *L) {
     brrr_cpu_parallel_for(L->rows, L->cols,

@@ -27,36 +27,12 @@ static int64_t row_off(const brrr_softmax_launch *L, int k, int64_t r) {
 #define SOFTMAX_LANES 16
 #define SOFTMAX_ROW_KEEP 4096 /* columns: a row's exponentials kept on the stack, 16 or 32 KiB */
 
-#define REAL float
-#define REAL_DTYPE BRRR_F32
-#define FN(name) name##_f32
-#define CPU_LOAD brrr_cpu_load_f32
-#define CPU_STORE brrr_cpu_store_f32
-#define EXP brrr_expf
-#define BLOCK_MAX brrr_block_maxf
+#include "cpu_real_f32.h"
 #include "softmax_cpu.inc"
-#undef REAL
-#undef REAL_DTYPE
-#undef FN
-#undef CPU_LOAD
-#undef CPU_STORE
-#undef EXP
-#undef BLOCK_MAX
-#define REAL double
-#define REAL_DTYPE BRRR_F64
-#define FN(name) name##_f64
-#define CPU_LOAD brrr_cpu_load_f64
-#define CPU_STORE brrr_cpu_store_f64
-#define EXP exp
-#define BLOCK_MAX brrr_block_max
+#include "cpu_real_end.h"
+#include "cpu_real_f64.h"
 #include "softmax_cpu.inc"
-#undef REAL
-#undef REAL_DTYPE
-#undef FN
-#undef CPU_LOAD
-#undef CPU_STORE
-#undef EXP
-#undef BLOCK_MAX
+#include "cpu_real_end.h"
 
 static void cpu_softmax(const brrr_softmax_launch *L) {
     const int f64 = L->x_dtype == BRRR_F64; /* then y is float64 too */

@@ -72,40 +72,12 @@ typedef struct {
 
 #define XENT_LANES 16
 
-#define REAL float
-#define REAL_DTYPE BRRR_F32
-#define FN(name) name##_f32
-#define CPU_LOAD brrr_cpu_load_f32
-#define CPU_STORE brrr_cpu_store_f32
-#define EXP brrr_expf
-#define TANH brrr_tanhf
-#define BLOCK_MAX brrr_block_maxf
+#include "cpu_real_f32.h"
 #include "xent_cpu.inc"
-#undef REAL
-#undef REAL_DTYPE
-#undef FN
-#undef CPU_LOAD
-#undef CPU_STORE
-#undef EXP
-#undef TANH
-#undef BLOCK_MAX
-#define REAL double
-#define REAL_DTYPE BRRR_F64
-#define FN(name) name##_f64
-#define CPU_LOAD brrr_cpu_load_f64
-#define CPU_STORE brrr_cpu_store_f64
-#define EXP exp
-#define TANH tanh
-#define BLOCK_MAX brrr_block_max
+#include "cpu_real_end.h"
+#include "cpu_real_f64.h"
 #include "xent_cpu.inc"
-#undef REAL
-#undef REAL_DTYPE
-#undef FN
-#undef CPU_LOAD
-#undef CPU_STORE
-#undef EXP
-#undef TANH
-#undef BLOCK_MAX
+#include "cpu_real_end.h"
 
 static void cpu_xent(const brrr_xent_launch *L, int forward) {
     const xent_work w = {L, forward};
