@@ -230,7 +230,7 @@ class BuildExt(build_ext):
         cuda_config = {"nvcc": nvcc, "version": nvcc_version(nvcc), "flags": nvcc_flags, "archs": archs} if nvcc else None
 
         ext.include_dirs.append(self.build_temp)
-        ext.depends += files_in(CSRC, (".h",)) + (files_in(CUDA, (".cu", ".cuh", ".h", ".inc")) if nvcc else
+        ext.depends += files_in(CSRC, (".h", ".inc")) + (files_in(CUDA, (".cu", ".cuh", ".h", ".inc")) if nvcc else
                                                   [os.path.join(CUDA, name) for name in JIT_HEADERS])
         write_if_changed(os.path.join(self.build_temp, "brrr_jit_headers.h"), jit_headers_source())
         if nvcc:
