@@ -170,6 +170,24 @@ __device__ __forceinline__ void cluster_store(unsigned remote, double v) {
 }
 #endif
 
+// The launch configuration of blocks of `block` threads with `bytes` of dynamic shared memory on
+// `stream`, in clusters of `cluster` blocks along x (the attribute only where cluster > 1); the
+// caller sets gridDim. cfg points at attr, so attr must live as long as cfg is used.
+inline void cluster_launch_config(cudaLaunchConfig_t &cfg, cudaLaunchAttribute &attr, dim3 block, size_t bytes,
+                                  cudaStream_t stream, int cluster) {
+    cfg = {};
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = bytes;
+    cfg.stream = stream;
+    attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = (unsigned)cluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = cluster > 1 ? 1 : 0;
+}
+
 // Run on `device`, restoring the caller's current device afterwards.
 struct DeviceGuard {
     int previous = -1, device;

@@ -1279,17 +1279,9 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
                 kernel<<<(unsigned)(chunks < resident ? chunks : resident), block, (size_t)cfg.lay.bytes, stream>>>(L, cfg.lay);
                 return cudaSuccess;
             }
-            cudaLaunchConfig_t launch_cfg = {};
-            launch_cfg.blockDim = dim3((unsigned)block);
-            launch_cfg.dynamicSmemBytes = (size_t)cfg.lay.bytes;
-            launch_cfg.stream = stream;
-            cudaLaunchAttribute attr[1];
-            attr[0].id = cudaLaunchAttributeClusterDimension;
-            attr[0].val.clusterDim.x = (unsigned)split;
-            attr[0].val.clusterDim.y = 1;
-            attr[0].val.clusterDim.z = 1;
-            launch_cfg.attrs = attr;
-            launch_cfg.numAttrs = 1;
+            cudaLaunchConfig_t launch_cfg;
+            cudaLaunchAttribute attr;
+            cluster_launch_config(launch_cfg, attr, dim3((unsigned)block), (size_t)cfg.lay.bytes, stream, split);
             int clusters = 0;
             const cudaError_t ce = clusters_resident(kernel, launch_cfg, device, &clusters);
             if (ce != cudaSuccess) return ce;

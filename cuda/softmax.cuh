@@ -557,18 +557,10 @@ bool launch_smem(const brrr_softmax_launch &L, int device, cudaStream_t stream, 
         if (*err != cudaSuccess) return true;
         allowed.store(limit, std::memory_order_relaxed);
     }
-    cudaLaunchConfig_t cfg = {};
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr;
+    cluster_launch_config(cfg, attr, dim3(kSmemThreads), (size_t)bytes, stream, cluster);
     cfg.gridDim = dim3((unsigned)(L.rows * cluster));
-    cfg.blockDim = dim3(kSmemThreads);
-    cfg.dynamicSmemBytes = (size_t)bytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = (unsigned)cluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = cluster > 1 ? 1 : 0;
     *err = cudaLaunchKernelEx(&cfg, kernel, L, cluster, slice);
     return true;
 }
