@@ -126,10 +126,14 @@ def _subclass(cls, tag, forward, **attrs):
     return _SUBCLASSES[key]
 
 
+def _probe_tolerance(dtype):
+    return 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
 def _close(a, b):
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    tol = 1e-5 if a.dtype in (torch.float32, torch.float64) else 2e-2
+    tol = _probe_tolerance(a.dtype)
     return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
 
 
@@ -1006,7 +1010,7 @@ def _close_in_scale(a, b):
     large terms (a half-precision reference rounds each product before summing; brrr does not)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    tol = 1e-5 if a.dtype in (torch.float32, torch.float64) else 2e-2
+    tol = _probe_tolerance(a.dtype)
     scale = max(b.float().abs().max().item(), 1.0) if b.numel() else 1.0
     return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * scale)
 
