@@ -75,7 +75,8 @@ def brrr_loss(x, w, t, **options):
 
 
 BRRR_OPTIONS = {"brrr": {}, "brrr 256 MiB chunks": {"logits_budget": 2**28},
-                "brrr float32 accumulation": {"accumulation": "float32"}}
+                "brrr weight accumulation": {"accumulation": "weight"},
+                "brrr weight accumulation, 256 MiB chunks": {"accumulation": "weight", "logits_budget": 2**28}}
 
 
 def relative_error(a, b):

@@ -210,13 +210,23 @@ def capture(fn, pool=None, generators=(), stream=None):
     except Exception as e:
         _recover_from_failed_capture(current, generators)
         first_line = str(e).splitlines()[0] if str(e) else ""
+        cause = (_STALE_GRAPH if "legacy stream" in str(e) else
+                 "Something in it cannot be captured: a host sync (.item(), .cpu(), printing a tensor, a "
+                 "data-dependent shape), or a library call that synchronises")
         raise RuntimeError(f"brrr: capturing the step in a CUDA graph failed ({type(e).__name__}: {first_line}). "
-                           f"Something in it cannot be captured: a host sync (.item(), .cpu(), printing a tensor, "
-                           f"a data-dependent shape), or a library call that synchronises; docs/graphs.md lists "
-                           f"the known cases") from e
+                           f"{cause}; docs/graphs.md lists the known cases") from e
     finally:
         torch._C._cuda_clearCublasWorkspaces()
     return graph, outputs
+
+
+# Autograd accumulates a parameter's gradient on the stream its accumulation node was made on, and
+# keeps one node per parameter while any graph refers to it: a graph made on the default stream and
+# still alive makes the capture's backward join the legacy stream.
+_STALE_GRAPH = ("An autograd graph of these parameters made on the default stream is still alive (a loss or "
+                "output of an earlier step kept without .detach(), or the outputs torch.compile's "
+                "mode=\"reduce-overhead\" keeps): the capture's backward would make the legacy stream wait on it. "
+                "Drop those references (del, .detach()) before the first captured call")
 
 
 def _recover_from_failed_capture(stream, generators):

@@ -578,7 +578,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     // x's first element. A half's 2-byte copy is a load that the leader's warp
                     // waits for, a memory latency on every LayerNorm row: with 16-byte rows
                     // (VEC > 1) its 4-byte word goes by cp.async instead, the shift its first half
-                    // (lay.shift_word, with BRRR_NORM_BWD_SHIFT=word; unset, the load).
+                    // (lay.shift_word, unless BRRR_NORM_BWD_SHIFT=load).
                     T *shift = reinterpret_cast<T *>(slot + kSlotShift);
                     const T *x0 = static_cast<const T *>(L.x.data) + off[0];
                     if constexpr (VEC > 1 && sizeof(T) == 2) {
@@ -894,11 +894,9 @@ __global__ void __launch_bounds__(kTileCols *kBwdMaxLanes)
 
 // grad[c] = sum over the partial rows p < parts, in order, of partials[q][p][c]; blockIdx.y
 // picks grad_weight (0) or grad_bias (1). parts == 0 (no rows) writes zeros. Thread (x, y) adds
-// partial rows y, y + kFinalLanes, ... in turn, loading kBatch of them before it adds them (in
-// the same order: the same bits for every kBatch). One at a time, the 16 dependent loads of 256
-// partial rows from 48-64 blocks were a latency chain beside a backward of tens of microseconds
-// at 768-1024 columns. BRRR_NORM_FINALIZE=batched picks kBatch 8, unset 1 (docs/kernel-switches.md).
-template <typename T, int kBatch>
+// partial rows y, y + kFinalLanes, ... in turn. (Loading 8 partial rows before adding them made no
+// difference on an H200 at 768-16384 columns.)
+template <typename T>
 __global__ void __launch_bounds__(kFinalCols *kFinalLanes)
     norm_finalize_kernel(const __grid_constant__ brrr_norm_launch L, const int64_t parts) {
     using A = typename Compute<T>::type;
@@ -910,17 +908,7 @@ __global__ void __launch_bounds__(kFinalCols *kFinalLanes)
     const int64_t col = (int64_t)blockIdx.x * kFinalCols + threadIdx.x;
     const A *part = static_cast<const A *>(L.partials) + (int64_t)q * parts * L.cols;
     A s = A(0);
-    for (int64_t p0 = threadIdx.y; col < L.cols && p0 < parts; p0 += (int64_t)kBatch * kFinalLanes) {
-        A v[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-            const int64_t p = p0 + (int64_t)u * kFinalLanes;
-            v[u] = p < parts ? part[p * L.cols + col] : A(0);
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u)
-            if (p0 + (int64_t)u * kFinalLanes < parts) s += v[u];
-    }
+    for (int64_t p = threadIdx.y; col < L.cols && p < parts; p += kFinalLanes) s += part[p * L.cols + col];
     lanes[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y != 0 || col >= L.cols) return;
@@ -1140,15 +1128,14 @@ static int compute_major(int device) {
     return v;
 }
 
-// Where the backward's fast path keeps the weight: unset or smem, a copy in shared memory (or the
-// generic path where the ring and the copy do not fit together); global, read from global memory
-// by every pass (more ring stages); auto, as bwd_config's fit decides. auto becomes the default
-// once a GPU run has measured it (docs/kernel-switches.md).
+// Where the backward's fast path keeps the weight: unset or auto, a copy in shared memory, or
+// global memory where the copy leaves no room for one stage of the ring; smem, the copy or the
+// generic kernels; global, global memory at every width (docs/kernel-switches.md).
 enum class WeightPlace { kCopyOrGlobal, kCopy, kGlobal };
 static WeightPlace weight_place() {
     const char *v = getenv("BRRR_NORM_BWD_WEIGHT");
-    if (v == nullptr) return WeightPlace::kCopy;
-    return strcmp(v, "global") == 0 ? WeightPlace::kGlobal : strcmp(v, "auto") == 0 ? WeightPlace::kCopyOrGlobal : WeightPlace::kCopy;
+    if (v == nullptr) return WeightPlace::kCopyOrGlobal;
+    return strcmp(v, "global") == 0 ? WeightPlace::kGlobal : strcmp(v, "smem") == 0 ? WeightPlace::kCopy : WeightPlace::kCopyOrGlobal;
 }
 
 // The backward's fast path for this launch, or false when it does not apply (strided columns,
@@ -1156,8 +1143,7 @@ static WeightPlace weight_place() {
 // for one stage). A row gets the most threads, up to 512 / lanes, at the fewest elements a
 // thread; past that, two such blocks of a cluster (sm_90) or one of 1024 threads; the ring as
 // many stages, up to 4, as the device's shared memory holds beside the weight's copy, or without
-// the copy (the weight read from global memory) where that is the only way to hold one stage or
-// a second one. Without it, float32 add_layer_norm at 16384 columns (three rows of 64 KB and the
+// the copy (the weight read from global memory) where that is the only way to hold one stage. Without it, float32 add_layer_norm at 16384 columns (three rows of 64 KB and the
 // weight's 64 KB, past the 227 KB of an H200) took the generic kernels, at 35% of the memory
 // floor.
 template <typename T>
@@ -1179,8 +1165,11 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     const bool global_ok = !is_half<T> && place != WeightPlace::kCopy &&
                            (vec == 1 || L.weight.data == nullptr || aligned16(L.weight.data));
     // The layout of a row of tpr threads a group (ncols columns a block) with the most stages that
-    // fit beside the weight's copy; without the copy (global_ok) where that gives more stages and
-    // the copy leaves fewer than 2 (no row in flight while the group works on one).
+    // fit beside the weight's copy; without the copy (global_ok) only where the copy leaves no room
+    // for one stage. Measured on an H200 (float32, 16384 rows): add_rms_norm at 8192 columns took
+    // 1.06 ms with the copy and one stage, 1.22 ms reading the weight from global memory with two;
+    // at 16384 columns, where the copy does not fit, 2.35 ms from global memory against 6.27 ms in
+    // the generic kernels.
     auto fit = [&](int64_t tpr, int packs, int threads, int split, int64_t ncols) {
         BwdLayout best[2] = {};  // [copy]
         for (int copy = 0; copy < 2; ++copy) {
@@ -1190,7 +1179,7 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
                 if (lay.bytes > 0 && (size_t)lay.bytes <= limit) best[copy] = lay;
             }
         }
-        const bool global = best[0].bytes > 0 && (best[1].bytes == 0 || (best[1].stages < 2 && best[0].stages > best[1].stages));
+        const bool global = best[0].bytes > 0 && best[1].bytes == 0;
         const BwdLayout &lay = best[global ? 0 : 1];
         if (lay.bytes == 0) return false;
         *cfg = {vec, packs, threads, lay};
@@ -1198,7 +1187,7 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
         cfg->lay.split = split;
         cfg->lay.split_cols = (int)ncols;
         const char *shift = getenv("BRRR_NORM_BWD_SHIFT");
-        cfg->lay.shift_word = shift != nullptr && strcmp(shift, "word") == 0;  // not yet measured: opt-in
+        cfg->lay.shift_word = shift == nullptr || strcmp(shift, "load") != 0;
         return true;
     };
     auto threads_for = [](int64_t packs_total, int packs) {
@@ -1212,14 +1201,19 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     };
     // The fewest elements a thread that leave a block within 512 threads (128 registers: room for
     // 16 elements a thread with xhat and g kept); else, on sm_90, the row split over a cluster of
-    // two such blocks (with BRRR_NORM_BWD_SPLIT=1), else one block of 1024 (64 registers).
+    // two such blocks, else one block of 1024 (64 registers). The split is the default for float32
+    // rows with a bias gradient, whose 1024-thread kernel spills the most: on an H200 (16384 rows
+    // of 16384) it took layer_norm from 1.73 to 1.50 ms and add_layer_norm from 2.82 to 2.54 ms,
+    // where it made float32 rms_norm (1.38 to 1.46 ms) and every bfloat16 row slower.
+    // BRRR_NORM_BWD_SPLIT=1 or 0 forces it on or off.
     for (int packs = 1; packs * vec <= bwd_max_elements<T>(vec); packs *= 2) {
         const int64_t tpr = threads_for(packs_total, packs);
         if (tpr * lanes <= 512) return fit(tpr, packs, 512, 1, L.cols);
     }
     const int packs = bwd_max_elements<T>(vec) / vec;
     const char *split = getenv("BRRR_NORM_BWD_SPLIT");
-    if (lanes == 1 && compute_major(device) >= 9 && split && strcmp(split, "1") == 0) {  // not yet measured: opt-in
+    const bool want_split = split ? strcmp(split, "1") == 0 : std::is_same<T, float>::value && L.grad_bias.data != nullptr;
+    if (lanes == 1 && compute_major(device) >= 9 && want_split) {
         const int64_t half = ((L.cols + 1) / 2 + vec - 1) / vec * vec, tpr = threads_for((half + vec - 1) / vec, packs);
         if (tpr <= 512 && fit(tpr, packs, 512, 2, half)) return true;
     }
@@ -1302,9 +1296,7 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     }
     if (n_grads > 0) {
         const dim3 grid((unsigned)((L.cols + kFinalCols - 1) / kFinalCols), 2);
-        const char *finalize = getenv("BRRR_NORM_FINALIZE");
-        auto kernel = finalize && strcmp(finalize, "batched") == 0 ? norm_finalize_kernel<T, 8> : norm_finalize_kernel<T, 1>;
-        kernel<<<grid, dim3(kFinalCols, kFinalLanes), 0, stream>>>(L, chunks);
+        norm_finalize_kernel<T><<<grid, dim3(kFinalCols, kFinalLanes), 0, stream>>>(L, chunks);
     }
     return cudaSuccess;
 }

@@ -409,6 +409,29 @@ def test_a_captured_step_replays_after_reduce_overhead_steps_cleared_cublas_work
 
 
 @pytest.mark.cuda
+def test_a_graph_kept_alive_from_a_default_stream_step_fails_the_capture_with_the_cure():
+    """A loss kept with its autograd graph from an eager step on the default stream keeps the
+    parameters' gradient-accumulation nodes, made on that stream: the capture's backward would
+    join the legacy stream. capture_step says what to drop; once it is dropped, a new capture_step
+    captures and replays like eager."""
+    model = patched_cuda_model("llama", torch.float32)
+    loss_fn = loss_fn_of(model, "llama")
+    tokens = torch.randint(0, 101, (2, 16), device="cuda")
+    kept = loss_fn(tokens)
+    kept.backward()
+    step = brrr.capture_step(loss_fn, model, warmup=1)
+    step(tokens)
+    with pytest.raises(RuntimeError, match=r"legacy stream.*still alive.*Drop those references"):
+        step(tokens)
+    del kept
+    expected = eager_loss_and_grads(model, loss_fn, tokens)
+    step = brrr.capture_step(loss_fn, model, warmup=1)
+    for _ in range(3):
+        assert_step_matches(model, step(tokens), expected, torch.float32, "after the kept graph was dropped")
+    assert step.graphs == 1
+
+
+@pytest.mark.cuda
 def test_new_shapes_capture_up_to_max_graphs_then_run_eagerly():
     model = patched_cuda_model("llama", torch.float32)
     loss_fn = loss_fn_of(model, "llama")

@@ -250,15 +250,14 @@ def _assert_same_bits(got, want, what):
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("cols", [8196, 12288, 16384])
 def test_backward_weight_from_global_memory(monkeypatch, kind, residual, cols):
-    """float32 rows past 8192 columns: where the backward's ring and its copy of the weight do not
-    fit in shared memory together, or leave one stage of the ring (the fused forms' three rows at
-    16384 columns), the fast path reads the weight from global memory. Against the float64
-    reference; BRRR_NORM_BWD_WEIGHT=global (every width here) gives the same bits as auto
-    (the same kernel and values of w, whatever the stages); =smem keeps the copy (fewer stages, or
-    the generic kernels where none fits): the weight and bias gradients the same bits (the same
-    order, brrr_cuda.h), grad_x to rounding."""
+    """float32 rows past 8192 columns: where the backward's ring and its copy of the weight leave
+    no room for one stage of the ring in shared memory (the fused forms' three rows at 16384
+    columns), the fast path reads the weight from global memory. Against the float64 reference,
+    with the default (unset, = auto); BRRR_NORM_BWD_WEIGHT=global (every width here) gives the same
+    weight and bias gradient bits as auto (the same order, brrr_cuda.h), grad_x to rounding; =smem
+    keeps the copy (the generic kernels where none fits): the same."""
     dtype = torch.float32
-    monkeypatch.setenv("BRRR_NORM_BWD_WEIGHT", "auto")
+    monkeypatch.delenv("BRRR_NORM_BWD_WEIGHT", raising=False)
     for rows in (3, 37):
         x = random((rows, cols), dtype, "cuda")
         r = random((rows, cols), dtype, "cuda") if residual else None
@@ -268,13 +267,12 @@ def test_backward_weight_from_global_memory(monkeypatch, kind, residual, cols):
     r = random((203, cols), dtype, "cuda") if residual else None
     w, b = params(kind, "both", (cols,), dtype, "cuda")
     default = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_WEIGHT": "auto"}, kind, x, r, w, b, g)
-    forced = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_WEIGHT": "global"}, kind, x, r, w, b, g)
-    copy = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_WEIGHT": "smem"}, kind, x, r, w, b, g)
-    _assert_same_bits(forced, default, "global")
-    _assert_same_bits(copy[2:], default[2:], "smem")
-    for a, e in zip(copy[:2], default[:2]):
-        if a is not None:
-            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * float(e.abs().max()))
+    for place in ("global", "smem"):
+        other = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_WEIGHT": place}, kind, x, r, w, b, g)
+        _assert_same_bits(other[2:], default[2:], place)
+        for a, e in zip(other[:2], default[:2]):
+            if a is not None:
+                torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * float(e.abs().max()))
 
 
 @pytest.mark.cuda
@@ -285,10 +283,10 @@ def test_backward_weight_from_global_memory(monkeypatch, kind, residual, cols):
 def test_backward_split_over_a_cluster(monkeypatch, dtype, kind, residual, cols):
     """Rows past 8192 columns (one summation lane): on sm_90 two blocks of a cluster share each
     row, rank 0 taking the first half rounded up to a 16-byte pack (8200, 12296 and 16376 leave
-    the halves unequal) with BRRR_NORM_BWD_SPLIT=1; =0 or unset runs one 1024-thread block. Against the
-    float64 reference, for row counts that leave one chunk (1, 3) and many; the weight and bias
-    gradients the same bits either way (the same order), grad_x to rounding (its row sums are
-    added in another order). The split is opt-in (BRRR_NORM_BWD_SPLIT=1) until measured."""
+    the halves unequal) with BRRR_NORM_BWD_SPLIT=1 (unset: float32 rows with a bias gradient); =0
+    runs one 1024-thread block. Against the float64 reference, for row counts that leave one chunk
+    (1, 3) and many; the weight and bias gradients the same bits either way (the same order),
+    grad_x to rounding (its row sums are added in another order)."""
     monkeypatch.setenv("BRRR_NORM_BWD_SPLIT", "1")
     for rows in (1, 3, 37):
         x = random((rows, cols), dtype, "cuda")
@@ -308,29 +306,13 @@ def test_backward_split_over_a_cluster(monkeypatch, dtype, kind, residual, cols)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("cols", [8, 768, 1024, 4096])
-@pytest.mark.parametrize("rows", [1, 37, 3001])
-def test_finalize_batched_loads_give_the_same_bits(monkeypatch, dtype, kind, cols, rows):
-    """The weight and bias gradients' final sum loads 8 partial rows at a time, then adds them in
-    the order of one at a time (BRRR_NORM_FINALIZE=serial): the same bits, for partial-row counts
-    that fill no batch (1, 5) or leave one part-filled (251)."""
-    x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
-    w, b = params(kind, "both", (cols,), dtype, "cuda")
-    batched = _gradients_under(monkeypatch, {"BRRR_NORM_FINALIZE": "batched"}, kind, x, None, w, b, g)
-    serial = _gradients_under(monkeypatch, {"BRRR_NORM_FINALIZE": "serial"}, kind, x, None, w, b, g)
-    _assert_same_bits(batched, serial, "finalize")
-
-
-@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("cols", [8, 768, 1024, 4096, 16384])
 def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
     """The half LayerNorm backward copies each row's shift (its first element) as the 4-byte word
-    that holds it, asynchronously; BRRR_NORM_BWD_SHIFT=load copies the element itself: the same
-    bits. The shift is the row's first element, not its neighbour: rows whose first two
+    that holds it, asynchronously (the default, = word); BRRR_NORM_BWD_SHIFT=load copies the
+    element itself: the same bits. The shift is the row's first element, not its neighbour: rows whose first two
     elements differ, against the float64 reference too."""
     x, g = random((301, cols), dtype, "cuda"), random((301, cols), dtype, "cuda")
     x[:, 1] = x[:, 0] + 2.0
@@ -339,7 +321,7 @@ def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
     word = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_SHIFT": "word"}, "layer_norm", x, r, w, b, g)
     load = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_SHIFT": "load"}, "layer_norm", x, r, w, b, g)
     _assert_same_bits(word, load, "shift")
-    monkeypatch.setenv("BRRR_NORM_BWD_SHIFT", "word")
+    monkeypatch.delenv("BRRR_NORM_BWD_SHIFT", raising=False)
     compare("layer_norm", dtype, x, r, (cols,), w, b)
 
 

@@ -125,7 +125,9 @@ def test_tile_kernel_rows_per_block(monkeypatch, dtype, cols, rows):
     (forward: x; backward: y and grad_y; float32 and bfloat16 switch at different columns): rows
     at each side of every switch, in numbers that leave the last block part-filled, -inf
     included. Each row's result must not depend on its neighbours in the block."""
-    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", "tile")  # opt-in until measured
+    monkeypatch.delenv("BRRR_SOFTMAX_KERNEL", raising=False)  # the default past 1024 columns
+    if cols <= 1024:
+        monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", "tile")
     x = random((rows, cols), dtype, "cuda", -6, 6)
     x[0, ::5] = float("-inf")
     for log in (False, True):
