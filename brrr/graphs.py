@@ -29,6 +29,7 @@ overwrites them, so take `.item()` or `.clone()` to keep one. Random numbers dra
 `generators=` registers others.
 """
 
+import gc
 import warnings
 
 import torch
@@ -204,16 +205,25 @@ def capture(fn, pool=None, generators=(), stream=None):
     # graph's own pool; cleared after it, eager GEMMs stop using memory that lives as long as the
     # graph. PyTorch has no public call for this.
     torch._C._cuda_clearCublasWorkspaces()
+    # Autograd graphs held only by reference cycles (an earlier failed capture's exception and its
+    # frames) would lend the capture their gradient-accumulation nodes (see _STALE_GRAPH).
+    gc.collect()
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             outputs = fn()
     except Exception as e:
         _recover_from_failed_capture(current, generators)
-        first_line = str(e).splitlines()[0] if str(e) else ""
-        cause = (_STALE_GRAPH if "legacy stream" in str(e) else
+        # torch.cuda.graph's exit raises "operation failed due to a previous error during
+        # capture" over the error that broke the capture: name that one.
+        chain = [e]
+        while (chain[-1].__cause__ or chain[-1].__context__) and len(chain) < 8:
+            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        first = chain[-1]
+        first_line = str(first).splitlines()[0] if str(first) else ""
+        cause = (_STALE_GRAPH if any("legacy stream" in str(err) for err in chain) else
                  "Something in it cannot be captured: a host sync (.item(), .cpu(), printing a tensor, a "
                  "data-dependent shape), or a library call that synchronises")
-        raise RuntimeError(f"brrr: capturing the step in a CUDA graph failed ({type(e).__name__}: {first_line}). "
+        raise RuntimeError(f"brrr: capturing the step in a CUDA graph failed ({type(first).__name__}: {first_line}). "
                            f"{cause}; docs/graphs.md lists the known cases") from e
     finally:
         torch._C._cuda_clearCublasWorkspaces()
