@@ -284,6 +284,7 @@ class TorchOp:
         (once differentiable). An op with lists of tensors among its arguments has two: one for
         calls where a list holds tensors (see _Lists), one for calls where none does."""
         op, lists, single = self, _Lists(self.op), self._single
+        op_forward, save, outputs = self.forward, self._save, self.outputs
 
         def function(spread):
             def forward(ctx, *args):
@@ -291,13 +292,15 @@ class TorchOp:
                     args = args[:lists.n]
                     lists.enter(ctx, args)
                 if single:  # one result, which autograd always hands a gradient for
-                    result = op.forward(*args)
-                    op._save(ctx, args, (result,))
+                    result = op_forward(*args)
+                    save(ctx, args, (result,))
                     return result
-                results = op.forward(*args)
-                op._save(ctx, args, results)
+                results = op_forward(*args)
+                save(ctx, args, results)
+                if outputs == 1:  # the others only for the backward: one output, always given a gradient
+                    return results[0]
                 ctx.set_materialize_grads(False)
-                return _outputs(results, op.outputs)
+                return tuple(results[:outputs])
 
             @_once_differentiable
             def backward(ctx, *grads):
