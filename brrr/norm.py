@@ -230,7 +230,7 @@ def torch_layer():
     def partials(x, k, n_grads, dtype):
         """The CUDA backward's scratch for n_grads weight/bias gradients, where brrr._C cannot allocate
         it (no exchange table: torch before 2.10); None elsewhere."""
-        if _op.EXCHANGE_API or not n_grads or not x.is_cuda:
+        if not n_grads or not x.is_cuda:
             return None
         cols = math.prod(x.shape[x.dim() - k:])
         rows = x.numel() // cols if cols else 0
@@ -245,14 +245,19 @@ def torch_layer():
         # True: brrr._C allocates it (like weight, so a bias gradient only where there is a weight).
         grad_weight = (True if _op.EXCHANGE_API else torch.empty_like(weight)) if weight_grad else None
         grad_bias = (True if _op.EXCHANGE_API and weight is not None else torch.empty_like(bias)) if bias_grad else None
-        scratch = partials(x, k, weight_grad + bias_grad, rstd.dtype)
+        scratch = None if _op.EXCHANGE_API else partials(x, k, weight_grad + bias_grad, rstd.dtype)
         if mean is None:
             grads = _C.rms_norm_bwd(x, grad_out, grad_residual, weight, rstd, out_like(x), grad_weight, scratch,
                                     norm_ndim=k, llama=llama, offset=offset, stream=stream(x))
         else:
             grads = _C.layer_norm_bwd(x, grad_out, grad_residual, weight, mean, rstd, out_like(x), grad_weight,
                                       grad_bias, scratch, norm_ndim=k, stream=stream(x))
-        return [g for g in grads if g is not None]
+        got = [grads[0]]  # grad_x, then the parameter gradients asked for (no comprehension: a frame of its own)
+        if weight_grad:
+            got.append(grads[1])
+        if bias_grad:
+            got.append(grads[2])
+        return got
 
     def norm_backward_fake(x, grad_out, grad_residual, weight, bias, mean, rstd, norm_ndim, llama, offset, weight_grad,
                            bias_grad):
