@@ -37,6 +37,11 @@ def check_torch(values, names):
     the tensors of one call come from one framework (docs/errors.md). TypeError naming the first
     that is not."""
     tensor = _torch_tensor or sys.modules["torch"].Tensor
+    for value in values:  # the names zipped in only for an error: a third of the check's time
+        if value is not None and not isinstance(value, tensor):
+            break
+    else:
+        return
     for value, name in zip(values, names):
         if value is not None and not isinstance(value, tensor):
             if not hasattr(value, "__dlpack__"):

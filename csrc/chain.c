@@ -659,7 +659,7 @@ static int chain_run_program(brrr_op_call *c, const brrr_chain_steps *prog) {
     }
     cpu_chain run = {&L, prog, rank, shape, strides, {0}, acc};
     memcpy(run.vector_operand, vector, sizeof vector);
-    Py_BEGIN_ALLOW_THREADS
+    BRRR_CPU_BEGIN(c)
     cpu_chain_run(&run, backward);
     for (int b = 0; acc && b < prog->n_operands; b++) {
         if (!vector[b] || !L.grad_operands[b].data) continue;
@@ -669,7 +669,7 @@ static int chain_run_program(brrr_op_call *c, const brrr_chain_steps *prog) {
             else brrr_store_f32(L.dtype, L.grad_operands[b].data, j * stride, (float)acc[b * cols + j]);
         }
     }
-    Py_END_ALLOW_THREADS
+    BRRR_CPU_END
     PyMem_RawFree(acc);
     return 0;
 }

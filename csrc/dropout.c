@@ -208,13 +208,13 @@ static int dropout_run(brrr_op_call *c, int backward) {
         PyErr_NoMemory();
         return -1;
     }
-    Py_BEGIN_ALLOW_THREADS
+    BRRR_CPU_BEGIN(c)
     cpu_dropout(&L, acc);
     for (int64_t j = 0; acc && j < L.cols; j++) {
         if (L.dtype == BRRR_F64) ((double *)L.grad_bias)[j * L.grad_bias_stride] = acc[j];
         else brrr_store_f32(L.dtype, L.grad_bias, j * L.grad_bias_stride, (float)acc[j]);
     }
-    Py_END_ALLOW_THREADS
+    BRRR_CPU_END
     PyMem_RawFree(acc);
     return 0;
 }

@@ -250,7 +250,7 @@ static int norm_run(brrr_op_call *c) {
         BRRR_RETURN_CUDA(c, brrr_cuda_norm_fwd, &L);
     }
     if (!op->backward) {
-        BRRR_RUN_CPU(cpu_norm_fwd, &L);
+        BRRR_RUN_CPU(c, cpu_norm_fwd, &L);
         return 0;
     }
     double *acc = grads ? PyMem_RawCalloc((size_t)(2 * L.cols), sizeof(double)) : NULL;
@@ -259,9 +259,9 @@ static int norm_run(brrr_op_call *c) {
         return -1;
     }
     double *acc_w = t[R_GRAD_WEIGHT] ? acc : NULL, *acc_b = t[R_GRAD_BIAS] ? acc + L.cols : NULL;
-    Py_BEGIN_ALLOW_THREADS
+    BRRR_CPU_BEGIN(c)
     cpu_norm_bwd(&L, acc_w, acc_b);
-    Py_END_ALLOW_THREADS
+    BRRR_CPU_END
     PyMem_RawFree(acc);
     return 0;
 }

@@ -146,7 +146,7 @@ static int rotary_run(brrr_op_call *c) {
         memcpy(v[k]->strides, strides[k], sizeof(int64_t) * (size_t)n);
     }
     if (brrr_on_cpu(c)) {
-        BRRR_RUN_CPU(cpu_rotary, &L);
+        BRRR_RUN_CPU(c, cpu_rotary, &L);
         return 0;
     }
     BRRR_RETURN_CUDA(c, brrr_cuda_rotary, &L);

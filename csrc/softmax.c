@@ -92,7 +92,7 @@ static int softmax_run(brrr_op_call *c) {
     L.in[1] = views[1] ? views[1]->data : NULL;
     L.out = views[2]->data;
     if (brrr_on_cpu(c)) {
-        BRRR_RUN_CPU(cpu_softmax, &L);
+        BRRR_RUN_CPU(c, cpu_softmax, &L);
         return 0;
     }
     BRRR_RETURN_CUDA(c, brrr_cuda_softmax, &L);

@@ -197,8 +197,8 @@ static int xent_run(brrr_op_call *c, xent_mode mode) {
     if (xent_layout(&L, target, views, strides, 4) < 0) return -1;
     if (brrr_on_cpu(c)) {
         if (check_targets(&L) < 0) return -1;
-        Py_BEGIN_ALLOW_THREADS cpu_xent(&L, mode != XENT_BWD); /* with grad_logits: the gradient too */
-        Py_END_ALLOW_THREADS
+        BRRR_CPU_BEGIN(c) cpu_xent(&L, mode != XENT_BWD); /* with grad_logits: the gradient too */
+        BRRR_CPU_END
         return 0;
     }
     if (mode == XENT_BWD) BRRR_RETURN_CUDA(c, brrr_cuda_xent_bwd, &L);
