@@ -6,7 +6,7 @@ kernels' by far waits on the host (Python, dispatch, launches): at 4096 tokens e
 on the H200's host. GPU only (tests/test_model_libraries.py checks patched models on the CPU).
 
 test_wide_model_step: Gemma 2 and Cohere from their configs (vocabulary 256000; Gemma 2's
-final-logit softcap, Cohere's logit scale), 2 layers at hidden 2048, bf16, 16384 tokens per step:
+final-logit softcap, Cohere's logit scale and QK-norm), 2 layers at hidden 2048, bf16, 16384 tokens per step:
 brrr.patch eager and compiled against unpatched eager, torch.compile and Liger-Kernel (Gemma 2,
 where liger_kernel is importable), step time and peak memory; first the patched model's logits,
 loss and every gradient against the unpatched model's, at 2048 tokens. Sized to run in about 3
@@ -201,10 +201,12 @@ def gemma2_2048():
 
 def cohere_2048():
     """Cohere's config (vocabulary 256000, logit scale 1/16, LayerNorm without bias, interleaved
-    rotary) at hidden 2048, MLP 8192, 16 query heads of 128 sharing 4 key/value heads, 2 layers."""
+    rotary) at hidden 2048, MLP 8192, 16 query heads of 128 sharing 4 key/value heads, 2 layers,
+    with its QK-norm on (use_qk_norm, as Command R+ has it: a LayerNorm per head, a weight row
+    per head)."""
     return transformers.CohereForCausalLM(transformers.CohereConfig(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
-        max_position_embeddings=WIDE_SEQ))
+        max_position_embeddings=WIDE_SEQ, use_qk_norm=True))
 
 
 WIDE = {"gemma2": gemma2_2048, "cohere": cohere_2048}

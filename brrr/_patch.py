@@ -8,7 +8,8 @@ A module is swapped by changing its class to a subclass whose forward calls the 
 parameters, buffers, hooks and state_dict stay exactly as they were. torch.nn's own classes are
 matched by type. Other modules (the norm, activation and gated-MLP classes of model libraries:
 RMSNorms in Llama's or torch's cast order, Gemma's of (1 + weight), LayerNorms without bias
-(Cohere's) or without parameters (OLMo's); gated MLPs with one gate and one up projection or
+(Cohere's) or without parameters (OLMo's), Cohere's QK-norm (a LayerNorm over each head with a
+weight row per head: brrr's norm in float32, then the weight); gated MLPs with one gate and one up projection or
 Phi-3's single gate_up projection; BERT's post-norm residual LayerNorm(dropout(dense(h)) + input),
 which runs brrr's add_layer_norm) are matched by behaviour: their forward is run once on a random
 probe and compared with the candidate formulas (the nearest of those within the probe dtype's
@@ -196,6 +197,15 @@ def _plain_norm_forward(self, x):
     return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
 
 
+def _head_norm_forward(self, x):
+    """Cohere's QK-norm: a LayerNorm over the last dim whose weight holds a row per head, in float32
+    and cast once, as the original computes it. brrr's norm kernels read one weight row for every
+    row of x, so the statistics are brrr's LayerNorm without parameters (in float32: the input's
+    copy, as the original makes it) and the weight is one broadcast product after it."""
+    xhat = registry("layer_norm", x.float(), self.weight.shape[-1:], eps=getattr(self, self._brrr_eps))
+    return (self.weight.float() * xhat).to(x.dtype)
+
+
 def _plain_norm_eps(self):
     return getattr(self, self._brrr_eps) if self._brrr_eps else self._brrr_eps_value
 
@@ -306,12 +316,14 @@ def _weight_only_norm(x, weight, eps, kind, order, offset):
 
 def _try_norm(module, remat):
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or list(module.children()):
-        return None, "not a norm (needs a 1-d weight and no children)"
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() == 0 or list(module.children()):
+        return None, "not a norm (needs a weight and no children)"
     eps = _eps_attribute(module)
     if eps is None:
         return None, "no eps attribute (variance_epsilon, eps, epsilon)"
     bias = getattr(module, "bias", None)
+    if weight.dim() > 1:
+        return _try_head_norm(module, eps, bias)
     x = _randn(_probe_generator(), 3, 5, weight.numel(), device=weight.device, dtype=weight.dtype) * 2 + 0.5
     y = _probe(module, x)
     if y is None:
@@ -333,6 +345,25 @@ def _try_norm(module, remat):
     return (_subclass(type(module), "rms_norm", _rms_norm_forward, _brrr_eps=eps, _brrr_cast_order=order,
                       _brrr_offset=offset, _brrr_remat=remat, residual_forward=_rms_norm_residual_forward),
             f"RMSNorm ({order} cast order{scale})")
+
+
+def _try_head_norm(module, eps, bias):
+    """A norm whose weight has more than one dim, each row a head's (Cohere's QK-norm: a (heads,
+    head_dim) weight over inputs (..., heads, head_dim)): the LayerNorm over the last dim without
+    bias, computed in float32 and cast once, is the one brrr takes (_head_norm_forward)."""
+    weight = module.weight
+    if isinstance(bias, torch.Tensor):
+        return None, "a norm with a weight per head and a bias"
+    x = _randn(_probe_generator(), 3, 5, *weight.shape, device=weight.device, dtype=weight.dtype) * 2 + 0.5
+    y = _probe(module, x)
+    if y is None:
+        return None, f"forward did not take a (3, 5, {', '.join(map(str, weight.shape))}) probe"
+    e = getattr(module, eps)
+    expected = (weight.float() * F.layer_norm(x.float(), weight.shape[-1:], None, None, e)).to(x.dtype)
+    if not _close(y, expected):
+        return None, "a weight per head, and behaves like no LayerNorm over the last dim in float32 without bias"
+    return (_subclass(type(module), "head layer_norm", _head_norm_forward, _brrr_eps=eps),
+            "LayerNorm without bias over each head (a weight row per head, applied after brrr's norm)")
 
 
 def _try_plain_norm(module, device, remat):

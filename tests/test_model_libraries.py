@@ -23,6 +23,7 @@ LOSS_BUILT_IN_FORWARD = "brrr.nn.CrossEntropyLoss (its forward's CrossEntropyLos
 FUSED = "fused linear cross-entropy (training with labels: the loss from the head's input, logits None)"
 FUSED_PREFIX = "fused linear cross-entropy ("  # with the softcap or logit scale it takes in, where any
 RESIDUAL = "the residual add fused into post_attention_layernorm"  # the decoder layer's add before its second norm
+HEAD_NORM = "LayerNorm without bias over each head (a weight row per head, applied after brrr's norm)"
 NO_RESIDUAL = ("its forward has no `h = residual + x; residual = h; h = self.norm(h)` with a norm brrr swapped: the "
                "residual adds are left")
 # name: (config, model class, config arguments, what patch must swap, what it must leave)
@@ -39,12 +40,12 @@ MODELS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(DECODER, pad_token_id=0),
              {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)", FUSED, RESIDUAL}, set()),
     # OLMo's LayerNorm has no parameters; Cohere's no bias, and its rotary pairs interleaved features,
-    # its logits scaled; GLM's rotary pairs interleaved features of half the head, angles from the first half.
+    # its logits scaled, its q and k normalised per head (use_qk_norm: a weight row per head); GLM's rotary pairs interleaved features of half the head, angles from the first half.
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(DECODER, pad_token_id=0),
              {"LayerNorm without weight or bias (eps 1e-05 in its forward)", "gated MLP (swiglu)",
               "brrr rotary (its forward's apply_rotary_pos_emb)", FUSED, RESIDUAL}, set()),
-    "cohere": ("CohereConfig", "CohereForCausalLM", dict(DECODER, pad_token_id=0),
-               {"LayerNorm without bias", "gated MLP (swiglu)",
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(DECODER, pad_token_id=0, use_qk_norm=True),
+               {"LayerNorm without bias", "gated MLP (swiglu)", HEAD_NORM,
                 "brrr rotary (its forward's apply_rotary_pos_emb, interleaved pairs)",
                 FUSED.replace(", logits None", ", its logit scale 0.0625 on the head's input, logits None")},
                {("CohereDecoderLayer", NO_RESIDUAL)}),  # attention and MLP in parallel: no add before a norm

@@ -40,6 +40,7 @@ SWIGLU, GEGLU = "gated MLP (swiglu)", "gated MLP (geglu)"
 SWIGLU_FUSED = "gated MLP (swiglu, one gate_up projection)"
 COMPUTED = "computed by its parent's brrr forward ({})"
 LAYER_NORM = "brrr.nn.LayerNorm"
+HEAD_NORM = "LayerNorm without bias over each head (a weight row per head, applied after brrr's norm)"
 RESIDUAL = "the residual add fused into {}"
 NO_RESIDUAL = ("its forward has no `h = residual + x; residual = h; h = self.norm(h)` with a norm brrr swapped: the "
                "residual adds are left")
@@ -127,12 +128,15 @@ FAMILIES = {
                                               ("GELUTanh", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM),
                                               ("Starcoder2DecoderLayer", RESIDUAL.format(FUSED_RESIDUAL))},
         set()), {"layer_norm", "add_layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"}),
-    "cohere": _family("CohereForCausalLM", {}, (
+    "cohere": _family("CohereForCausalLM", dict(use_qk_norm=True), (
         llama_like("Cohere", rotary=", interleaved pairs", fused=", its logit scale 0.0625 on the head's input",
-                   residual=None)[0] - {("CohereRMSNorm", LLAMA_RMS)} | {("CohereLayerNorm", "LayerNorm without bias")},
+                   residual=None)[0] - {("CohereRMSNorm", LLAMA_RMS)} | {("CohereLayerNorm", "LayerNorm without bias"),
+                                                                         ("CohereLayerNorm", HEAD_NORM)},
         llama_like("Cohere", residual=None)[1]), {"layer_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
-        "LayerNorm without bias; rotary of interleaved pairs; logits times logit_scale: the head's input scaled; "
-        "attention and MLP in parallel: the residual add stays separate"),
+        "LayerNorm without bias; its QK-norm (use_qk_norm, on here) a LayerNorm over each head with a weight row per "
+        "head: brrr's norm in float32, then the weight, one cast (brrr's kernels read one weight row for all rows); "
+        "rotary of interleaved pairs; logits times logit_scale: the head's input scaled; attention and MLP in "
+        "parallel: the residual add stays separate"),
     "smollm3": _family("SmolLM3ForCausalLM", {}, llama_like("SmolLM3"), LLAMA_OPS),
     "glm": _family("GlmForCausalLM", {}, llama_like(
         "Glm", rotary=", interleaved pairs, angles from their first half, partial rotary", mlp=SWIGLU_FUSED), LLAMA_OPS,

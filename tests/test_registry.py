@@ -394,6 +394,62 @@ def test_patch_takes_norms_without_weight_or_bias(dtype, remat):
     assert [type(m) for m in model] == [type(m) for m in reference]
 
 
+class PerHeadRMSNorm(CohereStyleLayerNorm):
+    """A look-alike of Cohere's QK-norm: a weight per head, but an RMSNorm (no mean taken)."""
+
+    def forward(self, x):
+        h = x.float()
+        return (self.weight.float() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(
+            x.dtype)
+
+
+class WholeLayerNorm(CohereStyleLayerNorm):
+    """A look-alike: a 2-d weight, the statistics over both its dims (torch's LayerNorm of that shape)."""
+
+    def forward(self, x):
+        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.variance_epsilon).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_patch_takes_a_layer_norm_with_a_weight_per_head(dtype):
+    """Cohere's QK-norm: its LayerNorm with a (heads, head_dim) weight over (..., heads, head_dim),
+    the statistics over head_dim in float32, cast once: brrr's, output and gradients against the
+    float64 formula and the unpatched module; an RMSNorm per head and a LayerNorm over both of the
+    weight's dims are left."""
+    reset_registry()
+    torch.manual_seed(6)
+    model = nn.ModuleList([CohereStyleLayerNorm((4, 24)), PerHeadRMSNorm((4, 24)), WholeLayerNorm((4, 24))])
+    with torch.no_grad():
+        for m in model:
+            m.weight.add_(torch.randn(4, 24) * 0.3)
+    model = model.to(dtype)
+    reference = copy.deepcopy(model)
+    report = brrr.patch(model)
+    assert [(name, why) for name, _, why in report.swapped] == [
+        ("0", "LayerNorm without bias over each head (a weight row per head, applied after brrr's norm)")], str(report)
+    why = "a weight per head, and behaves like no LayerNorm over the last dim in float32 without bias"
+    assert [(name, why) for name, _, why in report.left] == [("1", why), ("2", why)], str(report)
+    x = (torch.randn(9, 5, 4, 24, dtype=torch.float64) * 2 + 1)[:, ::2].to(dtype)  # a strided view of odd rows
+    g = torch.randn(x.shape, dtype=dtype)
+    leaf = x.clone().requires_grad_()
+    out = model[0](leaf)
+    grads = torch.autograd.grad(out, [leaf, model[0].weight], g)
+    x64, w64 = leaf.detach().double().requires_grad_(), model[0].weight.detach().double().requires_grad_()
+    out64 = w64 * F.layer_norm(x64, (24,), None, None, 1e-5)
+    grads64 = torch.autograd.grad(out64, [x64, w64], g.double())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out, out64.to(dtype), **tol)
+    for a, b in zip(grads, grads64):  # the weight's gradient sums over rows: relative to its largest
+        torch.testing.assert_close(a.double(), b, rtol=tol["rtol"], atol=tol["atol"] * b.abs().max().item())
+    leaf = x.clone().requires_grad_()
+    expected = reference[0](leaf)
+    torch.testing.assert_close(out, expected, **tol)  # the same cast order: within the last bit of dtype
+    for a, b in zip(grads, torch.autograd.grad(expected, [leaf, reference[0].weight], g)):
+        torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * b.abs().max().item())
+    brrr.unpatch(model)
+    assert [type(m) for m in model] == [type(m) for m in reference]
+
+
 def test_patch_takes_a_gated_mlp_with_one_gate_up_projection():
     torch.manual_seed(5)
     model = nn.Sequential(FusedGatedMLP(16, 24), FusedGatedMLP(16, 24, swap=True))
