@@ -9,7 +9,8 @@ parameters, buffers, hooks and state_dict stay exactly as they were. torch.nn's 
 matched by type. Other modules (the norm, activation and gated-MLP classes of model libraries:
 RMSNorms in Llama's or torch's cast order, Gemma's of (1 + weight), LayerNorms without bias
 (Cohere's) or without parameters (OLMo's), Cohere's QK-norm (a LayerNorm over each head with a
-weight row per head: brrr's norm in float32, then the weight); gated MLPs with one gate and one up projection or
+weight row per head: brrr's norm in float32, then the weight); the gate of mixture-of-experts
+experts (transformers' _apply_gate: act(gate) * up, brrr's swiglu or geglu); gated MLPs with one gate and one up projection or
 Phi-3's single gate_up projection; BERT's post-norm residual LayerNorm(dropout(dense(h)) + input),
 which runs brrr's add_layer_norm) are matched by behaviour: their forward is run once on a random
 probe and compared with the candidate formulas (the nearest of those within the probe dtype's
@@ -432,6 +433,32 @@ def _try_glu_mlp(module, remat):
     return (_subclass(type(module), op + (" fused" if fused else ""), forward, _brrr_op=op, _brrr_kwargs=kwargs,
                       _brrr_computes=(act_name,), _brrr_remat=remat, _brrr_glu=_glu_of),
             f"gated MLP ({op}{', one gate_up projection' if fused else ''})")
+
+
+def _try_experts_gate(module):
+    """Mixture-of-experts experts as transformers' use_experts_implementation builds them: their
+    _apply_gate(gate_up) (which the grouped and batched matmul forms call on all routed tokens at
+    once) is act(gate) * up of its input's halves, brrr's swiglu or geglu of that one tensor. Their
+    act_fn stays their own (swapped as an activation): the eager form's loop calls it itself.
+    (None, None) for a module without those parts."""
+    apply_gate, act = getattr(type(module), "_apply_gate", None), getattr(module, "act_fn", None)
+    weight = getattr(module, "gate_up_proj", None)
+    if not callable(apply_gate) or act is None or not isinstance(weight, torch.Tensor):
+        return None, None
+    activation = _match_activation(act, weight.device)
+    if activation not in _GLU_OF:
+        return None, "experts whose activation is not silu or gelu"
+    x = _randn(_probe_generator(), 2, 3, 16, device=weight.device, dtype=weight.dtype)
+    y = _probe(functools.partial(apply_gate, module), x)
+    with torch.no_grad():
+        gate, up = x.chunk(2, dim=-1)
+        expected = act(gate) * up
+    if y is None or not _close(y, expected):
+        return None, "experts whose _apply_gate is not act(gate) * up of its input's halves"
+    op, kwargs = _GLU_OF[activation]
+    return (_subclass(type(module), op + " experts", type(module).forward, _brrr_op=op, _brrr_kwargs=kwargs,
+                      _apply_gate=_glu_of),
+            f"gated MLP of the experts ({op} of the gate_up projection, in their _apply_gate)")
 
 
 def _try_residual_layer_norm(module):
@@ -1359,6 +1386,8 @@ def _patch(model, fused_linear_cross_entropy, remat):
         new_class, what = _try_forward_globals(module, device, forward_classes)
         if new_class is None and what is None:
             new_class, what = _try_glu_mlp(module, remat)
+        if new_class is None and what is None:
+            new_class, what = _try_experts_gate(module)
         if new_class is None and what is None:
             new_class, what = _try_residual_layer_norm(module)
         if new_class is None and what is None:

@@ -52,6 +52,10 @@ MODELS = {
             {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)",
              "brrr rotary (its forward's apply_rotary_pos_emb, interleaved pairs, angles from their first half, "
              "partial rotary)", FUSED, RESIDUAL}, set()),
+    # Mixtral's experts: their gate (transformers' _apply_gate, all routed tokens at once) brrr's swiglu.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(DECODER, num_local_experts=4, num_experts_per_tok=2),
+                {"gated MLP of the experts (swiglu of the gate_up projection, in their _apply_gate)", FUSED, RESIDUAL},
+                set()),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4),
              {"brrr.nn.LayerNorm", "gelu (approximate='tanh')", "loss_function: brrr causal-LM cross_entropy", FUSED,
               "the residual add that ends it fused into transformer.ln_f"},  # (the last block's; its inner add
@@ -125,7 +129,9 @@ def test_patched_model_matches_the_unpatched_one(name, dtype):
     assert [type(m) for m in patched.modules()] == [type(m) for m in base.modules()]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# Mixtral's experts on the CPU: transformers' grouped_mm fallback's backward does not compile under
+# aot_eager (data-dependent guards), unpatched as well
+@pytest.mark.parametrize("name", [name for name in MODELS if name != "mixtral"])
 def test_patched_model_compiles_without_graph_breaks(name):
     """torch.compile(fullgraph=True) of the patched model's loss: no graph break, and the loss and
     gradients of eager (aot_eager: dynamo and autograd's tracing, without inductor's codegen)."""

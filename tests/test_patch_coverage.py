@@ -38,6 +38,7 @@ LLAMA_RMS = "RMSNorm (llama cast order)"
 GEMMA_RMS = "RMSNorm (torch cast order, scaled by 1 + weight)"
 SWIGLU, GEGLU = "gated MLP (swiglu)", "gated MLP (geglu)"
 SWIGLU_FUSED = "gated MLP (swiglu, one gate_up projection)"
+EXPERTS = "gated MLP of the experts (swiglu of the gate_up projection, in their _apply_gate)"
 COMPUTED = "computed by its parent's brrr forward ({})"
 LAYER_NORM = "brrr.nn.LayerNorm"
 HEAD_NORM = "LayerNorm without bias over each head (a weight row per head, applied after brrr's norm)"
@@ -92,6 +93,9 @@ class Family:
 TINY = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+MOE_NOTE = ("the routed experts' gate, act(gate) * up of their batched gate_up projection (transformers' _apply_gate, "
+            "which its default grouped_mm experts call on all routed tokens at once), is brrr's swiglu; the "
+            "eager experts' loop calls their SiLU (brrr's silu) itself")
 LLAMA_OPS = {"rms_norm", "add_rms_norm", "swiglu", "rotary_qk", "linear_cross_entropy"}
 POST_NORM_OPS = LLAMA_OPS - {"add_rms_norm"}  # norms after the sublayers: no norm in a layer reads a residual sum
 
@@ -158,30 +162,31 @@ FAMILIES = {
         "rotary of interleaved pairs over half the head, each pair's angle read in place (no repeat_interleave)"),
     "mixtral": _family("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2), (
         causal_lm("MixtralForCausalLM") | {("MixtralAttention", ROTARY.format("")),
-                                           ("MixtralRMSNorm", LLAMA_RMS), ("SiLUActivation", "silu")}
+                                           ("MixtralRMSNorm", LLAMA_RMS), ("SiLUActivation", "silu"),
+                                           ("MixtralExperts", EXPERTS)}
         | layers("MixtralDecoderLayer")[0], set()),
-        {"rms_norm", "add_rms_norm", "silu", "rotary_qk", "linear_cross_entropy"},
-        "experts' gated MLPs are batched matmuls, not gate/up Linears: their SiLU alone is brrr's"),
+        {"rms_norm", "add_rms_norm", "swiglu", "rotary_qk", "linear_cross_entropy"}, MOE_NOTE),
     "qwen2_moe": _family("Qwen2MoeForCausalLM", dict(MOE, shared_expert_intermediate_size=32), (
-        llama_like("Qwen2Moe")[0] | {("SiLUActivation", "silu")},
+        llama_like("Qwen2Moe")[0] | {("SiLUActivation", "silu"), ("Qwen2MoeExperts", EXPERTS)},
         {("SiLUActivation", COMPUTED.format("model.layers.N.mlp.shared_expert"))}),
-        {"rms_norm", "add_rms_norm", "silu", "swiglu", "rotary_qk", "linear_cross_entropy"},
-        "the shared expert is a gated MLP; the routed experts' SiLU alone is brrr's"),
+        {"rms_norm", "add_rms_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
+        "the shared expert is a gated MLP; " + MOE_NOTE),
     "qwen3_moe": _family("Qwen3MoeForCausalLM", MOE, (
         causal_lm("Qwen3MoeForCausalLM") | {("Qwen3MoeAttention", ROTARY.format("")),
-                                            ("Qwen3MoeRMSNorm", LLAMA_RMS), ("SiLUActivation", "silu")}
+                                            ("Qwen3MoeRMSNorm", LLAMA_RMS), ("SiLUActivation", "silu"),
+                                            ("Qwen3MoeExperts", EXPERTS)}
         | layers("Qwen3MoeDecoderLayer")[0], set()),
-        {"rms_norm", "add_rms_norm", "silu", "rotary_qk", "linear_cross_entropy"}),
+        {"rms_norm", "add_rms_norm", "swiglu", "rotary_qk", "linear_cross_entropy"}, MOE_NOTE),
     "deepseek_v3": _family("DeepseekV3ForCausalLM", dict(
         num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, q_lora_rank=16,
         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
         first_k_dense_replace=1), (
         llama_like("DeepseekV3")[0] - {("DeepseekV3Attention", ROTARY.format(""))} | {
-            ("SiLUActivation", "silu"),
+            ("SiLUActivation", "silu"), ("DeepseekV3Experts", EXPERTS),
             ("DeepseekV3Attention", ROTARY.format("") + "; " + ROTARY_INTERLEAVE.format(
                 ", interleaved pairs, angles from their first half, halves out"))},
         llama_like("DeepseekV3")[1] | {("SiLUActivation", COMPUTED.format("model.layers.N.mlp.shared_experts"))}),
-        {"rms_norm", "add_rms_norm", "silu", "swiglu", "rotary_qk", "linear_cross_entropy"},
+        {"rms_norm", "add_rms_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
         "config.rope_interleave (its default) rotates through apply_rotary_pos_emb_interleave (interleaved pairs "
         "in, halves out): brrr's interleaved rotary, then the halves as one copy (its own torch.cat)"),
     "falcon": _family("FalconForCausalLM", dict(head_dim=None), (
