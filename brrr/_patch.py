@@ -1434,7 +1434,9 @@ def _patch(model, fused_linear_cross_entropy, remat):
         if module in links:
             norm, norm_name = links[module]
             module.__dict__[_NEXT_NORM] = norm
-            norm.__class__ = _subclass(type(norm), "ahead", _ahead_forward(type(norm).forward))
+            if not getattr(type(norm), "_brrr_takes_ahead", False):
+                norm.__class__ = _subclass(type(norm), "ahead", _ahead_forward(type(norm).forward),
+                                           _brrr_takes_ahead=True)
             end = f"the add that ends it fused into {norm_name}"
             report.swapped.append((name, cls_name, f"{what}; {end}" if what else f"the residual {end[4:]}"))
         elif what is not None:

@@ -398,6 +398,9 @@ def test_the_add_that_ends_a_layer_runs_with_the_next_norm():
         reset_registry()
     assert sorted(calls) == ["add_rms_norm"] * 6 + ["rms_norm"], calls
     assert not any("_brrr_ahead" in m.__dict__ for m in patched.modules())  # each taken
+    clone = copy.deepcopy(patched)  # its layers' links to its own norms
+    assert [layer.__dict__["_brrr_next_norm"] for layer in clone.model.layers] == [
+        clone.model.layers[1].input_layernorm, clone.model.layers[2].input_layernorm, clone.model.norm]
     expected_loss, expected_grads = loss_and_grads(base, tokens)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads, expected_grads):
