@@ -1273,8 +1273,11 @@ def _no_residual_site(definition):
     if definition is None or not any(isinstance(n, ast.Name) and n.id == _RESIDUAL and isinstance(n.ctx, ast.Store)
                                      for n in ast.walk(definition)):
         return None
-    return (f"its forward has no `h = {_RESIDUAL} + x; {_RESIDUAL} = h; h = self.norm(h)` with a norm brrr "
-            "swapped: the residual adds are left")
+    return (f"{_NO_SITE} `h = {_RESIDUAL} + x; {_RESIDUAL} = h; h = self.norm(h)` with a norm brrr swapped: the "
+            "residual adds are left")
+
+
+_NO_SITE = "its forward has no"
 
 
 def _residual_norm_source(inner):
@@ -1439,6 +1442,8 @@ def _patch(model, fused_linear_cross_entropy, remat):
                                            _brrr_takes_ahead=True)
             end = f"the add that ends it fused into {norm_name}"
             report.swapped.append((name, cls_name, f"{what}; {end}" if what else f"the residual {end[4:]}"))
+            if why is not None and not why.startswith(_NO_SITE):  # its inner adds left for a reason of their own
+                report.left.append((name, cls_name, why))
         elif what is not None:
             report.swapped.append((name, cls_name, what))
         else:  # nothing of it fused: its own class again
