@@ -394,6 +394,13 @@ def test_patch_takes_norms_without_weight_or_bias(dtype, remat):
     assert [type(m) for m in model] == [type(m) for m in reference]
 
 
+def recording_calls(name):
+    """An override of the registry's `name` that notes each call, then runs brrr's function."""
+    calls, fn = [], getattr(brrr, name)
+    registry.override(name, lambda *a, **k: calls.append(name) or fn(*a, **k))
+    return calls
+
+
 class PerHeadRMSNorm(CohereStyleLayerNorm):
     """A look-alike of Cohere's QK-norm: a weight per head, but an RMSNorm (no mean taken)."""
 
@@ -410,8 +417,9 @@ class WholeLayerNorm(CohereStyleLayerNorm):
         return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.variance_epsilon).to(x.dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_patch_takes_a_layer_norm_with_a_weight_per_head(dtype):
+def test_patch_takes_a_layer_norm_with_a_weight_per_head(dtype, device):
     """Cohere's QK-norm: its LayerNorm with a (heads, head_dim) weight over (..., heads, head_dim),
     the statistics over head_dim in float32, cast once: brrr's, output and gradients against the
     float64 formula and the unpatched module; an RMSNorm per head and a LayerNorm over both of the
@@ -422,17 +430,22 @@ def test_patch_takes_a_layer_norm_with_a_weight_per_head(dtype):
     with torch.no_grad():
         for m in model:
             m.weight.add_(torch.randn(4, 24) * 0.3)
-    model = model.to(dtype)
+    model = model.to(device, dtype)
     reference = copy.deepcopy(model)
     report = brrr.patch(model)
     assert [(name, why) for name, _, why in report.swapped] == [
         ("0", "LayerNorm without bias over each head (a weight row per head, applied after brrr's norm)")], str(report)
     why = "a weight per head, and behaves like no LayerNorm over the last dim in float32 without bias"
     assert [(name, why) for name, _, why in report.left] == [("1", why), ("2", why)], str(report)
-    x = (torch.randn(9, 5, 4, 24, dtype=torch.float64) * 2 + 1)[:, ::2].to(dtype)  # a strided view of odd rows
-    g = torch.randn(x.shape, dtype=dtype)
+    x = (torch.randn(9, 5, 4, 24, dtype=torch.float64, device=device) * 2 + 1)[:, ::2].to(dtype)  # odd rows, strided
+    g = torch.randn(x.shape, dtype=dtype, device=device)
     leaf = x.clone().requires_grad_()
-    out = model[0](leaf)
+    try:
+        calls = recording_calls("layer_norm")
+        out = model[0](leaf)
+    finally:
+        reset_registry()
+    assert calls == ["layer_norm"]
     grads = torch.autograd.grad(out, [leaf, model[0].weight], g)
     x64, w64 = leaf.detach().double().requires_grad_(), model[0].weight.detach().double().requires_grad_()
     out64 = w64 * F.layer_norm(x64, (24,), None, None, 1e-5)
@@ -471,29 +484,29 @@ class Experts(nn.Module):
         return torch.einsum("ti,thi->th", h, self.down_proj[expert])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_patch_takes_the_gate_of_mixture_of_experts_experts(dtype):
+def test_patch_takes_the_gate_of_mixture_of_experts_experts(dtype, device):
     """transformers' experts' _apply_gate (act(gate) * up of the batched gate_up projection) runs
     brrr's swiglu: outputs and gradients against the float64 formula and the unpatched module; a
     look-alike gating the other half is left, with the reason."""
     reset_registry()
     torch.manual_seed(7)
-    model = nn.ModuleList([Experts(), Experts(swap=True)]).to(dtype)
+    model = nn.ModuleList([Experts(), Experts(swap=True)]).to(device, dtype)
     reference = copy.deepcopy(model)
     report = brrr.patch(model)
     assert [(n, why) for n, _, why in report.swapped if n in ("0", "1")] == [
         ("0", "gated MLP of the experts (swiglu of the gate_up projection, in their _apply_gate)")], str(report)
     assert ("1", "Experts", "experts whose _apply_gate is not act(gate) * up of its input's halves") in report.left
-    x = (torch.randn(2 * 37, 16, dtype=torch.float64) * 2)[::2].to(dtype)  # odd rows, a strided view
-    expert = torch.randint(0, 3, (37,))
-    g = torch.randn(37, 16, dtype=dtype)
+    x = (torch.randn(2 * 37, 16, dtype=torch.float64, device=device) * 2)[::2].to(dtype)  # odd rows, a strided view
+    expert = torch.randint(0, 3, (37,), device=device)
+    g = torch.randn(37, 16, dtype=dtype, device=device)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     results = []
     for m in (model[0], reference[0]):
         leaf = x.clone().requires_grad_()
-        calls = []
         try:
-            registry.override("swiglu", lambda *a, **k: calls.append(1) or brrr.swiglu(*a, **k))
+            calls = recording_calls("swiglu")
             out = m(leaf, expert)
         finally:
             reset_registry()
