@@ -370,7 +370,7 @@ def coverage_table():
              "add that ends a layer, one add_rms_norm or add_layer_norm with the norm that reads its sum next (the "
              "next layer's first, the model's last after the last layer), seen on a probe of the model: the layer "
              "still returns its whole sum, and that norm's own call returns the output computed with it "
-             "(docs/patch-coverage.md's last section says when it does not). Rotary: the layout of the "
+             "(the section at the end says when it does not). Rotary: the layout of the "
              "model's apply_rotary_pos_emb that brrr's kernel runs. Loss: the model's loss_function is brrr's "
              "cross-entropy; in training with labels the head and the loss are one brrr linear cross-entropy, the "
              "logits never held whole (docs/linear-cross-entropy.md). *brrr kernels*: the registry ops whose brrr "
