@@ -978,6 +978,7 @@ def _has_hooks(module, ignoring=None):
 # - where the layer or the norm has hooks: one may change h in place, and the fused call saved h
 #   for its backward, which would then refuse it (transformers' output recorders, which only keep
 #   h, aside).
+# - under torch.inference_mode: its tensors keep no version, which the norm's check reads.
 # Other code that changes a layer's output in place before the next layer reads it gets the norm
 # computed anew (h's version differs), and the backward's error.
 
@@ -1000,8 +1001,9 @@ def residual_norm_ahead(layer, x, residual):
     if torch.compiler.is_compiling():
         return residual + x
     norm = layer.__dict__.get(_NEXT_NORM)
-    if norm is None or norm is _PROBING or _saved_tensors_hooked() or _has_hooks(layer, _RECORDERS) \
-            or _has_hooks(norm) or (layer.training and getattr(layer, "gradient_checkpointing", False) is True):
+    if norm is None or norm is _PROBING or _saved_tensors_hooked() or torch.is_inference_mode_enabled() \
+            or _has_hooks(layer, _RECORDERS) or _has_hooks(norm) \
+            or (layer.training and getattr(layer, "gradient_checkpointing", False) is True):
         h = residual + x  # a tensor sum, the same bits in either order
         if norm is _PROBING:
             layer.__dict__[_PROBED] = h

@@ -417,11 +417,13 @@ def _pre_hook_on_norm(module, args):
     return (args[0] * 0.5,)
 
 
-@pytest.mark.parametrize("case", ["hidden states", "layer hook", "norm pre-hook", "no grad", "twice"])
+@pytest.mark.parametrize("case", ["hidden states", "layer hook", "norm pre-hook", "no grad", "inference mode",
+                                  "twice"])
 def test_the_layer_boundaries_hold_with_the_add_that_ends_a_layer(case):
     """Each layer still returns its whole sum: output_hidden_states as unpatched; a hook on a layer
     or on the norm that changes what the norm reads, forward and backward as unpatched; a forward
-    without grad; a second step."""
+    without grad, and one in inference mode (its tensors keep no version: the adds as before); a
+    second step."""
     base = llama(layers=3)
     patched = copy.deepcopy(base)
     brrr.patch(patched)
@@ -447,8 +449,8 @@ def test_the_layer_boundaries_hold_with_the_add_that_ends_a_layer(case):
             reset_registry()
         assert calls == ["rms_norm"], calls
         return
-    if case == "no grad":
-        with torch.no_grad():
+    if case in ("no grad", "inference mode"):
+        with torch.no_grad() if case == "no grad" else torch.inference_mode():
             torch.testing.assert_close(patched(input_ids=tokens).logits, base(input_ids=tokens).logits,
                                        rtol=1e-4, atol=1e-5)
         return
