@@ -1091,6 +1091,12 @@ def _single_call(node):
     return node.args[0] if isinstance(f, ast.Name) else None
 
 
+def _operands(add):
+    """The keyword arguments residual= and x= of the add `residual + x`, in its order: evaluated as
+    the add evaluates them (a sublayer's dropout draws in the same order)."""
+    return [ast.keyword("residual", add.left), ast.keyword("x", add.right)]
+
+
 def _residual_norm_site(statements, self_name):
     """(the norm's attribute, how many statements, what replaces them) where `statements` begin
     with a residual add whose sum a norm of self's reads next:
@@ -1118,7 +1124,7 @@ def _residual_norm_site(statements, self_name):
     if not (out and isinstance(norm, ast.Attribute) and _is_name(norm.value, self_name)) or out == residual \
             or (out == total and not copy_):
         return None
-    call = ast.Call(ast.Name(_RESIDUAL_NORM, ast.Load()), [norm, add.right, add.left], [])
+    call = ast.Call(ast.Name(_RESIDUAL_NORM, ast.Load()), [norm], _operands(add))
 
     def assign(names, value):
         target = ast.Tuple([ast.Name(n, ast.Store()) for n in names], ast.Store()) if len(names) > 1 else \
@@ -1153,8 +1159,8 @@ def _residual_norm_sites(definition):
     if self_name is not None:
         for block, i in _end_adds(definition):
             total, add = _assignment(block[i])
-            call = ast.Call(ast.Name(_RESIDUAL_NORM_AHEAD, ast.Load()),
-                            [ast.Name(self_name, ast.Load()), add.right, add.left], [])
+            call = ast.Call(ast.Name(_RESIDUAL_NORM_AHEAD, ast.Load()), [ast.Name(self_name, ast.Load())],
+                            _operands(add))
             new = ast.fix_missing_locations(ast.copy_location(ast.Assign([ast.Name(total, ast.Store())], call),
                                                               block[i]))
             sites.setdefault(_END, []).append((block, i, 1, [new]))

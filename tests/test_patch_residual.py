@@ -105,6 +105,38 @@ class NestedLayer(Layer):
         return residual + mlp_output
 
 
+class DropoutLayer(Layer):
+    """Both operands of the add draw a dropout mask: the fused call must evaluate them in the add's order."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.attn(self.input_layernorm(hidden_states))
+        hidden_states = self.drop(residual) + self.drop(hidden_states)
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return residual + self.mlp(hidden_states)
+
+
+def test_the_fused_call_evaluates_the_operands_in_the_adds_order():
+    model = stack(DropoutLayer).train()
+    unpatched = copy.deepcopy(model)
+    report = brrr.patch(model)
+    assert sum(what == FUSED for _, _, what in report.swapped) == 2, str(report)
+    x, grad = torch.randn(3, 5, HIDDEN), torch.randn(3, 5, HIDDEN)
+    results = []
+    for m in (model, unpatched):
+        torch.manual_seed(11)
+        results.append(outputs_and_grads(m, x, grad))
+    (y, grads), (expected_y, expected_grads) = results
+    torch.testing.assert_close(y, expected_y, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 DECORATED_CALLS = []
 
 
