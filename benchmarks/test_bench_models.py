@@ -6,7 +6,7 @@ kernels' by far waits on the host (Python, dispatch, launches): at 4096 tokens e
 on the H200's host. GPU only (tests/test_model_libraries.py checks patched models on the CPU).
 
 test_wide_model_step: Gemma 2 and Cohere from their configs (vocabulary 256000; Gemma 2's
-final-logit softcap, Cohere's logit scale), 2 layers at hidden 2048, bf16, 16384 tokens per step:
+final-logit softcap, Cohere's logit scale and QK-norm), 2 layers at hidden 2048, bf16, 16384 tokens per step:
 brrr.patch eager and compiled against unpatched eager, torch.compile and Liger-Kernel (Gemma 2,
 where liger_kernel is importable), step time and peak memory; first the patched model's logits,
 loss and every gradient against the unpatched model's, at 2048 tokens. Sized to run in about 3
@@ -201,10 +201,12 @@ def gemma2_2048():
 
 def cohere_2048():
     """Cohere's config (vocabulary 256000, logit scale 1/16, LayerNorm without bias, interleaved
-    rotary) at hidden 2048, MLP 8192, 16 query heads of 128 sharing 4 key/value heads, 2 layers."""
+    rotary) at hidden 2048, MLP 8192, 16 query heads of 128 sharing 4 key/value heads, 2 layers,
+    with its QK-norm on (use_qk_norm, as Command R+ has it: a LayerNorm per head, a weight row
+    per head)."""
     return transformers.CohereForCausalLM(transformers.CohereConfig(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
-        max_position_embeddings=WIDE_SEQ))
+        max_position_embeddings=WIDE_SEQ, use_qk_norm=True))
 
 
 WIDE = {"gemma2": gemma2_2048, "cohere": cohere_2048}
@@ -316,11 +318,13 @@ def residual_adds(step, shape):
 
 
 def test_residual_adds_of_a_llama_step(recorder):
-    """brrr.patch fuses the residual add before each decoder layer's second norm into it
-    (add_rms_norm): the step's residual adds, their device time, its kernels' and its time, for
-    the unpatched model, the patched one with its decoder layers' own forward (the adds as
-    before) and the patched one. Expected: the patched step runs RESIDUAL_LAYERS fewer forward
-    adds than the other two (and fewer in the backward), in less device time."""
+    """brrr.patch fuses the residual add before each decoder layer's second norm into it, and the
+    add that ends each layer into the norm that reads its sum next (the next layer's first, the
+    model's last), each one add_rms_norm: the step's residual adds, their device time, its
+    kernels' and its time, for the unpatched model, the patched one with its decoder layers' own
+    forward (the adds as before) and the patched one. Expected: the patched step runs no forward
+    residual add (2 * RESIDUAL_LAYERS fewer than the other two) and fewer in the backward, in less
+    device time."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                                    num_hidden_layers=RESIDUAL_LAYERS, num_attention_heads=32, num_key_value_heads=4,
@@ -330,6 +334,7 @@ def test_residual_adds_of_a_llama_step(recorder):
     report = brrr.patch(patched)
     fused = [name for name, _, what in report.swapped if what.startswith("the residual add fused")]
     assert len(fused) == RESIDUAL_LAYERS, str(report)
+    assert sum("the add that ends it fused" in what for _, _, what in report.swapped) == RESIDUAL_LAYERS, str(report)
     tokens = torch.randint(0, 32000, (RESIDUAL_BATCH, RESIDUAL_SEQ), device="cuda")
     shape = [RESIDUAL_BATCH, RESIDUAL_SEQ, cfg.hidden_size]
     counts = {}
@@ -354,4 +359,4 @@ def test_residual_adds_of_a_llama_step(recorder):
               f"residual adds {calls:3d} in {add_ms:6.3f} ms")
         model.zero_grad(set_to_none=True)
     before, after = counts["patched, layers' own forward"], counts["patched"]
-    assert after[0] <= before[0] - RESIDUAL_LAYERS and after[1] < before[1], counts
+    assert after[0] <= before[0] - 2 * RESIDUAL_LAYERS and after[1] < before[1], counts

@@ -8,7 +8,9 @@ A module is swapped by changing its class to a subclass whose forward calls the 
 parameters, buffers, hooks and state_dict stay exactly as they were. torch.nn's own classes are
 matched by type. Other modules (the norm, activation and gated-MLP classes of model libraries:
 RMSNorms in Llama's or torch's cast order, Gemma's of (1 + weight), LayerNorms without bias
-(Cohere's) or without parameters (OLMo's); gated MLPs with one gate and one up projection or
+(Cohere's) or without parameters (OLMo's), Cohere's QK-norm (a LayerNorm over each head with a
+weight row per head: brrr's norm in float32, then the weight); the gate of mixture-of-experts
+experts (transformers' _apply_gate: act(gate) * up, brrr's swiglu or geglu); gated MLPs with one gate and one up projection or
 Phi-3's single gate_up projection; BERT's post-norm residual LayerNorm(dropout(dense(h)) + input),
 which runs brrr's add_layer_norm) are matched by behaviour: their forward is run once on a random
 probe and compared with the candidate formulas (the nearest of those within the probe dtype's
@@ -27,8 +29,11 @@ module's globals, its decorators rebuilt around it. The sum is rounded to the mo
 then normalised, as the unpatched statements compute it, and each such norm's fused form is
 checked against the original norm on a probe (outputs and gradients). A layer that keeps a
 `residual` but has no such add (attention and MLP in parallel, norms after the sublayers) is
-reported as left. The add that ends a layer feeds the next layer's first norm across the layer
-boundary and stays a separate add.
+reported as left. The add that ends a layer (`h = residual + x; return h`) feeds the norm the next
+layer (or the model) applies first: it runs as that norm's residual form, the layer still returns
+h, and the norm's own call on that h returns the output computed with it (the norm that reads each
+layer's sum seen on a probe of the model; the add and the norm as before under torch.compile,
+checkpointing, saved-tensor hooks and hooks: see "the add that ends a layer" below).
 
 Some globals a module's forward uses are replaced for that module alone: a global
 `apply_rotary_pos_emb(q, k, cos, sin, ...)` (transformers' attention) that behaves like a rotary
@@ -76,6 +81,7 @@ import math
 import operator
 import textwrap
 import types
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -196,6 +202,15 @@ def _plain_norm_forward(self, x):
     return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
 
 
+def _head_norm_forward(self, x):
+    """Cohere's QK-norm: a LayerNorm over the last dim whose weight holds a row per head, in float32
+    and cast once, as the original computes it. brrr's norm kernels read one weight row for every
+    row of x, so the statistics are brrr's LayerNorm without parameters (in float32: the input's
+    copy, as the original makes it) and the weight is one broadcast product after it."""
+    xhat = registry("layer_norm", x.float(), self.weight.shape[-1:], eps=getattr(self, self._brrr_eps))
+    return (self.weight.float() * xhat).to(x.dtype)
+
+
 def _plain_norm_eps(self):
     return getattr(self, self._brrr_eps) if self._brrr_eps else self._brrr_eps_value
 
@@ -306,12 +321,14 @@ def _weight_only_norm(x, weight, eps, kind, order, offset):
 
 def _try_norm(module, remat):
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or list(module.children()):
-        return None, "not a norm (needs a 1-d weight and no children)"
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() == 0 or list(module.children()):
+        return None, "not a norm (needs a weight and no children)"
     eps = _eps_attribute(module)
     if eps is None:
         return None, "no eps attribute (variance_epsilon, eps, epsilon)"
     bias = getattr(module, "bias", None)
+    if weight.dim() > 1:
+        return _try_head_norm(module, eps, bias)
     x = _randn(_probe_generator(), 3, 5, weight.numel(), device=weight.device, dtype=weight.dtype) * 2 + 0.5
     y = _probe(module, x)
     if y is None:
@@ -333,6 +350,25 @@ def _try_norm(module, remat):
     return (_subclass(type(module), "rms_norm", _rms_norm_forward, _brrr_eps=eps, _brrr_cast_order=order,
                       _brrr_offset=offset, _brrr_remat=remat, residual_forward=_rms_norm_residual_forward),
             f"RMSNorm ({order} cast order{scale})")
+
+
+def _try_head_norm(module, eps, bias):
+    """A norm whose weight has more than one dim, each row a head's (Cohere's QK-norm: a (heads,
+    head_dim) weight over inputs (..., heads, head_dim)): the LayerNorm over the last dim without
+    bias, computed in float32 and cast once, is the one brrr takes (_head_norm_forward)."""
+    weight = module.weight
+    if isinstance(bias, torch.Tensor):
+        return None, "a norm with a weight per head and a bias"
+    x = _randn(_probe_generator(), 3, 5, *weight.shape, device=weight.device, dtype=weight.dtype) * 2 + 0.5
+    y = _probe(module, x)
+    if y is None:
+        return None, f"forward did not take a (3, 5, {', '.join(map(str, weight.shape))}) probe"
+    e = getattr(module, eps)
+    expected = (weight.float() * F.layer_norm(x.float(), weight.shape[-1:], None, None, e)).to(x.dtype)
+    if not _close(y, expected):
+        return None, "a weight per head, and behaves like no LayerNorm over the last dim in float32 without bias"
+    return (_subclass(type(module), "head layer_norm", _head_norm_forward, _brrr_eps=eps),
+            "LayerNorm without bias over each head (a weight row per head, applied after brrr's norm)")
 
 
 def _try_plain_norm(module, device, remat):
@@ -397,6 +433,32 @@ def _try_glu_mlp(module, remat):
     return (_subclass(type(module), op + (" fused" if fused else ""), forward, _brrr_op=op, _brrr_kwargs=kwargs,
                       _brrr_computes=(act_name,), _brrr_remat=remat, _brrr_glu=_glu_of),
             f"gated MLP ({op}{', one gate_up projection' if fused else ''})")
+
+
+def _try_experts_gate(module):
+    """Mixture-of-experts experts as transformers' use_experts_implementation builds them: their
+    _apply_gate(gate_up) (which the grouped and batched matmul forms call on all routed tokens at
+    once) is act(gate) * up of its input's halves, brrr's swiglu or geglu of that one tensor. Their
+    act_fn stays their own (swapped as an activation): the eager form's loop calls it itself.
+    (None, None) for a module without those parts."""
+    apply_gate, act = getattr(type(module), "_apply_gate", None), getattr(module, "act_fn", None)
+    weight = getattr(module, "gate_up_proj", None)
+    if not callable(apply_gate) or act is None or not isinstance(weight, torch.Tensor):
+        return None, None
+    activation = _match_activation(act, weight.device)
+    if activation not in _GLU_OF:
+        return None, "experts whose activation is not silu or gelu"
+    x = _randn(_probe_generator(), 2, 3, 16, device=weight.device, dtype=weight.dtype)
+    y = _probe(functools.partial(apply_gate, module), x)
+    with torch.no_grad():
+        gate, up = x.chunk(2, dim=-1)
+        expected = act(gate) * up
+    if y is None or not _close(y, expected):
+        return None, "experts whose _apply_gate is not act(gate) * up of its input's halves"
+    op, kwargs = _GLU_OF[activation]
+    return (_subclass(type(module), op + " experts", type(module).forward, _brrr_op=op, _brrr_kwargs=kwargs,
+                      _apply_gate=_glu_of),
+            f"gated MLP of the experts ({op} of the gate_up projection, in their _apply_gate)")
 
 
 def _try_residual_layer_norm(module):
@@ -866,8 +928,7 @@ def _try_forward_globals(module, device, made):
 # normalised, as those statements compute it) matches the original norm on a probe, outputs and
 # gradients, the add and the norm become one call of residual_norm. The layer's new forward is its own source with only those
 # statements replaced, compiled against a copy of its module's globals, its decorators rebuilt
-# around it. The add that ends a layer feeds the next layer's first norm across the layer
-# boundary and stays a separate add.
+# around it. The add that ends a layer is fused with the norm that reads its sum next (below).
 
 _RESIDUAL_NORM = "_brrr_residual_norm"
 _NORMED = "_brrr_normed"  # a rewritten forward's local: the norm's output on its way into the call that reads it
@@ -886,11 +947,126 @@ def residual_norm(norm, x, residual):
     return fused(norm, x, residual)
 
 
-def _has_hooks(module):
+# transformers' output recorders (output_hidden_states: installed on the layers the first time it is
+# asked for, and kept): forward hooks that only keep the output
+_RECORDERS = "transformers.utils.output_capturing"
+
+
+def _has_hooks(module, ignoring=None):
+    """Whether module or every module has hooks; ignoring: the module of forward hooks not counted."""
     hooks = torch.nn.modules.module
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+    forward = [h for h in module._forward_hooks.values() if getattr(h, "__module__", None) != ignoring or not ignoring]
+    return bool(forward or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
                 or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+# ---- the add that ends a layer ---------------------------------------------------------------------
+# A decoder layer's last add (`h = residual + x; return h`) feeds the norm that the next layer (or
+# the model, after the last layer) applies first. The layer must still return h, whole: hooks,
+# gradient checkpointing and output_hidden_states see each layer's output. So the add runs as that
+# norm's residual form, which computes the norm's output in the same pass and leaves it on the
+# norm, keyed to h; the norm's forward, called on that very h (unchanged since: its version),
+# returns it instead of reading h again. The norm that reads a layer's sum was seen on a probe of
+# the model (_link_layer_ends). Wherever the two calls might not pair up as one forward computes
+# them, the add and the norm run as before:
+# - under torch.compile (it fuses them itself);
+# - under saved-tensor hooks: torch.utils.checkpoint's non-reentrant form saves and recomputes a
+#   layer's tensors, and would find the norm's saved in one run and not the other; offloading;
+# - in a layer transformers checkpoints (its gradient_checkpointing): the reentrant form runs it
+#   without grad, and the norm would compute its output anew (requires_grad differs: checked);
+# - where the layer or the norm has hooks: one may change h in place, and the fused call saved h
+#   for its backward, which would then refuse it (transformers' output recorders, which only keep
+#   h, aside).
+# - under torch.inference_mode: its tensors keep no version, which the norm's check reads.
+# Other code that changes a layer's output in place before the next layer reads it gets the norm
+# computed anew (h's version differs), and the backward's error.
+
+_NEXT_NORM = "_brrr_next_norm"  # a layer's: the norm that reads the sum that ends it
+_AHEAD = "_brrr_ahead"  # a norm's: (a weak reference to h, h's version, the norm's output of h)
+_PROBING = object()  # _NEXT_NORM while _link_layer_ends probes: the layer keeps its sum in _PROBED
+_PROBED = "_brrr_probed_sum"
+_RESIDUAL_NORM_AHEAD = "_brrr_residual_norm_ahead"
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _saved_tensors_hooked():
+    """Whether saved-tensor hooks are active (a torch without the query counts as hooked)."""
+    return _top_saved_tensors_hooks is None or _top_saved_tensors_hooks(False) is not None
+
+
+def residual_norm_ahead(layer, x, residual):
+    """residual + x, the sum that ends `layer`; with the norm that reads it next computed from it in
+    the same pass (its residual form) and left for that norm's forward (_taken_ahead)."""
+    if torch.compiler.is_compiling():
+        return residual + x
+    norm = layer.__dict__.get(_NEXT_NORM)
+    if norm is None or norm is _PROBING or _saved_tensors_hooked() or torch.is_inference_mode_enabled() \
+            or _has_hooks(layer, _RECORDERS) or _has_hooks(norm) \
+            or (layer.training and getattr(layer, "gradient_checkpointing", False) is True):
+        h = residual + x  # a tensor sum, the same bits in either order
+        if norm is _PROBING:
+            layer.__dict__[_PROBED] = h
+        return h
+    out, h = type(norm).residual_forward(norm, x, residual)
+    norm.__dict__[_AHEAD] = (weakref.ref(h), h._version, out)
+    return h
+
+
+def _taken_ahead(norm, x):
+    """The output residual_norm_ahead left on `norm` for x, or None where it left none for this x
+    or x changed since; taken once."""
+    if torch.compiler.is_compiling():
+        return None
+    left = norm.__dict__.pop(_AHEAD, None)
+    if left is None:
+        return None
+    h, version, out = left
+    if h() is not x or x._version != version or out.requires_grad != x.requires_grad or _saved_tensors_hooked():
+        return None
+    return out
+
+
+def _ahead_forward(base_forward):
+    def forward(self, x):
+        out = _taken_ahead(self, x)
+        return base_forward(self, x) if out is None else out
+    return forward
+
+
+def _link_layer_ends(model, device, layers):
+    """{layer: (norm, its name)} for each of `layers` (rewritten with residual_norm_ahead) whose
+    sum a swapped norm then reads, as a probe of the model shows (a forward of 2 input_ids, in
+    eval mode, every submodule's mode restored), where that norm's residual form matches it."""
+    names = {m: n for n, m in model.named_modules()}
+    norms = [m for m in names if _ORIGINAL in m.__dict__ and hasattr(type(m), "residual_forward")]
+    found = {}
+
+    def reads(norm, args):
+        for layer in layers:
+            if layer not in found and args and layer.__dict__.get(_PROBED) is args[0]:
+                found[layer] = norm
+
+    for layer in layers:
+        layer.__dict__[_NEXT_NORM] = _PROBING
+    handles = [norm.register_forward_pre_hook(reads) for norm in norms]
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
+    except Exception:  # noqa: BLE001 - a model that cannot take the probe links nothing
+        found.clear()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m, training in modes:
+            m.training = training
+        for layer in layers:
+            layer.__dict__.pop(_NEXT_NORM, None)
+            layer.__dict__.pop(_PROBED, None)
+    matches = {norm: _residual_form_matches(norm, device) for norm in set(found.values())}
+    return {layer: (norm, names[norm]) for layer, norm in found.items() if matches[norm]}
 
 
 def _assignment(statement):
@@ -913,6 +1089,12 @@ def _single_call(node):
     while isinstance(f, ast.Attribute):
         f = f.value
     return node.args[0] if isinstance(f, ast.Name) else None
+
+
+def _operands(add):
+    """The keyword arguments residual= and x= of the add `residual + x`, in its order: evaluated as
+    the add evaluates them (a sublayer's dropout draws in the same order)."""
+    return [ast.keyword("residual", add.left), ast.keyword("x", add.right)]
 
 
 def _residual_norm_site(statements, self_name):
@@ -942,7 +1124,7 @@ def _residual_norm_site(statements, self_name):
     if not (out and isinstance(norm, ast.Attribute) and _is_name(norm.value, self_name)) or out == residual \
             or (out == total and not copy_):
         return None
-    call = ast.Call(ast.Name(_RESIDUAL_NORM, ast.Load()), [norm, add.right, add.left], [])
+    call = ast.Call(ast.Name(_RESIDUAL_NORM, ast.Load()), [norm], _operands(add))
 
     def assign(names, value):
         target = ast.Tuple([ast.Name(n, ast.Store()) for n in names], ast.Store()) if len(names) > 1 else \
@@ -974,7 +1156,48 @@ def _residual_norm_sites(definition):
                     site = _residual_norm_site(block[i:i + 3], self_name)
                     if site is not None:
                         sites.setdefault(site[0], []).append((block, i, *site[1:]))
+    if self_name is not None:
+        for block, i in _end_adds(definition):
+            total, add = _assignment(block[i])
+            call = ast.Call(ast.Name(_RESIDUAL_NORM_AHEAD, ast.Load()), [ast.Name(self_name, ast.Load())],
+                            _operands(add))
+            new = ast.fix_missing_locations(ast.copy_location(ast.Assign([ast.Name(total, ast.Store())], call),
+                                                              block[i]))
+            sites.setdefault(_END, []).append((block, i, 1, [new]))
     return sites
+
+
+_END = None  # _residual_norm_sites' key of the adds that end the function
+
+
+def _end_adds(definition):
+    """(block, index) of each `total = a + b` whose sum the function returns next: `return total`
+    after it, or after the if statement whose branch it ends (GPT-NeoX's two residual forms)."""
+    def is_add(statement, name=None):
+        total, value = _assignment(statement)
+        return total is not None and (name is None or total == name) and isinstance(value, ast.BinOp) \
+            and isinstance(value.op, ast.Add)
+
+    def returned(statement):
+        return statement.value.id if isinstance(statement, ast.Return) and isinstance(statement.value, ast.Name) \
+            else None
+
+    ends = []
+    for node in ast.walk(definition):
+        for block in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
+            if not isinstance(block, list):
+                continue
+            for i in range(len(block) - 1):
+                name = returned(block[i + 1])
+                if name is None:
+                    continue
+                if is_add(block[i], name):
+                    ends.append((block, i))
+                elif isinstance(block[i], ast.If) and block[i].orelse:
+                    branches = (block[i].body, block[i].orelse)
+                    if all(b and is_add(b[-1], name) for b in branches):
+                        ends += [(b, len(b) - 1) for b in branches]
+    return ends
 
 
 def _residual_form_matches(norm, device):
@@ -1016,38 +1239,53 @@ def _close_in_scale(a, b):
 
 
 def _try_residual_norms(module, device, made):
-    """(subclass, what) for a module whose forward adds a residual and hands the sum to a norm
-    brrr swapped (see above), (None, why) for one that keeps a `residual` and calls a swapped
-    norm but has no such add brrr fuses, (None, None) for any other. `made` keeps, for one patch,
-    each class's parsed forward and sites (by class) and its subclasses (by class and norms fused)."""
+    """(subclass, what, ends) for a module whose forward adds a residual and hands the sum to a norm
+    brrr swapped (see above), or ends with an add (ends: True; what is None where it fuses no other
+    add), its forward rewritten for both; (None, why, False) for one that keeps a `residual` and
+    calls a swapped norm but has no such add brrr fuses; (None, None, False) for any other. `made`
+    keeps, for one patch, each class's parsed forward and sites (by class) and its subclasses (by
+    class, norms fused and ends)."""
     norms = {name for name, child in module.named_children() if hasattr(type(child), "residual_forward")}
     if not norms:
-        return None, None
+        return None, None, False
     cls = type(module)
     chain = _decorators(cls.forward)
     inner = chain[-1] if chain else inspect.unwrap(cls.forward)
     if cls not in made:
         made[cls] = _residual_norm_source(inner)
     definition, sites = made[cls]
-    fused = sorted(norms & sites.keys())
+    fused, ends = sorted(norms & sites.keys()), _END in sites
+    rewritable = chain is not None and not inner.__code__.co_freevars
     if not fused:
-        if definition is None or not any(isinstance(n, ast.Name) and n.id == _RESIDUAL and isinstance(n.ctx, ast.Store)
-                                         for n in ast.walk(definition)):
-            return None, None
-        return None, (f"its forward has no `h = {_RESIDUAL} + x; {_RESIDUAL} = h; h = self.norm(h)` with a norm brrr "
-                      "swapped: the residual adds are left")
-    if chain is None:
-        return None, "its forward is wrapped by a decorator that brrr cannot rebuild: the residual adds are left"
-    if inner.__code__.co_freevars:
-        return None, "its forward uses a closure (super() or an enclosing function's names): the residual adds are left"
-    wrong = [name for name in fused if not _residual_form_matches(getattr(module, name), device)]
-    if wrong:
-        return None, (f"the residual form of {', '.join(wrong)} does not match its norm on a probe: the residual adds "
-                      "are left")
-    key = (cls, tuple(fused))
+        left = _no_residual_site(definition)
+    elif chain is None:
+        left = "its forward is wrapped by a decorator that brrr cannot rebuild: the residual adds are left"
+    elif not rewritable:
+        left = "its forward uses a closure (super() or an enclosing function's names): the residual adds are left"
+    else:
+        wrong = [name for name in fused if not _residual_form_matches(getattr(module, name), device)]
+        left = wrong and (f"the residual form of {', '.join(wrong)} does not match its norm on a probe: the residual "
+                          "adds are left")
+    fused = [] if left else fused
+    ends = ends and rewritable
+    if not fused and not ends:
+        return None, left or None, False
+    key = (cls, tuple(fused), ends)
     if key not in made:
-        made[key] = _residual_norm_class(cls, chain, definition, {name: sites[name] for name in fused})
-    return made[key], f"the residual add fused into {', '.join(fused)}"
+        made[key] = _residual_norm_class(cls, chain, definition, fused + [_END] * ends)
+    return made[key], (f"the residual add fused into {', '.join(fused)}" if fused else left or None), ends
+
+
+def _no_residual_site(definition):
+    """Why a layer with a swapped norm is left: it keeps a `residual` but has no add brrr fuses."""
+    if definition is None or not any(isinstance(n, ast.Name) and n.id == _RESIDUAL and isinstance(n.ctx, ast.Store)
+                                     for n in ast.walk(definition)):
+        return None
+    return (f"{_NO_SITE} `h = {_RESIDUAL} + x; {_RESIDUAL} = h; h = self.norm(h)` with a norm brrr swapped: the "
+            "residual adds are left")
+
+
+_NO_SITE = "its forward has no"
 
 
 def _residual_norm_source(inner):
@@ -1080,14 +1318,16 @@ def _compiled(inner, definition):
     return next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == inner.__name__)
 
 
-def _residual_norm_class(cls, chain, definition, sites):
-    """cls's subclass whose forward is its own with the residual adds of `sites` fused."""
+def _residual_norm_class(cls, chain, definition, keys):
+    """cls's subclass whose forward is its own with the residual adds of the sites of `keys` (norm
+    attributes, and _END for the adds that end it) fused."""
     definition = copy.deepcopy(definition)
     fresh = _residual_norm_sites(definition)  # the same sites, in the copy
     # Each block from its last site back, so that a replacement moves none still to be made.
-    for block, i, n, statements in sorted((site for name in sites for site in fresh[name]), key=lambda s: -s[1]):
+    for block, i, n, statements in sorted((site for key in keys for site in fresh[key]), key=lambda s: -s[1]):
         block[i:i + n] = statements
-    forward = _rebuild_forward(chain, {_RESIDUAL_NORM: residual_norm}, _compiled(chain[-1], definition))
+    forward = _rebuild_forward(chain, {_RESIDUAL_NORM: residual_norm, _RESIDUAL_NORM_AHEAD: residual_norm_ahead},
+                               _compiled(chain[-1], definition))
     return type(f"Brrr{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
 
 
@@ -1158,6 +1398,8 @@ def _patch(model, fused_linear_cross_entropy, remat):
         if new_class is None and what is None:
             new_class, what = _try_glu_mlp(module, remat)
         if new_class is None and what is None:
+            new_class, what = _try_experts_gate(module)
+        if new_class is None and what is None:
             new_class, what = _try_residual_layer_norm(module)
         if new_class is None and what is None:
             new_class, what = _try_plain_norm(module, device, remat)
@@ -1183,16 +1425,39 @@ def _patch(model, fused_linear_cross_entropy, remat):
                 remat_bytes[kind][0] += 1
                 remat_bytes[kind][1] += out * like.element_size()
     residual_made = {}  # per class: its forward's source and sites; per class and norms: its subclass
+    ending = {}  # a layer rewritten for the add that ends it -> (name, class name, what else, why left)
     for name, module in model.named_modules():
         if _ORIGINAL in module.__dict__:
             continue
         cls = type(module)
-        new_class, what = _try_residual_norms(module, device, residual_made)
+        new_class, what, ends = _try_residual_norms(module, device, residual_made)
         if new_class is not None:
             _swap(module, new_class)
+        if ends:
+            fuses_other = what is not None and what.startswith("the residual add fused")
+            ending[module] = (name, cls.__name__, what if fuses_other else None, None if fuses_other else what)
+        elif new_class is not None:
             report.swapped.append((name, cls.__name__, what))
         elif what is not None:
             report.left.append((name, cls.__name__, what))
+    links = _link_layer_ends(model, device, list(ending)) if ending else {}
+    for module, (name, cls_name, what, why) in ending.items():
+        if module in links:
+            norm, norm_name = links[module]
+            module.__dict__[_NEXT_NORM] = norm
+            if not getattr(type(norm), "_brrr_takes_ahead", False):
+                norm.__class__ = _subclass(type(norm), "ahead", _ahead_forward(type(norm).forward),
+                                           _brrr_takes_ahead=True)
+            end = f"the add that ends it fused into {norm_name}"
+            report.swapped.append((name, cls_name, f"{what}; {end}" if what else f"the residual {end[4:]}"))
+            if why is not None and not why.startswith(_NO_SITE):  # its inner adds left for a reason of their own
+                report.left.append((name, cls_name, why))
+        elif what is not None:
+            report.swapped.append((name, cls_name, what))
+        else:  # nothing of it fused: its own class again
+            module.__class__ = module.__dict__.pop(_ORIGINAL)
+            if why is not None:
+                report.left.append((name, cls_name, why))
     if remat:
         (norms, norm_bytes), (glus, glu_bytes) = remat_bytes["norm"], remat_bytes["GLU"]
         report.notes.append(f"remat: the backward recomputes the outputs of {norms} norms and {glus} gated MLPs' GLUs "
@@ -1233,7 +1498,8 @@ def unpatch(model):
         original = module.__dict__.pop(_ORIGINAL, None)
         if original is not None:
             module.__class__ = original
-            module.__dict__.pop(_PENDING, None)
+            for key in (_PENDING, _NEXT_NORM, _AHEAD):
+                module.__dict__.pop(key, None)
             restored += 1
     return restored
 

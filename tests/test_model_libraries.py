@@ -22,9 +22,9 @@ SMALL = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_la
 LOSS_BUILT_IN_FORWARD = "brrr.nn.CrossEntropyLoss (its forward's CrossEntropyLoss)"
 FUSED = "fused linear cross-entropy (training with labels: the loss from the head's input, logits None)"
 FUSED_PREFIX = "fused linear cross-entropy ("  # with the softcap or logit scale it takes in, where any
-RESIDUAL = "the residual add fused into post_attention_layernorm"  # the decoder layer's add before its second norm
-NO_RESIDUAL = ("its forward has no `h = residual + x; residual = h; h = self.norm(h)` with a norm brrr swapped: the "
-               "residual adds are left")
+# the decoder layer's add before its second norm, and (the last layer's) the add that ends it with the model's norm
+RESIDUAL = "the residual add fused into post_attention_layernorm; the add that ends it fused into model.norm"
+HEAD_NORM = "LayerNorm without bias over each head (a weight row per head, applied after brrr's norm)"
 # name: (config, model class, config arguments, what patch must swap, what it must leave)
 MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", DECODER,
@@ -39,22 +39,27 @@ MODELS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(DECODER, pad_token_id=0),
              {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)", FUSED, RESIDUAL}, set()),
     # OLMo's LayerNorm has no parameters; Cohere's no bias, and its rotary pairs interleaved features,
-    # its logits scaled; GLM's rotary pairs interleaved features of half the head, angles from the first half.
+    # its logits scaled, its q and k normalised per head (use_qk_norm: a weight row per head); GLM's rotary pairs interleaved features of half the head, angles from the first half.
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(DECODER, pad_token_id=0),
              {"LayerNorm without weight or bias (eps 1e-05 in its forward)", "gated MLP (swiglu)",
               "brrr rotary (its forward's apply_rotary_pos_emb)", FUSED, RESIDUAL}, set()),
-    "cohere": ("CohereConfig", "CohereForCausalLM", dict(DECODER, pad_token_id=0),
-               {"LayerNorm without bias", "gated MLP (swiglu)",
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(DECODER, pad_token_id=0, use_qk_norm=True),
+               {"LayerNorm without bias", "gated MLP (swiglu)", HEAD_NORM,
                 "brrr rotary (its forward's apply_rotary_pos_emb, interleaved pairs)",
-                FUSED.replace(", logits None", ", its logit scale 0.0625 on the head's input, logits None")},
-               {("CohereDecoderLayer", NO_RESIDUAL)}),  # attention and MLP in parallel: no add before a norm
+                FUSED.replace(", logits None", ", its logit scale 0.0625 on the head's input, logits None"),
+                "the residual add that ends it fused into model.norm"}, set()),  # attention and MLP in parallel
     "glm": ("GlmConfig", "GlmForCausalLM", dict(DECODER, pad_token_id=0),
             {"RMSNorm (llama cast order)", "gated MLP (swiglu, one gate_up projection)",
              "brrr rotary (its forward's apply_rotary_pos_emb, interleaved pairs, angles from their first half, "
              "partial rotary)", FUSED, RESIDUAL}, set()),
+    # Mixtral's experts: their gate (transformers' _apply_gate, all routed tokens at once) brrr's swiglu.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(DECODER, num_local_experts=4, num_experts_per_tok=2),
+                {"gated MLP of the experts (swiglu of the gate_up projection, in their _apply_gate)", FUSED, RESIDUAL},
+                set()),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4),
-             {"brrr.nn.LayerNorm", "gelu (approximate='tanh')", "loss_function: brrr causal-LM cross_entropy", FUSED},
-             {("GPT2Block", NO_RESIDUAL)}),  # its cross-attention's branch sits between the add and ln_2
+             {"brrr.nn.LayerNorm", "gelu (approximate='tanh')", "loss_function: brrr causal-LM cross_entropy", FUSED,
+              "the residual add that ends it fused into transformer.ln_f"},  # (the last block's; its inner add
+             set()),  # is left: the cross-attention's branch sits between it and ln_2, which the report says)
     # Partial rotary (a quarter of each head): brrr's rotary_dim.
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL,
                  {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb, partial rotary)", FUSED},
@@ -124,7 +129,9 @@ def test_patched_model_matches_the_unpatched_one(name, dtype):
     assert [type(m) for m in patched.modules()] == [type(m) for m in base.modules()]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# Mixtral's experts on the CPU: transformers' grouped_mm fallback's backward does not compile under
+# aot_eager (data-dependent guards), unpatched as well
+@pytest.mark.parametrize("name", [name for name in MODELS if name != "mixtral"])
 def test_patched_model_compiles_without_graph_breaks(name):
     """torch.compile(fullgraph=True) of the patched model's loss: no graph break, and the loss and
     gradients of eager (aot_eager: dynamo and autograd's tracing, without inductor's codegen)."""

@@ -38,9 +38,13 @@ LLAMA_RMS = "RMSNorm (llama cast order)"
 GEMMA_RMS = "RMSNorm (torch cast order, scaled by 1 + weight)"
 SWIGLU, GEGLU = "gated MLP (swiglu)", "gated MLP (geglu)"
 SWIGLU_FUSED = "gated MLP (swiglu, one gate_up projection)"
+EXPERTS = "gated MLP of the experts (swiglu of the gate_up projection, in their _apply_gate)"
 COMPUTED = "computed by its parent's brrr forward ({})"
 LAYER_NORM = "brrr.nn.LayerNorm"
+HEAD_NORM = "LayerNorm without bias over each head (a weight row per head, applied after brrr's norm)"
 RESIDUAL = "the residual add fused into {}"
+ENDS = "the add that ends it fused into {}"
+FUSED_RESIDUAL = "post_attention_layernorm"
 NO_RESIDUAL = ("its forward has no `h = residual + x; residual = h; h = self.norm(h)` with a norm brrr swapped: the "
                "residual adds are left")
 
@@ -50,19 +54,30 @@ def causal_lm(model, fused=""):
     return {(model, LOSS), (model, FUSED.format(fused)), HEAD}
 
 
-def llama_like(prefix, rotary="", mlp=SWIGLU, norm=LLAMA_RMS, act="SiLUActivation", fused="",
-               residual="post_attention_layernorm"):
-    """(swapped, left) of a Llama-style decoder: RMSNorm, gated MLP (its activation computed by the
-    MLP's brrr forward), rotary, the residual add fused into the norm `residual` (None: the layer
-    left, with no such add); class names from `prefix`."""
-    swapped = causal_lm(f"{prefix}ForCausalLM", fused) | {
-        (f"{prefix}Attention", ROTARY.format(rotary)), (f"{prefix}MLP", mlp), (f"{prefix}RMSNorm", norm)}
-    left = {(act, COMPUTED.format("model.layers.N.mlp"))}
+PRE_NORM_ENDS = ("model.layers.N.input_layernorm", "model.norm")  # the norms the adds that end layers feed
+POST_NORM_ENDS = ("model.norm",)  # layers that begin with no norm: the last layer's add feeds the model's
+
+
+def layers(cls, residual=FUSED_RESIDUAL, ends=PRE_NORM_ENDS):
+    """(swapped, left) of the decoder layers `cls`: the residual add fused into the norm `residual`
+    (None: none), and the add that ends each into the norm that reads its sum next, `ends` (a norm
+    each layer but the last feeds, and the one the last feeds; a layer with neither is left, with no
+    such add: only the last layer's add is fused where the layers begin with no norm)."""
     if residual:
-        swapped.add((f"{prefix}DecoderLayer", RESIDUAL.format(residual)))
-    else:
-        left.add((f"{prefix}DecoderLayer", NO_RESIDUAL))
-    return swapped, left
+        return {(cls, f"{RESIDUAL.format(residual)}; {ENDS.format(norm)}") for norm in ends}, set()
+    swapped = {(cls, f"the residual {ENDS[4:].format(norm)}") for norm in ends}
+    return swapped, set() if len(ends) == 2 else {(cls, NO_RESIDUAL)}
+
+
+def llama_like(prefix, rotary="", mlp=SWIGLU, norm=LLAMA_RMS, act="SiLUActivation", fused="",
+               residual=FUSED_RESIDUAL, ends=PRE_NORM_ENDS):
+    """(swapped, left) of a Llama-style decoder: RMSNorm, gated MLP (its activation computed by the
+    MLP's brrr forward), rotary, its layers' residual adds as `layers` says; class names from
+    `prefix`."""
+    swapped, left = layers(f"{prefix}DecoderLayer", residual, ends)
+    swapped |= causal_lm(f"{prefix}ForCausalLM", fused) | {
+        (f"{prefix}Attention", ROTARY.format(rotary)), (f"{prefix}MLP", mlp), (f"{prefix}RMSNorm", norm)}
+    return swapped, left | {(act, COMPUTED.format("model.layers.N.mlp"))}
 
 
 @dataclass
@@ -78,9 +93,11 @@ class Family:
 TINY = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+MOE_NOTE = ("the routed experts' gate, act(gate) * up of their batched gate_up projection (transformers' _apply_gate, "
+            "which its default grouped_mm experts call on all routed tokens at once), is brrr's swiglu; the "
+            "eager experts' loop calls their SiLU (brrr's silu) itself")
 LLAMA_OPS = {"rms_norm", "add_rms_norm", "swiglu", "rotary_qk", "linear_cross_entropy"}
-POST_NORM_OPS = LLAMA_OPS - {"add_rms_norm"}  # norms after the sublayers: no norm reads a residual sum
-FUSED_RESIDUAL = "post_attention_layernorm"
+POST_NORM_OPS = LLAMA_OPS - {"add_rms_norm"}  # norms after the sublayers: no norm in a layer reads a residual sum
 
 
 def _family(model, config, swapped_left, ops, note=""):
@@ -114,8 +131,10 @@ FAMILIES = {
         | {("OlmoLayerNorm", "LayerNorm without weight or bias (eps 1e-05 in its forward)")},
         llama_like("Olmo")[1]), {"layer_norm", "add_layer_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
         "LayerNorm without parameters: brrr.layer_norm(weight=None, bias=None)"),
-    "olmo2": _family("Olmo2ForCausalLM", {}, llama_like("Olmo2", residual=None), POST_NORM_OPS,
-                     "norms after the sublayers: the residual adds stay separate"),
+    "olmo2": _family("Olmo2ForCausalLM", {}, llama_like("Olmo2", residual=None, ends=POST_NORM_ENDS),
+                     POST_NORM_OPS | {"add_rms_norm"},
+                     "norms after the sublayers: the adds inside a layer stay separate, the last layer's with the "
+                     "model's norm"),
     "granite": _family("GraniteForCausalLM", {}, llama_like("Granite"), LLAMA_OPS),
     "stablelm": _family("StableLmForCausalLM", {}, (
         llama_like("StableLm")[0] - {("StableLmRMSNorm", LLAMA_RMS)} | {("LayerNorm", LAYER_NORM)},
@@ -124,15 +143,19 @@ FAMILIES = {
         "normalised inside the MLP's call (`self.mlp(self.post_attention_layernorm(residual))`)"),
     "starcoder2": _family("Starcoder2ForCausalLM", {}, (
         causal_lm("Starcoder2ForCausalLM") | {("Starcoder2Attention", ROTARY.format("")),
-                                              ("GELUTanh", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM),
-                                              ("Starcoder2DecoderLayer", RESIDUAL.format(FUSED_RESIDUAL))},
-        set()), {"layer_norm", "add_layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"}),
-    "cohere": _family("CohereForCausalLM", {}, (
+                                              ("GELUTanh", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM)}
+        | layers("Starcoder2DecoderLayer")[0], set()),
+        {"layer_norm", "add_layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"}),
+    "cohere": _family("CohereForCausalLM", dict(use_qk_norm=True), (
         llama_like("Cohere", rotary=", interleaved pairs", fused=", its logit scale 0.0625 on the head's input",
-                   residual=None)[0] - {("CohereRMSNorm", LLAMA_RMS)} | {("CohereLayerNorm", "LayerNorm without bias")},
-        llama_like("Cohere", residual=None)[1]), {"layer_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
-        "LayerNorm without bias; rotary of interleaved pairs; logits times logit_scale: the head's input scaled; "
-        "attention and MLP in parallel: the residual add stays separate"),
+                   residual=None)[0] - {("CohereRMSNorm", LLAMA_RMS)} | {("CohereLayerNorm", "LayerNorm without bias"),
+                                                                         ("CohereLayerNorm", HEAD_NORM)},
+        llama_like("Cohere", residual=None)[1]),
+        {"layer_norm", "add_layer_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
+        "LayerNorm without bias; its QK-norm (use_qk_norm, on here) a LayerNorm over each head with a weight row per "
+        "head: brrr's norm in float32, then the weight, one cast (brrr's kernels read one weight row for all rows); "
+        "rotary of interleaved pairs; logits times logit_scale: the head's input scaled; attention and MLP in "
+        "parallel: the add of both to the residual, which ends the layer, fused into the next norm"),
     "smollm3": _family("SmolLM3ForCausalLM", {}, llama_like("SmolLM3"), LLAMA_OPS),
     "glm": _family("GlmForCausalLM", {}, llama_like(
         "Glm", rotary=", interleaved pairs, angles from their first half, partial rotary", mlp=SWIGLU_FUSED), LLAMA_OPS,
@@ -140,29 +163,30 @@ FAMILIES = {
     "mixtral": _family("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2), (
         causal_lm("MixtralForCausalLM") | {("MixtralAttention", ROTARY.format("")),
                                            ("MixtralRMSNorm", LLAMA_RMS), ("SiLUActivation", "silu"),
-                                           ("MixtralDecoderLayer", RESIDUAL.format(FUSED_RESIDUAL))},
-        set()), {"rms_norm", "add_rms_norm", "silu", "rotary_qk", "linear_cross_entropy"},
-        "experts' gated MLPs are batched matmuls, not gate/up Linears: their SiLU alone is brrr's"),
+                                           ("MixtralExperts", EXPERTS)}
+        | layers("MixtralDecoderLayer")[0], set()),
+        {"rms_norm", "add_rms_norm", "swiglu", "rotary_qk", "linear_cross_entropy"}, MOE_NOTE),
     "qwen2_moe": _family("Qwen2MoeForCausalLM", dict(MOE, shared_expert_intermediate_size=32), (
-        llama_like("Qwen2Moe")[0] | {("SiLUActivation", "silu")},
+        llama_like("Qwen2Moe")[0] | {("SiLUActivation", "silu"), ("Qwen2MoeExperts", EXPERTS)},
         {("SiLUActivation", COMPUTED.format("model.layers.N.mlp.shared_expert"))}),
-        {"rms_norm", "add_rms_norm", "silu", "swiglu", "rotary_qk", "linear_cross_entropy"},
-        "the shared expert is a gated MLP; the routed experts' SiLU alone is brrr's"),
+        {"rms_norm", "add_rms_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
+        "the shared expert is a gated MLP; " + MOE_NOTE),
     "qwen3_moe": _family("Qwen3MoeForCausalLM", MOE, (
         causal_lm("Qwen3MoeForCausalLM") | {("Qwen3MoeAttention", ROTARY.format("")),
                                             ("Qwen3MoeRMSNorm", LLAMA_RMS), ("SiLUActivation", "silu"),
-                                            ("Qwen3MoeDecoderLayer", RESIDUAL.format(FUSED_RESIDUAL))},
-        set()), {"rms_norm", "add_rms_norm", "silu", "rotary_qk", "linear_cross_entropy"}),
+                                            ("Qwen3MoeExperts", EXPERTS)}
+        | layers("Qwen3MoeDecoderLayer")[0], set()),
+        {"rms_norm", "add_rms_norm", "swiglu", "rotary_qk", "linear_cross_entropy"}, MOE_NOTE),
     "deepseek_v3": _family("DeepseekV3ForCausalLM", dict(
         num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, q_lora_rank=16,
         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
         first_k_dense_replace=1), (
         llama_like("DeepseekV3")[0] - {("DeepseekV3Attention", ROTARY.format(""))} | {
-            ("SiLUActivation", "silu"),
+            ("SiLUActivation", "silu"), ("DeepseekV3Experts", EXPERTS),
             ("DeepseekV3Attention", ROTARY.format("") + "; " + ROTARY_INTERLEAVE.format(
                 ", interleaved pairs, angles from their first half, halves out"))},
         llama_like("DeepseekV3")[1] | {("SiLUActivation", COMPUTED.format("model.layers.N.mlp.shared_experts"))}),
-        {"rms_norm", "add_rms_norm", "silu", "swiglu", "rotary_qk", "linear_cross_entropy"},
+        {"rms_norm", "add_rms_norm", "swiglu", "rotary_qk", "linear_cross_entropy"},
         "config.rope_interleave (its default) rotates through apply_rotary_pos_emb_interleave (interleaved pairs "
         "in, halves out): brrr's interleaved rotary, then the halves as one copy (its own torch.cat)"),
     "falcon": _family("FalconForCausalLM", dict(head_dim=None), (
@@ -172,29 +196,35 @@ FAMILIES = {
         "attention and MLP in parallel: the residual add stays separate"),
     "gpt_neox": _family("GPTNeoXForCausalLM", {}, (
         causal_lm("GPTNeoXForCausalLM") | {("GPTNeoXAttention", ROTARY.format(", partial rotary")),
-                                           ("GELUActivation", "gelu"), ("LayerNorm", LAYER_NORM),
-                                           ("GPTNeoXLayer", RESIDUAL.format(FUSED_RESIDUAL))},
-        set()), {"layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"},
+                                           ("GELUActivation", "gelu"), ("LayerNorm", LAYER_NORM)}
+        | layers("GPTNeoXLayer", ends=("gpt_neox.layers.N.input_layernorm", "gpt_neox.final_layer_norm"))[0], set()),
+        {"layer_norm", "add_layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"},
         "partial rotary: brrr's rotary_dim; the residual add fused in its sequential branch "
         "(use_parallel_residual=False; the default runs the parallel one)"),
     "gpt2": _family("GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_inner=64), (
-        causal_lm("GPT2LMHeadModel") | {("NewGELUActivation", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM)},
-        {("GPT2Block", NO_RESIDUAL)}), {"layer_norm", "gelu", "linear_cross_entropy"},
-        "learned positions: no rotary; the cross-attention's branch between the add and ln_2 keeps them apart"),
+        causal_lm("GPT2LMHeadModel") | {("NewGELUActivation", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM)}
+        | layers("GPT2Block", None, ("transformer.h.N.ln_1", "transformer.ln_f"))[0], set()),
+        {"layer_norm", "add_layer_norm", "gelu", "linear_cross_entropy"},
+        "learned positions: no rotary; the cross-attention's branch between the add and ln_2 keeps them apart; the "
+        "add that ends a block fused into the next ln_1 (ln_f after the last)"),
     "phi": _family("PhiForCausalLM", {}, (
         causal_lm("PhiForCausalLM") | {("PhiAttention", ROTARY.format("")),
-                                       ("NewGELUActivation", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM)},
-        {("PhiDecoderLayer", NO_RESIDUAL)}), {"layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"},
+                                       ("NewGELUActivation", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM)}
+        | layers("PhiDecoderLayer", None, ("model.layers.N.input_layernorm", "model.final_layernorm"))[0], set()),
+        {"layer_norm", "add_layer_norm", "gelu", "rotary_qk", "linear_cross_entropy"},
         "partial rotary split off in the attention's forward: brrr rotates the rotated part; attention and MLP in "
-        "parallel"),
-    "exaone4": _family("Exaone4ForCausalLM", {}, llama_like("Exaone4", residual=None), POST_NORM_OPS,
-                       "norms after the sublayers: the residual adds stay separate"),
+        "parallel: their sum and the residual, the add that ends the layer, fused into the next norm"),
+    "exaone4": _family("Exaone4ForCausalLM", {}, llama_like("Exaone4", residual=None, ends=POST_NORM_ENDS),
+                       POST_NORM_OPS | {"add_rms_norm"},
+                       "norms after the sublayers: the adds inside a layer stay separate, the last layer's with the "
+                       "model's norm"),
     "ernie4_5": _family("Ernie4_5ForCausalLM", {}, llama_like(
         "Ernie4_5", rotary=", interleaved pairs, angles from their first half"), LLAMA_OPS,
         "rotary of interleaved pairs, each pair's angle read in place (no repeat_interleave)"),
     "apertus": _family("ApertusForCausalLM", {}, (
-        causal_lm("ApertusForCausalLM") | {("ApertusAttention", ROTARY.format("")), ("ApertusRMSNorm", LLAMA_RMS),
-                                           ("ApertusDecoderLayer", RESIDUAL.format("feedforward_layernorm"))},
+        causal_lm("ApertusForCausalLM") | {("ApertusAttention", ROTARY.format("")), ("ApertusRMSNorm", LLAMA_RMS)}
+        | layers("ApertusDecoderLayer", "feedforward_layernorm",
+                 ("model.layers.N.attention_layernorm", "model.norm"))[0],
         set()), {"rms_norm", "add_rms_norm", "rotary_qk", "linear_cross_entropy"},
         "its MLP is up, xIELU (an activation with parameters), down: left, unreported"),
     "seed_oss": _family("SeedOssForCausalLM", {}, llama_like("SeedOss"), LLAMA_OPS,
@@ -316,7 +346,7 @@ def _short(cls, what):
 
 
 _COLUMNS = [("norms", lambda w: w.startswith(("RMSNorm", "LayerNorm", "brrr.nn.LayerNorm"))),
-            ("residual add", lambda w: w.startswith(RESIDUAL.format(""))),
+            ("residual add", lambda w: w.startswith("the residual add")),
             ("MLP and activations", lambda w: w.startswith(("gated MLP", "gelu", "silu", "relu"))),
             ("rotary", lambda w: w.startswith("brrr rotary")),
             ("loss", lambda w: w in (LOSS, HEAD[1]) or w.startswith("fused linear"))]
@@ -336,8 +366,11 @@ def coverage_table():
              "when what patch swaps or leaves in a family, or the ops that run, differ from this table, and when this "
              "file differs from what it generates.", "",
              "Cells read `module class: what brrr.patch made of it` (as its report says). Residual add: the decoder "
-             "layer's add whose sum its next norm reads, one add_rms_norm or add_layer_norm with that norm (the add "
-             "that ends a layer feeds the next layer's norm and stays separate). Rotary: the layout of the "
+             "layer's add whose sum its next norm reads, one add_rms_norm or add_layer_norm with that norm; and the "
+             "add that ends a layer, one add_rms_norm or add_layer_norm with the norm that reads its sum next (the "
+             "next layer's first, the model's last after the last layer), seen on a probe of the model: the layer "
+             "still returns its whole sum, and that norm's own call returns the output computed with it "
+             "(the section at the end says when it does not). Rotary: the layout of the "
              "model's apply_rotary_pos_emb that brrr's kernel runs. Loss: the model's loss_function is brrr's "
              "cross-entropy; in training with labels the head and the loss are one brrr linear cross-entropy, the "
              "logits never held whole (docs/linear-cross-entropy.md). *brrr kernels*: the registry ops whose brrr "
@@ -356,8 +389,34 @@ def coverage_table():
                      f" | {_cell(family.left)} | {', '.join(sorted(family.ops))} | {family.note or '-'} |")
     lines += ["", f"Not built by the test: the other {len(NOT_BUILT)} causal-LM families of transformers "
               f"{transformers.__version__} (the encoder and sequence-to-sequence families with a causal-LM head "
-              "among them; BERT and T5 are built in tests/test_model_libraries.py).", ""]
+              "among them; BERT and T5 are built in tests/test_model_libraries.py).", ""] + ENDING_A_LAYER
     return "\n".join(lines)
+
+
+ENDING_A_LAYER = [
+    "## The add that ends a layer", "",
+    "A decoder layer's last add (`h = residual + mlp(...); return h`) feeds the norm the next layer applies first, "
+    "or the model's final norm after the last layer. The layer must still return h whole: forward hooks, "
+    "output_hidden_states (recorded by hooks on the layers), gradient checkpointing (which runs and recomputes "
+    "each layer as a unit) and a caller's own loop over the layers see each layer's output. So brrr.patch "
+    "leaves the boundary where it is and computes the next norm early: the add runs as that norm's residual "
+    "form (add_rms_norm or add_layer_norm: the sum, rounded to the model's dtype, and the norm of it, in one "
+    "pass), the layer returns the sum, and the norm's own call, given that very tensor unchanged since (its "
+    "version), returns the output computed with it. The output is the norm's of the sum bitwise, and its "
+    "gradient reaches the sum through the fused call's backward, which also adds the residual stream's "
+    "gradient: the backward's separate sum goes too. Which norm reads a layer's sum is seen on a probe of the "
+    "model (a forward of 2 tokens), and that norm's residual form is checked against it as the inner add's is.",
+    "",
+    "The add and the norm run as the unpatched model runs them (nothing computed ahead) under torch.compile "
+    "(inductor fuses them itself), in a layer transformers checkpoints, under saved-tensor hooks (torch's "
+    "non-reentrant checkpoint around a layer would find the next norm's saved tensors in one of the layer's two "
+    "runs and not the other, and refuse; activation offloading), where the layer or the norm has hooks "
+    "(transformers' output recorders, which only keep a layer's output, aside), and where "
+    "the norm's output and the sum differ in requires_grad (torch's reentrant checkpoint runs a layer without "
+    "grad). A sum changed in place between the layer and the norm (by code other than hooks) is normalised "
+    "anew, and the fused call's backward then refuses the changed tensor it saved, where the unpatched add "
+    "saved none: `brrr.unpatch` such a model. Falcon's layers return a tuple, and the add that ends them "
+    "stays separate.", ""]
 
 
 def test_the_coverage_doc_is_the_table_of_these_expectations():

@@ -3,7 +3,9 @@ to the layer's next norm, and that norm, as one add_rms_norm or add_layer_norm (
 Layers written in each form the rewrite takes (and some it must leave, with the reason), against
 the unpatched layers: outputs and every gradient; the fused call against the add and the norm,
 bitwise where brrr's kernels compute both; hooks, gradient checkpointing, remat, torch.compile
-(fullgraph) and the residual adds left in a transformers Llama's training step."""
+(fullgraph) and the residual adds left in a transformers Llama's training step. The add that ends a
+layer, with the norm that reads its sum next (the next layer's first, the model's last): the
+calls, and the layer boundaries (hooks, output_hidden_states, gradient checkpointing)."""
 
 import copy
 import functools
@@ -20,6 +22,7 @@ from helpers import reset_registry
 
 HIDDEN = 24
 FUSED = "the residual add fused into post_attention_layernorm"
+ENDS = "the add that ends it fused into {}"
 NO_SITE = ("its forward has no `h = residual + x; residual = h; h = self.norm(h)` with a norm brrr swapped: the "
            "residual adds are left")
 
@@ -100,6 +103,38 @@ class NestedLayer(Layer):
         residual = residual + attn_output
         mlp_output = self.mlp(self.post_attention_layernorm(residual))
         return residual + mlp_output
+
+
+class DropoutLayer(Layer):
+    """Both operands of the add draw a dropout mask: the fused call must evaluate them in the add's order."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.attn(self.input_layernorm(hidden_states))
+        hidden_states = self.drop(residual) + self.drop(hidden_states)
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return residual + self.mlp(hidden_states)
+
+
+def test_the_fused_call_evaluates_the_operands_in_the_adds_order():
+    model = stack(DropoutLayer).train()
+    unpatched = copy.deepcopy(model)
+    report = brrr.patch(model)
+    assert sum(what == FUSED for _, _, what in report.swapped) == 2, str(report)
+    x, grad = torch.randn(3, 5, HIDDEN), torch.randn(3, 5, HIDDEN)
+    results = []
+    for m in (model, unpatched):
+        torch.manual_seed(11)
+        results.append(outputs_and_grads(m, x, grad))
+    (y, grads), (expected_y, expected_grads) = results
+    torch.testing.assert_close(y, expected_y, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 DECORATED_CALLS = []
@@ -346,20 +381,132 @@ def loss_and_grads(model, tokens):
     return loss, torch.autograd.grad(loss, list(model.parameters()))
 
 
-def test_gradient_checkpointing_recomputes_the_fused_layer():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_recomputes_the_fused_layer(reentrant):
+    """Each layer's forward runs again in the backward: its inner add fused each time; the add that
+    ends it a plain add in a checkpointed layer (the non-reentrant form would find the next norm's
+    saved tensors in one run of the layer and not the other; the reentrant form runs the layer
+    without grad, and the next norm would compute its output anew)."""
     base = llama()
     patched = copy.deepcopy(base)
     report = brrr.patch(patched)
-    assert sum(what == FUSED for _, _, what in report.swapped) == 2
+    assert sum(what.startswith(FUSED) for _, _, what in report.swapped) == 2
     for m in (base, patched):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(2))
+    def loss_and_grads(model, tokens):  # .backward(): the reentrant form takes no autograd.grad
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        return loss, [p.grad for p in model.parameters()]
+
     try:
         calls = recording(["add_rms_norm"])
         loss, grads = loss_and_grads(patched, tokens)
     finally:
         reset_registry()
-    assert calls == ["add_rms_norm"] * 4  # each layer's forward, and again in the backward
+    assert calls == ["add_rms_norm"] * 4  # each layer's inner add, in its forward and again in the backward
+    expected_loss, expected_grads = loss_and_grads(base, tokens)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_add_that_ends_a_layer_runs_with_the_next_norm():
+    """Llama: each layer's last add is the residual form of the norm that reads its sum next (the
+    next layer's input_layernorm, the model's norm after the last), and that norm's own call
+    returns the output computed with it: one rms_norm in a step's forward (the first layer's
+    input norm), two add_rms_norm per layer; the loss and every gradient as unpatched."""
+    base = llama(layers=3)
+    patched = copy.deepcopy(base)
+    report = brrr.patch(patched)
+    ends = {n: what for n, _, what in report.swapped if what.startswith(FUSED)}
+    assert ends == {f"model.layers.{i}": f"{FUSED}; {ENDS.format(nxt)}" for i, nxt in
+                    enumerate(["model.layers.1.input_layernorm", "model.layers.2.input_layernorm", "model.norm"])}
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
+    try:
+        calls = recording(["rms_norm", "add_rms_norm"])
+        loss, grads = loss_and_grads(patched, tokens)
+    finally:
+        reset_registry()
+    assert sorted(calls) == ["add_rms_norm"] * 6 + ["rms_norm"], calls
+    assert not any("_brrr_ahead" in m.__dict__ for m in patched.modules())  # each taken
+    clone = copy.deepcopy(patched)  # its layers' links to its own norms
+    assert [layer.__dict__["_brrr_next_norm"] for layer in clone.model.layers] == [
+        clone.model.layers[1].input_layernorm, clone.model.layers[2].input_layernorm, clone.model.norm]
+    expected_loss, expected_grads = loss_and_grads(base, tokens)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert brrr.unpatch(patched) > 0
+    assert not any(k.startswith("_brrr") for m in patched.modules() for k in m.__dict__)
+
+
+def _scale_output(module, args, output):
+    return output * 1.5
+
+
+def _pre_hook_on_norm(module, args):
+    return (args[0] * 0.5,)
+
+
+@pytest.mark.parametrize("case", ["hidden states", "layer hook", "norm pre-hook", "no grad", "inference mode",
+                                  "twice"])
+def test_the_layer_boundaries_hold_with_the_add_that_ends_a_layer(case):
+    """Each layer still returns its whole sum: output_hidden_states as unpatched; a hook on a layer
+    or on the norm that changes what the norm reads, forward and backward as unpatched; a forward
+    without grad, and one in inference mode (its tensors keep no version: the adds as before); a
+    second step."""
+    base = llama(layers=3)
+    patched = copy.deepcopy(base)
+    brrr.patch(patched)
+    for m in (base, patched):
+        if case == "layer hook":
+            m.model.layers[0].register_forward_hook(_scale_output)
+        if case == "norm pre-hook":
+            m.model.layers[2].input_layernorm.register_forward_pre_hook(_pre_hook_on_norm)
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(4))
+    if case == "hidden states":
+        for m in (base, patched):
+            m.eval()
+        with torch.no_grad():
+            got, expected = (m(input_ids=tokens, output_hidden_states=True).hidden_states for m in (patched, base))
+        assert len(got) == len(expected) == 4
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        # transformers keeps its output recorders on the layers: the adds that end them still fused
+        try:
+            calls = recording(["rms_norm"])
+            loss_and_grads(patched.train(), tokens)
+        finally:
+            reset_registry()
+        assert calls == ["rms_norm"], calls
+        return
+    if case in ("no grad", "inference mode"):
+        with torch.no_grad() if case == "no grad" else torch.inference_mode():
+            torch.testing.assert_close(patched(input_ids=tokens).logits, base(input_ids=tokens).logits,
+                                       rtol=1e-4, atol=1e-5)
+        return
+    for _ in range(2 if case == "twice" else 1):
+        loss, grads = loss_and_grads(patched, tokens)
+        expected_loss, expected_grads = loss_and_grads(base, tokens)
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads, expected_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_layer_checkpointed_by_torch_alone_runs_the_norm_before_it_itself():
+    """torch.utils.checkpoint (non-reentrant) around one layer, not through transformers: that layer
+    runs under saved-tensor hooks, so its first norm computes its output itself, as it will again
+    when the backward recomputes the layer (the fused call's output left unused would make the two
+    runs save different tensors, which checkpoint refuses); the loss and every gradient as unpatched."""
+    base = llama(layers=3)
+    patched = copy.deepcopy(base)
+    brrr.patch(patched)
+    for m in (base, patched):
+        layer = m.model.layers[1]
+        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(5))
+    loss, grads = loss_and_grads(patched, tokens)
     expected_loss, expected_grads = loss_and_grads(base, tokens)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads, expected_grads):
@@ -381,9 +528,11 @@ class ResidualAdds(TorchDispatchMode):
         return out
 
 
-def test_a_patched_llama_step_runs_one_residual_add_per_layer_fewer():
-    """Forward: the unpatched layer's two residual adds, the patched one's one (the other inside
-    add_rms_norm); the backward's sums of the residual stream's gradients likewise."""
+def test_a_patched_llama_step_runs_its_residual_adds_in_its_norms():
+    """Forward: the unpatched layer's two residual adds, none in the patched one (the inner one
+    inside add_rms_norm with the layer's second norm, the one that ends it with the next layer's
+    first norm or the model's last); the backward's sums of the residual stream's gradients
+    likewise."""
     base = llama(layers=3)
     patched = copy.deepcopy(base)
     brrr.patch(patched)
@@ -395,8 +544,8 @@ def test_a_patched_llama_step_runs_one_residual_add_per_layer_fewer():
         with ResidualAdds(32) as backward:
             loss.backward()
         counts[name] = forward.count, backward.count
-    assert counts["unpatched"][0] == 2 * 3 and counts["patched"][0] == 3, counts
-    assert counts["patched"][1] <= counts["unpatched"][1] - 3, counts
+    assert counts["unpatched"][0] == 2 * 3 and counts["patched"][0] == 0, counts
+    assert counts["patched"][1] <= counts["unpatched"][1] - 2 * 3, counts
 
 
 def test_the_fused_layer_compiles_without_graph_breaks_to_brrrs_op():
@@ -458,7 +607,7 @@ def test_a_patched_llama_on_cuda_runs_the_fused_add_and_matches(dtype):
         loss, grads = loss_and_grads(patched, tokens)
     finally:
         reset_registry()
-    assert calls == ["add_rms_norm"] * 2
+    assert calls == ["add_rms_norm"] * 4  # each layer's two adds
     expected_loss, expected_grads = loss_and_grads(base, tokens)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(loss, expected_loss, **tol)
@@ -482,4 +631,5 @@ def test_a_half_precision_llama_layer_is_fused_at_real_widths(hidden):
         report = brrr.patch(model)
     finally:
         reset_registry()
-    assert ("model.layers.0", FUSED) in {(n, what) for n, _, what in report.swapped}, str(report)
+    fused = f"{FUSED}; {ENDS.format('model.norm')}"
+    assert ("model.layers.0", fused) in {(n, what) for n, _, what in report.swapped}, str(report)

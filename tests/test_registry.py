@@ -394,6 +394,175 @@ def test_patch_takes_norms_without_weight_or_bias(dtype, remat):
     assert [type(m) for m in model] == [type(m) for m in reference]
 
 
+def recording_calls(name):
+    """An override of the registry's `name` that notes each call, then runs brrr's function."""
+    calls, fn = [], getattr(brrr, name)
+    registry.override(name, lambda *a, **k: calls.append(name) or fn(*a, **k))
+    return calls
+
+
+class PerHeadRMSNorm(CohereStyleLayerNorm):
+    """A look-alike of Cohere's QK-norm: a weight per head, but an RMSNorm (no mean taken)."""
+
+    def forward(self, x):
+        h = x.float()
+        return (self.weight.float() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(
+            x.dtype)
+
+
+class WholeLayerNorm(CohereStyleLayerNorm):
+    """A look-alike: a 2-d weight, the statistics over both its dims (torch's LayerNorm of that shape)."""
+
+    def forward(self, x):
+        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.variance_epsilon).to(x.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_patch_takes_a_layer_norm_with_a_weight_per_head(dtype, device):
+    """Cohere's QK-norm: its LayerNorm with a (heads, head_dim) weight over (..., heads, head_dim),
+    the statistics over head_dim in float32, cast once: brrr's, output and gradients against the
+    float64 formula and the unpatched module; an RMSNorm per head and a LayerNorm over both of the
+    weight's dims are left."""
+    reset_registry()
+    torch.manual_seed(6)
+    model = nn.ModuleList([CohereStyleLayerNorm((4, 24)), PerHeadRMSNorm((4, 24)), WholeLayerNorm((4, 24))])
+    with torch.no_grad():
+        for m in model:
+            m.weight.add_(torch.randn(4, 24) * 0.3)
+    model = model.to(device, dtype)
+    reference = copy.deepcopy(model)
+    report = brrr.patch(model)
+    assert [(name, why) for name, _, why in report.swapped] == [
+        ("0", "LayerNorm without bias over each head (a weight row per head, applied after brrr's norm)")], str(report)
+    why = "a weight per head, and behaves like no LayerNorm over the last dim in float32 without bias"
+    assert [(name, why) for name, _, why in report.left] == [("1", why), ("2", why)], str(report)
+    x = (torch.randn(9, 5, 4, 24, dtype=torch.float64, device=device) * 2 + 1)[:, ::2].to(dtype)  # odd rows, strided
+    g = torch.randn(x.shape, dtype=dtype, device=device)
+    leaf = x.clone().requires_grad_()
+    try:
+        calls = recording_calls("layer_norm")
+        out = model[0](leaf)
+    finally:
+        reset_registry()
+    assert calls == ["layer_norm"]
+    grads = torch.autograd.grad(out, [leaf, model[0].weight], g)
+    x64, w64 = leaf.detach().double().requires_grad_(), model[0].weight.detach().double().requires_grad_()
+    out64 = w64 * F.layer_norm(x64, (24,), None, None, 1e-5)
+    grads64 = torch.autograd.grad(out64, [x64, w64], g.double())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out, out64.to(dtype), **tol)
+    for a, b in zip(grads, grads64):  # the weight's gradient sums over rows: relative to its largest
+        torch.testing.assert_close(a.double(), b, rtol=tol["rtol"], atol=tol["atol"] * b.abs().max().item())
+    leaf = x.clone().requires_grad_()
+    expected = reference[0](leaf)
+    torch.testing.assert_close(out, expected, **tol)  # the same cast order: within the last bit of dtype
+    for a, b in zip(grads, torch.autograd.grad(expected, [leaf, reference[0].weight], g)):
+        torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * b.abs().max().item())
+    brrr.unpatch(model)
+    assert [type(m) for m in model] == [type(m) for m in reference]
+
+
+class Experts(nn.Module):
+    """Mixture-of-experts experts in transformers' layout: gate_up (experts, 2 * inner, hidden),
+    down (experts, hidden, inner), and _apply_gate(gate_up) = act(gate) * up of its halves (swap:
+    up first, a look-alike)."""
+
+    def __init__(self, experts=3, hidden=16, inner=24, swap=False):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inner, hidden) / 4)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inner) / 4)
+        self.act_fn, self.swap = nn.SiLU(), swap
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(up) * gate if self.swap else self.act_fn(gate) * up
+
+    def forward(self, x, expert):
+        """Each row of x through its expert (batched, as transformers' grouped forms compute it)."""
+        h = self._apply_gate(torch.einsum("th,tih->ti", x, self.gate_up_proj[expert]))
+        return torch.einsum("ti,thi->th", h, self.down_proj[expert])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_patch_takes_the_gate_of_mixture_of_experts_experts(dtype, device):
+    """transformers' experts' _apply_gate (act(gate) * up of the batched gate_up projection) runs
+    brrr's swiglu: outputs and gradients against the float64 formula and the unpatched module; a
+    look-alike gating the other half is left, with the reason."""
+    reset_registry()
+    torch.manual_seed(7)
+    model = nn.ModuleList([Experts(), Experts(swap=True)]).to(device, dtype)
+    reference = copy.deepcopy(model)
+    report = brrr.patch(model)
+    assert [(n, why) for n, _, why in report.swapped if n in ("0", "1")] == [
+        ("0", "gated MLP of the experts (swiglu of the gate_up projection, in their _apply_gate)")], str(report)
+    assert ("1", "Experts", "experts whose _apply_gate is not act(gate) * up of its input's halves") in report.left
+    x = (torch.randn(2 * 37, 16, dtype=torch.float64, device=device) * 2)[::2].to(dtype)  # odd rows, a strided view
+    expert = torch.randint(0, 3, (37,), device=device)
+    g = torch.randn(37, 16, dtype=dtype, device=device)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    results = []
+    for m in (model[0], reference[0]):
+        leaf = x.clone().requires_grad_()
+        try:
+            calls = recording_calls("swiglu")
+            out = m(leaf, expert)
+        finally:
+            reset_registry()
+        results.append((out, torch.autograd.grad(out, [leaf, *m.parameters()], g), len(calls)))
+    (out, grads, calls), (ref_out, ref_grads, ref_calls) = results
+    assert (calls, ref_calls) == (1, 0)
+    x64 = x.double().requires_grad_()
+    params64 = [p.detach().double().requires_grad_() for p in reference[0].parameters()]
+    gate, up = torch.einsum("th,tih->ti", x64, params64[0][expert]).chunk(2, dim=-1)
+    out64 = torch.einsum("ti,thi->th", F.silu(gate) * up, params64[1][expert])
+    grads64 = torch.autograd.grad(out64, [x64, *params64], g.double())
+    scale = out64.abs().max().item()  # each output sums over the inner features: relative to the largest
+    torch.testing.assert_close(out.double(), out64, rtol=tol["rtol"], atol=tol["atol"] * scale)
+    torch.testing.assert_close(out, ref_out, rtol=tol["rtol"], atol=tol["atol"] * scale)
+    for a, b, c in zip(grads, grads64, ref_grads):  # sums over rows: relative to the largest element
+        torch.testing.assert_close(a.double(), b, rtol=tol["rtol"], atol=tol["atol"] * b.abs().max().item())
+        torch.testing.assert_close(a, c, rtol=tol["rtol"], atol=tol["atol"] * c.abs().max().item())
+    brrr.unpatch(model)
+    assert [type(m) for m in model] == [type(m) for m in reference]
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_patch_takes_the_experts_of_a_transformers_mixtral(implementation):
+    """A Mixtral's experts in transformers' grouped form run brrr's swiglu in their _apply_gate; in
+    the eager form (a loop over the experts, which calls act_fn itself) brrr's silu: the loss and
+    every gradient as unpatched either way."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                        num_experts_per_tok=2, experts_implementation=implementation)
+    torch.manual_seed(8)
+    base = transformers.MixtralForCausalLM(config).train()
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    assert base.config._experts_implementation == implementation
+    patched = copy.deepcopy(base)
+    report = brrr.patch(patched)
+    assert sum(what.startswith("gated MLP of the experts (swiglu") for _, _, what in report.swapped) == 2, str(report)
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(9))
+    calls = []
+    try:
+        for name in ("swiglu", "silu"):
+            fn = getattr(brrr, name)
+            registry.override(name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+        loss = patched(input_ids=tokens, labels=tokens).loss
+        grads = torch.autograd.grad(loss, list(patched.parameters()))
+    finally:
+        reset_registry()
+    assert set(calls) == ({"swiglu"} if implementation == "grouped_mm" else {"silu"}), calls
+    expected = base(input_ids=tokens, labels=tokens).loss
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, torch.autograd.grad(expected, list(base.parameters()))):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * max(b.abs().max().item(), 1e-2))
+
+
 def test_patch_takes_a_gated_mlp_with_one_gate_up_projection():
     torch.manual_seed(5)
     model = nn.Sequential(FusedGatedMLP(16, 24), FusedGatedMLP(16, 24, swap=True))
