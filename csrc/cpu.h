@@ -59,6 +59,13 @@ void brrr_cpu_parallel_for(int64_t n_items, int64_t item_work, brrr_cpu_task tas
 /* Rows per chunk of a reduction over `rows` (a function of the shape alone: at most 64 chunks). */
 static inline int64_t brrr_cpu_chunk_rows(int64_t rows) { return rows > 64 ? (rows + 63) / 64 : 1; }
 
+/* Ask the kernel to back [data, data + bytes) with transparent huge pages, for a new output of at
+ * least 4 MiB that brrr allocated and its kernel writes first. A fresh page-sized output costs one
+ * page fault per 4 KiB on its first write, which takes longer than the kernel itself at a few
+ * MiB (torch's CPU allocator maps such sizes anew each call); NumPy advises its own large arrays
+ * the same way. A no-op where the advice does not exist. */
+void brrr_cpu_advise_huge_pages(void *data, int64_t bytes);
+
 /* n elements from base + i * stride into dst (float), or from dst into base. */
 void brrr_cpu_load_f32(int32_t dtype, const void *base, int64_t stride, int64_t n, float *dst);
 void brrr_cpu_store_f32(int32_t dtype, void *base, int64_t stride, int64_t n, const float *src);
