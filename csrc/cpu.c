@@ -50,7 +50,7 @@ int brrr_cpu_init(brrr_state *st) {
 
 void brrr_cpu_advise_huge_pages(void *data, int64_t bytes) {
 #ifdef MADV_HUGEPAGE
-    if (bytes < ((int64_t)1 << 22)) return;
+    if (bytes < ((int64_t)1 << 25)) return;
     const uintptr_t page = 4096, begin = ((uintptr_t)data + page - 1) & ~(page - 1);
     const uintptr_t end = ((uintptr_t)data + (uintptr_t)bytes) & ~(page - 1);
     (void)madvise((void *)begin, end - begin, MADV_HUGEPAGE); /* advice: its failure changes nothing */

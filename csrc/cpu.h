@@ -60,10 +60,11 @@ void brrr_cpu_parallel_for(int64_t n_items, int64_t item_work, brrr_cpu_task tas
 static inline int64_t brrr_cpu_chunk_rows(int64_t rows) { return rows > 64 ? (rows + 63) / 64 : 1; }
 
 /* Ask the kernel to back [data, data + bytes) with transparent huge pages, for a new output of at
- * least 4 MiB that brrr allocated and its kernel writes first. A fresh page-sized output costs one
- * page fault per 4 KiB on its first write, which takes longer than the kernel itself at a few
- * MiB (torch's CPU allocator maps such sizes anew each call); NumPy advises its own large arrays
- * the same way. A no-op where the advice does not exist. */
+ * least 32 MiB that brrr allocated and its kernel writes first. glibc's malloc (torch's CPU
+ * allocator uses it) maps every allocation of that size anew and unmaps it when freed, so each
+ * call pays one page fault per 4 KiB on its first write, which takes longer than the kernel
+ * itself; NumPy advises its own large arrays the same way. Smaller allocations come from malloc's
+ * heap, reused between calls, and are left alone. A no-op where the advice does not exist. */
 void brrr_cpu_advise_huge_pages(void *data, int64_t bytes);
 
 /* n elements from base + i * stride into dst (float), or from dst into base. */
