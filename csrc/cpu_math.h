@@ -40,15 +40,15 @@ static inline float brrr_exp_clamp(float x) {
     return b.f;
 }
 
-/* e^x: the reduction r of the clamped x never leaves the polynomial's range (|r| < 0.35); a NaN
- * is passed through at the end. */
-static inline float brrr_expf(float x) {
+/* e^x for x not NaN (a NaN comes out as a number: brrr_expf passes it through): the reduction r
+ * of the clamped x never leaves the polynomial's range (|r| < 0.35). */
+static inline float brrr_exp_not_nan(float x) {
     const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    const float c = brrr_exp_clamp(x);
-    const brrr_f32_bits t = {c * 1.44269504088896341f + round_magic};
+    x = brrr_exp_clamp(x);
+    const brrr_f32_bits t = {x * 1.44269504088896341f + round_magic};
     const float n = t.f - round_magic;
     /* ln 2 = 0.693359375 (9 bits: n * it is exact) - 2.12194440e-4 */
-    const float r = (c - n * 0.693359375f) - n * -2.12194440e-4f;
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
     float p = 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
@@ -60,7 +60,11 @@ static inline float brrr_expf(float x) {
     /* n in [-150, 128] sits in t's low mantissa bits; 2^n = 2^(n/2) 2^(n - n/2), both normal. */
     const int32_t ni = (int32_t)(t.u - 0x4B400000u), n1 = ni >> 1, n2 = ni - n1;
     const brrr_f32_bits s1 = {.u = (uint32_t)(n1 + 127) << 23}, s2 = {.u = (uint32_t)(n2 + 127) << 23};
-    const float e = p * s1.f * s2.f;
+    return p * s1.f * s2.f;
+}
+
+static inline float brrr_expf(float x) {
+    const float e = brrr_exp_not_nan(x);
     return x == x ? e : x;
 }
 
@@ -83,7 +87,8 @@ static inline float brrr_tanhf(float x) {
 static inline float brrr_erfcf(float x) {
     brrr_f32_bits bits = {x};
     bits.u &= 0x7FFFFFFFu;
-    const float z = bits.f > 12.0f ? 12.0f : bits.f, t = 1.0f / (1.0f + 0.5f * z); /* erfc(12) = 0 in float */
+    /* a large z (infinity too) gives t = 0 and e^-z^2 = 0; a NaN goes through the select below */
+    const float z = bits.f, t = 1.0f / (1.0f + 0.5f * z);
     float p = 0.17087277f;
     p = p * t - 0.82215223f;
     p = p * t + 1.48851587f;
@@ -96,7 +101,7 @@ static inline float brrr_erfcf(float x) {
     /* e^(-z^2 + c) with -z^2 + c rounded once (a fused multiply-add where the CPU has one): its
      * rounding moves the result by up to z^2 + 1 ulps, less than the rounding of z itself does
      * in gelu's argument x / sqrt 2 (about 2 z^2 ulps). */
-    const float tail = t * brrr_expf(-z * z + (-1.26551223f + t * p));
+    const float tail = t * brrr_exp_not_nan(-z * z + (-1.26551223f + t * p));
     return x >= 0.0f ? tail : (x != x ? x : 2.0f - tail);
 }
 
