@@ -44,6 +44,13 @@
 #define BRRR_INLINE static inline
 #endif
 
+/* Ask for [p, p + bytes) to be brought into the cache: a row kernel asks for its next row while
+ * it writes the current one, since the hardware prefetchers stop at each 4 KiB page (a row of
+ * 1024 floats) and would leave the next row's first reads waiting on memory. */
+BRRR_INLINE void brrr_cpu_prefetch(const void *p, int64_t bytes) {
+    for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch((const char *)p + k);
+}
+
 /* Elements a kernel processes per step of its inner loops: small enough for the L1 cache. */
 #define BRRR_CPU_BLOCK 512
 
