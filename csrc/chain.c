@@ -314,7 +314,7 @@ BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, 
  * Backward (total non-NULL): total receives d out / d x and grads[k] d out / d operand k, d
  * being scratch. Returns where the result is. */
 BRRR_SIMD static const float *block_program_f32(const brrr_chain_steps *p, const float *src, float *a, float *b,
-                                                float *dst, float *const *vals, float *d, float *total,
+                                                float *dst, const float *const *vals, float *d, float *total,
                                                 float *const *grads, int64_t n) {
     int active = 0; /* operands whose step has been passed: their gradient takes every later factor */
     const float *cur = src;
@@ -403,9 +403,13 @@ BRRR_SIMD static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
         double *partial = w->partials ? w->partials + chunk * nops * w->cols : NULL;
         for (int64_t r = chunk * w->chunk_rows; r < r_end; r++) {
 #define TILE(k, data) at((data), dt, row_base(w, (k), r) + j0 * col_stride(w, (k)))
+            const float *operand_f32[BRRR_MAX_CHAIN_OPERANDS]; /* float32 at stride 1: in place */
             for (int b = 0; b < nops; b++) {
-                if (f64) brrr_cpu_load_f64(dt, TILE(T_OPERANDS + b, L->operands[b].data), col_stride(w, T_OPERANDS + b), n, db[B_VALS + b]);
-                else brrr_cpu_load_f32(dt, TILE(T_OPERANDS + b, L->operands[b].data), col_stride(w, T_OPERANDS + b), n, fb[B_VALS + b]);
+                const void *v = TILE(T_OPERANDS + b, L->operands[b].data);
+                const int64_t s = col_stride(w, T_OPERANDS + b);
+                operand_f32[b] = dt == BRRR_F32 && s == 1 ? v : fb[B_VALS + b];
+                if (f64) brrr_cpu_load_f64(dt, v, s, n, db[B_VALS + b]);
+                else if (operand_f32[b] != v) brrr_cpu_load_f32(dt, v, s, n, fb[B_VALS + b]);
             }
             void *out = TILE(T_OUT, L->out.data);
             if (f64) {
@@ -426,7 +430,7 @@ BRRR_SIMD static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
             } else {
                 /* float32 at stride 1 is read and written in place (out may be x itself: then
                  * through the buffers, as the steps read their input after writing) */
-                float *g = fb[B_G], *const *grads = &fb[B_GRADS];
+                float *const *grads = &fb[B_GRADS];
                 const float *x = TILE(T_X, L->x.data);
                 if (dt != BRRR_F32 || col_stride(w, T_X) != 1) {
                     brrr_cpu_load_f32(dt, x, col_stride(w, T_X), n, fb[B_Y]);
@@ -434,11 +438,15 @@ BRRR_SIMD static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
                 }
                 const int in_place = !bwd && dt == BRRR_F32 && col_stride(w, T_OUT) == 1 && L->out.data != L->x.data;
                 float *dst = in_place ? out : NULL;
-                const float *y = block_program_f32(p, x, fb[B_A], fb[B_B], dst, &fb[B_VALS], fb[B_D],
+                const float *y = block_program_f32(p, x, fb[B_A], fb[B_B], dst, operand_f32, fb[B_D],
                                                    bwd ? fb[B_TOTAL] : NULL, grads, n);
                 if (bwd) { /* grad_x = grad_out * total, grad operand k = grad_out * grads[k] */
                     float *total = fb[B_TOTAL];
-                    brrr_cpu_load_f32(dt, TILE(T_GRAD_OUT, L->grad_out.data), col_stride(w, T_GRAD_OUT), n, g);
+                    const float *g = TILE(T_GRAD_OUT, L->grad_out.data);
+                    if (dt != BRRR_F32 || col_stride(w, T_GRAD_OUT) != 1) {
+                        brrr_cpu_load_f32(dt, g, col_stride(w, T_GRAD_OUT), n, fb[B_G]);
+                        g = fb[B_G];
+                    }
                     for (int64_t i = 0; i < n; i++) total[i] *= g[i];
                     for (int b = 0; b < nops; b++)
                         for (int64_t i = 0; i < n; i++) grads[b][i] *= g[i];

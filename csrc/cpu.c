@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 /* The thread count fixed for the call this OS thread is making: set with the GIL by the call's
@@ -45,6 +46,18 @@ int brrr_cpu_init(brrr_state *st) {
     st->torch_tensor_type = NULL;
     st->torch_get_num_threads = NULL;
     return 0;
+}
+
+void brrr_cpu_advise_huge_pages(void *data, int64_t bytes) {
+#ifdef MADV_HUGEPAGE
+    if (bytes < ((int64_t)1 << 25)) return;
+    const uintptr_t page = 4096, begin = ((uintptr_t)data + page - 1) & ~(page - 1);
+    const uintptr_t end = ((uintptr_t)data + (uintptr_t)bytes) & ~(page - 1);
+    (void)madvise((void *)begin, end - begin, MADV_HUGEPAGE); /* advice: its failure changes nothing */
+#else
+    (void)data;
+    (void)bytes;
+#endif
 }
 
 /* torch.Tensor and torch.get_num_threads, once torch has been imported (by anyone). */

@@ -44,6 +44,13 @@
 #define BRRR_INLINE static inline
 #endif
 
+/* Ask for [p, p + bytes) to be brought into the cache: a row kernel asks for its next row while
+ * it writes the current one, since the hardware prefetchers stop at each 4 KiB page (a row of
+ * 1024 floats) and would leave the next row's first reads waiting on memory. */
+BRRR_INLINE void brrr_cpu_prefetch(const void *p, int64_t bytes) {
+    for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch((const char *)p + k);
+}
+
 /* Elements a kernel processes per step of its inner loops: small enough for the L1 cache. */
 #define BRRR_CPU_BLOCK 512
 
@@ -58,6 +65,14 @@ void brrr_cpu_parallel_for(int64_t n_items, int64_t item_work, brrr_cpu_task tas
 
 /* Rows per chunk of a reduction over `rows` (a function of the shape alone: at most 64 chunks). */
 static inline int64_t brrr_cpu_chunk_rows(int64_t rows) { return rows > 64 ? (rows + 63) / 64 : 1; }
+
+/* Ask the kernel to back [data, data + bytes) with transparent huge pages, for a new output of at
+ * least 32 MiB that brrr allocated and its kernel writes first. glibc's malloc (torch's CPU
+ * allocator uses it) maps every allocation of that size anew and unmaps it when freed, so each
+ * call pays one page fault per 4 KiB on its first write, which takes longer than the kernel
+ * itself; NumPy advises its own large arrays the same way. Smaller allocations come from malloc's
+ * heap, reused between calls, and are left alone. A no-op where the advice does not exist. */
+void brrr_cpu_advise_huge_pages(void *data, int64_t bytes);
 
 /* n elements from base + i * stride into dst (float), or from dst into base. */
 void brrr_cpu_load_f32(int32_t dtype, const void *base, int64_t stride, int64_t n, float *dst);

@@ -5,8 +5,8 @@
  *
  *   brrr_expf      Cody-Waite reduction by ln 2, Taylor polynomial of degree 7 on |r| <= ln2/2
  *                  (truncation below 6e-9 relative), 2^n applied in two halves so that results
- *                  down into the subnormals and up to infinity come out right; brrr_exp_sum
- *                  takes its argument as an exact sum of two floats.
+ *                  down into the subnormals and up to infinity come out right; the input is
+ *                  clamped by integer minimums, not branches, which AVX2 vectorises too.
  *   brrr_tanhf     x + x^3 P(x^2) below 0.625 (Cephes' tanhf polynomial), 1 - 2 / (e^2|x| + 1)
  *                  above, where nothing cancels badly.
  *   brrr_erfcf     Numerical Recipes' erfcc (Chebyshev fit, relative error below 1.2e-7 for
@@ -26,18 +26,29 @@ typedef union {
     uint32_t u;
 } brrr_f32_bits;
 
-/* e^(a + b), the reduction done on a and b apart: a - n ln2_hi is exact for an a of up to 24
- * bits near n ln2 (Sterbenz), so e^(-z^2) with -z^2 = a + b split exactly keeps its accuracy. */
-static inline float brrr_exp_sum(float a, float b) {
+/* x clamped into [-104, 88.8] (e^88.8 overflows, e^-104 rounds to 0; a NaN comes out as one of
+ * them) by two integer minimums of its bits: as a signed integer every float above 88.8 (a
+ * positive NaN too) is larger than 88.8's bits and every negative float smaller; as an unsigned
+ * one every float below -104 (a negative NaN too) is larger than -104's bits and every positive
+ * float smaller. Float selects would do, but GCC turns a select of constants into branches (each
+ * constant's result folded), which AVX2 cannot vectorise. */
+static inline float brrr_exp_clamp(float x) {
+    brrr_f32_bits b = {x};
+    const brrr_f32_bits hi = {88.8f}, lo = {-104.0f};
+    const int32_t s = (int32_t)b.u < (int32_t)hi.u ? (int32_t)b.u : (int32_t)hi.u;
+    b.u = (uint32_t)s < lo.u ? (uint32_t)s : lo.u;
+    return b.f;
+}
+
+/* e^x for x not NaN (a NaN comes out as a number: brrr_expf passes it through): the reduction r
+ * of the clamped x never leaves the polynomial's range (|r| < 0.35). */
+static inline float brrr_exp_not_nan(float x) {
     const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    const float sum = a + b;
-    const int above = sum > 88.8f, below = sum < -104.0f; /* e^88.8 overflows, e^-104 is 0; NaN: neither */
-    a = above ? 88.8f : below ? -104.0f : a;
-    b = above || below ? 0.0f : b;
-    brrr_f32_bits t = {(a + b) * 1.44269504088896341f + round_magic};
+    x = brrr_exp_clamp(x);
+    const brrr_f32_bits t = {x * 1.44269504088896341f + round_magic};
     const float n = t.f - round_magic;
     /* ln 2 = 0.693359375 (9 bits: n * it is exact) - 2.12194440e-4 */
-    const float r = ((a - n * 0.693359375f) + b) - n * -2.12194440e-4f;
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
     float p = 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
@@ -47,12 +58,15 @@ static inline float brrr_exp_sum(float a, float b) {
     p = p * r + 1.0f;
     p = p * r + 1.0f;
     /* n in [-150, 128] sits in t's low mantissa bits; 2^n = 2^(n/2) 2^(n - n/2), both normal. */
-    const int32_t ni = (int32_t)(t.u - 0x4B400000u), n1 = ni / 2, n2 = ni - n1;
+    const int32_t ni = (int32_t)(t.u - 0x4B400000u), n1 = ni >> 1, n2 = ni - n1;
     const brrr_f32_bits s1 = {.u = (uint32_t)(n1 + 127) << 23}, s2 = {.u = (uint32_t)(n2 + 127) << 23};
     return p * s1.f * s2.f;
 }
 
-static inline float brrr_expf(float x) { return brrr_exp_sum(x, 0.0f); }
+static inline float brrr_expf(float x) {
+    const float e = brrr_exp_not_nan(x);
+    return x == x ? e : x;
+}
 
 static inline float brrr_tanhf(float x) {
     brrr_f32_bits bits = {x}, sign = {x};
@@ -73,7 +87,8 @@ static inline float brrr_tanhf(float x) {
 static inline float brrr_erfcf(float x) {
     brrr_f32_bits bits = {x};
     bits.u &= 0x7FFFFFFFu;
-    const float z = bits.f > 12.0f ? 12.0f : bits.f, t = 1.0f / (1.0f + 0.5f * z); /* erfc(12) = 0 in float */
+    /* a large z (infinity too) gives t = 0 and e^-z^2 = 0; a NaN goes through the select below */
+    const float z = bits.f, t = 1.0f / (1.0f + 0.5f * z);
     float p = 0.17087277f;
     p = p * t - 0.82215223f;
     p = p * t + 1.48851587f;
@@ -83,11 +98,10 @@ static inline float brrr_erfcf(float x) {
     p = p * t + 0.09678418f;
     p = p * t + 0.37409196f;
     p = p * t + 1.00002368f;
-    /* -z^2 = -hi^2 + (hi - z)(hi + z), hi being z with its low 12 bits cleared (it squares
-     * exactly), so the rounding of z^2 (up to 100 ulps of the result at z = 9) never enters. */
-    brrr_f32_bits hi = {z};
-    hi.u &= 0xFFFFF000u;
-    const float tail = t * brrr_exp_sum(-hi.f * hi.f, (hi.f - z) * (hi.f + z) - 1.26551223f + t * p);
+    /* e^(-z^2 + c) with -z^2 + c rounded once (a fused multiply-add where the CPU has one): its
+     * rounding moves the result by up to z^2 + 1 ulps, less than the rounding of z itself does
+     * in gelu's argument x / sqrt 2 (about 2 z^2 ulps). */
+    const float tail = t * brrr_exp_not_nan(-z * z + (-1.26551223f + t * p));
     return x >= 0.0f ? tail : (x != x ? x : 2.0f - tail);
 }
 

@@ -4,6 +4,8 @@
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "op.h"
 
+#include "cpu.h"
+
 #include <math.h>
 #include <numpy/arrayobject.h>
 #include <stddef.h>
@@ -246,6 +248,8 @@ static PyObject *allocate(brrr_op_call *c, int s) {
     }
     c->t[s].name = spec->name; /* described by the allocation: import_slot takes it as it is */
     PyObject *obj = brrr_new_shaped(&c->call, x_obj, x, ndim, shape, dtype, &c->t[s]);
+    if (obj && c->t[s].device_type == kDLCPU)
+        brrr_cpu_advise_huge_pages(c->t[s].data, c->t[s].numel * (int64_t)brrr_dtype_size(dtype));
     if (obj == NULL && !PyErr_Occurred())
         PyErr_Format(PyExc_TypeError, "argument %s: brrr._C allocates outputs only for NumPy arrays and tensors of "
                      "frameworks with DLPack's C exchange table; pass one for %s of type %.200s", spec->name, x->name,

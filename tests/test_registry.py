@@ -985,7 +985,7 @@ def test_cpu_tensors_run_the_faster_kernel_measured_unless_told():
     registry.reset()  # the defaults, as a user has them
     try:
         x = torch.randn(5, 8)
-        faster = {"tanh", "rms_norm", "cross_entropy"}
+        faster = {"tanh", "rms_norm", "cross_entropy", "swiglu"}
         for name in registry.names():
             assert registry.lookup(name).cpu == ("kernel" if name in faster else "pytorch"), name
         rms = registry.lookup("rms_norm")
