@@ -216,8 +216,8 @@ def capture(fn, pool=None, generators=(), stream=None):
         # torch.cuda.graph's exit raises "operation failed due to a previous error during
         # capture" over the error that broke the capture: name that one.
         chain = [e]
-        while (chain[-1].__cause__ or chain[-1].__context__) and len(chain) < 8:
-            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        while len(chain) < 8 and (earlier := chain[-1].__cause__ or chain[-1].__context__) is not None:
+            chain.append(earlier)
         first = chain[-1]
         first_line = str(first).splitlines()[0] if str(first) else ""
         cause = (_STALE_GRAPH if any("legacy stream" in str(err) for err in chain) else

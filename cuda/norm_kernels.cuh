@@ -1143,9 +1143,9 @@ static WeightPlace weight_place() {
 // for one stage). A row gets the most threads, up to 512 / lanes, at the fewest elements a
 // thread; past that, two such blocks of a cluster (sm_90) or one of 1024 threads; the ring as
 // many stages, up to 4, as the device's shared memory holds beside the weight's copy, or without
-// the copy (the weight read from global memory) where that is the only way to hold one stage. Without it, float32 add_layer_norm at 16384 columns (three rows of 64 KB and the
-// weight's 64 KB, past the 227 KB of an H200) took the generic kernels, at 35% of the memory
-// floor.
+// the copy (the weight read from global memory) where that is the only way to hold one stage.
+// Without it, float32 add_layer_norm at 16384 columns (three rows of 64 KB and the weight's 64 KB,
+// past the 227 KB of an H200) took the generic kernels, at 35% of the memory floor.
 template <typename T>
 static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdConfig *cfg) {
     using A = typename Compute<T>::type;
