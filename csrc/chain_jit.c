@@ -14,9 +14,11 @@
  * $CUDA_PATH/lib64, /usr/local/cuda/lib64, and the nvidia/cu13/lib and nvidia/cuda_nvrtc/lib
  * folders of NVIDIA's pip wheels along sys.path (where PyTorch's CUDA wheels put it).
  *
+ * A program holds one kernel, or a chain's forward and its backward when the backward is wanted
+ * (chain_jit_with_backward: autograd records the chain): one NVRTC compile for the two.
  * Compiled kernels are cached in memory (per process, keyed by the kernel's specification, steps
  * and architecture) and on disk, in $BRRR_CACHE_DIR, else $XDG_CACHE_HOME/brrr, else
- * ~/.cache/brrr: one file per kernel, named by a hash of its identity (brrr's version, NVRTC's,
+ * ~/.cache/brrr: one file per program, named by a hash of its identity (brrr's version,
  * the architecture, the embedded headers and the whole generated source), holding that identity,
  * the cubin and a checksum. A file is written to a temporary name and renamed into place, so
  * readers see a whole file or none, and two processes compiling the same chain both succeed; a
@@ -1099,7 +1101,7 @@ static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_st
         if (*kernel) ++*(origin == ORIGIN_DISK ? &stats.from_disk : &stats.compiled);
         pthread_mutex_lock(&table_lock);
         if (table_add(&table, key, len, hash, *kernel, *missing) == 0) key = NULL;
-        /* A backward that failed to build is left out: built alone when it is needed, it says why. */
+        /* When the program failed, its backward is left out: built alone when it is needed, it says why. */
         if (n == 2 && *kernel && table_add(&table, pair_key, pair_len, pair_hash, kernels[1], 0) == 0) pair_key = NULL;
         pthread_mutex_unlock(&table_lock);
     }

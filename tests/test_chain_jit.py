@@ -134,6 +134,50 @@ def test_a_corrupted_cache_file_is_rebuilt(cache_dir):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_forward_and_its_backward_are_one_program(cache_dir, dtype):
+    """A chain whose backward is wanted compiles its forward and backward in one NVRTC program: one
+    cache file holding both kernels, each the kernel it would be alone."""
+    steps = ["cos", ("mul", 1.75), "mul_tensor", "sin"]
+    source, cubin, origin = _C.chain_jit_compile(steps, dtype, with_backward=True)
+    assert origin == "compiled" and cubin[:4] == b"\x7fELF"
+    assert b"brrr_chain_fwd" in cubin and b"brrr_chain_bwd" in cubin
+    assert len(os.listdir(cache_dir)) == 1
+    assert _C.chain_jit_compile(steps, dtype, with_backward=True)[2] == "disk"
+    # The forward, and the backward of every operand's gradient, as compiled alone.
+    alone = [_C.chain_jit_compile(steps, dtype), _C.chain_jit_compile(steps, dtype, backward=True, grad_mask=1)]
+    for (text, cubin_alone, _), name in zip(alone, (b"brrr_chain_fwd", b"brrr_chain_bwd")):
+        preamble, functions_and_kernel = text.split("= k;\n}\n\n", 1)  # the preamble ends with st_pack
+        assert functions_and_kernel in source and source.count(preamble.split("\n", 1)[1]) == 1
+        assert name in cubin_alone
+    assert len(os.listdir(cache_dir)) == 3  # three programs, three files
+
+
+@needs_nvrtc
+def test_a_forward_and_backward_program_corrupted_on_disk_is_rebuilt(cache_dir):
+    steps = ["sin", "softplus"]
+    _, cubin, _ = _C.chain_jit_compile(steps, "float32", with_backward=True)
+    (path,) = cache_dir.iterdir()
+    good = path.read_bytes()
+    for damage in (lambda b: b[:-1] + bytes([b[-1] ^ 1]), lambda b: b[: len(b) // 3], lambda b: b"BRRRJIT1"):
+        path.write_bytes(damage(good))
+        _, rebuilt, origin = _C.chain_jit_compile(steps, "float32", with_backward=True)
+        assert origin == "compiled" and rebuilt == cubin and path.read_bytes() == good
+
+
+def test_with_backward_arguments_are_checked():
+    with pytest.raises(ValueError, match="argument with_backward"):
+        _C.chain_jit_compile(["relu"], "float32", layout="strided", with_backward=True)
+    with pytest.raises(ValueError, match="argument with_backward"):
+        _C.chain_jit_compile(["add_tensor"], "float32", vector_mask=1, with_backward=True)
+    with pytest.raises(ValueError, match="argument with_backward"):
+        _C.chain_jit_compile(["relu"], "float32", backward=True, with_backward=True)
+    with pytest.raises(TypeError, match="argument program"):
+        _C.chain_jit_with_backward(b"short")
+    assert _C.chain_jit_with_backward(brrr.chain("cos", "relu").program) is None
+
+
+@needs_nvrtc
 def test_two_processes_compiling_the_same_chain_both_succeed(cache_dir):
     steps = ["mish", ("leaky_relu", 0.1), "cos", ("clamp_max", 0.5)]
     processes = [compile_in_subprocess(steps, cache_dir, "bfloat16") for _ in range(2)]
@@ -288,6 +332,55 @@ def test_first_call_compiles_then_the_memory_cache_answers(tmp_path, monkeypatch
           f"then {again * 1e3:.3f} ms")
     assert _C.chain_jit_info()["compiled"] == before + 1
     assert first < 5.0 and again < first
+
+
+def _fresh_chain():
+    return brrr.chain("cos", ("mul", 1.0 + pyrandom.random()), "tanh")  # a scalar no other test uses
+
+
+def _check_grad(chain, x, y, grad):
+    want_x = x.detach().double().requires_grad_()
+    want = torch.tanh(torch.cos(want_x) * chain.steps[1][1])
+    want.backward(grad.double())
+    assert_close(y.detach(), want.detach(), x.dtype)
+    assert_close(x.grad, want_x.grad, x.dtype)
+
+
+@pytest.mark.cuda
+def test_a_chain_that_autograd_records_compiles_forward_and_backward_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    chain = _fresh_chain()
+    x = torch.randn(4099, device="cuda", requires_grad=True)  # 4099: a tail past the last 16-byte pack
+    grad = torch.randn_like(x)
+    before = _C.chain_jit_info()["compiled"]
+    y = chain(x)
+    y.backward(grad)
+    assert _C.chain_jit_info()["compiled"] == before + 1  # one program, both kernels
+    _check_grad(chain, x, y, grad)
+    assert len(os.listdir(tmp_path)) == 1
+    code = ("import json, torch, brrr; from brrr import _C; "
+            f"x = torch.randn(4099, device='cuda', requires_grad=True); y = brrr.chain(*{list(chain.steps)!r})(x); "
+            "y.backward(torch.ones_like(y)); info = _C.chain_jit_info(); print(json.dumps([info['compiled'], info['from_disk']]))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "BRRR_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "[0, 1]"  # the next process reads the one program from disk
+
+
+@pytest.mark.cuda
+def test_a_forward_compiled_alone_still_gains_its_backward(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    chain = _fresh_chain()
+    x = torch.randn(1 << 12, device="cuda", requires_grad=True)
+    grad = torch.randn_like(x)
+    before = _C.chain_jit_info()["compiled"]
+    with torch.no_grad():
+        chain(x)  # the forward alone
+    assert _C.chain_jit_info()["compiled"] == before + 1
+    y = chain(x)
+    y.backward(grad)
+    assert _C.chain_jit_info()["compiled"] == before + 2  # the backward, alone
+    _check_grad(chain, x, y, grad)
 
 
 @pytest.mark.cuda
