@@ -297,6 +297,32 @@ def test_fused_forward_backward(recorder, op):
                                 saved_bytes=held, input_bytes=sum(t.numel() * t.element_size() for t in inputs), **common)
 
 
+def test_backward_kernel_alone(recorder):
+    """The chain backward's kernel alone (brrr._C.chain_bwd, no autograd): x and grad in, grad_x out,
+    3 passes; and the forward's and backward's kernels back to back, 5 passes. Beside the fused
+    rows' fwd+bwd through autograd, this says whether a backward short of the floor loses its time
+    in the kernel or around it."""
+    for name, steps, eager in (("cos.cos", ["cos", "cos"], lambda t: t.cos().cos()), ("mixed12", MIXED12, _mixed12_eager)):
+        chain = brrr.chain(*steps)
+        for dtype in DTYPES:
+            x = torch.randn(ROWS, HIDDEN, device=device(), dtype=dtype)
+            grad = torch.randn_like(x)
+            y, grad_x = torch.empty_like(x), torch.empty_like(x)
+            leaf = x.detach().requires_grad_()
+            want = torch.autograd.grad(eager(leaf), leaf, grad)[0]
+            bwd = lambda: brrr._C.chain_bwd(x, grad, grad_x, None, chain.program, (), ())  # noqa: E731
+            both = lambda: (brrr._C.chain_fwd(x, y, chain.program, ()), bwd())  # noqa: E731
+            unit = x.numel() * x.element_size()
+            common = dict(family="backward", op=name, dtype=dtype, shape=x.shape)
+            for impl, fn in (("brrr", bwd), ("brrr interpreted", _interpreted(bwd) if on_gpu() else None)):
+                if fn is None:
+                    continue
+                fn()
+                check(grad_x, want, dtype)
+                recorder.add_timing(impl=impl, pass_="bwd kernel", ms=time_ms(fn), bytes_moved=3 * unit, **common)
+            recorder.add_timing(impl="brrr", pass_="fwd+bwd kernels", ms=time_ms(both), bytes_moved=5 * unit, **common)
+
+
 def test_bias_dropout_add(recorder):
     """residual + dropout(x + bias, p) against eager and torch.compile of the same expression.
     The masks differ (each draws its own), so brrr is checked against float math on its own mask,

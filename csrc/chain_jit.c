@@ -403,14 +403,17 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops,
         for (int b = 0; b < nops; b++)
             if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "        g%d[j] = g%d[j] * gr[j];\n", b, b);
     }
+    /* Stores predicated, not branched around: with `if (p >= n_packs) continue;` the compiler sank
+     * each pack's steps into its store's branch, so ptxas interleaved the 4 values of a pack
+     * (float32) and not the 8 of a thread; predicated, one block holds all 8 chains of steps (as
+     * Triton's kernels do), for latency hiding at the knee of the repeat sweep. */
     put(t, "    }\n#pragma unroll\n"
            "    for (int u = 0; u < U; ++u) {\n"
            "        const long long p = first + (long long)u * 256;\n"
-           "        if (p >= n_packs) continue;\n"
-           "        st_pack(static_cast<T *>(a.out) + p * VEC, %s + u * VEC);\n", result);
+           "        st_pack_if(static_cast<T *>(a.out) + p * VEC, %s + u * VEC, p < n_packs);\n", result);
     for (int b = 0; b < nops; b++)
         if (grad_wanted(k, b) && !is_vector(k, b))
-            put(t, "        st_pack(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC);\n", b, b);
+            put(t, "        st_pack_if(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC, p < n_packs);\n", b, b);
     put(t, "    }\n    }\n"
            "    const long long i = n_packs * VEC + threadIdx.x;\n"
            "    if (VEC == 1 || blockIdx.x != 0 || i >= a.numel) return;\n"
@@ -586,13 +589,18 @@ static char *chain_source(const brrr_chain_kernel *ks, int n, const brrr_chain_s
             "__device__ __forceinline__ void ld_pack(const T *p, A *out) {\n"
             "    const Pack k = *reinterpret_cast<const Pack *>(p);\n"
             "#pragma unroll\n    for (int j = 0; j < VEC; ++j) out[j] = ld(k.v[j]);\n}\n"
-            "__device__ __forceinline__ void st_pack(T *p, const A *in) {\n"
+            "// Stores the pack where ok: predicated, no branch, so the compiler cannot sink steps into one.\n"
+            "__device__ __forceinline__ void st_pack_if(T *p, const A *in, bool ok) {\n"
             "    Pack k;\n"
             "#pragma unroll\n    for (int j = 0; j < VEC; ++j) k.v[j] = st(in[j]);\n"
-            "    *reinterpret_cast<Pack *>(p) = k;\n}\n\n",
+            "    unsigned w[4];\n"
+            "    memcpy(w, &k, sizeof w);\n"
+            "    asm volatile(\"{\\n\\t.reg .pred p;\\n\\tsetp.ne.b32 p, %%5, 0;\\n\\t@p st.global.v4.b32 [%%0], {%%1, %%2, %%3, %%4};\\n\\t}\"\n"
+            "                 :: \"l\"(p), \"r\"(w[0]), \"r\"(w[1]), \"r\"(w[2]), \"r\"(w[3]), \"r\"((int)ok) : \"memory\");\n}\n\n",
         math_id, storage, compute, math, ld, st);
     for (int i = 0; i < n; i++) {
         k = &ks[i];
+        put(&t, "// The %s: its element functions and its kernel.\n", k->backward ? "backward" : "forward");
         put_element_functions(&t, k, p);
         if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p->n_operands, packed(p));
         else if (k->layout == BRRR_JIT_STRIDED) put_strided_kernel(&t, k, p->n_operands);
