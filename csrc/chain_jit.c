@@ -175,6 +175,16 @@ static int packed(const brrr_chain_steps *p) {
     return trig && inlined(p);
 }
 
+/* The 16-byte packs a thread of a contiguous kernel owns: 2 (the bytes in flight that keep HBM busy
+ * at the repeat sweep's knee), or 1 where an inlined chain's copies (one per value) would hold
+ * more than 1024 steps: such a chain is compute-bound, a thread's 4 (float32) or 8 (half) values
+ * still hide the arithmetic's latency, and NVRTC compiles half the copies: 256 multiplies in
+ * 0.07 s instead of 0.10 (float32), 0.11 s instead of 0.18 (bfloat16). */
+static int packs_per_thread(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+    const int vec = 16 / (int)brrr_dtype_size(k->dtype);
+    return inlined(p) && 2 * vec * p->n_steps > 1024 ? 1 : 2;
+}
+
 /* "fwd" or "bwd", in the names of a kernel's element functions (chain_fwd, chain_bwd_n, ...). */
 static const char *direction(const brrr_chain_kernel *k) { return k->backward ? "bwd" : "fwd"; }
 static const char *kernel_name(const brrr_chain_kernel *k) { return k->backward ? "brrr_chain_bwd" : "brrr_chain_fwd"; }
@@ -360,17 +370,19 @@ static void put_call(text *t, const brrr_chain_kernel *k, int nops, const char *
 static int grad_wanted(const brrr_chain_kernel *k, int b) { return k->backward && (k->grad_mask >> b & 1); }
 static int is_vector(const brrr_chain_kernel *k, int b) { return k->vector_mask >> b & 1; }
 
-/* Dense tensors: each thread owns two 16-byte packs of every tensor, a block apart (coalesced),
- * all loaded before any is computed, as the precompiled contiguous kernels do (the bytes in
- * flight that keep HBM busy); block 0 takes the last numel % VEC elements one per thread. */
-static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops, int pack) {
+/* Dense tensors: each thread owns U 16-byte packs of every tensor (packs_per_thread), a block
+ * apart (coalesced), all loaded before any is computed, as the precompiled contiguous kernels do
+ * (the bytes in flight that keep HBM busy); block 0 takes the last numel % VEC elements one per
+ * thread. */
+static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+    const int nops = p->n_operands;
     const char *result = k->backward ? "t" : "y";
     /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels. */
     put(t, "extern \"C\" __global__ void __launch_bounds__(256, 2) %s(const __grid_constant__ brrr_chain_flat a) {\n"
-           "    constexpr int U = 2, N = VEC * U;\n"
+           "    constexpr int U = %d, N = VEC * U;\n"
            "    const long long n_packs = a.numel / VEC;\n"
            "    const long long first = (long long)blockIdx.x * (256 * U) + threadIdx.x;\n"
-           "    A y[N]%s", kernel_name(k), k->backward ? ", gr[N], t[N]" : "");
+           "    A y[N]%s", kernel_name(k), packs_per_thread(k, p), k->backward ? ", gr[N], t[N]" : "");
     for (int b = 0; b < nops; b++) put(t, ", v%d[N]", b);
     for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d[N]", b);
     /* A pack past the end loads the last one again (its values are computed, not stored). With
@@ -387,7 +399,7 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops,
         put(t, "        ld_pack(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC);\n", b,
             is_vector(k, b) ? "(p * VEC) % a.row_length" : "p * VEC", b);
     put(t, "    }\n");
-    if (pack) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
+    if (packed(p)) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
         put(t, "    chain_%s_n(y", direction(k));
         for (int b = 0; b < nops; b++) put(t, ", v%d", b);
         if (k->backward) put(t, ", t");
@@ -602,7 +614,7 @@ static char *chain_source(const brrr_chain_kernel *ks, int n, const brrr_chain_s
         k = &ks[i];
         put(&t, "// The %s: its element functions and its kernel.\n", k->backward ? "backward" : "forward");
         put_element_functions(&t, k, p);
-        if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p->n_operands, packed(p));
+        if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p);
         else if (k->layout == BRRR_JIT_STRIDED) put_strided_kernel(&t, k, p->n_operands);
         else put_rows_kernel(&t, k, p->n_operands);
     }
@@ -1167,7 +1179,7 @@ int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_s
         flat.x = L->x.data, flat.out = L->out.data, flat.grad_out = L->grad_out.data;
         for (int b = 0; b < prog->n_operands; b++) flat.operands[b] = L->operands[b].data, flat.grad_operands[b] = L->grad_operands[b].data;
         flat.numel = L->numel, flat.row_length = L->row_length;
-        const int64_t packs = L->numel / (16 / (int64_t)brrr_dtype_size(L->dtype)), per_block = 256 * 2; /* U = 2 */
+        const int64_t packs = L->numel / (16 / (int64_t)brrr_dtype_size(L->dtype)), per_block = 256 * packs_per_thread(&k, prog);
         grid[0] = (unsigned)((packs + per_block - 1) / per_block);
         grid[0] = grid[0] ? grid[0] : 1;
         param = &flat;

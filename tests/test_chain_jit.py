@@ -14,7 +14,7 @@ import torch
 import brrr
 from brrr import _C
 from helpers import assert_close, random
-from test_chain_ops import _operands, random_long_chain, reference
+from test_chain_ops import _operands, random_long_chain, reference, reference_grads
 
 HAVE_NVRTC = _C.chain_jit_info()["nvrtc"] is not None
 # CI installs NVRTC (requirements-test.txt) so that generated code that does not compile fails there.
@@ -96,6 +96,12 @@ def test_the_source_is_specialised(cache_dir):
     assert "M::cos_fwd_grad_in_range(y[j], &d)" in _C.chain_jit_compile(["cos", "cos"], "float32", backward=True)[0]
     source, _, _ = _C.chain_jit_compile(["relu", ("add", float("inf")), ("mul", float("nan"))], "float64")
     assert "__longlong_as_double(0x7ff0000000000000LL)" in source
+    # A thread owns 2 packs, 1 where the copies of an inlined chain would hold more than 1024 steps.
+    assert "constexpr int U = 2," in _C.chain_jit_compile([("mul", 1.0001)] * 128, "float32")[0]
+    assert "constexpr int U = 1," in _C.chain_jit_compile([("mul", 1.0001)] * 129, "float32")[0]
+    assert "constexpr int U = 1," in _C.chain_jit_compile([("mul", 1.0001)] * 65, "bfloat16", backward=True)[0]
+    heavy = [s for s in MIXED if s not in ("add_tensor", "mul_tensor")] * 20
+    assert "constexpr int U = 2," in _C.chain_jit_compile(heavy, "bfloat16")[0]  # called, not inlined
 
 
 @needs_nvrtc
@@ -309,6 +315,20 @@ def test_long_chains_on_cuda_against_float64(dtype):
             # a chain that clamps to a constant has a gradient of exactly 0: then the error itself
             err = (got.double().cpu() - expected).norm() / (expected.norm() if expected.norm() > 0 else 1.0)
             assert err < (1e-5 if dtype == torch.float32 else 2e-2) * n / 16, (n, float(err))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [4097, 1 << 16, 3])
+def test_long_inlined_chains_one_pack_a_thread_against_float64(dtype, n):
+    """Light steps only, 200 of them: inlined, one 16-byte pack a thread (packs_per_thread)."""
+    steps = [("mul", 1.001), ("add", 0.001), "neg", "abs", ("clamp_max", 5.0)] * 40
+    x = random((n,), dtype, "cuda", -2.0, 2.0)
+    g = random((n,), dtype, "cuda")
+    got = _fwd_bwd(steps, x, [], g)
+    want, (want_grad,) = reference_grads(steps, x, [], g)
+    assert_close(got[0], want, dtype, scale=8.0)
+    assert_close(got[1], want_grad, dtype, scale=8.0)
 
 
 @pytest.mark.cuda
