@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -128,51 +129,63 @@ def test_repeat_sweep(recorder):
 
 
 # What the first call of a chain costs, in fresh processes sharing an empty cache folder: the
-# first process compiles and loads each kernel, the second reads it from the disk cache. CUDA and
-# brrr's PyTorch layer are initialised (and the chain built) before the timed call, which runs on
-# 2^16 elements.
+# first process compiles and loads each chain's programs, the second reads them from the disk
+# cache. CUDA and brrr's PyTorch layer are initialised (and the chain built) before the timed call,
+# which runs on 2^16 elements: the forward alone (argv[3] "fwd"), or forward and backward through
+# autograd ("fwd+bwd": one program for the two). The first chain's call also loads NVRTC.
 FIRST_CALL = """
 import json, sys, time, torch, brrr
-dtype = getattr(torch, sys.argv[1])
-x = torch.randn(1 << 16, device="cuda", dtype=dtype)
+dtype, backward = getattr(torch, sys.argv[1]), sys.argv[3] == "fwd+bwd"
+x = torch.randn(1 << 16, device="cuda", dtype=dtype, requires_grad=backward)
+grad = torch.randn_like(x)
 brrr.chain("relu")(torch.ones(4))  # brrr's PyTorch layer, built on first use, is not what is timed
 for name, steps in json.loads(sys.argv[2]):
     chain = brrr.chain(*[s if isinstance(s, str) else tuple(s) for s in steps])
+    before = brrr._C.chain_jit_info()
     torch.cuda.synchronize()
     started = time.perf_counter()
-    chain(x)
+    y = chain(x)
+    if backward:
+        y.backward(grad)
     torch.cuda.synchronize()
     ms = (time.perf_counter() - started) * 1e3
     info = brrr._C.chain_jit_info()
-    print(json.dumps(dict(op=name, ms=ms, build_ms=info["last_seconds"] * 1e3, compiled=info["compiled"],
-                          from_disk=info["from_disk"])))
+    print(json.dumps(dict(op=name, ms=ms, build_ms=info["last_seconds"] * 1e3,
+                          compiled=info["compiled"] - before["compiled"],
+                          from_disk=info["from_disk"] - before["from_disk"])))
 """
 
 
 def test_first_call(recorder, tmp_path):
-    """First call of a new chain (compile + load) and of a cached one in a new process."""
+    """First call of a new chain (compile + load) and of a cached one in a new process, forward
+    alone and forward with backward."""
     chains = [("cos.cos", ["cos", "cos"]), ("mixed12", MIXED12), ("mul x256", [("mul", 1.0001)] * 256)]
-    if not on_gpu():  # the compile alone, through NVRTC, where it is installed
+    if not on_gpu():  # NVRTC alone, where it is installed: each program compiled into an empty cache folder
         if brrr._C.chain_jit_info()["nvrtc"] is None:
             pytest.skip("NVRTC not found")
-        os.environ["BRRR_CACHE_DIR"] = str(tmp_path)
+        brrr._C.chain_jit_compile(["relu"], "float32")  # NVRTC loaded
         try:
-            for name, steps in chains:
-                ms = time_ms(lambda: brrr._C.chain_jit_compile(steps, "float32", arch=90), warmup=0, reps=1)
-                recorder.add(family="first_call", op=name, dtype="float32", impl="brrr", phase="compile only", ms=ms)
+            for i, (name, steps) in enumerate(chains):
+                for pass_ in ("fwd", "fwd+bwd"):
+                    os.environ["BRRR_CACHE_DIR"] = str(tmp_path / f"{i}{pass_}")
+                    started = time.perf_counter()
+                    brrr._C.chain_jit_compile(steps, "float32", arch=90, with_backward=pass_ == "fwd+bwd")
+                    recorder.add(family="first_call", op=name, dtype="float32", impl="brrr", calls=pass_,
+                                 phase="compile only", ms=(time.perf_counter() - started) * 1e3)
         finally:
             del os.environ["BRRR_CACHE_DIR"]
         return
-    env = {**os.environ, "BRRR_CACHE_DIR": str(tmp_path)}
     for dtype in DTYPES:
         name = str(dtype).replace("torch.", "")
-        for phase in ("compile + load", "cached, new process"):
-            out = subprocess.run([sys.executable, "-c", FIRST_CALL, name, json.dumps(chains)], env=env, capture_output=True,
-                                 text=True, timeout=300, check=True).stdout
-            for line in out.splitlines():
-                r = json.loads(line)
-                recorder.add(family="first_call", op=r["op"], dtype=name, impl="brrr", phase=phase, ms=r["ms"],
-                             build_ms=r["build_ms"], compiled=r["compiled"], from_disk=r["from_disk"])
+        for pass_ in ("fwd", "fwd+bwd"):
+            env = {**os.environ, "BRRR_CACHE_DIR": str(tmp_path / f"{name}{pass_}")}
+            for phase in ("compile + load", "cached, new process"):
+                out = subprocess.run([sys.executable, "-c", FIRST_CALL, name, json.dumps(chains), pass_], env=env,
+                                     capture_output=True, text=True, timeout=300, check=True).stdout
+                for line in out.splitlines():
+                    r = json.loads(line)
+                    recorder.add(family="first_call", op=r["op"], dtype=name, impl="brrr", calls=pass_, phase=phase,
+                                 ms=r["ms"], build_ms=r["build_ms"], compiled=r["compiled"], from_disk=r["from_disk"])
 
 
 def test_host_overhead(recorder):
@@ -295,6 +308,32 @@ def test_fused_forward_backward(recorder, op):
             recorder.add_timing(pass_="fwd", ms=fwd_ms, bytes_moved=fwd_passes * unit, **common)
             recorder.add_timing(pass_="fwd+bwd", ms=time_ms(_fwd_bwd(fn, inputs, grad)), bytes_moved=all_passes * unit,
                                 saved_bytes=held, input_bytes=sum(t.numel() * t.element_size() for t in inputs), **common)
+
+
+def test_backward_kernel_alone(recorder):
+    """The chain backward's kernel alone (brrr._C.chain_bwd, no autograd): x and grad in, grad_x out,
+    3 passes; and the forward's and backward's kernels back to back, 5 passes. Beside the fused
+    rows' fwd+bwd through autograd, this says whether a backward short of the floor loses its time
+    in the kernel or around it."""
+    for name, steps, eager in (("cos.cos", ["cos", "cos"], lambda t: t.cos().cos()), ("mixed12", MIXED12, _mixed12_eager)):
+        chain = brrr.chain(*steps)
+        for dtype in DTYPES:
+            x = torch.randn(ROWS, HIDDEN, device=device(), dtype=dtype)
+            grad = torch.randn_like(x)
+            y, grad_x = torch.empty_like(x), torch.empty_like(x)
+            leaf = x.detach().requires_grad_()
+            want = torch.autograd.grad(eager(leaf), leaf, grad)[0]
+            bwd = lambda: brrr._C.chain_bwd(x, grad, grad_x, None, chain.program, (), ())  # noqa: E731
+            both = lambda: (brrr._C.chain_fwd(x, y, chain.program, ()), bwd())  # noqa: E731
+            unit = x.numel() * x.element_size()
+            common = dict(family="backward", op=name, dtype=dtype, shape=x.shape)
+            for impl, fn in (("brrr", bwd), ("brrr interpreted", _interpreted(bwd) if on_gpu() else None)):
+                if fn is None:
+                    continue
+                fn()
+                check(grad_x, want, dtype)
+                recorder.add_timing(impl=impl, pass_="bwd kernel", ms=time_ms(fn), bytes_moved=3 * unit, **common)
+            recorder.add_timing(impl="brrr", pass_="fwd+bwd kernels", ms=time_ms(both), bytes_moved=5 * unit, **common)
 
 
 def test_bias_dropout_add(recorder):

@@ -161,7 +161,19 @@ def torch_layer():
         names = ops.split(",") if ops else []
         return _C.chain_program([(o, s) if o in SCALAR_OPS else o for o, s in zip(names, scalars)])
 
+    @functools.lru_cache(maxsize=1024)
+    def program_with_backward(ops, scalars):
+        """program(ops, scalars), its backward said to be wanted: on CUDA its forward kernel is
+        compiled in one program with its backward (one NVRTC compile, not two)."""
+        p = program(ops, scalars)
+        _C.chain_jit_with_backward(p)
+        return p
+
     def forward(x: Tensor, operands: list[Tensor], ops: str, scalars: list[float]) -> Tensor:
+        """Where autograd records the op (and under torch.compile, which may differentiate it)."""
+        return _C.chain_fwd(x, out_like(x), program_with_backward(ops, tuple(scalars)), tuple(operands), stream(x))[0]
+
+    def inference(x, operands, ops, scalars):
         return _C.chain_fwd(x, out_like(x), program(ops, tuple(scalars)), tuple(operands), stream(x))[0]
 
     def fake(x, operands, ops, scalars):
@@ -203,7 +215,7 @@ def torch_layer():
         rest = iter(got[1:])
         return got[0], [next(rest) if need else None for need in needs] if operands else None, None, None
 
-    chain_op = TorchOp("chain", forward, fake, save=save, backward=formula, grad_args=(0, 1))
+    chain_op = TorchOp("chain", forward, fake, save=save, backward=formula, grad_args=(0, 1), inference=inference)
 
     def chain(c, x, operands, out, cuda_stream):
         """Chain `c` on torch tensors: its op, or with `out` or a stream given, straight to brrr._C

@@ -107,7 +107,17 @@ def torch_layer():
             out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
         return _C.chain_fwd(g, out, programs[activation], (u,), stream(g))[0]
 
+    backward_wanted = set()  # the activations whose programs said so to the compiled chains
+
     def forward(x: Tensor, up: Optional[Tensor], activation: str) -> Tensor:
+        """Where autograd records the op (and under torch.compile): on CUDA, the two-tensor form's
+        forward kernel is compiled in one program with its backward (csrc/chain_jit.c)."""
+        if activation not in backward_wanted:
+            _C.chain_jit_with_backward(programs[activation])
+            backward_wanted.add(activation)
+        return inference(x, up, activation)
+
+    def inference(x, up, activation):
         if up is not None and _op.EXCHANGE_API:  # the usual call, straight to brrr._C (allocating, finding the stream)
             return _C.chain_fwd(x, None, programs[activation], (up,))[0]
         return glu_forward(activation, x, up, None)
@@ -149,7 +159,7 @@ def torch_layer():
             return got[0], None, None
         return (got[0] if needs[0] else None), (got[1] if needs[1] else None), None
 
-    glu_op = TorchOp("glu", forward, fake, save=save, backward=formula, grad_args=(0, 1))
+    glu_op = TorchOp("glu", forward, fake, save=save, backward=formula, grad_args=(0, 1), inference=inference)
 
     def glu(activation, gate, up, out):
         """A gated linear unit on torch tensors (see brrr.glu): its op, or with `out` given,

@@ -14,9 +14,11 @@
  * $CUDA_PATH/lib64, /usr/local/cuda/lib64, and the nvidia/cu13/lib and nvidia/cuda_nvrtc/lib
  * folders of NVIDIA's pip wheels along sys.path (where PyTorch's CUDA wheels put it).
  *
+ * A program holds one kernel, or a chain's forward and its backward when the backward is wanted
+ * (chain_jit_with_backward: autograd records the chain): one NVRTC compile for the two.
  * Compiled kernels are cached in memory (per process, keyed by the kernel's specification, steps
  * and architecture) and on disk, in $BRRR_CACHE_DIR, else $XDG_CACHE_HOME/brrr, else
- * ~/.cache/brrr: one file per kernel, named by a hash of its identity (brrr's version, NVRTC's,
+ * ~/.cache/brrr: one file per program, named by a hash of its identity (brrr's version,
  * the architecture, the embedded headers and the whole generated source), holding that identity,
  * the cubin and a checksum. A file is written to a temporary name and renamed into place, so
  * readers see a whole file or none, and two processes compiling the same chain both succeed; a
@@ -173,6 +175,36 @@ static int packed(const brrr_chain_steps *p) {
     return trig && inlined(p);
 }
 
+/* The 16-byte packs a thread of a contiguous kernel owns: 2 (the bytes in flight that keep HBM busy
+ * at the repeat sweep's knee), or 1 where an inlined chain's copies (one per value) would hold
+ * more than 1024 steps: such a chain is compute-bound, a thread's 4 (float32) or 8 (half) values
+ * still hide the arithmetic's latency, and NVRTC compiles half the copies: 256 multiplies in
+ * 0.07 s instead of 0.10 (float32), 0.11 s instead of 0.18 (bfloat16). */
+static int packs_per_thread(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+    const int vec = 16 / (int)brrr_dtype_size(k->dtype);
+    return inlined(p) && 2 * vec * p->n_steps > 1024 ? 1 : 2;
+}
+
+/* "fwd" or "bwd", in the names of a kernel's element functions (chain_fwd, chain_bwd_n, ...). */
+static const char *direction(const brrr_chain_kernel *k) { return k->backward ? "bwd" : "fwd"; }
+static const char *kernel_name(const brrr_chain_kernel *k) { return k->backward ? "brrr_chain_bwd" : "brrr_chain_fwd"; }
+
+/* Whether forward kernel k is built with its backward when the chain's backward is wanted: a
+ * contiguous one without vector operands, whose backward (dense tensors as fresh as autograd's,
+ * every operand's gradient) is contiguous too. A vector operand's gradient takes the row layout,
+ * whose kernels are precompiled up to 16 steps. */
+static int pairs_with_backward(const brrr_chain_kernel *k) {
+    return !k->backward && k->layout == BRRR_JIT_CONTIGUOUS && !k->vector_mask;
+}
+
+/* The backward built with forward kernel k (pairs_with_backward). */
+static brrr_chain_kernel backward_of(const brrr_chain_kernel *k, int n_operands) {
+    brrr_chain_kernel b = *k;
+    b.backward = 1;
+    b.grad_mask = (1 << n_operands) - 1;
+    return b;
+}
+
 /* How a trig step of a pack function is computed: the pack is in range (M::pack_in_trig_range),
  * or it is not, and each value goes through one called copy of the whole function. */
 enum { TRIG_INLINE, TRIG_IN_RANGE, TRIG_CALLED };
@@ -194,7 +226,7 @@ static void put_step(text *t, const brrr_chain_kernel *k, const brrr_chain_step 
             put_scalar(t, st->scalar);
             put(t, ";\n");
         } else if (called) {
-            put(t, "    y%s = %s_any(y%s);\n", j, fn, j);
+            put(t, "    y%s = %s_fwd_any(y%s);\n", j, fn, j);
         } else {
             put(t, "    y%s = M::%s_fwd%s(y%s", j, fn, range, j);
             if (takes_scalar) {
@@ -223,7 +255,7 @@ static void put_step(text *t, const brrr_chain_kernel *k, const brrr_chain_step 
         put_scalar(t, st->scalar);
         put(t, ";\n    y%s = y%s * d;\n", j, j);
     } else if (called) {
-        put(t, "    const Step r = %s_any(y%s);\n    y%s = r.y;\n    d = r.d;\n", fn, j, j);
+        put(t, "    const Step r = %s_bwd_any(y%s);\n    y%s = r.y;\n    d = r.d;\n", fn, j, j);
     } else {
         put(t, "    y%s = M::%s_fwd_grad%s(y%s, ", j, fn, range, j);
         if (takes_scalar) {
@@ -260,7 +292,7 @@ static void put_parameters(text *t, const brrr_chain_kernel *k, int nops, int pa
  * cos.cos in float32 went from about 33 instructions a cos to 21). */
 static void put_element_functions(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
     const int nops = p->n_operands, pack = packed(p);
-    const char *name = k->backward ? "bwd" : "fwd";
+    const char *name = direction(k);
     int active = 0;
     if (pack) {
         /* Packs out of the fast range (a large, infinite or NaN value) are rare: their trig steps
@@ -271,9 +303,9 @@ static void put_element_functions(text *t, const brrr_chain_kernel *k, const brr
         for (int i = 0; i < 2; i++) {
             const char *fn = i ? "sin" : "cos";
             if (!(trig_ops >> i & 1)) continue;
-            if (k->backward) put(t, "__device__ __noinline__ Step %s_any(A y) {\n    Step r;\n    r.y = M::%s_fwd_grad(y, &r.d);\n"
+            if (k->backward) put(t, "__device__ __noinline__ Step %s_bwd_any(A y) {\n    Step r;\n    r.y = M::%s_fwd_grad(y, &r.d);\n"
                                     "    return r;\n}\n", fn, fn);
-            else put(t, "__device__ __noinline__ A %s_any(A y) {\n    return M::%s_fwd(y);\n}\n", fn, fn);
+            else put(t, "__device__ __noinline__ A %s_fwd_any(A y) {\n    return M::%s_fwd(y);\n}\n", fn, fn);
         }
         put(t, "template <int N>\n__device__ __forceinline__ void chain_%s_n(", name);
         put_parameters(t, k, nops, 1);
@@ -329,7 +361,7 @@ static void put_element_functions(text *t, const brrr_chain_kernel *k, const brr
 
 /* The arguments of chain_fwd/chain_bwd for element j of the arrays y, v0.. and g0.. */
 static void put_call(text *t, const brrr_chain_kernel *k, int nops, const char *j) {
-    put(t, "chain_%s(y%s", k->backward ? "bwd" : "fwd", j);
+    put(t, "chain_%s(y%s", direction(k), j);
     for (int b = 0; b < nops; b++) put(t, ", v%d%s", b, j);
     for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d%s", b, j);
     put(t, ")");
@@ -338,17 +370,19 @@ static void put_call(text *t, const brrr_chain_kernel *k, int nops, const char *
 static int grad_wanted(const brrr_chain_kernel *k, int b) { return k->backward && (k->grad_mask >> b & 1); }
 static int is_vector(const brrr_chain_kernel *k, int b) { return k->vector_mask >> b & 1; }
 
-/* Dense tensors: each thread owns two 16-byte packs of every tensor, a block apart (coalesced),
- * all loaded before any is computed, as the precompiled contiguous kernels do (the bytes in
- * flight that keep HBM busy); block 0 takes the last numel % VEC elements one per thread. */
-static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops, int pack) {
+/* Dense tensors: each thread owns U 16-byte packs of every tensor (packs_per_thread), a block
+ * apart (coalesced), all loaded before any is computed, as the precompiled contiguous kernels do
+ * (the bytes in flight that keep HBM busy); block 0 takes the last numel % VEC elements one per
+ * thread. */
+static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+    const int nops = p->n_operands;
     const char *result = k->backward ? "t" : "y";
     /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels. */
-    put(t, "extern \"C\" __global__ void __launch_bounds__(256, 2) brrr_chain(const __grid_constant__ brrr_chain_flat a) {\n"
-           "    constexpr int U = 2, N = VEC * U;\n"
+    put(t, "extern \"C\" __global__ void __launch_bounds__(256, 2) %s(const __grid_constant__ brrr_chain_flat a) {\n"
+           "    constexpr int U = %d, N = VEC * U;\n"
            "    const long long n_packs = a.numel / VEC;\n"
            "    const long long first = (long long)blockIdx.x * (256 * U) + threadIdx.x;\n"
-           "    A y[N]%s", k->backward ? ", gr[N], t[N]" : "");
+           "    A y[N]%s", kernel_name(k), packs_per_thread(k, p), k->backward ? ", gr[N], t[N]" : "");
     for (int b = 0; b < nops; b++) put(t, ", v%d[N]", b);
     for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d[N]", b);
     /* A pack past the end loads the last one again (its values are computed, not stored). With
@@ -365,8 +399,8 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops,
         put(t, "        ld_pack(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC);\n", b,
             is_vector(k, b) ? "(p * VEC) % a.row_length" : "p * VEC", b);
     put(t, "    }\n");
-    if (pack) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
-        put(t, "    chain_%s_n(y", k->backward ? "bwd" : "fwd");
+    if (packed(p)) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
+        put(t, "    chain_%s_n(y", direction(k));
         for (int b = 0; b < nops; b++) put(t, ", v%d", b);
         if (k->backward) put(t, ", t");
         for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d", b);
@@ -381,14 +415,17 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, int nops,
         for (int b = 0; b < nops; b++)
             if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "        g%d[j] = g%d[j] * gr[j];\n", b, b);
     }
+    /* Stores predicated, not branched around: with `if (p >= n_packs) continue;` the compiler sank
+     * each pack's steps into its store's branch, so ptxas interleaved the 4 values of a pack
+     * (float32) and not the 8 of a thread; predicated, one block holds all 8 chains of steps (as
+     * Triton's kernels do), for latency hiding at the knee of the repeat sweep. */
     put(t, "    }\n#pragma unroll\n"
            "    for (int u = 0; u < U; ++u) {\n"
            "        const long long p = first + (long long)u * 256;\n"
-           "        if (p >= n_packs) continue;\n"
-           "        st_pack(static_cast<T *>(a.out) + p * VEC, %s + u * VEC);\n", result);
+           "        st_pack_if(static_cast<T *>(a.out) + p * VEC, %s + u * VEC, p < n_packs);\n", result);
     for (int b = 0; b < nops; b++)
         if (grad_wanted(k, b) && !is_vector(k, b))
-            put(t, "        st_pack(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC);\n", b, b);
+            put(t, "        st_pack_if(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC, p < n_packs);\n", b, b);
     put(t, "    }\n    }\n"
            "    const long long i = n_packs * VEC + threadIdx.x;\n"
            "    if (VEC == 1 || blockIdx.x != 0 || i >= a.numel) return;\n"
@@ -438,8 +475,9 @@ static void put_offsets(text *t, const brrr_chain_kernel *k, int nops, int dims,
 
 /* Any strides over the launch's ndim dims: one element per thread per grid-stride step. */
 static void put_strided_kernel(text *t, const brrr_chain_kernel *k, int nops) {
-    put(t, "extern \"C\" __global__ void __launch_bounds__(256) brrr_chain(const __grid_constant__ brrr_chain_launch L) {\n"
-           "    for (long long i = (long long)blockIdx.x * 256 + threadIdx.x; i < L.numel; i += (long long)gridDim.x * 256) {\n");
+    put(t, "extern \"C\" __global__ void __launch_bounds__(256) %s(const __grid_constant__ brrr_chain_launch L) {\n"
+           "    for (long long i = (long long)blockIdx.x * 256 + threadIdx.x; i < L.numel; i += (long long)gridDim.x * 256) {\n",
+        kernel_name(k));
     put_offsets(t, k, nops, k->ndim, "i");
     put(t, "        const A y = ld(static_cast<const T *>(L.x.data)[ox]);\n");
     for (int b = 0; b < nops; b++) put(t, "        const A v%d = ld(static_cast<const T *>(L.operands[%d].data)[o%d]);\n", b, b, b);
@@ -466,14 +504,15 @@ static void put_strided_kernel(text *t, const brrr_chain_kernel *k, int nops) {
  * sums the slices in order: the precompiled row kernels' order, so the same sums. */
 static void put_rows_kernel(text *t, const brrr_chain_kernel *k, int nops) {
     const int nd = k->ndim;
-    put(t, "extern \"C\" __global__ void __launch_bounds__(256) brrr_chain(const __grid_constant__ brrr_chain_launch L) {\n"
+    put(t, "extern \"C\" __global__ void __launch_bounds__(256) %s(const __grid_constant__ brrr_chain_launch L) {\n"
            "    __shared__ A lanes[8][32];\n"
            "    const long long cols = L.row_length, rows = L.numel / cols;\n"
            "    const long long per_block = (rows + gridDim.y - 1) / gridDim.y;\n"
            "    const long long begin = blockIdx.y * per_block;\n"
            "    const long long end = begin + per_block < rows ? begin + per_block : rows;\n"
            "    const long long col = (long long)blockIdx.x * 32 + threadIdx.x;\n"
-           "    const bool active = col < cols;\n");
+           "    const bool active = col < cols;\n",
+        kernel_name(k));
     for (int b = 0; b < nops; b++) {
         if (!is_vector(k, b)) continue;
         put(t, "    const A v%d = active ? ld(static_cast<const T *>(L.operands[%d].data)[col * L.operands[%d].strides[%d]]) : (A)0;\n",
@@ -519,8 +558,11 @@ static void put_rows_kernel(text *t, const brrr_chain_kernel *k, int nops) {
     put(t, "}\n");
 }
 
-/* The whole source of kernel k for steps p; NULL when out of memory. */
-static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+/* The whole source of a program of n kernels ks (1, or a chain's forward and backward: one NVRTC
+ * compile, NVRTC's fixed cost and the large-argument trig function paid once) for steps p, all of
+ * one dtype; NULL when out of memory. */
+static char *chain_source(const brrr_chain_kernel *ks, int n, const brrr_chain_steps *p) {
+    const brrr_chain_kernel *k = &ks[0];
     text t = {NULL, 0, 0, 0};
     const char *storage, *compute, *math, *ld, *st;
     int math_id = 1; /* chain_math.cuh's BRRR_CHAIN_MATH for M */
@@ -543,8 +585,11 @@ static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p)
         break;
     }
     static const char *const LAYOUT[] = {"contiguous", "strided", "rows"};
-    put(&t, "// brrr chain, %s, %s, %s over %d dims: %d steps.\n", brrr_dtype_name(k->dtype),
-        k->backward ? "backward" : "forward", LAYOUT[k->layout], k->ndim, (int)p->n_steps);
+    put(&t, "// brrr chain, %s, %d steps:", brrr_dtype_name(k->dtype), (int)p->n_steps);
+    for (int i = 0; i < n; i++)
+        put(&t, "%s %s %s over %d dims", i ? "," : "", ks[i].backward ? "backward" : "forward", LAYOUT[ks[i].layout],
+            ks[i].ndim);
+    put(&t, ".\n");
     put(&t, "#define BRRR_LARGE_TRIG __noinline__\n#define BRRR_CHAIN_MATH %d\n#include \"chain_math.cuh\"\n\n"
             "typedef %s T; // storage\n"
             "typedef %s A; // compute\n"
@@ -556,15 +601,23 @@ static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p)
             "__device__ __forceinline__ void ld_pack(const T *p, A *out) {\n"
             "    const Pack k = *reinterpret_cast<const Pack *>(p);\n"
             "#pragma unroll\n    for (int j = 0; j < VEC; ++j) out[j] = ld(k.v[j]);\n}\n"
-            "__device__ __forceinline__ void st_pack(T *p, const A *in) {\n"
+            "// Stores the pack where ok: predicated, no branch, so the compiler cannot sink steps into one.\n"
+            "__device__ __forceinline__ void st_pack_if(T *p, const A *in, bool ok) {\n"
             "    Pack k;\n"
             "#pragma unroll\n    for (int j = 0; j < VEC; ++j) k.v[j] = st(in[j]);\n"
-            "    *reinterpret_cast<Pack *>(p) = k;\n}\n\n",
+            "    unsigned w[4];\n"
+            "    memcpy(w, &k, sizeof w);\n"
+            "    asm volatile(\"{\\n\\t.reg .pred p;\\n\\tsetp.ne.b32 p, %%5, 0;\\n\\t@p st.global.v4.b32 [%%0], {%%1, %%2, %%3, %%4};\\n\\t}\"\n"
+            "                 :: \"l\"(p), \"r\"(w[0]), \"r\"(w[1]), \"r\"(w[2]), \"r\"(w[3]), \"r\"((int)ok) : \"memory\");\n}\n\n",
         math_id, storage, compute, math, ld, st);
-    put_element_functions(&t, k, p);
-    if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p->n_operands, packed(p));
-    else if (k->layout == BRRR_JIT_STRIDED) put_strided_kernel(&t, k, p->n_operands);
-    else put_rows_kernel(&t, k, p->n_operands);
+    for (int i = 0; i < n; i++) {
+        k = &ks[i];
+        put(&t, "// The %s: its element functions and its kernel.\n", k->backward ? "backward" : "forward");
+        put_element_functions(&t, k, p);
+        if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p);
+        else if (k->layout == BRRR_JIT_STRIDED) put_strided_kernel(&t, k, p->n_operands);
+        else put_rows_kernel(&t, k, p->n_operands);
+    }
     return t.data;
 }
 
@@ -855,18 +908,18 @@ enum { ORIGIN_COMPILED, ORIGIN_DISK };
 /* Counters for chain_jit_info(), updated under compile_lock. */
 static struct {
     long long compiled, from_disk;
-    double last_seconds; /* the last kernel's compile (or disk read) and load */
+    double last_seconds; /* the last program's compile (or disk read) and load */
 } stats;
 static pthread_mutex_t compile_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* The cubin of kernel k for steps p on sm_<arch>: from the disk cache unless skip_disk, else
- * compiled and stored. On failure NULL with a malloc'd *error (*missing: for want of NVRTC).
- * Call under compile_lock, without the GIL, after nvrtc_prepare. */
-static char *chain_cubin(const brrr_chain_kernel *k, const brrr_chain_steps *p, int arch, int skip_disk, size_t *size,
-                         int *origin, char **source_out, char **error, int *missing) {
+/* The cubin of the program of n kernels ks (chain_source) for steps p on sm_<arch>: from the disk
+ * cache unless skip_disk, else compiled and stored. On failure NULL with a malloc'd *error
+ * (*missing: for want of NVRTC). Call under compile_lock, without the GIL, after nvrtc_prepare. */
+static char *chain_cubin(const brrr_chain_kernel *ks, int n, const brrr_chain_steps *p, int arch, int skip_disk,
+                         size_t *size, int *origin, char **source_out, char **error, int *missing) {
     *error = NULL;
     *missing = 0;
-    char *source = chain_source(k, p), *identity = source ? kernel_identity(source, arch) : NULL, *image = NULL;
+    char *source = chain_source(ks, n, p), *identity = source ? kernel_identity(source, arch) : NULL, *image = NULL;
     char dir[PATH_MAX], path[PATH_MAX + 64];
     const int have_dir = identity && cache_dir(dir, sizeof dir);
     text t = {NULL, 0, 0, 0};
@@ -898,7 +951,8 @@ static int jit_enabled = 1;
 #if BRRR_WITH_CUDA
 /* The table of loaded kernels: open addressing on an FNV-1a hash of the key (the kernel's
  * specification, the architecture, the steps). kernel NULL: that kernel failed to build (the
- * interpreted kernels run it from then on). Guarded by table_lock. */
+ * interpreted kernels run it from then on). Guarded by table_lock, as is `with_backward`: the
+ * chains whose backward is wanted (chain_jit_with_backward), keyed by their steps alone. */
 typedef struct {
     uint64_t hash;
     size_t len;
@@ -906,10 +960,11 @@ typedef struct {
     void *kernel;
     int missing; /* kernel NULL for want of NVRTC */
 } kernel_entry;
-static struct {
+typedef struct {
     kernel_entry *slots;
     size_t cap, count;
-} table;
+} kernel_table;
+static kernel_table table, with_backward;
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 
 typedef struct {
@@ -928,33 +983,33 @@ static unsigned char *make_key(const brrr_chain_kernel *k, int arch, const brrr_
 }
 
 /* The entry for key, or NULL. Hold table_lock. */
-static kernel_entry *table_find(const unsigned char *key, size_t len, uint64_t hash) {
-    for (size_t i = hash & (table.cap - 1); table.cap && table.slots[i].key; i = (i + 1) & (table.cap - 1))
-        if (table.slots[i].hash == hash && table.slots[i].len == len && memcmp(table.slots[i].key, key, len) == 0)
-            return &table.slots[i];
+static kernel_entry *table_find(const kernel_table *tb, const unsigned char *key, size_t len, uint64_t hash) {
+    for (size_t i = hash & (tb->cap - 1); tb->cap && tb->slots[i].key; i = (i + 1) & (tb->cap - 1))
+        if (tb->slots[i].hash == hash && tb->slots[i].len == len && memcmp(tb->slots[i].key, key, len) == 0)
+            return &tb->slots[i];
     return NULL;
 }
 
 /* Add an entry (the table takes key). -1 when out of memory. Hold table_lock. */
-static int table_add(unsigned char *key, size_t len, uint64_t hash, void *kernel, int missing) {
-    if (2 * (table.count + 1) > table.cap) {
-        const size_t cap = table.cap ? 2 * table.cap : 64;
+static int table_add(kernel_table *tb, unsigned char *key, size_t len, uint64_t hash, void *kernel, int missing) {
+    if (2 * (tb->count + 1) > tb->cap) {
+        const size_t cap = tb->cap ? 2 * tb->cap : 64;
         kernel_entry *slots = calloc(cap, sizeof *slots);
         if (slots == NULL) return -1;
-        for (size_t i = 0; i < table.cap; i++) {
-            if (!table.slots[i].key) continue;
-            size_t j = table.slots[i].hash & (cap - 1);
+        for (size_t i = 0; i < tb->cap; i++) {
+            if (!tb->slots[i].key) continue;
+            size_t j = tb->slots[i].hash & (cap - 1);
             while (slots[j].key) j = (j + 1) & (cap - 1);
-            slots[j] = table.slots[i];
+            slots[j] = tb->slots[i];
         }
-        free(table.slots);
-        table.slots = slots;
-        table.cap = cap;
+        free(tb->slots);
+        tb->slots = slots;
+        tb->cap = cap;
     }
-    size_t j = hash & (table.cap - 1);
-    while (table.slots[j].key) j = (j + 1) & (table.cap - 1);
-    table.slots[j] = (kernel_entry){hash, len, key, kernel, missing};
-    table.count++;
+    size_t j = hash & (tb->cap - 1);
+    while (tb->slots[j].key) j = (j + 1) & (tb->cap - 1);
+    tb->slots[j] = (kernel_entry){hash, len, key, kernel, missing};
+    tb->count++;
     return 0;
 }
 
@@ -990,21 +1045,35 @@ static brrr_chain_kernel kernel_for(const brrr_chain_launch *L, int n_operands, 
 
 static int warned_missing, warned_capture, warned_failed;
 
+/* Whether chain p's backward is wanted (chain_jit_with_backward). Takes table_lock. */
+static int backward_wanted(const brrr_chain_steps *p) {
+    const brrr_chain_kernel none = {0, 0, 0, 0, 0, 0, 0};
+    size_t len;
+    unsigned char *key = make_key(&none, 0, p, &len);
+    if (key == NULL) return 0;
+    pthread_mutex_lock(&table_lock);
+    const int wanted = table_find(&with_backward, key, len, fnv1a(FNV_OFFSET, key, len)) != NULL;
+    pthread_mutex_unlock(&table_lock);
+    free(key);
+    return wanted;
+}
+
 /* The loaded kernel for (k, arch, p), building it if need be: 1 found (*kernel NULL when it
  * failed to build, with the reason in *error the first time, *missing when for want of NVRTC),
  * 0 when it is not built and the stream is capturing, -1 with a Python exception. Builds without
- * the GIL. */
+ * the GIL. A contiguous forward of a chain whose backward is wanted is built in one program with
+ * that backward (of every operand's gradient), unless the backward is loaded already. */
 static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_steps *p, void *stream, void **kernel,
                        char **error, int *missing) {
     *kernel = NULL;
     *error = NULL;
     *missing = 0;
-    size_t len;
-    unsigned char *key = make_key(k, arch, p, &len);
+    size_t len, pair_len = 0;
+    unsigned char *key = make_key(k, arch, p, &len), *pair_key = NULL;
     if (key == NULL) return PyErr_NoMemory(), -1;
     const uint64_t hash = fnv1a(FNV_OFFSET, key, len);
     pthread_mutex_lock(&table_lock);
-    const kernel_entry *e = table_find(key, len, hash);
+    const kernel_entry *e = table_find(&table, key, len, hash);
     if (e) *kernel = e->kernel, *missing = e->missing;
     pthread_mutex_unlock(&table_lock);
     if (e) {
@@ -1016,42 +1085,50 @@ static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_st
         free(key);
         return capturing ? 0 : -1;
     }
+    brrr_chain_kernel ks[2] = {*k, backward_of(k, p->n_operands)};
+    if (pairs_with_backward(k) && backward_wanted(p)) pair_key = make_key(&ks[1], arch, p, &pair_len);
+    const uint64_t pair_hash = pair_key ? fnv1a(FNV_OFFSET, pair_key, pair_len) : 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&compile_lock);
     pthread_mutex_lock(&table_lock);
-    e = table_find(key, len, hash); /* another thread may have built it meanwhile */
+    e = table_find(&table, key, len, hash); /* another thread may have built it meanwhile */
     if (e) *kernel = e->kernel, *missing = e->missing;
+    const int n = 1 + (pair_key && !table_find(&table, pair_key, pair_len, pair_hash));
     pthread_mutex_unlock(&table_lock);
     if (e == NULL) {
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
         size_t size = 0;
         int origin = ORIGIN_COMPILED;
-        char *image = chain_cubin(k, p, arch, 0, &size, &origin, NULL, error, missing);
-        void *library = NULL;
-        int err = image ? brrr_cuda_library_load(image, "brrr_chain", &library, kernel) : 0;
+        const char *names[2] = {kernel_name(&ks[0]), kernel_name(&ks[1])};
+        void *kernels[2] = {NULL, NULL};
+        char *image = chain_cubin(ks, n, p, arch, 0, &size, &origin, NULL, error, missing);
+        int err = image ? brrr_cuda_library_load(image, n, names, kernels) : 0;
         if (err && origin == ORIGIN_DISK) { /* a cached cubin this driver refuses: compile it again */
             free(image);
-            image = chain_cubin(k, p, arch, 1, &size, &origin, NULL, error, missing);
-            err = image ? brrr_cuda_library_load(image, "brrr_chain", &library, kernel) : 0;
+            image = chain_cubin(ks, n, p, arch, 1, &size, &origin, NULL, error, missing);
+            err = image ? brrr_cuda_library_load(image, n, names, kernels) : 0;
         }
         if (err) {
             text t = {NULL, 0, 0, 0};
             put(&t, "loading a compiled chain kernel: CUDA error %d (%s)", err, brrr_cuda_error_string(err));
             *error = t.data;
-            *kernel = NULL;
         }
+        *kernel = image && !err ? kernels[0] : NULL;
         free(image);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         stats.last_seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
         if (*kernel) ++*(origin == ORIGIN_DISK ? &stats.from_disk : &stats.compiled);
         pthread_mutex_lock(&table_lock);
-        if (table_add(key, len, hash, *kernel, *missing) == 0) key = NULL;
+        if (table_add(&table, key, len, hash, *kernel, *missing) == 0) key = NULL;
+        /* When the program failed, its backward is left out: built alone when it is needed, it says why. */
+        if (n == 2 && *kernel && table_add(&table, pair_key, pair_len, pair_hash, kernels[1], 0) == 0) pair_key = NULL;
         pthread_mutex_unlock(&table_lock);
     }
     pthread_mutex_unlock(&compile_lock);
     Py_END_ALLOW_THREADS
     free(key);
+    free(pair_key);
     return 1;
 }
 
@@ -1102,7 +1179,7 @@ int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_s
         flat.x = L->x.data, flat.out = L->out.data, flat.grad_out = L->grad_out.data;
         for (int b = 0; b < prog->n_operands; b++) flat.operands[b] = L->operands[b].data, flat.grad_operands[b] = L->grad_operands[b].data;
         flat.numel = L->numel, flat.row_length = L->row_length;
-        const int64_t packs = L->numel / (16 / (int64_t)brrr_dtype_size(L->dtype)), per_block = 256 * 2; /* U = 2 */
+        const int64_t packs = L->numel / (16 / (int64_t)brrr_dtype_size(L->dtype)), per_block = 256 * packs_per_thread(&k, prog);
         grid[0] = (unsigned)((packs + per_block - 1) / per_block);
         grid[0] = grid[0] ? grid[0] : 1;
         param = &flat;
@@ -1142,17 +1219,20 @@ static int parse_dtype(const char *name, int32_t *dtype) {
 }
 
 /* chain_jit_compile(steps, dtype, backward=False, layout="contiguous", ndim=1, vector_mask=0,
- * grad_mask=0, arch=90, index32=False) -> (source, cubin, origin): what a CUDA call would compile, through the
- * disk cache (origin "disk" or "compiled"), without a GPU. For tests. */
+ * grad_mask=0, arch=90, index32=False, with_backward=False) -> (source, cubin, origin): what a
+ * CUDA call would compile, through the disk cache (origin "disk" or "compiled"), without a GPU;
+ * with_backward: a forward in one program with its backward, as a chain whose backward is wanted
+ * gets it. For tests. */
 PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *kwargs) {
     (void)module;
     static char *keywords[] = {"steps", "dtype", "backward", "layout", "ndim", "vector_mask", "grad_mask", "arch", "index32",
-                               NULL};
+                               "with_backward", NULL};
     PyObject *steps;
     const char *dtype_name, *layout_name = "contiguous";
-    int backward = 0, ndim = 1, vector_mask = 0, grad_mask = 0, arch = 90, index32 = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Os|psiiiip:chain_jit_compile", keywords, &steps, &dtype_name, &backward,
-                                     &layout_name, &ndim, &vector_mask, &grad_mask, &arch, &index32))
+    int backward = 0, ndim = 1, vector_mask = 0, grad_mask = 0, arch = 90, index32 = 0, with_backward = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Os|psiiiipp:chain_jit_compile", keywords, &steps, &dtype_name,
+                                     &backward, &layout_name, &ndim, &vector_mask, &grad_mask, &arch, &index32,
+                                     &with_backward))
         return NULL;
     brrr_chain_kernel k = {backward, 0, -1, ndim, vector_mask, grad_mask, index32};
     static const char *const LAYOUTS[] = {"contiguous", "strided", "rows"};
@@ -1175,6 +1255,13 @@ PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *
         PyErr_SetString(PyExc_ValueError, "argument vector_mask/grad_mask: a bit set past the chain's operands");
         return NULL;
     }
+    if (with_backward && !pairs_with_backward(&k)) {
+        PyMem_Free(p.steps);
+        PyErr_SetString(PyExc_ValueError, "argument with_backward: only a contiguous forward without vector operands "
+                                          "is built with its backward");
+        return NULL;
+    }
+    const brrr_chain_kernel ks[2] = {k, backward_of(&k, p.n_operands)};
     if (nvrtc_prepare() < 0) {
         PyMem_Free(p.steps);
         return NULL;
@@ -1184,7 +1271,7 @@ PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *
     char *source = NULL, *error = NULL, *image;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&compile_lock);
-    image = chain_cubin(&k, &p, arch, 0, &size, &origin, &source, &error, &missing);
+    image = chain_cubin(ks, 1 + with_backward, &p, arch, 0, &size, &origin, &source, &error, &missing);
     if (image) ++*(origin == ORIGIN_DISK ? &stats.from_disk : &stats.compiled);
     pthread_mutex_unlock(&compile_lock);
     Py_END_ALLOW_THREADS
@@ -1196,6 +1283,34 @@ PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *
     free(image);
     free(error);
     return result;
+}
+
+/* chain_jit_with_backward(program): the chain's backward is wanted (autograd records it), so the
+ * forward kernels it needs from now on are compiled in one program with their backward: one
+ * NVRTC compile where a forward and a backward took two. */
+PyObject *brrr_py_chain_jit_with_backward(PyObject *module, PyObject *program) {
+    (void)module;
+    brrr_chain_steps p;
+    if (brrr_chain_parse_program(program, &p) < 0) return NULL;
+#if BRRR_WITH_CUDA
+    const brrr_chain_kernel none = {0, 0, 0, 0, 0, 0, 0};
+    size_t len;
+    unsigned char *key = make_key(&none, 0, &p, &len);
+    int rc = key ? 0 : -1;
+    if (key) {
+        const uint64_t hash = fnv1a(FNV_OFFSET, key, len);
+        pthread_mutex_lock(&table_lock);
+        if (table_find(&with_backward, key, len, hash) == NULL) rc = table_add(&with_backward, key, len, hash, NULL, 0);
+        else rc = 1;
+        pthread_mutex_unlock(&table_lock);
+        if (rc != 0) free(key);
+    }
+    PyMem_Free(p.steps);
+    if (rc < 0) return PyErr_NoMemory();
+#else
+    PyMem_Free(p.steps);
+#endif
+    Py_RETURN_NONE;
 }
 
 /* chain_jit_info() -> dict: NVRTC's path and version (or why it is missing), the cache folder,

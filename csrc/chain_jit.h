@@ -38,6 +38,7 @@ int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_s
 
 PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *brrr_py_chain_jit_info(PyObject *module, PyObject *unused);
+PyObject *brrr_py_chain_jit_with_backward(PyObject *module, PyObject *program);
 PyObject *brrr_py_chain_jit_enable(PyObject *module, PyObject *flag);
 
 #endif

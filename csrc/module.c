@@ -77,12 +77,15 @@ static PyMethodDef methods[] = {
     {"chain_program", brrr_py_chain_program, METH_O, "chain_program(steps) -> bytes: validate and pack a chain."},
     {"chain_jit_compile", (PyCFunction)(void (*)(void))brrr_py_chain_jit_compile, METH_VARARGS | METH_KEYWORDS,
      "chain_jit_compile(steps, dtype, backward=False, layout='contiguous', ndim=1, vector_mask=0, grad_mask=0, arch=90, "
-     "index32=False) -> "
-     "(source, cubin, origin): the kernel a CUDA call compiles for these steps, through the disk cache ('disk' or "
-     "'compiled'); needs NVRTC, not a GPU."},
+     "index32=False, with_backward=False) -> "
+     "(source, cubin, origin): the program a CUDA call compiles for these steps (with_backward: the forward with its "
+     "backward), through the disk cache ('disk' or 'compiled'); needs NVRTC, not a GPU."},
+    {"chain_jit_with_backward", brrr_py_chain_jit_with_backward, METH_O,
+     "chain_jit_with_backward(program): the chain's backward is wanted; its contiguous forward kernels are compiled "
+     "from now on in one program with their backward."},
     {"chain_jit_info", brrr_py_chain_jit_info, METH_NOARGS,
      "chain_jit_info() -> dict: NVRTC (path, version, or why it is missing), the cache folder, whether CUDA chains are "
-     "compiled, and how many kernels were compiled and read from the cache."},
+     "compiled, and how many programs (of one or two kernels) were compiled and read from the cache."},
     {"chain_jit_enable", brrr_py_chain_jit_enable, METH_O,
      "chain_jit_enable(flag) -> previous: run CUDA chains as compiled kernels (True, the default) or interpreted."},
     {"chain_partial_rows", brrr_py_chain_partial_rows, METH_O,

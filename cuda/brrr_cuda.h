@@ -115,9 +115,10 @@ typedef struct {
     int64_t numel, row_length;
 } brrr_chain_flat;
 
-/* Kernels compiled at run time (cuda/jit.cu): a cubin loaded with the runtime's library API,
- * launched with one parameter, `param` pointing at its value. */
-int brrr_cuda_library_load(const void *image, const char *kernel_name, void **library, void **kernel);
+/* Kernels compiled at run time (cuda/jit.cu): a cubin loaded with the runtime's library API (and
+ * kept loaded), its n kernels found by name, each launched with one parameter, `param` pointing
+ * at its value. */
+int brrr_cuda_library_load(const void *image, int n, const char *const *kernel_names, void **kernels);
 int brrr_cuda_kernel_launch(void *kernel, const unsigned grid[3], const unsigned block[3], const void *param,
                             int device, void *stream);
 int brrr_cuda_device_arch(int device, int *arch);         /* 10 * major + minor */

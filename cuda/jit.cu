@@ -7,19 +7,17 @@
 #include "brrr_cuda.h"
 #include "common.cuh"
 
-extern "C" int brrr_cuda_library_load(const void *image, const char *kernel_name, void **library, void **kernel) {
+extern "C" int brrr_cuda_library_load(const void *image, int n, const char *const *kernel_names, void **kernels) {
     cudaLibrary_t lib;
     cudaError_t err = cudaLibraryLoadData(&lib, image, nullptr, nullptr, 0, nullptr, nullptr, 0);
     if (err != cudaSuccess) return (int)err;
-    cudaKernel_t k;
-    err = cudaLibraryGetKernel(&k, lib, kernel_name);
-    if (err != cudaSuccess) {
-        cudaLibraryUnload(lib);
-        return (int)err;
+    for (int i = 0; i < n && err == cudaSuccess; i++) {
+        cudaKernel_t k;
+        err = cudaLibraryGetKernel(&k, lib, kernel_names[i]);
+        kernels[i] = reinterpret_cast<void *>(k);
     }
-    *library = lib;
-    *kernel = reinterpret_cast<void *>(k);
-    return 0;
+    if (err != cudaSuccess) cudaLibraryUnload(lib);
+    return (int)err;
 }
 
 // cudaLaunchKernel takes a cudaKernel_t cast to the function pointer it otherwise expects.

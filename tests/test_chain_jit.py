@@ -14,7 +14,7 @@ import torch
 import brrr
 from brrr import _C
 from helpers import assert_close, random
-from test_chain_ops import _operands, random_long_chain, reference
+from test_chain_ops import _operands, random_long_chain, reference, reference_grads
 
 HAVE_NVRTC = _C.chain_jit_info()["nvrtc"] is not None
 # CI installs NVRTC (requirements-test.txt) so that generated code that does not compile fails there.
@@ -96,6 +96,12 @@ def test_the_source_is_specialised(cache_dir):
     assert "M::cos_fwd_grad_in_range(y[j], &d)" in _C.chain_jit_compile(["cos", "cos"], "float32", backward=True)[0]
     source, _, _ = _C.chain_jit_compile(["relu", ("add", float("inf")), ("mul", float("nan"))], "float64")
     assert "__longlong_as_double(0x7ff0000000000000LL)" in source
+    # A thread owns 2 packs, 1 where the copies of an inlined chain would hold more than 1024 steps.
+    assert "constexpr int U = 2," in _C.chain_jit_compile([("mul", 1.0001)] * 128, "float32")[0]
+    assert "constexpr int U = 1," in _C.chain_jit_compile([("mul", 1.0001)] * 129, "float32")[0]
+    assert "constexpr int U = 1," in _C.chain_jit_compile([("mul", 1.0001)] * 65, "bfloat16", backward=True)[0]
+    heavy = [s for s in MIXED if s not in ("add_tensor", "mul_tensor")] * 20
+    assert "constexpr int U = 2," in _C.chain_jit_compile(heavy, "bfloat16")[0]  # called, not inlined
 
 
 @needs_nvrtc
@@ -131,6 +137,50 @@ def test_a_corrupted_cache_file_is_rebuilt(cache_dir):
         assert origin == "compiled" and rebuilt == cubin
         assert path.read_bytes() == good  # replaced by a whole file
         assert _C.chain_jit_compile(steps, "float32")[2] == "disk"
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_forward_and_its_backward_are_one_program(cache_dir, dtype):
+    """A chain whose backward is wanted compiles its forward and backward in one NVRTC program: one
+    cache file holding both kernels, each the kernel it would be alone."""
+    steps = ["cos", ("mul", 1.75), "mul_tensor", "sin"]
+    source, cubin, origin = _C.chain_jit_compile(steps, dtype, with_backward=True)
+    assert origin == "compiled" and cubin[:4] == b"\x7fELF"
+    assert b"brrr_chain_fwd" in cubin and b"brrr_chain_bwd" in cubin
+    assert len(os.listdir(cache_dir)) == 1
+    assert _C.chain_jit_compile(steps, dtype, with_backward=True)[2] == "disk"
+    # The forward, and the backward of every operand's gradient, as compiled alone.
+    alone = [_C.chain_jit_compile(steps, dtype), _C.chain_jit_compile(steps, dtype, backward=True, grad_mask=1)]
+    for (text, cubin_alone, _), name in zip(alone, (b"brrr_chain_fwd", b"brrr_chain_bwd")):
+        preamble, functions_and_kernel = text.split("// The ", 1)
+        assert "// The " + functions_and_kernel in source and source.count(preamble.split("\n", 1)[1]) == 1
+        assert name in cubin_alone
+    assert len(os.listdir(cache_dir)) == 3  # three programs, three files
+
+
+@needs_nvrtc
+def test_a_forward_and_backward_program_corrupted_on_disk_is_rebuilt(cache_dir):
+    steps = ["sin", "softplus"]
+    _, cubin, _ = _C.chain_jit_compile(steps, "float32", with_backward=True)
+    (path,) = cache_dir.iterdir()
+    good = path.read_bytes()
+    for damage in (lambda b: b[:-1] + bytes([b[-1] ^ 1]), lambda b: b[: len(b) // 3], lambda b: b"BRRRJIT1"):
+        path.write_bytes(damage(good))
+        _, rebuilt, origin = _C.chain_jit_compile(steps, "float32", with_backward=True)
+        assert origin == "compiled" and rebuilt == cubin and path.read_bytes() == good
+
+
+def test_with_backward_arguments_are_checked():
+    with pytest.raises(ValueError, match="argument with_backward"):
+        _C.chain_jit_compile(["relu"], "float32", layout="strided", with_backward=True)
+    with pytest.raises(ValueError, match="argument with_backward"):
+        _C.chain_jit_compile(["add_tensor"], "float32", vector_mask=1, with_backward=True)
+    with pytest.raises(ValueError, match="argument with_backward"):
+        _C.chain_jit_compile(["relu"], "float32", backward=True, with_backward=True)
+    with pytest.raises(TypeError, match="argument program"):
+        _C.chain_jit_with_backward(b"short")
+    assert _C.chain_jit_with_backward(brrr.chain("cos", "relu").program) is None
 
 
 @needs_nvrtc
@@ -268,6 +318,20 @@ def test_long_chains_on_cuda_against_float64(dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [4097, 1 << 16, 3])
+def test_long_inlined_chains_one_pack_a_thread_against_float64(dtype, n):
+    """Light steps only, 200 of them: inlined, one 16-byte pack a thread (packs_per_thread)."""
+    steps = [("mul", 1.001), ("add", 0.001), "neg", "abs", ("clamp_max", 5.0)] * 40
+    x = random((n,), dtype, "cuda", -2.0, 2.0)
+    g = random((n,), dtype, "cuda")
+    got = _fwd_bwd(steps, x, [], g)
+    want, (want_grad,) = reference_grads(steps, x, [], g)
+    assert_close(got[0], want, dtype, scale=8.0)
+    assert_close(got[1], want_grad, dtype, scale=8.0)
+
+
+@pytest.mark.cuda
 def test_first_call_compiles_then_the_memory_cache_answers(tmp_path, monkeypatch):
     monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
     x = torch.randn(1 << 20, device="cuda")
@@ -288,6 +352,55 @@ def test_first_call_compiles_then_the_memory_cache_answers(tmp_path, monkeypatch
           f"then {again * 1e3:.3f} ms")
     assert _C.chain_jit_info()["compiled"] == before + 1
     assert first < 5.0 and again < first
+
+
+def _fresh_chain():
+    return brrr.chain("cos", ("mul", 1.0 + pyrandom.random()), "tanh")  # a scalar no other test uses
+
+
+def _check_grad(chain, x, y, grad):
+    want_x = x.detach().double().requires_grad_()
+    want = torch.tanh(torch.cos(want_x) * chain.steps[1][1])
+    want.backward(grad.double())
+    assert_close(y.detach(), want.detach(), x.dtype)
+    assert_close(x.grad, want_x.grad, x.dtype)
+
+
+@pytest.mark.cuda
+def test_a_chain_that_autograd_records_compiles_forward_and_backward_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    chain = _fresh_chain()
+    x = torch.randn(4099, device="cuda", requires_grad=True)  # 4099: a tail past the last 16-byte pack
+    grad = torch.randn_like(x)
+    before = _C.chain_jit_info()["compiled"]
+    y = chain(x)
+    y.backward(grad)
+    assert _C.chain_jit_info()["compiled"] == before + 1  # one program, both kernels
+    _check_grad(chain, x, y, grad)
+    assert len(os.listdir(tmp_path)) == 1
+    code = ("import json, torch, brrr; from brrr import _C; "
+            f"x = torch.randn(4099, device='cuda', requires_grad=True); y = brrr.chain(*{list(chain.steps)!r})(x); "
+            "y.backward(torch.ones_like(y)); info = _C.chain_jit_info(); print(json.dumps([info['compiled'], info['from_disk']]))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "BRRR_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "[0, 1]"  # the next process reads the one program from disk
+
+
+@pytest.mark.cuda
+def test_a_forward_compiled_alone_still_gains_its_backward(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    chain = _fresh_chain()
+    x = torch.randn(1 << 12, device="cuda", requires_grad=True)
+    grad = torch.randn_like(x)
+    before = _C.chain_jit_info()["compiled"]
+    with torch.no_grad():
+        chain(x)  # the forward alone
+    assert _C.chain_jit_info()["compiled"] == before + 1
+    y = chain(x)
+    y.backward(grad)
+    assert _C.chain_jit_info()["compiled"] == before + 2  # the backward, alone
+    _check_grad(chain, x, y, grad)
 
 
 @pytest.mark.cuda
