@@ -47,12 +47,15 @@ struct Fast32 {
 #define COS fast_cos
 #define SIN fast_sin
 #define SINCOS fast_sincos
-/* Up to |x| = 512 the MUFU's own reduction (x / 2pi truncated to fp32) errs by at most
- * 512 * 2^-23 = 6e-5 in phase: below float16's and bfloat16's resolution, for 2 instructions. */
+/* The MUFU's own reduction (x / 2pi rounded to fp32) errs in phase by about |x| * 2^-23: up to
+ * |x| = 32, 4e-6, far below float16's resolution, for 2 instructions. The limit was 512 (6e-5),
+ * and a backward multiplies that error by the chain's derivatives: a float16 gradient of
+ * cos(2 sin(-x)) at x = 377 came out 4e-4 off (tests/test_chain.py's mixed packs). Larger values
+ * take the exact reduction first (fast_sin). */
 #define COS_IN_RANGE __cosf
 #define SIN_IN_RANGE __sinf
 #define SINCOS_IN_RANGE __sincosf
-#define TRIG_PACK_OK(v) (fabsf(v) <= 512.0f)
+#define TRIG_PACK_OK(v) (fabsf(v) <= 32.0f)
 #define DIV(a, b) __fdividef((a), (b))
 #define LOG logf
 #define LOG1P log1pf

@@ -197,8 +197,40 @@ def test_random_long_chains(device, dtype, seed, strided):
     assert_near(chain(x, *operands), reference(steps, x, operands), dtype, scale)
     y, grads = grads_of(chain, x, operands, g)
     want_y, want = reference_grads(steps, x, operands, g)
+    # A value that reaches a kink (abs, relu, a clamp) within the float32 functions' error of it
+    # may take the other side's derivative: those elements, and the columns a vector operand's
+    # gradient sums them into, are not compared (a tenth at most, so most of each gradient is).
+    distance = kink_distance(steps, x, operands)
+    near = (distance > 0) & (distance < KINK_WIDTH[dtype])  # on a kink exactly (after a clamp): both agree
+    assert near.float().mean() < 0.1, steps
     for got, expected in zip(grads, want):
-        assert_near(got, expected, dtype, scale * 2)
+        keep = ~near if got.shape == near.shape else ~near.any(0)
+        assert_near(got.cpu()[keep], expected[keep], dtype, scale * 2)
+
+
+KINK_WIDTH = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+KINKS = {"abs": 0.0, "relu": 0.0, "leaky_relu": 0.0, "hardswish": (-3.0, 3.0)}
+
+
+def kink_distance(steps, x, operands):
+    """Per element of x, the float64 chain's least distance to a kink of its derivative."""
+    from test_chain import reference_step
+
+    y = x.to("cpu", torch.float64)
+    ops = iter(o.to("cpu", torch.float64) for o in operands)
+    distance = torch.full(x.shape, float("inf"), dtype=torch.float64)
+    for step in steps:
+        name, scalar = (step, None) if isinstance(step, str) else step
+        kinks = scalar if name in ("clamp_min", "clamp_max") else KINKS.get(name, ())
+        for kink in kinks if isinstance(kinks, tuple) else (kinks,):
+            distance = torch.minimum(distance, (y - kink).abs())
+        if name in NEW_OPS:
+            y = NEW_OPS[name][0](y)
+        elif name in SCALAR_OPS:
+            y = SCALAR_OPS[name][0](y, scalar)
+        else:
+            y = reference_step(name, y, scalar, next(ops) if name in ("add_tensor", "mul_tensor") else None)
+    return distance
 
 
 @pytest.mark.parametrize("device", DEVICES)
