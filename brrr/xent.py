@@ -98,21 +98,25 @@ def _cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtyp
     return astype(xp, result, input.dtype if dtype is None else dtype)
 
 
-# Bytes of logits linear_cross_entropy holds at once by default: one chunk of rows (at 16384 x 4096
-# and 128256 words in bf16, 512 rows: no more than the input, about Liger-Kernel's chunk).
+# A budget of logits that linear_cross_entropy's chunks by rows never go below (128 MiB: at 16384 x
+# 4096 and 128256 words in bf16, 512 rows, no more than the input, Liger-Kernel's chunk), and
+# the budget that tests and benchmarks pass to get that chunk.
 LOGITS_BUDGET = 2**27
 # How its weight gradient accumulates over the chunks: in the weight's dtype, in place (no buffer
 # beyond the gradient itself), or in float32 (float64 for float64), rounded once in the backward.
 ACCUMULATIONS = ("weight", "float32")
+# The chunks' rows are a multiple of it where the budget fits that many (chunk_rows).
+GEMM_TILE_ROWS = 128
 _INDEX_DTYPES = ("torch.int64", "torch.int32", "torch.uint8")
 
 
 def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, softcap=None, z_loss=0.0, dtype=None, logits_budget=LOGITS_BUDGET,
+                         label_smoothing=0.0, softcap=None, z_loss=0.0, dtype=None, logits_budget=None,
                          accumulation="float32"):
     """cross_entropy(input @ weight.T + bias, target) (the arguments as cross_entropy's) without
-    ever holding more than `logits_budget` bytes of logits: the rows go in chunks of that size,
-    each chunk's logits turned into its loss and, in place, its gradient by brrr's kernel, the
+    ever holding more than one chunk of rows' logits: `logits_budget` bytes of them, or, by
+    default (None), the rows that auto_chunk_rows chooses (1024 rows of bf16 logits with a bf16
+    accumulator, 2048 with a float32 one, at most half the accumulator's bytes). Each chunk's logits turned into its loss and, in place, its gradient by brrr's kernel, the
     GEMMs run by PyTorch. input (..., H), weight (V, H), bias None or (V,), all of one floating
     dtype on one device; target input.shape[:-1] of class indices; the loss in `dtype` (default:
     the input's). With autograd recording and reduction "mean" or "sum" the forward computes the
@@ -128,13 +132,14 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
         raise TypeError(f"argument input: brrr.linear_cross_entropy takes PyTorch tensors (its GEMMs run in "
                         f"PyTorch), got {type(input).__name__}")
     _check_linear(torch, input, weight, target, bias)
-    if isinstance(logits_budget, bool) or not isinstance(logits_budget, numbers.Integral) or logits_budget <= 0:
-        raise ValueError(f"argument logits_budget: expected a positive int (bytes), got {logits_budget!r}")
+    if logits_budget is not None and (isinstance(logits_budget, bool) or not isinstance(logits_budget, numbers.Integral)
+                                      or logits_budget <= 0):
+        raise ValueError(f"argument logits_budget: expected None or a positive int (bytes), got {logits_budget!r}")
     if not isinstance(accumulation, str) or accumulation not in ACCUMULATIONS:
         raise bad_choice("accumulation", accumulation, ACCUMULATIONS)
     return torch_layer().linear_cross_entropy(input, weight, target, bias, int(ignore_index), reduction,
                                          float(label_smoothing), None if softcap is None else float(softcap),
-                                         float(z_loss), dtype, int(logits_budget), accumulation)
+                                         float(z_loss), dtype, logits_budget and int(logits_budget), accumulation)
 
 
 def _check_linear(torch, input, weight, target, bias):
@@ -168,6 +173,25 @@ def chunk_rows(vocab, itemsize, budget, multiple=1):
     rows a 128-row tile would run 11 rows of its fifth)."""
     rows = max(1, budget // max(1, vocab * itemsize))
     return rows - rows % multiple if rows >= multiple else rows
+
+
+def auto_chunk_rows(vocab, hidden, itemsize, acc_itemsize):
+    """Rows per chunk of linear_cross_entropy without a logits_budget: `itemsize` the logits',
+    `acc_itemsize` the weight gradient's accumulator's. Each chunk's GEMM into the accumulator
+    reads and writes all of it (2 * acc_itemsize bytes per weight element; cuBLAS does not hide
+    that behind its arithmetic: on an H200 at 16384 x 4096 x 128256 in bf16, halving the chunks
+    saved 16 ms with a float32 accumulator and 7 ms with a bf16 one, about those bytes at 4 TB/s),
+    while the chunk's three GEMMs do 6 * rows FLOPs per weight element. At an H200's ~175 bf16
+    FLOPs per byte (cuBLAS's ~700 TFLOP/s against 4 TB/s) the round trips cost 58 *
+    acc_itemsize / rows of the GEMMs' time, whatever the vocabulary and hidden sizes: 1024 rows of
+    half-precision logits per 2 bytes of accumulator (1024 for bf16, 2048 for float32) hold that
+    to 11% (float32 and float64 logits, whose GEMMs run several times slower, take 1024). The
+    logits held are capped at half the accumulator's bytes, never below LOGITS_BUDGET (with
+    half-precision logits and hidden sizes under 2048 that gives fewer rows: hidden / 2 with a
+    bf16 accumulator, hidden with a float32 one, where 128 MiB does not hold more)."""
+    rows = 1024 * acc_itemsize // itemsize
+    cap = max(LOGITS_BUDGET, vocab * hidden * acc_itemsize // 2)
+    return chunk_rows(vocab, itemsize, min(rows * vocab * itemsize, cap), GEMM_TILE_ROWS)
 
 
 # ---- PyTorch: the custom ops brrr::cross_entropy and brrr::linear_cross_entropy, their backward
@@ -313,7 +337,6 @@ def torch_layer():
 
     # ---- linear_cross_entropy
     scale_slice_bytes = 2**26  # the backward's slices of a gradient: 8M elements (2**26 bytes of float64)
-    gemm_tile_rows = 128  # the chunks' rows a multiple of it where the budget fits that many (chunk_rows)
 
     def count_rows(target, ignore_index, dtype):
         """The rows "mean" divides by: over the whole input, not a chunk; on the device (compared in
@@ -492,7 +515,10 @@ def torch_layer():
         """brrr.linear_cross_entropy on torch tensors (arguments checked)."""
         hidden = input.shape[-1]
         needs = [torch.is_grad_enabled() and p is not None and p.requires_grad for p in (input, weight, bias)]
-        rows = chunk_rows(weight.shape[0], input.element_size(), budget, gemm_tile_rows)
+        if budget is None:
+            rows = auto_chunk_rows(*weight.shape, input.element_size(), weight_grad_dtype(weight, accumulation).itemsize)
+        else:
+            rows = chunk_rows(weight.shape[0], input.element_size(), budget, GEMM_TILE_ROWS)
         loss = linear_op(input.reshape(-1, hidden), weight, target.reshape(-1), bias, ignore_index, label_smoothing,
                          softcap, z_loss, reduction, rows, accumulation, needs)
         if reduction == "none":

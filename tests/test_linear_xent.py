@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import brrr
-from brrr.xent import ACCUMULATIONS, LOGITS_BUDGET, chunk_rows
+from brrr.xent import ACCUMULATIONS, LOGITS_BUDGET, auto_chunk_rows, chunk_rows
 from helpers import DEVICES, DTYPES, TOLERANCE, random
 from test_xent import IGNORE, make_targets, reference_loss
 
@@ -65,15 +65,22 @@ def check(name, actual, expected, terms, dtype, roundings=1):
 
 def compare(x, weight, target, bias=None, what="", g=None, budget=None, accumulation="weight", **options):
     """brrr and the reference: the loss, and the gradients of x, weight and bias (those that
-    require grad) for the upstream gradient g (random by default). Returns (loss, grads)."""
+    require grad) for the upstream gradient g (random by default). Returns (loss, grads). budget:
+    bytes of logits, None for LOGITS_BUDGET, "auto" to leave the chunks to linear_cross_entropy."""
     dtype = x.dtype
     leaves = [None if p is None else p.detach().requires_grad_(p.requires_grad) for p in (x, weight, bias)]
     budget = LOGITS_BUDGET if budget is None else budget
-    loss = brrr.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], **options, logits_budget=budget,
+    chunking = {} if budget == "auto" else {"logits_budget": budget}
+    loss = brrr.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], **options, **chunking,
                                      accumulation=accumulation)
     # Accumulated in a half-precision weight's dtype, its gradient is rounded once per chunk.
     rows = target.numel()
-    chunks = -(-rows // chunk_rows(weight.shape[0], x.element_size(), budget, 128)) if rows else 1
+    if budget == "auto":
+        acc_itemsize = x.element_size() if accumulation == "weight" else max(4, x.element_size())
+        per_chunk = auto_chunk_rows(*weight.shape, x.element_size(), acc_itemsize)
+    else:
+        per_chunk = chunk_rows(weight.shape[0], x.element_size(), budget, 128)
+    chunks = -(-rows // per_chunk) if rows else 1
     roundings = {"weight": chunks if accumulation == "weight" and x.element_size() == 2 else 1}
     ref_leaves, logits, ref = reference(x, weight, target, bias, **options)
     where = f"{what} {options} {accumulation}"
@@ -239,13 +246,14 @@ def test_deterministic(device, dtype, accumulation):
     rows, hidden, classes = (4099, 256, 32000) if device == "cuda" else (301, 32, 1001)
     x, w, b = make(rows, hidden, classes, dtype, device)
     t = make_targets((rows,), classes, device, IGNORE[0])
-    runs = []
-    for _ in range(2):
-        loss = brrr.linear_cross_entropy(x, w, t, b, label_smoothing=0.1, z_loss=1e-4,
-                                         logits_budget=chunk_budget(97, classes, dtype), accumulation=accumulation)
-        runs.append((loss.detach(),) + torch.autograd.grad(loss, (x, w, b)))
-    for a, c in zip(*runs):
-        assert torch.equal(a, c)
+    for chunking in ({"logits_budget": chunk_budget(97, classes, dtype)}, {}):  # {}: the default chunks
+        runs = []
+        for _ in range(2):
+            loss = brrr.linear_cross_entropy(x, w, t, b, label_smoothing=0.1, z_loss=1e-4, accumulation=accumulation,
+                                             **chunking)
+            runs.append((loss.detach(),) + torch.autograd.grad(loss, (x, w, b)))
+        for a, c in zip(*runs):
+            assert torch.equal(a, c), chunking
 
 
 def test_gradcheck():
@@ -306,6 +314,40 @@ def test_chunk_size_follows_the_budget():
     assert chunk_rows(32000, 4, 2**28, 128) == 2048
     assert chunk_rows(32000, 2, 32000 * 2 * 100, 128) == 100  # fewer than 128 rows: as many as fit
     assert chunk_rows(32000, 2, 10, 128) == 1
+
+
+def test_default_chunks_follow_the_accumulators_arithmetic():
+    """Without a budget: 1024 rows of half-precision logits per 2 bytes of accumulator (its read
+    and write per chunk against the chunk's GEMMs), logits capped at half the accumulator's bytes
+    but not below LOGITS_BUDGET; float32 logits 1024 rows."""
+    assert auto_chunk_rows(128256, 4096, 2, 2) == 1024  # bf16 accumulator: 256 MiB of logits
+    assert auto_chunk_rows(128256, 4096, 2, 4) == 2048  # float32 accumulator
+    assert auto_chunk_rows(256000, 2048, 2, 4) == 2048  # the cap, half of 2 GB, is just 2048 rows
+    assert auto_chunk_rows(256000, 1024, 2, 4) == 1024  # capped at half the accumulator
+    assert auto_chunk_rows(256000, 256, 2, 2) == 256  # LOGITS_BUDGET's rows, above the cap's 128
+    assert auto_chunk_rows(32000, 64, 2, 2) == 1024  # LOGITS_BUDGET holds 2097 rows
+    assert auto_chunk_rows(128256, 4096, 4, 4) == 1024
+    assert auto_chunk_rows(300, 16, 2, 4) == 2048
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_default_chunks_match_torch(dtype, accumulation, reduction):
+    """The default chunking over 2500 rows (chunks of 1024, the last of 452 rows; of 2048 for
+    16-bit logits with a float32 accumulator) and 301 classes: every option, each ignore_index,
+    all rows ignored."""
+    x, w, b = make(2500, 16, 301, dtype, "cpu")
+    for ignore, options in [(IGNORE[0], dict(label_smoothing=0.1)), (IGNORE[1], dict(softcap=2.0, z_loss=0.1)),
+                            (IGNORE[2], dict(softcap=30.0, z_loss=1e-4, label_smoothing=0.2))]:
+        t = make_targets((2500,), 301, "cpu", ignore)
+        compare(x, w, t, b, what="default chunks", budget="auto", reduction=reduction, accumulation=accumulation,
+                ignore_index=ignore[1], **options)
+    t = torch.full((2500,), -100)
+    loss = brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, z_loss=0.1, accumulation=accumulation)
+    assert torch.isnan(loss).all() if reduction == "mean" else not loss.detach().any()
+    grads = torch.autograd.grad(loss, (x, w, b), torch.ones_like(loss))
+    assert all(not g.any() for g in grads), reduction
 
 
 def test_saves_no_logits():
@@ -518,7 +560,7 @@ def test_cuda_matches_cpu_at_size(dtype):
 
 @pytest.mark.cuda
 def test_cuda_peak_memory_of_each_accumulation():
-    """bf16, 8192 x 1024, 32768 classes, the default budget (128 MiB: 4 chunks of 2048 rows):
+    """bf16, 8192 x 1024, 32768 classes, LOGITS_BUDGET (128 MiB: 4 chunks of 2048 rows):
     forward and backward allocate at their peak (torch.cuda.max_memory_allocated) at most the
     weight's gradient, the input's, one chunk of logits and 8 MiB with accumulation "weight"; with
     "float32" at least the float32 accumulator (twice the weight's bytes), the input's gradient and
@@ -529,7 +571,7 @@ def test_cuda_peak_memory_of_each_accumulation():
     w_bytes, x_bytes, chunk_bytes = w.numel() * 2, x.numel() * 2, LOGITS_BUDGET
     for accumulation in ACCUMULATIONS:
         def step():
-            loss = brrr.linear_cross_entropy(x, w, t, accumulation=accumulation)
+            loss = brrr.linear_cross_entropy(x, w, t, accumulation=accumulation, logits_budget=chunk_bytes)
             return torch.autograd.grad(loss, (x, w))
 
         step()  # cuBLAS's workspace, allocated once
