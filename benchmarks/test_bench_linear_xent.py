@@ -8,7 +8,8 @@ Liger-Kernel (when liger_kernel is importable), in one run: time and peak memory
   each accumulation of the weight's gradient (float32, the default, and "weight", in bf16) in its
   default chunks (from the accumulator's arithmetic: 2048 and 1024 rows here) and in chunks of
   128 MiB of logits (512 rows, Liger-Kernel's chunk and the default before), and "weight" in
-  chunks of 512 MiB (2048 rows).
+  chunks of 512 MiB (2048 rows); and two of them with the input-gradient GEMMs on a second
+  stream (brrr.xent.INPUT_GRAD_STREAM).
 - A training step (forward and backward, bf16 weights) of a Llama-style model from transformers'
   config (2 layers, hidden 2048, random weights) at vocabularies 32000, 128256 and 256000 and
   4 x 2048 and 2 x 8192 tokens: unpatched eager, brrr.patch eager (and with remat=True: the
@@ -84,14 +85,24 @@ def eager_loss(x, w, t):
     return F.cross_entropy(F.linear(x, w).float(), t)
 
 
-def brrr_loss(x, w, t, **options):
-    return brrr.linear_cross_entropy(x, w, t, dtype=torch.float32, **options)
+def brrr_loss(x, w, t, two_streams=False, **options):
+    """brrr's loss; two_streams: with brrr.xent.INPUT_GRAD_STREAM set (its forward computes the
+    gradients)."""
+    saved, brrr.xent.INPUT_GRAD_STREAM = brrr.xent.INPUT_GRAD_STREAM, two_streams
+    try:
+        return brrr.linear_cross_entropy(x, w, t, dtype=torch.float32, **options)
+    finally:
+        brrr.xent.INPUT_GRAD_STREAM = saved
 
 
 BRRR_OPTIONS = {"brrr": {}, "brrr 128 MiB chunks": {"logits_budget": 2**27},
                 "brrr weight accumulation": {"accumulation": "weight"},
                 "brrr weight accumulation, 128 MiB chunks": {"accumulation": "weight", "logits_budget": 2**27},
-                "brrr weight accumulation, 512 MiB chunks": {"accumulation": "weight", "logits_budget": 2**29}}
+                "brrr weight accumulation, 512 MiB chunks": {"accumulation": "weight", "logits_budget": 2**29},
+                "brrr, two streams": {"two_streams": True},
+                "brrr weight accumulation, 128 MiB chunks, two streams": {"accumulation": "weight",
+                                                                          "logits_budget": 2**27,
+                                                                          "two_streams": True}}
 
 
 def relative_error(a, b):

@@ -107,6 +107,12 @@ LOGITS_BUDGET = 2**27
 ACCUMULATIONS = ("weight", "float32")
 # The chunks' rows are a multiple of it where the budget fits that many (chunk_rows).
 GEMM_TILE_ROWS = 128
+# On CUDA, run each chunk's input-gradient GEMM on a second stream, beside its weight-gradient GEMM
+# (both only read the chunk's logit gradient): the input's GEMM (rows x hidden, few output tiles
+# for a GPU's SMs) and the weight's (whose read and write of the accumulator cuBLAS does not hide)
+# may fill each other's idle SMs. Off by default until measured: benchmarks/test_bench_linear_xent.py
+# times both ("two streams" rows). The results are the same bits either way.
+INPUT_GRAD_STREAM = False
 _INDEX_DTYPES = ("torch.int64", "torch.int32", "torch.uint8")
 
 
@@ -375,6 +381,8 @@ def torch_layer():
         gradient = any(needs)
         lse = None if gradient else torch.empty_like(loss_rows)
         cuda_stream = stream(x)
+        side = side_stream(x.device) if INPUT_GRAD_STREAM and x.is_cuda and needs[0] and needs[1] else None
+        main = None if side is None else torch.cuda.current_stream(x.device)
         # One chunk's logits, the only vocabulary-sized buffer, reused by every chunk.
         buffer = x.new_empty((min(rows_per_chunk, x.shape[0]), weight.shape[0]))
         for start in range(0, x.shape[0], rows_per_chunk):
@@ -394,13 +402,29 @@ def torch_layer():
             _C.cross_entropy_fwd_bwd(logits, ts, loss_rows[start:end], rows_grad, count, logits,
                                      ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
                                      z_loss=z_loss, stream=cuda_stream)
-            if grad_input is not None:
+            if side is not None:
+                side.wait_stream(main)  # the chunk's logit gradient is written
+                with torch.cuda.stream(side):
+                    torch.mm(logits, weight, out=grad_input[start:end])
+            elif grad_input is not None:
                 torch.mm(logits, weight, out=grad_input[start:end])
             if grad_weight is not None:
                 accumulate_weight_grad(grad_weight, logits, xs, start == 0)
             if grad_bias is not None:
                 grad_bias += logits.sum(0, dtype=acc)
+            if side is not None:
+                # Before the next chunk overwrites the buffer, and before anything on the caller's
+                # stream reads grad_input or frees what the side stream used.
+                main.wait_stream(side)
         return grad_input, grad_weight, grad_bias
+
+    side_streams = {}
+
+    def side_stream(device):
+        """One second stream per device (INPUT_GRAD_STREAM), made on first use."""
+        if device not in side_streams:
+            side_streams[device] = torch.cuda.Stream(device)
+        return side_streams[device]
 
     def linear_forward(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
                        label_smoothing: float, softcap: Optional[float], z_loss: float, reduction: str,

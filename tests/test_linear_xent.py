@@ -559,6 +559,38 @@ def test_cuda_matches_cpu_at_size(dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+def test_cuda_input_gradient_on_a_second_stream(monkeypatch, accumulation):
+    """brrr.xent.INPUT_GRAD_STREAM: the same bits as one stream (each GEMM alone computes its
+    output), right against float64, in a CUDA graph too; off without an input gradient."""
+    x, w, b = make(3001, 64, 4097, torch.bfloat16, "cuda")
+    t = make_targets((3001,), 4097, "cuda", IGNORE[0])
+    budget = chunk_budget(384, 4097, torch.bfloat16)  # 8 chunks, the last of 313 rows
+
+    def grads():
+        loss = brrr.linear_cross_entropy(x, w, t, b, softcap=30.0, logits_budget=budget, accumulation=accumulation)
+        return (loss.detach(),) + torch.autograd.grad(loss, (x, w, b))
+
+    one = grads()
+    monkeypatch.setattr(brrr.xent, "INPUT_GRAD_STREAM", True)
+    two = grads()
+    assert all(torch.equal(a, c) for a, c in zip(one, two))
+    compare(x, w, t, b, what="two streams", budget=budget, accumulation=accumulation, softcap=30.0)
+    compare(x.detach(), w, t, b, what="two streams, no input gradient", budget=budget, accumulation=accumulation)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grads()  # warm-up outside the capture, as test_cuda_graph_capture_of_a_training_step
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grads()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, c) for a, c in zip(one, captured))
+
+
+@pytest.mark.cuda
 def test_cuda_peak_memory_of_each_accumulation():
     """bf16, 8192 x 1024, 32768 classes, LOGITS_BUDGET (128 MiB: 4 chunks of 2048 rows):
     forward and backward allocate at their peak (torch.cuda.max_memory_allocated) at most the
