@@ -487,22 +487,31 @@ def torch_layer():
 
     def scaled_in_place(grad_acc, g, dtype):
         """grad_acc * g (g None: 1) rounded once to `dtype`, in grad_acc's memory: no second tensor of
-        a weight's size. A slice of rows at a time through g's dtype (no whole float32 copy of a
-        gradient; and on CUDA a half-precision tensor times a float32 0-d one would round the
-        factor to half precision first). Into a narrower dtype (a float32 accumulator of a bf16
-        weight's gradient) the slices are written in increasing row order over the start of
-        grad_acc's storage: a slice's rows land at or below the bytes they were read from, past the
-        rows already written, and the result is a view of that storage (which stays allocated
-        until the view is freed)."""
-        if grad_acc.dtype == dtype and (g is None or g.dtype == dtype):
-            return grad_acc if g is None else grad_acc.mul_(g)
+        a weight's size. One kernel per slice of rows: the product taken in the wider of the two
+        dtypes and rounded as it is stored (g as a 1-element tensor, which takes part in type
+        promotion; a 0-d one does not, and on CUDA a half-precision tensor times a float32 0-d
+        one rounds the factor to half precision first). The slices, at most 8M elements, bound
+        the temporaries that CPU kernels make for mixed dtypes. Into a narrower dtype (a float32
+        accumulator of a bf16 weight's gradient) the slices are written in increasing row order
+        over the start of grad_acc's storage: a slice's rows land below the bytes they are read
+        from, over rows already read, and the result is a view of that storage (which stays
+        allocated until the view is freed). Only the first slice's destination overlaps its
+        source (a later slice starts at least its own length in): it is read into a copy first."""
+        if g is None and grad_acc.dtype == dtype:
+            return grad_acc
         out = grad_acc
         if grad_acc.dtype != dtype:  # a narrower dtype: grad_acc is the (contiguous) accumulator
             out = grad_acc.view(-1).view(dtype)[:grad_acc.numel()].view(grad_acc.shape)
-        rows = chunk_rows(math.prod(grad_acc.shape[1:]), 8, scale_slice_bytes)  # a copy of 32 MiB of float32
+        factor = None if g is None else g.reshape(1)
+        rows = chunk_rows(math.prod(grad_acc.shape[1:]), 8, scale_slice_bytes)  # 32 MiB of float32
         for start in range(0, grad_acc.shape[0], rows):
-            part = grad_acc[start:start + rows]  # read whole into a copy before `out` is written
-            out[start:start + rows] = part.clone() if g is None else part.to(g.dtype, copy=True).mul_(g)
+            part = grad_acc[start:start + rows]
+            if out is not grad_acc and start == 0:
+                part = part.clone()
+            if factor is None:
+                out[start:start + rows].copy_(part)
+            else:
+                torch.mul(part, factor, out=out[start:start + rows])
         return out
 
     def linear_formula(ctx, grads, run):

@@ -291,6 +291,26 @@ def test_gradient_against_finite_differences(reduction):
         assert abs(numeric - analytic) <= 1e-7 * max(1.0, abs(numeric)), (numeric, analytic)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+def test_backward_scaling_rounds_once_over_several_slices(device, accumulation):
+    """The backward's scaling of a bf16 weight's gradient of 8.6M elements (two slices of the
+    backward, the second of 52 rows) by a float32 upstream gradient: right against float64, and
+    with a bf16 accumulator bitwise bf16(float32(unscaled) * g): the factor is not rounded to
+    bf16 first (1/3 is not a bf16)."""
+    x, w, b = make(5, 4096, 2100, torch.bfloat16, device)
+    t = make_targets((5,), 2100, device, IGNORE[0])
+    g = torch.tensor(1 / 3, device=device)
+    compare(x, w, t, b, what="several slices", accumulation=accumulation)
+    grads = []
+    for upstream in (torch.ones((), device=device), g):
+        loss = brrr.linear_cross_entropy(x, w, t, b, dtype=torch.float32, accumulation=accumulation)
+        grads.append(torch.autograd.grad(loss, (x, w, b), upstream))
+    if accumulation == "weight":
+        assert torch.equal(grads[1][1], (grads[0][1].float() * g).bfloat16())
+    assert torch.equal(grads[1][0], (grads[0][0].float() * g).bfloat16())
+
+
 def test_second_backward_through_the_graph_raises():
     """The backward scales the forward's gradients in place: a second one (retain_graph) would
     scale them twice, so it raises, after a first that is right."""
