@@ -355,14 +355,17 @@ def torch_layer():
     def accumulate_weight_grad(grad_weight, grad_logits, x, first):
         """grad_weight += grad_logits.T @ x, each chunk's product summed in float32 (cuBLAS's
         compute type for half precision) and added to grad_weight, rounded once to its dtype. In
-        the logits' dtype the first chunk writes grad_weight without reading it (allocated empty:
-        no zero fill, one read of a weight's size fewer); an accumulator of another dtype starts
-        as zeros."""
+        the logits' dtype, and on CUDA in a float32 accumulator, the first chunk writes
+        grad_weight without reading it (allocated empty: no zero fill, one read of the
+        accumulator fewer); a CPU accumulator of another dtype starts as zeros."""
         if grad_logits.dtype == grad_weight.dtype:
             grad_weight.addmm_(grad_logits.t(), x, beta=0 if first else 1)
         elif grad_logits.is_cuda:
             # cuBLAS accumulates in float32 and writes float32: the chunks' sum is never rounded to bf16.
-            torch.addmm(grad_weight, grad_logits.t(), x, out_dtype=grad_weight.dtype, out=grad_weight)
+            if first:
+                torch.mm(grad_logits.t(), x, out_dtype=grad_weight.dtype, out=grad_weight)
+            else:
+                torch.addmm(grad_weight, grad_logits.t(), x, out_dtype=grad_weight.dtype, out=grad_weight)
         else:
             grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), x.to(grad_weight.dtype))
 
@@ -375,7 +378,8 @@ def torch_layer():
         acc = loss_rows.dtype
         grad_input = torch.empty_like(x) if needs[0] else None
         weight_dtype = weight_grad_dtype(weight, accumulation)
-        new = torch.empty if weight_dtype == x.dtype and x.shape[0] else torch.zeros  # see accumulate_weight_grad
+        written = (weight_dtype == x.dtype or x.is_cuda) and x.shape[0]  # by the first chunk: accumulate_weight_grad
+        new = torch.empty if written else torch.zeros
         grad_weight = new(weight.shape, dtype=weight_dtype, device=weight.device) if needs[1] else None
         grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if needs[2] else None
         gradient = any(needs)
