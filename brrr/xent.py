@@ -113,6 +113,12 @@ GEMM_TILE_ROWS = 128
 # may fill each other's idle SMs. Off by default until measured: benchmarks/test_bench_linear_xent.py
 # times both ("two streams" rows). The results are the same bits either way.
 INPUT_GRAD_STREAM = False
+# Run the chunks over the rows whose target is not ignore_index only (a chunk's rows gathered into
+# a buffer of its size, its input gradient scattered back; ignored rows' gradients are zero and
+# their logits unused), which saves the ignored share of all three GEMMs and of the accumulator's
+# round trips. The kept rows' count takes a host sync, so off by default, and off under CUDA-graph
+# capture; the weight's gradient sums the same rows in another grouping (deterministic still).
+SKIP_IGNORED_ROWS = False
 _INDEX_DTYPES = ("torch.int64", "torch.int32", "torch.uint8")
 
 
@@ -374,46 +380,70 @@ def torch_layer():
         """The chunks (see above): every row's loss into loss_rows and, where `needs` asks, the
         gradients scaled by grad_loss (None: 1 for every row) over count (None: 1). Returns
         (grad_input, grad_weight, grad_bias), None where not needed: the input's in its dtype, the
-        weight's in weight_grad_dtype, the bias's in the accumulation dtype."""
+        weight's in weight_grad_dtype, the bias's in the accumulation dtype. With
+        SKIP_IGNORED_ROWS (outside CUDA-graph capture) the chunks run over the counted rows only,
+        gathered a chunk at a time."""
         acc = loss_rows.dtype
-        grad_input = torch.empty_like(x) if needs[0] else None
+        kept = None
+        if SKIP_IGNORED_ROWS and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            kept = (target.to(torch.int64) != ignore_index).nonzero().squeeze(1)  # a host sync: its length
+            loss_rows.zero_()  # an ignored row's loss
+        rows = x.shape[0] if kept is None else kept.numel()
+        grad_input = (torch.empty_like if kept is None else torch.zeros_like)(x) if needs[0] else None
         weight_dtype = weight_grad_dtype(weight, accumulation)
-        written = (weight_dtype == x.dtype or x.is_cuda) and x.shape[0]  # by the first chunk: accumulate_weight_grad
+        written = (weight_dtype == x.dtype or x.is_cuda) and rows  # by the first chunk: accumulate_weight_grad
         new = torch.empty if written else torch.zeros
         grad_weight = new(weight.shape, dtype=weight_dtype, device=weight.device) if needs[1] else None
         grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if needs[2] else None
         gradient = any(needs)
         lse = None if gradient else torch.empty_like(loss_rows)
         cuda_stream = stream(x)
-        side = side_stream(x.device) if INPUT_GRAD_STREAM and x.is_cuda and needs[0] and needs[1] else None
+        side = (side_stream(x.device) if INPUT_GRAD_STREAM and x.is_cuda and needs[0] and needs[1] and kept is None
+                else None)
         main = None if side is None else torch.cuda.current_stream(x.device)
         # One chunk's logits, the only vocabulary-sized buffer, reused by every chunk.
         buffer = x.new_empty((min(rows_per_chunk, x.shape[0]), weight.shape[0]))
-        for start in range(0, x.shape[0], rows_per_chunk):
-            end = min(start + rows_per_chunk, x.shape[0])
-            xs, ts, logits = x[start:end], target[start:end], buffer[:end - start]
+        if kept is not None:  # a chunk's rows of x (then of grad_input), its targets and losses
+            gathered = x.new_empty((buffer.shape[0], x.shape[1]))
+            chunk_loss = torch.empty(buffer.shape[0], dtype=acc, device=x.device)
+        for start in range(0, rows, rows_per_chunk):
+            end = min(start + rows_per_chunk, rows)
+            logits = buffer[:end - start]
+            if kept is None:
+                xs, ts, losses = x[start:end], target[start:end], loss_rows[start:end]
+                rows_grad = None if grad_loss is None else grad_loss[start:end]
+            else:
+                picked = kept[start:end]
+                xs = torch.index_select(x, 0, picked, out=gathered[:end - start])
+                ts, losses = target.index_select(0, picked), chunk_loss[:end - start]
+                rows_grad = None if grad_loss is None else grad_loss.index_select(0, picked)
             if bias is None:
                 torch.mm(xs, weight.t(), out=logits)
             else:
                 torch.addmm(bias, xs, weight.t(), out=logits)
             if not gradient:
-                _C.cross_entropy_fwd(logits, ts, lse[start:end], loss_rows[start:end], ignore_index=ignore_index,
+                _C.cross_entropy_fwd(logits, ts, lse[:end - start], losses, ignore_index=ignore_index,
                                      label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
                                      reduction="none", stream=cuda_stream)
+            else:
+                # In place: from here on `logits` holds their gradient.
+                _C.cross_entropy_fwd_bwd(logits, ts, losses, rows_grad, count, logits, ignore_index=ignore_index,
+                                         label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                                         stream=cuda_stream)
+            if kept is not None:
+                loss_rows.index_copy_(0, picked, losses)
+            if not gradient:
                 continue
-            rows_grad = None if grad_loss is None else grad_loss[start:end]
-            # In place: from here on `logits` holds their gradient.
-            _C.cross_entropy_fwd_bwd(logits, ts, loss_rows[start:end], rows_grad, count, logits,
-                                     ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
-                                     z_loss=z_loss, stream=cuda_stream)
             if side is not None:
                 side.wait_stream(main)  # the chunk's logit gradient is written
                 with torch.cuda.stream(side):
                     torch.mm(logits, weight, out=grad_input[start:end])
-            elif grad_input is not None:
+            elif grad_input is not None and kept is None:
                 torch.mm(logits, weight, out=grad_input[start:end])
             if grad_weight is not None:
                 accumulate_weight_grad(grad_weight, logits, xs, start == 0)
+            if grad_input is not None and kept is not None:  # after the weight's GEMM has read xs
+                grad_input.index_copy_(0, picked, torch.mm(logits, weight, out=xs))
             if grad_bias is not None:
                 grad_bias += logits.sum(0, dtype=acc)
             if side is not None:

@@ -370,6 +370,54 @@ def test_default_chunks_match_torch(dtype, accumulation, reduction):
     assert all(not g.any() for g in grads), reduction
 
 
+class GemmRows(TorchDispatchMode):
+    """The rows of the first operand of every torch.mm / torch.addmm that runs while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.rows.append(args[0 if func.overloadpacket is torch.ops.aten.mm else 1].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_skipping_ignored_rows(monkeypatch, dtype, reduction):
+    """brrr.xent.SKIP_IGNORED_ROWS: the logits' GEMMs run over the counted rows only (chunks of
+    100 rows, the last one short), and the loss and gradients are right: each ignore_index, every
+    option, both accumulations, a frozen weight, without autograd, all rows ignored; the same
+    bits run to run."""
+    monkeypatch.setattr(brrr.xent, "SKIP_IGNORED_ROWS", True)
+    x, w, b = make(1001, 16, 301, dtype, "cpu")
+    budget = chunk_budget(100, 301, dtype)
+    for accumulation in ACCUMULATIONS:
+        for ignore, options in [(IGNORE[0], dict(label_smoothing=0.1)), (IGNORE[1], dict(softcap=2.0, z_loss=0.1)),
+                                (IGNORE[2], dict(softcap=30.0, z_loss=1e-4, label_smoothing=0.2))]:
+            t = make_targets((1001,), 301, "cpu", ignore)
+            compare(x, w, t, b, what="skipping ignored rows", budget=budget, reduction=reduction,
+                    accumulation=accumulation, ignore_index=ignore[1], **options)
+        compare(x, w.detach(), t, b, what="skipping ignored rows, frozen weight", budget=budget, reduction=reduction,
+                accumulation=accumulation, ignore_index=ignore[1])
+    t = make_targets((1001,), 301, "cpu", IGNORE[0])
+    counted = int((t != -100).sum())
+    with GemmRows() as gemms, torch.no_grad():
+        quiet = brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, logits_budget=budget)
+    assert sum(gemms.rows) == counted < 1001, gemms.rows
+    runs = []
+    for _ in range(2):
+        loss = brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, logits_budget=budget)
+        runs.append((loss.detach(),) + torch.autograd.grad(loss, (x, w, b), torch.ones_like(loss)))
+    assert all(torch.equal(a, c) for a, c in zip(*runs)) and torch.equal(quiet, runs[0][0])
+    t = torch.full((1001,), -100)
+    loss = brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, logits_budget=budget)
+    assert torch.isnan(loss).all() if reduction == "mean" else not loss.detach().any()
+    grads = torch.autograd.grad(loss, (x, w, b), torch.ones_like(loss))
+    assert all(not g.any() for g in grads), reduction
+
+
 def test_saves_no_logits():
     """Only the gradients (input's size, weight's in float32) are saved, nothing of the logits' size."""
     rows, hidden, classes = 256, 8, 1000
