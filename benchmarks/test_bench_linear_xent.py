@@ -9,7 +9,8 @@ Liger-Kernel (when liger_kernel is importable), in one run: time and peak memory
   default chunks (from the accumulator's arithmetic: 2048 and 1024 rows here) and in chunks of
   128 MiB of logits (512 rows, Liger-Kernel's chunk and the default before), and "weight" in
   chunks of 512 MiB (2048 rows); and two of them with the input-gradient GEMMs on a second
-  stream (brrr.xent.INPUT_GRAD_STREAM).
+  stream (brrr.xent.INPUT_GRAD_STREAM), two skipping the ignored rows (brrr.xent.SKIP_IGNORED_ROWS:
+  10% of the rows here).
 - A training step (forward and backward, bf16 weights) of a Llama-style model from transformers'
   config (2 layers, hidden 2048, random weights) at vocabularies 32000, 128256 and 256000 and
   4 x 2048 and 2 x 8192 tokens: unpatched eager, brrr.patch eager (and with remat=True: the
@@ -85,24 +86,30 @@ def eager_loss(x, w, t):
     return F.cross_entropy(F.linear(x, w).float(), t)
 
 
-def brrr_loss(x, w, t, two_streams=False, **options):
-    """brrr's loss; two_streams: with brrr.xent.INPUT_GRAD_STREAM set (its forward computes the
-    gradients)."""
-    saved, brrr.xent.INPUT_GRAD_STREAM = brrr.xent.INPUT_GRAD_STREAM, two_streams
+def brrr_loss(x, w, t, switches=None, **options):
+    """brrr's loss; switches: brrr.xent's module switches set for the call ({"INPUT_GRAD_STREAM":
+    True}; its forward computes the gradients)."""
+    switches = switches or {}
+    saved = {name: getattr(brrr.xent, name) for name in switches}
     try:
+        for name, value in switches.items():
+            setattr(brrr.xent, name, value)
         return brrr.linear_cross_entropy(x, w, t, dtype=torch.float32, **options)
     finally:
-        brrr.xent.INPUT_GRAD_STREAM = saved
+        for name, value in saved.items():
+            setattr(brrr.xent, name, value)
 
 
 BRRR_OPTIONS = {"brrr": {}, "brrr 128 MiB chunks": {"logits_budget": 2**27},
                 "brrr weight accumulation": {"accumulation": "weight"},
                 "brrr weight accumulation, 128 MiB chunks": {"accumulation": "weight", "logits_budget": 2**27},
                 "brrr weight accumulation, 512 MiB chunks": {"accumulation": "weight", "logits_budget": 2**29},
-                "brrr, two streams": {"two_streams": True},
-                "brrr weight accumulation, 128 MiB chunks, two streams": {"accumulation": "weight",
-                                                                          "logits_budget": 2**27,
-                                                                          "two_streams": True}}
+                "brrr, two streams": {"switches": {"INPUT_GRAD_STREAM": True}},
+                "brrr weight accumulation, 128 MiB chunks, two streams": {
+                    "accumulation": "weight", "logits_budget": 2**27, "switches": {"INPUT_GRAD_STREAM": True}},
+                "brrr, skipping ignored rows": {"switches": {"SKIP_IGNORED_ROWS": True}},
+                "brrr weight accumulation, 128 MiB chunks, skipping ignored rows": {
+                    "accumulation": "weight", "logits_budget": 2**27, "switches": {"SKIP_IGNORED_ROWS": True}}}
 
 
 def relative_error(a, b):

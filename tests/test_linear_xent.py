@@ -659,6 +659,38 @@ def test_cuda_input_gradient_on_a_second_stream(monkeypatch, accumulation):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+def test_cuda_skipping_ignored_rows(monkeypatch, accumulation):
+    """brrr.xent.SKIP_IGNORED_ROWS on CUDA: right against float64 (a vocabulary of 32000, chunks
+    of 256 of the kept rows); under CUDA-graph capture it runs every row (no host sync) and gives
+    what it gives without the switch."""
+    monkeypatch.setattr(brrr.xent, "SKIP_IGNORED_ROWS", True)
+    x, w, b = make(1031, 64, 32000, torch.bfloat16, "cuda")
+    t = make_targets((1031,), 32000, "cuda", IGNORE[0])
+    budget = chunk_budget(256, 32000, torch.bfloat16)
+    for reduction in REDUCTIONS:
+        compare(x, w, t, b, what="cuda, skipping", budget=budget, reduction=reduction, accumulation=accumulation,
+                softcap=30.0, z_loss=1e-4, label_smoothing=0.1)
+
+    def grads():
+        loss = brrr.linear_cross_entropy(x, w, t, b, logits_budget=budget, accumulation=accumulation)
+        return (loss.detach(),) + torch.autograd.grad(loss, (x, w, b))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grads()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grads()
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.setattr(brrr.xent, "SKIP_IGNORED_ROWS", False)
+    assert all(torch.equal(a, c) for a, c in zip(grads(), captured))
+
+
+@pytest.mark.cuda
 def test_cuda_peak_memory_of_each_accumulation():
     """bf16, 8192 x 1024, 32768 classes, LOGITS_BUDGET (128 MiB: 4 chunks of 2048 rows):
     forward and backward allocate at their peak (torch.cuda.max_memory_allocated) at most the
