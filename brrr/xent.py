@@ -125,19 +125,20 @@ _INDEX_DTYPES = ("torch.int64", "torch.int32", "torch.uint8")
 def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, softcap=None, z_loss=0.0, dtype=None, logits_budget=None,
                          accumulation="float32"):
-    """cross_entropy(input @ weight.T + bias, target) (the arguments as cross_entropy's) without
-    ever holding more than one chunk of rows' logits: `logits_budget` bytes of them, or, by
-    default (None), the rows that auto_chunk_rows chooses (1024 rows of bf16 logits with a bf16
-    accumulator, 2048 with a float32 one, at most half the accumulator's bytes). Each chunk's logits turned into its loss and, in place, its gradient by brrr's kernel, the
-    GEMMs run by PyTorch. input (..., H), weight (V, H), bias None or (V,), all of one floating
-    dtype on one device; target input.shape[:-1] of class indices; the loss in `dtype` (default:
-    the input's). With autograd recording and reduction "mean" or "sum" the forward computes the
-    gradients too (the backward only scales them, in place). The chunks sum into the weight's
-    gradient in a fixed order: with accumulation "float32" (the default) in float32 (float64 for
-    float64), rounded once at the end (a buffer of twice a half-precision weight's bytes); with
-    "weight" in the weight's dtype, in place (each chunk's GEMM accumulates in float32 and rounds
-    the sum once to the weight's dtype; no buffer beyond the gradient: Liger-Kernel's choice, at a
-    few times the rounding error). The bias's in float32. PyTorch tensors only."""
+    """cross_entropy(input @ weight.T + bias, target) (the arguments as cross_entropy's) without ever
+    holding more than one chunk of rows' logits: `logits_budget` bytes of them, or, by default
+    (None), the rows that auto_chunk_rows chooses (1024 rows of bf16 logits with a bf16 accumulator,
+    2048 with a float32 one, at most half the accumulator's bytes). Each chunk's logits are turned
+    into its loss and, in place, its gradient by brrr's kernel; the GEMMs run in PyTorch. input (..., H),
+    weight (V, H), bias None or (V,), all of one floating dtype on one device; target
+    input.shape[:-1] of class indices; the loss in `dtype` (default: the input's). With autograd
+    recording and reduction "mean" or "sum" the forward computes the gradients too (the backward
+    only scales them, in place). The chunks sum into the weight's gradient in a fixed order: with
+    accumulation "float32" (the default) in float32 (float64 for float64), rounded once at the end
+    (a buffer of twice a half-precision weight's bytes); with "weight" in the weight's dtype, in
+    place (each chunk's GEMM accumulates in float32 and rounds the sum once to the weight's dtype;
+    no buffer beyond the gradient: Liger-Kernel's choice, at a few times the rounding error). The
+    bias's in float32. PyTorch tensors only."""
     check_args(None, ignore_index, reduction, label_smoothing, softcap, z_loss)
     torch = torch_if_tensor(input)
     if torch is None:
@@ -151,7 +152,8 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
         raise bad_choice("accumulation", accumulation, ACCUMULATIONS)
     return torch_layer().linear_cross_entropy(input, weight, target, bias, int(ignore_index), reduction,
                                          float(label_smoothing), None if softcap is None else float(softcap),
-                                         float(z_loss), dtype, logits_budget and int(logits_budget), accumulation)
+                                         float(z_loss), dtype, None if logits_budget is None else int(logits_budget),
+                                         accumulation)
 
 
 def _check_linear(torch, input, weight, target, bias):
@@ -583,7 +585,8 @@ def torch_layer():
         hidden = input.shape[-1]
         needs = [torch.is_grad_enabled() and p is not None and p.requires_grad for p in (input, weight, bias)]
         if budget is None:
-            rows = auto_chunk_rows(*weight.shape, input.element_size(), weight_grad_dtype(weight, accumulation).itemsize)
+            acc_itemsize = weight_grad_dtype(weight, accumulation).itemsize
+            rows = auto_chunk_rows(*weight.shape, input.element_size(), acc_itemsize)
         else:
             rows = chunk_rows(weight.shape[0], input.element_size(), budget, GEMM_TILE_ROWS)
         loss = linear_op(input.reshape(-1, hidden), weight, target.reshape(-1), bias, ignore_index, label_smoothing,
