@@ -391,7 +391,7 @@ def torch_layer():
             kept = (target.to(torch.int64) != ignore_index).nonzero().squeeze(1)  # a host sync: its length
             loss_rows.zero_()  # an ignored row's loss
         rows = x.shape[0] if kept is None else kept.numel()
-        grad_input = (torch.empty_like if kept is None else torch.zeros_like)(x) if needs[0] else None
+        grad_input = torch.empty_like(x) if needs[0] else None
         weight_dtype = weight_grad_dtype(weight, accumulation)
         written = (weight_dtype == x.dtype or x.is_cuda) and rows  # by the first chunk: accumulate_weight_grad
         new = torch.empty if written else torch.zeros
@@ -405,8 +405,11 @@ def torch_layer():
         main = None if side is None else torch.cuda.current_stream(x.device)
         # One chunk's logits, the only vocabulary-sized buffer, reused by every chunk.
         buffer = x.new_empty((min(rows_per_chunk, x.shape[0]), weight.shape[0]))
-        if kept is not None:  # a chunk's rows of x (then of grad_input), its targets and losses
-            gathered = x.new_empty((buffer.shape[0], x.shape[1]))
+        if kept is not None:
+            # A chunk's kept rows of x are gathered into the rows of grad_input that its input
+            # gradient fills next (grad_input holds the kept rows' gradients packed, in order,
+            # until the end: no buffer of the chunk's rows at the peak), else into a buffer.
+            gathered = x.new_empty((buffer.shape[0], x.shape[1])) if grad_input is None else None
             chunk_loss = torch.empty(buffer.shape[0], dtype=acc, device=x.device)
         for start in range(0, rows, rows_per_chunk):
             end = min(start + rows_per_chunk, rows)
@@ -416,7 +419,8 @@ def torch_layer():
                 rows_grad = None if grad_loss is None else grad_loss[start:end]
             else:
                 picked = kept[start:end]
-                xs = torch.index_select(x, 0, picked, out=gathered[:end - start])
+                into = gathered[:end - start] if grad_input is None else grad_input[start:end]
+                xs = torch.index_select(x, 0, picked, out=into)
                 ts, losses = target.index_select(0, picked), chunk_loss[:end - start]
                 rows_grad = None if grad_loss is None else grad_loss.index_select(0, picked)
             if bias is None:
@@ -444,14 +448,25 @@ def torch_layer():
                 torch.mm(logits, weight, out=grad_input[start:end])
             if grad_weight is not None:
                 accumulate_weight_grad(grad_weight, logits, xs, start == 0)
-            if grad_input is not None and kept is not None:  # after the weight's GEMM has read xs
-                grad_input.index_copy_(0, picked, torch.mm(logits, weight, out=xs))
+            if grad_input is not None and kept is not None:  # over xs, after the weight's GEMM read it
+                torch.mm(logits, weight, out=xs)
             if grad_bias is not None:
                 grad_bias += logits.sum(0, dtype=acc)
             if side is not None:
                 # Before the next chunk overwrites the buffer, and before anything on the caller's
                 # stream reads grad_input or frees what the side stream used.
                 main.wait_stream(side)
+        if grad_input is not None and kept is not None and rows < x.shape[0]:
+            # Each kept row's gradient to its place, then the ignored rows' zeros. kept[j] >= j:
+            # moving blocks of packed rows from the last, each through a copy of itself (at most
+            # scale_slice_bytes of float64, made once the logits' buffer is free), writes only
+            # over rows moved already.
+            buffer = logits = None
+            block = chunk_rows(x.shape[1], 8, scale_slice_bytes)
+            for end in range(rows, 0, -block):
+                start = max(0, end - block)
+                grad_input.index_copy_(0, kept[start:end], grad_input[start:end].clone())
+            grad_input.masked_fill_((target.to(torch.int64) == ignore_index).unsqueeze(1), 0)
         return grad_input, grad_weight, grad_bias
 
     side_streams = {}

@@ -418,6 +418,19 @@ def test_skipping_ignored_rows(monkeypatch, dtype, reduction):
     assert all(not g.any() for g in grads), reduction
 
 
+def test_skipping_ignored_rows_places_the_input_gradient_in_blocks(monkeypatch):
+    """Hidden 4096: the packed gradients of 2251 kept rows go to their rows in two blocks (2048
+    rows of 4096 float64s, then 203), the ignored rows zeros."""
+    monkeypatch.setattr(brrr.xent, "SKIP_IGNORED_ROWS", True)
+    x, w, b = make(3001, 4096, 7, torch.bfloat16, "cpu")
+    t = make_targets((3001,), 7, "cpu", IGNORE[0])
+    assert int((t != -100).sum()) == 2251
+    for reduction in REDUCTIONS:
+        _, (grad_x, *_) = compare(x, w, t, b, what="two blocks", budget=chunk_budget(512, 7, torch.bfloat16),
+                                  reduction=reduction)
+        assert not grad_x[t == -100].any() and grad_x[t != -100].abs().sum(1).all()
+
+
 def test_saves_no_logits():
     """Only the gradients (input's size, weight's in float32) are saved, nothing of the logits' size."""
     rows, hidden, classes = 256, 8, 1000
