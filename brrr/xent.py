@@ -114,9 +114,9 @@ GEMM_TILE_ROWS = 128
 # times both ("two streams" rows). The results are the same bits either way.
 INPUT_GRAD_STREAM = False
 # Run the chunks over the rows whose target is not ignore_index only (a chunk's rows gathered into
-# a buffer of its size, its input gradient scattered back; ignored rows' gradients are zero and
-# their logits unused), which saves the ignored share of all three GEMMs and of the accumulator's
-# round trips. The kept rows' count takes a host sync, so off by default, and off under CUDA-graph
+# the rows of grad_input that its gradient then fills, packed, placed at the end; ignored rows'
+# gradients are zero and their logits unused), which saves the ignored share of all three GEMMs
+# and of the accumulator's round trips, in no more memory. The kept rows' count takes a host sync, so off by default, and off under CUDA-graph
 # capture; the weight's gradient sums the same rows in another grouping (deterministic still).
 SKIP_IGNORED_ROWS = False
 _INDEX_DTYPES = ("torch.int64", "torch.int32", "torch.uint8")
