@@ -370,10 +370,8 @@ def torch_layer():
             grad_weight.addmm_(grad_logits.t(), x, beta=0 if first else 1)
         elif grad_logits.is_cuda:
             # cuBLAS accumulates in float32 and writes float32: the chunks' sum is never rounded to bf16.
-            if first:
-                torch.mm(grad_logits.t(), x, out_dtype=grad_weight.dtype, out=grad_weight)
-            else:
-                torch.addmm(grad_weight, grad_logits.t(), x, out_dtype=grad_weight.dtype, out=grad_weight)
+            torch.addmm(grad_weight, grad_logits.t(), x, out_dtype=grad_weight.dtype, beta=0 if first else 1,
+                        out=grad_weight)
         else:
             grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), x.to(grad_weight.dtype))
 
