@@ -110,14 +110,15 @@ GEMM_TILE_ROWS = 128
 # On CUDA, run each chunk's input-gradient GEMM on a second stream, beside its weight-gradient GEMM
 # (both only read the chunk's logit gradient): the input's GEMM (rows x hidden, few output tiles
 # for a GPU's SMs) and the weight's (whose read and write of the accumulator cuBLAS does not hide)
-# may fill each other's idle SMs. Off by default until measured: benchmarks/test_bench_linear_xent.py
-# times both ("two streams" rows). The results are the same bits either way.
+# may fill each other's idle SMs. Off by default until measured: the "two streams" rows of
+# benchmarks/test_bench_linear_xent.py time it. The results are the same bits either way.
 INPUT_GRAD_STREAM = False
 # Run the chunks over the rows whose target is not ignore_index only (a chunk's rows gathered into
 # the rows of grad_input that its gradient then fills, packed, placed at the end; ignored rows'
-# gradients are zero and their logits unused), which saves the ignored share of all three GEMMs
-# and of the accumulator's round trips, in no more memory. The kept rows' count takes a host sync, so off by default, and off under CUDA-graph
-# capture; the weight's gradient sums the same rows in another grouping (deterministic still).
+# gradients are zero and their logits unused), which saves the ignored share of all three GEMMs and
+# of the accumulator's round trips, in no more memory. The kept rows' count takes a host sync, so
+# off by default, and off under CUDA-graph capture; the weight's gradient sums the same rows in
+# another grouping (deterministic still).
 SKIP_IGNORED_ROWS = False
 _INDEX_DTYPES = ("torch.int64", "torch.int32", "torch.uint8")
 
@@ -129,8 +130,8 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
     holding more than one chunk of rows' logits: `logits_budget` bytes of them, or, by default
     (None), the rows that auto_chunk_rows chooses (1024 rows of bf16 logits with a bf16 accumulator,
     2048 with a float32 one, at most half the accumulator's bytes). Each chunk's logits are turned
-    into its loss and, in place, its gradient by brrr's kernel; the GEMMs run in PyTorch. input (..., H),
-    weight (V, H), bias None or (V,), all of one floating dtype on one device; target
+    into its loss and, in place, its gradient by brrr's kernel; the GEMMs run in PyTorch. input
+    (..., H), weight (V, H), bias None or (V,), all of one floating dtype on one device; target
     input.shape[:-1] of class indices; the loss in `dtype` (default: the input's). With autograd
     recording and reduction "mean" or "sum" the forward computes the gradients too (the backward
     only scales them, in place). The chunks sum into the weight's gradient in a fixed order: with
