@@ -4,24 +4,34 @@ Liger-Kernel (when liger_kernel is importable), in one run: time and peak memory
 - The op: hidden states 16384 x 4096 bf16 and a vocabulary of 128256 (Llama 3), forward and
   backward (the gradients of the input and the weight), the mean loss as Hugging Face's causal-LM
   loss computes it: F.cross_entropy(F.linear(x, w).float(), t) for eager and torch.compile,
-  LigerFusedLinearCrossEntropyLoss, brrr.linear_cross_entropy(..., dtype=torch.float32) with its
-  defaults (the weight's gradient accumulated in bf16, chunks of 128 MiB of logits), with chunks
-  of 256 MiB, and with the float32 accumulator.
+  LigerFusedLinearCrossEntropyLoss, brrr.linear_cross_entropy(..., dtype=torch.float32) with
+  each accumulation of the weight's gradient (float32, the default, and "weight", in bf16) in its
+  default chunks (from the accumulator's arithmetic: 2048 and 1024 rows here) and in chunks of
+  128 MiB of logits (512 rows, Liger-Kernel's chunk and the default before), and "weight" in
+  chunks of 512 MiB (2048 rows); and two of them with the input-gradient GEMMs on a second
+  stream (brrr.xent.INPUT_GRAD_STREAM), two skipping the ignored rows (brrr.xent.SKIP_IGNORED_ROWS:
+  10% of the rows here).
 - A training step (forward and backward, bf16 weights) of a Llama-style model from transformers'
   config (2 layers, hidden 2048, random weights) at vocabularies 32000, 128256 and 256000 and
   4 x 2048 and 2 x 8192 tokens: unpatched eager, brrr.patch eager (and with remat=True: the
   norms' and GLUs' outputs recomputed in the backward, docs/remat.md), Liger-Kernel's Llama patch
-  with its cross-entropy and with its fused linear cross-entropy; unpatched torch.compile at
+  with its cross-entropy and with its fused linear cross-entropy; brrr.patch eager with the
+  loss's chunks of 128 MiB (the default before); unpatched torch.compile at
   2 x 8192 tokens (compiling takes most of the benchmark's time: about 150 s in all on an H200,
   estimated; brrr.patch under torch.compile is tests/test_linear_xent.py's and
   benchmarks/test_bench_models.py's).
-Each row has the median time (CUDA events) and the step's peak memory above what was allocated
-before it (torch.cuda.max_memory_allocated). The op's rows also have each implementation's
-gradients' relative error against float64 (input_grad_error, weight_grad_error); the steps'
-loss and gradients are checked against eager first.
-CPU, or BRRR_BENCH_QUICK=1: a quick smoke version at small sizes, without torch.compile.
+Each row has the median time (CUDA events: wall time, host gaps included), the device time of one
+warm call (device_ms: the sum of its kernels' times under torch.profiler, harness.kernel_ms) and
+the step's peak memory above what was allocated before it (torch.cuda.max_memory_allocated). The
+op's rows also have each implementation's gradients' relative error against float64
+(input_grad_error, weight_grad_error); the steps' loss and gradients are checked against eager
+first. CPU, or BRRR_BENCH_QUICK=1: a quick smoke version at small sizes, without torch.compile.
 
     python -m pytest benchmarks/test_bench_linear_xent.py -q -s
+
+Subsets: `-k test_linear_cross_entropy` (the op alone, about 60 s on an H200), `-k "test_training_step
+and 128256"` (one vocabulary), and BRRR_BENCH_IMPLS, a comma-separated list of the names of the
+implementations to run (a name's prefix runs all that start with it: "brrr,liger,compile").
 """
 
 import contextlib
@@ -34,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 import brrr
-from harness import compiled, device, on_gpu, time_ms
+from harness import compiled, device, kernel_ms, on_gpu, time_ms
 
 QUICK = not on_gpu() or os.environ.get("BRRR_BENCH_QUICK") == "1"
 DTYPE = torch.bfloat16 if on_gpu() else torch.float32
@@ -42,6 +52,12 @@ OP_CASES = [(16384, 4096, 128256)] if not QUICK else [(256, 64, 1000)]
 STEP_CASES = ([(v, b, s) for v in (32000, 128256, 256000) for b, s in ((4, 2048), (2, 8192))] if not QUICK
               else [(1000, 2, 64)])
 MAX_TIME_S = 2.0 if not QUICK else 0.2
+IMPLS = [name for name in os.environ.get("BRRR_BENCH_IMPLS", "").split(",") if name]
+
+
+def wanted(impl):
+    """Whether BRRR_BENCH_IMPLS (unset: all) names the implementation, or a prefix of its name."""
+    return not IMPLS or any(impl.startswith(name) for name in IMPLS)
 
 try:
     import liger_kernel.transformers as liger
@@ -70,13 +86,30 @@ def eager_loss(x, w, t):
     return F.cross_entropy(F.linear(x, w).float(), t)
 
 
-def brrr_loss(x, w, t, **options):
-    return brrr.linear_cross_entropy(x, w, t, dtype=torch.float32, **options)
+def brrr_loss(x, w, t, switches=None, **options):
+    """brrr's loss; switches: brrr.xent's module switches set for the call ({"INPUT_GRAD_STREAM":
+    True}; its forward computes the gradients)."""
+    switches = switches or {}
+    saved = {name: getattr(brrr.xent, name) for name in switches}
+    try:
+        for name, value in switches.items():
+            setattr(brrr.xent, name, value)
+        return brrr.linear_cross_entropy(x, w, t, dtype=torch.float32, **options)
+    finally:
+        for name, value in saved.items():
+            setattr(brrr.xent, name, value)
 
 
-BRRR_OPTIONS = {"brrr": {}, "brrr 256 MiB chunks": {"logits_budget": 2**28},
+BRRR_OPTIONS = {"brrr": {}, "brrr 128 MiB chunks": {"logits_budget": 2**27},
                 "brrr weight accumulation": {"accumulation": "weight"},
-                "brrr weight accumulation, 256 MiB chunks": {"accumulation": "weight", "logits_budget": 2**28}}
+                "brrr weight accumulation, 128 MiB chunks": {"accumulation": "weight", "logits_budget": 2**27},
+                "brrr weight accumulation, 512 MiB chunks": {"accumulation": "weight", "logits_budget": 2**29},
+                "brrr, two streams": {"switches": {"INPUT_GRAD_STREAM": True}},
+                "brrr weight accumulation, 128 MiB chunks, two streams": {
+                    "accumulation": "weight", "logits_budget": 2**27, "switches": {"INPUT_GRAD_STREAM": True}},
+                "brrr, skipping ignored rows": {"switches": {"SKIP_IGNORED_ROWS": True}},
+                "brrr weight accumulation, 128 MiB chunks, skipping ignored rows": {
+                    "accumulation": "weight", "logits_budget": 2**27, "switches": {"SKIP_IGNORED_ROWS": True}}}
 
 
 def relative_error(a, b):
@@ -117,6 +150,7 @@ def test_linear_cross_entropy(recorder, rows, hidden, vocab):
     if liger is not None and on_gpu():
         liger_module = liger.LigerFusedLinearCrossEntropyLoss()
         impls["liger"] = lambda x, w, t: liger_module(w, x, t)
+    impls = {impl: fn for impl, fn in impls.items() if wanted(impl)}
 
     expected = eager_loss(x, w, t).item()
     exact = exact_grads(x, w, t)
@@ -138,11 +172,12 @@ def test_linear_cross_entropy(recorder, rows, hidden, vocab):
 
         peak = peak_bytes(step)
         ms = time_ms(step, warmup=3, reps=20, max_time_s=MAX_TIME_S)
+        device_ms = kernel_ms(step)
         recorder.add(family="linear_xent", op="linear_cross_entropy", dtype=str(DTYPE).replace("torch.", ""),
-                     shape=[rows, hidden, vocab], pass_="fwd+bwd", impl=impl, ms=ms, peak_bytes=peak,
-                     input_grad_error=errors[impl][0], weight_grad_error=errors[impl][1])
-        print(f"linear_cross_entropy {rows}x{hidden}x{vocab} {impl:26s} {ms:9.3f} ms  peak "
-              f"{'-' if peak is None else f'{peak / 2**30:.2f} GiB'}")
+                     shape=[rows, hidden, vocab], pass_="fwd+bwd", impl=impl, ms=ms, device_ms=device_ms,
+                     peak_bytes=peak, input_grad_error=errors[impl][0], weight_grad_error=errors[impl][1])
+        print(f"linear_cross_entropy {rows}x{hidden}x{vocab} {impl:42s} {ms:9.3f} ms (device {device_ms:9.3f} ms)  "
+              f"peak {'-' if peak is None else f'{peak / 2**30:.2f} GiB'}")
 
 
 def llama(vocab, seq):
@@ -181,16 +216,32 @@ def step_fn(model, tokens):
 
 
 def measure(recorder, case, impl, model, tokens, compile_it=False):
+    if not wanted(impl):
+        return
     torch._dynamo.reset()
     step = step_fn(compiled(model) if compile_it else model, tokens)
     step()  # warm-up (and compilation)
     peak = peak_bytes(step)
     ms = time_ms(step, warmup=2, reps=10, max_time_s=MAX_TIME_S)
+    device_ms = kernel_ms(step)
     vocab, batch, seq = case
     recorder.add(family="linear_xent", op="llama training step", dtype=str(DTYPE).replace("torch.", ""),
-                 shape=[batch, seq, vocab], pass_="step", impl=impl, ms=ms, peak_bytes=peak)
-    print(f"llama step vocab {vocab} {batch}x{seq} {impl:24s} {ms:9.3f} ms  peak "
+                 shape=[batch, seq, vocab], pass_="step", impl=impl, ms=ms, device_ms=device_ms, peak_bytes=peak)
+    print(f"llama step vocab {vocab} {batch}x{seq} {impl:32s} {ms:9.3f} ms (device {device_ms:9.3f} ms)  peak "
           f"{'-' if peak is None else f'{peak / 2**30:.2f} GiB'}")
+
+
+@contextlib.contextmanager
+def default_logits_budget(budget):
+    """brrr.linear_cross_entropy's default logits_budget (keyword-only) set to `budget` in the block:
+    what brrr.patch's fused loss then uses."""
+    defaults = brrr.xent.linear_cross_entropy.__kwdefaults__
+    saved = defaults["logits_budget"]
+    defaults["logits_budget"] = budget
+    try:
+        yield
+    finally:
+        defaults["logits_budget"] = saved
 
 
 @pytest.mark.skipif(transformers is None, reason="needs transformers")
@@ -216,6 +267,8 @@ def test_training_step(recorder, vocab, batch, seq):
     case = (vocab, batch, seq)
     measure(recorder, case, "unpatched eager", base, tokens)
     measure(recorder, case, "brrr.patch eager", patched, tokens)
+    with default_logits_budget(2**27):
+        measure(recorder, case, "brrr.patch eager, 128 MiB chunks", patched, tokens)
     rematerialised = copy.deepcopy(base)
     brrr.patch(rematerialised, remat=True)  # its gradients are the patched model's bitwise (tests/test_remat.py)
     measure(recorder, case, "brrr.patch eager remat", rematerialised, tokens)

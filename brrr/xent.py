@@ -98,43 +98,63 @@ def _cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtyp
     return astype(xp, result, input.dtype if dtype is None else dtype)
 
 
-# Bytes of logits linear_cross_entropy holds at once by default: one chunk of rows (at 16384 x 4096
-# and 128256 words in bf16, 512 rows: no more than the input, about Liger-Kernel's chunk).
+# A budget of logits that linear_cross_entropy's chunks by rows never go below (128 MiB: at 16384 x
+# 4096 and 128256 words in bf16, 512 rows, no more than the input, Liger-Kernel's chunk), and
+# the budget that tests and benchmarks pass to get that chunk.
 LOGITS_BUDGET = 2**27
 # How its weight gradient accumulates over the chunks: in the weight's dtype, in place (no buffer
 # beyond the gradient itself), or in float32 (float64 for float64), rounded once in the backward.
 ACCUMULATIONS = ("weight", "float32")
+# The chunks' rows are a multiple of it where the budget fits that many (chunk_rows).
+GEMM_TILE_ROWS = 128
+# On CUDA, run each chunk's input-gradient GEMM on a second stream, beside its weight-gradient GEMM
+# (both only read the chunk's logit gradient): the input's GEMM (rows x hidden, few output tiles
+# for a GPU's SMs) and the weight's (whose read and write of the accumulator cuBLAS does not hide)
+# may fill each other's idle SMs. Off by default until measured: the "two streams" rows of
+# benchmarks/test_bench_linear_xent.py time it. The results are the same bits either way.
+INPUT_GRAD_STREAM = False
+# Run the chunks over the rows whose target is not ignore_index only (a chunk's rows gathered into
+# the rows of grad_input that its gradient then fills, packed, placed at the end; ignored rows'
+# gradients are zero and their logits unused), which saves the ignored share of all three GEMMs and
+# of the accumulator's round trips, in no more memory. The kept rows' count takes a host sync, so
+# off by default, and off under CUDA-graph capture; the weight's gradient sums the same rows in
+# another grouping (deterministic still).
+SKIP_IGNORED_ROWS = False
 _INDEX_DTYPES = ("torch.int64", "torch.int32", "torch.uint8")
 
 
 def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, softcap=None, z_loss=0.0, dtype=None, logits_budget=LOGITS_BUDGET,
+                         label_smoothing=0.0, softcap=None, z_loss=0.0, dtype=None, logits_budget=None,
                          accumulation="float32"):
-    """cross_entropy(input @ weight.T + bias, target) (the arguments as cross_entropy's) without
-    ever holding more than `logits_budget` bytes of logits: the rows go in chunks of that size,
-    each chunk's logits turned into its loss and, in place, its gradient by brrr's kernel, the
-    GEMMs run by PyTorch. input (..., H), weight (V, H), bias None or (V,), all of one floating
-    dtype on one device; target input.shape[:-1] of class indices; the loss in `dtype` (default:
-    the input's). With autograd recording and reduction "mean" or "sum" the forward computes the
-    gradients too (the backward only scales them, in place). The chunks sum into the weight's
-    gradient in a fixed order: with accumulation "float32" (the default) in float32 (float64 for
-    float64), rounded once at the end (a buffer of twice a half-precision weight's bytes); with
-    "weight" in the weight's dtype, in place (each chunk's GEMM accumulates in float32 and rounds
-    the sum once to the weight's dtype; no buffer beyond the gradient: Liger-Kernel's choice, at a
-    few times the rounding error). The bias's in float32. PyTorch tensors only."""
+    """cross_entropy(input @ weight.T + bias, target) (the arguments as cross_entropy's) without ever
+    holding more than one chunk of rows' logits: `logits_budget` bytes of them, or, by default
+    (None), the rows that auto_chunk_rows chooses (1024 rows of bf16 logits with a bf16 accumulator,
+    2048 with a float32 one, at most half the accumulator's bytes). Each chunk's logits are turned
+    into its loss and, in place, its gradient by brrr's kernel; the GEMMs run in PyTorch. input
+    (..., H), weight (V, H), bias None or (V,), all of one floating dtype on one device; target
+    input.shape[:-1] of class indices; the loss in `dtype` (default: the input's). With autograd
+    recording and reduction "mean" or "sum" the forward computes the gradients too (the backward
+    only scales them, in place). The chunks sum into the weight's gradient in a fixed order: with
+    accumulation "float32" (the default) in float32 (float64 for float64), rounded once at the end
+    (a buffer of twice a half-precision weight's bytes); with "weight" in the weight's dtype, in
+    place (each chunk's GEMM accumulates in float32 and rounds the sum once to the weight's dtype;
+    no buffer beyond the gradient: Liger-Kernel's choice, at a few times the rounding error). The
+    bias's in float32. PyTorch tensors only."""
     check_args(None, ignore_index, reduction, label_smoothing, softcap, z_loss)
     torch = torch_if_tensor(input)
     if torch is None:
         raise TypeError(f"argument input: brrr.linear_cross_entropy takes PyTorch tensors (its GEMMs run in "
                         f"PyTorch), got {type(input).__name__}")
     _check_linear(torch, input, weight, target, bias)
-    if isinstance(logits_budget, bool) or not isinstance(logits_budget, numbers.Integral) or logits_budget <= 0:
-        raise ValueError(f"argument logits_budget: expected a positive int (bytes), got {logits_budget!r}")
+    if logits_budget is not None and (isinstance(logits_budget, bool) or not isinstance(logits_budget, numbers.Integral)
+                                      or logits_budget <= 0):
+        raise ValueError(f"argument logits_budget: expected None or a positive int (bytes), got {logits_budget!r}")
     if not isinstance(accumulation, str) or accumulation not in ACCUMULATIONS:
         raise bad_choice("accumulation", accumulation, ACCUMULATIONS)
     return torch_layer().linear_cross_entropy(input, weight, target, bias, int(ignore_index), reduction,
                                          float(label_smoothing), None if softcap is None else float(softcap),
-                                         float(z_loss), dtype, int(logits_budget), accumulation)
+                                         float(z_loss), dtype, None if logits_budget is None else int(logits_budget),
+                                         accumulation)
 
 
 def _check_linear(torch, input, weight, target, bias):
@@ -168,6 +188,25 @@ def chunk_rows(vocab, itemsize, budget, multiple=1):
     rows a 128-row tile would run 11 rows of its fifth)."""
     rows = max(1, budget // max(1, vocab * itemsize))
     return rows - rows % multiple if rows >= multiple else rows
+
+
+def auto_chunk_rows(vocab, hidden, itemsize, acc_itemsize):
+    """Rows per chunk of linear_cross_entropy without a logits_budget: `itemsize` the logits',
+    `acc_itemsize` the weight gradient's accumulator's. Each chunk's GEMM into the accumulator
+    reads and writes all of it (2 * acc_itemsize bytes per weight element; cuBLAS does not hide
+    that behind its arithmetic: on an H200 at 16384 x 4096 x 128256 in bf16, halving the chunks
+    saved 16 ms with a float32 accumulator and 7 ms with a bf16 one, about those bytes at 4 TB/s),
+    while the chunk's three GEMMs do 6 * rows FLOPs per weight element. At an H200's ~175 bf16
+    FLOPs per byte (cuBLAS's ~700 TFLOP/s against 4 TB/s) the round trips cost 58 *
+    acc_itemsize / rows of the GEMMs' time, whatever the vocabulary and hidden sizes: 1024 rows of
+    half-precision logits per 2 bytes of accumulator (1024 for bf16, 2048 for float32) hold that
+    to 11% (float32 and float64 logits, whose GEMMs run several times slower, take 1024). The
+    logits held are capped at half the accumulator's bytes, never below LOGITS_BUDGET (with
+    half-precision logits and hidden sizes under 2048 that gives fewer rows: hidden / 2 with a
+    bf16 accumulator, hidden with a float32 one, where 128 MiB does not hold more)."""
+    rows = 1024 * acc_itemsize // itemsize
+    cap = max(LOGITS_BUDGET, vocab * hidden * acc_itemsize // 2)
+    return chunk_rows(vocab, itemsize, min(rows * vocab * itemsize, cap), GEMM_TILE_ROWS)
 
 
 # ---- PyTorch: the custom ops brrr::cross_entropy and brrr::linear_cross_entropy, their backward
@@ -313,7 +352,6 @@ def torch_layer():
 
     # ---- linear_cross_entropy
     scale_slice_bytes = 2**26  # the backward's slices of a gradient: 8M elements (2**26 bytes of float64)
-    gemm_tile_rows = 128  # the chunks' rows a multiple of it where the budget fits that many (chunk_rows)
 
     def count_rows(target, ignore_index, dtype):
         """The rows "mean" divides by: over the whole input, not a chunk; on the device (compared in
@@ -326,14 +364,15 @@ def torch_layer():
     def accumulate_weight_grad(grad_weight, grad_logits, x, first):
         """grad_weight += grad_logits.T @ x, each chunk's product summed in float32 (cuBLAS's
         compute type for half precision) and added to grad_weight, rounded once to its dtype. In
-        the logits' dtype the first chunk writes grad_weight without reading it (allocated empty:
-        no zero fill, one read of a weight's size fewer); an accumulator of another dtype starts
-        as zeros."""
+        the logits' dtype, and on CUDA in a float32 accumulator, the first chunk writes
+        grad_weight without reading it (allocated empty: no zero fill, one read of the
+        accumulator fewer); a CPU accumulator of another dtype starts as zeros."""
         if grad_logits.dtype == grad_weight.dtype:
             grad_weight.addmm_(grad_logits.t(), x, beta=0 if first else 1)
         elif grad_logits.is_cuda:
             # cuBLAS accumulates in float32 and writes float32: the chunks' sum is never rounded to bf16.
-            torch.addmm(grad_weight, grad_logits.t(), x, out_dtype=grad_weight.dtype, out=grad_weight)
+            torch.addmm(grad_weight, grad_logits.t(), x, out_dtype=grad_weight.dtype, beta=0 if first else 1,
+                        out=grad_weight)
         else:
             grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), x.to(grad_weight.dtype))
 
@@ -342,42 +381,100 @@ def torch_layer():
         """The chunks (see above): every row's loss into loss_rows and, where `needs` asks, the
         gradients scaled by grad_loss (None: 1 for every row) over count (None: 1). Returns
         (grad_input, grad_weight, grad_bias), None where not needed: the input's in its dtype, the
-        weight's in weight_grad_dtype, the bias's in the accumulation dtype."""
+        weight's in weight_grad_dtype, the bias's in the accumulation dtype. With
+        SKIP_IGNORED_ROWS (outside CUDA-graph capture) the chunks run over the counted rows only,
+        gathered a chunk at a time."""
         acc = loss_rows.dtype
+        kept = None
+        if SKIP_IGNORED_ROWS and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            kept = (target.to(torch.int64) != ignore_index).nonzero().squeeze(1)  # a host sync: its length
+            loss_rows.zero_()  # an ignored row's loss
+        rows = x.shape[0] if kept is None else kept.numel()
         grad_input = torch.empty_like(x) if needs[0] else None
         weight_dtype = weight_grad_dtype(weight, accumulation)
-        new = torch.empty if weight_dtype == x.dtype and x.shape[0] else torch.zeros  # see accumulate_weight_grad
+        written = (weight_dtype == x.dtype or x.is_cuda) and rows  # by the first chunk: accumulate_weight_grad
+        new = torch.empty if written else torch.zeros
         grad_weight = new(weight.shape, dtype=weight_dtype, device=weight.device) if needs[1] else None
         grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if needs[2] else None
         gradient = any(needs)
         lse = None if gradient else torch.empty_like(loss_rows)
         cuda_stream = stream(x)
+        side = (side_stream(x.device) if INPUT_GRAD_STREAM and x.is_cuda and needs[0] and needs[1] and kept is None
+                else None)
+        main = None if side is None else torch.cuda.current_stream(x.device)
         # One chunk's logits, the only vocabulary-sized buffer, reused by every chunk.
         buffer = x.new_empty((min(rows_per_chunk, x.shape[0]), weight.shape[0]))
-        for start in range(0, x.shape[0], rows_per_chunk):
-            end = min(start + rows_per_chunk, x.shape[0])
-            xs, ts, logits = x[start:end], target[start:end], buffer[:end - start]
+        if kept is not None:
+            # A chunk's kept rows of x are gathered into the rows of grad_input that its input
+            # gradient fills next (grad_input holds the kept rows' gradients packed, in order,
+            # until the end: no buffer of the chunk's rows at the peak), else into a buffer.
+            gathered = x.new_empty((buffer.shape[0], x.shape[1])) if grad_input is None else None
+            chunk_loss = torch.empty(buffer.shape[0], dtype=acc, device=x.device)
+        for start in range(0, rows, rows_per_chunk):
+            end = min(start + rows_per_chunk, rows)
+            logits = buffer[:end - start]
+            if kept is None:
+                xs, ts, losses = x[start:end], target[start:end], loss_rows[start:end]
+                rows_grad = None if grad_loss is None else grad_loss[start:end]
+            else:
+                picked = kept[start:end]
+                into = gathered[:end - start] if grad_input is None else grad_input[start:end]
+                xs = torch.index_select(x, 0, picked, out=into)
+                ts, losses = target.index_select(0, picked), chunk_loss[:end - start]
+                rows_grad = None if grad_loss is None else grad_loss.index_select(0, picked)
             if bias is None:
                 torch.mm(xs, weight.t(), out=logits)
             else:
                 torch.addmm(bias, xs, weight.t(), out=logits)
             if not gradient:
-                _C.cross_entropy_fwd(logits, ts, lse[start:end], loss_rows[start:end], ignore_index=ignore_index,
+                _C.cross_entropy_fwd(logits, ts, lse[:end - start], losses, ignore_index=ignore_index,
                                      label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
                                      reduction="none", stream=cuda_stream)
+            else:
+                # In place: from here on `logits` holds their gradient.
+                _C.cross_entropy_fwd_bwd(logits, ts, losses, rows_grad, count, logits, ignore_index=ignore_index,
+                                         label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                                         stream=cuda_stream)
+            if kept is not None:
+                loss_rows.index_copy_(0, picked, losses)
+            if not gradient:
                 continue
-            rows_grad = None if grad_loss is None else grad_loss[start:end]
-            # In place: from here on `logits` holds their gradient.
-            _C.cross_entropy_fwd_bwd(logits, ts, loss_rows[start:end], rows_grad, count, logits,
-                                     ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
-                                     z_loss=z_loss, stream=cuda_stream)
-            if grad_input is not None:
+            if side is not None:
+                side.wait_stream(main)  # the chunk's logit gradient is written
+                with torch.cuda.stream(side):
+                    torch.mm(logits, weight, out=grad_input[start:end])
+            elif grad_input is not None and kept is None:
                 torch.mm(logits, weight, out=grad_input[start:end])
             if grad_weight is not None:
                 accumulate_weight_grad(grad_weight, logits, xs, start == 0)
+            if grad_input is not None and kept is not None:  # over xs, after the weight's GEMM read it
+                torch.mm(logits, weight, out=xs)
             if grad_bias is not None:
                 grad_bias += logits.sum(0, dtype=acc)
+            if side is not None:
+                # Before the next chunk overwrites the buffer, and before anything on the caller's
+                # stream reads grad_input or frees what the side stream used.
+                main.wait_stream(side)
+        if grad_input is not None and kept is not None and rows < x.shape[0]:
+            # Each kept row's gradient to its place, then the ignored rows' zeros. kept[j] >= j:
+            # moving blocks of packed rows from the last, each through a copy of itself (at most
+            # scale_slice_bytes of float64, made once the logits' buffer is free), writes only
+            # over rows moved already.
+            buffer = logits = None
+            block = chunk_rows(x.shape[1], 8, scale_slice_bytes)
+            for end in range(rows, 0, -block):
+                start = max(0, end - block)
+                grad_input.index_copy_(0, kept[start:end], grad_input[start:end].clone())
+            grad_input.masked_fill_((target.to(torch.int64) == ignore_index).unsqueeze(1), 0)
         return grad_input, grad_weight, grad_bias
+
+    side_streams = {}
+
+    def side_stream(device):
+        """One second stream per device (INPUT_GRAD_STREAM), made on first use."""
+        if device not in side_streams:
+            side_streams[device] = torch.cuda.Stream(device)
+        return side_streams[device]
 
     def linear_forward(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
                        label_smoothing: float, softcap: Optional[float], z_loss: float, reduction: str,
@@ -440,22 +537,31 @@ def torch_layer():
 
     def scaled_in_place(grad_acc, g, dtype):
         """grad_acc * g (g None: 1) rounded once to `dtype`, in grad_acc's memory: no second tensor of
-        a weight's size. A slice of rows at a time through g's dtype (no whole float32 copy of a
-        gradient; and on CUDA a half-precision tensor times a float32 0-d one would round the
-        factor to half precision first). Into a narrower dtype (a float32 accumulator of a bf16
-        weight's gradient) the slices are written in increasing row order over the start of
-        grad_acc's storage: a slice's rows land at or below the bytes they were read from, past the
-        rows already written, and the result is a view of that storage (which stays allocated
-        until the view is freed)."""
-        if grad_acc.dtype == dtype and (g is None or g.dtype == dtype):
-            return grad_acc if g is None else grad_acc.mul_(g)
+        a weight's size. One kernel per slice of rows: the product taken in the wider of the two
+        dtypes and rounded as it is stored (g as a 1-element tensor, which takes part in type
+        promotion; a 0-d one does not, and on CUDA a half-precision tensor times a float32 0-d
+        one rounds the factor to half precision first). The slices, at most 8M elements, bound
+        the temporaries that CPU kernels make for mixed dtypes. Into a narrower dtype (a float32
+        accumulator of a bf16 weight's gradient) the slices are written in increasing row order
+        over the start of grad_acc's storage: a slice's rows land below the bytes they are read
+        from, over rows already read, and the result is a view of that storage (which stays
+        allocated until the view is freed). Only the first slice's destination overlaps its
+        source (a later slice starts at least its own length in): it is read into a copy first."""
+        if g is None and grad_acc.dtype == dtype:
+            return grad_acc
         out = grad_acc
         if grad_acc.dtype != dtype:  # a narrower dtype: grad_acc is the (contiguous) accumulator
             out = grad_acc.view(-1).view(dtype)[:grad_acc.numel()].view(grad_acc.shape)
-        rows = chunk_rows(math.prod(grad_acc.shape[1:]), 8, scale_slice_bytes)  # a copy of 32 MiB of float32
+        factor = None if g is None else g.reshape(1)
+        rows = chunk_rows(math.prod(grad_acc.shape[1:]), 8, scale_slice_bytes)  # 32 MiB of float32
         for start in range(0, grad_acc.shape[0], rows):
-            part = grad_acc[start:start + rows]  # read whole into a copy before `out` is written
-            out[start:start + rows] = part.clone() if g is None else part.to(g.dtype, copy=True).mul_(g)
+            part = grad_acc[start:start + rows]
+            if out is not grad_acc and start == 0:
+                part = part.clone()
+            if factor is None:
+                out[start:start + rows].copy_(part)
+            else:
+                torch.mul(part, factor, out=out[start:start + rows])
         return out
 
     def linear_formula(ctx, grads, run):
@@ -492,7 +598,11 @@ def torch_layer():
         """brrr.linear_cross_entropy on torch tensors (arguments checked)."""
         hidden = input.shape[-1]
         needs = [torch.is_grad_enabled() and p is not None and p.requires_grad for p in (input, weight, bias)]
-        rows = chunk_rows(weight.shape[0], input.element_size(), budget, gemm_tile_rows)
+        if budget is None:
+            acc_itemsize = weight_grad_dtype(weight, accumulation).itemsize
+            rows = auto_chunk_rows(*weight.shape, input.element_size(), acc_itemsize)
+        else:
+            rows = chunk_rows(weight.shape[0], input.element_size(), budget, GEMM_TILE_ROWS)
         loss = linear_op(input.reshape(-1, hidden), weight, target.reshape(-1), bias, ignore_index, label_smoothing,
                          softcap, z_loss, reduction, rows, accumulation, needs)
         if reduction == "none":

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import brrr
-from brrr.xent import ACCUMULATIONS, LOGITS_BUDGET, chunk_rows
+from brrr.xent import ACCUMULATIONS, LOGITS_BUDGET, auto_chunk_rows, chunk_rows
 from helpers import DEVICES, DTYPES, TOLERANCE, random
 from test_xent import IGNORE, make_targets, reference_loss
 
@@ -65,15 +65,22 @@ def check(name, actual, expected, terms, dtype, roundings=1):
 
 def compare(x, weight, target, bias=None, what="", g=None, budget=None, accumulation="weight", **options):
     """brrr and the reference: the loss, and the gradients of x, weight and bias (those that
-    require grad) for the upstream gradient g (random by default). Returns (loss, grads)."""
+    require grad) for the upstream gradient g (random by default). Returns (loss, grads). budget:
+    bytes of logits, None for LOGITS_BUDGET, "auto" to leave the chunks to linear_cross_entropy."""
     dtype = x.dtype
     leaves = [None if p is None else p.detach().requires_grad_(p.requires_grad) for p in (x, weight, bias)]
     budget = LOGITS_BUDGET if budget is None else budget
-    loss = brrr.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], **options, logits_budget=budget,
+    chunking = {} if budget == "auto" else {"logits_budget": budget}
+    loss = brrr.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], **options, **chunking,
                                      accumulation=accumulation)
     # Accumulated in a half-precision weight's dtype, its gradient is rounded once per chunk.
     rows = target.numel()
-    chunks = -(-rows // chunk_rows(weight.shape[0], x.element_size(), budget, 128)) if rows else 1
+    if budget == "auto":
+        acc_itemsize = x.element_size() if accumulation == "weight" else max(4, x.element_size())
+        per_chunk = auto_chunk_rows(*weight.shape, x.element_size(), acc_itemsize)
+    else:
+        per_chunk = chunk_rows(weight.shape[0], x.element_size(), budget, 128)
+    chunks = -(-rows // per_chunk) if rows else 1
     roundings = {"weight": chunks if accumulation == "weight" and x.element_size() == 2 else 1}
     ref_leaves, logits, ref = reference(x, weight, target, bias, **options)
     where = f"{what} {options} {accumulation}"
@@ -239,13 +246,14 @@ def test_deterministic(device, dtype, accumulation):
     rows, hidden, classes = (4099, 256, 32000) if device == "cuda" else (301, 32, 1001)
     x, w, b = make(rows, hidden, classes, dtype, device)
     t = make_targets((rows,), classes, device, IGNORE[0])
-    runs = []
-    for _ in range(2):
-        loss = brrr.linear_cross_entropy(x, w, t, b, label_smoothing=0.1, z_loss=1e-4,
-                                         logits_budget=chunk_budget(97, classes, dtype), accumulation=accumulation)
-        runs.append((loss.detach(),) + torch.autograd.grad(loss, (x, w, b)))
-    for a, c in zip(*runs):
-        assert torch.equal(a, c)
+    for chunking in ({"logits_budget": chunk_budget(97, classes, dtype)}, {}):  # {}: the default chunks
+        runs = []
+        for _ in range(2):
+            loss = brrr.linear_cross_entropy(x, w, t, b, label_smoothing=0.1, z_loss=1e-4, accumulation=accumulation,
+                                             **chunking)
+            runs.append((loss.detach(),) + torch.autograd.grad(loss, (x, w, b)))
+        for a, c in zip(*runs):
+            assert torch.equal(a, c), chunking
 
 
 def test_gradcheck():
@@ -283,6 +291,26 @@ def test_gradient_against_finite_differences(reduction):
         assert abs(numeric - analytic) <= 1e-7 * max(1.0, abs(numeric)), (numeric, analytic)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+def test_backward_scaling_rounds_once_over_several_slices(device, accumulation):
+    """The backward's scaling of a bf16 weight's gradient of 8.6M elements (two slices of the
+    backward, the second of 52 rows) by a float32 upstream gradient: right against float64, and
+    with a bf16 accumulator bitwise bf16(float32(unscaled) * g): the factor is not rounded to
+    bf16 first (1/3 is not a bf16)."""
+    x, w, b = make(5, 4096, 2100, torch.bfloat16, device)
+    t = make_targets((5,), 2100, device, IGNORE[0])
+    g = torch.tensor(1 / 3, device=device)
+    compare(x, w, t, b, what="several slices", accumulation=accumulation)
+    grads = []
+    for upstream in (torch.ones((), device=device), g):
+        loss = brrr.linear_cross_entropy(x, w, t, b, dtype=torch.float32, accumulation=accumulation)
+        grads.append(torch.autograd.grad(loss, (x, w, b), upstream))
+    if accumulation == "weight":
+        assert torch.equal(grads[1][1], (grads[0][1].float() * g).bfloat16())
+    assert torch.equal(grads[1][0], (grads[0][0].float() * g).bfloat16())
+
+
 def test_second_backward_through_the_graph_raises():
     """The backward scales the forward's gradients in place: a second one (retain_graph) would
     scale them twice, so it raises, after a first that is right."""
@@ -306,6 +334,101 @@ def test_chunk_size_follows_the_budget():
     assert chunk_rows(32000, 4, 2**28, 128) == 2048
     assert chunk_rows(32000, 2, 32000 * 2 * 100, 128) == 100  # fewer than 128 rows: as many as fit
     assert chunk_rows(32000, 2, 10, 128) == 1
+
+
+def test_default_chunks_follow_the_accumulators_arithmetic():
+    """Without a budget: 1024 rows of half-precision logits per 2 bytes of accumulator (its read
+    and write per chunk against the chunk's GEMMs), logits capped at half the accumulator's bytes
+    but not below LOGITS_BUDGET; float32 logits 1024 rows."""
+    assert auto_chunk_rows(128256, 4096, 2, 2) == 1024  # bf16 accumulator: 256 MiB of logits
+    assert auto_chunk_rows(128256, 4096, 2, 4) == 2048  # float32 accumulator
+    assert auto_chunk_rows(256000, 2048, 2, 4) == 2048  # the cap, half of 2 GB, is just 2048 rows
+    assert auto_chunk_rows(256000, 1024, 2, 4) == 1024  # capped at half the accumulator
+    assert auto_chunk_rows(256000, 256, 2, 2) == 256  # LOGITS_BUDGET's rows, above the cap's 128
+    assert auto_chunk_rows(32000, 64, 2, 2) == 1024  # LOGITS_BUDGET holds 2097 rows
+    assert auto_chunk_rows(128256, 4096, 4, 4) == 1024
+    assert auto_chunk_rows(300, 16, 2, 4) == 2048
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_default_chunks_match_torch(dtype, accumulation, reduction):
+    """The default chunking over 2500 rows (chunks of 1024, the last of 452 rows; of 2048 for
+    16-bit logits with a float32 accumulator) and 301 classes: every option, each ignore_index,
+    all rows ignored."""
+    x, w, b = make(2500, 16, 301, dtype, "cpu")
+    for ignore, options in [(IGNORE[0], dict(label_smoothing=0.1)), (IGNORE[1], dict(softcap=2.0, z_loss=0.1)),
+                            (IGNORE[2], dict(softcap=30.0, z_loss=1e-4, label_smoothing=0.2))]:
+        t = make_targets((2500,), 301, "cpu", ignore)
+        compare(x, w, t, b, what="default chunks", budget="auto", reduction=reduction, accumulation=accumulation,
+                ignore_index=ignore[1], **options)
+    t = torch.full((2500,), -100)
+    loss = brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, z_loss=0.1, accumulation=accumulation)
+    assert torch.isnan(loss).all() if reduction == "mean" else not loss.detach().any()
+    grads = torch.autograd.grad(loss, (x, w, b), torch.ones_like(loss))
+    assert all(not g.any() for g in grads), reduction
+
+
+class GemmRows(TorchDispatchMode):
+    """The rows of the first operand of every torch.mm / torch.addmm that runs while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.rows.append(args[0 if func.overloadpacket is torch.ops.aten.mm else 1].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_skipping_ignored_rows(monkeypatch, dtype, reduction):
+    """brrr.xent.SKIP_IGNORED_ROWS: the logits' GEMMs run over the counted rows only (chunks of
+    100 rows, the last one short), and the loss and gradients are right: each ignore_index, every
+    option, both accumulations, a frozen weight, without autograd, all rows ignored; the same
+    bits run to run."""
+    monkeypatch.setattr(brrr.xent, "SKIP_IGNORED_ROWS", True)
+    x, w, b = make(1001, 16, 301, dtype, "cpu")
+    budget = chunk_budget(100, 301, dtype)
+    for accumulation in ACCUMULATIONS:
+        for ignore, options in [(IGNORE[0], dict(label_smoothing=0.1)), (IGNORE[1], dict(softcap=2.0, z_loss=0.1)),
+                                (IGNORE[2], dict(softcap=30.0, z_loss=1e-4, label_smoothing=0.2))]:
+            t = make_targets((1001,), 301, "cpu", ignore)
+            compare(x, w, t, b, what="skipping ignored rows", budget=budget, reduction=reduction,
+                    accumulation=accumulation, ignore_index=ignore[1], **options)
+        compare(x, w.detach(), t, b, what="skipping ignored rows, frozen weight", budget=budget, reduction=reduction,
+                accumulation=accumulation, ignore_index=ignore[1])
+    t = make_targets((1001,), 301, "cpu", IGNORE[0])
+    counted = int((t != -100).sum())
+    with GemmRows() as gemms, torch.no_grad():
+        quiet = brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, logits_budget=budget)
+    assert sum(gemms.rows) == counted < 1001, gemms.rows
+    runs = []
+    for _ in range(2):
+        loss = brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, logits_budget=budget)
+        runs.append((loss.detach(),) + torch.autograd.grad(loss, (x, w, b), torch.ones_like(loss)))
+    assert all(torch.equal(a, c) for a, c in zip(*runs)) and torch.equal(quiet, runs[0][0])
+    t = torch.full((1001,), -100)
+    loss = brrr.linear_cross_entropy(x, w, t, b, reduction=reduction, logits_budget=budget)
+    assert torch.isnan(loss).all() if reduction == "mean" else not loss.detach().any()
+    grads = torch.autograd.grad(loss, (x, w, b), torch.ones_like(loss))
+    assert all(not g.any() for g in grads), reduction
+
+
+def test_skipping_ignored_rows_places_the_input_gradient_in_blocks(monkeypatch):
+    """Hidden 4096: the packed gradients of 2251 kept rows go to their rows in two blocks (2048
+    rows of 4096 float64s, then 203), the ignored rows zeros."""
+    monkeypatch.setattr(brrr.xent, "SKIP_IGNORED_ROWS", True)
+    x, w, b = make(3001, 4096, 7, torch.bfloat16, "cpu")
+    t = make_targets((3001,), 7, "cpu", IGNORE[0])
+    assert int((t != -100).sum()) == 2251
+    for reduction in REDUCTIONS:
+        _, (grad_x, *_) = compare(x, w, t, b, what="two blocks", budget=chunk_budget(512, 7, torch.bfloat16),
+                                  reduction=reduction)
+        assert not grad_x[t == -100].any() and grad_x[t != -100].abs().sum(1).all()
 
 
 def test_saves_no_logits():
@@ -517,8 +640,72 @@ def test_cuda_matches_cpu_at_size(dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+def test_cuda_input_gradient_on_a_second_stream(monkeypatch, accumulation):
+    """brrr.xent.INPUT_GRAD_STREAM: the same bits as one stream (each GEMM alone computes its
+    output), right against float64, in a CUDA graph too; off without an input gradient."""
+    x, w, b = make(3001, 64, 4097, torch.bfloat16, "cuda")
+    t = make_targets((3001,), 4097, "cuda", IGNORE[0])
+    budget = chunk_budget(384, 4097, torch.bfloat16)  # 8 chunks, the last of 313 rows
+
+    def grads():
+        loss = brrr.linear_cross_entropy(x, w, t, b, softcap=30.0, logits_budget=budget, accumulation=accumulation)
+        return (loss.detach(),) + torch.autograd.grad(loss, (x, w, b))
+
+    one = grads()
+    monkeypatch.setattr(brrr.xent, "INPUT_GRAD_STREAM", True)
+    two = grads()
+    assert all(torch.equal(a, c) for a, c in zip(one, two))
+    compare(x, w, t, b, what="two streams", budget=budget, accumulation=accumulation, softcap=30.0)
+    compare(x.detach(), w, t, b, what="two streams, no input gradient", budget=budget, accumulation=accumulation)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grads()  # warm-up outside the capture, as test_cuda_graph_capture_of_a_training_step
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grads()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, c) for a, c in zip(one, captured))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+def test_cuda_skipping_ignored_rows(monkeypatch, accumulation):
+    """brrr.xent.SKIP_IGNORED_ROWS on CUDA: right against float64 (a vocabulary of 32000, chunks
+    of 256 of the kept rows); under CUDA-graph capture it runs every row (no host sync) and gives
+    what it gives without the switch."""
+    monkeypatch.setattr(brrr.xent, "SKIP_IGNORED_ROWS", True)
+    x, w, b = make(1031, 64, 32000, torch.bfloat16, "cuda")
+    t = make_targets((1031,), 32000, "cuda", IGNORE[0])
+    budget = chunk_budget(256, 32000, torch.bfloat16)
+    for reduction in REDUCTIONS:
+        compare(x, w, t, b, what="cuda, skipping", budget=budget, reduction=reduction, accumulation=accumulation,
+                softcap=30.0, z_loss=1e-4, label_smoothing=0.1)
+
+    def grads():
+        loss = brrr.linear_cross_entropy(x, w, t, b, logits_budget=budget, accumulation=accumulation)
+        return (loss.detach(),) + torch.autograd.grad(loss, (x, w, b))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grads()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grads()
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.setattr(brrr.xent, "SKIP_IGNORED_ROWS", False)
+    assert all(torch.equal(a, c) for a, c in zip(grads(), captured))
+
+
+@pytest.mark.cuda
 def test_cuda_peak_memory_of_each_accumulation():
-    """bf16, 8192 x 1024, 32768 classes, the default budget (128 MiB: 4 chunks of 2048 rows):
+    """bf16, 8192 x 1024, 32768 classes, LOGITS_BUDGET (128 MiB: 4 chunks of 2048 rows):
     forward and backward allocate at their peak (torch.cuda.max_memory_allocated) at most the
     weight's gradient, the input's, one chunk of logits and 8 MiB with accumulation "weight"; with
     "float32" at least the float32 accumulator (twice the weight's bytes), the input's gradient and
@@ -529,7 +716,7 @@ def test_cuda_peak_memory_of_each_accumulation():
     w_bytes, x_bytes, chunk_bytes = w.numel() * 2, x.numel() * 2, LOGITS_BUDGET
     for accumulation in ACCUMULATIONS:
         def step():
-            loss = brrr.linear_cross_entropy(x, w, t, accumulation=accumulation)
+            loss = brrr.linear_cross_entropy(x, w, t, accumulation=accumulation, logits_budget=chunk_bytes)
             return torch.autograd.grad(loss, (x, w))
 
         step()  # cuBLAS's workspace, allocated once
