@@ -262,6 +262,7 @@ class TorchOp:
         returns = self.op._schema.returns
         self._single = len(returns) == 1 and str(returns[0].type) == "Tensor"  # the forward returns one tensor
         self._apply = self._eager_apply() if backward else None
+        self._records = _recorder(self.op, grad_args)
         # Where nothing records: the inference, or the forward's results as the op's.
         if inference is None and not self._single:
             self._direct = lambda *args: _outputs(forward(*args), outputs)
@@ -321,18 +322,6 @@ class TorchOp:
             return plain(*args)
         return apply
 
-    def _records(self, args):
-        """Whether autograd records the op on these arguments, grad mode on: a tensor at grad_args
-        (or in a list there) requires grad."""
-        for i in self.grad_args:
-            a = args[i]
-            if isinstance(a, torch.Tensor):
-                if a.requires_grad:
-                    return True
-            elif a and any(t.requires_grad for t in a):  # a list (None and empty ones skipped)
-                return True
-        return False
-
     def runs_forward(self, args):
         """Whether a call on these arguments runs the forward itself (outside torch.compile, with
         nothing recorded): the only path on which a caller may give an output to write."""
@@ -342,9 +331,8 @@ class TorchOp:
         """The op's call, which returns its results (the first `outputs`): the operator under
         torch.compile, the eager Function when autograd records, else the forward (or the
         inference). A closure over the op's pieces, made the __call__ of a class of the op's own:
-        on the eager hot path, looking them up on the instance and a frame for _records cost about
-        0.1 us a call."""
-        op, outputs, apply, direct, grad_args = self.op, self.outputs, self._apply, self._direct, self.grad_args
+        on the eager hot path, looking them up on the instance cost about 0.1 us a call."""
+        op, outputs, apply, direct, records = self.op, self.outputs, self._apply, self._direct, self._records
         if apply is None:
             def call(self, *args):
                 if _compiling():
@@ -355,16 +343,36 @@ class TorchOp:
         def call(self, *args):
             if _compiling():
                 return _outputs(op(*args), outputs)
-            if _grad_enabled():
-                for i in grad_args:
-                    a = args[i]
-                    if isinstance(a, Tensor):
-                        if a.requires_grad:
-                            return apply(*args)
-                    elif a and any(t.requires_grad for t in a):  # a list (None and empty ones skipped)
-                        return apply(*args)
+            if _grad_enabled() and records(args):
+                return apply(*args)
             return direct(*args)
         return call
+
+
+def _recorder(op, grad_args):
+    """records(args): whether autograd records the op on these arguments, grad mode on: a tensor
+    at grad_args (or in a list there) requires grad. Where no argument there is a list (by the
+    op's schema), a tensor or None: no isinstance per argument."""
+    lists = {i for i, a in enumerate(op._schema.arguments) if str(a.type) == "List[Tensor]"}
+    if lists.isdisjoint(grad_args):
+        def records(args):
+            for i in grad_args:
+                a = args[i]
+                if a is not None and a.requires_grad:
+                    return True
+            return False
+        return records
+
+    def records_lists(args):
+        for i in grad_args:
+            a = args[i]
+            if isinstance(a, Tensor):
+                if a.requires_grad:
+                    return True
+            elif a and any(t.requires_grad for t in a):  # a list (None and empty ones skipped)
+                return True
+        return False
+    return records_lists
 
 
 _compiling, _grad_enabled, Tensor = torch.compiler.is_compiling, torch.is_grad_enabled, torch.Tensor
