@@ -298,9 +298,10 @@ class TorchOp:
                     return result
                 results = op_forward(*args)
                 save(ctx, args, results)
-                if outputs != 1:  # one output (the others only for the backward) is always given a gradient
-                    ctx.set_materialize_grads(False)
-                return _outputs(results, outputs)
+                if outputs == 1:  # one output (the others only for the backward) is always given a gradient
+                    return results[0]
+                ctx.set_materialize_grads(False)
+                return tuple(results[:outputs])
 
             @_once_differentiable
             def backward(ctx, *grads):
