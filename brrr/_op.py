@@ -19,8 +19,6 @@ brrr._integration.torch_integration): brrr loads it when it first sees a torch t
 (brrr._frameworks), or at `import brrr` when torch is imported already.
 """
 
-import functools
-
 import torch
 
 from ._integration import declared
@@ -73,25 +71,30 @@ def _lean_apply(function):
     return apply
 
 
-def _once_differentiable(backward):
-    """torch's once_differentiable for the backward of an eager Function run by brrr's kernels,
-    which record no graph. Where autograd records the backward (create_graph=True), the gradients
-    it returns carry an error node whenever an incoming gradient or a saved tensor requires grad,
-    so that a second derivative raises instead of coming out zero (torch's decorator looks at the
-    incoming gradients only: the Hessian of layer_norm(x).sum() was silently 0). An op whose
-    backward reads no saved tensor that requires grad (dropout, rotary) is linear in x: its
-    second derivative with respect to x is 0 indeed. Grad mode off, the usual backward, skips all
-    of this (and the no_grad block)."""
+def _eager_backward(formula, lists):
+    """The backward of an eager Function: the op's formula, its backward ops run by their
+    forwards, and its gradients for lists of tensors spread out (lists: the _Lists of an op whose
+    Function spreads them, else None). Once differentiable, as torch's decorator makes it, for
+    brrr's kernels record no graph: where autograd records the backward (create_graph=True), the
+    gradients it returns carry an error node whenever an incoming gradient or a saved tensor
+    requires grad, so that a second derivative raises instead of coming out zero (torch's
+    decorator looks at the incoming gradients only: the Hessian of layer_norm(x).sum() was
+    silently 0). An op whose backward reads no saved tensor that requires grad (dropout, rotary)
+    is linear in x: its second derivative with respect to x is 0 indeed. Grad mode off, the usual
+    backward, skips all of this (and the no_grad block); one frame between autograd and the
+    formula, where a decorator's wrapper and the Function's own backward made two."""
 
-    @functools.wraps(backward)
-    def wrapper(ctx, *grads):
-        if not torch.is_grad_enabled():
-            return backward(ctx, *grads)
+    def backward(ctx, *grads):
+        if not _grad_enabled():
+            outputs = formula(ctx, grads, _run_eager)
+            return outputs if lists is None else lists.gradients(ctx, outputs)
         with torch.no_grad():
-            outputs = backward(ctx, *grads)
+            outputs = formula(ctx, grads, _run_eager)
+            if lists is not None:
+                outputs = lists.gradients(ctx, outputs)
         recorded = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
         return _refuse_second_derivative(ctx, outputs, recorded) if recorded else outputs
-    return wrapper
+    return backward
 
 
 def _op_name(ctx):
@@ -284,7 +287,7 @@ class TorchOp:
         """The eager autograd.Function's apply: its forward is the op's, its backward the formula's
         (once differentiable). An op with lists of tensors among its arguments has two: one for
         calls where a list holds tensors (see _Lists), one for calls where none does."""
-        op, lists, single = self, _Lists(self.op), self._single
+        lists, single = _Lists(self.op), self._single
         op_forward, save, outputs = self.forward, self._save, self.outputs
 
         def function(spread):
@@ -303,11 +306,7 @@ class TorchOp:
                 ctx.set_materialize_grads(False)
                 return tuple(results[:outputs])
 
-            @_once_differentiable
-            def backward(ctx, *grads):
-                grads_in = op._formula(ctx, grads, _run_eager)
-                return lists.gradients(ctx, grads_in) if spread else grads_in
-
+            backward = _eager_backward(self._formula, lists if spread else None)
             return _lean_apply(type(f"brrr_{self.name}_eager", (torch.autograd.Function,),
                                     {"forward": staticmethod(forward), "backward": staticmethod(backward)}))
 
