@@ -128,7 +128,10 @@ def torch_layer():
             _C.chain_bwd(gate, grad, grad_gate, None, program_, (up_half,), (grad_up,), stream(x))
             return [grad_x]
         grad_up = torch.empty_like(up) if needs_grad[1] else None
-        grad_gate = _C.chain_bwd(x, grad, out_like(x), None, program_, (up,), (grad_up,), stream(x))[0]
+        if _op.EXCHANGE_API:  # as the forward: brrr._C allocates grad_gate and finds the stream
+            grad_gate = _C.chain_bwd(x, grad, None, None, program_, (up,), (grad_up,))[0]
+        else:
+            grad_gate = _C.chain_bwd(x, grad, out_like(x), None, program_, (up,), (grad_up,), stream(x))[0]
         return [grad_gate] if grad_up is None else [grad_gate, grad_up]
 
     def backward_fake(x, up, grad, activation, needs_grad):
