@@ -351,8 +351,8 @@ class TorchOp:
 
 def _recorder(op, grad_args):
     """records(args): whether autograd records the op on these arguments, grad mode on: a tensor
-    at grad_args (or in a list there) requires grad. Where no argument there is a list (by the
-    op's schema), a tensor or None: no isinstance per argument."""
+    at grad_args (or in a list there) requires grad. Where the op's schema has no list of tensors
+    at grad_args, each argument there is a tensor or None, asked requires_grad with no isinstance."""
     lists = {i for i, a in enumerate(op._schema.arguments) if str(a.type) == "List[Tensor]"}
     if lists.isdisjoint(grad_args):
         def records(args):

@@ -316,7 +316,7 @@ def torch_layer():
     def shape_list(x, normalized_shape):
         """normalized_shape as the custom ops' schema takes it (a list or tuple of ints), checked
         against x (TypeError or ValueError naming it). A list or tuple is passed on as it is: a
-        copy was a twentieth of a tiny LayerNorm's Python on this project's CPU machine."""
+        copy was about 0.05 us of a tiny LayerNorm's call on this project's CPU machine."""
         normalized_ndim(x.shape, normalized_shape)
         return normalized_shape if isinstance(normalized_shape, (list, tuple)) else [normalized_shape]
 
