@@ -9,6 +9,7 @@ forward <= 1.0x, forward+backward <= 1.15x.
     PYTHONPATH=$PWD python benchmarks/host_cost.py    # CPU, float32
     PYTHONPATH=$PWD python benchmarks/host_cost.py --device cuda --dtype bfloat16
     PYTHONPATH=$PWD python benchmarks/host_cost.py --profile rms_norm   # cProfile of brrr's forward+backward
+    PYTHONPATH=$PWD python benchmarks/host_cost.py --floor   # the forward's brrr._C call alone, beside both
 
 Each number is the fastest round's mean time per call (µs): on a shared machine the other rounds
 carry other processes' time. On the CPU it is this process's CPU time, and both libraries run
@@ -40,6 +41,21 @@ def cases(device, dtype, rows, hidden):
         "gelu": (brrr.gelu, F.gelu, [(rows, hidden)]),
         "swiglu": (brrr.swiglu, lambda a, b: F.silu(a) * b, [(rows, hidden), (rows, hidden)]),
         "softmax": (lambda x: brrr.softmax(x, -1), lambda x: torch.softmax(x, -1), [(rows, hidden)]),
+    }
+
+
+def c_calls():
+    """name -> brrr's forward as its one brrr._C call, the output allocated by brrr._C: what the
+    forward costs below brrr's Python (the same inputs as cases())."""
+    from brrr import _C
+
+    gelu, glu = _C.chain_program(["gelu"]), _C.chain_program(["silu", "mul_tensor"])
+    return {
+        "rms_norm": lambda x, w: _C.rms_norm_fwd(x, w, norm_ndim=1, eps=2.0**-23, llama=False),
+        "layer_norm": lambda x, w, b: _C.layer_norm_fwd(x, w, b, norm_ndim=1, eps=1e-5),
+        "gelu": lambda x: _C.chain_fwd(x, None, gelu, ()),
+        "swiglu": lambda a, b: _C.chain_fwd(a, None, glu, (b,)),
+        "softmax": lambda x: _C.softmax_fwd(x, None, log=False),
     }
 
 
@@ -100,6 +116,21 @@ def run(device="cpu", dtype=torch.float32, rows=2, hidden=16, calls=500, rounds=
             brrr.set_num_threads(previous[1])
 
 
+def floor(device="cpu", dtype=torch.float32, rows=2, hidden=16, calls=500, rounds=7, threads=1):
+    """[(case, brrr µs, brrr._C µs, torch µs)] of the forward, no input requiring grad: how much of
+    brrr's forward is its Python above the one brrr._C call."""
+    if device == "cpu" and threads:
+        torch.set_num_threads(threads)
+        brrr.set_num_threads(threads)
+    results, below = [], c_calls()
+    for name, (ours, theirs, shapes) in cases(device, dtype, rows, hidden).items():
+        tensors = inputs(shapes, device, dtype, False)
+        steps = {"brrr": ours, "brrr._C": below[name], "torch": theirs}
+        times = time_pair({k: forward_step(f, tensors) for k, f in steps.items()}, device, calls, rounds)
+        results.append((name, times["brrr"], times["brrr._C"], times["torch"]))
+    return results
+
+
 def profile(name, device, dtype, rows, hidden, calls, threads):
     if device == "cpu" and threads:
         torch.set_num_threads(threads)
@@ -127,12 +158,22 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of torch and brrr (0: their defaults)")
     parser.add_argument("--profile", metavar="CASE", help="cProfile brrr's forward+backward of one case instead")
+    parser.add_argument("--floor", action="store_true",
+                        help="the forward's one brrr._C call alone beside brrr's and torch's forward instead")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.profile:
         profile(args.profile, args.device, dtype, args.rows, args.hidden, args.calls * args.rounds, args.threads)
         return
     clock = "CPU time" if args.device == "cpu" else "wall time"
+    if args.floor:
+        print(f"forward host cost, {args.device} {args.dtype} ({args.rows}, {args.hidden}): µs of {clock} per call; "
+              "brrr._C: its one C call, the output allocated by it")
+        print(f"{'op':12s} {'brrr':>8s} {'brrr._C':>8s} {'torch':>8s} {'ratio':>6s} {'_C ratio':>9s}")
+        for name, ours, below, theirs in floor(args.device, dtype, args.rows, args.hidden, args.calls, args.rounds,
+                                               args.threads):
+            print(f"{name:12s} {ours:8.2f} {below:8.2f} {theirs:8.2f} {ours / theirs:6.2f} {below / theirs:9.2f}")
+        return
     print(f"host cost, {args.device} {args.dtype} ({args.rows}, {args.hidden}), torch {torch.__version__}, "
           f"brrr {brrr.__version__}: µs of {clock} per call, fastest of {args.rounds} rounds of {args.calls}")
     print(f"{'op':12s} {'mode':18s} {'brrr':>8s} {'torch':>8s} {'ratio':>6s} {'target':>7s}")

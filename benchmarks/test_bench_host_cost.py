@@ -20,3 +20,18 @@ def test_host_cost(recorder):
         for impl, us in (("brrr", ours), ("eager", theirs)):
             recorder.add(family="host", op=name, dtype=str(dtype).removeprefix("torch."), shape=[2, 16], pass_=mode,
                          impl=impl, ms=us / 1e3, ratio=ratio, target=host_cost.TARGETS[mode])
+
+
+def test_host_cost_floor(recorder):
+    """The forward's one brrr._C call alone, beside brrr's and torch's forward: every case runs
+    and reports the three times (on the GPU recorded: the Python above brrr._C is the first less
+    the second)."""
+    dev, dtype = device(), torch.bfloat16 if on_gpu() else torch.float32
+    calls, rounds = (500, 7) if on_gpu() else (30, 2)
+    results = host_cost.floor(dev, dtype, calls=calls, rounds=rounds)
+    assert [name for name, *_ in results] == list(host_cost.cases(dev, dtype, 2, 16))
+    for name, ours, below, theirs in results:
+        assert ours > 0 and below > 0 and theirs > 0, name
+        for impl, us in (("brrr", ours), ("brrr._C", below), ("eager", theirs)):
+            recorder.add(family="host_floor", op=name, dtype=str(dtype).removeprefix("torch."), shape=[2, 16],
+                         pass_="forward", impl=impl, ms=us / 1e3, ratio=us / theirs, target=1.0)

@@ -19,8 +19,6 @@ brrr._integration.torch_integration): brrr loads it when it first sees a torch t
 (brrr._frameworks), or at `import brrr` when torch is imported already.
 """
 
-import functools
-
 import torch
 
 from ._integration import declared
@@ -73,25 +71,30 @@ def _lean_apply(function):
     return apply
 
 
-def _once_differentiable(backward):
-    """torch's once_differentiable for the backward of an eager Function run by brrr's kernels,
-    which record no graph. Where autograd records the backward (create_graph=True), the gradients
-    it returns carry an error node whenever an incoming gradient or a saved tensor requires grad,
-    so that a second derivative raises instead of coming out zero (torch's decorator looks at the
-    incoming gradients only: the Hessian of layer_norm(x).sum() was silently 0). An op whose
-    backward reads no saved tensor that requires grad (dropout, rotary) is linear in x: its
-    second derivative with respect to x is 0 indeed. Grad mode off, the usual backward, skips all
-    of this (and the no_grad block)."""
+def _eager_backward(formula, lists):
+    """The backward of an eager Function: the op's formula, its backward ops run by their
+    forwards, and its gradients for lists of tensors spread out (lists: the _Lists of an op whose
+    Function spreads them, else None). Once differentiable, as torch's decorator makes it, for
+    brrr's kernels record no graph: where autograd records the backward (create_graph=True), the
+    gradients it returns carry an error node whenever an incoming gradient or a saved tensor
+    requires grad, so that a second derivative raises instead of coming out zero (torch's
+    decorator looks at the incoming gradients only: the Hessian of layer_norm(x).sum() was
+    silently 0). An op whose backward reads no saved tensor that requires grad (dropout, rotary)
+    is linear in x: its second derivative with respect to x is 0 indeed. Grad mode off, the usual
+    backward, skips all of this (and the no_grad block); one frame between autograd and the
+    formula, where a decorator's wrapper and the Function's own backward made two."""
 
-    @functools.wraps(backward)
-    def wrapper(ctx, *grads):
-        if not torch.is_grad_enabled():
-            return backward(ctx, *grads)
+    def backward(ctx, *grads):
+        if not _grad_enabled():
+            outputs = formula(ctx, grads, _run_eager)
+            return outputs if lists is None else lists.gradients(ctx, outputs)
         with torch.no_grad():
-            outputs = backward(ctx, *grads)
+            outputs = formula(ctx, grads, _run_eager)
+            if lists is not None:
+                outputs = lists.gradients(ctx, outputs)
         recorded = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
         return _refuse_second_derivative(ctx, outputs, recorded) if recorded else outputs
-    return wrapper
+    return backward
 
 
 def _op_name(ctx):
@@ -262,6 +265,7 @@ class TorchOp:
         returns = self.op._schema.returns
         self._single = len(returns) == 1 and str(returns[0].type) == "Tensor"  # the forward returns one tensor
         self._apply = self._eager_apply() if backward else None
+        self._records = _recorder(self.op, grad_args)
         # Where nothing records: the inference, or the forward's results as the op's.
         if inference is None and not self._single:
             self._direct = lambda *args: _outputs(forward(*args), outputs)
@@ -283,7 +287,7 @@ class TorchOp:
         """The eager autograd.Function's apply: its forward is the op's, its backward the formula's
         (once differentiable). An op with lists of tensors among its arguments has two: one for
         calls where a list holds tensors (see _Lists), one for calls where none does."""
-        op, lists, single = self, _Lists(self.op), self._single
+        lists, single = _Lists(self.op), self._single
         op_forward, save, outputs = self.forward, self._save, self.outputs
 
         def function(spread):
@@ -297,15 +301,12 @@ class TorchOp:
                     return result
                 results = op_forward(*args)
                 save(ctx, args, results)
-                if outputs != 1:  # one output (the others only for the backward) is always given a gradient
-                    ctx.set_materialize_grads(False)
-                return _outputs(results, outputs)
+                if outputs == 1:  # one output (the others only for the backward) is always given a gradient
+                    return results[0]
+                ctx.set_materialize_grads(False)
+                return tuple(results[:outputs])
 
-            @_once_differentiable
-            def backward(ctx, *grads):
-                grads_in = op._formula(ctx, grads, _run_eager)
-                return lists.gradients(ctx, grads_in) if spread else grads_in
-
+            backward = _eager_backward(self._formula, lists if spread else None)
             return _lean_apply(type(f"brrr_{self.name}_eager", (torch.autograd.Function,),
                                     {"forward": staticmethod(forward), "backward": staticmethod(backward)}))
 
@@ -321,18 +322,6 @@ class TorchOp:
             return plain(*args)
         return apply
 
-    def _records(self, args):
-        """Whether autograd records the op on these arguments, grad mode on: a tensor at grad_args
-        (or in a list there) requires grad."""
-        for i in self.grad_args:
-            a = args[i]
-            if isinstance(a, torch.Tensor):
-                if a.requires_grad:
-                    return True
-            elif a and any(t.requires_grad for t in a):  # a list (None and empty ones skipped)
-                return True
-        return False
-
     def runs_forward(self, args):
         """Whether a call on these arguments runs the forward itself (outside torch.compile, with
         nothing recorded): the only path on which a caller may give an output to write."""
@@ -342,9 +331,8 @@ class TorchOp:
         """The op's call, which returns its results (the first `outputs`): the operator under
         torch.compile, the eager Function when autograd records, else the forward (or the
         inference). A closure over the op's pieces, made the __call__ of a class of the op's own:
-        on the eager hot path, looking them up on the instance and a frame for _records cost about
-        0.1 us a call."""
-        op, outputs, apply, direct, grad_args = self.op, self.outputs, self._apply, self._direct, self.grad_args
+        on the eager hot path, looking them up on the instance cost about 0.1 us a call."""
+        op, outputs, apply, direct, records = self.op, self.outputs, self._apply, self._direct, self._records
         if apply is None:
             def call(self, *args):
                 if _compiling():
@@ -355,16 +343,36 @@ class TorchOp:
         def call(self, *args):
             if _compiling():
                 return _outputs(op(*args), outputs)
-            if _grad_enabled():
-                for i in grad_args:
-                    a = args[i]
-                    if isinstance(a, Tensor):
-                        if a.requires_grad:
-                            return apply(*args)
-                    elif a and any(t.requires_grad for t in a):  # a list (None and empty ones skipped)
-                        return apply(*args)
+            if _grad_enabled() and records(args):
+                return apply(*args)
             return direct(*args)
         return call
+
+
+def _recorder(op, grad_args):
+    """records(args): whether autograd records the op on these arguments, grad mode on: a tensor
+    at grad_args (or in a list there) requires grad. Where the op's schema has no list of tensors
+    at grad_args, each argument there is a tensor or None, asked requires_grad with no isinstance."""
+    lists = {i for i, a in enumerate(op._schema.arguments) if str(a.type) == "List[Tensor]"}
+    if lists.isdisjoint(grad_args):
+        def records(args):
+            for i in grad_args:
+                a = args[i]
+                if a is not None and a.requires_grad:
+                    return True
+            return False
+        return records
+
+    def records_lists(args):
+        for i in grad_args:
+            a = args[i]
+            if isinstance(a, Tensor):
+                if a.requires_grad:
+                    return True
+            elif a and any(t.requires_grad for t in a):  # a list (None and empty ones skipped)
+                return True
+        return False
+    return records_lists
 
 
 _compiling, _grad_enabled, Tensor = torch.compiler.is_compiling, torch.is_grad_enabled, torch.Tensor

