@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <atomic>
+
 #include "brrr_cuda.h"
 #include "elementary.cuh"
 
@@ -201,11 +203,19 @@ struct DeviceGuard {
     }
 };
 
-inline int sm_count(int device) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 1;
-    return n;
+// Device attribute A of `device`, kept per device after the first successful query (the runtime
+// call costs host time on every launch); `fallback` where the query fails.
+template <cudaDeviceAttr A>
+inline int device_attribute(int device, int fallback) {
+    static std::atomic<int> kept[64];
+    int v = device >= 0 && device < 64 ? kept[device].load(std::memory_order_relaxed) : 0;
+    if (v > 0) return v;
+    if (cudaDeviceGetAttribute(&v, A, device) != cudaSuccess || v <= 0) return fallback;
+    if (device >= 0 && device < 64) kept[device].store(v, std::memory_order_relaxed);
+    return v;
 }
+
+inline int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device, 1); }
 
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 

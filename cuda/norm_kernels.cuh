@@ -42,7 +42,6 @@
 // block count and GPU. Nothing is allocated; no atomics.
 #pragma once
 
-#include <atomic>
 #include <mutex>
 #include <stdlib.h>
 #include <string.h>
@@ -1105,28 +1104,14 @@ struct BwdConfig {
     BwdLayout lay;
 };
 
-// Dynamic shared memory a block may have on `device` beside `static_bytes` of its own (the
-// runtime call is kept per device: it costs host time on every launch).
+// Dynamic shared memory a block may have on `device` beside `static_bytes` of its own.
 static size_t dynamic_smem_limit(int device, size_t static_bytes) {
-    static std::atomic<int> optin[64];
-    int v = device >= 0 && device < 64 ? optin[device].load(std::memory_order_relaxed) : 0;
-    if (v == 0) {
-        if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess || v <= 0) v = 48 << 10;
-        if (device >= 0 && device < 64) optin[device].store(v, std::memory_order_relaxed);
-    }
+    const int v = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 48 << 10);
     return (size_t)v > static_bytes ? (size_t)v - static_bytes : 0;
 }
 
-// The device's compute capability major, kept per device (the same reason).
-static int compute_major(int device) {
-    static std::atomic<int> major[64];
-    int v = device >= 0 && device < 64 ? major[device].load(std::memory_order_relaxed) : 0;
-    if (v == 0) {
-        if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || v <= 0) return 0;
-        if (device >= 0 && device < 64) major[device].store(v, std::memory_order_relaxed);
-    }
-    return v;
-}
+// The device's compute capability major (0 where the query fails).
+static int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0); }
 
 // Where the backward's fast path keeps the weight: unset or auto, a copy in shared memory, or
 // global memory where the copy leaves no room for one stage of the ring; smem, the copy or the

@@ -523,18 +523,6 @@ void launch_rows(const brrr_softmax_launch &L, int threads, cudaStream_t stream)
         softmax_rows_kernel<TX, TY, kBackward, PACKS><<<L.rows, threads, 0, stream>>>(L);
 }
 
-// A device attribute, kept per device (the runtime call costs host time on every launch).
-inline int device_attribute(cudaDeviceAttr attr, int device) {
-    static std::atomic<int> kept[2][64];
-    const int which = attr == cudaDevAttrComputeCapabilityMajor ? 0 : 1;
-    int v = device >= 0 && device < 64 ? kept[which][device].load(std::memory_order_relaxed) : 0;
-    if (v == 0) {
-        if (cudaDeviceGetAttribute(&v, attr, device) != cudaSuccess || v <= 0) return 0;
-        if (device >= 0 && device < 64) kept[which][device].store(v, std::memory_order_relaxed);
-    }
-    return v;
-}
-
 // softmax_smem_kernel for this launch, or false when the row does not fit: a cluster of the
 // fewest blocks (a power of two, up to kMaxCluster; one without clusters, before sm_90) that
 // hold it at up to 64 KB each, so that three share an SM; past kMaxCluster, as much as one
@@ -544,12 +532,12 @@ bool launch_smem(const brrr_softmax_launch &L, int device, cudaStream_t stream, 
     using A = typename Compute<TX>::type;
     using TI = typename std::conditional<kBackward, TY, TX>::type;
     const int64_t per_col = (kBackward ? 2 : 1) * (int64_t)sizeof(TI);
-    const int max_cluster = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 ? kMaxCluster : 1;
+    const int max_cluster = device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0) >= 9 ? kMaxCluster : 1;
     auto slice_of = [&](int c) { return ((L.cols + c - 1) / c + kSliceAlign - 1) / kSliceAlign * kSliceAlign; };
     int cluster = 1;
     while (cluster < max_cluster && slice_of(cluster) * per_col > (64 << 10)) cluster *= 2;
     const int64_t slice = slice_of(cluster), bytes = slice * per_col;
-    const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device) -
+    const int64_t limit = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 0) -
                           (int64_t)(sizeof(A) * (32 + 2 * kMaxCluster));
     if (bytes > limit || L.rows * cluster > INT32_MAX) return false;
     auto kernel = softmax_smem_kernel<TX, TY, kBackward>;
