@@ -20,6 +20,9 @@
 // chain_vector_grad_kernel  sums those per-slice partials in order into the bias gradient.
 #pragma once
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "brrr_cuda.h"
 #include "chain_math.cuh"
 #include "common.cuh"
@@ -391,10 +394,22 @@ __device__ __forceinline__ const void *row_address(const brrr_chain_launch &L, c
     return static_cast<const char *>(v.data) + row_element(L, v, r, col) * size;
 }
 
+// A thread's pack of a pipeline stage, read back from shared memory. `whole`: one 16-byte load
+// (LDS.128, 4 wavefronts a warp). Otherwise element by element (BRRR_CHAIN_ROWS_READ=element),
+// as the row kernels read it before: for 2-byte types ptxas emits 8 LDS.U16, each spanning the
+// warp's 512 bytes (4 wavefronts), so 32 wavefronts a pack; float32 got one LDS.128 either way.
 template <typename T, int VEC, typename A>
-__device__ __forceinline__ void unpack(const Pack<T, VEC> &pk, A *out) {
+__device__ __forceinline__ void unpack(const Pack<T, VEC> &pk, A *out, bool whole) {
+    if (sizeof(Pack<T, VEC>) == 16 && whole) {
+        const uint4 raw = *reinterpret_cast<const uint4 *>(&pk);
+        Pack<T, VEC> v;
+        memcpy(&v, &raw, sizeof v);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) out[j] = to_float(pk.v[j]);
+        for (int j = 0; j < VEC; ++j) out[j] = to_float(v.v[j]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out[j] = to_float(pk.v[j]);
+    }
 }
 
 template <typename T, int VEC, typename A>
@@ -459,7 +474,7 @@ struct RowPipeline {
 // One row's operand values: its row of each tensor operand (from the pipeline), the resident
 // columns of each vector operand.
 template <int VEC, int kOps, int kSlots, typename P, typename A>
-__device__ __forceinline__ void row_operands(const brrr_chain_launch &L, const P &pipe, int s, int first_operand_slot,
+__device__ __forceinline__ void row_operands(const brrr_chain_launch &L, const P &pipe, int s, int first_operand_slot, bool whole,
                                              const A (&vector_value)[kSlots][VEC], A (&v)[kSlots][VEC]) {
 #pragma unroll
     for (int b = 0; b < kSlots; ++b) {
@@ -467,7 +482,7 @@ __device__ __forceinline__ void row_operands(const brrr_chain_launch &L, const P
 #pragma unroll
             for (int j = 0; j < VEC; ++j) v[b][j] = vector_value[b][j];
         } else if (b < kOps && b < L.program.n_operands) {
-            unpack(pipe.get(s, first_operand_slot + b), v[b]);
+            unpack(pipe.get(s, first_operand_slot + b), v[b], whole);
         } else {
 #pragma unroll
             for (int j = 0; j < VEC; ++j) v[b][j] = A(0);
@@ -477,7 +492,7 @@ __device__ __forceinline__ void row_operands(const brrr_chain_launch &L, const P
 
 // Row layout, forward: rows with arbitrary strides, columns with stride 1 (VEC > 1) or any.
 template <typename T, int VEC, int kOps>
-__global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_fwd_rows_kernel(const __grid_constant__ brrr_chain_launch L) {
+__global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_fwd_rows_kernel(const __grid_constant__ brrr_chain_launch L, bool whole) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
     using Pipe = RowPipeline<T, VEC, kOps, false>;
@@ -497,8 +512,8 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_f
     for (int64_t r = first; r < slice.end; r += kRowLanes) {
         copy_async_wait<S - 1>();  // row r's group, the oldest, has landed
         A y[VEC], v[kSlots][VEC];
-        unpack(pipe.get(s, 0), y);
-        row_operands<VEC, kOps>(L, pipe, s, 1, vector_value, v);
+        unpack(pipe.get(s, 0), y, whole);
+        row_operands<VEC, kOps>(L, pipe, s, 1, whole, vector_value, v);
         program_fwd_pack<M, kOps>(L.program, y, v);
         store_row<T, VEC>(L, L.out, r, col, y);
         // Refilled only after its values were used, so the copy cannot overwrite them unread.
@@ -511,7 +526,7 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_f
 // sums its rows in order, the block's row lanes are summed in order through shared memory, and
 // chain_vector_grad_kernel sums the blocks in order. Bitwise reproducible; no atomics.
 template <typename T, int VEC, int kOps>
-__global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_bwd_rows_kernel(const __grid_constant__ brrr_chain_launch L) {
+__global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_bwd_rows_kernel(const __grid_constant__ brrr_chain_launch L, bool whole) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
     using Pipe = RowPipeline<T, VEC, kOps, true>;
@@ -539,9 +554,9 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_b
     for (int64_t r = first; r < end; r += kRowLanes) {
         copy_async_wait<S - 1>();
         A y[VEC], g[VEC], v[kSlots][VEC], dx[VEC], d_operand[kSlots][VEC];
-        unpack(pipe.get(s, 0), y);
-        unpack(pipe.get(s, 1), g);
-        row_operands<VEC, kOps>(L, pipe, s, 2, vector_value, v);
+        unpack(pipe.get(s, 0), y, whole);
+        unpack(pipe.get(s, 1), g, whole);
+        row_operands<VEC, kOps>(L, pipe, s, 2, whole, vector_value, v);
         program_grad_pack<M>(L.program, y, v, dx, d_operand);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -654,6 +669,13 @@ static dim3 rows_grid(const brrr_chain_launch &L, int vec, int device) {
     return dim3((unsigned)tiles, (unsigned)slices);
 }
 
+// BRRR_CHAIN_ROWS_READ (docs/kernel-switches.md): `element` reads the row kernels' stages back
+// element by element, as before; unset or `pack`, a pack at a time (unpack above).
+static bool rows_read_whole() {
+    const char *v = getenv("BRRR_CHAIN_ROWS_READ");
+    return !(v && strcmp(v, "element") == 0);
+}
+
 template <typename T> void chain_vector_grad_typed(const brrr_chain_launch &L, cudaStream_t stream);
 
 template <typename T, int kOps>
@@ -661,9 +683,9 @@ static void launch_fwd(const brrr_chain_launch &L, int device, cudaStream_t stre
     constexpr int VEC = 16 / sizeof(T);
     const dim3 row_block(kTileCols, kRowLanes);
     if (L.row_layout && rows_vectorizable<VEC>(L, false))
-        chain_fwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC, device), row_block, 0, stream>>>(L);
+        chain_fwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC, device), row_block, 0, stream>>>(L, rows_read_whole());
     else if (L.row_layout)
-        chain_fwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1, device), row_block, 0, stream>>>(L);
+        chain_fwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1, device), row_block, 0, stream>>>(L, rows_read_whole());
     else if (L.contiguous && all_aligned(L, false) && (!has_vector_operand(L) || L.row_length % VEC == 0)) {
         const unsigned grid = grid_for_packs(L.numel / VEC);
         const int act = kOps == 1 ? glu_activation(L) : -1;
@@ -684,9 +706,9 @@ static void launch_bwd(const brrr_chain_launch &L, int device, cudaStream_t stre
     const dim3 row_block(kTileCols, kRowLanes);
     if (L.row_layout) {
         if (rows_vectorizable<VEC>(L, true))
-            chain_bwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC, device), row_block, 0, stream>>>(L);
+            chain_bwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC, device), row_block, 0, stream>>>(L, rows_read_whole());
         else
-            chain_bwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1, device), row_block, 0, stream>>>(L);
+            chain_bwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1, device), row_block, 0, stream>>>(L, rows_read_whole());
         if (L.partials) chain_vector_grad_typed<T>(L, stream);
     } else if (L.contiguous && all_aligned(L, true) && (!has_vector_operand(L) || L.row_length % VEC == 0)) {
         const unsigned grid = grid_for_packs(L.numel / VEC);

@@ -208,10 +208,13 @@ __device__ __forceinline__ int packs_in_row(bool active, int cols, int first, in
 // share of the row is at most 128 bytes (fp32 rows of 8 packs: 61 registers, no spills); left at
 // 128 registers ptxas spends them on scheduling freedom and cuts the warps that keep loads in
 // flight (the fp32 two-pass LayerNorm took 72: 3 blocks of 256 per SM instead of 4). The
-// residual forms hold a second row and keep 128.
-template <typename T> constexpr int fwd_min_blocks(int elements, bool residual) {
-    return !residual && elements * (int)sizeof(T) <= 128 ? 2 : 1;
+// residual forms hold a second row and keep 128. The half types' 5 packs (kHalfFivePacks) run in
+// blocks of 256 threads: 3 of them per SM, 80 registers (70 used), or 2 for the residual forms
+// (80 spilled).
+template <typename T> constexpr int fwd_min_blocks(int packs, int elements, bool residual) {
+    return packs == 5 ? (residual ? 2 : 3) : !residual && elements * (int)sizeof(T) <= 128 ? 2 : 1;
 }
+constexpr int fwd_max_threads(int packs) { return packs == 5 ? kMinBlockThreads : kMaxRowThreads; }
 
 // kResidual: L.residual is given (a template argument, so the plain forward keeps no registers for it).
 // LayerNorm's statistics are two passes over the row in registers, a group sum each: the mean,
@@ -221,7 +224,7 @@ template <typename T> constexpr int fwd_min_blocks(int elements, bool residual) 
 // What holds that shape at 54% of DRAM bandwidth is latency: a thread loads its share of a row,
 // then waits through the reductions with nothing in flight.
 template <typename T, int VEC, int PACKS, bool kResidual>
-__global__ void __launch_bounds__(kMaxRowThreads, fwd_min_blocks<T>(PACKS * VEC, kResidual))
+__global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACKS, PACKS * VEC, kResidual))
     norm_fwd_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr) {
     using A = typename Compute<T>::type;
     constexpr int kAdd = kResidual ? PACKS : 1;
@@ -932,6 +935,7 @@ template <typename T> constexpr int max_elements(int vec) {
 // The PACKS compiled for (T, VEC): for 16-byte packs 1, 2, 3, 4, 6, 8 (rows of 3 * 2^k packs
 // fill their threads), for single elements the powers of two; at most max_elements per thread.
 template <typename T, int VEC> constexpr bool packs_compiled(int p) {
+    if (p == 5) return VEC == 8;  // 2-byte types only: see kHalfFivePacks
     if (p * VEC > max_elements<T>(VEC)) return false;
     if (VEC > 1) return p == 1 || p == 2 || p == 3 || p == 4 || p == 6 || p == 8;
     return (p & (p - 1)) == 0;
@@ -950,6 +954,19 @@ static inline bool rows_aligned(const brrr_norm_launch &L, const brrr_norm_view 
     for (int d = 0; d < L.row_ndim; ++d)
         if (v.row_strides[d] * element_size % 16 != 0) return false;
     return true;
+}
+
+// kHalfFivePacks: float16 and bfloat16 rows of 513-640 packs of 8 (4104-5120 columns; likewise
+// 65-80 packs from 520 columns, 129-160 from 1032, 257-320 from 2056, 1025-1280 from 8200) fall
+// just past the 4 packs a thread of a power-of-two group holds at most: the group doubles and
+// each thread holds 2 or 3 packs
+// (40 bytes of a 5120-column row, against 64 at 4096 and 8192 columns), with twice the warps in
+// each row's two reductions; bf16 layer_norm's forward ran at 59% of the floor at 5120 columns
+// against 71-72% at 4096 and 8192 (H200). BRRR_NORM_FWD_PACKS=five (unset) takes 5 packs a thread
+// over half the group instead; =pow2 keeps the doubled group.
+static bool half_five_packs() {
+    const char *v = getenv("BRRR_NORM_FWD_PACKS");
+    return !(v && strcmp(v, "pow2") == 0);
 }
 
 // The forward's fast path for this launch, or false when it does not apply (strided columns, or
@@ -973,6 +990,10 @@ static bool row_config(const brrr_norm_launch &L, RowConfig *cfg) {
         if ((int64_t)tpr * max_packs < packs_total) return false;
         packs = round_packs((int)((packs_total + tpr - 1) / tpr), vector);
     }
+    if (vec == 8 && packs == 3 && (int64_t)(tpr / 2) * 5 >= packs_total && half_five_packs()) {
+        tpr /= 2;  // 5 packs a thread over half the threads (kHalfFivePacks); tpr <= 256, so blocks of 256
+        packs = 5;
+    }
     *cfg = {vec, tpr, packs, tpr > kMinBlockThreads ? tpr : kMinBlockThreads};
     return true;
 }
@@ -990,6 +1011,7 @@ template <typename T, int VEC, typename F> static cudaError_t with_packs(int pac
     case 2: return call_compiled<T, VEC, 2>(f);
     case 3: return call_compiled<T, VEC, 3>(f);
     case 4: return call_compiled<T, VEC, 4>(f);
+    case 5: return call_compiled<T, VEC, 5>(f);
     case 6: return call_compiled<T, VEC, 6>(f);
     case 8: return call_compiled<T, VEC, 8>(f);
     case 16: return call_compiled<T, VEC, 16>(f);

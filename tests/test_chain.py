@@ -312,6 +312,28 @@ def test_tolerance_table_covers_every_dtype():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gelu_half_storage_within_one_ulp_at_every_value(device, dtype):
+    """Every finite float16 and bfloat16 from -13 up (all 65536 bit patterns, less NaN, infinity
+    and the tail below, where the CUDA math's exp flushes values under 2^-126 to zero): gelu and
+    its derivative the correctly rounded value or a neighbour, within the smallest normal."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = x[torch.isfinite(x) & (x >= -13)]
+    x64 = x.double()
+    ref = 0.5 * x64 * torch.special.erfc(-x64 / math.sqrt(2))
+    ref_grad = 0.5 * torch.special.erfc(-x64 / math.sqrt(2)) + x64 * torch.exp(-0.5 * x64 * x64) / math.sqrt(2 * math.pi)
+    ulp = torch.finfo(dtype).eps
+    tiny = torch.finfo(dtype).smallest_normal
+    xd = x.to(device).requires_grad_()
+    y = brrr.gelu(xd)
+    (grad,) = torch.autograd.grad(y, xd, torch.ones_like(y))
+    for name, got, want in (("gelu", y, ref), ("grad", grad, ref_grad)):
+        err = (got.detach().cpu().double() - want).abs()
+        bad = ~(err <= ulp * want.abs() + tiny)
+        assert not bool(bad.any()), (name, x64[bad][:8].tolist())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gelu_half_storage_within_one_ulp_including_the_left_tail(device, dtype):
     # Half storage computes 1 + erf through its own erfc fit on CUDA: each output (and gradient)
     # must be the correctly rounded value or a neighbour, down the left tail where an fp32

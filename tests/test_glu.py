@@ -115,6 +115,83 @@ def test_bias_activation(device, dtype, op, shape):
     assert_close(bb.grad, b64.grad, dtype, scale=max(2.0, rows ** 0.5))
 
 
+BIAS_ACTS = {"gelu": brrr.bias_gelu, "gelu_tanh": lambda x, b: brrr.bias_gelu(x, b, approximate="tanh"),
+             "silu": brrr.bias_silu}
+
+
+def _bias_act_under(monkeypatch, value, fn, x, bias, grad):
+    """out, grad_x, grad_bias of one forward+backward with BRRR_CHAIN_ROWS_READ=value."""
+    monkeypatch.setenv("BRRR_CHAIN_ROWS_READ", value)
+    try:
+        xb, bb = x.detach().requires_grad_(), bias.detach().requires_grad_()  # x keeps its strides
+        out = fn(xb, bb)
+        out.backward(grad)
+        torch.cuda.synchronize()
+        return out, xb.grad, bb.grad
+    finally:
+        monkeypatch.delenv("BRRR_CHAIN_ROWS_READ")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(BIAS_ACTS))
+@pytest.mark.parametrize("shape", [(1, 64), (3, 72), (37, 65), (2053, 1032), (5, 4097), (129, 5120)], ids=str)
+@pytest.mark.parametrize("layout", ["dense", "padded rows"])
+def test_bias_activation_row_reads(monkeypatch, dtype, op, shape, layout):
+    """The row kernels (bias+activation, rows of 64 columns or more) read their staged packs back
+    from shared memory whole (unset, BRRR_CHAIN_ROWS_READ=pack) or element by element
+    (=element): the same values, so the same bits, in the output and both gradients; against
+    the float64 reference too. 64 and 72 columns are whole packs, 65 and 4097 take the
+    one-column kernels, rows padded to a multiple of 16 bytes keep the packs; one row and many."""
+    rows, cols = shape
+    fn = BIAS_ACTS[op]
+
+    def place(t):
+        if layout == "dense":
+            return t
+        pad = 16 // t.element_size()
+        return torch.empty(rows, cols + pad, dtype=dtype, device="cuda")[:, :cols].copy_(t)
+
+    x, grad = place(random(shape, dtype, "cuda")), place(random(shape, dtype, "cuda"))
+    bias = random((cols,), dtype, "cuda")
+    whole = _bias_act_under(monkeypatch, "pack", fn, x, bias, grad)
+    again = _bias_act_under(monkeypatch, "pack", fn, x, bias, grad)
+    element = _bias_act_under(monkeypatch, "element", fn, x, bias, grad)
+    for name, a, b, c in zip(("out", "grad_x", "grad_bias"), whole, again, element):
+        assert torch.equal(a, b) and torch.equal(a, c), name
+    x64, b64 = leaves64(x, bias)
+    ref_act = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}[op]
+    ref = ref_act(x64 + b64)
+    ref.backward(grad.double().cpu())
+    assert_close(whole[0], ref, dtype)
+    assert_close(whole[1], x64.grad, dtype, scale=2.0)
+    assert_close(whole[2], b64.grad, dtype, scale=max(2.0, rows ** 0.5))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cols", [64, 130, 4096 + 16])
+def test_split_glu_row_reads(monkeypatch, dtype, cols):
+    """swiglu on the halves of x runs the row kernels with an x-shaped operand: the same bits with
+    its staged packs read whole or element by element (BRRR_CHAIN_ROWS_READ)."""
+    x, grad = random((37, 2 * cols), dtype, "cuda"), random((37, cols), dtype, "cuda")
+    results = []
+    for value in ("pack", "element"):
+        monkeypatch.setenv("BRRR_CHAIN_ROWS_READ", value)
+        (xb,) = leaves(x)
+        y = brrr.swiglu(xb)
+        y.backward(grad)
+        torch.cuda.synchronize()
+        results.append((y, xb.grad))
+    monkeypatch.delenv("BRRR_CHAIN_ROWS_READ")
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    (x64,) = leaves64(x)
+    ref = ref_glu("silu", x64[:, :cols], x64[:, cols:])
+    ref.backward(grad.double().cpu())
+    assert_close(results[0][0], ref, dtype)
+    assert_close(results[0][1], x64.grad, dtype, scale=2.0)
+
+
 def test_glu_with_numpy():
     x = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
     y = brrr.swiglu(x)

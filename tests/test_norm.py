@@ -820,3 +820,25 @@ def test_cuda_argument_errors():
     with pytest.raises(ValueError, match="argument partials: expected dtype float32"):
         _C.layer_norm_bwd(x, x, None, w, mean, rstd, grad_x, grad_w, None,
                           torch.empty(1024, dtype=torch.float64, device="cuda"), norm_ndim=1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", [512, 520, 640, 648, 1032, 1280, 1288, 2056, 2560, 2568, 4096, 4104, 5120, 5128, 8200,
+                                  10240, 10248])
+@pytest.mark.parametrize("value", ["five", "pow2"])
+def test_forward_five_packs(monkeypatch, dtype, kind, residual, cols, value):
+    """float16 and bfloat16 rows whose 8-element packs fall just past a power-of-two group of 4
+    packs a thread (65-80, 129-160, 257-320, 513-640, 1025-1280 packs) take 5 packs a thread over
+    half the group (BRRR_NORM_FWD_PACKS unset, =five) or the doubled group (=pow2). Against the
+    float64 reference either way, at the first and last width of each range and the one past it
+    (520, 640 | 648; 1032, 1280 | 1288; 2056, 2560 | 2568; 4104, 5120 | 5128; 8200, 10240 | 10248;
+    512 and 4096 just below a range), one row and many, with the weight and bias; the gradients too."""
+    monkeypatch.setenv("BRRR_NORM_FWD_PACKS", value)
+    for rows in (1, 37):
+        x = random((rows, cols), dtype, "cuda")
+        r = random((rows, cols), dtype, "cuda") if residual else None
+        w, b = params(kind, "both", (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b)
