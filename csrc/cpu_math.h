@@ -117,7 +117,7 @@ static inline float brrr_erfcf(float x) {
     /* t64 = 2^-64 t, t = 1 / (1 + 0.44 z): the factor brrr_exp_tail_scaled asks for, in the
      * division. A large z (infinity too) gives t = 0 and e^-z^2 = 0; a NaN gives t NaN, and so
      * the result. */
-    const float z = bits.f, t64 = 5.42101086e-20f / (1.0f + 0.44f * z), s = 1.0f - t64 * 18446744073709551616.0f;
+    const float z = bits.f, t64 = 0x1p-64f / (1.0f + 0.44f * z), s = 1.0f - t64 * 0x1p64f;
     /* erfc(z) = t e^(-z^2 + s P(s)), s = 1 - t: P a minimax fit of degree 6 for z in [0, 9.4]
      * (beyond, erfc(z) underflows), its error weighted by 1 / (1 + 2 z^2) (the tolerance of gelu,
      * whose argument's rounding moves the result by z^2 ulps): under one float ulp so weighted.
