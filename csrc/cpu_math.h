@@ -9,9 +9,9 @@
  *                  clamped by integer minimums, not branches, which AVX2 vectorises too.
  *   brrr_tanhf     x + x^3 P(x^2) below 0.625 (Cephes' tanhf polynomial), 1 - 2 / (e^2|x| + 1)
  *                  above, where nothing cancels badly.
- *   brrr_erfcf     t e^(-z^2 + q(t)) with t = 1 / (1 + 0.44 z), z = |x| (the form of Numerical
- *                  Recipes' erfcc, its polynomial refitted shorter for float), 2 - erfc(-x)
- *                  below zero; 1 + erf(z) is erfc(-z), accurate in the tail.
+ *   brrr_erfcf     t e^(-z^2 + s P(s)) with z = |x|, t = 1 / (1 + 0.44 z), s = 1 - t (the form
+ *                  of Numerical Recipes' erfcc, its polynomial refitted shorter for float),
+ *                  2 - erfc(-x) below zero; 1 + erf(z) is erfc(-z), accurate in the tail.
  *   brrr_sincosf_reduced  sin and cos for |x| <= BRRR_TRIG_REDUCED_MAX: x = q pi/2 + r by a
  *                  three-part Cody-Waite reduction, then Taylor polynomials on |r| <= pi/4
  *                  (truncation below 3e-9). Larger arguments need the caller's scalar pass with
