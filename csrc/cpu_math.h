@@ -9,8 +9,9 @@
  *                  clamped by integer minimums, not branches, which AVX2 vectorises too.
  *   brrr_tanhf     x + x^3 P(x^2) below 0.625 (Cephes' tanhf polynomial), 1 - 2 / (e^2|x| + 1)
  *                  above, where nothing cancels badly.
- *   brrr_erfcf     Numerical Recipes' erfcc (Chebyshev fit, relative error below 1.2e-7 for
- *                  x >= 0), 2 - erfc(-x) below zero; 1 + erf(z) is erfc(-z), accurate in the tail.
+ *   brrr_erfcf     t e^(-z^2 + s P(s)) with z = |x|, t = 1 / (1 + 0.44 z), s = 1 - t (the form
+ *                  of Numerical Recipes' erfcc, its polynomial refitted shorter for float),
+ *                  2 - erfc(-x) below zero; 1 + erf(z) is erfc(-z), accurate in the tail.
  *   brrr_sincosf_reduced  sin and cos for |x| <= BRRR_TRIG_REDUCED_MAX: x = q pi/2 + r by a
  *                  three-part Cody-Waite reduction, then Taylor polynomials on |r| <= pi/4
  *                  (truncation below 3e-9). Larger arguments need the caller's scalar pass with
@@ -84,25 +85,56 @@ static inline float brrr_tanhf(float x) {
     return a < 0.625f ? small : large.f; /* NaN: the exp branch's NaN */
 }
 
+/* e^a 2^64 for a <= 1 (not NaN): brrr_erfcf's exponential, whose argument is never positive.
+ * The factor 2^64 keeps 2^n normal down to a = -104 (where e^a rounds to 0), so one integer add
+ * and shift make it, and the caller's factor 2^-64 rounds a result below 2^-126 into the
+ * subnormals once. Cheaper than brrr_expf, as erfc's accuracy allows: a minimax polynomial of
+ * degree 6 on |r| <= ln2/2 (relative error 1e-8 with its coefficients rounded to float), one
+ * term shorter than brrr_expf's Taylor polynomial; and r = a - n ln2 with ln 2 in one float (an
+ * error of n 1.9e-9, at most 150 times that, where erfc's tolerance is about n ulps). */
+static inline float brrr_exp_tail_scaled(float a) {
+    const float round_magic = 12582912.0f; /* 1.5 * 2^23 */
+    brrr_f32_bits b = {a};
+    const brrr_f32_bits lo = {-104.0f};
+    b.u = b.u < lo.u ? b.u : lo.u; /* unsigned: every float below -104 is larger than its bits */
+    const brrr_f32_bits t = {b.f * 1.44269504088896341f + round_magic};
+    const float n = t.f - round_magic, r = b.f - n * 0.693147182f;
+    float p = 0.0013811663f;
+    p = p * r + 0.008370135f;
+    p = p * r + 0.041668527f;
+    p = p * r + 0.16666509f;
+    p = p * r + 0.49999994f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    /* n + 64 in [-86, 65] as the exponent field: n sits in t's low mantissa bits */
+    const brrr_f32_bits s = {.u = (t.u + (127u + 64u - 0x4B400000u)) << 23};
+    return p * s.f;
+}
+
 static inline float brrr_erfcf(float x) {
     brrr_f32_bits bits = {x};
     bits.u &= 0x7FFFFFFFu;
-    /* a large z (infinity too) gives t = 0 and e^-z^2 = 0; a NaN goes through the select below */
-    const float z = bits.f, t = 1.0f / (1.0f + 0.5f * z);
-    float p = 0.17087277f;
-    p = p * t - 0.82215223f;
-    p = p * t + 1.48851587f;
-    p = p * t - 1.13520398f;
-    p = p * t + 0.27886807f;
-    p = p * t - 0.18628806f;
-    p = p * t + 0.09678418f;
-    p = p * t + 0.37409196f;
-    p = p * t + 1.00002368f;
-    /* e^(-z^2 + c) with -z^2 + c rounded once (a fused multiply-add where the CPU has one): its
-     * rounding moves the result by up to z^2 + 1 ulps, less than the rounding of z itself does
-     * in gelu's argument x / sqrt 2 (about 2 z^2 ulps). */
-    const float tail = t * brrr_exp_not_nan(-z * z + (-1.26551223f + t * p));
-    return x >= 0.0f ? tail : (x != x ? x : 2.0f - tail);
+    /* t64 = 2^-64 t, t = 1 / (1 + 0.44 z): the factor brrr_exp_tail_scaled asks for, in the
+     * division. A large z (infinity too) gives t = 0 and e^-z^2 = 0; a NaN gives t NaN, and so
+     * the result. */
+    const float z = bits.f, t64 = 0x1p-64f / (1.0f + 0.44f * z), s = 1.0f - t64 * 0x1p64f;
+    /* erfc(z) = t e^(-z^2 + s P(s)), s = 1 - t: P a minimax fit of degree 6 for z in [0, 9.4]
+     * (beyond, erfc(z) underflows), its error weighted by 1 / (1 + 2 z^2) (the tolerance of gelu,
+     * whose argument's rounding moves the result by z^2 ulps): under one float ulp so weighted.
+     * In s rather than t, s P(s) is small where z is (erfc(0) = 1 exactly): a polynomial in t
+     * sums terms near 1 to a result near 0 there, losing several ulps. */
+    float poly = 0.20010534f;
+    poly = poly * s - 0.42363292f;
+    poly = poly * s + 0.08732644f;
+    poly = poly * s + 0.17606138f;
+    poly = poly * s + 0.32023346f;
+    poly = poly * s - 0.18776539f;
+    poly = poly * s - 1.5644937f;
+    /* -z^2 + s P rounded once (a fused multiply-add where the CPU has one): its rounding moves the
+     * result by up to z^2 + 1 ulps, less than the rounding of z itself does in gelu's argument
+     * x / sqrt 2 (about 2 z^2 ulps). */
+    const float tail = t64 * brrr_exp_tail_scaled(s * poly - z * z);
+    return x >= 0.0f ? tail : 2.0f - tail;
 }
 
 /* An order-preserving integer key of a float (x < y gives key(x) < key(y); -0 just below +0; a

@@ -76,6 +76,7 @@ static int acc_dtype(int32_t dtype) { return dtype == BRRR_F64 ? BRRR_F64 : BRRR
  * in chunk order at the end: the same sums whatever the thread count. */
 
 #define NORM_LANES 16
+#define NORM_GROUP 8 /* rows whose weight and bias gradients the backward sums in REAL first */
 
 /* v rounded to dtype (as a store and a load would). */
 static double round_d(int32_t dtype, double v) {
