@@ -330,24 +330,3 @@ def test_gelu_half_storage_within_one_ulp_at_every_value(device, dtype):
         err = (got.detach().cpu().double() - want).abs()
         bad = ~(err <= ulp * want.abs() + tiny)
         assert not bool(bad.any()), (name, x64[bad][:8].tolist())
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gelu_half_storage_within_one_ulp_including_the_left_tail(device, dtype):
-    # Half storage computes 1 + erf through its own erfc fit on CUDA: each output (and gradient)
-    # must be the correctly rounded value or a neighbour, down the left tail where an fp32
-    # 1 + erff would cancel to zero.
-    x = torch.linspace(-12, 8, 200_001, dtype=torch.float64).to(dtype)
-    x64 = x.double()
-    ref = torch.nn.functional.gelu(x64)
-    ref[x64 < -5] = 0.5 * x64[x64 < -5] * torch.special.erfc(-x64[x64 < -5] / math.sqrt(2))
-    ref_grad = 0.5 * torch.special.erfc(-x64 / math.sqrt(2)) + x64 * torch.exp(-0.5 * x64 * x64) / math.sqrt(2 * math.pi)
-    ulp = torch.finfo(dtype).eps
-    tiny = torch.finfo(dtype).smallest_normal
-    xd = x.to(device).requires_grad_()
-    y = brrr.gelu(xd)
-    (grad,) = torch.autograd.grad(y, xd, torch.ones_like(y))
-    for got, want in ((y, ref), (grad, ref_grad)):
-        err = (got.detach().cpu().double() - want).abs()
-        assert bool((err <= ulp * want.abs() + tiny).all()), float((err / (want.abs() + tiny)).max())

@@ -34,14 +34,17 @@ SCALAR_OPS = {
 }
 
 
-def reference(steps, x, operands=()):
-    """The chain in float64 on the CPU, by PyTorch's own functions."""
+def reference(steps, x, operands=(), before_step=None):
+    """The chain in float64 on the CPU, by PyTorch's own functions; before_step(name, scalar, y)
+    sees each step's input."""
     from test_chain import reference_step
 
     y = x.to("cpu", torch.float64)
     ops = iter(o.to("cpu", torch.float64) for o in operands)
     for step in steps:
         name, scalar = (step, None) if isinstance(step, str) else step
+        if before_step is not None:
+            before_step(name, scalar, y)
         if name in NEW_OPS:
             y = NEW_OPS[name][0](y)
         elif name in SCALAR_OPS:
@@ -214,22 +217,15 @@ KINKS = {"abs": 0.0, "relu": 0.0, "leaky_relu": 0.0, "hardswish": (-3.0, 3.0)}
 
 def kink_distance(steps, x, operands):
     """Per element of x, the float64 chain's least distance to a kink of its derivative."""
-    from test_chain import reference_step
-
-    y = x.to("cpu", torch.float64)
-    ops = iter(o.to("cpu", torch.float64) for o in operands)
     distance = torch.full(x.shape, float("inf"), dtype=torch.float64)
-    for step in steps:
-        name, scalar = (step, None) if isinstance(step, str) else step
+
+    def nearest(name, scalar, y):
+        nonlocal distance
         kinks = scalar if name in ("clamp_min", "clamp_max") else KINKS.get(name, ())
         for kink in kinks if isinstance(kinks, tuple) else (kinks,):
             distance = torch.minimum(distance, (y - kink).abs())
-        if name in NEW_OPS:
-            y = NEW_OPS[name][0](y)
-        elif name in SCALAR_OPS:
-            y = SCALAR_OPS[name][0](y, scalar)
-        else:
-            y = reference_step(name, y, scalar, next(ops) if name in ("add_tensor", "mul_tensor") else None)
+
+    reference(steps, x, operands, before_step=nearest)
     return distance
 
 

@@ -639,6 +639,19 @@ def test_cuda_matches_cpu_at_size(dtype):
                 reduction=reduction, softcap=30.0, z_loss=1e-4, label_smoothing=0.1)
 
 
+def captured_in_a_graph(fn):
+    """fn warmed up on a side stream, then captured in a CUDA graph: (the graph, fn's outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("accumulation", ACCUMULATIONS)
 def test_cuda_input_gradient_on_a_second_stream(monkeypatch, accumulation):
@@ -658,14 +671,7 @@ def test_cuda_input_gradient_on_a_second_stream(monkeypatch, accumulation):
     assert all(torch.equal(a, c) for a, c in zip(one, two))
     compare(x, w, t, b, what="two streams", budget=budget, accumulation=accumulation, softcap=30.0)
     compare(x.detach(), w, t, b, what="two streams, no input gradient", budget=budget, accumulation=accumulation)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        grads()  # warm-up outside the capture, as test_cuda_graph_capture_of_a_training_step
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = grads()
+    graph, captured = captured_in_a_graph(grads)
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, c) for a, c in zip(one, captured))
@@ -689,14 +695,7 @@ def test_cuda_skipping_ignored_rows(monkeypatch, accumulation):
         loss = brrr.linear_cross_entropy(x, w, t, b, logits_budget=budget, accumulation=accumulation)
         return (loss.detach(),) + torch.autograd.grad(loss, (x, w, b))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        grads()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = grads()
+    graph, captured = captured_in_a_graph(grads)
     graph.replay()
     torch.cuda.synchronize()
     monkeypatch.setattr(brrr.xent, "SKIP_IGNORED_ROWS", False)
@@ -745,14 +744,7 @@ def test_cuda_graph_capture_of_a_training_step():
         loss = brrr.linear_cross_entropy(*static[:2], t, static[2], softcap=30.0, logits_budget=2**20)
         return (loss,) + torch.autograd.grad(loss, static)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
+    graph, outputs = captured_in_a_graph(step)
     for _ in range(2):
         fresh = make(515, 64, 4097, torch.bfloat16, "cuda")
         for s, f in zip(static, fresh):
