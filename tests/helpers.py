@@ -59,3 +59,16 @@ def reset_registry(name=None):
 
     registry.reset(name)
     cpu_kernels([name] if name else None)
+
+
+def captured_in_a_graph(fn):
+    """fn warmed up on a side stream, then captured in a CUDA graph: (the graph, fn's outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 import brrr
 from brrr.xent import ACCUMULATIONS, LOGITS_BUDGET, auto_chunk_rows, chunk_rows
-from helpers import DEVICES, DTYPES, TOLERANCE, random
+from helpers import DEVICES, DTYPES, TOLERANCE, captured_in_a_graph, random
 from test_xent import IGNORE, make_targets, reference_loss
 
 REDUCTIONS = ["mean", "sum", "none"]
@@ -637,19 +637,6 @@ def test_cuda_matches_cpu_at_size(dtype):
     for reduction in REDUCTIONS:
         compare(x.cuda(), w.cuda(), t.cuda(), b.cuda(), what="cuda", budget=chunk_budget(256, 32000, dtype),
                 reduction=reduction, softcap=30.0, z_loss=1e-4, label_smoothing=0.1)
-
-
-def captured_in_a_graph(fn):
-    """fn warmed up on a side stream, then captured in a CUDA graph: (the graph, fn's outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
 
 
 @pytest.mark.cuda

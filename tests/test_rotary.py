@@ -18,7 +18,7 @@ import brrr
 import rope_model
 import rope_variants
 from brrr import _C, _patch
-from helpers import DEVICES, DTYPES, TOLERANCE, random
+from helpers import DEVICES, DTYPES, TOLERANCE, captured_in_a_graph, random
 
 
 def reference(x, cos, sin):
@@ -213,14 +213,7 @@ def test_cuda_graph_capture_and_replay():
         out, _ = brrr.apply_rotary_pos_emb(q, q, cos, sin)
         return out, torch.autograd.grad(out, q, grad)[0]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_grad = step()
+    graph, (static_out, static_grad) = captured_in_a_graph(step)
     for _ in range(2):
         with torch.no_grad():
             q.copy_(torch.randn_like(q))
