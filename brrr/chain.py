@@ -18,6 +18,8 @@ With PyTorch tensors that require grad the chain is differentiable: the forward 
 inputs, and the backward recomputes the chain per element from x.
 """
 
+import math
+
 from . import _C
 from ._args import bad_choice, refuse_kinds
 from ._frameworks import check_torch, empty_like, torch_if_tensor
@@ -155,19 +157,30 @@ def torch_layer():
 
     Tensor = torch.Tensor
 
-    @functools.lru_cache(maxsize=1024)
-    def program(ops, scalars):
-        """The compiled chain of op names joined by commas (custom-op schemas take no list of str)."""
-        names = ops.split(",") if ops else []
-        return _C.chain_program([(o, s) if o in SCALAR_OPS else o for o, s in zip(names, scalars)])
+    def signed(scalars):
+        """The cache key of scalars: 0.0 and -0.0 are equal as floats but not as steps
+        (("mul", -0.0) then "reciprocal" gives -inf)."""
+        return tuple((s, math.copysign(1.0, s)) for s in scalars)
 
     @functools.lru_cache(maxsize=1024)
+    def compiled(ops, signed_scalars):
+        names = ops.split(",") if ops else []
+        return _C.chain_program([(o, s) if o in SCALAR_OPS else o for o, (s, _) in zip(names, signed_scalars)])
+
+    def program(ops, scalars):
+        """The compiled chain of op names joined by commas (custom-op schemas take no list of str)."""
+        return compiled(ops, signed(scalars))
+
+    @functools.lru_cache(maxsize=1024)
+    def compiled_with_backward(ops, signed_scalars):
+        p = compiled(ops, signed_scalars)
+        _C.chain_jit_with_backward(p)
+        return p
+
     def program_with_backward(ops, scalars):
         """program(ops, scalars), its backward said to be wanted: on CUDA its forward kernel is
         compiled in one program with its backward (one NVRTC compile, not two)."""
-        p = program(ops, scalars)
-        _C.chain_jit_with_backward(p)
-        return p
+        return compiled_with_backward(ops, signed(scalars))
 
     def forward(x: Tensor, operands: list[Tensor], ops: str, scalars: list[float]) -> Tensor:
         """Where autograd records the op (and under torch.compile, which may differentiate it)."""

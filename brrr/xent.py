@@ -598,10 +598,13 @@ def torch_layer():
         """brrr.linear_cross_entropy on torch tensors (arguments checked)."""
         hidden = input.shape[-1]
         needs = [torch.is_grad_enabled() and p is not None and p.requires_grad for p in (input, weight, bias)]
-        if budget is None:
+        if budget is None and needs[1]:
             acc_itemsize = weight_grad_dtype(weight, accumulation).itemsize
             rows = auto_chunk_rows(*weight.shape, input.element_size(), acc_itemsize)
         else:
+            # No weight-gradient accumulator to amortise (a frozen head, no_grad, reduction="none"
+            # without grad): the default budget's chunk is as fast and holds far fewer logits.
+            budget = LOGITS_BUDGET if budget is None else budget
             rows = chunk_rows(weight.shape[0], input.element_size(), budget, GEMM_TILE_ROWS)
         loss = linear_op(input.reshape(-1, hidden), weight, target.reshape(-1), bias, ignore_index, label_smoothing,
                          softcap, z_loss, reduction, rows, accumulation, needs)

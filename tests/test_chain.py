@@ -330,3 +330,11 @@ def test_gelu_half_storage_within_one_ulp_at_every_value(device, dtype):
         err = (got.detach().cpu().double() - want).abs()
         bad = ~(err <= ulp * want.abs() + tiny)
         assert not bool(bad.any()), (name, x64[bad][:8].tolist())
+
+
+def test_negative_zero_scalar_is_its_own_chain():
+    """0.0 and -0.0 compare equal as floats, not as steps: (("mul", -0.0), "reciprocal") of ones
+    is -inf, as in torch, also right after the chain with 0.0 ran."""
+    x = torch.ones(5)
+    assert torch.equal(brrr.chain(("mul", 0.0), "reciprocal")(x), torch.full((5,), math.inf))
+    assert torch.equal(brrr.chain(("mul", -0.0), "reciprocal")(x), torch.full((5,), -math.inf))

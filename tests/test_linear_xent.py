@@ -350,6 +350,25 @@ def test_default_chunks_follow_the_accumulators_arithmetic():
     assert auto_chunk_rows(300, 16, 2, 4) == 2048
 
 
+@pytest.mark.parametrize("weight_grad", [True, False])
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_default_chunks_follow_the_weight_gradient(monkeypatch, weight_grad, grad_enabled):
+    """The accumulator's arithmetic sizes the default chunks only when the weight's gradient is
+    accumulated; a frozen head or no_grad takes LOGITS_BUDGET's chunks (at vocab 256000 the
+    accumulator's would hold about 1 GB of logits for nothing)."""
+    sized = []
+    monkeypatch.setattr(brrr.xent, "auto_chunk_rows", lambda *a: sized.append(a) or auto_chunk_rows(*a))
+    budgets = []
+    monkeypatch.setattr(brrr.xent, "chunk_rows", lambda *a: budgets.append(a[2]) or chunk_rows(*a))
+    x, w, b = make(300, 16, 301, torch.float32, "cpu")
+    w.requires_grad_(weight_grad)
+    with torch.set_grad_enabled(grad_enabled):
+        brrr.linear_cross_entropy(x, w, torch.randint(0, 301, (300,)))
+    accumulated = weight_grad and grad_enabled
+    assert bool(sized) == accumulated
+    assert accumulated or budgets == [LOGITS_BUDGET]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("accumulation", ACCUMULATIONS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
