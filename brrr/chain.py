@@ -73,11 +73,15 @@ class Chain:
     def __repr__(self):
         return "brrr.chain(" + ", ".join(repr(s) for s in self.steps) + ")"
 
+    def _key(self):
+        # -0.0 == 0.0 as floats, not as steps: ("mul", -0.0) then "reciprocal" gives -inf.
+        return tuple(s if isinstance(s, str) else (*s, math.copysign(1.0, s[1])) for s in self.steps)
+
     def __eq__(self, other):
-        return isinstance(other, Chain) and self.steps == other.steps
+        return isinstance(other, Chain) and self._key() == other._key()
 
     def __hash__(self):
-        return hash(self.steps)
+        return hash(self._key())
 
 
 def _is_numpy(x):

@@ -338,3 +338,5 @@ def test_negative_zero_scalar_is_its_own_chain():
     x = torch.ones(5)
     assert torch.equal(brrr.chain(("mul", 0.0), "reciprocal")(x), torch.full((5,), math.inf))
     assert torch.equal(brrr.chain(("mul", -0.0), "reciprocal")(x), torch.full((5,), -math.inf))
+    assert brrr.chain(("mul", 0.0)) != brrr.chain(("mul", -0.0))
+    assert brrr.chain(("mul", 0.0)) == brrr.chain(("mul", 0))
