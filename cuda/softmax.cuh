@@ -500,6 +500,149 @@ __global__ void __launch_bounds__(kTileThreads) softmax_tile_kernel(const brrr_s
     }
 }
 
+// ---- rows in registers, one group of warps per row, one reduction ----------------------------
+
+// The group kernel: each row on a group of blockDim.x threads (whole warps, up to
+// kGroupMaxThreads), blockDim.y rows a block, each thread holding N 16-byte packs of the row in
+// registers. Every load of a thread is issued before any is used, and a row takes one reduction
+// (forward: the pair max, sum of exp(x - max), merged as online softmax merges; backward: the
+// dot product) with at most one barrier: what the tile kernel spends on the shared-memory round
+// trip and its three reductions goes to keeping more bytes in flight. Liger-Kernel's Triton
+// softmax (one program per row, the row in registers, a single pass) runs at the memory floor
+// this way at 4096 columns on an H200.
+constexpr int kGroupMaxThreads = 1024, kGroupBlockThreads = 256;
+
+// Packs per thread the group kernel may hold: as many as take 128 bytes of registers in the
+// compute type (forward x, whose exp(x - the thread's max) softmax keeps to scale once the row's
+// max and sum are known; backward y and grad_y), 64 bytes for float64. One more doubling spilled
+// (ptxas, sm_90, at the 64 registers a thread that 1024-thread blocks leave).
+template <typename TX, typename TY, bool kBackward> constexpr int group_max_packs() {
+    using A = typename Compute<TX>::type;
+    return (sizeof(A) == 8 ? 64 : 128) / ((kBackward ? 2 : 1) * pack_elems<TX, TY>() * (int)sizeof(A));
+}
+
+// (m, s) and (om, os), each a max and a sum of exp(v - max), merged into (m, s). Symmetric in
+// its two sides, so that both lanes of a shuffle get the same bits.
+template <typename TO, typename A>
+__device__ __forceinline__ void merge_max_sum(A &m, A &s, A om, A os) {
+    const A nm = fmax(m, om);
+    s = s * exp_<TO>(m - nm) + os * exp_<TO>(om - nm);
+    m = nm;
+}
+
+// The reduction over this thread's row group of (m, s) (kPair: max-sum pairs) or of m alone (a
+// sum); every thread of the group gets the same bits. Past one warp, through `scratch` with one
+// barrier, which every thread of the block reaches (blockDim.x is the same in every group).
+template <bool kPair, typename TO, typename A>
+__device__ __forceinline__ void group_reduce_once(A &m, A &s, A (*scratch)[kGroupMaxThreads / 32]) {
+#pragma unroll
+    for (int k = 16; k > 0; k >>= 1) {
+        const A om = __shfl_xor_sync(0xffffffffu, m, k);
+        if (kPair) merge_max_sum<TO>(m, s, om, __shfl_xor_sync(0xffffffffu, s, k));
+        else m += om;
+    }
+    const int warps = (int)blockDim.x >> 5;
+    if (warps == 1) return;
+    const int first = (int)threadIdx.y * warps;
+    if ((threadIdx.x & 31) == 0) {
+        scratch[0][first + (threadIdx.x >> 5)] = m;
+        if (kPair) scratch[1][first + (threadIdx.x >> 5)] = s;
+    }
+    __syncthreads();
+    m = scratch[0][first];
+    if (kPair) s = scratch[1][first];
+    for (int w = 1; w < warps; ++w) {
+        if (kPair) merge_max_sum<TO>(m, s, scratch[0][first + w], scratch[1][first + w]);
+        else m += scratch[0][first + w];
+    }
+}
+
+// Row blockIdx.x * blockDim.y + threadIdx.y; its thread threadIdx.x holds packs threadIdx.x + k *
+// blockDim.x (k < N), so that each load of a warp reads 32 adjacent packs. Forward: each thread's
+// max m and sum s of exp(x - m) over its own values, merged over the group into the row's M and
+// S; then y = exp(x - m) * (exp(m - M) / S), or x - M - log(S): one exp an element. Backward:
+// the dot product, then the outputs. Packs past the row and rows past L.rows are loaded and
+// stored nowhere and count nothing, but their threads reach the barrier. Assumes packable(L) and
+// cols / P <= N * blockDim.x.
+template <typename TX, typename TY, bool kBackward, int N>
+__global__ void __launch_bounds__(kGroupMaxThreads) softmax_group_kernel(const brrr_softmax_launch L) {
+    using A = typename Compute<TX>::type;
+    using TI = typename std::conditional<kBackward, TY, TX>::type;
+    using TO = typename std::conditional<kBackward, TX, TY>::type;
+    constexpr int P = pack_elems<TX, TY>();
+    __shared__ A scratch[2][kGroupMaxThreads / 32];
+    const int64_t r = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+    const int packs = r < L.rows ? (int)(L.cols / P) : 0;
+    bool have[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) have[k] = (int)threadIdx.x + k * (int)blockDim.x < packs;
+    const int64_t off0 = packs > 0 ? row_off(L, 0, r) : 0, off2 = packs > 0 ? row_off(L, 2, r) : 0;
+    Pack<TI, P> in0[N];
+    const TI *src0 = static_cast<const TI *>(L.in[0]) + off0;
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+        if (have[k]) in0[k] = *reinterpret_cast<const Pack<TI, P> *>(src0 + (threadIdx.x + k * blockDim.x) * P);
+    TO *dst = static_cast<TO *>(L.out) + off2;
+    if (!kBackward) {
+        A a[N * P];
+        A m = lowest<A>();
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                a[k * P + j] = have[k] ? to_float(in0[k].v[j]) : lowest<A>();
+                m = fmax(m, a[k * P + j]);
+            }
+        // exp(lowest - m) is 1 where m is lowest too (a thread with no pack): the sum skips them.
+        A s = A(0);
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                const A e = exp_<TO>(a[k * P + j] - m);
+                if (!L.log) a[k * P + j] = e;
+                if (have[k]) s += e;
+            }
+        A row_m = m, row_s = s;
+        group_reduce_once<true, TO>(row_m, row_s, scratch);
+        // A row of -inf: row_s = 0, and NaN results (0 * inf, -inf - -inf), as torch gives.
+        const A scale = exp_<TO>(m - row_m) / row_s, shift = row_m + log_(row_s);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            if (!have[k]) continue;
+            A v[P];
+#pragma unroll
+            for (int j = 0; j < P; ++j) v[j] = L.log ? a[k * P + j] - shift : a[k * P + j] * scale;
+            store_pack<TO, P>(dst + (threadIdx.x + k * blockDim.x) * P, v);
+        }
+        return;
+    }
+    Pack<TI, P> in1[N];
+    const TI *src1 = static_cast<const TI *>(L.in[1]) + (packs > 0 ? row_off(L, 1, r) : 0);
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+        if (have[k]) in1[k] = *reinterpret_cast<const Pack<TI, P> *>(src1 + (threadIdx.x + k * blockDim.x) * P);
+    A dot = A(0), unused = A(0);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        if (!have[k]) continue;
+#pragma unroll
+        for (int j = 0; j < P; ++j) dot += L.log ? to_float(in1[k].v[j]) : to_float(in1[k].v[j]) * to_float(in0[k].v[j]);
+    }
+    group_reduce_once<false, TO>(dot, unused, scratch);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        if (!have[k]) continue;
+        A v[P];
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+            const A y = to_float(in0[k].v[j]), g = to_float(in1[k].v[j]);
+            v[j] = L.log ? g - exp_<TO>(y) * dot : y * (g - dot);
+        }
+        store_pack<TO, P>(dst + (threadIdx.x + k * blockDim.x) * P, v);
+    }
+}
+
 // Is every view of the launch contiguous along its columns, its rows 16-byte aligned for packs of P?
 template <typename TX, typename TY>
 inline bool packable(const brrr_softmax_launch &L) {
@@ -573,13 +716,51 @@ bool launch_tile(const brrr_softmax_launch &L, cudaStream_t stream) {
     return true;
 }
 
+// softmax_group_kernel with N packs a thread for this launch: a row's group of that many threads
+// as hold it (whole warps), and rows a block up to kGroupBlockThreads threads, so that rows of a
+// warp or two still fill an SM within its block limit. False where N is past group_max_packs or
+// the row needs more than kGroupMaxThreads threads.
+template <typename TX, typename TY, bool kBackward, int N>
+bool launch_group_n(const brrr_softmax_launch &L, cudaStream_t stream) {
+    if constexpr (N > group_max_packs<TX, TY, kBackward>()) {
+        return false;
+    } else {
+        const int64_t packs = L.cols / pack_elems<TX, TY>(), threads = ((packs + N - 1) / N + 31) / 32 * 32;
+        if (threads > kGroupMaxThreads) return false;
+        const int rows = threads >= kGroupBlockThreads ? 1 : kGroupBlockThreads / (int)threads;
+        const int64_t blocks = (L.rows + rows - 1) / rows;
+        if (blocks > INT32_MAX) return false;
+        softmax_group_kernel<TX, TY, kBackward, N><<<(unsigned)blocks, dim3((unsigned)threads, rows), 0, stream>>>(L);
+        return true;
+    }
+}
+
+// softmax_group_kernel for this launch with `per` packs a thread (1, 2, 4 or 8), or where per is 0
+// the fewest (up to group_max_packs) that keep a row's group within kGroupBlockThreads threads,
+// as Liger-Kernel's Triton softmax gives a row 4 to 8 warps at 1024 to 4096 columns.
+template <typename TX, typename TY, bool kBackward>
+bool launch_group(const brrr_softmax_launch &L, int per, cudaStream_t stream) {
+    if (per == 0) {
+        const int64_t packs = L.cols / pack_elems<TX, TY>();
+        per = 1;
+        while (per < group_max_packs<TX, TY, kBackward>() && (packs + per - 1) / per > kGroupBlockThreads) per *= 2;
+    }
+    switch (per) {
+    case 1: return launch_group_n<TX, TY, kBackward, 1>(L, stream);
+    case 2: return launch_group_n<TX, TY, kBackward, 2>(L, stream);
+    case 4: return launch_group_n<TX, TY, kBackward, 4>(L, stream);
+    case 8: return launch_group_n<TX, TY, kBackward, 8>(L, stream);
+    default: return false;
+    }
+}
+
 // Rows whose inputs take up to 32 KB go to the tile kernel past 1024 columns and to the register
 // kernel up to 1024, longer ones to the shared-memory (cluster) kernel, unaligned or strided ones
 // to the streaming kernel. On an H200 (16384 rows, device time) the tile kernel took a bfloat16
 // softmax forward of 4096 columns from 0.153 to 0.082 ms and a float32 one from 0.204 to 0.140,
 // where at 1024 columns it was 10-17% slower than the register kernel. BRRR_SOFTMAX_KERNEL=tile,
-// rows, smem or stream picks one where it applies, else the streaming kernel (for measurements;
-// docs/kernel-switches.md).
+// rows, smem, stream, group or group1/2/4/8 picks one where it applies, else the streaming kernel
+// (for measurements; docs/kernel-switches.md).
 template <typename TX, typename TY, bool kBackward>
 cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t stream) {
     constexpr int P = pack_elems<TX, TY>(), kMax = max_packs<TX, TY, kBackward>();
@@ -591,6 +772,12 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t 
     const bool want_smem = force ? strcmp(force, "smem") == 0 : held > (32 << 10);
     const bool want_tile = force ? strcmp(force, "tile") == 0 : L.cols > 1024;
     const bool want_rows = force ? strcmp(force, "rows") == 0 : true;
+    // group: the group kernel's own packs a thread; group1, group2, group4, group8: that many.
+    const bool want_group = force && strncmp(force, "group", 5) == 0;
+    if (pack && want_group) {
+        const char *per = force + 5;
+        if (launch_group<TX, TY, kBackward>(L, *per ? atoi(per) : 0, stream)) return cudaGetLastError();
+    }
     if (pack && want_smem) {
         cudaError_t err = cudaSuccess;
         if (launch_smem<TX, TY, kBackward>(L, device, stream, &err)) return err != cudaSuccess ? err : cudaGetLastError();
