@@ -521,12 +521,17 @@ template <typename TX, typename TY, bool kBackward> constexpr int group_max_pack
     return (sizeof(A) == 8 ? 64 : 128) / ((kBackward ? 2 : 1) * pack_elems<TX, TY>() * (int)sizeof(A));
 }
 
+// Products rounded on their own: a * b + c * d contracted to fma(a, b, c * d) would not be
+// symmetric in its two sides.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
 // (m, s) and (om, os), each a max and a sum of exp(v - max), merged into (m, s). Symmetric in
 // its two sides, so that both lanes of a shuffle get the same bits.
 template <typename TO, typename A>
 __device__ __forceinline__ void merge_max_sum(A &m, A &s, A om, A os) {
     const A nm = fmax(m, om);
-    s = s * exp_<TO>(m - nm) + os * exp_<TO>(om - nm);
+    s = mul_rn(s, exp_<TO>(m - nm)) + mul_rn(os, exp_<TO>(om - nm));
     m = nm;
 }
 
