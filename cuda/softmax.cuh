@@ -503,14 +503,16 @@ __global__ void __launch_bounds__(kTileThreads) softmax_tile_kernel(const brrr_s
 // ---- rows in registers, one group of warps per row, one reduction ----------------------------
 
 // The group kernel: each row on a group of blockDim.x threads (whole warps, up to
-// kGroupMaxThreads), blockDim.y rows a block, each thread holding N 16-byte packs of the row in
-// registers. Every load of a thread is issued before any is used, and a row takes one reduction
-// (forward: the pair max, sum of exp(x - max), merged as online softmax merges; backward: the
-// dot product) with at most one barrier: what the tile kernel spends on the shared-memory round
-// trip and its three reductions goes to keeping more bytes in flight. Liger-Kernel's Triton
+// kGroupMaxThreads), blockDim.y rows a block, or on a cluster of such blocks (sm_90, one row a
+// block), each thread holding N 16-byte packs of the row in registers. Every load of a thread is
+// issued before any is used, and a row takes one reduction (forward: the pair max, sum of
+// exp(x - max), merged as online softmax merges; backward: the dot product) with at most one
+// barrier: what the tile kernel spends on the shared-memory round trip and its three reductions
+// goes to keeping more bytes in flight. Liger-Kernel's Triton
 // softmax (one program per row, the row in registers, a single pass) runs at the memory floor
-// this way at 4096 columns on an H200.
-constexpr int kGroupMaxThreads = 1024, kGroupBlockThreads = 256;
+// this way at 4096 columns on an H200. A cluster's blocks merge their partials through each
+// other's shared memory, as softmax_smem_kernel's do.
+constexpr int kGroupMaxThreads = 1024, kGroupBlockThreads = 256, kGroupClusterThreads = 512;
 
 // Packs per thread the group kernel may hold: as many as take 128 bytes of registers in the
 // compute type (forward x, whose exp(x - the thread's max) softmax keeps to scale once the row's
@@ -525,6 +527,14 @@ template <typename TX, typename TY, bool kBackward> constexpr int group_max_pack
 // symmetric in its two sides.
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+// Blocks of kGroupMaxThreads an SM the group kernel's registers must leave room for: 2 (32
+// registers a thread, a full SM) for a float forward of up to 2 packs a thread, which took 32
+// without clusters and 41 with them unbounded (ptxas, sm_90, bfloat16 at 2 packs), and spilled
+// at 4 packs or float64; else 1 (64).
+template <typename TX, typename TY, bool kBackward, int N> constexpr int group_min_blocks() {
+    return !kBackward && N <= 2 && sizeof(typename Compute<TX>::type) == 4 ? 2 : 1;
+}
 
 // (m, s) and (om, os), each a max and a sum of exp(v - max), merged into (m, s). Symmetric in
 // its two sides, so that both lanes of a shuffle get the same bits.
@@ -562,31 +572,67 @@ __device__ __forceinline__ void group_reduce_once(A &m, A &s, A (*scratch)[kGrou
     }
 }
 
-// Row blockIdx.x * blockDim.y + threadIdx.y; its thread threadIdx.x holds packs threadIdx.x + k *
-// blockDim.x (k < N), so that each load of a warp reads 32 adjacent packs. Forward: each thread's
-// max m and sum s of exp(x - m) over its own values, merged over the group into the row's M and
-// S; then y = exp(x - m) * (exp(m - M) / S), or x - M - log(S): one exp an element. Backward:
-// the dot product, then the outputs. Packs past the row and rows past L.rows are loaded and
-// stored nowhere and count nothing, but their threads reach the barrier. Assumes packable(L) and
-// cols / P <= N * blockDim.x.
+// The cluster's reduction of the block's (m, s) (kPair) or m (a sum), which every thread of the
+// block holds: each block's stored into every block's `parts` at its rank, then merged in rank
+// order, so that every block gets the same bits. The kernel arrived at the cluster barrier as it
+// began (relaxed): the wait below makes sure that every block has started, so that its shared
+// memory exists, before the stores into it.
+template <bool kPair, typename TO, typename A>
+__device__ __forceinline__ void cluster_reduce(A &m, A &s, A (*parts)[2], int cluster, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cluster == 1) return;
+    cluster_wait();
+    if (threadIdx.x < (unsigned)cluster) {
+        const unsigned remote = cluster_map(&parts[rank][0], threadIdx.x);
+        cluster_store(remote, m);
+        cluster_store(remote + sizeof(A), s);
+    }
+    cluster_sync();
+    m = parts[0][0];
+    s = parts[0][1];
+    for (int k = 1; k < cluster; ++k) {
+        if (kPair) merge_max_sum<TO>(m, s, parts[k][0], parts[k][1]);
+        else m += parts[k][0];
+    }
+#else
+    (void)m, (void)s, (void)parts, (void)cluster, (void)rank;
+#endif
+}
+
+// Row blockIdx.x * blockDim.y + threadIdx.y (blockIdx.x / cluster with clusters, of one row a
+// block); its thread threadIdx.x holds packs first + threadIdx.x + k * blockDim.x (k < N), where
+// first = N * blockDim.x * the block's rank in its cluster, so that each load of a warp reads 32
+// adjacent packs. Forward: each thread's max m and sum s of exp(x - m) over its own values,
+// merged over the group (and the cluster) into the row's M and S; then y = exp(x - m) *
+// (exp(m - M) / S), or x - M - log(S): one exp an element. Backward: the dot product, then the
+// outputs. Packs past the row and rows past L.rows are loaded and
+// stored nowhere and count nothing, but their threads reach the barriers. Assumes packable(L),
+// cols / P <= N * blockDim.x * cluster, and blockDim.y = 1 where cluster > 1.
 template <typename TX, typename TY, bool kBackward, int N>
-__global__ void __launch_bounds__(kGroupMaxThreads) softmax_group_kernel(const brrr_softmax_launch L) {
+__global__ void __launch_bounds__(kGroupMaxThreads, group_min_blocks<TX, TY, kBackward, N>())
+    softmax_group_kernel(const brrr_softmax_launch L, const int cluster) {
     using A = typename Compute<TX>::type;
     using TI = typename std::conditional<kBackward, TY, TX>::type;
     using TO = typename std::conditional<kBackward, TX, TY>::type;
     constexpr int P = pack_elems<TX, TY>();
     __shared__ A scratch[2][kGroupMaxThreads / 32];
-    const int64_t r = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-    const int packs = r < L.rows ? (int)(L.cols / P) : 0;
+    __shared__ A parts[kMaxCluster][2];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cluster > 1) cluster_arrive_relaxed();
+#endif
+    const int rank = (int)(blockIdx.x % (unsigned)cluster);
+    const int64_t r =
+        cluster > 1 ? (int64_t)(blockIdx.x / (unsigned)cluster) : (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+    const int packs = r < L.rows ? (int)(L.cols / P) : 0, first = rank * N * (int)blockDim.x;
     bool have[N];
 #pragma unroll
-    for (int k = 0; k < N; ++k) have[k] = (int)threadIdx.x + k * (int)blockDim.x < packs;
+    for (int k = 0; k < N; ++k) have[k] = first + (int)threadIdx.x + k * (int)blockDim.x < packs;
     const int64_t off0 = packs > 0 ? row_off(L, 0, r) : 0, off2 = packs > 0 ? row_off(L, 2, r) : 0;
     Pack<TI, P> in0[N];
     const TI *src0 = static_cast<const TI *>(L.in[0]) + off0;
 #pragma unroll
     for (int k = 0; k < N; ++k)
-        if (have[k]) in0[k] = *reinterpret_cast<const Pack<TI, P> *>(src0 + (threadIdx.x + k * blockDim.x) * P);
+        if (have[k]) in0[k] = *reinterpret_cast<const Pack<TI, P> *>(src0 + (first + threadIdx.x + k * blockDim.x) * P);
     TO *dst = static_cast<TO *>(L.out) + off2;
     if (!kBackward) {
         A a[N * P];
@@ -610,6 +656,7 @@ __global__ void __launch_bounds__(kGroupMaxThreads) softmax_group_kernel(const b
             }
         A row_m = m, row_s = s;
         group_reduce_once<true, TO>(row_m, row_s, scratch);
+        cluster_reduce<true, TO>(row_m, row_s, parts, cluster, rank);
         // A row of -inf: row_s = 0, and NaN results (0 * inf, -inf - -inf), as torch gives.
         const A scale = exp_<TO>(m - row_m) / row_s, shift = row_m + log_(row_s);
 #pragma unroll
@@ -618,7 +665,7 @@ __global__ void __launch_bounds__(kGroupMaxThreads) softmax_group_kernel(const b
             A v[P];
 #pragma unroll
             for (int j = 0; j < P; ++j) v[j] = L.log ? a[k * P + j] - shift : a[k * P + j] * scale;
-            store_pack<TO, P>(dst + (threadIdx.x + k * blockDim.x) * P, v);
+            store_pack<TO, P>(dst + (first + threadIdx.x + k * blockDim.x) * P, v);
         }
         return;
     }
@@ -626,15 +673,19 @@ __global__ void __launch_bounds__(kGroupMaxThreads) softmax_group_kernel(const b
     const TI *src1 = static_cast<const TI *>(L.in[1]) + (packs > 0 ? row_off(L, 1, r) : 0);
 #pragma unroll
     for (int k = 0; k < N; ++k)
-        if (have[k]) in1[k] = *reinterpret_cast<const Pack<TI, P> *>(src1 + (threadIdx.x + k * blockDim.x) * P);
+        if (have[k]) in1[k] = *reinterpret_cast<const Pack<TI, P> *>(src1 + (first + threadIdx.x + k * blockDim.x) * P);
     A dot = A(0), unused = A(0);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
         if (!have[k]) continue;
 #pragma unroll
-        for (int j = 0; j < P; ++j) dot += L.log ? to_float(in1[k].v[j]) : to_float(in1[k].v[j]) * to_float(in0[k].v[j]);
+        for (int j = 0; j < P; ++j) {
+            const A g = to_float(in1[k].v[j]);
+            dot += L.log ? g : g * to_float(in0[k].v[j]);
+        }
     }
     group_reduce_once<false, TO>(dot, unused, scratch);
+    cluster_reduce<false, TO>(dot, unused, parts, cluster, rank);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
         if (!have[k]) continue;
@@ -644,7 +695,7 @@ __global__ void __launch_bounds__(kGroupMaxThreads) softmax_group_kernel(const b
             const A y = to_float(in0[k].v[j]), g = to_float(in1[k].v[j]);
             v[j] = L.log ? g - exp_<TO>(y) * dot : y * (g - dot);
         }
-        store_pack<TO, P>(dst + (threadIdx.x + k * blockDim.x) * P, v);
+        store_pack<TO, P>(dst + (first + threadIdx.x + k * blockDim.x) * P, v);
     }
 }
 
@@ -721,40 +772,52 @@ bool launch_tile(const brrr_softmax_launch &L, cudaStream_t stream) {
     return true;
 }
 
-// softmax_group_kernel with N packs a thread for this launch: a row's group of that many threads
-// as hold it (whole warps), and rows a block up to kGroupBlockThreads threads, so that rows of a
-// warp or two still fill an SM within its block limit. False where N is past group_max_packs or
-// the row needs more than kGroupMaxThreads threads.
+// softmax_group_kernel with N packs a thread for this launch: a row on one block of as many
+// threads (whole warps) as hold it, with more rows a block up to kGroupBlockThreads, so that rows
+// of a warp or two still fill an SM within its block limit; past kGroupClusterThreads, on a
+// cluster of the fewest blocks (a power of two up to max_cluster) that hold it at up to that many
+// threads each, or at up to kGroupMaxThreads in max_cluster blocks. False where N is past
+// group_max_packs or the row does not fit.
 template <typename TX, typename TY, bool kBackward, int N>
-bool launch_group_n(const brrr_softmax_launch &L, cudaStream_t stream) {
+bool launch_group_n(const brrr_softmax_launch &L, int max_cluster, cudaStream_t stream, cudaError_t *err) {
     if constexpr (N > group_max_packs<TX, TY, kBackward>()) {
         return false;
     } else {
-        const int64_t packs = L.cols / pack_elems<TX, TY>(), threads = ((packs + N - 1) / N + 31) / 32 * 32;
+        const int64_t packs = L.cols / pack_elems<TX, TY>();
+        auto threads_of = [&](int c) { return ((packs + (int64_t)N * c - 1) / ((int64_t)N * c) + 31) / 32 * 32; };
+        int cluster = 1;
+        while (cluster < max_cluster && threads_of(cluster) > kGroupClusterThreads) cluster *= 2;
+        const int64_t threads = threads_of(cluster);
         if (threads > kGroupMaxThreads) return false;
-        const int rows = threads >= kGroupBlockThreads ? 1 : kGroupBlockThreads / (int)threads;
-        const int64_t blocks = (L.rows + rows - 1) / rows;
+        const int rows = cluster > 1 || threads >= kGroupBlockThreads ? 1 : kGroupBlockThreads / (int)threads;
+        const int64_t blocks = cluster > 1 ? L.rows * cluster : (L.rows + rows - 1) / rows;
         if (blocks > INT32_MAX) return false;
-        softmax_group_kernel<TX, TY, kBackward, N><<<(unsigned)blocks, dim3((unsigned)threads, rows), 0, stream>>>(L);
+        cudaLaunchConfig_t cfg;
+        cudaLaunchAttribute attr;
+        cluster_launch_config(cfg, attr, dim3((unsigned)threads, (unsigned)rows), 0, stream, cluster);
+        cfg.gridDim = dim3((unsigned)blocks);
+        *err = cudaLaunchKernelEx(&cfg, softmax_group_kernel<TX, TY, kBackward, N>, L, cluster);
         return true;
     }
 }
 
 // softmax_group_kernel for this launch with `per` packs a thread (1, 2, 4 or 8), or where per is 0
-// the fewest (up to group_max_packs) that keep a row's group within kGroupBlockThreads threads,
-// as Liger-Kernel's Triton softmax gives a row 4 to 8 warps at 1024 to 4096 columns.
+// the fewest (up to group_max_packs) that keep a row within kGroupBlockThreads threads, as
+// Liger-Kernel's Triton softmax gives a row 4 to 8 warps at 1024 to 4096 columns; clusters (sm_90)
+// past kGroupClusterThreads.
 template <typename TX, typename TY, bool kBackward>
-bool launch_group(const brrr_softmax_launch &L, int per, cudaStream_t stream) {
+bool launch_group(const brrr_softmax_launch &L, int per, int device, cudaStream_t stream, cudaError_t *err) {
     if (per == 0) {
         const int64_t packs = L.cols / pack_elems<TX, TY>();
         per = 1;
         while (per < group_max_packs<TX, TY, kBackward>() && (packs + per - 1) / per > kGroupBlockThreads) per *= 2;
     }
+    const int max_cluster = device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0) >= 9 ? kMaxCluster : 1;
     switch (per) {
-    case 1: return launch_group_n<TX, TY, kBackward, 1>(L, stream);
-    case 2: return launch_group_n<TX, TY, kBackward, 2>(L, stream);
-    case 4: return launch_group_n<TX, TY, kBackward, 4>(L, stream);
-    case 8: return launch_group_n<TX, TY, kBackward, 8>(L, stream);
+    case 1: return launch_group_n<TX, TY, kBackward, 1>(L, max_cluster, stream, err);
+    case 2: return launch_group_n<TX, TY, kBackward, 2>(L, max_cluster, stream, err);
+    case 4: return launch_group_n<TX, TY, kBackward, 4>(L, max_cluster, stream, err);
+    case 8: return launch_group_n<TX, TY, kBackward, 8>(L, max_cluster, stream, err);
     default: return false;
     }
 }
@@ -780,8 +843,10 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t 
     // group: the group kernel's own packs a thread; group1, group2, group4, group8: that many.
     const bool want_group = force && strncmp(force, "group", 5) == 0;
     if (pack && want_group) {
+        cudaError_t err = cudaSuccess;
         const char *per = force + 5;
-        if (launch_group<TX, TY, kBackward>(L, *per ? atoi(per) : 0, stream)) return cudaGetLastError();
+        if (launch_group<TX, TY, kBackward>(L, *per ? atoi(per) : 0, device, stream, &err))
+            return err != cudaSuccess ? err : cudaGetLastError();
     }
     if (pack && want_smem) {
         cudaError_t err = cudaSuccess;

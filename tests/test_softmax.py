@@ -1,7 +1,8 @@
 """brrr.softmax and brrr.log_softmax: outputs and gradients against float64 PyTorch on fresh random
 inputs (every dim, odd row lengths, rows that take each CUDA kernel and each block shape of the
-tile and group kernels, every BRRR_SOFTMAX_KERNEL value on every dtype pair, strided views, dtype=), rows with -inf, NumPy, the C op's argument checks, opcheck,
-torch.compile, the registry, brrr.nn and torch.nn.functional routing."""
+tile and group kernels, every BRRR_SOFTMAX_KERNEL value on every dtype pair, strided views,
+dtype=), rows with -inf, NumPy, the C op's argument checks, opcheck, torch.compile, the registry,
+brrr.nn and torch.nn.functional routing."""
 
 import numpy as np
 import pytest
@@ -176,13 +177,14 @@ def test_every_kernel_on_rows_of_minus_inf(monkeypatch, kernel, dtype, cols):
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel", ["group", "group1", "group2", "group4", "group8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("cols", [8, 256, 264, 1024, 2048, 2056, 8192, 16384, 32768, 65536])
+@pytest.mark.parametrize("cols", [8, 256, 264, 1024, 2048, 2056, 8192, 16384, 32768, 65544, 131072, 262144])
 @pytest.mark.parametrize("rows", [1, 5, 9])
 def test_group_kernel_groups_and_rows_per_block(monkeypatch, kernel, dtype, cols, rows):
-    """The group kernel gives a row a group of 1 to 32 warps and a block up to 8 rows of one warp:
-    row counts that leave the last block part-filled, rows that leave a group's last packs empty,
-    rows past a group of 1024 threads (the streaming kernel). Each row's result must not depend on
-    its neighbours in the block."""
+    """The group kernel gives a row a group of 1 to 32 warps and a block up to 8 rows of one warp,
+    or past 512 threads a cluster of 2 to 8 blocks (sm_90): row counts that leave the last block
+    part-filled, rows that leave a group's (or a cluster's last blocks') packs empty, rows past 8
+    blocks of 1024 threads (the streaming kernel). Each row's result must not depend on its
+    neighbours in the block."""
     monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", kernel)
     x = random((rows, cols), dtype, "cuda", -6, 6)
     x[0, ::5] = float("-inf")
