@@ -500,6 +500,205 @@ __global__ void __launch_bounds__(kTileThreads) softmax_tile_kernel(const brrr_s
     }
 }
 
+// ---- rows in registers, one group of warps per row, one reduction ----------------------------
+
+// The group kernel: each row on a group of blockDim.x threads (whole warps, up to
+// kGroupMaxThreads), blockDim.y rows a block, or on a cluster of such blocks (sm_90, one row a
+// block), each thread holding N 16-byte packs of the row in registers. Every load of a thread is
+// issued before any is used, and a row takes one reduction (forward: the pair max, sum of
+// exp(x - max), merged as online softmax merges; backward: the dot product) with at most one
+// barrier: what the tile kernel spends on the shared-memory round trip and its three reductions
+// goes to keeping more bytes in flight. Liger-Kernel's Triton
+// softmax (one program per row, the row in registers, a single pass) runs at the memory floor
+// this way at 4096 columns on an H200. A cluster's blocks merge their partials through each
+// other's shared memory, as softmax_smem_kernel's do.
+constexpr int kGroupMaxThreads = 1024, kGroupBlockThreads = 256, kGroupClusterThreads = 512;
+
+// Packs per thread the group kernel may hold: as many as take 128 bytes of registers in the
+// compute type (forward x, whose exp(x - the thread's max) softmax keeps to scale once the row's
+// max and sum are known; backward y and grad_y), 64 bytes for float64. One more doubling spilled
+// (ptxas, sm_90, at the 64 registers a thread that 1024-thread blocks leave).
+template <typename TX, typename TY, bool kBackward> constexpr int group_max_packs() {
+    using A = typename Compute<TX>::type;
+    return (sizeof(A) == 8 ? 64 : 128) / ((kBackward ? 2 : 1) * pack_elems<TX, TY>() * (int)sizeof(A));
+}
+
+// Products rounded on their own: a * b + c * d contracted to fma(a, b, c * d) would not be
+// symmetric in its two sides.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+// Blocks of kGroupMaxThreads an SM the group kernel's registers must leave room for: 2 (32
+// registers a thread, a full SM) for a float forward of up to 2 packs a thread, which took 32
+// without clusters and 41 with them unbounded (ptxas, sm_90, bfloat16 at 2 packs), and spilled
+// at 4 packs or float64; else 1 (64).
+template <typename TX, typename TY, bool kBackward, int N> constexpr int group_min_blocks() {
+    return !kBackward && N <= 2 && sizeof(typename Compute<TX>::type) == 4 ? 2 : 1;
+}
+
+// (m, s) and (om, os), each a max and a sum of exp(v - max), merged into (m, s). Symmetric in
+// its two sides, so that both lanes of a shuffle get the same bits.
+template <typename TO, typename A>
+__device__ __forceinline__ void merge_max_sum(A &m, A &s, A om, A os) {
+    const A nm = fmax(m, om);
+    s = mul_rn(s, exp_<TO>(m - nm)) + mul_rn(os, exp_<TO>(om - nm));
+    m = nm;
+}
+
+// The reduction over this thread's row group of (m, s) (kPair: max-sum pairs) or of m alone (a
+// sum); every thread of the group gets the same bits. Past one warp, through `scratch` with one
+// barrier, which every thread of the block reaches (blockDim.x is the same in every group).
+template <bool kPair, typename TO, typename A>
+__device__ __forceinline__ void group_reduce_once(A &m, A &s, A (*scratch)[kGroupMaxThreads / 32]) {
+#pragma unroll
+    for (int k = 16; k > 0; k >>= 1) {
+        const A om = __shfl_xor_sync(0xffffffffu, m, k);
+        if (kPair) merge_max_sum<TO>(m, s, om, __shfl_xor_sync(0xffffffffu, s, k));
+        else m += om;
+    }
+    const int warps = (int)blockDim.x >> 5;
+    if (warps == 1) return;
+    const int first = (int)threadIdx.y * warps;
+    if ((threadIdx.x & 31) == 0) {
+        scratch[0][first + (threadIdx.x >> 5)] = m;
+        if (kPair) scratch[1][first + (threadIdx.x >> 5)] = s;
+    }
+    __syncthreads();
+    m = scratch[0][first];
+    if (kPair) s = scratch[1][first];
+    for (int w = 1; w < warps; ++w) {
+        if (kPair) merge_max_sum<TO>(m, s, scratch[0][first + w], scratch[1][first + w]);
+        else m += scratch[0][first + w];
+    }
+}
+
+// The cluster's reduction of the block's (m, s) (kPair) or m (a sum), which every thread of the
+// block holds: each block's stored into every block's `parts` at its rank, then merged in rank
+// order, so that every block gets the same bits. The kernel arrived at the cluster barrier as it
+// began (relaxed): the wait below makes sure that every block has started, so that its shared
+// memory exists, before the stores into it.
+template <bool kPair, typename TO, typename A>
+__device__ __forceinline__ void cluster_reduce(A &m, A &s, A (*parts)[2], int cluster, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cluster == 1) return;
+    cluster_wait();
+    if (threadIdx.x < (unsigned)cluster) {
+        const unsigned remote = cluster_map(&parts[rank][0], threadIdx.x);
+        cluster_store(remote, m);
+        cluster_store(remote + sizeof(A), s);
+    }
+    cluster_sync();
+    m = parts[0][0];
+    s = parts[0][1];
+    for (int k = 1; k < cluster; ++k) {
+        if (kPair) merge_max_sum<TO>(m, s, parts[k][0], parts[k][1]);
+        else m += parts[k][0];
+    }
+#else
+    (void)m, (void)s, (void)parts, (void)cluster, (void)rank;
+#endif
+}
+
+// Row blockIdx.x * blockDim.y + threadIdx.y (blockIdx.x / cluster with clusters, of one row a
+// block); its thread threadIdx.x holds packs first + threadIdx.x + k * blockDim.x (k < N), where
+// first = N * blockDim.x * the block's rank in its cluster, so that each load of a warp reads 32
+// adjacent packs. Forward: each thread's max m and sum s of exp(x - m) over its own values,
+// merged over the group (and the cluster) into the row's M and S; then y = exp(x - m) *
+// (exp(m - M) / S), or x - M - log(S): one exp an element. Backward: the dot product, then the
+// outputs. Packs past the row and rows past L.rows are loaded and
+// stored nowhere and count nothing, but their threads reach the barriers. Assumes packable(L),
+// cols / P <= N * blockDim.x * cluster, and blockDim.y = 1 where cluster > 1.
+template <typename TX, typename TY, bool kBackward, int N>
+__global__ void __launch_bounds__(kGroupMaxThreads, group_min_blocks<TX, TY, kBackward, N>())
+    softmax_group_kernel(const brrr_softmax_launch L, const int cluster) {
+    using A = typename Compute<TX>::type;
+    using TI = typename std::conditional<kBackward, TY, TX>::type;
+    using TO = typename std::conditional<kBackward, TX, TY>::type;
+    constexpr int P = pack_elems<TX, TY>();
+    __shared__ A scratch[2][kGroupMaxThreads / 32];
+    __shared__ A parts[kMaxCluster][2];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cluster > 1) cluster_arrive_relaxed();
+#endif
+    const int rank = (int)(blockIdx.x % (unsigned)cluster);
+    const int64_t r =
+        cluster > 1 ? (int64_t)(blockIdx.x / (unsigned)cluster) : (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+    const int packs = r < L.rows ? (int)(L.cols / P) : 0, first = rank * N * (int)blockDim.x;
+    bool have[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) have[k] = first + (int)threadIdx.x + k * (int)blockDim.x < packs;
+    const int64_t off0 = packs > 0 ? row_off(L, 0, r) : 0, off2 = packs > 0 ? row_off(L, 2, r) : 0;
+    Pack<TI, P> in0[N];
+    const TI *src0 = static_cast<const TI *>(L.in[0]) + off0;
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+        if (have[k]) in0[k] = *reinterpret_cast<const Pack<TI, P> *>(src0 + (first + threadIdx.x + k * blockDim.x) * P);
+    TO *dst = static_cast<TO *>(L.out) + off2;
+    if (!kBackward) {
+        A a[N * P];
+        A m = lowest<A>();
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                a[k * P + j] = have[k] ? to_float(in0[k].v[j]) : lowest<A>();
+                m = fmax(m, a[k * P + j]);
+            }
+        // exp(lowest - m) is 1 where m is lowest too (a thread with no pack): the sum skips them.
+        A s = A(0);
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                const A e = exp_<TO>(a[k * P + j] - m);
+                if (!L.log) a[k * P + j] = e;
+                if (have[k]) s += e;
+            }
+        A row_m = m, row_s = s;
+        group_reduce_once<true, TO>(row_m, row_s, scratch);
+        cluster_reduce<true, TO>(row_m, row_s, parts, cluster, rank);
+        // A row of -inf: row_s = 0, and NaN results (0 * inf, -inf - -inf), as torch gives.
+        const A scale = exp_<TO>(m - row_m) / row_s, shift = row_m + log_(row_s);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            if (!have[k]) continue;
+            A v[P];
+#pragma unroll
+            for (int j = 0; j < P; ++j) v[j] = L.log ? a[k * P + j] - shift : a[k * P + j] * scale;
+            store_pack<TO, P>(dst + (first + threadIdx.x + k * blockDim.x) * P, v);
+        }
+        return;
+    }
+    Pack<TI, P> in1[N];
+    const TI *src1 = static_cast<const TI *>(L.in[1]) + (packs > 0 ? row_off(L, 1, r) : 0);
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+        if (have[k]) in1[k] = *reinterpret_cast<const Pack<TI, P> *>(src1 + (first + threadIdx.x + k * blockDim.x) * P);
+    A dot = A(0), unused = A(0);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        if (!have[k]) continue;
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+            const A g = to_float(in1[k].v[j]);
+            dot += L.log ? g : g * to_float(in0[k].v[j]);
+        }
+    }
+    group_reduce_once<false, TO>(dot, unused, scratch);
+    cluster_reduce<false, TO>(dot, unused, parts, cluster, rank);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        if (!have[k]) continue;
+        A v[P];
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+            const A y = to_float(in0[k].v[j]), g = to_float(in1[k].v[j]);
+            v[j] = L.log ? g - exp_<TO>(y) * dot : y * (g - dot);
+        }
+        store_pack<TO, P>(dst + (first + threadIdx.x + k * blockDim.x) * P, v);
+    }
+}
+
 // Is every view of the launch contiguous along its columns, its rows 16-byte aligned for packs of P?
 template <typename TX, typename TY>
 inline bool packable(const brrr_softmax_launch &L) {
@@ -573,13 +772,63 @@ bool launch_tile(const brrr_softmax_launch &L, cudaStream_t stream) {
     return true;
 }
 
+// softmax_group_kernel with N packs a thread for this launch: a row on one block of as many
+// threads (whole warps) as hold it, with more rows a block up to kGroupBlockThreads, so that rows
+// of a warp or two still fill an SM within its block limit; past kGroupClusterThreads, on a
+// cluster of the fewest blocks (a power of two up to max_cluster) that hold it at up to that many
+// threads each, or at up to kGroupMaxThreads in max_cluster blocks. False where N is past
+// group_max_packs or the row does not fit.
+template <typename TX, typename TY, bool kBackward, int N>
+bool launch_group_n(const brrr_softmax_launch &L, int max_cluster, cudaStream_t stream, cudaError_t *err) {
+    if constexpr (N > group_max_packs<TX, TY, kBackward>()) {
+        return false;
+    } else {
+        const int64_t packs = L.cols / pack_elems<TX, TY>();
+        auto threads_of = [&](int c) { return ((packs + (int64_t)N * c - 1) / ((int64_t)N * c) + 31) / 32 * 32; };
+        int cluster = 1;
+        while (cluster < max_cluster && threads_of(cluster) > kGroupClusterThreads) cluster *= 2;
+        const int64_t threads = threads_of(cluster);
+        if (threads > kGroupMaxThreads) return false;
+        const int rows = cluster > 1 || threads >= kGroupBlockThreads ? 1 : kGroupBlockThreads / (int)threads;
+        const int64_t blocks = cluster > 1 ? L.rows * cluster : (L.rows + rows - 1) / rows;
+        if (blocks > INT32_MAX) return false;
+        cudaLaunchConfig_t cfg;
+        cudaLaunchAttribute attr;
+        cluster_launch_config(cfg, attr, dim3((unsigned)threads, (unsigned)rows), 0, stream, cluster);
+        cfg.gridDim = dim3((unsigned)blocks);
+        *err = cudaLaunchKernelEx(&cfg, softmax_group_kernel<TX, TY, kBackward, N>, L, cluster);
+        return true;
+    }
+}
+
+// softmax_group_kernel for this launch with `per` packs a thread (1, 2, 4 or 8), or where per is 0
+// the fewest (up to group_max_packs) that keep a row within kGroupBlockThreads threads, as
+// Liger-Kernel's Triton softmax gives a row 4 to 8 warps at 1024 to 4096 columns; clusters (sm_90)
+// past kGroupClusterThreads.
+template <typename TX, typename TY, bool kBackward>
+bool launch_group(const brrr_softmax_launch &L, int per, int device, cudaStream_t stream, cudaError_t *err) {
+    if (per == 0) {
+        const int64_t packs = L.cols / pack_elems<TX, TY>();
+        per = 1;
+        while (per < group_max_packs<TX, TY, kBackward>() && (packs + per - 1) / per > kGroupBlockThreads) per *= 2;
+    }
+    const int max_cluster = device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0) >= 9 ? kMaxCluster : 1;
+    switch (per) {
+    case 1: return launch_group_n<TX, TY, kBackward, 1>(L, max_cluster, stream, err);
+    case 2: return launch_group_n<TX, TY, kBackward, 2>(L, max_cluster, stream, err);
+    case 4: return launch_group_n<TX, TY, kBackward, 4>(L, max_cluster, stream, err);
+    case 8: return launch_group_n<TX, TY, kBackward, 8>(L, max_cluster, stream, err);
+    default: return false;
+    }
+}
+
 // Rows whose inputs take up to 32 KB go to the tile kernel past 1024 columns and to the register
 // kernel up to 1024, longer ones to the shared-memory (cluster) kernel, unaligned or strided ones
 // to the streaming kernel. On an H200 (16384 rows, device time) the tile kernel took a bfloat16
 // softmax forward of 4096 columns from 0.153 to 0.082 ms and a float32 one from 0.204 to 0.140,
 // where at 1024 columns it was 10-17% slower than the register kernel. BRRR_SOFTMAX_KERNEL=tile,
-// rows, smem or stream picks one where it applies, else the streaming kernel (for measurements;
-// docs/kernel-switches.md).
+// rows, smem, stream, group or group1/2/4/8 picks one where it applies, else the streaming kernel
+// (for measurements; docs/kernel-switches.md).
 template <typename TX, typename TY, bool kBackward>
 cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t stream) {
     constexpr int P = pack_elems<TX, TY>(), kMax = max_packs<TX, TY, kBackward>();
@@ -591,6 +840,14 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t 
     const bool want_smem = force ? strcmp(force, "smem") == 0 : held > (32 << 10);
     const bool want_tile = force ? strcmp(force, "tile") == 0 : L.cols > 1024;
     const bool want_rows = force ? strcmp(force, "rows") == 0 : true;
+    // group: the group kernel's own packs a thread; group1, group2, group4, group8: that many.
+    const bool want_group = force && strncmp(force, "group", 5) == 0;
+    if (pack && want_group) {
+        cudaError_t err = cudaSuccess;
+        const char *per = force + 5;
+        if (launch_group<TX, TY, kBackward>(L, *per ? atoi(per) : 0, device, stream, &err))
+            return err != cudaSuccess ? err : cudaGetLastError();
+    }
     if (pack && want_smem) {
         cudaError_t err = cudaSuccess;
         if (launch_smem<TX, TY, kBackward>(L, device, stream, &err)) return err != cudaSuccess ? err : cudaGetLastError();

@@ -1,7 +1,8 @@
 """brrr.softmax and brrr.log_softmax: outputs and gradients against float64 PyTorch on fresh random
 inputs (every dim, odd row lengths, rows that take each CUDA kernel and each block shape of the
-tile kernel, strided views, dtype=), rows with -inf, NumPy, the C op's argument checks, opcheck,
-torch.compile, the registry, brrr.nn and torch.nn.functional routing."""
+tile and group kernels, every BRRR_SOFTMAX_KERNEL value on every dtype pair, strided views,
+dtype=), rows with -inf, NumPy, the C op's argument checks, opcheck, torch.compile, the registry,
+brrr.nn and torch.nn.functional routing."""
 
 import numpy as np
 import pytest
@@ -102,18 +103,95 @@ def test_row_lengths_around_the_kernel_switches(device, dtype, cols):
     check_op(random((2, cols), dtype, device, -6, 6), -1, True, grad_scale=8.0)
 
 
+KERNELS = ["tile", "rows", "smem", "stream", "group", "group1", "group2", "group4", "group8"]
+# (x's dtype, dtype=): y of x's dtype, and float32 y of half x.
+DTYPE_PAIRS = [(torch.float32, None), (torch.float16, None), (torch.bfloat16, None), (torch.float16, torch.float32),
+               (torch.bfloat16, torch.float32)]
+
+
+def _layout(shape, dtype, layout):
+    """A view of random values of rows x cols laid out as named: rows padded (a row stride past
+    cols, 16-byte aligned); rows x 2 x cols, whose two row dims do not merge; unaligned (one element
+    past a 16-byte boundary, which no kernel's packs take); columns strided."""
+    rows, cols = shape
+    if layout == "padded":
+        return random((rows, cols + 24), dtype, "cuda", -6, 6)[:, 8:cols + 8]
+    if layout == "two_row_dims":
+        return random((rows, 3, cols), dtype, "cuda", -6, 6)[:, 1:]
+    if layout == "unaligned":
+        return random((rows * cols + 1,), dtype, "cuda", -6, 6)[1:].view(rows, cols)
+    return random((rows, cols, 2), dtype, "cuda", -6, 6)[..., 0]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["tile", "rows", "smem", "stream"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("cols", [8, 1000, 4096, 40000])
-def test_every_kernel_where_it_applies(monkeypatch, kernel, dtype, cols):
-    """BRRR_SOFTMAX_KERNEL picks a kernel where it applies (else the next one): each against the
-    reference on rows that the default choice would give to another, -inf included."""
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=str)
+@pytest.mark.parametrize("cols", [1, 3, 8, 1000, 1023, 1024, 4096, 4097, 4104, 32768, 262145])
+def test_every_kernel_where_it_applies(monkeypatch, kernel, dtypes, cols):
+    """BRRR_SOFTMAX_KERNEL picks a kernel where it applies (else the streaming kernel): each against
+    the reference for every dtype pair, on rows that the default choice would give to another, odd
+    lengths (no packs: the streaming kernel) and rows that leave a group kernel's last packs
+    empty, -inf included."""
     monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", kernel)
-    x = random((3, cols), dtype, "cuda", -6, 6)
+    x_dtype, dtype = dtypes
+    x = random((3, cols), x_dtype, "cuda", -6, 6)
     x[1, ::3] = float("-inf")
     for log in (False, True):
+        check_op(x, -1, log, dtype=dtype, grad_scale=8.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["padded", "two_row_dims", "unaligned", "strided"])
+@pytest.mark.parametrize("cols", [64, 4096])
+def test_every_kernel_on_views(monkeypatch, kernel, dtype, layout, cols):
+    """Each kernel's row offsets (padded rows, rows over two dims) and the fallback of unaligned
+    and column-strided views to the streaming kernel."""
+    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", kernel)
+    x = _layout((5, cols), dtype, layout)
+    for log in (False, True):
         check_op(x, -1, log, grad_scale=8.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cols", [8, 512, 4096])
+def test_every_kernel_on_rows_of_minus_inf(monkeypatch, kernel, dtype, cols):
+    """A row all -inf gives NaN throughout, as torch does, and leaves the other rows of its block
+    as they are alone."""
+    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", kernel)
+    x = random((9, cols), dtype, "cuda", -6, 6)
+    x[4] = float("-inf")
+    x[6, 1:] = float("-inf")
+    for log in (False, True):
+        y = FUNCTIONS[log](x, -1)
+        ref = (torch.log_softmax if log else torch.softmax)(x.double().cpu(), -1)
+        assert torch.equal(torch.isnan(y.cpu()), torch.isnan(ref)) and torch.equal(torch.isinf(y.cpu()), torch.isinf(ref))
+        finite = torch.isfinite(ref)
+        assert_close(y.cpu().double()[finite], ref[finite], dtype, scale=4)
+        assert torch.equal(FUNCTIONS[log](x[5:].clone(), -1), y[5:])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["group", "group1", "group2", "group4", "group8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cols", [8, 256, 264, 1024, 2048, 2056, 8192, 16384, 32768, 65544, 131072, 262144])
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_group_kernel_groups_and_rows_per_block(monkeypatch, kernel, dtype, cols, rows):
+    """The group kernel gives a row a group of 1 to 32 warps and a block up to 8 rows of one warp,
+    or past 512 threads a cluster of 2 to 8 blocks (sm_90): row counts that leave the last block
+    part-filled, rows that leave a group's (or a cluster's last blocks') packs empty, rows past 8
+    blocks of 1024 threads (the streaming kernel). Each row's result must not depend on its
+    neighbours in the block."""
+    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", kernel)
+    x = random((rows, cols), dtype, "cuda", -6, 6)
+    x[0, ::5] = float("-inf")
+    for log in (False, True):
+        check_op(x, -1, log, grad_scale=8.0)
+        alone = FUNCTIONS[log](x[rows - 1:].clone(), -1)
+        assert torch.equal(FUNCTIONS[log](x, -1)[rows - 1:], alone)
 
 
 @pytest.mark.cuda
