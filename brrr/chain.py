@@ -163,8 +163,8 @@ def torch_layer():
 
     @functools.lru_cache(maxsize=1024)
     def program_with_backward(ops, scalars):
-        """program(ops, scalars), its backward said to be wanted: on CUDA its forward kernel is
-        compiled in one program with its backward (one NVRTC compile, not two)."""
+        """program(ops, scalars), its backward said to be wanted: on CUDA its forward kernel and
+        its backward are compiled at once, on two threads."""
         p = program(ops, scalars)
         _C.chain_jit_with_backward(p)
         return p
