@@ -178,7 +178,8 @@ def test_first_call(recorder, tmp_path):
                         started = time.perf_counter()
                         brrr._C.chain_jit_compile(steps, name, arch=90, with_backward=pass_ == "fwd+bwd")
                         recorder.add(family="first_call", op=op, dtype=name, impl="brrr", calls=pass_,
-                                     phase="compile only", ms=(time.perf_counter() - started) * 1e3)
+                                     phase="compile only", ms=(time.perf_counter() - started) * 1e3,
+                                     nvrtc=brrr._C.chain_jit_info()["nvrtc_version"], cpus=os.cpu_count())
         finally:
             del os.environ["BRRR_CACHE_DIR"]
     if not on_gpu():
