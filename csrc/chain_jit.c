@@ -166,14 +166,39 @@ static int inlined(const brrr_chain_steps *p) {
     return heavy <= BRRR_JIT_INLINE_HEAVY_STEPS;
 }
 
-/* Whether the chain gets the pack function (put_element_functions): an inlined chain with a trig
- * step. Other chains gain nothing from it (their inlined copies share one basic block, and its
- * constants, already), and NVRTC folds them faster as element functions: the backward of 256
- * multiplies by a scalar, a constant derivative, compiled in 0.05 s as one, 0.14 s as a pack. */
-static int packed(const brrr_chain_steps *p) {
-    int trig = 0;
-    for (int s = 0; s < p->n_steps; s++) trig |= is_trig(p->steps[s].op);
-    return trig && inlined(p);
+/* A forward kernel rolls a run of more than this many identical steps into a loop over this many
+ * (unrolled) steps: NVRTC compiles one copy instead of the whole run, and the loop's few
+ * instructions are lost among the steps' own (x * c 256 times in float32: 4 iterations of 64
+ * multiplies of the thread's 4 values). Chains of up to this many steps, the repeat sweep's knee
+ * among them, compile as before. Backward kernels keep their runs unrolled, which lets the
+ * compiler fold a run's constant derivatives into one constant. */
+#define BRRR_JIT_RUN_UNROLL 64
+
+/* The number of steps from step s on that are the same step as s (op and scalar); tensor and
+ * trig steps are runs of their own. */
+static int run_length(const brrr_chain_steps *p, int s) {
+    const brrr_chain_step *a = &p->steps[s];
+    if (is_trig(a->op) || a->op == BRRR_OP_ADD_TENSOR || a->op == BRRR_OP_MUL_TENSOR) return 1;
+    int e = s + 1;
+    while (e < p->n_steps && p->steps[e].op == a->op && memcmp(&p->steps[e].scalar, &a->scalar, sizeof a->scalar) == 0) e++;
+    return e - s;
+}
+
+/* Whether kernel k rolls the run starting at step s into a loop (BRRR_JIT_RUN_UNROLL). */
+static int rolled(const brrr_chain_kernel *k, const brrr_chain_steps *p, int s) {
+    return !k->backward && run_length(p, s) > BRRR_JIT_RUN_UNROLL;
+}
+
+/* Whether kernel k of the chain gets the pack function (put_element_functions): an inlined chain
+ * with a trig step, or one whose forward rolls a run (the loop then runs over all the thread's
+ * values at once, keeping their multiplies independent). Other chains gain nothing from it
+ * (their inlined copies share one basic block, and its constants, already), and NVRTC folds them
+ * faster as element functions: the backward of 256 multiplies by a scalar, a constant derivative,
+ * compiled in 0.05 s as one, 0.14 s as a pack. */
+static int packed(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+    int trig = 0, runs = 0;
+    for (int s = 0; s < p->n_steps; s += run_length(p, s)) trig |= is_trig(p->steps[s].op), runs |= rolled(k, p, s);
+    return (trig || runs) && inlined(p);
 }
 
 /* The 16-byte packs a thread of a contiguous kernel owns: 2 (the bytes in flight that keep HBM busy
@@ -292,7 +317,7 @@ static void put_parameters(text *t, const brrr_chain_kernel *k, int nops, int pa
  * fast path (which kept the compiler from sharing the polynomials' constants across values:
  * cos.cos in float32 went from about 33 instructions a cos to 21). */
 static void put_element_functions(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
-    const int nops = p->n_operands, pack = packed(p);
+    const int nops = p->n_operands, pack = packed(k, p);
     const char *name = direction(k);
     int active = 0;
     if (pack) {
@@ -327,8 +352,17 @@ static void put_element_functions(text *t, const brrr_chain_kernel *k, const brr
                 s++;
                 continue;
             }
-            int end = s, uses_d = 0; /* the run of steps up to the next trig step; whether one has a derivative */
-            for (; end < p->n_steps && !is_trig(p->steps[end].op); end++)
+            if (rolled(k, p, s)) {
+                const int loops = run_length(p, s) / BRRR_JIT_RUN_UNROLL;
+                put(t, "#pragma unroll 1\n    for (int r = 0; r < %d; ++r) {\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n", loops);
+                for (int i = 0; i < BRRR_JIT_RUN_UNROLL; i++) put_step(t, k, &p->steps[s], nops, "[j]", TRIG_INLINE, &active);
+                put(t, "    }\n    }\n");
+                s += loops * BRRR_JIT_RUN_UNROLL;
+                continue;
+            }
+            /* The steps up to the next trig step or rolled run; whether one has a derivative. */
+            int end = s, uses_d = 0;
+            for (; end < p->n_steps && !is_trig(p->steps[end].op) && !rolled(k, p, end); end++)
                 uses_d |= p->steps[end].op != BRRR_OP_ADD_TENSOR && p->steps[end].op != BRRR_OP_ADD_SCALAR;
             put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n%s", k->backward && uses_d ? "    A d;\n" : "");
             for (; s < end; s++) put_step(t, k, &p->steps[s], nops, "[j]", TRIG_INLINE, &active);
@@ -400,7 +434,7 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
         put(t, "        ld_pack(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC);\n", b,
             is_vector(k, b) ? "(p * VEC) % a.row_length" : "p * VEC", b);
     put(t, "    }\n");
-    if (packed(p)) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
+    if (packed(k, p)) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
         put(t, "    chain_%s_n(y", direction(k));
         for (int b = 0; b < nops; b++) put(t, ", v%d", b);
         if (k->backward) put(t, ", t");

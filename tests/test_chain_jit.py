@@ -84,8 +84,8 @@ def test_packed_chains_with_operands_compile(cache_dir, dtype):
 
 @needs_nvrtc
 def test_the_source_is_specialised(cache_dir):
-    source, _, _ = _C.chain_jit_compile([("mul", 1.0001)] * 256, "float32")
-    assert source.count("y = y * (A)0x1.00068db8bac71p+0;") == 256  # unrolled, the scalar an immediate
+    source, _, _ = _C.chain_jit_compile([("mul", 1.0001)] * 64, "float32")
+    assert source.count("y = y * (A)0x1.00068db8bac71p+0;") == 64  # unrolled, the scalar an immediate
     source, _, _ = _C.chain_jit_compile(MIXED, "bfloat16", backward=True, grad_mask=3, vector_mask=1, layout="rows", ndim=3)
     assert "M::gelu_fwd_grad(y, &d)" in source and "M::pow_fwd_grad(y, (A)0x1.8p+1, &d)" in source
     assert "L.partials" in source and "__shared__" in source
@@ -102,6 +102,27 @@ def test_the_source_is_specialised(cache_dir):
     assert "constexpr int U = 1," in _C.chain_jit_compile([("mul", 1.0001)] * 65, "bfloat16", backward=True)[0]
     heavy = [s for s in MIXED if s not in ("add_tensor", "mul_tensor")] * 20
     assert "constexpr int U = 2," in _C.chain_jit_compile(heavy, "bfloat16")[0]  # called, not inlined
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_a_forward_rolls_runs_of_more_than_64_identical_steps(cache_dir, dtype):
+    """Into loops of 64 unrolled steps over all the thread's values; shorter runs, other steps and
+    backward kernels (whose constant derivatives fold) stay unrolled."""
+    step = "y[j] = y[j] * (A)0x1.00068db8bac71p+0;"
+    source = _C.chain_jit_compile([("mul", 1.0001)] * 256, dtype)[0]
+    assert source.count("#pragma unroll 1\n    for (int r = 0; r < 4; ++r)") == 1 and source.count(step) == 64
+    steps = [("mul", 1.0001)] * 130 + ["relu"] + [("add", 0.5)] * 64 + [("add", 0.25)] * 65 + ["sin"]
+    source = _C.chain_jit_compile(steps, dtype)[0]
+    assert "for (int r = 0; r < 2; ++r)" in source and source.count(step) == 64 + 2  # 2 loops of 64, then 2
+    assert "for (int r = 0; r < 1; ++r)" in source and source.count("y[j] = y[j] + (A)0x1p-2;") == 64 + 1
+    assert source.count("y[j] = y[j] + (A)0x1p-1;") == 64 and source.count("#pragma unroll 1") == 2
+    for layout, ndim in (("contiguous", 1), ("strided", 2)):
+        source = _C.chain_jit_compile(steps, dtype, backward=True, layout=layout, ndim=ndim)[0]
+        assert "#pragma unroll 1" not in source and source.count("d = (A)0x1.00068db8bac71p+0;") == 130
+    assert "#pragma unroll 1" not in _C.chain_jit_compile([("mul", 1.0001)] * 64 + [("mul", 1.0002)] * 64, dtype)[0]
+    assert "for (int r = 0; r < 1; ++r)" in _C.chain_jit_compile(["relu"] * 65, dtype)[0]  # a function's run too
+    assert "#pragma unroll 1" not in _C.chain_jit_compile(["tanh"] * 65, dtype)[0]  # called, not inlined
 
 
 @needs_nvrtc
@@ -351,6 +372,26 @@ def test_long_inlined_chains_one_pack_a_thread_against_float64(dtype, n):
     want, (want_grad,) = reference_grads(steps, x, [], g)
     assert_close(got[0], want, dtype, scale=8.0)
     assert_close(got[1], want_grad, dtype, scale=8.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [4099, 1 << 16, 5])
+def test_rolled_runs_against_float64(dtype, n):
+    """Forward kernels roll runs of more than 64 identical steps into loops (the backward keeps
+    them unrolled): both against float64, on all the values of a thread and the tail's."""
+    steps = [("mul", 1.001)] * 130 + ["relu"] + [("add", 0.001)] * 65 + ["sin"] + [("mul", 0.999)] * 200
+    x = random((n,), dtype, "cuda", -2.0, 2.0)
+    g = random((n,), dtype, "cuda")
+    got = _fwd_bwd(steps, x, [], g)
+    want, (want_grad,) = reference_grads(steps, x, [], g)
+    assert_close(got[0], want, dtype, scale=8.0)
+    assert_close(got[1], want_grad, dtype, scale=8.0)
+    x64 = random((1 << 12,), torch.float32, "cuda")  # one rounded multiply a step, as torch's own
+    want = x64.clone()
+    for _ in range(300):
+        want = want * 1.001
+    torch.testing.assert_close(brrr.chain(*[("mul", 1.001)] * 300)(x64), want, rtol=0, atol=0)
 
 
 @pytest.mark.cuda
