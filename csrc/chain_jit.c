@@ -996,8 +996,17 @@ static void *build_thread(void *b) {
  * backward: NVRTC compiles programs in parallel, so the pair takes the longer of the two, not the
  * sum); in turn when no thread can be started. */
 static void build_all(build *bs, int n) {
+    /* NVRTC's compiler recurses deeply on long unrolled chains: the thread gets a main thread's
+     * usual 8 MiB of stack, whatever the default for new threads (2 MiB where RLIMIT_STACK is
+     * unlimited). */
+    pthread_attr_t attr;
     pthread_t thread;
-    const int threaded = n == 2 && pthread_create(&thread, NULL, build_thread, &bs[1]) == 0;
+    int threaded = 0;
+    if (n == 2 && pthread_attr_init(&attr) == 0) {
+        threaded = pthread_attr_setstacksize(&attr, (size_t)8 << 20) == 0 &&
+                   pthread_create(&thread, &attr, build_thread, &bs[1]) == 0;
+        pthread_attr_destroy(&attr);
+    }
     build_run(&bs[0]);
     if (threaded) pthread_join(thread, NULL);
     else if (n == 2) build_run(&bs[1]);
