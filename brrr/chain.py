@@ -182,8 +182,8 @@ def torch_layer():
         return p
 
     def program_with_backward(ops, scalars):
-        """program(ops, scalars), its backward said to be wanted: on CUDA its forward kernel is
-        compiled in one program with its backward (one NVRTC compile, not two)."""
+        """program(ops, scalars), its backward said to be wanted: on CUDA its forward kernel and
+        its backward are compiled at once, on two threads."""
         return compiled_with_backward(ops, signed(scalars))
 
     def forward(x: Tensor, operands: list[Tensor], ops: str, scalars: list[float]) -> Tensor:

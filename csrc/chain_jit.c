@@ -14,8 +14,9 @@
  * $CUDA_PATH/lib64, /usr/local/cuda/lib64, and the nvidia/cu13/lib and nvidia/cuda_nvrtc/lib
  * folders of NVIDIA's pip wheels along sys.path (where PyTorch's CUDA wheels put it).
  *
- * A program holds one kernel, or a chain's forward and its backward when the backward is wanted
- * (chain_jit_with_backward: autograd records the chain): one NVRTC compile for the two.
+ * A program holds one kernel. A chain whose backward is wanted (chain_jit_with_backward: autograd
+ * records the chain) builds its forward and its backward at once, on two threads: NVRTC compiles
+ * programs in parallel, so a first call with autograd waits for the longer of the two compiles.
  * Compiled kernels are cached in memory (per process, keyed by the kernel's specification, steps
  * and architecture) and on disk, in $BRRR_CACHE_DIR, else $XDG_CACHE_HOME/brrr, else
  * ~/.cache/brrr: one file per program, named by a hash of its identity (brrr's version,
@@ -165,14 +166,39 @@ static int inlined(const brrr_chain_steps *p) {
     return heavy <= BRRR_JIT_INLINE_HEAVY_STEPS;
 }
 
-/* Whether the chain gets the pack function (put_element_functions): an inlined chain with a trig
- * step. Other chains gain nothing from it (their inlined copies share one basic block, and its
- * constants, already), and NVRTC folds them faster as element functions: the backward of 256
- * multiplies by a scalar, a constant derivative, compiled in 0.05 s as one, 0.14 s as a pack. */
-static int packed(const brrr_chain_steps *p) {
-    int trig = 0;
-    for (int s = 0; s < p->n_steps; s++) trig |= is_trig(p->steps[s].op);
-    return trig && inlined(p);
+/* A forward kernel rolls a run of more than this many identical steps into a loop over this many
+ * (unrolled) steps: NVRTC compiles one copy instead of the whole run, and the loop's few
+ * instructions are lost among the steps' own (x * c 256 times in float32: 4 iterations of 64
+ * multiplies of the thread's 4 values). Chains of up to this many steps, the repeat sweep's knee
+ * among them, compile as before. Backward kernels keep their runs unrolled, which lets the
+ * compiler fold a run's constant derivatives into one constant. */
+#define BRRR_JIT_RUN_UNROLL 64
+
+/* The number of steps from step s on that are the same step as s (op and scalar); tensor and
+ * trig steps are runs of their own. */
+static int run_length(const brrr_chain_steps *p, int s) {
+    const brrr_chain_step *a = &p->steps[s];
+    if (is_trig(a->op) || a->op == BRRR_OP_ADD_TENSOR || a->op == BRRR_OP_MUL_TENSOR) return 1;
+    int e = s + 1;
+    while (e < p->n_steps && p->steps[e].op == a->op && memcmp(&p->steps[e].scalar, &a->scalar, sizeof a->scalar) == 0) e++;
+    return e - s;
+}
+
+/* Whether kernel k rolls the run starting at step s into a loop (BRRR_JIT_RUN_UNROLL). */
+static int rolled(const brrr_chain_kernel *k, const brrr_chain_steps *p, int s) {
+    return !k->backward && run_length(p, s) > BRRR_JIT_RUN_UNROLL;
+}
+
+/* Whether kernel k of the chain gets the pack function (put_element_functions): an inlined chain
+ * with a trig step, or one whose forward rolls a run (the loop then runs over all the thread's
+ * values at once, keeping their multiplies independent). Other chains gain nothing from it
+ * (their inlined copies share one basic block, and its constants, already), and NVRTC folds them
+ * faster as element functions: the backward of 256 multiplies by a scalar, a constant derivative,
+ * compiled in 0.05 s as one, 0.14 s as a pack. */
+static int packed(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+    int trig = 0, runs = 0;
+    for (int s = 0; s < p->n_steps; s += run_length(p, s)) trig |= is_trig(p->steps[s].op), runs |= rolled(k, p, s);
+    return (trig || runs) && inlined(p);
 }
 
 /* The 16-byte packs a thread of a contiguous kernel owns: 2 (the bytes in flight that keep HBM busy
@@ -189,7 +215,7 @@ static int packs_per_thread(const brrr_chain_kernel *k, const brrr_chain_steps *
 static const char *direction(const brrr_chain_kernel *k) { return k->backward ? "bwd" : "fwd"; }
 static const char *kernel_name(const brrr_chain_kernel *k) { return k->backward ? "brrr_chain_bwd" : "brrr_chain_fwd"; }
 
-/* Whether forward kernel k is built with its backward when the chain's backward is wanted: a
+/* Whether forward kernel k is built along with its backward when the chain's backward is wanted: a
  * contiguous one without vector operands, whose backward (dense tensors as fresh as autograd's,
  * every operand's gradient) is contiguous too. A vector operand's gradient takes the row layout,
  * whose kernels are precompiled up to 16 steps. */
@@ -197,7 +223,7 @@ static int pairs_with_backward(const brrr_chain_kernel *k) {
     return !k->backward && k->layout == BRRR_JIT_CONTIGUOUS && !k->vector_mask;
 }
 
-/* The backward built with forward kernel k (pairs_with_backward). */
+/* The backward built along with forward kernel k (pairs_with_backward). */
 static brrr_chain_kernel backward_of(const brrr_chain_kernel *k, int n_operands) {
     brrr_chain_kernel b = *k;
     b.backward = 1;
@@ -291,7 +317,7 @@ static void put_parameters(text *t, const brrr_chain_kernel *k, int nops, int pa
  * fast path (which kept the compiler from sharing the polynomials' constants across values:
  * cos.cos in float32 went from about 33 instructions a cos to 21). */
 static void put_element_functions(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
-    const int nops = p->n_operands, pack = packed(p);
+    const int nops = p->n_operands, pack = packed(k, p);
     const char *name = direction(k);
     int active = 0;
     if (pack) {
@@ -326,8 +352,17 @@ static void put_element_functions(text *t, const brrr_chain_kernel *k, const brr
                 s++;
                 continue;
             }
-            int end = s, uses_d = 0; /* the run of steps up to the next trig step; whether one has a derivative */
-            for (; end < p->n_steps && !is_trig(p->steps[end].op); end++)
+            if (rolled(k, p, s)) {
+                const int loops = run_length(p, s) / BRRR_JIT_RUN_UNROLL;
+                put(t, "#pragma unroll 1\n    for (int r = 0; r < %d; ++r) {\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n", loops);
+                for (int i = 0; i < BRRR_JIT_RUN_UNROLL; i++) put_step(t, k, &p->steps[s], nops, "[j]", TRIG_INLINE, &active);
+                put(t, "    }\n    }\n");
+                s += loops * BRRR_JIT_RUN_UNROLL;
+                continue;
+            }
+            /* The steps up to the next trig step or rolled run; whether one has a derivative. */
+            int end = s, uses_d = 0;
+            for (; end < p->n_steps && !is_trig(p->steps[end].op) && !rolled(k, p, end); end++)
                 uses_d |= p->steps[end].op != BRRR_OP_ADD_TENSOR && p->steps[end].op != BRRR_OP_ADD_SCALAR;
             put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n%s", k->backward && uses_d ? "    A d;\n" : "");
             for (; s < end; s++) put_step(t, k, &p->steps[s], nops, "[j]", TRIG_INLINE, &active);
@@ -399,7 +434,7 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
         put(t, "        ld_pack(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC);\n", b,
             is_vector(k, b) ? "(p * VEC) % a.row_length" : "p * VEC", b);
     put(t, "    }\n");
-    if (packed(p)) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
+    if (packed(k, p)) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
         put(t, "    chain_%s_n(y", direction(k));
         for (int b = 0; b < nops; b++) put(t, ", v%d", b);
         if (k->backward) put(t, ", t");
@@ -558,11 +593,8 @@ static void put_rows_kernel(text *t, const brrr_chain_kernel *k, int nops) {
     put(t, "}\n");
 }
 
-/* The whole source of a program of n kernels ks (1, or a chain's forward and backward: one NVRTC
- * compile, NVRTC's fixed cost and the large-argument trig function paid once) for steps p, all of
- * one dtype; NULL when out of memory. */
-static char *chain_source(const brrr_chain_kernel *ks, int n, const brrr_chain_steps *p) {
-    const brrr_chain_kernel *k = &ks[0];
+/* The whole source of kernel k's program for steps p; NULL when out of memory. */
+static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
     text t = {NULL, 0, 0, 0};
     const char *storage, *compute, *math, *ld, *st;
     int math_id = 1; /* chain_math.cuh's BRRR_CHAIN_MATH for M */
@@ -585,11 +617,8 @@ static char *chain_source(const brrr_chain_kernel *ks, int n, const brrr_chain_s
         break;
     }
     static const char *const LAYOUT[] = {"contiguous", "strided", "rows"};
-    put(&t, "// brrr chain, %s, %d steps:", brrr_dtype_name(k->dtype), (int)p->n_steps);
-    for (int i = 0; i < n; i++)
-        put(&t, "%s %s %s over %d dims", i ? "," : "", ks[i].backward ? "backward" : "forward", LAYOUT[ks[i].layout],
-            ks[i].ndim);
-    put(&t, ".\n");
+    put(&t, "// brrr chain, %s, %d steps: %s %s over %d dims.\n", brrr_dtype_name(k->dtype), (int)p->n_steps,
+        k->backward ? "backward" : "forward", LAYOUT[k->layout], k->ndim);
     put(&t, "#define BRRR_LARGE_TRIG __noinline__\n#define BRRR_CHAIN_MATH %d\n#include \"chain_math.cuh\"\n\n"
             "typedef %s T; // storage\n"
             "typedef %s A; // compute\n"
@@ -610,14 +639,10 @@ static char *chain_source(const brrr_chain_kernel *ks, int n, const brrr_chain_s
             "    asm volatile(\"{\\n\\t.reg .pred p;\\n\\tsetp.ne.b32 p, %%5, 0;\\n\\t@p st.global.v4.b32 [%%0], {%%1, %%2, %%3, %%4};\\n\\t}\"\n"
             "                 :: \"l\"(p), \"r\"(w[0]), \"r\"(w[1]), \"r\"(w[2]), \"r\"(w[3]), \"r\"((int)ok) : \"memory\");\n}\n\n",
         math_id, storage, compute, math, ld, st);
-    for (int i = 0; i < n; i++) {
-        k = &ks[i];
-        put(&t, "// The %s: its element functions and its kernel.\n", k->backward ? "backward" : "forward");
-        put_element_functions(&t, k, p);
-        if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p);
-        else if (k->layout == BRRR_JIT_STRIDED) put_strided_kernel(&t, k, p->n_operands);
-        else put_rows_kernel(&t, k, p->n_operands);
-    }
+    put_element_functions(&t, k, p);
+    if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p);
+    else if (k->layout == BRRR_JIT_STRIDED) put_strided_kernel(&t, k, p->n_operands);
+    else put_rows_kernel(&t, k, p->n_operands);
     return t.data;
 }
 
@@ -631,7 +656,7 @@ typedef int (*nvrtc_get_fn)(void *, char *);
 typedef int (*nvrtc_version_fn)(int *, int *);
 typedef const char *(*nvrtc_error_fn)(int);
 
-/* Loaded once, under compile_lock (nvrtc_open). */
+/* Loaded once, under nvrtc_lock (nvrtc_open); read-only from then on. */
 static struct {
     int state; /* 0: not tried, 1: loaded, -1: not available */
     char path[PATH_MAX];
@@ -737,10 +762,10 @@ static int nvrtc_prepare(void) {
     return 0;
 }
 
-/* 0 when NVRTC is loaded; -1 with the reason in nvrtc.error. Tried once; call under
- * compile_lock, after nvrtc_prepare. */
-static int nvrtc_open(void) {
-    if (nvrtc.state) return nvrtc.state > 0 ? 0 : -1;
+static pthread_mutex_t nvrtc_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* nvrtc_open's search, under nvrtc_lock. */
+static int nvrtc_find(void) {
     nvrtc.state = -1;
     snprintf(nvrtc.error, sizeof nvrtc.error, "libnvrtc.so.13 or .12 not found");
     const char *forced = getenv("BRRR_NVRTC");
@@ -761,6 +786,15 @@ static int nvrtc_open(void) {
     for (const char *dir = wheel_dirs; dir && *dir; dir += strlen(dir) + 1)
         if (nvrtc_try_dir(dir) == 0) return nvrtc.state = 1, 0;
     return -1;
+}
+
+/* 0 when NVRTC is loaded; -1 with the reason in nvrtc.error. Tried once; call after
+ * nvrtc_prepare. The two threads that build a forward and its backward may both call it. */
+static int nvrtc_open(void) {
+    pthread_mutex_lock(&nvrtc_lock);
+    const int rc = nvrtc.state ? (nvrtc.state > 0 ? 0 : -1) : nvrtc_find();
+    pthread_mutex_unlock(&nvrtc_lock);
+    return rc;
 }
 
 /* Compile source for sm_<arch> into a cubin (malloc'd). On failure, -1 with the reason (and the
@@ -912,14 +946,24 @@ static struct {
 } stats;
 static pthread_mutex_t compile_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* The cubin of the program of n kernels ks (chain_source) for steps p on sm_<arch>: from the disk
- * cache unless skip_disk, else compiled and stored. On failure NULL with a malloc'd *error
- * (*missing: for want of NVRTC). Call under compile_lock, without the GIL, after nvrtc_prepare. */
-static char *chain_cubin(const brrr_chain_kernel *ks, int n, const brrr_chain_steps *p, int arch, int skip_disk,
-                         size_t *size, int *origin, char **source_out, char **error, int *missing) {
-    *error = NULL;
-    *missing = 0;
-    char *source = chain_source(ks, n, p), *identity = source ? kernel_identity(source, arch) : NULL, *image = NULL;
+/* One kernel's program to build: its cubin (malloc'd; NULL on failure, with a malloc'd error and
+ * missing set when for want of NVRTC), where it came from, and with want_source its source. */
+typedef struct {
+    brrr_chain_kernel k;
+    const brrr_chain_steps *p;
+    int arch, skip_disk, want_source;
+    char *image, *source, *error;
+    size_t size;
+    int origin, missing;
+} build;
+
+/* Build b: the cubin of kernel b->k (chain_source) for steps b->p on sm_<arch>, from the disk
+ * cache unless skip_disk, else compiled and stored. Thread-safe; call without the GIL, after
+ * nvrtc_prepare. */
+static void build_run(build *b) {
+    b->image = b->source = b->error = NULL;
+    b->missing = 0;
+    char *source = chain_source(&b->k, b->p), *identity = source ? kernel_identity(source, b->arch) : NULL;
     char dir[PATH_MAX], path[PATH_MAX + 64];
     const int have_dir = identity && cache_dir(dir, sizeof dir);
     text t = {NULL, 0, 0, 0};
@@ -927,21 +971,45 @@ static char *chain_cubin(const brrr_chain_kernel *ks, int n, const brrr_chain_st
         put(&t, "out of memory generating a chain kernel");
     } else {
         if (have_dir) cache_file_name(dir, identity, path, sizeof path);
-        if (have_dir && !skip_disk && (image = cache_read(path, identity, size)) != NULL) {
-            *origin = ORIGIN_DISK;
+        if (have_dir && !b->skip_disk && (b->image = cache_read(path, identity, &b->size)) != NULL) {
+            b->origin = ORIGIN_DISK;
         } else if (nvrtc_open() != 0) {
             put(&t, "%s", nvrtc.error);
-            *missing = 1;
-        } else if (nvrtc_compile(source, arch, &image, size, error) == 0) {
-            *origin = ORIGIN_COMPILED;
-            if (have_dir) cache_write(dir, path, identity, image, *size);
+            b->missing = 1;
+        } else if (nvrtc_compile(source, b->arch, &b->image, &b->size, &b->error) == 0) {
+            b->origin = ORIGIN_COMPILED;
+            if (have_dir) cache_write(dir, path, identity, b->image, b->size);
         }
     }
-    if (t.data) *error = t.data;
+    if (t.data) b->error = t.data;
     free(identity);
-    if (source_out) *source_out = source;
+    if (b->want_source) b->source = source;
     else free(source);
-    return image;
+}
+
+static void *build_thread(void *b) {
+    build_run(b);
+    return NULL;
+}
+
+/* Build bs[0] and, when n is 2, bs[1] on a thread of its own meanwhile (a forward and its
+ * backward: NVRTC compiles programs in parallel, so the pair takes the longer of the two, not the
+ * sum); in turn when no thread can be started. */
+static void build_all(build *bs, int n) {
+    /* NVRTC's compiler recurses deeply on long unrolled chains: the thread gets a main thread's
+     * usual 8 MiB of stack, whatever the default for new threads (2 MiB where RLIMIT_STACK is
+     * unlimited). */
+    pthread_attr_t attr;
+    pthread_t thread;
+    int threaded = 0;
+    if (n == 2 && pthread_attr_init(&attr) == 0) {
+        threaded = pthread_attr_setstacksize(&attr, (size_t)8 << 20) == 0 &&
+                   pthread_create(&thread, &attr, build_thread, &bs[1]) == 0;
+        pthread_attr_destroy(&attr);
+    }
+    build_run(&bs[0]);
+    if (threaded) pthread_join(thread, NULL);
+    else if (n == 2) build_run(&bs[1]);
 }
 
 /* ---- the kernels of this process -------------------------------------------------------------- */
@@ -1058,10 +1126,35 @@ static int backward_wanted(const brrr_chain_steps *p) {
     return wanted;
 }
 
+/* Load b's cubin and free it: the kernel, or NULL with the reason in b->error. A cached cubin
+ * that this driver refuses is compiled again. Counts the kernel in stats. Under compile_lock. */
+static void *load(build *b) {
+    const char *name = kernel_name(&b->k);
+    void *kernel = NULL;
+    int err = b->image ? brrr_cuda_library_load(b->image, 1, &name, &kernel) : 0;
+    if (err && b->origin == ORIGIN_DISK) {
+        free(b->image);
+        b->skip_disk = 1;
+        build_run(b);
+        err = b->image ? brrr_cuda_library_load(b->image, 1, &name, &kernel) : 0;
+    }
+    if (err) {
+        text t = {NULL, 0, 0, 0};
+        put(&t, "loading a compiled chain kernel: CUDA error %d (%s)", err, brrr_cuda_error_string(err));
+        free(b->error);
+        b->error = t.data;
+    }
+    if (!b->image || err) kernel = NULL;
+    if (kernel) ++*(b->origin == ORIGIN_DISK ? &stats.from_disk : &stats.compiled);
+    free(b->image);
+    b->image = NULL;
+    return kernel;
+}
+
 /* The loaded kernel for (k, arch, p), building it if need be: 1 found (*kernel NULL when it
  * failed to build, with the reason in *error the first time, *missing when for want of NVRTC),
  * 0 when it is not built and the stream is capturing, -1 with a Python exception. Builds without
- * the GIL. A contiguous forward of a chain whose backward is wanted is built in one program with
+ * the GIL. A contiguous forward of a chain whose backward is wanted is built at the same time as
  * that backward (of every operand's gradient), unless the backward is loaded already. */
 static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_steps *p, void *stream, void **kernel,
                        char **error, int *missing) {
@@ -1098,31 +1191,19 @@ static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_st
     if (e == NULL) {
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        size_t size = 0;
-        int origin = ORIGIN_COMPILED;
-        const char *names[2] = {kernel_name(&ks[0]), kernel_name(&ks[1])};
+        build bs[2];
         void *kernels[2] = {NULL, NULL};
-        char *image = chain_cubin(ks, n, p, arch, 0, &size, &origin, NULL, error, missing);
-        int err = image ? brrr_cuda_library_load(image, n, names, kernels) : 0;
-        if (err && origin == ORIGIN_DISK) { /* a cached cubin this driver refuses: compile it again */
-            free(image);
-            image = chain_cubin(ks, n, p, arch, 1, &size, &origin, NULL, error, missing);
-            err = image ? brrr_cuda_library_load(image, n, names, kernels) : 0;
-        }
-        if (err) {
-            text t = {NULL, 0, 0, 0};
-            put(&t, "loading a compiled chain kernel: CUDA error %d (%s)", err, brrr_cuda_error_string(err));
-            *error = t.data;
-        }
-        *kernel = image && !err ? kernels[0] : NULL;
-        free(image);
+        for (int i = 0; i < n; i++) bs[i] = (build){.k = ks[i], .p = p, .arch = arch};
+        build_all(bs, n);
+        for (int i = 0; i < n; i++) kernels[i] = load(&bs[i]);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         stats.last_seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-        if (*kernel) ++*(origin == ORIGIN_DISK ? &stats.from_disk : &stats.compiled);
+        *kernel = kernels[0], *error = bs[0].error, *missing = bs[0].missing;
+        if (n == 2) free(bs[1].error);
         pthread_mutex_lock(&table_lock);
         if (table_add(&table, key, len, hash, *kernel, *missing) == 0) key = NULL;
-        /* When the program failed, its backward is left out: built alone when it is needed, it says why. */
-        if (n == 2 && *kernel && table_add(&table, pair_key, pair_len, pair_hash, kernels[1], 0) == 0) pair_key = NULL;
+        /* A backward that failed is left out: built alone when it is needed, it says why. */
+        if (n == 2 && kernels[1] && table_add(&table, pair_key, pair_len, pair_hash, kernels[1], 0) == 0) pair_key = NULL;
         pthread_mutex_unlock(&table_lock);
     }
     pthread_mutex_unlock(&compile_lock);
@@ -1221,8 +1302,9 @@ static int parse_dtype(const char *name, int32_t *dtype) {
 /* chain_jit_compile(steps, dtype, backward=False, layout="contiguous", ndim=1, vector_mask=0,
  * grad_mask=0, arch=90, index32=False, with_backward=False) -> (source, cubin, origin): what a
  * CUDA call would compile, through the disk cache (origin "disk" or "compiled"), without a GPU;
- * with_backward: a forward in one program with its backward, as a chain whose backward is wanted
- * gets it. For tests. */
+ * with_backward: the forward's backward (of every operand's gradient) built at the same time on a
+ * second thread, as a chain whose backward is wanted gets it (the result is the forward's). For
+ * tests and the first-call benchmark. */
 PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *kwargs) {
     (void)module;
     static char *keywords[] = {"steps", "dtype", "backward", "layout", "ndim", "vector_mask", "grad_mask", "arch", "index32",
@@ -1261,33 +1343,39 @@ PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *
                                           "is built with its backward");
         return NULL;
     }
-    const brrr_chain_kernel ks[2] = {k, backward_of(&k, p.n_operands)};
     if (nvrtc_prepare() < 0) {
         PyMem_Free(p.steps);
         return NULL;
     }
-    size_t size = 0;
-    int origin = ORIGIN_COMPILED, missing;
-    char *source = NULL, *error = NULL, *image;
+    const int n = 1 + with_backward;
+    build bs[2] = {{.k = k, .p = &p, .arch = arch, .want_source = 1}, {.k = backward_of(&k, p.n_operands), .p = &p, .arch = arch}};
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&compile_lock);
-    image = chain_cubin(ks, 1 + with_backward, &p, arch, 0, &size, &origin, &source, &error, &missing);
-    if (image) ++*(origin == ORIGIN_DISK ? &stats.from_disk : &stats.compiled);
+    build_all(bs, n);
+    for (int i = 0; i < n; i++)
+        if (bs[i].image) ++*(bs[i].origin == ORIGIN_DISK ? &stats.from_disk : &stats.compiled);
     pthread_mutex_unlock(&compile_lock);
     Py_END_ALLOW_THREADS
     PyMem_Free(p.steps);
     PyObject *result = NULL;
-    if (image) result = Py_BuildValue("(sy#s)", source, image, (Py_ssize_t)size, origin == ORIGIN_DISK ? "disk" : "compiled");
-    else PyErr_Format(PyExc_RuntimeError, "%s%s", missing ? "NVRTC not available: " : "", error ? error : "out of memory");
-    free(source);
-    free(image);
-    free(error);
+    const build *failed = !bs[0].image ? &bs[0] : n == 2 && !bs[1].image ? &bs[1] : NULL;
+    if (failed)
+        PyErr_Format(PyExc_RuntimeError, "%s%s", failed->missing ? "NVRTC not available: " : "",
+                     failed->error ? failed->error : "out of memory");
+    else
+        result = Py_BuildValue("(sy#s)", bs[0].source, bs[0].image, (Py_ssize_t)bs[0].size,
+                               bs[0].origin == ORIGIN_DISK ? "disk" : "compiled");
+    for (int i = 0; i < n; i++) {
+        free(bs[i].source);
+        free(bs[i].image);
+        free(bs[i].error);
+    }
     return result;
 }
 
 /* chain_jit_with_backward(program): the chain's backward is wanted (autograd records it), so the
- * forward kernels it needs from now on are compiled in one program with their backward: one
- * NVRTC compile where a forward and a backward took two. */
+ * forward kernels it needs from now on are built at the same time as their backward, on two
+ * threads: the first call waits for the longer compile, not for both in turn. */
 PyObject *brrr_py_chain_jit_with_backward(PyObject *module, PyObject *program) {
     (void)module;
     brrr_chain_steps p;

@@ -84,8 +84,8 @@ def test_packed_chains_with_operands_compile(cache_dir, dtype):
 
 @needs_nvrtc
 def test_the_source_is_specialised(cache_dir):
-    source, _, _ = _C.chain_jit_compile([("mul", 1.0001)] * 256, "float32")
-    assert source.count("y = y * (A)0x1.00068db8bac71p+0;") == 256  # unrolled, the scalar an immediate
+    source, _, _ = _C.chain_jit_compile([("mul", 1.0001)] * 64, "float32")
+    assert source.count("y = y * (A)0x1.00068db8bac71p+0;") == 64  # unrolled, the scalar an immediate
     source, _, _ = _C.chain_jit_compile(MIXED, "bfloat16", backward=True, grad_mask=3, vector_mask=1, layout="rows", ndim=3)
     assert "M::gelu_fwd_grad(y, &d)" in source and "M::pow_fwd_grad(y, (A)0x1.8p+1, &d)" in source
     assert "L.partials" in source and "__shared__" in source
@@ -102,6 +102,27 @@ def test_the_source_is_specialised(cache_dir):
     assert "constexpr int U = 1," in _C.chain_jit_compile([("mul", 1.0001)] * 65, "bfloat16", backward=True)[0]
     heavy = [s for s in MIXED if s not in ("add_tensor", "mul_tensor")] * 20
     assert "constexpr int U = 2," in _C.chain_jit_compile(heavy, "bfloat16")[0]  # called, not inlined
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_a_forward_rolls_runs_of_more_than_64_identical_steps(cache_dir, dtype):
+    """Into loops of 64 unrolled steps over all the thread's values; shorter runs, other steps and
+    backward kernels (whose constant derivatives fold) stay unrolled."""
+    step = "y[j] = y[j] * (A)0x1.00068db8bac71p+0;"
+    source = _C.chain_jit_compile([("mul", 1.0001)] * 256, dtype)[0]
+    assert source.count("#pragma unroll 1\n    for (int r = 0; r < 4; ++r)") == 1 and source.count(step) == 64
+    steps = [("mul", 1.0001)] * 130 + ["relu"] + [("add", 0.5)] * 64 + [("add", 0.25)] * 65 + ["sin"]
+    source = _C.chain_jit_compile(steps, dtype)[0]
+    assert "for (int r = 0; r < 2; ++r)" in source and source.count(step) == 64 + 2  # 2 loops of 64, then 2
+    assert "for (int r = 0; r < 1; ++r)" in source and source.count("y[j] = y[j] + (A)0x1p-2;") == 64 + 1
+    assert source.count("y[j] = y[j] + (A)0x1p-1;") == 64 and source.count("#pragma unroll 1") == 2
+    for layout, ndim in (("contiguous", 1), ("strided", 2)):
+        source = _C.chain_jit_compile(steps, dtype, backward=True, layout=layout, ndim=ndim)[0]
+        assert "#pragma unroll 1" not in source and source.count("d = (A)0x1.00068db8bac71p+0;") == 130
+    assert "#pragma unroll 1" not in _C.chain_jit_compile([("mul", 1.0001)] * 64 + [("mul", 1.0002)] * 64, dtype)[0]
+    assert "for (int r = 0; r < 1; ++r)" in _C.chain_jit_compile(["relu"] * 65, dtype)[0]  # a function's run too
+    assert "#pragma unroll 1" not in _C.chain_jit_compile(["tanh"] * 65, dtype)[0]  # called, not inlined
 
 
 @needs_nvrtc
@@ -141,34 +162,56 @@ def test_a_corrupted_cache_file_is_rebuilt(cache_dir):
 
 @needs_nvrtc
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_forward_and_its_backward_are_one_program(cache_dir, dtype):
-    """A chain whose backward is wanted compiles its forward and backward in one NVRTC program: one
-    cache file holding both kernels, each the kernel it would be alone."""
+def test_a_forward_and_its_backward_build_at_once(cache_dir, dtype):
+    """A chain whose backward is wanted builds its forward and its backward (every operand's
+    gradient) at once, on two threads: two programs, each the one it would be alone, so a backward
+    built with its forward serves a backward needed alone, and the other way round."""
     steps = ["cos", ("mul", 1.75), "mul_tensor", "sin"]
+    before = _C.chain_jit_info()["compiled"]
     source, cubin, origin = _C.chain_jit_compile(steps, dtype, with_backward=True)
-    assert origin == "compiled" and cubin[:4] == b"\x7fELF"
-    assert b"brrr_chain_fwd" in cubin and b"brrr_chain_bwd" in cubin
-    assert len(os.listdir(cache_dir)) == 1
+    assert origin == "compiled" and cubin[:4] == b"\x7fELF" and b"brrr_chain_fwd" in cubin
+    assert b"brrr_chain_bwd" not in cubin
+    assert _C.chain_jit_info()["compiled"] == before + 2 and len(os.listdir(cache_dir)) == 2
+    assert _C.chain_jit_compile(steps, dtype) == (source, cubin, "disk")
+    backward_source, backward_cubin, origin = _C.chain_jit_compile(steps, dtype, backward=True, grad_mask=1)
+    assert origin == "disk" and b"brrr_chain_bwd" in backward_cubin and backward_source != source
+    assert _C.chain_jit_info()["compiled"] == before + 2 and len(os.listdir(cache_dir)) == 2
     assert _C.chain_jit_compile(steps, dtype, with_backward=True)[2] == "disk"
-    # The forward, and the backward of every operand's gradient, as compiled alone.
-    alone = [_C.chain_jit_compile(steps, dtype), _C.chain_jit_compile(steps, dtype, backward=True, grad_mask=1)]
-    for (text, cubin_alone, _), name in zip(alone, (b"brrr_chain_fwd", b"brrr_chain_bwd")):
-        preamble, functions_and_kernel = text.split("// The ", 1)
-        assert "// The " + functions_and_kernel in source and source.count(preamble.split("\n", 1)[1]) == 1
-        assert name in cubin_alone
-    assert len(os.listdir(cache_dir)) == 3  # three programs, three files
+    # A backward of fewer gradients is another program.
+    assert _C.chain_jit_compile(steps, dtype, backward=True)[2] == "compiled"
 
 
 @needs_nvrtc
-def test_a_forward_and_backward_program_corrupted_on_disk_is_rebuilt(cache_dir):
+def test_a_backward_built_alone_serves_a_forward_built_with_its_backward(cache_dir):
+    steps = ["tanh", ("pow", 3.0), "add_tensor"]
+    _C.chain_jit_compile(steps, "float16", backward=True, grad_mask=1)
+    before = _C.chain_jit_info()["compiled"]
+    assert _C.chain_jit_compile(steps, "float16", with_backward=True)[2] == "compiled"
+    assert _C.chain_jit_info()["compiled"] == before + 1  # the forward; the backward came from disk
+    assert len(os.listdir(cache_dir)) == 2
+
+
+@needs_nvrtc
+def test_a_forward_and_backward_corrupted_on_disk_are_rebuilt(cache_dir):
     steps = ["sin", "softplus"]
     _, cubin, _ = _C.chain_jit_compile(steps, "float32", with_backward=True)
-    (path,) = cache_dir.iterdir()
-    good = path.read_bytes()
-    for damage in (lambda b: b[:-1] + bytes([b[-1] ^ 1]), lambda b: b[: len(b) // 3], lambda b: b"BRRRJIT1"):
-        path.write_bytes(damage(good))
-        _, rebuilt, origin = _C.chain_jit_compile(steps, "float32", with_backward=True)
-        assert origin == "compiled" and rebuilt == cubin and path.read_bytes() == good
+    files = sorted(cache_dir.iterdir())
+    good = {path: path.read_bytes() for path in files}
+    assert len(files) == 2
+    for path in files:
+        for damage in (lambda b: b[:-1] + bytes([b[-1] ^ 1]), lambda b: b[: len(b) // 3], lambda b: b"BRRRJIT1"):
+            path.write_bytes(damage(good[path]))
+            before = _C.chain_jit_info()["compiled"]
+            _, rebuilt, _ = _C.chain_jit_compile(steps, "float32", with_backward=True)
+            assert rebuilt == cubin and _C.chain_jit_info()["compiled"] == before + 1  # the damaged one alone
+            assert {p: p.read_bytes() for p in cache_dir.iterdir()} == good
+
+
+def test_with_backward_without_nvrtc_says_why(tmp_path):
+    code = "from brrr import _C; _C.chain_jit_compile(['cos'], 'float32', with_backward=True)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "BRRR_NVRTC": "none", "BRRR_CACHE_DIR": str(tmp_path)})
+    assert result.returncode != 0 and "NVRTC not available: BRRR_NVRTC=none" in result.stderr
 
 
 def test_with_backward_arguments_are_checked():
@@ -332,6 +375,26 @@ def test_long_inlined_chains_one_pack_a_thread_against_float64(dtype, n):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [4099, 1 << 16, 5])
+def test_rolled_runs_against_float64(dtype, n):
+    """Forward kernels roll runs of more than 64 identical steps into loops (the backward keeps
+    them unrolled): both against float64, on all the values of a thread and the tail's."""
+    steps = [("mul", 1.001)] * 130 + ["relu"] + [("add", 0.001)] * 65 + ["sin"] + [("mul", 0.999)] * 200
+    x = random((n,), dtype, "cuda", -2.0, 2.0)
+    g = random((n,), dtype, "cuda")
+    got = _fwd_bwd(steps, x, [], g)
+    want, (want_grad,) = reference_grads(steps, x, [], g)
+    assert_close(got[0], want, dtype, scale=8.0)
+    assert_close(got[1], want_grad, dtype, scale=8.0)
+    x64 = random((1 << 12,), torch.float32, "cuda")  # one rounded multiply a step, as torch's own
+    want = x64.clone()
+    for _ in range(300):
+        want = want * 1.001
+    torch.testing.assert_close(brrr.chain(*[("mul", 1.001)] * 300)(x64), want, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
 def test_first_call_compiles_then_the_memory_cache_answers(tmp_path, monkeypatch):
     monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
     x = torch.randn(1 << 20, device="cuda")
@@ -375,16 +438,16 @@ def test_a_chain_that_autograd_records_compiles_forward_and_backward_once(tmp_pa
     before = _C.chain_jit_info()["compiled"]
     y = chain(x)
     y.backward(grad)
-    assert _C.chain_jit_info()["compiled"] == before + 1  # one program, both kernels
+    assert _C.chain_jit_info()["compiled"] == before + 2  # forward and backward, built at once
     _check_grad(chain, x, y, grad)
-    assert len(os.listdir(tmp_path)) == 1
+    assert len(os.listdir(tmp_path)) == 2
     code = ("import json, torch, brrr; from brrr import _C; "
             f"x = torch.randn(4099, device='cuda', requires_grad=True); y = brrr.chain(*{list(chain.steps)!r})(x); "
             "y.backward(torch.ones_like(y)); info = _C.chain_jit_info(); print(json.dumps([info['compiled'], info['from_disk']]))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "BRRR_CACHE_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "[0, 1]"  # the next process reads the one program from disk
+    assert result.stdout.strip().splitlines()[-1] == "[0, 2]"  # the next process reads both from disk
 
 
 @pytest.mark.cuda
