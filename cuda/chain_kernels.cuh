@@ -503,7 +503,7 @@ __device__ __forceinline__ void row_operands(const brrr_chain_launch &L, const P
 // (BRRR_CHAIN_ROWS_PROGRAM). The interpreter dispatches every step of every row through a jump
 // table over all ops, and in half storage the loop is issue-bound, not memory-bound (bfloat16
 // bias_gelu forward, sm_90 SASS: gelu takes 18 instructions an element, the row's addresses,
-// staging and store about 12 more). kBiasAct: act(x + b); kActMul: act(x) * up. Fixed, the same
+// staging and store about 13 more). kBiasAct: act(x + b); kActMul: act(x) * up. Fixed, the same
 // arithmetic in the same order as the interpreter (so the same bits), except kGeluLean's gelu.
 enum RowForm { kInterpreted, kBiasAct, kActMul };
 
