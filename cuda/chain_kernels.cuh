@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "brrr_cuda.h"
 #include "chain_math.cuh"
 #include "common.cuh"
@@ -257,16 +259,22 @@ __global__ void __launch_bounds__(kThreads, contig_blocks_per_sm(kOps)) chain_bw
 // Llama step's SwiGLU (bf16 16384 x 2816, H200) the backward ran at 58% of the floor and the
 // forward at about 60%. Same arithmetic, in the same order, as the generic kernels:
 // out = act(x) * up, grad_x = (act'(x) * up) * g, grad_up = act(x) * g.
+// kGeluLean: gelu (erf form) through fast_gelu (elementary.cuh) in half-precision storage, the
+// same function with its constants folded and one exp shared by the value and the derivative
+// (the row kernels' BRRR_CHAIN_ROWS_PROGRAM=lean); the step math in float32 and float64.
+constexpr int kGeluLean = -2;
 template <int kAct, typename M, typename A>
 __device__ __forceinline__ A glu_act(A x) {
     if constexpr (kAct == BRRR_OP_SILU) return M::silu_fwd(x);
-    else if constexpr (kAct == BRRR_OP_GELU) return M::gelu_fwd(x);
+    else if constexpr (kAct == kGeluLean && std::is_same<M, Fast32>::value) return fast_gelu(x);
+    else if constexpr (kAct == BRRR_OP_GELU || kAct == kGeluLean) return M::gelu_fwd(x);
     else return M::gelu_tanh_fwd(x);
 }
 template <int kAct, typename M, typename A>
 __device__ __forceinline__ A glu_act_grad(A x, A *d) {
     if constexpr (kAct == BRRR_OP_SILU) return M::silu_fwd_grad(x, d);
-    else if constexpr (kAct == BRRR_OP_GELU) return M::gelu_fwd_grad(x, d);
+    else if constexpr (kAct == kGeluLean && std::is_same<M, Fast32>::value) return fast_gelu_grad(x, d);
+    else if constexpr (kAct == BRRR_OP_GELU || kAct == kGeluLean) return M::gelu_fwd_grad(x, d);
     else return M::gelu_tanh_fwd_grad(x, d);
 }
 
@@ -490,8 +498,51 @@ __device__ __forceinline__ void row_operands(const brrr_chain_launch &L, const P
     }
 }
 
+// The row kernels' program: interpreted step by step, or one of the two programs of one operand
+// that bias+activation and the GLUs on a row's halves run, fixed at compile time
+// (BRRR_CHAIN_ROWS_PROGRAM). The interpreter dispatches every step of every row through a jump
+// table over all ops, and in half storage the loop is issue-bound, not memory-bound (bfloat16
+// bias_gelu forward, sm_90 SASS: gelu takes 18 instructions an element, the row's addresses,
+// staging and store about 13 more). kBiasAct: act(x + b); kActMul: act(x) * up. Fixed, the same
+// arithmetic in the same order as the interpreter (so the same bits), except kGeluLean's gelu.
+enum RowForm { kInterpreted, kBiasAct, kActMul };
+
+template <int kForm, int kAct, typename M, int kOps, int VEC, int kSlots, typename A>
+__device__ __forceinline__ void row_fwd_pack(const brrr_chain_program &p, A (&y)[VEC], const A (&v)[kSlots][VEC]) {
+    if constexpr (kForm == kInterpreted) {
+        program_fwd_pack<M, kOps>(p, y, v);
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) y[j] = kForm == kBiasAct ? glu_act<kAct, M>(y[j] + v[0][j]) : glu_act<kAct, M>(y[j]) * v[0][j];
+    }
+}
+
+// dx = d out / dx and d_operand = d out / d operand, as program_grad_pack returns them: for
+// act(x + b) both act'(x + b) (the interpreter's 1 * act'), for act(x) * up act'(x) * up and act(x).
+template <int kForm, int kAct, typename M, int VEC, int kSlots, typename A>
+__device__ __forceinline__ void row_grad_pack(const brrr_chain_program &p, A (&y)[VEC], const A (&v)[kSlots][VEC], A (&dx)[VEC],
+                                              A (&d_operand)[kSlots][VEC]) {
+    static_assert(kForm == kInterpreted || kSlots == 1, "fixed row programs take one operand");
+    if constexpr (kForm == kInterpreted) {
+        program_grad_pack<M>(p, y, v, dx, d_operand);
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            A d;
+            if constexpr (kForm == kBiasAct) {
+                glu_act_grad<kAct, M>(y[j] + v[0][j], &d);
+                dx[j] = d;
+                d_operand[0][j] = d;
+            } else {
+                d_operand[0][j] = glu_act_grad<kAct, M>(y[j], &d);
+                dx[j] = d * v[0][j];
+            }
+        }
+    }
+}
+
 // Row layout, forward: rows with arbitrary strides, columns with stride 1 (VEC > 1) or any.
-template <typename T, int VEC, int kOps>
+template <typename T, int VEC, int kOps, int kForm, int kAct>
 __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_fwd_rows_kernel(const __grid_constant__ brrr_chain_launch L, bool whole) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
@@ -514,7 +565,7 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_f
         A y[VEC], v[kSlots][VEC];
         unpack(pipe.get(s, 0), y, whole);
         row_operands<VEC, kOps>(L, pipe, s, 1, whole, vector_value, v);
-        program_fwd_pack<M, kOps>(L.program, y, v);
+        row_fwd_pack<kForm, kAct, M, kOps>(L.program, y, v);
         store_row<T, VEC>(L, L.out, r, col, y);
         // Refilled only after its values were used, so the copy cannot overwrite them unread.
         pipe.fetch(L, r + (int64_t)S * kRowLanes, slice.end, col, s);
@@ -525,7 +576,7 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_f
 // Row layout, backward. Vector operand gradients are summed over the block's rows: each thread
 // sums its rows in order, the block's row lanes are summed in order through shared memory, and
 // chain_vector_grad_kernel sums the blocks in order. Bitwise reproducible; no atomics.
-template <typename T, int VEC, int kOps>
+template <typename T, int VEC, int kOps, int kForm, int kAct>
 __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_bwd_rows_kernel(const __grid_constant__ brrr_chain_launch L, bool whole) {
     using A = typename Compute<T>::type;
     using M = typename MathFor<T>::type;
@@ -557,7 +608,7 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_b
         unpack(pipe.get(s, 0), y, whole);
         unpack(pipe.get(s, 1), g, whole);
         row_operands<VEC, kOps>(L, pipe, s, 2, whole, vector_value, v);
-        program_grad_pack<M>(L.program, y, v, dx, d_operand);
+        row_grad_pack<kForm, kAct, M>(L.program, y, v, dx, d_operand);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             dx[j] *= g[j];
@@ -676,16 +727,63 @@ static bool rows_read_whole() {
     return !(v && strcmp(v, "element") == 0);
 }
 
+// BRRR_CHAIN_ROWS_PROGRAM (docs/kernel-switches.md): unset or `interpret`, the row kernels
+// interpret every program; `fixed`, the programs of bias+activation and of the GLUs on a row's
+// halves run fixed at compile time (RowForm), the same bits; `lean`, fixed with gelu as kGeluLean.
+struct RowProgram {
+    int form, act;
+};
+static RowProgram row_program(const brrr_chain_launch &L) {
+    const char *v = getenv("BRRR_CHAIN_ROWS_PROGRAM");
+    const bool fixed = v && strcmp(v, "fixed") == 0, lean = v && strcmp(v, "lean") == 0;
+    const brrr_chain_program &p = L.program;
+    if (!(fixed || lean) || p.n_steps != 2 || p.n_operands != 1) return {kInterpreted, 0};
+    RowProgram r;
+    if (p.steps[0].op == BRRR_OP_ADD_TENSOR) r = {kBiasAct, p.steps[1].op};
+    else if (p.steps[1].op == BRRR_OP_MUL_TENSOR) r = {kActMul, p.steps[0].op};
+    else return {kInterpreted, 0};
+    if (r.act != BRRR_OP_SILU && r.act != BRRR_OP_GELU && r.act != BRRR_OP_GELU_TANH) return {kInterpreted, 0};
+    if (lean && r.act == BRRR_OP_GELU) r.act = kGeluLean;
+    return r;
+}
+
+template <typename T, int VEC, int kOps, int kForm, int kAct>
+static void rows_kernel(const brrr_chain_launch &L, bool backward, dim3 grid, bool whole, cudaStream_t stream) {
+    const dim3 block(kTileCols, kRowLanes);
+    if (backward) chain_bwd_rows_kernel<T, VEC, kOps, kForm, kAct><<<grid, block, 0, stream>>>(L, whole);
+    else chain_fwd_rows_kernel<T, VEC, kOps, kForm, kAct><<<grid, block, 0, stream>>>(L, whole);
+}
+
+template <typename T, int VEC, int kForm>
+static void fixed_rows_kernel(const brrr_chain_launch &L, int act, bool backward, dim3 grid, bool whole, cudaStream_t stream) {
+    if (act == BRRR_OP_SILU) rows_kernel<T, VEC, 1, kForm, BRRR_OP_SILU>(L, backward, grid, whole, stream);
+    else if (act == BRRR_OP_GELU) rows_kernel<T, VEC, 1, kForm, BRRR_OP_GELU>(L, backward, grid, whole, stream);
+    else if (act == BRRR_OP_GELU_TANH) rows_kernel<T, VEC, 1, kForm, BRRR_OP_GELU_TANH>(L, backward, grid, whole, stream);
+    else rows_kernel<T, VEC, 1, kForm, kGeluLean>(L, backward, grid, whole, stream);
+}
+
+// The row kernels of a launch; programs are fixed only over 16-byte packs (the fast path).
+template <typename T, int VEC, int kOps>
+static void launch_rows(const brrr_chain_launch &L, bool backward, int device, cudaStream_t stream) {
+    const dim3 grid = rows_grid(L, VEC, device);
+    const bool whole = rows_read_whole();
+    if constexpr (kOps == 1 && VEC > 1) {
+        const RowProgram f = row_program(L);
+        if (f.form == kBiasAct) return fixed_rows_kernel<T, VEC, kBiasAct>(L, f.act, backward, grid, whole, stream);
+        if (f.form == kActMul) return fixed_rows_kernel<T, VEC, kActMul>(L, f.act, backward, grid, whole, stream);
+    }
+    rows_kernel<T, VEC, kOps, kInterpreted, 0>(L, backward, grid, whole, stream);
+}
+
 template <typename T> void chain_vector_grad_typed(const brrr_chain_launch &L, cudaStream_t stream);
 
 template <typename T, int kOps>
 static void launch_fwd(const brrr_chain_launch &L, int device, cudaStream_t stream) {
     constexpr int VEC = 16 / sizeof(T);
-    const dim3 row_block(kTileCols, kRowLanes);
     if (L.row_layout && rows_vectorizable<VEC>(L, false))
-        chain_fwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC, device), row_block, 0, stream>>>(L, rows_read_whole());
+        launch_rows<T, VEC, kOps>(L, false, device, stream);
     else if (L.row_layout)
-        chain_fwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1, device), row_block, 0, stream>>>(L, rows_read_whole());
+        launch_rows<T, 1, kOps>(L, false, device, stream);
     else if (L.contiguous && all_aligned(L, false) && (!has_vector_operand(L) || L.row_length % VEC == 0)) {
         const unsigned grid = grid_for_packs(L.numel / VEC);
         const int act = kOps == 1 ? glu_activation(L) : -1;
@@ -703,12 +801,11 @@ static void launch_fwd(const brrr_chain_launch &L, int device, cudaStream_t stre
 template <typename T, int kOps>
 static void launch_bwd(const brrr_chain_launch &L, int device, cudaStream_t stream) {
     constexpr int VEC = 16 / sizeof(T);
-    const dim3 row_block(kTileCols, kRowLanes);
     if (L.row_layout) {
         if (rows_vectorizable<VEC>(L, true))
-            chain_bwd_rows_kernel<T, VEC, kOps><<<rows_grid(L, VEC, device), row_block, 0, stream>>>(L, rows_read_whole());
+            launch_rows<T, VEC, kOps>(L, true, device, stream);
         else
-            chain_bwd_rows_kernel<T, 1, kOps><<<rows_grid(L, 1, device), row_block, 0, stream>>>(L, rows_read_whole());
+            launch_rows<T, 1, kOps>(L, true, device, stream);
         if (L.partials) chain_vector_grad_typed<T>(L, stream);
     } else if (L.contiguous && all_aligned(L, true) && (!has_vector_operand(L) || L.row_length % VEC == 0)) {
         const unsigned grid = grid_for_packs(L.numel / VEC);

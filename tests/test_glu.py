@@ -1,5 +1,7 @@
 """bias+activation and GLUs: outputs and every gradient against float64 PyTorch autograd."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -190,6 +192,126 @@ def test_split_glu_row_reads(monkeypatch, dtype, cols):
     ref.backward(grad.double().cpu())
     assert_close(results[0][0], ref, dtype)
     assert_close(results[0][1], x64.grad, dtype, scale=2.0)
+
+
+def _under_program(monkeypatch, value, run):
+    """run() with BRRR_CHAIN_ROWS_PROGRAM=value (None: unset), synchronised."""
+    if value is None:
+        monkeypatch.delenv("BRRR_CHAIN_ROWS_PROGRAM", raising=False)
+    else:
+        monkeypatch.setenv("BRRR_CHAIN_ROWS_PROGRAM", value)
+    try:
+        result = run()
+        torch.cuda.synchronize()
+        return result
+    finally:
+        monkeypatch.delenv("BRRR_CHAIN_ROWS_PROGRAM", raising=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(BIAS_ACTS))
+@pytest.mark.parametrize("shape", [(1, 64), (37, 72), (2053, 1032), (5, 4097), (129, 4096 + 16)], ids=str)
+@pytest.mark.parametrize("layout", ["dense", "padded rows"])
+@pytest.mark.parametrize("bias_grad", [True, False])
+def test_bias_activation_row_programs(monkeypatch, dtype, op, shape, layout, bias_grad):
+    """BRRR_CHAIN_ROWS_PROGRAM: the row kernels' program interpreted (unset, `interpret`) or
+    fixed at compile time (`fixed`: the same arithmetic, so the same bits, in the output and
+    both gradients; `lean`: gelu's constants folded, so only silu and gelu_tanh keep the bits),
+    each against the float64 reference. 4097 columns take the one-column kernels, which always
+    interpret; padded rows keep the 16-byte packs."""
+    rows, cols = shape
+    fn = BIAS_ACTS[op]
+
+    def place(t):
+        if layout == "dense":
+            return t
+        pad = 16 // t.element_size()
+        return torch.empty(rows, cols + pad, dtype=dtype, device="cuda")[:, :cols].copy_(t)
+
+    x, grad = place(random(shape, dtype, "cuda")), place(random(shape, dtype, "cuda"))
+    bias = random((cols,), dtype, "cuda")
+
+    def run():
+        xb, bb = x.detach().requires_grad_(), bias.detach().requires_grad_(bias_grad)
+        out = fn(xb, bb)
+        out.backward(grad)
+        return out, xb.grad, bb.grad
+
+    results = {v: _under_program(monkeypatch, v, run) for v in (None, "interpret", "fixed", "lean")}
+    x64, b64 = leaves64(x, bias)
+    ref_act = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}[op]
+    ref = ref_act(x64 + b64)
+    ref.backward(grad.double().cpu())
+    same_bits = ("interpret", "fixed") if op == "gelu" and dtype in (torch.float16, torch.bfloat16) else ("interpret", "fixed", "lean")
+    for value, (out, grad_x, grad_bias) in results.items():
+        assert (grad_bias is None) == (not bias_grad), value
+        if value in same_bits:
+            base = results[None]
+            assert torch.equal(out, base[0]) and torch.equal(grad_x, base[1]), value
+            assert not bias_grad or torch.equal(grad_bias, base[2]), value
+        assert_close(out, ref, dtype)
+        assert_close(grad_x, x64.grad, dtype, scale=2.0)
+        if bias_grad:
+            assert_close(grad_bias, b64.grad, dtype, scale=max(2.0, rows ** 0.5))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", list(GLUS))
+@pytest.mark.parametrize("cols", [64, 136, 4096 + 16])
+def test_split_glu_row_programs(monkeypatch, dtype, activation, cols):
+    """The GLUs on the halves of x (row kernels, an x-shaped operand) under every
+    BRRR_CHAIN_ROWS_PROGRAM value: `fixed` the interpreter's bits, `lean` too but for gelu in
+    half storage; all against the float64 reference."""
+    x, grad = random((37, 2 * cols), dtype, "cuda"), random((37, cols), dtype, "cuda")
+
+    def run():
+        (xb,) = leaves(x)
+        y = GLUS[activation](xb)
+        y.backward(grad)
+        return y, xb.grad
+
+    results = {v: _under_program(monkeypatch, v, run) for v in (None, "fixed", "lean")}
+    (x64,) = leaves64(x)
+    ref = ref_glu(activation, x64[:, :cols], x64[:, cols:])
+    ref.backward(grad.double().cpu())
+    lean_differs = activation == "gelu" and dtype in (torch.float16, torch.bfloat16)
+    for value, (y, grad_x) in results.items():
+        if value == "fixed" or (value == "lean" and not lean_differs):
+            assert torch.equal(y, results[None][0]) and torch.equal(grad_x, results[None][1]), value
+        assert_close(y, ref, dtype)
+        assert_close(grad_x, x64.grad, dtype, scale=2.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("value", ["fixed", "lean"])
+def test_bias_gelu_row_programs_at_every_value(monkeypatch, dtype, value):
+    """Every float16 and bfloat16 in [-10, 10] through bias_gelu's fixed row kernels (zero bias,
+    rows of 64): gelu and its derivative (grad_x under a unit gradient) the correctly rounded
+    value or a neighbour, within the smallest normal."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = bits[torch.isfinite(bits) & (bits >= -10) & (bits <= 10)]
+    x = torch.cat([x, x.new_zeros(-x.numel() % 64)])
+    x64 = x.double()
+    ref = 0.5 * x64 * torch.special.erfc(-x64 / math.sqrt(2))
+    ref_grad = 0.5 * torch.special.erfc(-x64 / math.sqrt(2)) + x64 * torch.exp(-0.5 * x64 * x64) / math.sqrt(2 * math.pi)
+    xd = x.to("cuda").view(-1, 64)
+    bias = torch.zeros(64, dtype=dtype, device="cuda")
+
+    def run():
+        xb, bb = xd.detach().requires_grad_(), bias.detach().requires_grad_()
+        y = brrr.bias_gelu(xb, bb)
+        y.backward(torch.ones_like(y))
+        return y, xb.grad
+
+    y, grad = _under_program(monkeypatch, value, run)
+    ulp, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).smallest_normal
+    for name, got, want in (("gelu", y, ref), ("grad", grad, ref_grad)):
+        err = (got.detach().reshape(-1).cpu().double() - want).abs()
+        bad = ~(err <= ulp * want.abs() + tiny)
+        assert not bool(bad.any()), (name, x64[bad][:8].tolist())
 
 
 def test_glu_with_numpy():

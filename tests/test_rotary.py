@@ -626,3 +626,51 @@ def test_patch_leaves_a_rotary_look_alike_and_a_partial_call_a_full_form_cannot_
     with pytest.raises(RuntimeError):  # its own error: it cannot take them
         replacement(q, k, torch.randn(2, 5, 4), torch.randn(2, 5, 4))
     assert seen == [4]
+
+
+# x shape, the angles' shape before their last dim (cos and sin broadcast along the heads), rotary_dim
+HEADS_CASES = [
+    ((2, 5, 8, 128), (2, 5, 1), 128),    # (batch, seq, heads, head_dim): the heads innermost
+    ((2, 8, 5, 128), (2, 1, 5), 128),    # (batch, heads, seq, head_dim): moved innermost
+    ((3, 7, 6, 64), (1, 7, 1), 32),      # 6 heads: a chunk of 4 and one of 2; features passed
+    ((4, 3, 80), (1, 1), 80),            # the same angles on every row: 12 rows, one broadcast dim
+    ((9, 2, 64), (9, 1), 64),            # 2 heads
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,lead,r", HEADS_CASES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("angles", ["feature", "pair"])
+def test_heads_kernel_matches_the_row_kernel(monkeypatch, dtype, shape, lead, r, interleaved, angles):
+    """BRRR_ROTARY_KERNEL=heads (a unit of 4 heads a thread, sharing cos and sin): the same bits
+    as the default kernel, forward, backward and in place, and the float64 reference."""
+    width = r if angles == "feature" else r // 2
+    x, g = random(shape, dtype, "cuda"), random(shape, dtype, "cuda")
+    cos, sin = random(lead + (width,), dtype, "cuda", -1, 1), random(lead + (width,), dtype, "cuda", -1, 1)
+
+    def run(value):
+        if value is None:
+            monkeypatch.delenv("BRRR_ROTARY_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("BRRR_ROTARY_KERNEL", value)
+        try:
+            leaf = x.clone().requires_grad_()
+            out = brrr.rotary(leaf, cos, sin, interleaved=interleaved, rotary_dim=r)
+            out.backward(g)
+            y = x.clone()
+            _C.rotary(y, cos, sin, y, False, interleaved=interleaved, rotary_dim=r)
+            torch.cuda.synchronize()
+            return out.detach(), leaf.grad, y
+        finally:
+            monkeypatch.delenv("BRRR_ROTARY_KERNEL", raising=False)
+
+    base, heads = run(None), run("heads")
+    for name, a, b in zip(("out", "grad", "in place"), base, heads):
+        assert torch.equal(a, b), name
+    ref_leaf = x.double().cpu().requires_grad_()
+    ref = layout_reference(ref_leaf, cos.double().cpu(), sin.double().cpu(), interleaved, r)
+    ref.backward(g.double().cpu())
+    check(heads[0], ref, dtype, scale=3)
+    check(heads[1], ref_leaf.grad, dtype, scale=3)
