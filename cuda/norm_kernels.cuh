@@ -333,8 +333,9 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
 
 // ---- forward: several rows a group (BRRR_NORM_FWD_ROWS) -------------------------------------
 // Rows of 16-byte packs, ROWS rows a group at once: a row's share of a thread stays in its
-// storage type (a Pack, 4 registers) and is converted again by each pass, so ROWS rows cost
-// what ROWS / 2 rows of floats would. Every load of the ROWS rows is issued before the first
+// storage type (a Pack, 4 registers) and is converted again by each pass (unpack), so a
+// half row costs half the registers of floats (without it ptxas kept the floats: 111 registers
+// for bfloat16 rows of 2 x 3 packs, 79 with it). Every load of the ROWS rows is issued before the first
 // reduction, and the rows' sums go through one group_sum (kN = ROWS), so the reductions' and
 // the stores' latency is paid once per ROWS rows. The weight and bias, in the compute type, are
 // copied once per block into shared memory (dynamic, cols floats each; the bias only outside
@@ -342,11 +343,30 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
 // blocks that run at once, each walking its rows. The arithmetic is norm_fwd_kernel's, term by
 // term and in its order.
 // Whether the ROWS rows fit in 128 registers: their packs (and the residual's, loaded beside
-// them) within 160 bytes a thread. ptxas (sm_90) keeps the passes' conversions to float rather
-// than redo them: bfloat16 rows of 2 x 5 packs took 127 registers, of 2 x 4 packs with the
-// residual or 4 x 3 packs spilled 44 and 48 bytes; a cap of 64 registers spilled 32-480 bytes.
+// them) within 256 bytes a thread. ptxas (sm_90), no spills: bfloat16 rows of 2 x 3 packs (768
+// columns) take 79 registers, 2 x 5 packs 96, 4 x 4 packs 128, float32 2 x 8 packs 116; a cap of
+// 64 registers spilled 12-224 bytes from 3 packs of 2 rows (bfloat16) or 4 of 2 (float32) up.
 template <typename T> constexpr bool fwd_rows_fit(int packs, int rows, bool residual) {
-    return sizeof(typename Compute<T>::type) == 4 && rows * packs * 16 * (residual ? 2 : 1) <= 160;
+    return sizeof(typename Compute<T>::type) == 4 && rows * packs * 16 * (residual ? 2 : 1) <= 256;
+}
+
+// Element j of a pack held in its storage type, in float: converted afresh at each call (the
+// conversion is volatile asm), so that ptxas keeps the packs rather than their floats. The same
+// value as to_float.
+template <typename T, int VEC> __device__ __forceinline__ float unpack(const Pack<T, VEC> &p, int j) {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+        const unsigned word = reinterpret_cast<const unsigned *>(&p)[j / 2];
+        unsigned bits;
+        if (j % 2 == 0) asm volatile("shl.b32 %0, %1, 16;" : "=r"(bits) : "r"(word));
+        else asm volatile("and.b32 %0, %1, 0xffff0000;" : "=r"(bits) : "r"(word));
+        return __uint_as_float(bits);
+    } else if constexpr (std::is_same<T, __half>::value) {
+        float f;
+        asm volatile("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(__half_as_ushort(p.v[j])));
+        return f;
+    } else {
+        return p.v[j];
+    }
 }
 
 template <typename T, int PACKS, int ROWS, bool kResidual>
@@ -414,7 +434,7 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), PACKS == 5 ? 2 : 1)
                 for (int k = 0; k < PACKS; ++k) {
                     if (k >= n[r]) continue;
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) h[r][k].v[j] = to_storage<T, A>(to_float(h[r][k].v[j]) + to_float(add[r][k].v[j]));
+                    for (int j = 0; j < VEC; ++j) h[r][k].v[j] = to_storage<T, A>(unpack(h[r][k], j) + unpack(add[r][k], j));
                     *reinterpret_cast<P *>(res_out + k * stride) = h[r][k];
                 }
             }
@@ -429,7 +449,7 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), PACKS == 5 ? 2 : 1)
                 for (int k = 0; k < PACKS; ++k) {
                     if (k >= n[r]) continue;
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) sum[r] += to_float(h[r][k].v[j]) - shift[r];
+                    for (int j = 0; j < VEC; ++j) sum[r] += unpack(h[r][k], j) - shift[r];
                 }
             }
             group_sum(sum, tpr, buf[parity]);
@@ -444,7 +464,7 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), PACKS == 5 ? 2 : 1)
                     if (k >= n[r]) continue;
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
-                        const A v = to_float(h[r][k].v[j]) - shift[r] - mean[r];
+                        const A v = unpack(h[r][k], j) - shift[r] - mean[r];
                         squares[r] += v * v;
                     }
                 }
@@ -463,7 +483,7 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), PACKS == 5 ? 2 : 1)
                     if (k >= n[r]) continue;
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
-                        const A v = to_float(h[r][k].v[j]);
+                        const A v = unpack(h[r][k], j);
                         q[r] += v * v;
                     }
                 }
@@ -491,7 +511,7 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), PACKS == 5 ? 2 : 1)
                 A w[VEC], v[VEC], y[VEC];
                 load_vec<A, VEC>(wsh + first + k * stride, w);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) v[j] = layer ? to_float(h[r][k].v[j]) - shift[r] - mean[r] : to_float(h[r][k].v[j]);
+                for (int j = 0; j < VEC; ++j) v[j] = layer ? unpack(h[r][k], j) - shift[r] - mean[r] : unpack(h[r][k], j);
                 if (llama) {
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[j] * rstd[r]) * w[j];
@@ -1162,11 +1182,8 @@ static bool row_config(const brrr_norm_launch &L, RowConfig *cfg) {
     bool vector = L.cols % kVec == 0 && (L.weight.data == nullptr || aligned16(L.weight.data)) &&
                   (L.bias.data == nullptr || aligned16(L.bias.data));
     for (int i = 0; i < 4; ++i) vector = vector && rows_aligned(L, *views[i], (int64_t)sizeof(T));
-    const int vec = vector ? kVec : 1, held = max_elements<T>(vec) / vec;
+    const int vec = vector ? kVec : 1, max_packs = max_elements<T>(vec) / vec;
     const int64_t packs_total = (L.cols + vec - 1) / vec;
-    // With several rows a group, at most 4 packs a thread where 512 threads hold the row that way
-    // (float32: twice the threads of a row), so that two rows fit (fwd_rows_fit).
-    const int max_packs = vector && fwd_rows() > 1 && held > 4 && packs_total <= kMaxRowThreads * 4 ? 4 : held;
     int tpr = 1, packs = 1;
     if (packs_total <= 32) {
         while (tpr < packs_total) tpr *= 2;
