@@ -23,6 +23,9 @@
 //                     butterflies, then one over the group's warps through shared memory; one
 //                     per row (LayerNorm: two, the mean and then the squares about it).
 //                     Assumes: N <= 512 * PACKS * VEC, N % VEC == 0.
+// norm_fwd_rows_kernel  BRRR_NORM_FWD_ROWS=2 or 4, rows of 16-byte packs: the same layout, 2 or 4
+//                     rows a group at once, held in their storage type, the weight and bias in
+//                     shared memory; a grid of the blocks that run at once (see the kernel).
 // norm_bwd_kernel     the same row layout (up to 16 elements a thread), a block of
 //                     brrr_norm_lanes(cols) such groups within 512 threads (128 registers each;
 //                     the widest rows split over a cluster of two such blocks on sm_90, else
