@@ -352,6 +352,16 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
 template <typename T> constexpr bool fwd_rows_fit(int packs, int rows, bool residual) {
     return sizeof(typename Compute<T>::type) == 4 && rows * packs * 16 * (residual ? 2 : 1) <= 256;
 }
+// The instances that fit in 80 registers, 3 blocks of 256 threads a SM (ptxas, sm_90, no spills;
+// 128 registers left 2 a SM: bfloat16 768 columns took 80, 1024 columns 96): 2 rows of up to 4
+// packs, or 2 with the residual; 4 rows of 1 pack. Blocks of at most 256 threads (rows of at most
+// 256 threads: bfloat16 and float32 up to 8192 columns).
+constexpr bool fwd_rows_tight(int packs, int rows, bool residual) {
+    return rows == 2 ? packs * (residual ? 2 : 1) <= 4 : packs == 1;
+}
+constexpr int fwd_rows_threads(int packs, int rows, bool residual) {
+    return fwd_rows_tight(packs, rows, residual) ? kMinBlockThreads : fwd_max_threads(packs);
+}
 
 // Element j of a pack held in its storage type, in float: converted afresh at each call (the
 // conversion is volatile asm), so that ptxas keeps the packs rather than their floats. The same
@@ -373,7 +383,8 @@ template <typename T, int VEC> __device__ __forceinline__ float unpack(const Pac
 }
 
 template <typename T, int PACKS, int ROWS, bool kResidual>
-__global__ void __launch_bounds__(fwd_max_threads(PACKS), PACKS == 5 ? 2 : 1)
+__global__ void __launch_bounds__(fwd_rows_threads(PACKS, ROWS, kResidual),
+                                  fwd_rows_tight(PACKS, ROWS, kResidual) ? 3 : PACKS == 5 ? 2 : 1)
     norm_fwd_rows_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr) {
     using A = typename Compute<T>::type;
     constexpr int VEC = 16 / (int)sizeof(T);
@@ -387,14 +398,10 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), PACKS == 5 ? 2 : 1)
     const bool layer = !L.rms, llama = L.llama != 0;
     // wsh[cols], then (outside Llama's order) bsh[cols]: cols % VEC == 0, so both 16-byte aligned.
     A *const wsh = reinterpret_cast<A *>(smem), *const bsh = wsh + cols;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        load_weight<T, 1>(L, i, wsh + i);
-        if (!llama) load_param<T, 1>(L, L.bias.data, i, A(0), bsh + i);
-    }
-    __syncthreads();
-    const int64_t rows_per_block = (int64_t)groups * ROWS;
+    const int64_t rows_per_block = (int64_t)groups * ROWS, start = (int64_t)blockIdx.x * rows_per_block;
     int parity = 0;
-    for (int64_t base = (int64_t)blockIdx.x * rows_per_block; base < L.rows; base += (int64_t)gridDim.x * rows_per_block) {
+    // Every block has rows: the grid is at most one block per rows_per_block rows.
+    for (int64_t base = start; base < L.rows; base += (int64_t)gridDim.x * rows_per_block) {
         P h[ROWS][PACKS], add[kResidual ? ROWS : 1][kResidual ? PACKS : 1];
         A shift[ROWS];
         int n[ROWS];  // the thread's packs of each row: 0 past the last row
@@ -423,6 +430,21 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), PACKS == 5 ? 2 : 1)
                     shift[r] = to_float(x[-first]);
                 }
             }
+        }
+        if (base == start) {
+            // The weight and bias copies, once a block, in packs of VEC (the weight and bias are
+            // 16-byte aligned: row_config): issued behind the first rows' loads, so that the
+            // block's start waits for about one memory latency, not two.
+            for (int i = threadIdx.x * VEC; i < cols; i += blockDim.x * VEC) {
+                A w[VEC];
+                load_weight<T, VEC>(L, i, w);
+                store_vec<A, VEC>(wsh + i, w);
+                if (!llama) {
+                    load_param<T, VEC>(L, L.bias.data, i, A(0), w);
+                    store_vec<A, VEC>(bsh + i, w);
+                }
+            }
+            __syncthreads();
         }
         if constexpr (kResidual) {
             // h = round(x + residual), kept as T: the new residual stream.
@@ -1325,6 +1347,7 @@ static bool try_fwd_rows(const brrr_norm_launch &L, const RowConfig &cfg, int de
     using A = typename Compute<T>::type;
     const int64_t smem = L.cols * (int64_t)sizeof(A) * (L.llama ? 1 : 2) + (int64_t)sizeof(A) * 2 * ROWS * kMaxWarps;
     if (smem > device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 48 << 10)) return false;
+    if (cfg.block > fwd_rows_threads(PACKS, ROWS, L.residual.data != nullptr)) return false;  // its launch bounds
     if (L.residual.data) {
         if constexpr (fwd_rows_fit<T>(PACKS, ROWS, true)) {
             *e = launch_fwd_rows<T, PACKS, ROWS, true>(L, cfg, device, stream);
