@@ -353,7 +353,7 @@ template <typename T> constexpr bool fwd_rows_fit(int packs, int rows, bool resi
     return sizeof(typename Compute<T>::type) == 4 && rows * packs * 16 * (residual ? 2 : 1) <= 256;
 }
 // The instances that fit in 80 registers, 3 blocks of 256 threads a SM (ptxas, sm_90, no spills;
-// 128 registers left 2 a SM: bfloat16 768 columns took 80, 1024 columns 96): 2 rows of up to 4
+// bounded to 128 registers, 2 a SM: bfloat16 768 columns took 80, 1024 columns 96): 2 rows of up to 4
 // packs, or 2 with the residual; 4 rows of 1 pack. Blocks of at most 256 threads (rows of at most
 // 256 threads: bfloat16 and float32 up to 8192 columns).
 constexpr bool fwd_rows_tight(int packs, int rows, bool residual) {
