@@ -842,3 +842,53 @@ def test_forward_five_packs(monkeypatch, dtype, kind, residual, cols, value):
         r = random((rows, cols), dtype, "cuda") if residual else None
         w, b = params(kind, "both", (cols,), dtype, "cuda")
         compare(kind, dtype, x, r, (cols,), w, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", [1, 7, 8, 512, 767, 768, 769, 1024, 2048, 4096, 5120, 5121, 8192, 16384])
+@pytest.mark.parametrize("value", ["2", "4"])
+def test_forward_several_rows_a_group(monkeypatch, dtype, kind, residual, cols, value):
+    """BRRR_NORM_FWD_ROWS=2 or 4: groups of rows with 16-byte packs hold that many rows at once
+    (norm_fwd_rows_kernel, where they fit in registers; the others, odd widths among them, keep
+    norm_fwd_kernel). Against the float64 reference: one row, a last group with rows past the
+    end (37, 301), and more rows than the resident blocks cover in one step (9001), every
+    gradient; the weight and bias absent, float32 weights for half inputs."""
+    monkeypatch.setenv("BRRR_NORM_FWD_ROWS", value)
+    for rows in (1, 37, 301) + ((9001,) if cols in (768, 2048) else ()):
+        x = random((rows, cols), dtype, "cuda")
+        r = random((rows, cols), dtype, "cuda") if residual else None
+        w, b = params(kind, "both", (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b)
+    x = random((37, cols), dtype, "cuda")
+    r = random((37, cols), dtype, "cuda") if residual else None
+    compare(kind, dtype, x, r, (cols,), None, None)
+    if dtype != torch.float32:
+        w, b = params(kind, "both", (cols,), torch.float32, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("value", ["2", "4"])
+def test_forward_several_rows_views_and_orders(monkeypatch, dtype, value):
+    """BRRR_NORM_FWD_ROWS on strided and permuted rows (16-byte aligned: the rows kernel; the
+    others: norm_fwd_kernel), x and the residual strided differently; Llama's cast order and
+    RMSNorm's weight offset (the weight alone in shared memory, then 1 + weight)."""
+    monkeypatch.setenv("BRRR_NORM_FWD_ROWS", value)
+    for name, x, ns in _views("cuda", dtype):
+        for kind in KINDS:
+            w, b = params(kind, "both", ns, dtype, "cuda")
+            compare(kind, dtype, x, None, ns, w, b)
+            compare(kind, dtype, x, random(x.shape, dtype, "cuda"), ns, w, b)
+            compare(kind, dtype, random(x.shape, dtype, "cuda"), x, ns, w, b)
+    for cols in (768, 1024, 4096):
+        for residual in (False, True):
+            x = random((301, cols), dtype, "cuda")
+            r = random((301, cols), dtype, "cuda") if residual else None
+            w = random((cols,), dtype, "cuda", -0.5, 0.5)
+            compare("rms_norm", dtype, x, r, (cols,), w, None, cast_order="llama")
+            compare("rms_norm", dtype, x, r, (cols,), w, None, offset=1.0)
+            compare("rms_norm", dtype, x, r, (cols,), w, None, cast_order="llama", offset=1.0)
