@@ -263,6 +263,37 @@ def test_bias_activation_row_programs(monkeypatch, dtype, op, shape, layout, bia
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(BIAS_ACTS))
+@pytest.mark.parametrize("layout", ["dense", "gaps between batches"])
+def test_bias_activation_lean2_batched(monkeypatch, dtype, op, layout):
+    """BRRR_CHAIN_ROWS_PROGRAM=lean2 on (batch, seq, hidden) x: dense, it coalesces to the 2-d
+    rows the lean2 kernels take; with gaps between batches it stays 3-d and runs as `lean`.
+    Either way `lean`'s bits, and the float64 reference."""
+    batch, seq, cols = 3, 67, 136
+    x = random((batch, seq + (5 if layout != "dense" else 0), cols), dtype, "cuda")[:, :seq]
+    grad, bias = random((batch, seq, cols), dtype, "cuda"), random((cols,), dtype, "cuda")
+
+    def run():
+        xb, bb = x.detach().requires_grad_(), bias.detach().requires_grad_()
+        out = BIAS_ACTS[op](xb, bb)
+        out.backward(grad)
+        return out, xb.grad, bb.grad
+
+    results = {v: _under_program(monkeypatch, v, run) for v in ("lean", "lean2")}
+    for a, b in zip(results["lean"], results["lean2"]):
+        assert torch.equal(a, b)
+    x64, b64 = leaves64(x, bias)
+    ref_act = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}[op]
+    ref = ref_act(x64 + b64)
+    ref.backward(grad.double().cpu())
+    out, grad_x, grad_bias = results["lean2"]
+    assert_close(out, ref, dtype)
+    assert_close(grad_x, x64.grad, dtype, scale=2.0)
+    assert_close(grad_bias, b64.grad, dtype, scale=max(2.0, (batch * seq) ** 0.5))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", list(GLUS))
 @pytest.mark.parametrize("cols", [64, 136, 4096 + 16])
 def test_split_glu_row_programs(monkeypatch, dtype, activation, cols):
