@@ -639,6 +639,152 @@ __global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_b
     }
 }
 
+// BRRR_CHAIN_ROWS_PROGRAM=lean2: `lean`'s programs in a loop cut down to what a pack needs. The
+// row kernels above spend about 100 instructions a pack outside the math (bfloat16, sm_90 SASS):
+// every tensor's row address recomputed from the row index in 64-bit products (a division per
+// dim beyond 2), the stage index and its shared-memory addresses, the `whole` and ndim branches.
+// Here, for 2-d launches (bias+activation and the GLU halves coalesce to one row stride per
+// tensor), each tensor's pointer is set once and advanced by kRowLanes rows; the loop is unrolled
+// over the S stages, so every shared-memory address is a constant offset and the stage index is
+// gone; the trip count is a 32-bit counter; kBiasAct's operand (the bias, a vector) stays in
+// registers for all the thread's rows and takes no stage (the staging is there to keep rows in
+// flight, not for the bias). The same arithmetic as `lean`, so the same bits.
+template <typename T>
+__device__ __forceinline__ char *row_pointer(const brrr_view &v, int64_t r, int64_t col) {
+    return static_cast<char *>(v.data) + (r * v.strides[0] + col) * (int64_t)sizeof(T);
+}
+template <typename T> __device__ __forceinline__ int64_t row_step(const brrr_view &v) { return (int64_t)kRowLanes * v.strides[0] * (int64_t)sizeof(T); }
+
+// Starts the copies of every input's pack at in[t] into stage `stage` if `live`, as one group
+// (an empty group past the slice's end keeps the wait counts in step), and moves in[] a row step on.
+template <int kTensors, typename P>
+__device__ __forceinline__ void fetch_rows(P (&stage)[kTensors][kRowLanes][kTileCols], const char *(&in)[kTensors], const int64_t (&step)[kTensors],
+                                           bool live) {
+    if (live) {
+#pragma unroll
+        for (int t = 0; t < kTensors; ++t) copy_async16(&stage[t][threadIdx.y][threadIdx.x], in[t]);
+    }
+    copy_async_commit();
+#pragma unroll
+    for (int t = 0; t < kTensors; ++t) in[t] += step[t];
+}
+
+// The rows of a thread: in its block's slice, every kRowLanes-th from slice.begin + threadIdx.y.
+__device__ __forceinline__ int thread_row_count(const RowSlice &slice, int64_t first) {
+    return first < slice.end ? (int)((slice.end - first + kRowLanes - 1) / kRowLanes) : 0;
+}
+
+template <typename T, int VEC, int kForm, int kAct>
+__global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_fwd_rows_lean2_kernel(const __grid_constant__ brrr_chain_launch L) {
+    using A = typename Compute<T>::type;
+    using M = typename MathFor<T>::type;
+    constexpr int kTensors = kForm == kActMul ? 2 : 1;  // x, and up in act(x) * up
+    constexpr int S = row_stages<1, false>();
+    __shared__ Pack<T, VEC> slot[S][kTensors][kRowLanes][kTileCols];
+    const int64_t cols = L.row_length;
+    const RowSlice slice(L.numel / cols);
+    const int64_t col = ((int64_t)blockIdx.x * kTileCols + threadIdx.x) * VEC;
+    if (col >= cols) return;  // no barrier in this kernel
+    A v[1][VEC];
+    load_vector_operands<T, VEC, 1>(L, col, true, v);  // kBiasAct: the bias; kActMul: read per row below
+    const int64_t first = slice.begin + threadIdx.y;
+    const int n = thread_row_count(slice, first);
+    const char *in[kTensors];
+    int64_t step[kTensors];
+#pragma unroll
+    for (int t = 0; t < kTensors; ++t) {
+        const brrr_view &view = t == 0 ? L.x : L.operands[0];
+        in[t] = row_pointer<T>(view, first, col);
+        step[t] = row_step<T>(view);
+    }
+    char *out = row_pointer<T>(L.out, first, col);
+    const int64_t out_step = row_step<T>(L.out);
+#pragma unroll
+    for (int s = 0; s < S; ++s) fetch_rows(slot[s], in, step, s < n);
+    for (int i = 0; i < n; i += S) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            if (i + s >= n) break;
+            copy_async_wait<S - 1>();  // row i + s's group, the oldest, has landed
+            A y[VEC];
+            unpack(slot[s][0][threadIdx.y][threadIdx.x], y, true);
+            if constexpr (kForm == kActMul) unpack(slot[s][1][threadIdx.y][threadIdx.x], v[0], true);
+            row_fwd_pack<kForm, kAct, M, 1>(L.program, y, v);
+            store_pack<T, VEC>(reinterpret_cast<T *>(out), y);
+            out += out_step;
+            // Refilled only after its values were used, so the copy cannot overwrite them unread.
+            fetch_rows(slot[s], in, step, i + s + S < n);
+        }
+    }
+}
+
+// The backward of lean2; the bias gradient summed as chain_bwd_rows_kernel sums it (the same order).
+template <typename T, int VEC, int kForm, int kAct>
+__global__ void __launch_bounds__(kTileCols *kRowLanes, kRowBlocksPerSM) chain_bwd_rows_lean2_kernel(const __grid_constant__ brrr_chain_launch L) {
+    using A = typename Compute<T>::type;
+    using M = typename MathFor<T>::type;
+    constexpr int kTensors = kForm == kActMul ? 3 : 2;  // x, grad_out, and up in act(x) * up
+    constexpr int S = row_stages<1, true>();
+    __shared__ Pack<T, VEC> slot[S][kTensors][kRowLanes][kTileCols];
+    __shared__ A lanes[kRowLanes][kTileCols * VEC];
+    const int64_t cols = L.row_length;
+    const RowSlice slice(L.numel / cols);
+    const int64_t col = ((int64_t)blockIdx.x * kTileCols + threadIdx.x) * VEC;
+    const bool active = col < cols;  // idle columns fetch and compute nothing, but reach the barriers
+    A v[1][VEC], acc[VEC];
+    load_vector_operands<T, VEC, 1>(L, col, active, v);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = A(0);
+    const int64_t first = slice.begin + threadIdx.y;
+    const int n = active ? thread_row_count(slice, first) : 0;
+    const char *in[kTensors];
+    int64_t step[kTensors];
+#pragma unroll
+    for (int t = 0; t < kTensors; ++t) {
+        const brrr_view &view = t == 0 ? L.x : t == 1 ? L.grad_out : L.operands[0];
+        in[t] = row_pointer<T>(view, first, col);
+        step[t] = row_step<T>(view);
+    }
+    char *grad_x = row_pointer<T>(L.out, first, col);
+    const int64_t grad_x_step = row_step<T>(L.out);
+    // act(x) * up: up's gradient where it is asked for (uniform across the grid).
+    const bool grad_up = kForm == kActMul && L.grad_operands[0].data;
+    char *grad_u = grad_up ? row_pointer<T>(L.grad_operands[0], first, col) : nullptr;
+    const int64_t grad_u_step = grad_up ? row_step<T>(L.grad_operands[0]) : 0;
+#pragma unroll
+    for (int s = 0; s < S; ++s) fetch_rows(slot[s], in, step, s < n);
+    for (int i = 0; i < n; i += S) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            if (i + s >= n) break;
+            copy_async_wait<S - 1>();
+            A y[VEC], g[VEC], dx[VEC], d_operand[1][VEC];
+            unpack(slot[s][0][threadIdx.y][threadIdx.x], y, true);
+            unpack(slot[s][1][threadIdx.y][threadIdx.x], g, true);
+            if constexpr (kForm == kActMul) unpack(slot[s][2][threadIdx.y][threadIdx.x], v[0], true);
+            row_grad_pack<kForm, kAct, M>(L.program, y, v, dx, d_operand);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                dx[j] *= g[j];
+                d_operand[0][j] *= g[j];
+            }
+            store_pack<T, VEC>(reinterpret_cast<T *>(grad_x), dx);
+            grad_x += grad_x_step;
+            if constexpr (kForm == kBiasAct) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) acc[j] += d_operand[0][j];
+            } else if (grad_up) {
+                store_pack<T, VEC>(reinterpret_cast<T *>(grad_u), d_operand[0]);
+                grad_u += grad_u_step;
+            }
+            fetch_rows(slot[s], in, step, i + s + S < n);
+        }
+    }
+    // The bias gradient's per-slice partials, as chain_bwd_rows_kernel writes them (uniform test).
+    if (kForm != kBiasAct || !L.partials || !L.grad_operands[0].data) return;
+    store_block_column_sums<VEC>(lanes, acc, static_cast<A *>(L.partials) + (int64_t)blockIdx.y * cols, col, active);
+}
+
 // grad_operand[c] = the per-slice partials[b][p][c] summed in a fixed order
 // (block_sum_column_partials). A block per 32 columns.
 template <typename T>
@@ -729,20 +875,23 @@ static bool rows_read_whole() {
 
 // BRRR_CHAIN_ROWS_PROGRAM (docs/kernel-switches.md): unset or `interpret`, the row kernels
 // interpret every program; `fixed`, the programs of bias+activation and of the GLUs on a row's
-// halves run fixed at compile time (RowForm), the same bits; `lean`, fixed with gelu as kGeluLean.
+// halves run fixed at compile time (RowForm), the same bits; `lean`, fixed with gelu as kGeluLean;
+// `lean2`, `lean` in the lean2 kernels where they apply (lean2_applies), else as `lean`.
 struct RowProgram {
     int form, act;
+    bool lean2;
 };
 static RowProgram row_program(const brrr_chain_launch &L) {
     const char *v = getenv("BRRR_CHAIN_ROWS_PROGRAM");
-    const bool fixed = v && strcmp(v, "fixed") == 0, lean = v && strcmp(v, "lean") == 0;
+    const bool fixed = v && strcmp(v, "fixed") == 0, lean2 = v && strcmp(v, "lean2") == 0;
+    const bool lean = lean2 || (v && strcmp(v, "lean") == 0);
     const brrr_chain_program &p = L.program;
-    if (!(fixed || lean) || p.n_steps != 2 || p.n_operands != 1) return {kInterpreted, 0};
+    if (!(fixed || lean) || p.n_steps != 2 || p.n_operands != 1) return {kInterpreted, 0, false};
     RowProgram r;
-    if (p.steps[0].op == BRRR_OP_ADD_TENSOR) r = {kBiasAct, p.steps[1].op};
-    else if (p.steps[1].op == BRRR_OP_MUL_TENSOR) r = {kActMul, p.steps[0].op};
-    else return {kInterpreted, 0};
-    if (r.act != BRRR_OP_SILU && r.act != BRRR_OP_GELU && r.act != BRRR_OP_GELU_TANH) return {kInterpreted, 0};
+    if (p.steps[0].op == BRRR_OP_ADD_TENSOR) r = {kBiasAct, p.steps[1].op, lean2};
+    else if (p.steps[1].op == BRRR_OP_MUL_TENSOR) r = {kActMul, p.steps[0].op, lean2};
+    else return {kInterpreted, 0, false};
+    if (r.act != BRRR_OP_SILU && r.act != BRRR_OP_GELU && r.act != BRRR_OP_GELU_TANH) return {kInterpreted, 0, false};
     if (lean && r.act == BRRR_OP_GELU) r.act = kGeluLean;
     return r;
 }
@@ -752,6 +901,26 @@ static void rows_kernel(const brrr_chain_launch &L, bool backward, dim3 grid, bo
     const dim3 block(kTileCols, kRowLanes);
     if (backward) chain_bwd_rows_kernel<T, VEC, kOps, kForm, kAct><<<grid, block, 0, stream>>>(L, whole);
     else chain_fwd_rows_kernel<T, VEC, kOps, kForm, kAct><<<grid, block, 0, stream>>>(L, whole);
+}
+
+// The lean2 kernels take 2-d launches (a row stride per tensor), bias+activation with a vector
+// operand (the bias) and the GLUs with a tensor one, and fewer than 2^30 rows (32-bit counts).
+static bool lean2_applies(const brrr_chain_launch &L, int form) {
+    return L.ndim == 2 && (L.operand_is_vector[0] != 0) == (form == kBiasAct) && L.numel / L.row_length < ((int64_t)1 << 30);
+}
+
+template <typename T, int VEC, int kForm, int kAct>
+static void lean2_kernel(const brrr_chain_launch &L, bool backward, dim3 grid, cudaStream_t stream) {
+    const dim3 block(kTileCols, kRowLanes);
+    if (backward) chain_bwd_rows_lean2_kernel<T, VEC, kForm, kAct><<<grid, block, 0, stream>>>(L);
+    else chain_fwd_rows_lean2_kernel<T, VEC, kForm, kAct><<<grid, block, 0, stream>>>(L);
+}
+
+template <typename T, int VEC, int kForm>
+static void lean2_rows_kernel(const brrr_chain_launch &L, int act, bool backward, dim3 grid, cudaStream_t stream) {
+    if (act == BRRR_OP_SILU) lean2_kernel<T, VEC, kForm, BRRR_OP_SILU>(L, backward, grid, stream);
+    else if (act == BRRR_OP_GELU_TANH) lean2_kernel<T, VEC, kForm, BRRR_OP_GELU_TANH>(L, backward, grid, stream);
+    else lean2_kernel<T, VEC, kForm, kGeluLean>(L, backward, grid, stream);  // lean2 implies lean's gelu
 }
 
 template <typename T, int VEC, int kForm>
@@ -769,6 +938,10 @@ static void launch_rows(const brrr_chain_launch &L, bool backward, int device, c
     const bool whole = rows_read_whole();
     if constexpr (kOps == 1 && VEC > 1) {
         const RowProgram f = row_program(L);
+        if (f.form != kInterpreted && f.lean2 && lean2_applies(L, f.form)) {
+            if (f.form == kBiasAct) return lean2_rows_kernel<T, VEC, kBiasAct>(L, f.act, backward, grid, stream);
+            return lean2_rows_kernel<T, VEC, kActMul>(L, f.act, backward, grid, stream);
+        }
         if (f.form == kBiasAct) return fixed_rows_kernel<T, VEC, kBiasAct>(L, f.act, backward, grid, whole, stream);
         if (f.form == kActMul) return fixed_rows_kernel<T, VEC, kActMul>(L, f.act, backward, grid, whole, stream);
     }

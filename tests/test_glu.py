@@ -217,9 +217,10 @@ def _under_program(monkeypatch, value, run):
 def test_bias_activation_row_programs(monkeypatch, dtype, op, shape, layout, bias_grad):
     """BRRR_CHAIN_ROWS_PROGRAM: the row kernels' program interpreted (unset, `interpret`) or
     fixed at compile time (`fixed`: the same arithmetic, so the same bits, in the output and
-    both gradients; `lean`: gelu's constants folded, so only silu and gelu_tanh keep the bits),
-    each against the float64 reference. 4097 columns take the one-column kernels, which always
-    interpret; padded rows keep the 16-byte packs."""
+    both gradients; `lean`: gelu's constants folded, so only silu and gelu_tanh keep the bits;
+    `lean2`: `lean`'s arithmetic in other kernels, so `lean`'s bits), each against the float64
+    reference. 4097 columns take the one-column kernels, which always interpret; padded rows keep
+    the 16-byte packs; 1 and 37 rows leave threads fewer rows than pipeline stages."""
     rows, cols = shape
     fn = BIAS_ACTS[op]
 
@@ -238,14 +239,18 @@ def test_bias_activation_row_programs(monkeypatch, dtype, op, shape, layout, bia
         out.backward(grad)
         return out, xb.grad, bb.grad
 
-    results = {v: _under_program(monkeypatch, v, run) for v in (None, "interpret", "fixed", "lean")}
+    results = {v: _under_program(monkeypatch, v, run) for v in (None, "interpret", "fixed", "lean", "lean2")}
     x64, b64 = leaves64(x, bias)
     ref_act = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}[op]
     ref = ref_act(x64 + b64)
     ref.backward(grad.double().cpu())
-    same_bits = ("interpret", "fixed") if op == "gelu" and dtype in (torch.float16, torch.bfloat16) else ("interpret", "fixed", "lean")
+    same_bits = ("interpret", "fixed") if op == "gelu" and dtype in (torch.float16, torch.bfloat16) else ("interpret", "fixed", "lean", "lean2")
     for value, (out, grad_x, grad_bias) in results.items():
         assert (grad_bias is None) == (not bias_grad), value
+        if value == "lean2":
+            lean = results["lean"]
+            assert torch.equal(out, lean[0]) and torch.equal(grad_x, lean[1]), value
+            assert not bias_grad or torch.equal(grad_bias, lean[2]), value
         if value in same_bits:
             base = results[None]
             assert torch.equal(out, base[0]) and torch.equal(grad_x, base[1]), value
@@ -258,12 +263,43 @@ def test_bias_activation_row_programs(monkeypatch, dtype, op, shape, layout, bia
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(BIAS_ACTS))
+@pytest.mark.parametrize("layout", ["dense", "gaps between batches"])
+def test_bias_activation_lean2_batched(monkeypatch, dtype, op, layout):
+    """BRRR_CHAIN_ROWS_PROGRAM=lean2 on (batch, seq, hidden) x: dense, it coalesces to the 2-d
+    rows the lean2 kernels take; with gaps between batches it stays 3-d and runs as `lean`.
+    Either way `lean`'s bits, and the float64 reference."""
+    batch, seq, cols = 3, 67, 136
+    x = random((batch, seq + (5 if layout != "dense" else 0), cols), dtype, "cuda")[:, :seq]
+    grad, bias = random((batch, seq, cols), dtype, "cuda"), random((cols,), dtype, "cuda")
+
+    def run():
+        xb, bb = x.detach().requires_grad_(), bias.detach().requires_grad_()
+        out = BIAS_ACTS[op](xb, bb)
+        out.backward(grad)
+        return out, xb.grad, bb.grad
+
+    results = {v: _under_program(monkeypatch, v, run) for v in ("lean", "lean2")}
+    for a, b in zip(results["lean"], results["lean2"]):
+        assert torch.equal(a, b)
+    x64, b64 = leaves64(x, bias)
+    ref_act = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}[op]
+    ref = ref_act(x64 + b64)
+    ref.backward(grad.double().cpu())
+    out, grad_x, grad_bias = results["lean2"]
+    assert_close(out, ref, dtype)
+    assert_close(grad_x, x64.grad, dtype, scale=2.0)
+    assert_close(grad_bias, b64.grad, dtype, scale=max(2.0, (batch * seq) ** 0.5))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", list(GLUS))
 @pytest.mark.parametrize("cols", [64, 136, 4096 + 16])
 def test_split_glu_row_programs(monkeypatch, dtype, activation, cols):
     """The GLUs on the halves of x (row kernels, an x-shaped operand) under every
     BRRR_CHAIN_ROWS_PROGRAM value: `fixed` the interpreter's bits, `lean` too but for gelu in
-    half storage; all against the float64 reference."""
+    half storage, `lean2` `lean`'s bits; all against the float64 reference."""
     x, grad = random((37, 2 * cols), dtype, "cuda"), random((37, cols), dtype, "cuda")
 
     def run():
@@ -272,21 +308,55 @@ def test_split_glu_row_programs(monkeypatch, dtype, activation, cols):
         y.backward(grad)
         return y, xb.grad
 
-    results = {v: _under_program(monkeypatch, v, run) for v in (None, "fixed", "lean")}
+    results = {v: _under_program(monkeypatch, v, run) for v in (None, "fixed", "lean", "lean2")}
     (x64,) = leaves64(x)
     ref = ref_glu(activation, x64[:, :cols], x64[:, cols:])
     ref.backward(grad.double().cpu())
     lean_differs = activation == "gelu" and dtype in (torch.float16, torch.bfloat16)
     for value, (y, grad_x) in results.items():
-        if value == "fixed" or (value == "lean" and not lean_differs):
+        if value == "fixed" or (value in ("lean", "lean2") and not lean_differs):
             assert torch.equal(y, results[None][0]) and torch.equal(grad_x, results[None][1]), value
+        if value == "lean2":
+            assert torch.equal(y, results["lean"][0]) and torch.equal(grad_x, results["lean"][1]), value
         assert_close(y, ref, dtype)
         assert_close(grad_x, x64.grad, dtype, scale=2.0)
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", list(GLUS))
+@pytest.mark.parametrize("up_grad", [True, False])
+def test_glu_row_programs_with_padded_gate(monkeypatch, dtype, activation, up_grad):
+    """A GLU of a gate with padded rows and a dense up (row kernels; the two row strides differ):
+    `lean2` gives `lean`'s bits, and both gradients match the float64 reference."""
+    rows, cols = 45, 136
+    pad = 16 // torch.empty((), dtype=dtype).element_size()
+    gate = random((rows, cols + pad), dtype, "cuda")[:, :cols]
+    up, grad = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
+
+    def run():
+        gb, ub = gate.detach().requires_grad_(), up.detach().requires_grad_(up_grad)
+        y = GLUS[activation](gb, ub)
+        y.backward(grad)
+        return y, gb.grad, ub.grad
+
+    results = {v: _under_program(monkeypatch, v, run) for v in ("lean", "lean2")}
+    for a, b in zip(results["lean"], results["lean2"]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    g64, u64 = leaves64(gate, up)
+    ref = ref_glu(activation, g64, u64)
+    ref.backward(grad.double().cpu())
+    y, grad_gate, grad_up = results["lean2"]
+    assert (grad_up is None) == (not up_grad)
+    assert_close(y, ref, dtype)
+    assert_close(grad_gate, g64.grad, dtype, scale=2.0)
+    if up_grad:
+        assert_close(grad_up, u64.grad, dtype, scale=2.0)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("value", ["fixed", "lean"])
+@pytest.mark.parametrize("value", ["fixed", "lean", "lean2"])
 def test_bias_gelu_row_programs_at_every_value(monkeypatch, dtype, value):
     """Every float16 and bfloat16 in [-10, 10] through bias_gelu's fixed row kernels (zero bias,
     rows of 64): gelu and its derivative (grad_x under a unit gradient) the correctly rounded
