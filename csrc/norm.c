@@ -23,6 +23,7 @@
 #include <float.h>
 #include <math.h>
 #include <numpy/arrayobject.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -105,7 +106,7 @@ typedef struct {
     const brrr_norm_launch *L;
     int64_t chunk_rows;
     double *partial_w, *partial_b; /* [chunk][cols], or NULL */
-    int out_of_memory;             /* set by a task without room for its sums */
+    atomic_int out_of_memory;      /* set by a task without room for its sums */
 } norm_bwd_work;
 
 #include "cpu_real_f32.h"
@@ -140,7 +141,7 @@ static int cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b)
     const int64_t items = (L->rows + work.chunk_rows - 1) / work.chunk_rows, per_item = work.chunk_rows * n;
     brrr_cpu_parallel_for(items, per_item,
                           L->dtype == BRRR_F64 ? norm_bwd_chunks_f64 : norm_bwd_chunks_f32, &work);
-    if (work.out_of_memory) {
+    if (atomic_load(&work.out_of_memory)) {
         free(partials);
         return -1;
     }
