@@ -23,6 +23,7 @@
 #include <float.h>
 #include <math.h>
 #include <numpy/arrayobject.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -105,6 +106,7 @@ typedef struct {
     const brrr_norm_launch *L;
     int64_t chunk_rows;
     double *partial_w, *partial_b; /* [chunk][cols], or NULL */
+    atomic_int out_of_memory;      /* set by a task without room for its sums */
 } norm_bwd_work;
 
 #include "cpu_real_f32.h"
@@ -119,10 +121,11 @@ static void cpu_norm_fwd(const brrr_norm_launch *L) {
                           L->dtype == BRRR_F64 ? norm_fwd_rows_f64 : norm_fwd_rows_f32, (void *)L);
 }
 
-/* acc_w / acc_b: cols zeroed accumulators each, for the gradients asked for (else NULL). */
-static void cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b) {
+/* acc_w / acc_b: cols zeroed accumulators each, for the gradients asked for (else NULL). 0, or -1
+ * without room for the sums (no error set: this runs without the GIL). */
+static int cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b) {
     const int64_t n = L->cols, chunk_rows = brrr_cpu_chunk_rows(L->rows), chunks = (L->rows + chunk_rows - 1) / chunk_rows;
-    norm_bwd_work work = {L, chunk_rows, NULL, NULL};
+    norm_bwd_work work = {L, chunk_rows, NULL, NULL, 0};
     double *partials = NULL;
     if (acc_w || acc_b) {
         partials = calloc((size_t)(2 * chunks * n), sizeof(double));
@@ -138,6 +141,10 @@ static void cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b
     const int64_t items = (L->rows + work.chunk_rows - 1) / work.chunk_rows, per_item = work.chunk_rows * n;
     brrr_cpu_parallel_for(items, per_item,
                           L->dtype == BRRR_F64 ? norm_bwd_chunks_f64 : norm_bwd_chunks_f32, &work);
+    if (atomic_load(&work.out_of_memory)) {
+        free(partials);
+        return -1;
+    }
     for (int64_t k = 0; partials && k < chunks; k++) {
         for (int64_t j = 0; acc_w && j < n; j++) acc_w[j] += work.partial_w[k * n + j];
         for (int64_t j = 0; acc_b && j < n; j++) acc_b[j] += work.partial_b[k * n + j];
@@ -147,6 +154,7 @@ static void cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b
         if (acc_w) brrr_store_f64(L->weight_dtype, L->grad_weight.data, col_off(L, &L->grad_weight, j), acc_w[j]);
         if (acc_b) brrr_store_f64(L->weight_dtype, L->grad_bias.data, col_off(L, &L->grad_bias, j), acc_b[j]);
     }
+    return 0;
 }
 
 /* ---- layout and launch ------------------------------------------------------------------------- */
@@ -260,11 +268,13 @@ static int norm_run(brrr_op_call *c) {
         return -1;
     }
     double *acc_w = t[R_GRAD_WEIGHT] ? acc : NULL, *acc_b = t[R_GRAD_BIAS] ? acc + L.cols : NULL;
+    int status;
     BRRR_CPU_BEGIN(c)
-    cpu_norm_bwd(&L, acc_w, acc_b);
+    status = cpu_norm_bwd(&L, acc_w, acc_b);
     BRRR_CPU_END
     PyMem_RawFree(acc);
-    return 0;
+    if (status < 0) PyErr_NoMemory();
+    return status;
 }
 
 /* ---- the ops ------------------------------------------------------------------------------------- */
