@@ -600,19 +600,12 @@ template <int BYTES> __device__ __forceinline__ void stage_copy(void *smem, cons
     }
 }
 
-// Waits until at most n (0..kBwdDeepStages - 1) of this thread's committed copy groups are
-// still in flight.
-__device__ __forceinline__ void copy_async_wait_for(int n) {
-    switch (n) {
-    case 0: copy_async_wait<0>(); break;
-    case 1: copy_async_wait<1>(); break;
-    case 2: copy_async_wait<2>(); break;
-    case 3: copy_async_wait<3>(); break;
-    case 4: copy_async_wait<4>(); break;
-    case 5: copy_async_wait<5>(); break;
-    case 6: copy_async_wait<6>(); break;
-    default: copy_async_wait<7>(); break;
+// Waits until at most n (0..N) of this thread's committed copy groups are still in flight.
+template <int N> __device__ __forceinline__ void copy_async_wait_for(int n) {
+    if constexpr (N > 0) {
+        if (n < N) return copy_async_wait_for<N - 1>(n);
     }
+    copy_async_wait<N>();
 }
 
 __device__ __forceinline__ void named_barrier(int id, int threads) {
@@ -750,7 +743,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int g = threadIdx.x / tpr, t = threadIdx.x % tpr, lane = threadIdx.x & 31;
     const int rank = kSplit > 1 ? (int)(blockIdx.x % kSplit) : 0, cluster = (int)(blockIdx.x / kSplit),
               clusters = (int)(gridDim.x / kSplit);
-    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC, row_elems = lay.ring_row;
+    // (deep, the packed ring: 512-thread blocks only, see bwd_config)
+    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC, row_elems = kThreads <= 512 ? lay.ring_row : tpr * E;
     const int col0 = rank * lay.split_cols, ncols = kSplit > 1 && rank > 0 ? cols - col0 : (kSplit > 1 ? lay.split_cols : cols);
     const int mine = packs_in_row(true, ncols, first, stride);
     if constexpr (kSplit > 1) {
@@ -846,7 +840,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int row = c * chunk_rows + g; row < chunk_end(c); row += lanes) {
             issue(in);
             in = in + 1 == stages ? 0 : in + 1;
-            copy_async_wait_for(stages - 1);
+            copy_async_wait_for<(kThreads <= 512 ? kBwdDeepStages : kBwdMaxStages) - 1>(stages - 1);
             if (tpr >= 32) __syncwarp();  // the leader's copies of the scalars, for its warp
             else __syncwarp(warp_mask);
             const T *xs = ring + out * tensors * row_elems, *dys = xs + row_elems, *gs = dys + row_elems;
@@ -923,7 +917,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (!want_dw && !want_db) continue;
         // The chunk's partial row: the lanes' sums added in lane order.
         A *const part = static_cast<A *>(L.partials);
-        if (lanes > 1 && lay.deep) {
+        if (kThreads <= 512 && lanes > 1 && lay.deep) {  // (deep: 512-thread blocks, see bwd_config)
             // Lane l adds its sums into the buffer after lane l - 1 (lane 0 stores its own), the last
             // lane into the partial row; the barrier after the last lane's turn also keeps the next
             // chunk's lane 0 from the buffer until it has been read.
@@ -1481,8 +1475,7 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     // Reading the weight from global memory takes 16-byte loads where vec > 1.
     const WeightPlace place = weight_place();
     const char *kernel = getenv("BRRR_NORM_BWD_KERNEL");
-    const bool deep = kernel != nullptr && strcmp(kernel, "deep") == 0;
-    const int max_stages = deep ? kBwdDeepStages : kBwdMaxStages;
+    const bool want_deep = kernel != nullptr && strcmp(kernel, "deep") == 0;
     // Half rows never need it: their widest ring (three rows of 16384 columns, 96 KB) and the
     // float32 copy (64 KB) fit together, and its second dtype branch cost the 1024-thread
     // kernels spills.
@@ -1495,6 +1488,10 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     // at 16384 columns, where the copy does not fit, 2.35 ms from global memory against 6.27 ms in
     // the generic kernels.
     auto fit = [&](int64_t tpr, int packs, int threads, int split, int64_t ncols) {
+        // deep only in 512-thread blocks: its code, compiled into the 1024-thread kernels, made
+        // them spill (bfloat16 single-element rows with a bias gradient: none to 40 bytes; ptxas, sm_90)
+        const bool deep = want_deep && threads <= 512;
+        const int max_stages = deep ? kBwdDeepStages : kBwdMaxStages;
         BwdLayout best[2] = {};  // [copy]
         for (int copy = 0; copy < 2; ++copy) {
             if (copy == 0 ? !global_ok : place == WeightPlace::kGlobal && global_ok) continue;
