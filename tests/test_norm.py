@@ -892,3 +892,69 @@ def test_forward_several_rows_views_and_orders(monkeypatch, dtype, value):
             compare("rms_norm", dtype, x, r, (cols,), w, None, cast_order="llama")
             compare("rms_norm", dtype, x, r, (cols,), w, None, offset=1.0)
             compare("rms_norm", dtype, x, r, (cols,), w, None, cast_order="llama", offset=1.0)
+
+
+DEEP_COLS = [1, 7, 767, 768, 769, 1024, 4096, 5120, 5121, 8192]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", DEEP_COLS)
+def test_backward_deep_ring(monkeypatch, dtype, kind, residual, cols):
+    """BRRR_NORM_BWD_KERNEL=deep: the backward's ring packed to the row's columns, up to 8 stages,
+    and the lanes' weight/bias sums meeting in one buffer, lane after lane. Against the float64
+    reference: one row, a last chunk short of the lanes (37), many chunks (9001; the block walks
+    several), every gradient; the weight and bias absent, float32 weights for half inputs."""
+    monkeypatch.setenv("BRRR_NORM_BWD_KERNEL", "deep")
+    for rows in (1, 37) + ((9001,) if cols in (767, 768, 1024, 5120) else ()):
+        x = random((rows, cols), dtype, "cuda")
+        r = random((rows, cols), dtype, "cuda") if residual else None
+        w, b = params(kind, "both", (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b)
+    x = random((37, cols), dtype, "cuda")
+    r = random((37, cols), dtype, "cuda") if residual else None
+    compare(kind, dtype, x, r, (cols,), None, None)
+    if dtype != torch.float32:
+        w, b = params(kind, "both", (cols,), torch.float32, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", DEEP_COLS)
+def test_backward_deep_ring_is_the_default_bits(monkeypatch, dtype, kind, residual, cols):
+    """deep changes where rows wait in shared memory and how the lanes' sums meet, not one
+    addition: every gradient, grad_x included, has the default's bits (a last chunk short of the
+    lanes: 9001 rows make chunks of 36)."""
+    x, g = random((9001, cols), dtype, "cuda"), random((9001, cols), dtype, "cuda")
+    r = random((9001, cols), dtype, "cuda") if residual else None
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    deep = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "deep"}, kind, x, r, w, b, g)
+    default = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "ring"}, kind, x, r, w, b, g)
+    _assert_same_bits(deep, default, "deep")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_deep_ring_views_and_orders(monkeypatch, dtype):
+    """BRRR_NORM_BWD_KERNEL=deep on strided and permuted rows, x and the residual strided
+    differently; Llama's cast order and RMSNorm's weight offset (Gemma's 1 + weight)."""
+    monkeypatch.setenv("BRRR_NORM_BWD_KERNEL", "deep")
+    for name, x, ns in _views("cuda", dtype):
+        for kind in KINDS:
+            w, b = params(kind, "both", ns, dtype, "cuda")
+            compare(kind, dtype, x, None, ns, w, b)
+            compare(kind, dtype, x, random(x.shape, dtype, "cuda"), ns, w, b)
+            compare(kind, dtype, random(x.shape, dtype, "cuda"), x, ns, w, b)
+    for cols in (768, 1024, 4096):
+        for residual in (False, True):
+            x = random((301, cols), dtype, "cuda")
+            r = random((301, cols), dtype, "cuda") if residual else None
+            w = random((cols,), dtype, "cuda", -0.5, 0.5)
+            compare("rms_norm", dtype, x, r, (cols,), w, None, cast_order="llama")
+            compare("rms_norm", dtype, x, r, (cols,), w, None, offset=1.0)
+            compare("rms_norm", dtype, x, r, (cols,), w, None, cast_order="llama", offset=1.0)
