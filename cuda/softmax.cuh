@@ -158,9 +158,14 @@ __global__ void __launch_bounds__(512) softmax_rows_kernel(const brrr_softmax_la
             }
         }
         m = block_reduce<true>(m, scratch);
+        // The padding is left out of the sum: where the whole row is -inf, m stays lowest and
+        // exp(lowest - m) would be 1; the sum must be 0 then, for NaN results as torch gives.
         A s = A(0);
 #pragma unroll
-        for (int j = 0; j < PACKS * P; ++j) s += exp_<TY>(a[j] - m);  // 0 for the padding
+        for (int k = 0; k < PACKS; ++k)
+#pragma unroll
+            for (int j = 0; j < P; ++j)
+                if (have[k]) s += exp_<TY>(a[k * P + j] - m);
         s = block_reduce<false>(s, scratch);
         const A shift = m + log_(s), inv = A(1) / s;
         TY *y = static_cast<TY *>(L.out) + row_off(L, 2, r);
@@ -841,11 +846,18 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t 
     const bool want_tile = force ? strcmp(force, "tile") == 0 : L.cols > 1024;
     const bool want_rows = force ? strcmp(force, "rows") == 0 : true;
     // group: the group kernel's own packs a thread; group1, group2, group4, group8: that many.
-    const bool want_group = force && strncmp(force, "group", 5) == 0;
-    if (pack && want_group) {
+    // Unset, the group kernel where it measured faster (H200, 16384 rows, device time,
+    // docs/kernel-switches.md): float32 past 1024 columns (backward 9-11% faster at 4096 and
+    // 32768, 5% at 131072; forward 6% at 32768, the same at 4096 and 131072), and half-precision
+    // forwards of 1025-4096 columns at 4 packs a thread (bfloat16 4096: 0.073 ms against the tile
+    // kernel's 0.082).
+    int group = -1;
+    if (force && strncmp(force, "group", 5) == 0) group = force[5] ? atoi(force + 5) : 0;
+    else if (!force && sizeof(TX) == 4 && sizeof(TY) == 4 && L.cols > 1024) group = 0;
+    else if (!force && sizeof(TX) == 2 && sizeof(TY) == 2 && !kBackward && L.cols > 1024 && L.cols <= 4096) group = 4;
+    if (pack && group >= 0) {
         cudaError_t err = cudaSuccess;
-        const char *per = force + 5;
-        if (launch_group<TX, TY, kBackward>(L, *per ? atoi(per) : 0, device, stream, &err))
+        if (launch_group<TX, TY, kBackward>(L, group, device, stream, &err))
             return err != cudaSuccess ? err : cudaGetLastError();
     }
     if (pack && want_smem) {
