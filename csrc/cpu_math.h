@@ -160,7 +160,7 @@ static inline float brrr_exp_tail_scaled_half(float a) {
  * division and with shorter polynomials, relative error below 3e-5 (tests/test_chain.py checks
  * gelu and its derivative at every half value). The division was most of erfc's time: one
  * vector division occupies its port for 10 or more cycles. Instead t = 1 / (1 + 0.44 z) is a
- * reciprocal guessed from the bits (6% off) and refined by two Newton steps (6.5e-6). P, of
+ * reciprocal guessed from the bits (5% off) and refined by two Newton steps (6.5e-6). P, of
  * degree 4, is fitted with its error weighted 10 times for z in [0.45, 0.62] (2.5e-6 there, where
  * gelu's derivative crosses zero: 1/2 erfc(z) less z e^(-z^2) / sqrt(pi), both near 0.23, leave a
  * result near 8e-4 that bfloat16 rounds relative to itself). */
