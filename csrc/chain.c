@@ -69,6 +69,15 @@
 #include "chain_math.inc"
 #include "chain_math_end.inc"
 
+/* The erf GELU for float16 and bfloat16 storage, whose 11 and 8 bits do not need float32's
+ * accuracy: cpu_math.h's erfc and exponential for half storage, about half the float32 cost. */
+static inline float gelu_half_fwd_f32(float y) { return 0.5f * y * brrr_erfcf_half(-0.70710678f * y); }
+static inline float gelu_half_fwd_grad_f32(float y, float *d) {
+    const float cdf = 0.5f * brrr_erfcf_half(-0.70710678f * y);
+    *d = cdf + y * 0.39894228f * (brrr_exp_tail_scaled_half(-0.5f * y * y) * 0x1p-64f);
+    return y * cdf;
+}
+
 static const struct {
     const char *name;
     int op;
@@ -239,8 +248,9 @@ typedef struct {
 
 enum { T_X, T_OUT, T_GRAD_OUT, T_OPERANDS, T_GRAD_OPERANDS = T_OPERANDS + BRRR_MAX_CHAIN_OPERANDS, T_COUNT = T_GRAD_OPERANDS + BRRR_MAX_CHAIN_OPERANDS };
 
-/* One unary or scalar step over a block: out = step(in), and d = its derivative unless NULL. */
-BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, float *restrict out,
+/* One unary or scalar step over a block: out = step(in), and d = its derivative unless NULL.
+ * half: the results are stored as float16 or bfloat16 (the erf GELU takes its cheaper form). */
+BRRR_SIMD static void block_step_f32(int op, int half, float c, const float *restrict in, float *restrict out,
                                      float *restrict d, int64_t n) {
 #define UNARY(name)                                                                                   \
     if (d) {                                                                                          \
@@ -258,7 +268,11 @@ BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, 
     break;
     switch (op) {
     case BRRR_OP_RELU: UNARY(relu)
-    case BRRR_OP_GELU: UNARY(gelu)
+    case BRRR_OP_GELU:
+        if (half) {
+            UNARY(gelu_half)
+        }
+        UNARY(gelu)
     case BRRR_OP_GELU_TANH: UNARY(gelu_tanh)
     case BRRR_OP_SILU: UNARY(silu)
     case BRRR_OP_SIGMOID: UNARY(sigmoid)
@@ -312,8 +326,8 @@ BRRR_SIMD static void block_step_f32(int op, float c, const float *restrict in, 
  * scratch buffer a or b (whichever does not hold its input), the last one into dst when dst is
  * non-NULL, so that x and out can be read and written in place. vals[k] is operand k's block.
  * Backward (total non-NULL): total receives d out / d x and grads[k] d out / d operand k, d
- * being scratch. Returns where the result is. */
-BRRR_SIMD static const float *block_program_f32(const brrr_chain_steps *p, const float *src, float *a, float *b,
+ * being scratch. half: as in block_step_f32. Returns where the result is. */
+BRRR_SIMD static const float *block_program_f32(const brrr_chain_steps *p, int half, const float *src, float *a, float *b,
                                                 float *dst, const float *const *vals, float *d, float *total,
                                                 float *const *grads, int64_t n) {
     int active = 0; /* operands whose step has been passed: their gradient takes every later factor */
@@ -344,7 +358,7 @@ BRRR_SIMD static const float *block_program_f32(const brrr_chain_steps *p, const
             }
             for (int64_t i = 0; i < n; i++) out[i] = cur[i] * v[i];
         } else {
-            block_step_f32(op, (float)p->steps[k].scalar, cur, out, total ? d : NULL, n);
+            block_step_f32(op, half, (float)p->steps[k].scalar, cur, out, total ? d : NULL, n);
             if (total) {
                 for (int64_t i = 0; i < n; i++) total[i] *= d[i];
             }
@@ -438,7 +452,7 @@ BRRR_SIMD static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
                 }
                 const int in_place = !bwd && dt == BRRR_F32 && col_stride(w, T_OUT) == 1 && L->out.data != L->x.data;
                 float *dst = in_place ? out : NULL;
-                const float *y = block_program_f32(p, x, fb[B_A], fb[B_B], dst, operand_f32, fb[B_D],
+                const float *y = block_program_f32(p, dt != BRRR_F32, x, fb[B_A], fb[B_B], dst, operand_f32, fb[B_D],
                                                    bwd ? fb[B_TOTAL] : NULL, grads, n);
                 if (bwd) { /* grad_x = grad_out * total, grad operand k = grad_out * grads[k] */
                     float *total = fb[B_TOTAL];

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import brrr
+from helpers import assert_close
 
 ULP = 2.0 ** -24
 
@@ -64,3 +65,58 @@ def test_special_values(name):
     assert np.array_equal(np.isnan(got), np.isnan(ref)), (got, ref)
     finite = ~np.isnan(ref)
     np.testing.assert_allclose(got[finite], ref[finite].astype(np.float32), rtol=8 * ULP, atol=1e-44)
+
+
+def _every_half_value(dtype, low, high):
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    return x[torch.isfinite(x) & (x >= low) & (x <= high)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gelu_half_storage_every_value_through_geglu(dtype):
+    """Half storage takes its own erfc (no division, shorter polynomials: csrc/cpu_math.h). Every
+    float16 and bfloat16 gate in [-10, 10], as a strided view, through GeGLU with fresh random up
+    values: the output and both gradients against float64 within the dtype's tolerance, and gelu
+    and its derivative (up = 1) within one ulp of the float64 values."""
+    from math import pi, sqrt
+
+    values = _every_half_value(dtype, -10.0, 10.0)
+    gate = torch.stack([values, torch.zeros_like(values)], 1)[:, 0]  # stride 2
+    x64 = gate.double()
+    cdf = 0.5 * torch.special.erfc(-x64 / sqrt(2.0))
+    ref, ref_grad = x64 * cdf, cdf + x64 * torch.exp(-0.5 * x64 * x64) / sqrt(2 * pi)
+    for up in (torch.ones_like(gate), torch.randn(gate.shape, dtype=torch.float64).to(dtype)):
+        g = gate.detach().requires_grad_()
+        u = up.detach().requires_grad_()
+        grad_out = torch.randn(gate.shape, dtype=torch.float64).to(dtype)
+        y = brrr.geglu(g, u)
+        grad_gate, grad_up = torch.autograd.grad(y, (g, u), grad_out)
+        up64, go64 = up.double(), grad_out.double()
+        assert_close(y, ref * up64)
+        assert_close(grad_gate, go64 * up64 * ref_grad)
+        assert_close(grad_up, go64 * ref)
+    ulp, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).smallest_normal
+    g = gate.detach().requires_grad_()
+    y = brrr.gelu(g)
+    (grad,) = torch.autograd.grad(y, g, torch.ones_like(y))
+    for name, got, want in (("gelu", y, ref), ("grad", grad, ref_grad)):
+        bad = ~((got.detach().double() - want).abs() <= ulp * want.abs() + tiny)
+        assert not bool(bad.any()), (name, x64[bad][:8].tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gelu_half_storage_special_values(dtype):
+    """Infinities, NaN, signed zeros and the largest values: torch's gelu and its derivative
+    (their NaN where x * pdf is inf * 0)."""
+    big = torch.finfo(dtype).max
+    x = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 200.0, -200.0, big, -big], dtype=dtype)
+    x64 = x.double().requires_grad_()
+    ref = torch.nn.functional.gelu(x64)
+    (ref_grad,) = torch.autograd.grad(ref, x64, torch.ones_like(ref))
+    g = x.clone().requires_grad_()
+    y = brrr.gelu(g)
+    (grad,) = torch.autograd.grad(y, g, torch.ones_like(y))
+    for got, want in ((y, ref.detach().to(dtype)), (grad, ref_grad.to(dtype))):
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), (got, want)
+        finite = ~torch.isnan(want)
+        assert torch.equal(got[finite], want[finite]), (got, want)
