@@ -30,8 +30,7 @@
 //                     brrr_norm_lanes(cols) such groups within 512 threads (128 registers each;
 //                     the widest rows split over a cluster of two such blocks on sm_90, else
 //                     1024 threads at 64 registers), each streaming its rows through a
-//                     cp.async ring in shared memory (up to 3 rows in flight per group; 7 with
-//                     BRRR_NORM_BWD_KERNEL=deep, see BwdLayout), the
+//                     cp.async ring in shared memory (up to 3 rows in flight per group), the
 //                     weight and bias gradients summed in registers in the order of brrr_cuda.h
 //                     (see the kernel).
 // norm_fwd_generic_kernel, norm_bwd_dx_generic_kernel
@@ -580,8 +579,6 @@ template <typename T, typename A> __device__ __forceinline__ A add_dw(A acc, A d
 // ---- backward: the fast path ----------------------------------------------------------------
 
 constexpr int kBwdMaxThreads = 1024, kBwdMaxLanes = 8, kBwdMaxStages = 4;
-// BRRR_NORM_BWD_KERNEL=deep: up to 8 stages (7 rows in flight a group; see BwdLayout).
-constexpr int kBwdDeepStages = 8;
 // A row's scalars in the ring, one slot per warp of a group: the saved mean and rstd, and x's
 // first element (the shift, as T).
 enum { kSlotMean, kSlotRstd, kSlotShift, kSlotSize = 4 };
@@ -600,12 +597,14 @@ template <int BYTES> __device__ __forceinline__ void stage_copy(void *smem, cons
     }
 }
 
-// Waits until at most n (0..N) of this thread's committed copy groups are still in flight.
-template <int N> __device__ __forceinline__ void copy_async_wait_for(int n) {
-    if constexpr (N > 0) {
-        if (n < N) return copy_async_wait_for<N - 1>(n);
+// Waits until at most n (0..3) of this thread's committed copy groups are still in flight.
+__device__ __forceinline__ void copy_async_wait_for(int n) {
+    switch (n) {
+    case 0: copy_async_wait<0>(); break;
+    case 1: copy_async_wait<1>(); break;
+    case 2: copy_async_wait<2>(); break;
+    default: copy_async_wait<3>(); break;
     }
-    copy_async_wait<N>();
 }
 
 __device__ __forceinline__ void named_barrier(int id, int threads) {
@@ -646,29 +645,20 @@ __device__ __forceinline__ void lane_group_sum(A (&v)[kN], int tpr, int g, A (*s
 // ring, the buffer where the lanes' weight/bias sums meet at a chunk's end, [n_grads][lanes][cols],
 // and the weight in the compute type, unless weight_at is -1 (the kernel reads it from global
 // memory: rows whose ring and weight copy do not fit together, see bwd_config).
-// deep (BRRR_NORM_BWD_KERNEL=deep) packs the ring tighter to make room for more stages: a tensor's
-// row takes its cols elements (ring_row) instead of tpr * PACKS * VEC (768 bfloat16 columns: 768
-// instead of 1024), and the lanes' sums meet in one [n_grads][cols] buffer, each lane adding its
-// own in lane order behind a barrier (the same additions, in the same order, as the sum over
-// [lanes] of the default).
 // With it, the launch's chunk_rows (brrr_norm_chunk_rows: plain C, host only).
 struct BwdLayout {
     int tpr, lanes, stages, tensors, slots_per_group;
-    int ring_row, deep;                          // elements of a tensor's row in the ring; the packing above
     int slots_at, combine_at, weight_at, bytes;  // byte offsets in the block's shared memory, and its size
     int shift_word;                              // LayerNorm's shift copied as a 4-byte word (see issue)
     int split, split_cols;                       // blocks per row (a cluster), and rank 0's columns
     int64_t chunk_rows;
     template <typename T, typename A>
     static BwdLayout make(int tpr, int elements, int lanes, int stages, int tensors, int n_grads, int64_t cols,
-                          bool weight_copy, bool deep) {
-        // (cols <= tpr * elements: the ring's row as deep packs it holds every column a thread copies)
-        const int ring_row = deep ? (int)cols : tpr * elements;
-        BwdLayout b{tpr, lanes, stages, tensors, tpr < 32 ? 1 : tpr / 32, ring_row, (int)deep, 0, 0, 0, 0, 1, 1, (int)cols, 0};
-        const int64_t ring = ((int64_t)lanes * stages * tensors * ring_row * (int64_t)sizeof(T) + 15) / 16 * 16;
+                          bool weight_copy) {
+        BwdLayout b{tpr, lanes, stages, tensors, tpr < 32 ? 1 : tpr / 32, 0, 0, 0, 0, 1, 1, (int)cols, 0};
+        const int64_t ring = ((int64_t)lanes * stages * tensors * tpr * elements * (int64_t)sizeof(T) + 15) / 16 * 16;
         const int64_t slots = (int64_t)lanes * stages * b.slots_per_group * kSlotSize * (int64_t)sizeof(A);
-        const int64_t meet = deep ? 1 : lanes;  // sets of [n_grads][cols] where the lanes meet
-        const int64_t combine = lanes > 1 ? ((int64_t)n_grads * meet * cols * (int64_t)sizeof(A) + 15) / 16 * 16 : 0;
+        const int64_t combine = lanes > 1 ? ((int64_t)n_grads * lanes * cols * (int64_t)sizeof(A) + 15) / 16 * 16 : 0;
         const int64_t weight = weight_copy ? ((int64_t)tpr * elements * (int64_t)sizeof(A) + 15) / 16 * 16 : 0;  // the row's, padded
         const int64_t total = ring + slots + combine + weight;
         if (total > INT32_MAX) return b;  // bytes 0: does not fit
@@ -743,8 +733,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int g = threadIdx.x / tpr, t = threadIdx.x % tpr, lane = threadIdx.x & 31;
     const int rank = kSplit > 1 ? (int)(blockIdx.x % kSplit) : 0, cluster = (int)(blockIdx.x / kSplit),
               clusters = (int)(gridDim.x / kSplit);
-    // (deep, the packed ring: 512-thread blocks only, see bwd_config)
-    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC, row_elems = kThreads <= 512 ? lay.ring_row : tpr * E;
+    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC, row_elems = tpr * E;
     const int col0 = rank * lay.split_cols, ncols = kSplit > 1 && rank > 0 ? cols - col0 : (kSplit > 1 ? lay.split_cols : cols);
     const int mine = packs_in_row(true, ncols, first, stride);
     if constexpr (kSplit > 1) {
@@ -840,7 +829,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int row = c * chunk_rows + g; row < chunk_end(c); row += lanes) {
             issue(in);
             in = in + 1 == stages ? 0 : in + 1;
-            copy_async_wait_for<(kThreads <= 512 ? kBwdDeepStages : kBwdMaxStages) - 1>(stages - 1);
+            copy_async_wait_for(stages - 1);
             if (tpr >= 32) __syncwarp();  // the leader's copies of the scalars, for its warp
             else __syncwarp(warp_mask);
             const T *xs = ring + out * tensors * row_elems, *dys = xs + row_elems, *gs = dys + row_elems;
@@ -917,54 +906,28 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (!want_dw && !want_db) continue;
         // The chunk's partial row: the lanes' sums added in lane order.
         A *const part = static_cast<A *>(L.partials);
-        if (kThreads <= 512 && lanes > 1 && lay.deep) {  // (deep: 512-thread blocks, see bwd_config)
-            // Lane l adds its sums into the buffer after lane l - 1 (lane 0 stores its own), the last
-            // lane into the partial row; the barrier after the last lane's turn also keeps the next
-            // chunk's lane 0 from the buffer until it has been read.
-            auto meet = [&](int q, const A *acc) {
-                A *dst = g + 1 == lanes ? part + ((int64_t)q * chunks + c) * cols : combine + q * cols;
-                const A *buf = combine + q * cols;
+        const int n_grads = (int)want_dw + (int)want_db;
+        auto put = [&](int q, const A *acc) {
+            A *dst = lanes == 1 ? part + ((int64_t)q * chunks + c) * cols + col0 : combine + (q * lanes + g) * cols;
 #pragma unroll
-                for (int k = 0; k < PACKS; ++k) {
-                    if (k >= mine) continue;
+            for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        const int col = first + k * stride + j;
-                        dst[col] = g == 0 ? acc[k * VEC + j] : buf[col] + acc[k * VEC + j];
-                    }
-                }
-            };
-            for (int l = 0; l < lanes; ++l) {
-                if (g == l) {
-                    if (want_dw) meet(0, dw);
-                    if constexpr (kBias) meet(want_dw ? 1 : 0, db);
-                }
-                __syncthreads();
+                for (int j = 0; j < VEC; ++j) dst[first + k * stride + j] = acc[k * VEC + j];
             }
-        } else {
-            const int n_grads = (int)want_dw + (int)want_db;
-            auto put = [&](int q, const A *acc) {
-                A *dst = lanes == 1 ? part + ((int64_t)q * chunks + c) * cols + col0 : combine + (q * lanes + g) * cols;
-#pragma unroll
-                for (int k = 0; k < PACKS; ++k) {
-                    if (k >= mine) continue;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) dst[first + k * stride + j] = acc[k * VEC + j];
-                }
-            };
-            if (want_dw) put(0, dw);
-            if constexpr (kBias) put(want_dw ? 1 : 0, db);
-            if (lanes > 1) {
-                __syncthreads();
-                for (int i = threadIdx.x; i < n_grads * cols; i += blockDim.x) {
-                    const int q = i / cols, col = i - q * cols;
-                    const A *lane_sums = combine + (size_t)q * lanes * cols + col;
-                    A total = lane_sums[0];
-                    for (int l = 1; l < lanes; ++l) total += lane_sums[(size_t)l * cols];
-                    part[((int64_t)q * chunks + c) * cols + col] = total;
-                }
-                __syncthreads();  // the buffer is the next chunk's
+        };
+        if (want_dw) put(0, dw);
+        if constexpr (kBias) put(want_dw ? 1 : 0, db);
+        if (lanes > 1) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < n_grads * cols; i += blockDim.x) {
+                const int q = i / cols, col = i - q * cols;
+                const A *lane_sums = combine + (size_t)q * lanes * cols + col;
+                A total = lane_sums[0];
+                for (int l = 1; l < lanes; ++l) total += lane_sums[(size_t)l * cols];
+                part[((int64_t)q * chunks + c) * cols + col] = total;
             }
+            __syncthreads();  // the buffer is the next chunk's
         }
 #pragma unroll
         for (int i = 0; i < E; ++i) dw[i] = A(0);
@@ -1457,7 +1420,7 @@ static WeightPlace weight_place() {
 // rows too long for 1024 threads / lanes at bwd_max_elements each, or shared memory too small
 // for one stage). A row gets the most threads, up to 512 / lanes, at the fewest elements a
 // thread; past that, two such blocks of a cluster (sm_90) or one of 1024 threads; the ring as
-// many stages, up to 4 (8 deep), as the device's shared memory holds beside the weight's copy, or without
+// many stages, up to 4, as the device's shared memory holds beside the weight's copy, or without
 // the copy (the weight read from global memory) where that is the only way to hold one stage.
 // Without it, float32 add_layer_norm at 16384 columns (three rows of 64 KB and the weight's 64 KB,
 // past the 227 KB of an H200) took the generic kernels, at 35% of the memory floor.
@@ -1474,8 +1437,6 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     const size_t limit = dynamic_smem_limit(device, sizeof(A) * 2 * kBwdMaxLanes * 2 * 32);
     // Reading the weight from global memory takes 16-byte loads where vec > 1.
     const WeightPlace place = weight_place();
-    const char *kernel = getenv("BRRR_NORM_BWD_KERNEL");
-    const bool want_deep = kernel != nullptr && strcmp(kernel, "deep") == 0;
     // Half rows never need it: their widest ring (three rows of 16384 columns, 96 KB) and the
     // float32 copy (64 KB) fit together, and its second dtype branch cost the 1024-thread
     // kernels spills.
@@ -1488,15 +1449,11 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     // at 16384 columns, where the copy does not fit, 2.35 ms from global memory against 6.27 ms in
     // the generic kernels.
     auto fit = [&](int64_t tpr, int packs, int threads, int split, int64_t ncols) {
-        // deep only in 512-thread blocks: its code, compiled into the 1024-thread kernels, made
-        // them spill (bfloat16 single-element rows with a bias gradient: none to 40 bytes; ptxas, sm_90)
-        const bool deep = want_deep && threads <= 512;
-        const int max_stages = deep ? kBwdDeepStages : kBwdMaxStages;
         BwdLayout best[2] = {};  // [copy]
         for (int copy = 0; copy < 2; ++copy) {
             if (copy == 0 ? !global_ok : place == WeightPlace::kGlobal && global_ok) continue;
-            for (int stages = max_stages; stages >= 1 && best[copy].bytes == 0; --stages) {
-                BwdLayout lay = BwdLayout::make<T, A>((int)tpr, packs * vec, lanes, stages, tensors, n_grads, ncols, copy == 1, deep);
+            for (int stages = kBwdMaxStages; stages >= 1 && best[copy].bytes == 0; --stages) {
+                BwdLayout lay = BwdLayout::make<T, A>((int)tpr, packs * vec, lanes, stages, tensors, n_grads, ncols, copy == 1);
                 if (lay.bytes > 0 && (size_t)lay.bytes <= limit) best[copy] = lay;
             }
         }

@@ -1,8 +1,6 @@
 """Kernels for ncu to read: the norm backward at the narrow rows of the model benchmarks, bf16
 LayerNorm 16384 x 768 (GPT-2) and RMSNorm 16384 x 1024 (Llama), weight (and bias) gradients
-asked for, each run twice (ncu -k regex:norm_bwd_kernel -c 2 reads the second of each: -s 1).
-The launch switches apply as usual: BRRR_NORM_BWD_KERNEL=deep in the environment profiles the
-deep ring (docs/kernel-switches.md)."""
+asked for, each run twice (ncu -k regex:norm_bwd_kernel -c 2 reads the second of each: -s 1)."""
 import torch
 
 import brrr
