@@ -23,9 +23,6 @@
 //                     butterflies, then one over the group's warps through shared memory; one
 //                     per row (LayerNorm: two, the mean and then the squares about it).
 //                     Assumes: N <= 512 * PACKS * VEC, N % VEC == 0.
-// norm_fwd_rows_kernel  BRRR_NORM_FWD_ROWS=2 or 4, rows of 16-byte packs: the same layout, 2 or 4
-//                     rows a group at once, held in their storage type, the weight and bias in
-//                     shared memory; a grid of the blocks that run at once (see the kernel).
 // norm_bwd_kernel     the same row layout (up to 16 elements a thread), a block of
 //                     brrr_norm_lanes(cols) such groups within 512 threads (128 registers each;
 //                     the widest rows split over a cluster of two such blocks on sm_90, else
@@ -330,224 +327,6 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
                 for (int j = 0; j < VEC; ++j) y[j] = v[k][j] * rstd * w[j] + b[j];
             }
             store_vec<T, VEC>(out + k * stride, y);
-        }
-    }
-}
-
-// ---- forward: several rows a group (BRRR_NORM_FWD_ROWS) -------------------------------------
-// Rows of 16-byte packs, ROWS rows a group at once: a row's share of a thread stays in its
-// storage type (a Pack, 4 registers) and is converted again by each pass (unpack), so a
-// half row costs half the registers of floats (without it ptxas kept the floats: 111 registers
-// for bfloat16 rows of 2 x 3 packs, 79 with it). Every load of the ROWS rows is issued before the first
-// reduction, and the rows' sums go through one group_sum (kN = ROWS), so the reductions' and
-// the stores' latency is paid once per ROWS rows. The weight and bias, in the compute type, are
-// copied once per block into shared memory (dynamic, cols floats each; the bias only outside
-// Llama's order), so nothing waits on global memory after the reductions. The grid is the
-// blocks that run at once, each walking its rows. The arithmetic is norm_fwd_kernel's, term by
-// term and in its order.
-// Whether the ROWS rows fit in 128 registers: their packs (and the residual's, loaded beside
-// them) within 256 bytes a thread. ptxas (sm_90), no spills: bfloat16 rows of 2 x 3 packs (768
-// columns) take 79 registers, 2 x 5 packs 96, 4 x 4 packs 128, float32 2 x 8 packs 116; a cap of
-// 64 registers spilled 12-224 bytes from 3 packs of 2 rows (bfloat16) or 4 of 2 (float32) up.
-template <typename T> constexpr bool fwd_rows_fit(int packs, int rows, bool residual) {
-    return sizeof(typename Compute<T>::type) == 4 && rows * packs * 16 * (residual ? 2 : 1) <= 256;
-}
-// The instances that fit in 80 registers, 3 blocks of 256 threads a SM (ptxas, sm_90, no spills;
-// bounded to 128 registers, 2 a SM: bfloat16 768 columns took 80, 1024 columns 96): 2 rows of up to 4
-// packs, or 2 with the residual; 4 rows of 1 pack. Blocks of at most 256 threads (rows of at most
-// 256 threads: bfloat16 and float32 up to 8192 columns).
-constexpr bool fwd_rows_tight(int packs, int rows, bool residual) {
-    return rows == 2 ? packs * (residual ? 2 : 1) <= 4 : packs == 1;
-}
-constexpr int fwd_rows_threads(int packs, int rows, bool residual) {
-    return fwd_rows_tight(packs, rows, residual) ? kMinBlockThreads : fwd_max_threads(packs);
-}
-
-// Element j of a pack held in its storage type, in float: converted afresh at each call (the
-// conversion is volatile asm), so that ptxas keeps the packs rather than their floats. The same
-// value as to_float.
-template <typename T, int VEC> __device__ __forceinline__ float unpack(const Pack<T, VEC> &p, int j) {
-    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-        const unsigned word = reinterpret_cast<const unsigned *>(&p)[j / 2];
-        unsigned bits;
-        if (j % 2 == 0) asm volatile("shl.b32 %0, %1, 16;" : "=r"(bits) : "r"(word));
-        else asm volatile("and.b32 %0, %1, 0xffff0000;" : "=r"(bits) : "r"(word));
-        return __uint_as_float(bits);
-    } else if constexpr (std::is_same<T, __half>::value) {
-        float f;
-        asm volatile("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(__half_as_ushort(p.v[j])));
-        return f;
-    } else {
-        return p.v[j];
-    }
-}
-
-template <typename T, int PACKS, int ROWS, bool kResidual>
-__global__ void __launch_bounds__(fwd_rows_threads(PACKS, ROWS, kResidual),
-                                  fwd_rows_tight(PACKS, ROWS, kResidual) ? 3 : PACKS == 5 ? 2 : 1)
-    norm_fwd_rows_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr) {
-    using A = typename Compute<T>::type;
-    constexpr int VEC = 16 / (int)sizeof(T);
-    using P = Pack<T, VEC>;
-    extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ A buf[2][ROWS][kMaxWarps];
-    const int groups = blockDim.x / tpr, g = threadIdx.x / tpr, t = threadIdx.x % tpr;
-    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC;
-    const int mine = packs_in_row(true, cols, first, stride);
-    const A inv_n = A(1) / static_cast<A>(cols), eps = static_cast<A>(L.eps);
-    const bool layer = !L.rms, llama = L.llama != 0;
-    // wsh[cols], then (outside Llama's order) bsh[cols]: cols % VEC == 0, so both 16-byte aligned.
-    A *const wsh = reinterpret_cast<A *>(smem), *const bsh = wsh + cols;
-    const int64_t rows_per_block = (int64_t)groups * ROWS, start = (int64_t)blockIdx.x * rows_per_block;
-    int parity = 0;
-    // Every block has rows: the grid is at most one block per rows_per_block rows.
-    for (int64_t base = start; base < L.rows; base += (int64_t)gridDim.x * rows_per_block) {
-        P h[ROWS][PACKS], add[kResidual ? ROWS : 1][kResidual ? PACKS : 1];
-        A shift[ROWS];
-        int n[ROWS];  // the thread's packs of each row: 0 past the last row
-        // Every load is issued before anything is stored or summed.
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const int64_t row = base + (int64_t)r * groups + g;
-            const bool active = row < L.rows;
-            n[r] = active ? mine : 0;
-            const brrr_norm_view *const views[2] = {&L.x, &L.residual};
-            int64_t off[2];
-            row_offsets(L, active ? row : base, views, off);  // an in-range row for the address arithmetic
-            const T *x = static_cast<const T *>(L.x.data) + off[0] + first;
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= n[r]) continue;
-                h[r][k] = *reinterpret_cast<const P *>(x + k * stride);
-                if constexpr (kResidual) add[r][k] = *reinterpret_cast<const P *>(static_cast<const T *>(L.residual.data) + off[1] + first + k * stride);
-            }
-            shift[r] = A(0);
-            if (layer && active) {
-                if constexpr (kResidual) {
-                    const T *res = static_cast<const T *>(L.residual.data) + off[1];
-                    shift[r] = round_to<T>(to_float(x[-first]) + to_float(res[0]));
-                } else {
-                    shift[r] = to_float(x[-first]);
-                }
-            }
-        }
-        if (base == start) {
-            // The weight and bias copies, once a block, in packs of VEC (the weight and bias are
-            // 16-byte aligned: row_config): issued behind the first rows' loads, so that the
-            // block's start waits for about one memory latency, not two.
-            for (int i = threadIdx.x * VEC; i < cols; i += blockDim.x * VEC) {
-                A w[VEC];
-                load_weight<T, VEC>(L, i, w);
-                store_vec<A, VEC>(wsh + i, w);
-                if (!llama) {
-                    load_param<T, VEC>(L, L.bias.data, i, A(0), w);
-                    store_vec<A, VEC>(bsh + i, w);
-                }
-            }
-            __syncthreads();
-        }
-        if constexpr (kResidual) {
-            // h = round(x + residual), kept as T: the new residual stream.
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (n[r] == 0) continue;
-                const brrr_norm_view *const views[1] = {&L.residual_out};
-                int64_t off[1];
-                row_offsets(L, base + (int64_t)r * groups + g, views, off);
-                T *res_out = static_cast<T *>(L.residual_out.data) + off[0] + first;
-#pragma unroll
-                for (int k = 0; k < PACKS; ++k) {
-                    if (k >= n[r]) continue;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) h[r][k].v[j] = to_storage<T, A>(unpack(h[r][k], j) + unpack(add[r][k], j));
-                    *reinterpret_cast<P *>(res_out + k * stride) = h[r][k];
-                }
-            }
-        }
-        A mean[ROWS], rstd[ROWS];
-        if (layer) {
-            A sum[ROWS];
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                sum[r] = A(0);
-#pragma unroll
-                for (int k = 0; k < PACKS; ++k) {
-                    if (k >= n[r]) continue;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) sum[r] += unpack(h[r][k], j) - shift[r];
-                }
-            }
-            group_sum(sum, tpr, buf[parity]);
-            parity ^= 1;
-            A squares[ROWS];
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                mean[r] = sum[r] * inv_n;
-                squares[r] = A(0);
-#pragma unroll
-                for (int k = 0; k < PACKS; ++k) {
-                    if (k >= n[r]) continue;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        const A v = unpack(h[r][k], j) - shift[r] - mean[r];
-                        squares[r] += v * v;
-                    }
-                }
-            }
-            group_sum(squares, tpr, buf[parity]);
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) rstd[r] = rsqrt_of(squares[r] * inv_n + eps);
-        } else {
-            A q[ROWS];
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                mean[r] = A(0);
-                q[r] = A(0);
-#pragma unroll
-                for (int k = 0; k < PACKS; ++k) {
-                    if (k >= n[r]) continue;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        const A v = unpack(h[r][k], j);
-                        q[r] += v * v;
-                    }
-                }
-            }
-            group_sum(q, tpr, buf[parity]);
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) rstd[r] = rsqrt_of(q[r] * inv_n + eps);
-        }
-        parity ^= 1;
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const int64_t row = base + (int64_t)r * groups + g;
-            if (row >= L.rows) continue;
-            const brrr_norm_view *const views[3] = {&L.out, &L.mean, &L.rstd};
-            int64_t off[3];
-            row_offsets(L, row, views, off);
-            if (t == 0) {
-                if (L.mean.data) static_cast<A *>(L.mean.data)[off[1]] = mean[r];
-                if (L.rstd.data) static_cast<A *>(L.rstd.data)[off[2]] = rstd[r];
-            }
-            T *out = static_cast<T *>(L.out.data) + off[0] + first;
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= n[r]) continue;
-                A w[VEC], v[VEC], y[VEC];
-                load_vec<A, VEC>(wsh + first + k * stride, w);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) v[j] = layer ? unpack(h[r][k], j) - shift[r] - mean[r] : unpack(h[r][k], j);
-                if (llama) {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[j] * rstd[r]) * w[j];
-                } else {
-                    A b[VEC];
-                    load_vec<A, VEC>(bsh + first + k * stride, b);
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) y[j] = v[j] * rstd[r] * w[j] + b[j];
-                }
-                store_vec<T, VEC>(out + k * stride, y);
-            }
         }
     }
 }
@@ -1190,13 +969,6 @@ static bool half_five_packs() {
     return !(v && strcmp(v, "pow2") == 0);
 }
 
-// BRRR_NORM_FWD_ROWS: rows a group of the forward holds at once, 1 (unset: norm_fwd_kernel),
-// 2 or 4 (norm_fwd_rows_kernel, where its rows fit in registers; docs/kernel-switches.md).
-static int fwd_rows() {
-    const char *v = getenv("BRRR_NORM_FWD_ROWS");
-    return v == nullptr ? 1 : strcmp(v, "4") == 0 ? 4 : strcmp(v, "2") == 0 ? 2 : 1;
-}
-
 // The forward's fast path for this launch, or false when it does not apply (strided columns, or
 // a row longer than 512 threads can hold): a row gets the fewest threads (32 and up) that hold it.
 template <typename T>
@@ -1324,42 +1096,6 @@ static cudaError_t clusters_resident(Kernel kernel, cudaLaunchConfig_t cfg, int 
     return e;
 }
 
-// norm_fwd_rows_kernel on as many blocks as run at once (at most one per ROWS rows a group).
-template <typename T, int PACKS, int ROWS, bool kResidual>
-static cudaError_t launch_fwd_rows(const brrr_norm_launch &L, const RowConfig &cfg, int device, cudaStream_t stream) {
-    using A = typename Compute<T>::type;
-    auto kernel = norm_fwd_rows_kernel<T, PACKS, ROWS, kResidual>;
-    const size_t smem = (size_t)L.cols * sizeof(A) * (L.llama ? 1 : 2);  // the weight, and the bias
-    int per_sm = 0;
-    const cudaError_t e = blocks_per_sm(kernel, cfg.block, smem, device, &per_sm);
-    if (e != cudaSuccess) return e;
-    const int64_t per_block = (int64_t)(cfg.block / cfg.tpr) * ROWS, blocks = (L.rows + per_block - 1) / per_block;
-    const int64_t resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device);
-    kernel<<<(unsigned)(blocks < resident ? blocks : resident), cfg.block, smem, stream>>>(L, cfg.tpr);
-    return cudaSuccess;
-}
-
-// Launches norm_fwd_rows_kernel with ROWS rows a group if they fit (fwd_rows_fit), else false.
-template <typename T, int PACKS, int ROWS>
-static bool try_fwd_rows(const brrr_norm_launch &L, const RowConfig &cfg, int device, cudaStream_t stream, cudaError_t *e) {
-    // The weight and bias copies beside the kernel's group sums' buffer (at most 2 x 64 KB, 16384
-    // float32 columns; an H200 has 227 KB a block).
-    using A = typename Compute<T>::type;
-    const int64_t smem = L.cols * (int64_t)sizeof(A) * (L.llama ? 1 : 2) + (int64_t)sizeof(A) * 2 * ROWS * kMaxWarps;
-    if (smem > device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 48 << 10)) return false;
-    if (cfg.block > fwd_rows_threads(PACKS, ROWS, L.residual.data != nullptr)) return false;  // its launch bounds
-    if (L.residual.data) {
-        if constexpr (fwd_rows_fit<T>(PACKS, ROWS, true)) {
-            *e = launch_fwd_rows<T, PACKS, ROWS, true>(L, cfg, device, stream);
-            return true;
-        }
-    } else if constexpr (fwd_rows_fit<T>(PACKS, ROWS, false)) {
-        *e = launch_fwd_rows<T, PACKS, ROWS, false>(L, cfg, device, stream);
-        return true;
-    }
-    return false;
-}
-
 template <typename T>
 cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
     if (L.rows == 0 || L.cols == 0) return cudaSuccess;
@@ -1368,17 +1104,10 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         norm_fwd_generic_kernel<T><<<generic_grid(L.rows, device), kGenericThreads, 0, stream>>>(L);
         return cudaSuccess;
     }
-    const int rows = fwd_rows();
     return with_row_config<T>(cfg, [&](auto vec, auto packs) {
         constexpr int VEC = decltype(vec)::value, PACKS = decltype(packs)::value;
-        const bool residual = L.residual.data != nullptr;
-        cudaError_t e = cudaSuccess;
-        if constexpr (VEC > 1) {
-            if (rows == 4 && try_fwd_rows<T, PACKS, 4>(L, cfg, device, stream, &e)) return e;
-            if (rows >= 2 && try_fwd_rows<T, PACKS, 2>(L, cfg, device, stream, &e)) return e;
-        }
+        auto kernel = L.residual.data ? norm_fwd_kernel<T, VEC, PACKS, true> : norm_fwd_kernel<T, VEC, PACKS, false>;
         const int groups = cfg.block / cfg.tpr;
-        auto kernel = residual ? norm_fwd_kernel<T, VEC, PACKS, true> : norm_fwd_kernel<T, VEC, PACKS, false>;
         const int64_t blocks = (L.rows + groups - 1) / groups;
         const unsigned grid = (unsigned)(blocks < kMaxGrid ? blocks : kMaxGrid);
         kernel<<<grid, cfg.block, 0, stream>>>(L, cfg.tpr);
