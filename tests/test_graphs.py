@@ -438,15 +438,17 @@ def test_captured_gradients_are_each_steps_own_match_float64_and_unreached_ones_
 
 
 def kernel_counts(fn, fragments):
-    """How many kernels of fn() (run 3 times, CUDA events by the profiler) have each name fragment."""
+    """How many kernels of fn() (run 3 times) have each name fragment, from the profiler's raw
+    device events (they include the kernels of a graph's replay)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = [e.name() for e in prof.profiler.kineto_results.events()
+             if e.device_type() == torch.autograd.DeviceType.CUDA and not e.is_user_annotation()]
     assert names, "the profiler saw no kernels"
     return {f: sum(f in name for name in names) for f in fragments}
 
