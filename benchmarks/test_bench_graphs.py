@@ -41,10 +41,11 @@ COMPILE = on_gpu() and not QUICK
 LOSS_TOL, GRAD_TOL = 1e-2, 5e-2
 
 
-def llama():
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=WIDTH * 11 // 4,
-                                   num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                                   max_position_embeddings=SEQ)
+def llama(seq=SEQ, vocab=VOCAB, width=WIDTH, heads=HEADS):
+    """The benchmark's Llama; benchmarks/probes/graph_probe.py builds it at its own sizes."""
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=width * 11 // 4,
+                                   num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=heads,
+                                   max_position_embeddings=seq)
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -68,8 +69,12 @@ def build(name):
 
 def unpatched(name):
     torch.manual_seed(0)
-    model = MODELS[name]().to(DEVICE, DTYPE).train()
-    for m in model.modules():  # dropout off: the captured step is checked against eager
+    return without_dropout(MODELS[name]().to(DEVICE, DTYPE).train())
+
+
+def without_dropout(model):
+    """The model with its dropout off: the captured step is checked against eager."""
+    for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
     return model

@@ -14,9 +14,14 @@ capture") with its chores done:
   arguments) run eagerly on a side stream, each a real step on its own inputs; the next call
   captures the step and replays it; later calls copy their tensors into the graph's static input
   buffers and replay;
-- every parameter keeps one gradient tensor: zeroed and refilled inside the graph, so each call's
-  gradients are that step's alone (as `zero_grad()` and then `backward()`), whichever graph ran,
-  also after an `optimizer.zero_grad()` that set them to None between calls;
+- each graph owns the gradient tensors its backward writes (autograd hands the fresh gradients
+  over, as it does when p.grad is None: no zeroing and no accumulating kernels), and each call
+  sets every p.grad to those of the graph it replays: each call's gradients are that step's alone
+  (as `zero_grad()` and then `backward()`), also after an `optimizer.zero_grad()` that set them
+  to None between calls; a parameter the warm-up gave a gradient and the captured step does not
+  reach gets zeros;
+- SDPA's attention captures with its default backends (cuDNN first on recent GPUs); if that
+  capture fails, the step warns, runs eagerly without the cuDNN backend and captures so next;
 - a new signature gets its own graph, up to `max_graphs`; past that it runs eagerly with a warning.
   On the CPU (or with CPU tensors) every call runs eagerly, with a warning.
 
@@ -29,6 +34,7 @@ overwrites them, so take `.item()` or `.clone()` to keep one. Random numbers dra
 `generators=` registers others.
 """
 
+import contextlib
 import gc
 import warnings
 
@@ -70,8 +76,8 @@ class CapturedStep:
         self._max_graphs = _checked_count("max_graphs", max_graphs, minimum=0)
         self._generators = _checked_generators(generators)
         self._entries = {}      # signature -> _Entry
-        self._grads = None      # [(parameter, its gradient tensor)], fixed at the first capture
         self._with_grad = []    # the parameters the last eager step gave a gradient
+        self._cudnn_attention = True    # False after a capture with it failed
         self._pool = None       # one memory pool for all of this step's graphs
         self._stream = None     # the side stream of the warm-up steps
         self._warned_device = False
@@ -91,12 +97,13 @@ class CapturedStep:
             for static, value in zip(entry.static_tensors, _tensors_of(args, kwargs)):
                 if static is not value:
                     static.copy_(value)
-            self._restore_grads()
+            for p, grad in entry.grads:
+                if p.grad is not grad:
+                    p.grad = grad
             entry.graph.replay()
             return entry.outputs
         if not self._on_cuda(args, kwargs):
             return self._run(args, kwargs)
-        self._restore_grads()
         if entry is None:
             if len(self._entries) >= self._max_graphs:
                 warnings.warn(f"brrr.capture_step: a new input signature ({_describe(signature)}) past "
@@ -106,19 +113,38 @@ class CapturedStep:
         if entry.eager_steps < self._warmup:
             entry.eager_steps += 1
             return self._run_on_side_stream(args, kwargs)
-        self._capture(entry, args, kwargs)
+        try:
+            self._capture(entry, args, kwargs)
+        except RuntimeError as e:
+            if not self._cudnn_attention or _STALE_GRAPH in str(e):
+                raise
+            # Perhaps a torch version whose cuDNN attention does not capture (2.11's backward failed
+            # so once, docs/graphs.md; its error names no culprit): warm up again and capture without
+            # that backend. A failure of another cause fails that capture too, and is raised then.
+            self._cudnn_attention = False
+            for uncaptured in self._entries.values():
+                if uncaptured.graph is None:
+                    uncaptured.eager_steps = min(uncaptured.eager_steps, self._warmup - 1)
+            entry.eager_steps += 1
+            warnings.warn(f"brrr.capture_step: {e}. Retrying without SDPA's cuDNN attention backend: this call "
+                          f"runs eagerly, the next one captures", stacklevel=2)
+            return self._run_on_side_stream(args, kwargs)
         entry.graph.replay()
         return entry.outputs
 
     # -- the eager step ------------------------------------------------------------------------
 
-    def _run(self, args, kwargs):
-        """One step: this step's gradients in place of the previous ones, then the optimizer."""
+    def _run(self, args, kwargs, unreached=()):
+        """One step: this step's gradients in place of the previous ones (zeros for those of
+        `unreached` that backward leaves None), then the optimizer."""
         grads = [p.grad for p in self._params if p.grad is not None]
         if grads:
             torch._foreach_zero_(grads)
         outputs = self._loss_fn(*args, **kwargs)
         _loss_of(outputs).backward()
+        for p in unreached:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if self._optimizer is not None:
             self._optimizer.step()
         return _detached(outputs)
@@ -128,7 +154,7 @@ class CapturedStep:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream), _capturable_attention():
+        with torch.cuda.stream(self._stream), _attention_backends(self._cudnn_attention):
             outputs = self._run(args, kwargs)
         torch.cuda.current_stream().wait_stream(self._stream)
         self._with_grad = [p for p in self._params if p.grad is not None]
@@ -146,41 +172,40 @@ class CapturedStep:
 
     # -- the captured step ---------------------------------------------------------------------
 
-    def _restore_grads(self):
-        """Each parameter's gradient is the tensor the graphs write, also after someone set it to
-        None or replaced it (optimizer.zero_grad() between calls)."""
-        if self._grads is None:
-            return
-        for p, grad in self._grads:
-            if p.grad is not grad:
-                p.grad = grad
-
     def _capture(self, entry, args, kwargs):
-        if self._grads is None:
-            # The tensors the graphs accumulate into: those of the warm-up, or new ones where the
-            # caller set them to None since (optimizer.zero_grad()).
-            for p in self._with_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            self._grads = [(p, p.grad) for p in self._with_grad]
+        # With every p.grad None the captured backward allocates the gradients in the graph's pool
+        # and autograd keeps them as they are, where into existing gradients it would add them (one
+        # add kernel per parameter, after a zeroing kernel). The graph then owns them: each replay
+        # writes them afresh, and a call sets p.grad to those of the graph it replays.
+        for p in self._params:
+            p.grad = None
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         static_args = tuple(_static_copy(a) for a in args)
         static_kwargs = {k: _static_copy(v) for k, v in kwargs.items()}
-        with _capturable_attention():
-            graph, outputs = capture(lambda: self._run(static_args, static_kwargs), self._pool, self._generators,
-                                     self._stream)
+        try:
+            with _attention_backends(self._cudnn_attention):
+                graph, outputs = capture(lambda: self._run(static_args, static_kwargs, self._with_grad), self._pool,
+                                         self._generators, self._stream)
+        except RuntimeError:
+            for p in self._params:  # not the failed graph's tensors
+                p.grad = None
+            raise
+        entry.grads = [(p, p.grad) for p in self._params if p.grad is not None]
         entry.outputs = outputs
         entry.graph = graph
         entry.static_tensors = list(_tensors_of(static_args, static_kwargs))
 
 
-def _capturable_attention():
-    """scaled_dot_product_attention without its cuDNN backend, for the warm-up and the capture
-    alike: on PyTorch 2.11 (H200, bfloat16) cuDNN's attention backward fails inside a capture
-    ("mha_graph.execute(...).is_good()"), where flash and memory-efficient attention capture."""
+def _attention_backends(cudnn):
+    """scaled_dot_product_attention's default backends, or all but cuDNN's, for the warm-up and the
+    capture alike. cuDNN's attention backward once failed inside a capture on PyTorch 2.11
+    ("mha_graph.execute(...).is_good()"); it captures on 2.11 now, and is the fastest on the H200
+    (docs/graphs.md), so it goes first and the step falls back only where its capture fails."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if cudnn:
+        return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
@@ -260,6 +285,7 @@ class _Entry:
         self.graph = None
         self.static_tensors = None
         self.outputs = None
+        self.grads = None       # [(parameter, the gradient tensor the graph writes)]
 
 
 # ---------------------------------------------------------------------------------------------

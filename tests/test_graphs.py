@@ -4,8 +4,10 @@ torch.compile(mode="reduce-overhead"), and brrr.diagnose(step, step=True).
 CPU: capture_step's argument checks and its eager fallback (against float64 steps), diagnose's
 step verdicts on the CPU. CUDA: capture and replay of the patched training step of every model
 family in test_model_libraries (loss and gradients those of eager, over several replays and a new
-input), dropout drawing fresh masks on each replay (the masks of eager under the same seed), the
-optimizer inside the graph, shape changes, a capture that fails leaving the process usable,
+input), the gradients each replay writes (fresh each call, float64's, zeros where unreached, no
+zeroing or accumulating kernels beyond eager's), the fallback without cuDNN attention when a
+capture fails, dropout drawing fresh masks on each replay (the masks of eager under the same seed),
+the optimizer inside the graph, shape changes, a capture that fails leaving the process usable,
 reduce-overhead compile of a patched model without graph breaks or re-recording, and diagnose's
 verdict on an overhead-bound and a GPU-bound step.
 """
@@ -382,6 +384,125 @@ def test_optimizer_step_inside_the_graph_trains_like_eager():
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=n)
 
 
+
+class Partly(torch.nn.Module):
+    """An MLP of odd sizes with a parameter no step reaches and one that only the warm-up reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = mlp()
+        self.never = torch.nn.Parameter(torch.randn(3))
+        self.warmup_only = torch.nn.Parameter(torch.randn(3))
+        self.warming_up = True
+
+    def forward(self, x):
+        y = self.mlp(x)
+        return y + self.warmup_only if self.warming_up else y
+
+
+def float64_grads(model, x, y):
+    reference = copy.deepcopy(model).double()
+    F.mse_loss(reference(x.double()), y.double()).backward()
+    return {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.cuda
+def test_captured_gradients_are_each_steps_own_match_float64_and_unreached_ones_are_zeros():
+    model = Partly().cuda()
+    step = brrr.capture_step(mse_step(model), model, warmup=2)
+    x0, y0 = torch.randn(2, 7, 6, device="cuda"), torch.randn(2, 7, 3, device="cuda")
+    step(x0[:, ::2], y0[:, ::2])  # strided views: copied into the graph's own buffers
+    step(x0[:, ::2], y0[:, ::2])
+    model.warming_up = False
+    grads = None
+    for call in range(4):
+        x, y = torch.randn(2, 7, 6, device="cuda")[:, 1::2], torch.randn(2, 7, 3, device="cuda")[:, 1::2]
+        if call == 2:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(5.0)  # a replay writes the gradients, it does not add to them
+        if call == 3:
+            model.zero_grad(set_to_none=True)  # the graph's gradients come back
+        loss = step(x, y)
+        assert step.graphs == 1
+        torch.testing.assert_close(loss.double(), F.mse_loss(model(x).double(), y.double()), rtol=1e-5, atol=1e-6)
+        expected = float64_grads(model, x, y)
+        assert model.never.grad is None, "never reached: no gradient, as in eager"
+        assert torch.equal(model.warmup_only.grad, torch.zeros(3, device="cuda")), f"call {call}"
+        for n, p in model.mlp.named_parameters():
+            torch.testing.assert_close(p.grad.double(), expected["mlp." + n], rtol=1e-5, atol=1e-6,
+                                       msg=f"call {call}: {n}")
+        now = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads is None or all(a is b for a, b in zip(grads, now)), "one graph, the same gradient tensors"
+        grads = now
+
+
+def kernel_counts(fn, fragments):
+    """How many kernels of fn() (run 3 times) have each name fragment, from the profiler's raw
+    device events (they include the kernels of a graph's replay)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    names = [e.name() for e in prof.profiler.kineto_results.events()
+             if e.device_type() == torch.autograd.DeviceType.CUDA and not e.is_user_annotation()]
+    assert names, "the profiler saw no kernels"
+    return {f: sum(f in name for name in names) for f in fragments}
+
+
+@pytest.mark.cuda
+def test_a_replay_launches_no_gradient_zeroing_or_accumulating_kernels_beyond_eager():
+    """The graph writes fresh gradients, as an eager step does after zero_grad(set_to_none=True):
+    no foreach zero of the gradients, no add kernel per parameter accumulating into them."""
+    model = patched_cuda_model("llama", torch.bfloat16)
+    loss_fn = loss_fn_of(model, "llama")
+    tokens = torch.randint(0, 101, (2, 16), device="cuda")
+    step = brrr.capture_step(loss_fn, model, warmup=2)
+    for _ in range(3):
+        step(tokens)
+    assert step.graphs == 1
+
+    def eager():
+        model.zero_grad(set_to_none=True)
+        loss_fn(tokens).backward()
+    fragments = ("CUDAFunctor_add", "multi_tensor_apply")
+    assert kernel_counts(lambda: step(tokens), fragments) == kernel_counts(eager, fragments)
+
+
+@pytest.mark.cuda
+def test_a_capture_with_cudnn_attention_that_fails_falls_back_to_the_other_backends_once(monkeypatch):
+    model = patched_cuda_model("llama", torch.float32)
+    loss_fn = loss_fn_of(model, "llama")
+    tokens = torch.randint(0, 101, (2, 16), device="cuda")
+    expected = eager_loss_and_grads(model, loss_fn, tokens)
+    real_capture, cudnn_at_capture, cudnn_at_loss = brrr.graphs.capture, [], []
+
+    def capture(*args, **kwargs):
+        cudnn_at_capture.append(torch.backends.cuda.cudnn_sdp_enabled())
+        if cudnn_at_capture[-1]:  # as cuDNN's attention backward failed on torch 2.11 once
+            raise RuntimeError("brrr: capturing the step in a CUDA graph failed (RuntimeError: "
+                               "mha_graph.execute(handle, variant_pack, workspace_ptr.get()).is_good())")
+        return real_capture(*args, **kwargs)
+    monkeypatch.setattr(brrr.graphs, "capture", capture)
+
+    def logged_loss_fn(t):
+        cudnn_at_loss.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return loss_fn(t)
+    step = brrr.capture_step(logged_loss_fn, model, warmup=1)
+    assert_step_matches(model, step(tokens), expected, torch.float32, "warm-up")
+    with pytest.warns(UserWarning, match=r"mha_graph.*Retrying without SDPA's cuDNN attention backend"):
+        loss = step(tokens)
+    assert step.graphs == 0
+    assert_step_matches(model, loss, expected, torch.float32, "the eager step after the failed capture")
+    for call in range(3):
+        assert_step_matches(model, step(tokens), expected, torch.float32, f"call {call} after the fallback")
+    assert step.graphs == 1
+    assert cudnn_at_capture == [True, False]
+    assert cudnn_at_loss == [True, False, False], "warm-up with cuDNN, an eager step and the capture without"
+
 @pytest.mark.cuda
 def test_a_captured_step_replays_after_reduce_overhead_steps_cleared_cublas_workspaces(monkeypatch):
     """torch.compile(mode="reduce-overhead") frees cuBLAS's workspaces around each recording; a
@@ -446,7 +567,7 @@ def test_new_shapes_capture_up_to_max_graphs_then_run_eagerly():
     step = brrr.capture_step(loss_fn, model, warmup=1, max_graphs=2)
     for t in tokens[:2]:
         step(t)  # warm-up
-    for round_ in range(2):  # the two graphs alternate: one set of gradient tensors for both
+    for round_ in range(2):  # the two graphs alternate, each setting p.grad to its own gradient tensors
         for i in (0, 1):
             optimizer.zero_grad()
             assert_step_matches(model, step(tokens[i]), expected[i], torch.float32, f"shape {shapes[i]}")
@@ -471,6 +592,10 @@ def test_a_capture_that_fails_says_why_and_leaves_the_process_usable():
     step = brrr.capture_step(logs_its_loss, model, warmup=1)
     stream = torch.cuda.current_stream()
     step(tokens)
+    # The first failure falls back to SDPA without cuDNN (an eager step); the second one is raised.
+    with pytest.warns(UserWarning, match="capturing the step in a CUDA graph failed .*a host sync.*without SDPA's "
+                                         "cuDNN"):
+        step(tokens)
     with pytest.raises(RuntimeError, match="capturing the step in a CUDA graph failed .*a host sync"):
         step(tokens)
     assert torch.cuda.current_stream() == stream

@@ -4,8 +4,9 @@ replay and torch.compile(mode="reduce-overhead"), kernel by kernel, in one run o
     PYTHONPATH=. python3 benchmarks/probes/graph_probe.py --out DIR
     PYTHONPATH=. python3 benchmarks/probes/graph_probe.py --out DIR --device cpu --smoke   # the code paths
 
-The model is benchmarks/test_bench_graphs.py's Llama (2 layers, hidden 1024, MLP 2816, 16 heads,
-vocabulary 32000, bfloat16, dropout off), at batch 2 and 32 of 512 tokens (--batches). Parts, in
+The model and its steps are benchmarks/test_bench_graphs.py's: its Llama (2 layers, hidden 1024,
+MLP 2816, 16 heads, vocabulary 32000, bfloat16, dropout off), at batch 2 and 32 of 512 tokens
+(--batches). Parts, in
 this order, each in a try/except of its own (a failure prints its error and the run goes on):
 
   step        per batch: eager brrr.patch, capture_step of the patched model (its loss checked
@@ -17,9 +18,10 @@ this order, each in a try/except of its own (a failure prints its error and the 
               replay (both synchronised), i.e. what capture_step adds per step.
   sdpa        eager brrr.patch with scaled_dot_product_attention forced to one backend (cudnn,
               flash, efficient) at each batch: ms per step and the attention kernels' device time.
-  cudnn       whether cuDNN attention's backward captures today: SDPA alone (fwd+bwd in a graph),
-              then the patched step captured with cuDNN first (capture_step with its attention
-              backends replaced); where it captures, its loss against eager's and its timing.
+  cudnn       whether cuDNN attention's backward captures today: SDPA alone (fwd+bwd in a graph);
+              then the patched step captured without cuDNN attention (capture_step's fallback,
+              forced), its loss against eager's and its timing, against the step part's (which
+              captures with SDPA's default backends, cuDNN first).
   compile     torch.compile(mode="reduce-overhead") of the unpatched model at batch 2, in a
               subprocess given the time left (a compile that overruns is cut off, not the run).
 
@@ -53,6 +55,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 import brrr  # noqa: E402
 import brrr.graphs  # noqa: E402
 import harness  # noqa: E402
+from test_bench_graphs import eager_step, loss_fn_of, without_dropout  # noqa: E402
+from test_bench_graphs import llama as llama_of  # noqa: E402
 
 FULL = dict(seq=512, vocab=32000, width=1024, heads=16, dtype=torch.bfloat16)
 SMOKE = dict(seq=32, vocab=256, width=64, heads=4, dtype=torch.float32)
@@ -114,33 +118,10 @@ def error_text(e):
 
 
 def llama(cfg, device):
-    import transformers
-
+    """benchmarks/test_bench_graphs.py's Llama at the probe's sizes (--smoke: tiny)."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["width"],
-                                      intermediate_size=cfg["width"] * 11 // 4, num_hidden_layers=2,
-                                      num_attention_heads=cfg["heads"], num_key_value_heads=cfg["heads"],
-                                      max_position_embeddings=cfg["seq"])
-    model = transformers.LlamaForCausalLM(config).to(device, cfg["dtype"]).train()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    return model
-
-
-def loss_fn_of(model):
-    return lambda tokens: model(input_ids=tokens, labels=tokens, use_cache=False).loss
-
-
-def eager_step(model, tokens):
-    loss_fn = loss_fn_of(model)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss = loss_fn(tokens)
-        loss.backward()
-        return loss
-    return step
+    model = llama_of(seq=cfg["seq"], vocab=cfg["vocab"], width=cfg["width"], heads=cfg["heads"])
+    return without_dropout(model.to(device, cfg["dtype"]).train())
 
 
 def captured(model, tokens):
@@ -364,29 +345,21 @@ def cudnn_part(report, models, batches, device, cfg, deadline):
                 report.line(f"DOES NOT CAPTURE: {error_text(e)}")
                 if e.__cause__ is not None:
                     report.line(f"  cause: {error_text(e.__cause__)}")
-    cudnn_first = lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,  # noqa: E731
-                                       SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True)
     for batch in batches:
-        with report.part(f"batch {batch}: capture_step of the patched model with cuDNN attention first", deadline,
-                         8) as go:
+        with report.part(f"batch {batch}: capture_step of the patched model without cuDNN attention (its fallback)",
+                         deadline, 8) as go:
             if go:
                 tokens = torch.randint(0, cfg["vocab"], (batch, cfg["seq"]), device=device)
-                with cudnn_first():
-                    expected = eager_step(models["patched"], tokens)().item()
-                model = models["patched_for_capture"]
-                kept = brrr.graphs._capturable_attention
-                brrr.graphs._capturable_attention = cudnn_first
+                expected = eager_step(models["patched"], tokens)().item()
+                kept = brrr.graphs._attention_backends
+                brrr.graphs._attention_backends = lambda cudnn: kept(False)
                 try:
-                    step, capture = captured(model, tokens)
-                except Exception as e:  # noqa: BLE001 - the answer sought
-                    report.line(f"DOES NOT CAPTURE: {error_text(e)}")
-                    continue
+                    step, capture = captured(models["patched_for_capture"], tokens)
+                    err = rel_loss_err(step().item(), expected)
+                    report.line(f"graphs {capture.graphs}; loss relative error against eager {err:.2e}")
+                    measure(report, f"b{batch} brrr captured without cudnn", step, device, top=10)
                 finally:
-                    brrr.graphs._capturable_attention = kept
-                err = rel_loss_err(step().item(), expected)
-                report.line(f"{'CAPTURES' if capture.graphs else 'no graph (capture_step ran eagerly)'}: graphs "
-                            f"{capture.graphs}; loss relative error against eager (cuDNN first) {err:.2e}")
-                measure(report, f"b{batch} brrr captured cudnn-first", step, device, top=10)
+                    brrr.graphs._attention_backends = kept
                 del step, capture
 
 
