@@ -410,13 +410,13 @@ def float64_grads(model, x, y):
 def test_captured_gradients_are_each_steps_own_match_float64_and_unreached_ones_are_zeros():
     model = Partly().cuda()
     step = brrr.capture_step(mse_step(model), model, warmup=2)
-    x0, y0 = torch.randn(2, 7, 6, device="cuda"), torch.randn(2, 7, 3, device="cuda")
+    x0, y0 = torch.randn(2, 8, 6, device="cuda"), torch.randn(2, 8, 3, device="cuda")
     step(x0[:, ::2], y0[:, ::2])  # strided views: copied into the graph's own buffers
     step(x0[:, ::2], y0[:, ::2])
     model.warming_up = False
     grads = None
     for call in range(4):
-        x, y = torch.randn(2, 7, 6, device="cuda")[:, 1::2], torch.randn(2, 7, 3, device="cuda")[:, 1::2]
+        x, y = torch.randn(2, 8, 6, device="cuda")[:, 1::2], torch.randn(2, 8, 3, device="cuda")[:, 1::2]  # x0's shape
         if call == 2:
             for p in model.parameters():
                 if p.grad is not None:
