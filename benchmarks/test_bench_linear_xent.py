@@ -14,7 +14,8 @@ Liger-Kernel (when liger_kernel is importable), in one run: time and peak memory
 - A training step (forward and backward, bf16 weights) of a Llama-style model from transformers'
   config (2 layers, hidden 2048, random weights) at vocabularies 32000, 128256 and 256000 and
   4 x 2048 and 2 x 8192 tokens: unpatched eager, brrr.patch eager (and with remat=True: the
-  norms' and GLUs' outputs recomputed in the backward, docs/remat.md), Liger-Kernel's Llama patch
+  norms' and GLUs' outputs recomputed in the backward, docs/remat.md; and remat with the leanest
+  loss: accumulation="weight" in 128 MiB chunks), Liger-Kernel's Llama patch
   with its cross-entropy and with its fused linear cross-entropy; brrr.patch eager with the
   loss's chunks of 128 MiB (the default before); unpatched torch.compile at
   2 x 8192 tokens (compiling takes most of the benchmark's time: about 150 s in all on an H200,
@@ -232,16 +233,16 @@ def measure(recorder, case, impl, model, tokens, compile_it=False):
 
 
 @contextlib.contextmanager
-def default_logits_budget(budget):
-    """brrr.linear_cross_entropy's default logits_budget (keyword-only) set to `budget` in the block:
-    what brrr.patch's fused loss then uses."""
+def loss_defaults(**settings):
+    """brrr.linear_cross_entropy's keyword-only defaults (logits_budget, accumulation) set in the
+    block: what brrr.patch's fused loss then uses."""
     defaults = brrr.xent.linear_cross_entropy.__kwdefaults__
-    saved = defaults["logits_budget"]
-    defaults["logits_budget"] = budget
+    saved = dict(defaults)
+    defaults.update(settings)
     try:
         yield
     finally:
-        defaults["logits_budget"] = saved
+        defaults.update(saved)
 
 
 @pytest.mark.skipif(transformers is None, reason="needs transformers")
@@ -267,11 +268,15 @@ def test_training_step(recorder, vocab, batch, seq):
     case = (vocab, batch, seq)
     measure(recorder, case, "unpatched eager", base, tokens)
     measure(recorder, case, "brrr.patch eager", patched, tokens)
-    with default_logits_budget(2**27):
+    with loss_defaults(logits_budget=2**27):
         measure(recorder, case, "brrr.patch eager, 128 MiB chunks", patched, tokens)
     rematerialised = copy.deepcopy(base)
     brrr.patch(rematerialised, remat=True)  # its gradients are the patched model's bitwise (tests/test_remat.py)
     measure(recorder, case, "brrr.patch eager remat", rematerialised, tokens)
+    # The leanest loss: the weight's gradient summed in its own dtype (as Liger-Kernel's), 128 MiB
+    # of logits a chunk.
+    with loss_defaults(logits_budget=2**27, accumulation="weight"):
+        measure(recorder, case, "brrr.patch eager remat, lean loss", rematerialised, tokens)
     del rematerialised
     if not QUICK and seq == 8192:  # compiling is most of the benchmark's time
         measure(recorder, case, "unpatched compile", base, tokens, compile_it=True)
