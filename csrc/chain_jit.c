@@ -17,13 +17,14 @@
  * A program holds one kernel. A chain whose backward is wanted (chain_jit_with_backward: autograd
  * records the chain) builds its forward and its backward at once, on two threads: NVRTC compiles
  * programs in parallel, so a first call with autograd waits for the longer of the two compiles.
- * Compiled kernels are cached in memory (per process, keyed by the kernel's specification, steps
- * and architecture) and on disk, in $BRRR_CACHE_DIR, else $XDG_CACHE_HOME/brrr, else
- * ~/.cache/brrr: one file per program, named by a hash of its identity (brrr's version,
- * the architecture, the embedded headers and the whole generated source), holding that identity,
- * the cubin and a checksum. A file is written to a temporary name and renamed into place, so
- * readers see a whole file or none, and two processes compiling the same chain both succeed; a
- * file whose identity or checksum does not match is compiled again and replaced.
+ * Compiled kernels are cached in memory (per process, keyed by the kernel's specification, steps,
+ * architecture and generated order, BRRR_CHAIN_JIT_ORDER) and on disk, in $BRRR_CACHE_DIR, else
+ * $XDG_CACHE_HOME/brrr, else ~/.cache/brrr: one file per program, named by a hash of its identity
+ * (brrr's version, the architecture, the embedded headers and the whole generated source, which
+ * differs between the orders where one applies), holding that identity, the cubin and a checksum.
+ * A file is written to a temporary name and renamed into place, so readers see a whole file or
+ * none, and two processes compiling the same chain both succeed; a file whose identity or checksum
+ * does not match is compiled again and replaced.
  * A kernel found on disk needs no NVRTC: NVRTC is loaded when a kernel is first compiled.
  *
  * The cache is process-wide, like the CUDA context the kernels load into; its table and the
@@ -405,11 +406,23 @@ static void put_call(text *t, const brrr_chain_kernel *k, int nops, const char *
 static int grad_wanted(const brrr_chain_kernel *k, int b) { return k->backward && (k->grad_mask >> b & 1); }
 static int is_vector(const brrr_chain_kernel *k, int b) { return k->vector_mask >> b & 1; }
 
+/* The order of a contiguous kernel's work after its loads (BRRR_CHAIN_JIT_ORDER,
+ * docs/kernel-switches.md): ORDER_INTERLEAVED, every value of the thread computed, then every pack
+ * stored; ORDER_PACKWISE, each 16-byte pack computed and stored before the next. */
+enum { ORDER_INTERLEAVED, ORDER_PACKWISE };
+
+/* The order kernel k of steps p is generated in when `wanted` is asked for: packwise applies to
+ * contiguous kernels without the pack function (packed) only; others are interleaved whatever is
+ * asked, so that both values find the same program in the caches. */
+static int applied_order(const brrr_chain_kernel *k, const brrr_chain_steps *p, int wanted) {
+    return k->layout == BRRR_JIT_CONTIGUOUS && !packed(k, p) ? wanted : ORDER_INTERLEAVED;
+}
+
 /* Dense tensors: each thread owns U 16-byte packs of every tensor (packs_per_thread), a block
  * apart (coalesced), all loaded before any is computed, as the precompiled contiguous kernels do
  * (the bytes in flight that keep HBM busy); block 0 takes the last numel % VEC elements one per
- * thread. */
-static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+ * thread. order: applied_order's. */
+static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p, int order) {
     const int nops = p->n_operands;
     const char *result = k->backward ? "t" : "y";
     /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels. */
@@ -434,33 +447,55 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
         put(t, "        ld_pack(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC);\n", b,
             is_vector(k, b) ? "(p * VEC) % a.row_length" : "p * VEC", b);
     put(t, "    }\n");
-    if (packed(k, p)) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
-        put(t, "    chain_%s_n(y", direction(k));
-        for (int b = 0; b < nops; b++) put(t, ", v%d", b);
-        if (k->backward) put(t, ", t");
-        for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d", b);
-        put(t, ");\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n");
-    } else {
-        put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n        %s[j] = ", result);
+    if (order == ORDER_PACKWISE) {
+        /* Each pack computed and stored before the next, as Triton orders x * c repeated: the
+         * branch keeps ptxas from interleaving the packs, so the first pack's store is issued
+         * halfway through the thread's arithmetic and the stores spread over the kernel's time
+         * (the knee of the repeat sweep, where memory and arithmetic take about as long). */
+        put(t, "#pragma unroll\n    for (int u = 0; u < U; ++u) {\n"
+               "        const long long p = first + (long long)u * 256;\n"
+               "        if (p >= n_packs) break;\n"
+               "#pragma unroll\n        for (int j = u * VEC; j < (u + 1) * VEC; ++j) {\n            %s[j] = ", result);
         put_call(t, k, nops, "[j]");
         put(t, ";\n");
-    }
-    if (k->backward) {
-        put(t, "        t[j] = t[j] * gr[j];\n");
+        if (k->backward) {
+            put(t, "            t[j] = t[j] * gr[j];\n");
+            for (int b = 0; b < nops; b++)
+                if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "            g%d[j] = g%d[j] * gr[j];\n", b, b);
+        }
+        put(t, "        }\n        st_pack_if(static_cast<T *>(a.out) + p * VEC, %s + u * VEC, true);\n", result);
         for (int b = 0; b < nops; b++)
-            if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "        g%d[j] = g%d[j] * gr[j];\n", b, b);
+            if (grad_wanted(k, b) && !is_vector(k, b))
+                put(t, "        st_pack_if(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC, true);\n", b, b);
+    } else {
+        if (packed(k, p)) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
+            put(t, "    chain_%s_n(y", direction(k));
+            for (int b = 0; b < nops; b++) put(t, ", v%d", b);
+            if (k->backward) put(t, ", t");
+            for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d", b);
+            put(t, ");\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n");
+        } else {
+            put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n        %s[j] = ", result);
+            put_call(t, k, nops, "[j]");
+            put(t, ";\n");
+        }
+        if (k->backward) {
+            put(t, "        t[j] = t[j] * gr[j];\n");
+            for (int b = 0; b < nops; b++)
+                if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "        g%d[j] = g%d[j] * gr[j];\n", b, b);
+        }
+        /* Stores predicated, not branched around: with `if (p >= n_packs) continue;` the compiler
+         * sank each pack's steps into its store's branch, so ptxas interleaved the 4 values of a
+         * pack (float32) and not the 8 of a thread; predicated, one block holds all 8 chains of
+         * steps (as Triton's kernels do), for latency hiding at the knee of the repeat sweep. */
+        put(t, "    }\n#pragma unroll\n"
+               "    for (int u = 0; u < U; ++u) {\n"
+               "        const long long p = first + (long long)u * 256;\n"
+               "        st_pack_if(static_cast<T *>(a.out) + p * VEC, %s + u * VEC, p < n_packs);\n", result);
+        for (int b = 0; b < nops; b++)
+            if (grad_wanted(k, b) && !is_vector(k, b))
+                put(t, "        st_pack_if(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC, p < n_packs);\n", b, b);
     }
-    /* Stores predicated, not branched around: with `if (p >= n_packs) continue;` the compiler sank
-     * each pack's steps into its store's branch, so ptxas interleaved the 4 values of a pack
-     * (float32) and not the 8 of a thread; predicated, one block holds all 8 chains of steps (as
-     * Triton's kernels do), for latency hiding at the knee of the repeat sweep. */
-    put(t, "    }\n#pragma unroll\n"
-           "    for (int u = 0; u < U; ++u) {\n"
-           "        const long long p = first + (long long)u * 256;\n"
-           "        st_pack_if(static_cast<T *>(a.out) + p * VEC, %s + u * VEC, p < n_packs);\n", result);
-    for (int b = 0; b < nops; b++)
-        if (grad_wanted(k, b) && !is_vector(k, b))
-            put(t, "        st_pack_if(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC, p < n_packs);\n", b, b);
     put(t, "    }\n    }\n"
            "    const long long i = n_packs * VEC + threadIdx.x;\n"
            "    if (VEC == 1 || blockIdx.x != 0 || i >= a.numel) return;\n"
@@ -593,8 +628,9 @@ static void put_rows_kernel(text *t, const brrr_chain_kernel *k, int nops) {
     put(t, "}\n");
 }
 
-/* The whole source of kernel k's program for steps p; NULL when out of memory. */
-static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+/* The whole source of kernel k's program for steps p in the order `wanted` (applied_order); NULL
+ * when out of memory. */
+static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p, int wanted) {
     text t = {NULL, 0, 0, 0};
     const char *storage, *compute, *math, *ld, *st;
     int math_id = 1; /* chain_math.cuh's BRRR_CHAIN_MATH for M */
@@ -640,7 +676,7 @@ static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p)
             "                 :: \"l\"(p), \"r\"(w[0]), \"r\"(w[1]), \"r\"(w[2]), \"r\"(w[3]), \"r\"((int)ok) : \"memory\");\n}\n\n",
         math_id, storage, compute, math, ld, st);
     put_element_functions(&t, k, p);
-    if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p);
+    if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p, applied_order(k, p, wanted));
     else if (k->layout == BRRR_JIT_STRIDED) put_strided_kernel(&t, k, p->n_operands);
     else put_rows_kernel(&t, k, p->n_operands);
     return t.data;
@@ -946,12 +982,13 @@ static struct {
 } stats;
 static pthread_mutex_t compile_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* One kernel's program to build: its cubin (malloc'd; NULL on failure, with a malloc'd error and
- * missing set when for want of NVRTC), where it came from, and with want_source its source. */
+/* One kernel's program to build, in the order `order` asks for (chain_source): its cubin
+ * (malloc'd; NULL on failure, with a malloc'd error and missing set when for want of NVRTC), where
+ * it came from, and with want_source its source. */
 typedef struct {
     brrr_chain_kernel k;
     const brrr_chain_steps *p;
-    int arch, skip_disk, want_source;
+    int arch, order, skip_disk, want_source;
     char *image, *source, *error;
     size_t size;
     int origin, missing;
@@ -963,7 +1000,7 @@ typedef struct {
 static void build_run(build *b) {
     b->image = b->source = b->error = NULL;
     b->missing = 0;
-    char *source = chain_source(&b->k, b->p), *identity = source ? kernel_identity(source, b->arch) : NULL;
+    char *source = chain_source(&b->k, b->p, b->order), *identity = source ? kernel_identity(source, b->arch) : NULL;
     char dir[PATH_MAX], path[PATH_MAX + 64];
     const int have_dir = identity && cache_dir(dir, sizeof dir);
     text t = {NULL, 0, 0, 0};
@@ -1014,11 +1051,24 @@ static void build_all(build *bs, int n) {
 
 /* ---- the kernels of this process -------------------------------------------------------------- */
 
+/* BRRR_CHAIN_JIT_ORDER (docs/kernel-switches.md), read at every launch so that one process can
+ * time both orders: unset or `interleaved`, ORDER_INTERLEAVED; `packwise`, ORDER_PACKWISE. 0, or
+ * -1 with a Python exception for any other value (a misspelt value would time the default). */
+static int order_wanted(int *order) {
+    const char *v = getenv("BRRR_CHAIN_JIT_ORDER");
+    *order = v && strcmp(v, "packwise") == 0 ? ORDER_PACKWISE : ORDER_INTERLEAVED;
+    if (v && *order == ORDER_INTERLEAVED && strcmp(v, "interleaved") != 0) {
+        PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_ORDER: expected interleaved or packwise, got '%s'", v);
+        return -1;
+    }
+    return 0;
+}
+
 static int jit_enabled = 1;
 
 #if BRRR_WITH_CUDA
 /* The table of loaded kernels: open addressing on an FNV-1a hash of the key (the kernel's
- * specification, the architecture, the steps). kernel NULL: that kernel failed to build (the
+ * specification, the architecture, the order it was generated in, the steps). kernel NULL: that kernel failed to build (the
  * interpreted kernels run it from then on). Guarded by table_lock, as is `with_backward`: the
  * chains whose backward is wanted (chain_jit_with_backward), keyed by their steps alone. */
 typedef struct {
@@ -1037,11 +1087,13 @@ static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 
 typedef struct {
     brrr_chain_kernel k;
-    int32_t arch, n_steps;
+    int32_t arch, order, n_steps;
 } key_head;
 
-static unsigned char *make_key(const brrr_chain_kernel *k, int arch, const brrr_chain_steps *p, size_t *len) {
-    const key_head head = {*k, arch, p->n_steps};
+/* The key of kernel k for steps p on sm_<arch> when order `wanted` is asked for: the order it is
+ * generated in (applied_order), so that one order's program never answers for the other's. */
+static unsigned char *make_key(const brrr_chain_kernel *k, int arch, int wanted, const brrr_chain_steps *p, size_t *len) {
+    const key_head head = {*k, arch, applied_order(k, p, wanted), p->n_steps};
     *len = sizeof head + (size_t)p->n_steps * sizeof(brrr_chain_step);
     unsigned char *key = malloc(*len);
     if (key == NULL) return NULL;
@@ -1117,7 +1169,7 @@ static int warned_missing, warned_capture, warned_failed;
 static int backward_wanted(const brrr_chain_steps *p) {
     const brrr_chain_kernel none = {0, 0, 0, 0, 0, 0, 0};
     size_t len;
-    unsigned char *key = make_key(&none, 0, p, &len);
+    unsigned char *key = make_key(&none, 0, ORDER_INTERLEAVED, p, &len);
     if (key == NULL) return 0;
     pthread_mutex_lock(&table_lock);
     const int wanted = table_find(&with_backward, key, len, fnv1a(FNV_OFFSET, key, len)) != NULL;
@@ -1151,18 +1203,18 @@ static void *load(build *b) {
     return kernel;
 }
 
-/* The loaded kernel for (k, arch, p), building it if need be: 1 found (*kernel NULL when it
+/* The loaded kernel for (k, arch, p) in order `wanted` (applied_order), building it if need be: 1 found (*kernel NULL when it
  * failed to build, with the reason in *error the first time, *missing when for want of NVRTC),
  * 0 when it is not built and the stream is capturing, -1 with a Python exception. Builds without
  * the GIL. A contiguous forward of a chain whose backward is wanted is built at the same time as
  * that backward (of every operand's gradient), unless the backward is loaded already. */
-static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_steps *p, void *stream, void **kernel,
-                       char **error, int *missing) {
+static int find_kernel(const brrr_chain_kernel *k, int arch, int wanted, const brrr_chain_steps *p, void *stream,
+                       void **kernel, char **error, int *missing) {
     *kernel = NULL;
     *error = NULL;
     *missing = 0;
     size_t len, pair_len = 0;
-    unsigned char *key = make_key(k, arch, p, &len), *pair_key = NULL;
+    unsigned char *key = make_key(k, arch, wanted, p, &len), *pair_key = NULL;
     if (key == NULL) return PyErr_NoMemory(), -1;
     const uint64_t hash = fnv1a(FNV_OFFSET, key, len);
     pthread_mutex_lock(&table_lock);
@@ -1179,7 +1231,7 @@ static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_st
         return capturing ? 0 : -1;
     }
     brrr_chain_kernel ks[2] = {*k, backward_of(k, p->n_operands)};
-    if (pairs_with_backward(k) && backward_wanted(p)) pair_key = make_key(&ks[1], arch, p, &pair_len);
+    if (pairs_with_backward(k) && backward_wanted(p)) pair_key = make_key(&ks[1], arch, wanted, p, &pair_len);
     const uint64_t pair_hash = pair_key ? fnv1a(FNV_OFFSET, pair_key, pair_len) : 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&compile_lock);
@@ -1193,7 +1245,7 @@ static int find_kernel(const brrr_chain_kernel *k, int arch, const brrr_chain_st
         clock_gettime(CLOCK_MONOTONIC, &t0);
         build bs[2];
         void *kernels[2] = {NULL, NULL};
-        for (int i = 0; i < n; i++) bs[i] = (build){.k = ks[i], .p = p, .arch = arch};
+        for (int i = 0; i < n; i++) bs[i] = (build){.k = ks[i], .p = p, .arch = arch, .order = wanted};
         build_all(bs, n);
         for (int i = 0; i < n; i++) kernels[i] = load(&bs[i]);
         clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -1229,8 +1281,9 @@ int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_s
     const brrr_chain_kernel k = kernel_for(L, prog->n_operands, backward);
     void *stream = brrr_call_stream(&c->call), *kernel;
     char *error;
-    int missing;
-    const int found = find_kernel(&k, archs[device], prog, stream, &kernel, &error, &missing);
+    int missing, order;
+    if (order_wanted(&order) < 0) return -1;
+    const int found = find_kernel(&k, archs[device], order, prog, stream, &kernel, &error, &missing);
     if (found < 0) return -1;
     if (!found) {
         if (interpretable)
@@ -1303,8 +1356,8 @@ static int parse_dtype(const char *name, int32_t *dtype) {
  * grad_mask=0, arch=90, index32=False, with_backward=False) -> (source, cubin, origin): what a
  * CUDA call would compile, through the disk cache (origin "disk" or "compiled"), without a GPU;
  * with_backward: the forward's backward (of every operand's gradient) built at the same time on a
- * second thread, as a chain whose backward is wanted gets it (the result is the forward's). For
- * tests and the first-call benchmark. */
+ * second thread, as a chain whose backward is wanted gets it (the result is the forward's). In the
+ * order BRRR_CHAIN_JIT_ORDER asks for, as a launch. For tests and the first-call benchmark. */
 PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *kwargs) {
     (void)module;
     static char *keywords[] = {"steps", "dtype", "backward", "layout", "ndim", "vector_mask", "grad_mask", "arch", "index32",
@@ -1343,12 +1396,14 @@ PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *
                                           "is built with its backward");
         return NULL;
     }
-    if (nvrtc_prepare() < 0) {
+    int order;
+    if (order_wanted(&order) < 0 || nvrtc_prepare() < 0) {
         PyMem_Free(p.steps);
         return NULL;
     }
     const int n = 1 + with_backward;
-    build bs[2] = {{.k = k, .p = &p, .arch = arch, .want_source = 1}, {.k = backward_of(&k, p.n_operands), .p = &p, .arch = arch}};
+    build bs[2] = {{.k = k, .p = &p, .arch = arch, .order = order, .want_source = 1},
+                   {.k = backward_of(&k, p.n_operands), .p = &p, .arch = arch, .order = order}};
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&compile_lock);
     build_all(bs, n);
@@ -1383,7 +1438,7 @@ PyObject *brrr_py_chain_jit_with_backward(PyObject *module, PyObject *program) {
 #if BRRR_WITH_CUDA
     const brrr_chain_kernel none = {0, 0, 0, 0, 0, 0, 0};
     size_t len;
-    unsigned char *key = make_key(&none, 0, &p, &len);
+    unsigned char *key = make_key(&none, 0, ORDER_INTERLEAVED, &p, &len);
     int rc = key ? 0 : -1;
     if (key) {
         const uint64_t hash = fnv1a(FNV_OFFSET, key, len);

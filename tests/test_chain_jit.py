@@ -14,7 +14,7 @@ import torch
 import brrr
 from brrr import _C
 from helpers import assert_close, random
-from test_chain_ops import _operands, random_long_chain, reference, reference_grads
+from test_chain_ops import _operands, away_from_kinks, random_long_chain, reference, reference_grads
 
 HAVE_NVRTC = _C.chain_jit_info()["nvrtc"] is not None
 # CI installs NVRTC (requirements-test.txt) so that generated code that does not compile fails there.
@@ -123,6 +123,71 @@ def test_a_forward_rolls_runs_of_more_than_64_identical_steps(cache_dir, dtype):
     assert "#pragma unroll 1" not in _C.chain_jit_compile([("mul", 1.0001)] * 64 + [("mul", 1.0002)] * 64, dtype)[0]
     assert "for (int r = 0; r < 1; ++r)" in _C.chain_jit_compile(["relu"] * 65, dtype)[0]  # a function's run too
     assert "#pragma unroll 1" not in _C.chain_jit_compile(["tanh"] * 65, dtype)[0]  # called, not inlined
+
+
+# BRRR_CHAIN_JIT_ORDER: a contiguous kernel without the pack function computes every value of a
+# thread, then stores its packs (unset, `interleaved`), or computes and stores each pack in turn
+# (`packwise`); every other kernel is generated interleaved under both values.
+PACKWISE_STORE = "if (p >= n_packs) break;"
+INTERLEAVED_STORE = "p < n_packs);"
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_the_order_switch_reorders_contiguous_kernels_without_a_pack_function(cache_dir, monkeypatch, dtype):
+    """Light chains (the repeat sweep's x * c), with dense and vector operands, and a chain of many
+    heavy steps (called, not packed, a trig step among them), forward and backward: both orders
+    compile, to different programs, each its own file in the disk cache."""
+    cases = [([("mul", 1.0001)] * 64, {}),
+             (["add_tensor", ("mul", 0.5), "relu", "mul_tensor"], dict(backward=True, grad_mask=3)),
+             (["add_tensor", ("mul", 0.5), "relu", "mul_tensor"], dict(vector_mask=1)),
+             (MIXED, {}),
+             (MIXED, dict(backward=True, grad_mask=1))]
+    for steps, kw in cases:
+        monkeypatch.delenv("BRRR_CHAIN_JIT_ORDER", raising=False)
+        default, cubin, origin = _C.chain_jit_compile(steps, dtype, **kw)
+        monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", "interleaved")
+        assert _C.chain_jit_compile(steps, dtype, **kw) == (default, cubin, "disk")
+        monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", "packwise")
+        packwise, packwise_cubin, packwise_origin = _C.chain_jit_compile(steps, dtype, **kw)
+        assert origin == packwise_origin == "compiled" and packwise_cubin[:4] == b"\x7fELF", (steps, kw)
+        assert INTERLEAVED_STORE in default and PACKWISE_STORE not in default
+        assert PACKWISE_STORE in packwise and INTERLEAVED_STORE not in packwise
+        assert _C.chain_jit_compile(steps, dtype, **kw)[2] == "disk"
+    assert len(os.listdir(cache_dir)) == 2 * len(cases)
+
+
+@needs_nvrtc
+def test_the_order_switch_leaves_other_kernels_alone(cache_dir, monkeypatch):
+    """Chains with the pack function (a trig step, a rolled run), strided and row kernels: one
+    program under both values, which the second finds on disk."""
+    cases = [(["cos", "cos"], "float32", {}), (["cos", ("mul", 1.5), "cos"], "bfloat16", dict(backward=True)),
+             ([("mul", 1.0001)] * 256, "float32", {}),
+             ([("mul", 1.0001)] * 64, "float32", dict(layout="strided", ndim=2)),
+             (MIXED, "bfloat16", dict(backward=True, grad_mask=3, vector_mask=1, layout="rows", ndim=3))]
+    for steps, dtype, kw in cases:
+        monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", "packwise")
+        source, cubin, origin = _C.chain_jit_compile(steps, dtype, **kw)
+        assert origin == "compiled" and PACKWISE_STORE not in source
+        monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", "interleaved")
+        assert _C.chain_jit_compile(steps, dtype, **kw) == (source, cubin, "disk")
+
+
+@needs_nvrtc
+def test_a_forward_built_with_its_backward_takes_the_order(cache_dir, monkeypatch):
+    steps = [("mul", 1.0001)] * 16
+    monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", "packwise")
+    assert PACKWISE_STORE in _C.chain_jit_compile(steps, "float32", with_backward=True)[0]
+    backward, _, origin = _C.chain_jit_compile(steps, "float32", backward=True, grad_mask=0)
+    assert origin == "disk" and PACKWISE_STORE in backward  # built packwise, beside the forward
+    monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", "interleaved")
+    assert _C.chain_jit_compile(steps, "float32", backward=True)[2] == "compiled"
+
+
+def test_an_unknown_order_is_refused(monkeypatch):
+    monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", "Packwise")
+    with pytest.raises(ValueError, match="BRRR_CHAIN_JIT_ORDER: expected interleaved or packwise, got 'Packwise'"):
+        _C.chain_jit_compile(["relu"], "float32")
 
 
 @needs_nvrtc
@@ -464,6 +529,64 @@ def test_a_forward_compiled_alone_still_gains_its_backward(tmp_path, monkeypatch
     y.backward(grad)
     assert _C.chain_jit_info()["compiled"] == before + 2  # the backward, alone
     _check_grad(chain, x, y, grad)
+
+
+# Chains for both orders: packwise applies to the first three (no pack function), not the last.
+ORDER_CHAINS = [[("mul", 1.0001)] * 16, ["add_tensor", ("mul", 0.5), "relu", "mul_tensor", ("add", 0.25)], MIXED,
+                ["cos", ("mul", 1.5), "cos"]]
+# Relative error (norm) against float64: the compute type's rounding over a few steps, then the
+# storage's; a pack computed or stored in the wrong place is off by about 1.
+ORDER_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("order", ["interleaved", "packwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [(3603,), (5,), (67, 1000)], ids=str)
+def test_both_orders_match_interpreted_and_float64(monkeypatch, order, dtype, shape):
+    """3603 elements: the last block's threads own a first pack and only some a second one, and a
+    tail past the last pack; 5: no whole pack in half types; (67, 1000): vector operands."""
+    assert HAVE_NVRTC, _C.chain_jit_info()
+    monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", order)
+    rng = pyrandom.Random(len(shape) * 10007 + shape[0])
+    for steps in ORDER_CHAINS:
+        x = random(shape, dtype, "cuda", -2.0, 2.0)
+        operands = _operands(steps, x, rng)
+        x = away_from_kinks(steps, x, operands)  # relu's: the reference's derivative there is a convention
+        g = random(x.shape, dtype, "cuda")
+        compiled = _fwd_bwd(steps, x, operands, g)
+        interpreted = _interpreted(lambda: _fwd_bwd(steps, x, operands, g))
+        want, want_grads = reference_grads(steps, x, operands, g)
+        for got, same, expected in zip(compiled, interpreted, [want] + want_grads):
+            torch.testing.assert_close(got, same, rtol=4 * torch.finfo(dtype).eps * len(steps),
+                                       atol=1e-6 * len(steps) * max(1.0, float(same.abs().max())))
+            # relu may zero a few elements' gradients entirely: then the error itself
+            err = (got.double().cpu() - expected).norm() / (expected.norm() if expected.norm() > 0 else 1.0)
+            assert err < ORDER_TOLERANCE[dtype], (steps, float(err))
+
+
+@pytest.mark.cuda
+def test_the_orders_are_cached_apart(tmp_path, monkeypatch):
+    """One process, both orders: each order's program is compiled once and then answers from
+    memory for its own order only; a chain with a trig pack has one program for both."""
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    x = torch.randn((1 << 16) + 3, device="cuda")
+    c = 1.0 + 1e-3 * pyrandom.random()  # a scalar no other test uses
+    repeat, trig = brrr.chain(*[("mul", c)] * 64), brrr.chain("cos", ("mul", c), "cos")
+    want = x.clone()
+    for _ in range(64):
+        want = want * c  # one rounded multiply a step, as the compiled kernels
+    for order, built in (("interleaved", 2), ("packwise", 1), ("interleaved", 0), ("packwise", 0)):
+        monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", order)
+        before = _C.chain_jit_info()["compiled"]
+        got, cos = repeat(x), trig(x)
+        assert _C.chain_jit_info()["compiled"] - before == built, order
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert_close(cos, torch.cos(torch.cos(x.double()) * c), torch.float32)
+    assert len(os.listdir(tmp_path)) == 3
+    monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", "pack")
+    with pytest.raises(ValueError, match="BRRR_CHAIN_JIT_ORDER: expected interleaved or packwise, got 'pack'"):
+        repeat(x)
 
 
 @pytest.mark.cuda
