@@ -39,7 +39,7 @@ BRRR = "brrr"
 REPEAT_KEYS = ("repeats", "repeat")
 # Legend order for the implementations the suite knows; others follow alphabetically.
 IMPL_ORDER = ("eager", "eager cos", "compile", "compile reduce-overhead", "graph", "captured", "liger", "brrr",
-              "brrr cos", "brrr out=", "brrr graph", "brrr captured")
+              "brrr cos", "brrr out=", "brrr graph", "brrr captured", "brrr captured unpadded")
 
 
 def load_results(paths):

@@ -1,6 +1,8 @@
 """The overhead regime and its cure: a small model's training step (forward + backward, bf16)
 eager, patched with brrr, under torch.compile (default mode and mode="reduce-overhead"), and
-captured whole in one CUDA graph by brrr.capture_step, patched and unpatched; Liger-Kernel's
+captured whole in one CUDA graph by brrr.capture_step, patched and unpatched (and patched with
+unpadded=True: SDPA's is_causal inside the graph, as eagerly, where transformers' default under
+capture is the full causal mask); Liger-Kernel's
 patched Llama too when liger_kernel is importable (last, at the Llama's sizes).
 
 GPU: a Llama (transformers config: 2 layers, hidden 1024, MLP 2816, 16 heads, vocabulary 32000)
@@ -106,9 +108,9 @@ def compiled_step(model, compiled_loss, tokens, mode):
     return step
 
 
-def captured_step(model, tokens, reference):
+def captured_step(model, tokens, reference, unpadded=False):
     """brrr.capture_step of the model's step, checked against the eager step's (loss, grads)."""
-    step = brrr.capture_step(loss_fn_of(model), model)
+    step = brrr.capture_step(loss_fn_of(model), model, unpadded=unpadded)
     for _ in range(4):  # three eager warm-up steps, then the capture and its first replay
         loss = step(tokens)
     expected_loss, expected_grads = reference
@@ -147,8 +149,9 @@ def test_training_step_regimes(recorder, name, batches):
             variants[impl] = compiled_step(base, compiled_loss, tokens, mode)
             checks[impl] = dict(dynamic_batch=dynamic_batch and batch > 1)
         if CAPTURE:
-            for impl, model in (("captured", captured[0]), ("brrr captured", captured[1])):
-                variants[impl], checks[impl] = captured_step(model, tokens, reference_of(model, tokens))
+            for impl, model, unpadded in (("captured", captured[0], False), ("brrr captured", captured[1], False),
+                                          ("brrr captured unpadded", captured[1], True)):
+                variants[impl], checks[impl] = captured_step(model, tokens, reference_of(model, tokens), unpadded)
         for impl, step in variants.items():
             record(recorder, name, batch, impl, step, **checks.get(impl, {}))
         del variants

@@ -36,6 +36,7 @@ overwrites them, so take `.item()` or `.clone()` to keep one. Random numbers dra
 
 import contextlib
 import gc
+import sys
 import warnings
 
 import torch
@@ -47,7 +48,7 @@ DEFAULT_MAX_GRAPHS = 8
 
 
 def capture_step(loss_fn, parameters, optimizer=None, *, warmup=DEFAULT_WARMUP, max_graphs=DEFAULT_MAX_GRAPHS,
-                 generators=()):
+                 generators=(), unpadded=False):
     """A callable that runs loss_fn(*args, **kwargs), backward and optimizer.step() as a CUDA graph.
 
     loss_fn: returns the loss (a one-element tensor), or a tuple or list of tensors whose first is
@@ -59,16 +60,25 @@ def capture_step(loss_fn, parameters, optimizer=None, *, warmup=DEFAULT_WARMUP, 
     max_graphs: input signatures captured at most (each graph holds its own activation memory);
         0 runs every step eagerly.
     generators: CUDA torch.Generator objects, besides the default one, that the step draws from.
+    unpadded: True promises that no call's sequences are padded or packed (no attention_mask, and
+        position_ids, if given, counting 0, 1, 2, ... in every row). transformers models then get
+        SDPA's is_causal inside the graph as they do eagerly, where by default the graph builds the
+        full causal mask and attends through it (transformers cannot look at a mask's values while
+        a graph is being captured, so it builds one that serves any). Padded or packed inputs
+        under unpadded=True would attend across padding and sequences: leave it False for those.
     """
-    return CapturedStep(loss_fn, parameters, optimizer, warmup, max_graphs, generators)
+    return CapturedStep(loss_fn, parameters, optimizer, warmup, max_graphs, generators, unpadded)
 
 
 class CapturedStep:
     """The step capture_step returns; `graphs` counts the signatures captured so far."""
 
-    def __init__(self, loss_fn, parameters, optimizer, warmup, max_graphs, generators):
+    def __init__(self, loss_fn, parameters, optimizer, warmup, max_graphs, generators, unpadded):
         if not callable(loss_fn):
             raise TypeError(f"argument loss_fn: expected a callable returning the loss, got {type(loss_fn).__name__}")
+        if not isinstance(unpadded, bool):
+            raise TypeError(f"argument unpadded: expected True or False, got {type(unpadded).__name__}")
+        self._unpadded = unpadded
         self._loss_fn = loss_fn
         self._optimizer = _checked_optimizer(optimizer)
         self._params = _checked_parameters(parameters, self._optimizer)
@@ -184,7 +194,7 @@ class CapturedStep:
         static_args = tuple(_static_copy(a) for a in args)
         static_kwargs = {k: _static_copy(v) for k, v in kwargs.items()}
         try:
-            with _attention_backends(self._cudnn_attention):
+            with _attention_backends(self._cudnn_attention), _unpadded_causal_masks(self._unpadded):
                 graph, outputs = capture(lambda: self._run(static_args, static_kwargs, self._with_grad), self._pool,
                                          self._generators, self._stream)
         except RuntimeError:
@@ -207,6 +217,42 @@ def _attention_backends(cudnn):
     if cudnn:
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+@contextlib.contextmanager
+def _unpadded_causal_masks(unpadded):
+    """For capture_step(unpadded=True), while a step is captured: transformers' causal masks for
+    SDPA as its eager path makes them for unpadded, unpacked sequences (None: SDPA's is_causal).
+    Eagerly transformers looks at the position ids (packed sequences?) and the padding mask on the
+    host and skips the mask when neither needs one; under capture it cannot, and builds the full
+    mask (masking_utils, `is_tracing`). Here its SDPA mask function returns None for a plain causal
+    mask of equal query and key lengths with no padding mask, and the packed-sequence search finds
+    none: what the caller promised. Anything else goes to transformers' own functions."""
+    masking = sys.modules.get("transformers.masking_utils") if unpadded else None
+    if masking is None or not all(hasattr(masking, name) for name in (
+            "AttentionMaskInterface", "ALL_MASK_ATTENTION_FUNCTIONS", "find_packed_sequence_indices",
+            "causal_mask_function")):
+        yield
+        return
+    interface = masking.AttentionMaskInterface
+    sdpa_mask, find_packed = masking.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"], masking.find_packed_sequence_indices
+    causal = masking.causal_mask_function
+
+    def unpadded_sdpa_mask(*args, **kwargs):
+        if (not args and kwargs.get("attention_mask") is None and kwargs.get("mask_function") is causal
+                and kwargs.get("allow_is_causal_skip", True) and kwargs.get("local_size") is None
+                and kwargs.get("q_offset", 0) == 0 and kwargs.get("kv_offset", 0) == 0
+                and kwargs.get("q_length") == kwargs.get("kv_length")):
+            return None
+        return sdpa_mask(*args, **kwargs)
+
+    interface.register("sdpa", unpadded_sdpa_mask)
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        interface.register("sdpa", sdpa_mask)
+        masking.find_packed_sequence_indices = find_packed
 
 
 def capture(fn, pool=None, generators=(), stream=None):

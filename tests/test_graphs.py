@@ -67,6 +67,7 @@ def test_import_brrr_does_not_import_torch_and_capture_step_loads_lazily():
     (dict(generators=torch.Generator()), TypeError, "argument generators: expected an iterable"),
     (dict(generators=[torch.Generator()]), ValueError, "argument generators: item 0 is a cpu generator"),
     (dict(generators=[None]), TypeError, "argument generators: item 0 is a NoneType"),
+    (dict(unpadded=1), TypeError, "argument unpadded: expected True or False, got int"),
 ])
 def test_capture_step_rejects_bad_arguments(kwargs, error, match):
     model = mlp()
@@ -307,6 +308,64 @@ def test_patched_training_step_captures_and_replays_like_eager(name, dtype):
         assert step.graphs == (0 if call < 2 else 1)
         assert_step_matches(model, loss, expected, dtype, f"{name} call {call}")
     assert step(b) is step(a), "a replay returns the graph's own output buffer"
+
+
+def test_unpadded_gives_sdpa_no_causal_mask_while_transformers_counts_itself_tracing(monkeypatch):
+    """What capture_step(unpadded=True) sets up around a capture, seen from transformers' mask
+    builder on the CPU, with transformers told a CUDA graph is being captured: no mask (SDPA's
+    is_causal) for plain causal masks, where transformers alone builds one; its own masks for a
+    padding mask, an offset (cached keys) and a sliding window; everything back afterwards."""
+    from transformers import masking_utils
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "is_cuda_stream_capturing", lambda: True)
+    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+                                      intermediate_size=64, vocab_size=101)
+    config._attn_implementation = "sdpa"
+    embeds = torch.randn(2, 16, 32)
+    positions = torch.arange(16).unsqueeze(0)
+    padded = torch.ones(2, 16, dtype=torch.long)
+    padded[0, -3:] = 0
+
+    def masks():
+        return (masking_utils.create_causal_mask(config, embeds, None, None, position_ids=positions),
+                masking_utils.create_causal_mask(config, embeds, padded, None, position_ids=positions),
+                masking_utils.sdpa_mask(batch_size=2, q_length=16, kv_length=16, q_offset=0, kv_offset=0,
+                                        mask_function=masking_utils.causal_mask_function, attention_mask=None,
+                                        local_size=4),
+                masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](
+                    batch_size=2, q_length=4, kv_length=16, q_offset=12, kv_offset=0,
+                    mask_function=masking_utils.causal_mask_function, attention_mask=None))
+
+    alone = masks()
+    assert all(isinstance(mask, torch.Tensor) for mask in alone), "transformers builds every mask under capture"
+    with brrr.graphs._unpadded_causal_masks(True):
+        plain, padded_mask, windowed, offset = masks()
+    assert plain is None
+    for mine, theirs in zip((padded_mask, windowed, offset), alone[1:]):
+        assert torch.equal(mine, theirs)
+    with brrr.graphs._unpadded_causal_masks(False):
+        assert all(torch.equal(a, b) for a, b in zip(masks(), alone))
+    assert all(torch.equal(a, b) for a, b in zip(masks(), alone)), "restored after the block"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_an_unpadded_captured_step_matches_eager_and_builds_no_mask(name):
+    """capture_step(unpadded=True) replays eager's loss and gradients, and its graph has fewer
+    kernels than the default graph's: not the ones that build transformers' full causal mask."""
+    model = patched_cuda_model(name, torch.float32)
+    loss_fn = loss_fn_of(model, name)
+    tokens = torch.randint(0, 101, (2, 16), device="cuda")
+    expected = eager_loss_and_grads(model, loss_fn, tokens)
+    kernels = {}
+    for unpadded in (False, True):
+        step = brrr.capture_step(loss_fn, model, warmup=1, unpadded=unpadded)
+        for call in range(3):
+            assert_step_matches(model, step(tokens), expected, torch.float32, f"{name} unpadded={unpadded} {call}")
+        assert step.graphs == 1
+        kernels[unpadded] = kernel_counts(lambda: step(tokens), ("",))[""]
+    assert kernels[True] < kernels[False], kernels
 
 
 @pytest.mark.cuda
