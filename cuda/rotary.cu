@@ -287,8 +287,8 @@ __global__ void __launch_bounds__(kThreads, 2) rotary_token_kernel(const __grid_
     }
 }
 
-// BRRR_ROTARY_KERNEL (docs/kernel-switches.md): unset, empty or any other value, units; `token`;
-// `token-ascending`, token with its positions always from the first.
+// BRRR_ROTARY_KERNEL (docs/kernel-switches.md): `token`; `token-ascending`, token with its
+// positions always from the first; unset, empty, `units` or any other value, units.
 enum class Choice { kUnits, kToken, kTokenAscending };
 static Choice choice() {
     const char *v = getenv("BRRR_ROTARY_KERNEL");
