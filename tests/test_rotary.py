@@ -626,3 +626,98 @@ def test_patch_leaves_a_rotary_look_alike_and_a_partial_call_a_full_form_cannot_
     with pytest.raises(RuntimeError):  # its own error: it cannot take them
         replacement(q, k, torch.randn(2, 5, 4), torch.randn(2, 5, 4))
     assert seen == [4]
+
+
+# ---- BRRR_ROTARY_KERNEL=token: a position's heads on one group of threads (cuda/rotary.cu) ---------
+
+TOKEN_FORMS = [  # head dim, features rotated, interleaved, an angle per pair
+    (128, 128, False, False),  # Llama's
+    (128, 128, True, False),   # Cohere's
+    (64, 32, False, False),    # GPT-NeoX's partial rotary: half the head copied
+    (64, 32, True, True),      # GLM's: interleaved, an angle per pair, partial
+    (32, 32, False, True),     # half-split with an angle per pair
+    (10, 6, False, False),     # no 16-byte units: the units kernel under the switch too
+]
+
+
+def _under(monkeypatch, value, fn):
+    """fn() with BRRR_ROTARY_KERNEL=value (None: unset), its launches finished."""
+    if value is None:
+        monkeypatch.delenv("BRRR_ROTARY_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("BRRR_ROTARY_KERNEL", value)
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+    finally:
+        monkeypatch.delenv("BRRR_ROTARY_KERNEL", raising=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d,r,interleaved,pairs", TOKEN_FORMS)
+@pytest.mark.parametrize("layout", ["transposed", "contiguous"])
+@pytest.mark.parametrize("angles", ["per batch", "broadcast"])
+def test_token_kernel(monkeypatch, dtype, d, r, interleaved, pairs, layout, angles):
+    """apply_rotary_pos_emb on q (5 heads) and k (3 heads) over 7 positions of 2 sequences, laid
+    out as attention's projections leave them ((batch, seq, heads, d) viewed as (batch, heads,
+    seq, d), the gradients too) or contiguous, with angles per sequence or one set broadcast over
+    the batch: outputs and both gradients against float64, and the same bits under `token`,
+    `token-ascending` and the units kernel (unset). Under `token` q and k run their positions in
+    opposite orders (the same angles follow each other), as do dq and dk."""
+    b, t = 2, 7
+
+    def heads(h):
+        if layout == "transposed":
+            return random((b, t, h, d), dtype, "cuda").transpose(1, 2)
+        return random((b, h, t, d), dtype, "cuda")
+
+    q, k, gq, gk = heads(5), heads(3), heads(5), heads(3)
+    angle = random((b if angles == "per batch" else 1, t, r // 2 if pairs else r), torch.float64, "cpu", -5, 5)
+    cos, sin = angle.cos().to("cuda", dtype), angle.sin().to("cuda", dtype)
+
+    def run():
+        ql, kl = q.detach().requires_grad_(), k.detach().requires_grad_()
+        out = brrr.apply_rotary_pos_emb(ql, kl, cos, sin, interleaved=interleaved, rotary_dim=r)
+        torch.autograd.backward(out, (gq, gk))
+        return [t_.detach() for t_ in out] + [ql.grad, kl.grad]
+
+    runs = [_under(monkeypatch, value, run) for value in ("token", "token-ascending", None)]
+    for name, token, ascending, units in zip(("q", "k", "grad q", "grad k"), *runs):
+        assert torch.equal(token, ascending) and torch.equal(token, units), name
+    rq, rk = q.double().cpu().requires_grad_(), k.double().cpu().requires_grad_()
+    c64, s64 = cos.double().cpu()[:, None], sin.double().cpu()[:, None]
+    theirs = [layout_reference(x, c64, s64, interleaved, r) for x in (rq, rk)]
+    torch.autograd.backward(theirs, (gq.double().cpu(), gk.double().cpu()))
+    for actual, expected in zip(runs[0], theirs + [rq.grad, rk.grad]):
+        check(actual, expected, dtype, scale=3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("seq", [4500, 9001])
+@pytest.mark.parametrize("r", [128, 64])
+def test_token_kernel_loops_over_heads(monkeypatch, dtype, seq, r):
+    """Enough positions that a thread takes several heads of its position (7 heads; on an H200's
+    132 SMs: bfloat16 at 4500 positions 2 slots of 4 and 3 heads, at 9001 one slot of all 7, 4
+    heads' loads then 3; float32 one slot at both): the forward out of place (the copied features
+    too where r < 128), in place, three times on the same angles (from the first position, the
+    last, the first), and the backward, against float64."""
+    x = random((1, seq, 7, 128), dtype, "cuda").transpose(1, 2)
+    angle = random((seq, r), torch.float64, "cpu", -5, 5)
+    cos, sin = angle.cos().to("cuda", dtype), angle.sin().to("cuda", dtype)
+    outs = _under(monkeypatch, "token", lambda: [brrr.rotary(x, cos, sin) for _ in range(3)])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    x64, c64, s64 = x.double().cpu(), cos.double().cpu(), sin.double().cpu()
+    check(outs[0], layout_reference(x64, c64, s64, False, None), dtype, scale=3)
+    assert torch.equal(outs[0][..., r:], x[..., r:])
+    y = x.clone()
+    _under(monkeypatch, "token", lambda: _C.rotary(y, cos, sin, y, False))
+    assert torch.equal(y, outs[0])
+    g = random(x.shape, dtype, "cuda")
+    leaf = x.detach().requires_grad_()
+    grad = _under(monkeypatch, "token", lambda: torch.autograd.grad(brrr.rotary(leaf, cos, sin), leaf, g)[0])
+    ref_leaf = x.double().cpu().requires_grad_()
+    ref_grad = torch.autograd.grad(layout_reference(ref_leaf, c64, s64, False, None), ref_leaf, g.double().cpu())[0]
+    check(grad, ref_grad, dtype, scale=3)
