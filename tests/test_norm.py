@@ -325,6 +325,76 @@ def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
     compare("layer_norm", dtype, x, r, (cols,), w, b)
 
 
+# BRRR_NORM_BWD_KERNEL=bulk (norm_bwd_bulk_kernel, sm_90): widths where a row's group is one warp
+# (256), two warps with the second one's packs partly past the row (768), three and nine warps
+# (1032, 4104: group sums over warp counts that are not powers of two), whole rows (5120, 8192;
+# 4096 in the bits test below); and a width where it does not apply and the default runs (4097:
+# single elements).
+BULK_COLS = [256, 768, 1032, 4104, 5120, 8192, 4097]
+
+
+def _bulk_kinds():
+    yield "layer_norm", "torch"
+    yield "rms_norm", "torch"
+    yield "rms_norm", "llama"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", BULK_COLS)
+def test_backward_bulk_kernel(monkeypatch, dtype, kind, cast_order, residual, cols):
+    """The bulk-copy backward against the float64 reference: row counts that leave one chunk
+    shorter than the lanes (1, 3), several chunks (37) and many (301); every affine form, float32
+    parameters for half inputs, RMSNorm's weight offset, rows with padding between them."""
+    monkeypatch.setenv("BRRR_NORM_BWD_KERNEL", "bulk")
+    for rows in (1, 3, 37, 301):
+        x = random((rows, cols), dtype, "cuda")
+        r = random((rows, cols), dtype, "cuda") if residual else None
+        w, b = params(kind, "both", (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
+    x = random((37, cols), dtype, "cuda")
+    r = random((37, cols), dtype, "cuda") if residual else None
+    for affine in AFFINE[kind]:
+        w, b = params(kind, affine, (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
+    if dtype in HALF_DTYPES:
+        w, b = params(kind, "both", (cols,), dtype, "cuda", param_dtype=torch.float32)
+        compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
+    if kind == "rms_norm":
+        w = random((cols,), dtype, "cuda", -0.5, 0.5)
+        compare(kind, dtype, x, r, (cols,), w, None, cast_order=cast_order, offset=1.0)
+    padded = torch.empty(37, cols + 64, dtype=dtype, device="cuda")[:, :cols].copy_(x)  # rows 64 elements apart
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    compare(kind, dtype, padded, r, (cols,), w, b, cast_order=cast_order)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", [256, 768, 1032, 4096, 5120, 8192])
+def test_backward_bulk_kernel_bits(monkeypatch, dtype, kind, residual, cols):
+    """BRRR_NORM_BWD_KERNEL=bulk gives the same bits run to run, and the same weight and bias
+    gradient bits as the default (=ring: the same order, brrr_cuda.h); grad_x and grad_residual
+    agree to rounding (the row sums are added in another order). 2053 rows: 229 chunks of 9 rows,
+    the last one short."""
+    rows = 2053
+    x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
+    r = random((rows, cols), dtype, "cuda") if residual else None
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    bulk = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "bulk"}, kind, x, r, w, b, g)
+    again = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "bulk"}, kind, x, r, w, b, g)
+    ring = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "ring"}, kind, x, r, w, b, g)
+    _assert_same_bits(again, bulk, "bulk, run to run")
+    _assert_same_bits(bulk[2:], ring[2:], "bulk against ring")
+    for a, e in zip(bulk[:2], ring[:2]):
+        if a is not None:
+            torch.testing.assert_close(a.float(), e.float(), rtol=TOLERANCE[dtype]["rtol"],
+                                       atol=TOLERANCE[dtype]["atol"] * float(e.float().abs().max()))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
