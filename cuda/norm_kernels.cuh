@@ -23,6 +23,9 @@
 //                     butterflies, then one over the group's warps through shared memory; one
 //                     per row (LayerNorm: two, the mean and then the squares about it).
 //                     Assumes: N <= 512 * PACKS * VEC, N % VEC == 0.
+// norm_fwd_pipe_kernel  a candidate for its launches of 16-byte packs (BRRR_NORM_FWD_KERNEL=pipe):
+//                     a grid that fits at once, the next row copied into shared memory while
+//                     the current one is reduced (see the kernel).
 // norm_bwd_kernel     the same row layout (up to 16 elements a thread), a block of
 //                     brrr_norm_lanes(cols) such groups within 512 threads (128 registers each;
 //                     the widest rows split over a cluster of two such blocks on sm_90, else
@@ -334,10 +337,154 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
     }
 }
 
+// The forward's candidate (BRRR_NORM_FWD_KERNEL=pipe): norm_fwd_kernel's rows, layout, sums and
+// arithmetic, on a grid of the blocks that fit at once, each group walking rows gridDim.x *
+// groups apart; a thread copies its packs of the next row (x, and the residual) into shared
+// memory by cp.async before it waits for the current row's and reduces it, so the loads that
+// norm_fwd_kernel leaves idle through a row's reductions (its latency, above) stay in flight.
+// Two stages, [stage][tensor][pack][thread][VEC] (a thread's own packs, read back only by it: no
+// barrier). Holding the next row in registers instead cost 16-32 registers a thread and spilled
+// (ptxas, sm_90, bfloat16 4 packs: 52 bytes at 80 registers). 16-byte packs only.
+template <typename T, int VEC, int PACKS, bool kResidual>
+__global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACKS, PACKS * VEC, kResidual))
+    norm_fwd_pipe_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr) {
+    using A = typename Compute<T>::type;
+    static_assert(VEC * sizeof(T) == 16, "norm_fwd_pipe_kernel: 16-byte packs");
+    constexpr int kAdd = kResidual ? PACKS : 1, kTensors = kResidual ? 2 : 1;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ A buf[2][1][kMaxWarps];
+    const int groups = blockDim.x / tpr, t = threadIdx.x % tpr;
+    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC;
+    const A inv_n = A(1) / static_cast<A>(cols), eps = static_cast<A>(L.eps);
+    const bool layer = !L.rms;
+    const int64_t step = (int64_t)gridDim.x * groups;
+    auto slot = [&](int s, int q, int k) {
+        return reinterpret_cast<T *>(smem) + (((s * kTensors + q) * PACKS + k) * (int)blockDim.x + (int)threadIdx.x) * VEC;
+    };
+    // Copies row r's packs (those in the row; none past the last row) into stage s, and commits
+    // a copy group.
+    auto fetch = [&](int64_t r, int s) {
+        if (r < L.rows) {
+            const int mine = packs_in_row(true, cols, first, stride);
+            const brrr_norm_view *const views[2] = {&L.x, &L.residual};
+            int64_t off[2];
+            row_offsets(L, r, views, off);
+            const T *x = static_cast<const T *>(L.x.data) + off[0] + first;
+            const T *res = kResidual ? static_cast<const T *>(L.residual.data) + off[1] + first : nullptr;
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
+                copy_async16(slot(s, 0, k), x + k * stride);
+                if constexpr (kResidual) copy_async16(slot(s, 1, k), res + k * stride);
+            }
+        }
+        copy_async_commit();
+    };
+    fetch((int64_t)blockIdx.x * groups + threadIdx.x / tpr, 0);
+    int parity = 0, s = 0;
+    for (int64_t base = (int64_t)blockIdx.x * groups; base < L.rows; base += step) {
+        const int64_t row = base + threadIdx.x / tpr;
+        const bool active = row < L.rows;
+        const int mine = packs_in_row(active, cols, first, stride);
+        fetch(row + step, s ^ 1);  // the next row, into the stage this thread read a row ago
+        copy_async_wait<1>();      // this row's copies have landed
+        const brrr_norm_view *const views[6] = {&L.x, &L.residual, &L.residual_out, &L.out, &L.mean, &L.rstd};
+        int64_t off[6];
+        row_offsets(L, active ? row : base, views, off);  // an in-range row for the address arithmetic
+        const T *x = static_cast<const T *>(L.x.data) + off[0] + first;
+        const T *res = kResidual ? static_cast<const T *>(L.residual.data) + off[1] + first : nullptr;
+        A v[PACKS][VEC], add[kAdd][VEC];
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[k][j] = A(0);
+            if (k < mine) load_vec<T, VEC>(slot(s, 0, k), v[k]);
+            if constexpr (kResidual) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) add[k][j] = A(0);
+                if (k < mine) load_vec<T, VEC>(slot(s, 1, k), add[k]);
+            }
+        }
+        s ^= 1;
+        A shift = A(0);
+        if (layer && active) shift = kResidual ? round_to<T>(to_float(x[-first]) + to_float(res[-first])) : to_float(x[-first]);
+        if constexpr (kResidual) {
+            T *res_out = static_cast<T *>(L.residual_out.data) + off[2] + first;
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[k][j] = round_to<T>(v[k][j] + add[k][j]);
+                if (k < mine) store_vec<T, VEC>(res_out + k * stride, v[k]);
+            }
+        }
+        A mean = A(0), rstd;
+        if (layer) {
+            A sum[1] = {A(0)};
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    v[k][j] -= shift;
+                    sum[0] += v[k][j];
+                }
+            }
+            group_sum(sum, tpr, buf[parity]);
+            parity ^= 1;
+            mean = sum[0] * inv_n;
+            A squares[1] = {A(0)};
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    v[k][j] -= mean;
+                    squares[0] += v[k][j] * v[k][j];
+                }
+            }
+            group_sum(squares, tpr, buf[parity]);
+            rstd = rsqrt_of(squares[0] * inv_n + eps);
+        } else {
+            A q[1] = {A(0)};
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) q[0] += v[k][j] * v[k][j];
+            }
+            group_sum(q, tpr, buf[parity]);
+            rstd = rsqrt_of(q[0] * inv_n + eps);
+        }
+        parity ^= 1;
+        if (!active) continue;
+        if (t == 0) {
+            if (L.mean.data) static_cast<A *>(L.mean.data)[off[4]] = mean;
+            if (L.rstd.data) static_cast<A *>(L.rstd.data)[off[5]] = rstd;
+        }
+        T *out = static_cast<T *>(L.out.data) + off[3] + first;
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (k >= mine) continue;
+            A w[VEC], b[VEC], y[VEC];
+            load_weight<T, VEC>(L, first + k * stride, w);
+            if (L.llama) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[k][j] * rstd) * w[j];
+            } else {
+                load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) y[j] = v[k][j] * rstd * w[j] + b[j];
+            }
+            store_vec<T, VEC>(out + k * stride, y);
+        }
+    }
+}
+
 // ---- backward: the terms every kernel shares ------------------------------------------------
 
 __device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 __device__ __forceinline__ double fma_rn(double a, double b, double c) { return __fma_rn(a, b, c); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 
 // What the backward keeps of a row to rematerialise xhat = fma(x - shift, rstd, -mean * rstd)
 // (RMSNorm: shift = mean = 0). Every backward kernel computes xhat and the weight and bias
@@ -891,9 +1038,13 @@ __global__ void __launch_bounds__(512, 1)
             const T *xs = ring + out * tensors * row_elems, *dys = xs + row_elems, *gs = dys + row_elems;
             out = out + 1 == stages ? 0 : out + 1;
             const RowStats<A> st = row_stats(layer, layer ? to_float(xs[0]) : A(0), mean, rstd);
-            A sums[2] = {A(0), A(0)};  // of g * xhat and of g
+            A sums[2] = {A(0), A(0)};  // of g * xhat and of g (LayerNorm)
             A xh[E], gk[E];
-            auto pass1 = [&](auto kLlama) {
+            // Pass 1 in three forms (runtime selects of per-element work cost instructions): Llama's
+            // rounding, and RMSNorm's xhat = x * rstd, the bits of xhat_of with no shift and no
+            // mean (x - 0 = x, fma(x, rstd, -0) = x * rstd rounded), without the sum of g.
+            auto pass1 = [&](auto kLlama, auto kLayer) {
+                constexpr bool kLayerNorm = decltype(kLayer)::value;
 #pragma unroll
                 for (int k = 0; k < PACKS; ++k) {
                     if (k >= mine) continue;
@@ -903,9 +1054,9 @@ __global__ void __launch_bounds__(512, 1)
                     weight(first + k * stride, w);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
-                        const A xhat = xhat_of(st, xv[j]), gj = dv[j] * w[j];
+                        const A xhat = kLayerNorm ? xhat_of(st, xv[j]) : mul_rn(xv[j], st.rstd), gj = dv[j] * w[j];
                         sums[0] += gj * xhat;
-                        sums[1] += gj;
+                        if constexpr (kLayerNorm) sums[1] += gj;
                         if (want_dw) dw[k * VEC + j] = add_dw<T>(dw[k * VEC + j], dv[j], xhat, decltype(kLlama)::value);
                         if constexpr (kBias) db[k * VEC + j] += dv[j];
                         xh[k * VEC + j] = xhat;
@@ -913,8 +1064,9 @@ __global__ void __launch_bounds__(512, 1)
                     }
                 }
             };
-            if (llama) pass1(std::true_type());
-            else pass1(std::false_type());
+            if (layer) pass1(std::false_type(), std::true_type());
+            else if (llama) pass1(std::true_type(), std::false_type());
+            else pass1(std::false_type(), std::false_type());
             warps_row_sum(sums, warps, t / 32, g, red[parity][g]);
             parity ^= 1;
             // Every thread of the group is past its reads of the previous row's stage: refill it.
@@ -1357,6 +1509,20 @@ static cudaError_t clusters_resident(Kernel kernel, cudaLaunchConfig_t cfg, int 
     return e;
 }
 
+// Dynamic shared memory a block may have on `device` beside `static_bytes` of its own.
+static size_t dynamic_smem_limit(int device, size_t static_bytes) {
+    const int v = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 48 << 10);
+    return (size_t)v > static_bytes ? (size_t)v - static_bytes : 0;
+}
+
+// BRRR_NORM_FWD_KERNEL (docs/kernel-switches.md): unset or rows, norm_fwd_kernel; pipe,
+// norm_fwd_pipe_kernel for rows of 16-byte packs whose two stages fit in shared memory
+// (norm_fwd_kernel for the others).
+static bool fwd_pipe_wanted() {
+    const char *v = getenv("BRRR_NORM_FWD_KERNEL");
+    return v != nullptr && strcmp(v, "pipe") == 0;
+}
+
 template <typename T>
 cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
     if (L.rows == 0 || L.cols == 0) return cudaSuccess;
@@ -1370,8 +1536,22 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         auto kernel = L.residual.data ? norm_fwd_kernel<T, VEC, PACKS, true> : norm_fwd_kernel<T, VEC, PACKS, false>;
         const int groups = cfg.block / cfg.tpr;
         const int64_t blocks = (L.rows + groups - 1) / groups;
-        const unsigned grid = (unsigned)(blocks < kMaxGrid ? blocks : kMaxGrid);
-        kernel<<<grid, cfg.block, 0, stream>>>(L, cfg.tpr);
+        unsigned grid = (unsigned)(blocks < kMaxGrid ? blocks : kMaxGrid);
+        size_t smem = 0;
+        if constexpr (VEC > 1) {  // (norm_fwd_pipe_kernel: 16-byte packs only)
+            // Two stages of the threads' packs, where they fit (not float32 add_* rows of 16384 columns)
+            const size_t stages = (size_t)2 * (L.residual.data ? 2 : 1) * PACKS * cfg.block * 16;
+            if (fwd_pipe_wanted() && stages <= dynamic_smem_limit(device, sizeof(typename Compute<T>::type) * 2 * kMaxWarps)) {
+                kernel = L.residual.data ? norm_fwd_pipe_kernel<T, VEC, PACKS, true> : norm_fwd_pipe_kernel<T, VEC, PACKS, false>;
+                smem = stages;
+                int per_sm = 0;
+                const cudaError_t e = blocks_per_sm(kernel, cfg.block, smem, device, &per_sm);
+                if (e != cudaSuccess) return e;
+                const int64_t resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device);
+                if (resident < (int64_t)grid) grid = (unsigned)resident;  // the blocks that run at once
+            }
+        }
+        kernel<<<grid, cfg.block, smem, stream>>>(L, cfg.tpr);
         return cudaSuccess;
     });
 }
@@ -1386,12 +1566,6 @@ struct BwdConfig {
     int vec, packs, threads;  // threads: the kernel's bound, 512 (128 registers) or 1024 (64)
     BwdLayout lay;
 };
-
-// Dynamic shared memory a block may have on `device` beside `static_bytes` of its own.
-static size_t dynamic_smem_limit(int device, size_t static_bytes) {
-    const int v = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 48 << 10);
-    return (size_t)v > static_bytes ? (size_t)v - static_bytes : 0;
-}
 
 // The device's compute capability major (0 where the query fails).
 static int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0); }
