@@ -345,6 +345,38 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
 // Two stages, [stage][tensor][pack][thread][VEC] (a thread's own packs, read back only by it: no
 // barrier). Holding the next row in registers instead cost 16-32 registers a thread and spilled
 // (ptxas, sm_90, bfloat16 4 packs: 52 bytes at 80 registers). 16-byte packs only.
+// group_sum with its butterflies unrolled where the group is whole warps (the same additions in
+// the same order: the same bits): group_sum's are loops of runtime width, with their counter and
+// branch at every level, in norm_fwd_kernel, which issues ~32 instructions an element at 4096
+// bfloat16 columns (H200 ncu: issue slots 73% busy, the integer pipe the busiest).
+template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled(A (&v)[kN], int tpr, A (*buf)[kMaxWarps]) {
+    if (tpr < 32) {
+        group_sum(v, tpr, buf);
+        return;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
+    }
+    if (tpr == 32) return;
+    const int warps = tpr / 32, lane = threadIdx.x & 31;
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) buf[i][threadIdx.x / 32] = v[i];
+    }
+    __syncthreads();
+    const int slot = (threadIdx.x / tpr) * warps + (lane & (warps - 1));
+#pragma unroll
+    for (int i = 0; i < kN; ++i) v[i] = buf[i][slot];
+#pragma unroll
+    for (int off = kMaxWarps / 2; off > 0; off /= 2) {
+        if (off >= warps) continue;  // (uniform) group_sum's levels: warps / 2, ..., 1
+#pragma unroll
+        for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
+    }
+}
+
 template <typename T, int VEC, int PACKS, bool kResidual>
 __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACKS, PACKS * VEC, kResidual))
     norm_fwd_pipe_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr) {
@@ -429,7 +461,7 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
                     sum[0] += v[k][j];
                 }
             }
-            group_sum(sum, tpr, buf[parity]);
+            group_sum_unrolled(sum, tpr, buf[parity]);
             parity ^= 1;
             mean = sum[0] * inv_n;
             A squares[1] = {A(0)};
@@ -442,7 +474,7 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
                     squares[0] += v[k][j] * v[k][j];
                 }
             }
-            group_sum(squares, tpr, buf[parity]);
+            group_sum_unrolled(squares, tpr, buf[parity]);
             rstd = rsqrt_of(squares[0] * inv_n + eps);
         } else {
             A q[1] = {A(0)};
@@ -451,7 +483,7 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) q[0] += v[k][j] * v[k][j];
             }
-            group_sum(q, tpr, buf[parity]);
+            group_sum_unrolled(q, tpr, buf[parity]);
             rstd = rsqrt_of(q[0] * inv_n + eps);
         }
         parity ^= 1;
