@@ -23,6 +23,9 @@
 //                     butterflies, then one over the group's warps through shared memory; one
 //                     per row (LayerNorm: two, the mean and then the squares about it).
 //                     Assumes: N <= 512 * PACKS * VEC, N % VEC == 0.
+// norm_fwd_pipe_kernel  a candidate for its launches of 16-byte packs (BRRR_NORM_FWD_KERNEL=pipe):
+//                     a grid that fits at once, the next row copied into shared memory while
+//                     the current one is reduced (see the kernel).
 // norm_bwd_kernel     the same row layout (up to 16 elements a thread), a block of
 //                     brrr_norm_lanes(cols) such groups within 512 threads (128 registers each;
 //                     the widest rows split over a cluster of two such blocks on sm_90, else
@@ -30,6 +33,9 @@
 //                     cp.async ring in shared memory (up to 3 rows in flight per group), the
 //                     weight and bias gradients summed in registers in the order of brrr_cuda.h
 //                     (see the kernel).
+// norm_bwd_bulk_kernel  a candidate for the same launches on sm_90 (BRRR_NORM_BWD_KERNEL=bulk):
+//                     the same layout, ring and order, a row copied into the ring by one
+//                     cp.async.bulk a tensor, completing on an mbarrier (see the kernel).
 // norm_fwd_generic_kernel, norm_bwd_dx_generic_kernel
 //                     any strides, or rows too long for registers: a 256-thread block per row,
 //                     reading the row twice (the second time mostly from L2). Forward statistics:
@@ -331,10 +337,186 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
     }
 }
 
+// The forward's candidate (BRRR_NORM_FWD_KERNEL=pipe): norm_fwd_kernel's rows, layout, sums and
+// arithmetic, on a grid of the blocks that fit at once, each group walking rows gridDim.x *
+// groups apart; a thread copies its packs of the next row (x, and the residual) into shared
+// memory by cp.async before it waits for the current row's and reduces it, so the loads that
+// norm_fwd_kernel leaves idle through a row's reductions (its latency, above) stay in flight.
+// Two stages, [stage][tensor][pack][thread][VEC] (a thread's own packs, read back only by it: no
+// barrier). Holding the next row in registers instead cost 16-32 registers a thread and spilled
+// (ptxas, sm_90, bfloat16 4 packs: 52 bytes at 80 registers). 16-byte packs only.
+// group_sum with its butterflies unrolled where the group is whole warps (the same additions in
+// the same order: the same bits): group_sum's are loops of runtime width, with their counter and
+// branch at every level, in norm_fwd_kernel, which issues ~32 instructions an element at 4096
+// bfloat16 columns (H200 ncu: issue slots 73% busy, the integer pipe the busiest).
+template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled(A (&v)[kN], int tpr, A (*buf)[kMaxWarps]) {
+    if (tpr < 32) {
+        group_sum(v, tpr, buf);
+        return;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
+    }
+    if (tpr == 32) return;
+    const int warps = tpr / 32, lane = threadIdx.x & 31;
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) buf[i][threadIdx.x / 32] = v[i];
+    }
+    __syncthreads();
+    const int slot = (threadIdx.x / tpr) * warps + (lane & (warps - 1));
+#pragma unroll
+    for (int i = 0; i < kN; ++i) v[i] = buf[i][slot];
+#pragma unroll
+    for (int off = kMaxWarps / 2; off > 0; off /= 2) {
+        if (off >= warps) continue;  // (uniform) group_sum's levels: warps / 2, ..., 1
+#pragma unroll
+        for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
+    }
+}
+
+template <typename T, int VEC, int PACKS, bool kResidual>
+__global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACKS, PACKS * VEC, kResidual))
+    norm_fwd_pipe_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr) {
+    using A = typename Compute<T>::type;
+    static_assert(VEC * sizeof(T) == 16, "norm_fwd_pipe_kernel: 16-byte packs");
+    constexpr int kAdd = kResidual ? PACKS : 1, kTensors = kResidual ? 2 : 1;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ A buf[2][1][kMaxWarps];
+    const int groups = blockDim.x / tpr, t = threadIdx.x % tpr;
+    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC;
+    const A inv_n = A(1) / static_cast<A>(cols), eps = static_cast<A>(L.eps);
+    const bool layer = !L.rms;
+    const int64_t step = (int64_t)gridDim.x * groups;
+    auto slot = [&](int s, int q, int k) {
+        return reinterpret_cast<T *>(smem) + (((s * kTensors + q) * PACKS + k) * (int)blockDim.x + (int)threadIdx.x) * VEC;
+    };
+    // Copies row r's packs (those in the row; none past the last row) into stage s, and commits
+    // a copy group.
+    auto fetch = [&](int64_t r, int s) {
+        if (r < L.rows) {
+            const int mine = packs_in_row(true, cols, first, stride);
+            const brrr_norm_view *const views[2] = {&L.x, &L.residual};
+            int64_t off[2];
+            row_offsets(L, r, views, off);
+            const T *x = static_cast<const T *>(L.x.data) + off[0] + first;
+            const T *res = kResidual ? static_cast<const T *>(L.residual.data) + off[1] + first : nullptr;
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
+                copy_async16(slot(s, 0, k), x + k * stride);
+                if constexpr (kResidual) copy_async16(slot(s, 1, k), res + k * stride);
+            }
+        }
+        copy_async_commit();
+    };
+    fetch((int64_t)blockIdx.x * groups + threadIdx.x / tpr, 0);
+    int parity = 0, s = 0;
+    for (int64_t base = (int64_t)blockIdx.x * groups; base < L.rows; base += step) {
+        const int64_t row = base + threadIdx.x / tpr;
+        const bool active = row < L.rows;
+        const int mine = packs_in_row(active, cols, first, stride);
+        fetch(row + step, s ^ 1);  // the next row, into the stage this thread read a row ago
+        copy_async_wait<1>();      // this row's copies have landed
+        const brrr_norm_view *const views[6] = {&L.x, &L.residual, &L.residual_out, &L.out, &L.mean, &L.rstd};
+        int64_t off[6];
+        row_offsets(L, active ? row : base, views, off);  // an in-range row for the address arithmetic
+        const T *x = static_cast<const T *>(L.x.data) + off[0] + first;
+        const T *res = kResidual ? static_cast<const T *>(L.residual.data) + off[1] + first : nullptr;
+        A v[PACKS][VEC], add[kAdd][VEC];
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[k][j] = A(0);
+            if (k < mine) load_vec<T, VEC>(slot(s, 0, k), v[k]);
+            if constexpr (kResidual) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) add[k][j] = A(0);
+                if (k < mine) load_vec<T, VEC>(slot(s, 1, k), add[k]);
+            }
+        }
+        s ^= 1;
+        A shift = A(0);
+        if (layer && active) shift = kResidual ? round_to<T>(to_float(x[-first]) + to_float(res[-first])) : to_float(x[-first]);
+        if constexpr (kResidual) {
+            T *res_out = static_cast<T *>(L.residual_out.data) + off[2] + first;
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[k][j] = round_to<T>(v[k][j] + add[k][j]);
+                if (k < mine) store_vec<T, VEC>(res_out + k * stride, v[k]);
+            }
+        }
+        A mean = A(0), rstd;
+        if (layer) {
+            A sum[1] = {A(0)};
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    v[k][j] -= shift;
+                    sum[0] += v[k][j];
+                }
+            }
+            group_sum_unrolled(sum, tpr, buf[parity]);
+            parity ^= 1;
+            mean = sum[0] * inv_n;
+            A squares[1] = {A(0)};
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    v[k][j] -= mean;
+                    squares[0] += v[k][j] * v[k][j];
+                }
+            }
+            group_sum_unrolled(squares, tpr, buf[parity]);
+            rstd = rsqrt_of(squares[0] * inv_n + eps);
+        } else {
+            A q[1] = {A(0)};
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) q[0] += v[k][j] * v[k][j];
+            }
+            group_sum_unrolled(q, tpr, buf[parity]);
+            rstd = rsqrt_of(q[0] * inv_n + eps);
+        }
+        parity ^= 1;
+        if (!active) continue;
+        if (t == 0) {
+            if (L.mean.data) static_cast<A *>(L.mean.data)[off[4]] = mean;
+            if (L.rstd.data) static_cast<A *>(L.rstd.data)[off[5]] = rstd;
+        }
+        T *out = static_cast<T *>(L.out.data) + off[3] + first;
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (k >= mine) continue;
+            A w[VEC], b[VEC], y[VEC];
+            load_weight<T, VEC>(L, first + k * stride, w);
+            if (L.llama) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[k][j] * rstd) * w[j];
+            } else {
+                load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) y[j] = v[k][j] * rstd * w[j] + b[j];
+            }
+            store_vec<T, VEC>(out + k * stride, y);
+        }
+    }
+}
+
 // ---- backward: the terms every kernel shares ------------------------------------------------
 
 __device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 __device__ __forceinline__ double fma_rn(double a, double b, double c) { return __fma_rn(a, b, c); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 
 // What the backward keeps of a row to rematerialise xhat = fma(x - shift, rstd, -mean * rstd)
 // (RMSNorm: shift = mean = 0). Every backward kernel computes xhat and the weight and bias
@@ -713,6 +895,269 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < (kBias ? E : 1); ++i) db[i] = A(0);
     }
+}
+
+// ---- backward: the bulk-copy candidate (BRRR_NORM_BWD_KERNEL=bulk, sm_90) -------------------
+// norm_bwd_kernel spends more instructions a row on its bookkeeping than on the row's arithmetic
+// (H200 ncu, bfloat16 layer_norm, 16384 x 4096: ~645 warp instructions a warp per row, 40 an
+// element, of which the two passes are ~240 in the sm_90 SASS; 51 an element at 768 columns):
+// every thread issues its own 16-byte cp.async per pack and tensor (each with three
+// predicated-off LDS that ptxas puts beside an LDGSTS), the warp leaders copy the row's scalars
+// with three more, and the group sum runs a second 5-level butterfly over the warps' partial
+// sums, in loops of runtime width. norm_bwd_bulk_kernel keeps the row layout, the ring, the
+// lanes and the order of the weight and bias gradients (the same bits as norm_bwd_kernel), and
+// cuts the rest: a group's first thread copies each tensor's row with one cp.async.bulk
+// (the row is contiguous, 16-byte aligned: the ring's layout is the row's), completing on an
+// mbarrier per stage that the group's threads wait on; the row's rstd and mean are loaded into
+// registers one row ahead, its shift read from the ring; the group sum is one unrolled butterfly
+// a warp and, across the group's warps, every thread adding the warps' pairs in warp order.
+// A stage is refilled only after the group's barrier in the next row's sum, which every thread
+// of the group reaches after its last read of that stage (the previous row's grad_residual in
+// pass 2), so the ring needs no release barrier. Assumes: sm_90, 2-d launch (row_ndim 1),
+// 16-byte aligned rows, tpr a multiple of 32 (at most 512 with the lanes), stages >= 2, no split.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned smem_addr(const void *p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// The producer's arrival on the stage's barrier, announcing `bytes` of copies that complete on it.
+__device__ __forceinline__ void mbar_expect(uint64_t *bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory,
+// completing on `bar`.
+__device__ __forceinline__ void bulk_copy(void *smem, const void *gmem, unsigned bytes, uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     smem_addr(smem)),
+                 "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+// Waits until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+#endif
+
+// The row sums v (of g * xhat and of g) over a group of `warps` whole warps (group g of the
+// block): a butterfly in each warp, each warp's pair into `slots` ([warp][2]), the group's
+// barrier, then every thread adds the pairs in warp order (the same bits in every thread).
+// `slots` must differ from the previous call's, whose readers may still be at it.
+template <typename A>
+__device__ __forceinline__ void warps_row_sum(A (&v)[2], int warps, int warp, int g, A *slots) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+        v[0] += __shfl_xor_sync(0xffffffffu, v[0], off);
+        v[1] += __shfl_xor_sync(0xffffffffu, v[1], off);
+    }
+    if (warps == 1) return;
+    if ((threadIdx.x & 31) == 0) {
+        slots[2 * warp] = v[0];
+        slots[2 * warp + 1] = v[1];
+    }
+    named_barrier(1 + g, warps * 32);
+    v[0] = slots[0];
+    v[1] = slots[1];
+    for (int w = 1; w < warps; ++w) {
+        v[0] += slots[2 * w];
+        v[1] += slots[2 * w + 1];
+    }
+}
+
+template <typename T, int VEC, int PACKS, bool kBias>
+__global__ void __launch_bounds__(512, 1)
+    norm_bwd_bulk_kernel(const __grid_constant__ brrr_norm_launch L, const BwdLayout lay) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using A = typename Compute<T>::type;
+    constexpr int E = PACKS * VEC;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ A red[2][kBwdMaxLanes][32];  // per group: [warp][2], warps <= 16
+    const int tpr = lay.tpr, lanes = lay.lanes, stages = lay.stages, tensors = lay.tensors;
+    const int g = threadIdx.x / tpr, t = threadIdx.x % tpr, warps = tpr / 32;
+    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC, row_elems = tpr * E;
+    const int mine = packs_in_row(true, cols, first, stride);
+    const bool layer = !L.rms, llama = L.llama != 0, want_dw = L.grad_weight.data != nullptr, has_gres = tensors == 3;
+    const A inv_n = A(1) / static_cast<A>(cols);
+    const int rows = (int)L.rows, chunk_rows = (int)lay.chunk_rows, chunks = (rows + chunk_rows - 1) / chunk_rows;
+    const unsigned row_bytes = (unsigned)cols * (unsigned)sizeof(T);
+    T *const ring = reinterpret_cast<T *>(smem) + g * stages * tensors * row_elems;
+    uint64_t *const full = reinterpret_cast<uint64_t *>(smem + lay.slots_at) + g * stages;  // in the slots' room
+    A *const combine = reinterpret_cast<A *>(smem + lay.combine_at);
+    const bool producer = t == 0;
+    if (producer) {
+        for (int s = 0; s < stages; ++s) mbar_init(full + s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    // A group's rows in order: lane g of the chunks blockIdx.x, + gridDim.x, ...; settle moves
+    // (c, r) past the chunks where the lane has no row left.
+    auto chunk_end = [&](int c) { return c < chunks - 1 ? (c + 1) * chunk_rows : rows; };
+    auto settle = [&](int &c, int &r) {
+        while (c < chunks && r >= chunk_end(c)) {
+            c += gridDim.x;
+            r = c * chunk_rows + g;
+        }
+    };
+    // The producer's cursor: the next row to copy, into stage s (one copy a tensor, completing
+    // on the stage's barrier); every thread of the group keeps it alike.
+    int pc = blockIdx.x, prow = pc * chunk_rows + g;
+    settle(pc, prow);
+    auto issue = [&](int s) {
+        if (pc >= chunks) return;
+        if (producer) {
+            T *dst = ring + s * tensors * row_elems;
+            mbar_expect(full + s, row_bytes * (unsigned)tensors);
+            bulk_copy(dst, static_cast<const T *>(L.x.data) + (int64_t)prow * L.x.row_strides[0], row_bytes, full + s);
+            bulk_copy(dst + row_elems, static_cast<const T *>(L.grad_out.data) + (int64_t)prow * L.grad_out.row_strides[0],
+                      row_bytes, full + s);
+            if (has_gres)
+                bulk_copy(dst + 2 * row_elems,
+                          static_cast<const T *>(L.grad_residual.data) + (int64_t)prow * L.grad_residual.row_strides[0],
+                          row_bytes, full + s);
+        }
+        prow += lanes;
+        settle(pc, prow);
+    };
+    for (int s = 0; s + 1 < stages; ++s) issue(s);
+
+    // The weight, in the compute type, for the whole block (copied while the first rows load),
+    // where it fits beside the ring; else each pass reads it from global memory (L2).
+    const bool weight_copy = lay.weight_at >= 0;
+    A *const wsh = reinterpret_cast<A *>(smem + (weight_copy ? lay.weight_at : 0));
+    if (weight_copy) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) load_weight<T, 1>(L, i, wsh + i);
+        __syncthreads();
+    }
+    auto weight = [&](int at, A *w) {
+        if constexpr (is_half<T>) load_vec<A, VEC>(wsh + at, w);  // the copy always fits (bwd_config)
+        else if (weight_copy) load_vec<A, VEC>(wsh + at, w);
+        else load_weight<T, VEC>(L, at, w);
+    };
+
+    // rstd and mean of the group's rows, loaded one row ahead.
+    const A *const rstd_p = static_cast<const A *>(L.rstd.data), *const mean_p = static_cast<const A *>(L.mean.data);
+    const int64_t rstd_s = L.rstd.row_strides[0], mean_s = layer ? L.mean.row_strides[0] : 0;
+    A rstd_next = A(0), mean_next = A(0);
+    auto prefetch = [&](int c, int r) {
+        settle(c, r);
+        if (c >= chunks) return;
+        rstd_next = rstd_p[(int64_t)r * rstd_s];
+        if (layer) mean_next = mean_p[(int64_t)r * mean_s];
+    };
+    prefetch(blockIdx.x, (int)blockIdx.x * chunk_rows + g);
+
+    A dw[E], db[kBias ? E : 1];
+#pragma unroll
+    for (int i = 0; i < E; ++i) dw[i] = A(0);
+#pragma unroll
+    for (int i = 0; i < (kBias ? E : 1); ++i) db[i] = A(0);
+    int in = stages - 1, out = 0, parity = 0;
+    unsigned phases = 0;  // bit s: the parity of stage s's next phase
+    for (int c = blockIdx.x; c < chunks; c += gridDim.x) {
+        for (int row = c * chunk_rows + g; row < chunk_end(c); row += lanes) {
+            const A rstd = rstd_next, mean = mean_next;
+            prefetch(c, row + lanes);
+            mbar_wait(full + out, (phases >> out) & 1u);
+            phases ^= 1u << out;
+            const T *xs = ring + out * tensors * row_elems, *dys = xs + row_elems, *gs = dys + row_elems;
+            out = out + 1 == stages ? 0 : out + 1;
+            const RowStats<A> st = row_stats(layer, layer ? to_float(xs[0]) : A(0), mean, rstd);
+            A sums[2] = {A(0), A(0)};  // of g * xhat and of g (LayerNorm)
+            A xh[E], gk[E];
+            // Pass 1 in three forms (runtime selects of per-element work cost instructions): Llama's
+            // rounding, and RMSNorm's xhat = x * rstd, the bits of xhat_of with no shift and no
+            // mean (x - 0 = x, fma(x, rstd, -0) = x * rstd rounded), without the sum of g.
+            auto pass1 = [&](auto kLlama, auto kLayer) {
+                constexpr bool kLayerNorm = decltype(kLayer)::value;
+#pragma unroll
+                for (int k = 0; k < PACKS; ++k) {
+                    if (k >= mine) continue;
+                    A xv[VEC], dv[VEC], w[VEC];
+                    load_vec<T, VEC>(xs + first + k * stride, xv);
+                    load_vec<T, VEC>(dys + first + k * stride, dv);
+                    weight(first + k * stride, w);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const A xhat = kLayerNorm ? xhat_of(st, xv[j]) : mul_rn(xv[j], st.rstd), gj = dv[j] * w[j];
+                        sums[0] += gj * xhat;
+                        if constexpr (kLayerNorm) sums[1] += gj;
+                        if (want_dw) dw[k * VEC + j] = add_dw<T>(dw[k * VEC + j], dv[j], xhat, decltype(kLlama)::value);
+                        if constexpr (kBias) db[k * VEC + j] += dv[j];
+                        xh[k * VEC + j] = xhat;
+                        gk[k * VEC + j] = gj;
+                    }
+                }
+            };
+            if (layer) pass1(std::false_type(), std::true_type());
+            else if (llama) pass1(std::true_type(), std::false_type());
+            else pass1(std::false_type(), std::false_type());
+            warps_row_sum(sums, warps, t / 32, g, red[parity][g]);
+            parity ^= 1;
+            // Every thread of the group is past its reads of the previous row's stage: refill it.
+            if (warps == 1) __syncwarp();
+            issue(in);
+            in = in + 1 == stages ? 0 : in + 1;
+            // dx = rstd * (g - xhat * c1 - c2) [+ grad_residual], c1 = mean(g * xhat), c2 = mean(g) (LayerNorm)
+            const A b1 = -(sums[0] * inv_n) * st.rstd, b2 = layer ? -(sums[1] * inv_n) * st.rstd : A(0);
+            T *dx = static_cast<T *>(L.grad_x.data) + (int64_t)row * L.grad_x.row_strides[0] + first;
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
+                A d[VEC];
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) d[j] = fma_rn(gk[k * VEC + j], st.rstd, fma_rn(xh[k * VEC + j], b1, b2));
+                if (has_gres) {
+                    A extra[VEC];
+                    load_vec<T, VEC>(gs + first + k * stride, extra);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) d[j] += extra[j];
+                }
+                store_vec<T, VEC>(dx + k * stride, d);
+            }
+        }
+        if (!want_dw && !kBias) continue;
+        // The chunk's partial row: the lanes' sums added in lane order (norm_bwd_kernel's).
+        A *const part = static_cast<A *>(L.partials);
+        const int n_grads = (int)want_dw + (int)kBias;
+        auto put = [&](int q, const A *acc) {
+            A *dst = lanes == 1 ? part + ((int64_t)q * chunks + c) * cols : combine + (q * lanes + g) * cols;
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+                if (k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) dst[first + k * stride + j] = acc[k * VEC + j];
+            }
+        };
+        if (want_dw) put(0, dw);
+        if constexpr (kBias) put(want_dw ? 1 : 0, db);
+        if (lanes > 1) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < n_grads * cols; i += blockDim.x) {
+                const int q = i / cols, col = i - q * cols;
+                const A *lane_sums = combine + (size_t)q * lanes * cols + col;
+                A total = lane_sums[0];
+                for (int l = 1; l < lanes; ++l) total += lane_sums[(size_t)l * cols];
+                part[((int64_t)q * chunks + c) * cols + col] = total;
+            }
+            __syncthreads();  // the buffer is the next chunk's
+        }
+#pragma unroll
+        for (int i = 0; i < E; ++i) dw[i] = A(0);
+#pragma unroll
+        for (int i = 0; i < (kBias ? E : 1); ++i) db[i] = A(0);
+    }
+#else
+    (void)L, (void)lay;
+    __trap();  // launched only on sm_90 and later (norm_bwd_typed)
+#endif
 }
 
 // ---- generic path: any strides, any row length ---------------------------------------------
@@ -1096,6 +1541,20 @@ static cudaError_t clusters_resident(Kernel kernel, cudaLaunchConfig_t cfg, int 
     return e;
 }
 
+// Dynamic shared memory a block may have on `device` beside `static_bytes` of its own.
+static size_t dynamic_smem_limit(int device, size_t static_bytes) {
+    const int v = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 48 << 10);
+    return (size_t)v > static_bytes ? (size_t)v - static_bytes : 0;
+}
+
+// BRRR_NORM_FWD_KERNEL (docs/kernel-switches.md): unset or rows, norm_fwd_kernel; pipe,
+// norm_fwd_pipe_kernel for rows of 16-byte packs whose two stages fit in shared memory
+// (norm_fwd_kernel for the others).
+static bool fwd_pipe_wanted() {
+    const char *v = getenv("BRRR_NORM_FWD_KERNEL");
+    return v != nullptr && strcmp(v, "pipe") == 0;
+}
+
 template <typename T>
 cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
     if (L.rows == 0 || L.cols == 0) return cudaSuccess;
@@ -1109,8 +1568,22 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         auto kernel = L.residual.data ? norm_fwd_kernel<T, VEC, PACKS, true> : norm_fwd_kernel<T, VEC, PACKS, false>;
         const int groups = cfg.block / cfg.tpr;
         const int64_t blocks = (L.rows + groups - 1) / groups;
-        const unsigned grid = (unsigned)(blocks < kMaxGrid ? blocks : kMaxGrid);
-        kernel<<<grid, cfg.block, 0, stream>>>(L, cfg.tpr);
+        unsigned grid = (unsigned)(blocks < kMaxGrid ? blocks : kMaxGrid);
+        size_t smem = 0;
+        if constexpr (VEC > 1) {  // (norm_fwd_pipe_kernel: 16-byte packs only)
+            // Two stages of the threads' packs, where they fit (not float32 add_* rows of 16384 columns)
+            const size_t stages = (size_t)2 * (L.residual.data ? 2 : 1) * PACKS * cfg.block * 16;
+            if (fwd_pipe_wanted() && stages <= dynamic_smem_limit(device, sizeof(typename Compute<T>::type) * 2 * kMaxWarps)) {
+                kernel = L.residual.data ? norm_fwd_pipe_kernel<T, VEC, PACKS, true> : norm_fwd_pipe_kernel<T, VEC, PACKS, false>;
+                smem = stages;
+                int per_sm = 0;
+                const cudaError_t e = blocks_per_sm(kernel, cfg.block, smem, device, &per_sm);
+                if (e != cudaSuccess) return e;
+                const int64_t resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device);
+                if (resident < (int64_t)grid) grid = (unsigned)resident;  // the blocks that run at once
+            }
+        }
+        kernel<<<grid, cfg.block, smem, stream>>>(L, cfg.tpr);
         return cudaSuccess;
     });
 }
@@ -1125,12 +1598,6 @@ struct BwdConfig {
     int vec, packs, threads;  // threads: the kernel's bound, 512 (128 registers) or 1024 (64)
     BwdLayout lay;
 };
-
-// Dynamic shared memory a block may have on `device` beside `static_bytes` of its own.
-static size_t dynamic_smem_limit(int device, size_t static_bytes) {
-    const int v = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 48 << 10);
-    return (size_t)v > static_bytes ? (size_t)v - static_bytes : 0;
-}
 
 // The device's compute capability major (0 where the query fails).
 static int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0); }
@@ -1239,6 +1706,19 @@ static auto pick_bwd_kernel(bool bias, int threads, int split) {
     return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 512, 1> : norm_bwd_kernel<T, VEC, PACKS, false, 512, 1>;
 }
 
+// BRRR_NORM_BWD_KERNEL (docs/kernel-switches.md): unset or ring, norm_bwd_kernel; bulk,
+// norm_bwd_bulk_kernel where it applies (bulk_applies), else norm_bwd_kernel.
+static bool bwd_bulk_wanted() {
+    const char *v = getenv("BRRR_NORM_BWD_KERNEL");
+    return v != nullptr && strcmp(v, "bulk") == 0;
+}
+
+// norm_bwd_bulk_kernel's assumptions, for a launch that bwd_config gave the fast path.
+static bool bulk_applies(const brrr_norm_launch &L, const BwdConfig &cfg, int device) {
+    return cfg.vec > 1 && cfg.threads == 512 && cfg.lay.split == 1 && cfg.lay.tpr % 32 == 0 && cfg.lay.stages >= 2 &&
+           L.row_ndim == 1 && compute_major(device) >= 9;
+}
+
 template <typename T, int VEC, int P, typename F> static cudaError_t call_bwd(F &f) {
     if constexpr (P * VEC <= bwd_max_elements<T>(VEC))
         return f(std::integral_constant<int, VEC>(), std::integral_constant<int, P>());
@@ -1268,7 +1748,12 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         auto launch = [&](auto vec, auto packs) {
             constexpr int VEC = decltype(vec)::value, PACKS = decltype(packs)::value;
             const int split = cfg.lay.split;
-            auto kernel = pick_bwd_kernel<T, VEC, PACKS>(L.grad_bias.data != nullptr, cfg.threads, split);
+            const bool bias = L.grad_bias.data != nullptr;
+            auto kernel = pick_bwd_kernel<T, VEC, PACKS>(bias, cfg.threads, split);
+            if constexpr (VEC > 1) {  // (bulk_applies: 16-byte packs only)
+                if (bwd_bulk_wanted() && bulk_applies(L, cfg, device))
+                    kernel = bias ? norm_bwd_bulk_kernel<T, VEC, PACKS, true> : norm_bwd_bulk_kernel<T, VEC, PACKS, false>;
+            }
             const int block = cfg.lay.lanes * cfg.lay.tpr;
             int per_sm = 0;
             const cudaError_t e = blocks_per_sm(kernel, block, (size_t)cfg.lay.bytes, device, &per_sm);

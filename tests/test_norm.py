@@ -325,6 +325,116 @@ def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
     compare("layer_norm", dtype, x, r, (cols,), w, b)
 
 
+# The candidate kernels behind BRRR_NORM_BWD_KERNEL=bulk (norm_bwd_bulk_kernel, sm_90) and
+# BRRR_NORM_FWD_KERNEL=pipe (norm_fwd_pipe_kernel). Widths: bfloat16 rows whose backward group is
+# one warp (256), two warps with the second one's packs partly past the row (768), three and nine
+# warps (1032, 4104: group sums over warp counts that are not powers of two), whole rows (5120,
+# 8192; 4096 in the bits tests below), forward rows of 1, 3, 4 and 5 packs a thread; and a width
+# where neither applies and the defaults run (4097: single elements).
+BULK_COLS = [256, 768, 1032, 4104, 5120, 8192, 4097]
+CANDIDATES = {"bwd_bulk": ("BRRR_NORM_BWD_KERNEL", "bulk"), "fwd_pipe": ("BRRR_NORM_FWD_KERNEL", "pipe")}
+
+
+def _bulk_kinds():
+    yield "layer_norm", "torch"
+    yield "rms_norm", "torch"
+    yield "rms_norm", "llama"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("candidate", list(CANDIDATES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", BULK_COLS)
+def test_candidate_kernels(monkeypatch, candidate, dtype, kind, cast_order, residual, cols):
+    """The bulk-copy backward and the pipelined forward against the float64 reference: row
+    counts that leave one chunk shorter than the lanes (1, 3), several chunks (37) and many (301),
+    more rows than a grid's groups (301, forward); every affine form, float32 parameters for half
+    inputs, RMSNorm's weight offset, rows with padding between them."""
+    monkeypatch.setenv(*CANDIDATES[candidate])
+    for rows in (1, 3, 37, 301):
+        x = random((rows, cols), dtype, "cuda")
+        r = random((rows, cols), dtype, "cuda") if residual else None
+        w, b = params(kind, "both", (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
+    x = random((37, cols), dtype, "cuda")
+    r = random((37, cols), dtype, "cuda") if residual else None
+    for affine in AFFINE[kind]:
+        w, b = params(kind, affine, (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
+    if dtype in HALF_DTYPES:
+        w, b = params(kind, "both", (cols,), dtype, "cuda", param_dtype=torch.float32)
+        compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
+    if kind == "rms_norm":
+        w = random((cols,), dtype, "cuda", -0.5, 0.5)
+        compare(kind, dtype, x, r, (cols,), w, None, cast_order=cast_order, offset=1.0)
+    padded = torch.empty(37, cols + 64, dtype=dtype, device="cuda")[:, :cols].copy_(x)  # rows 64 elements apart
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    compare(kind, dtype, padded, r, (cols,), w, b, cast_order=cast_order)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", [256, 768, 1032, 4096, 5120, 8192])
+def test_candidate_bwd_bulk_bits(monkeypatch, dtype, kind, residual, cols):
+    """BRRR_NORM_BWD_KERNEL=bulk gives the same bits run to run, and the same weight and bias
+    gradient bits as the default (=ring: the same order, brrr_cuda.h); grad_x and grad_residual
+    agree to rounding (the row sums are added in another order). 2053 rows: 229 chunks of 9 rows,
+    the last one short."""
+    rows = 2053
+    x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
+    r = random((rows, cols), dtype, "cuda") if residual else None
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    bulk = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "bulk"}, kind, x, r, w, b, g)
+    again = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "bulk"}, kind, x, r, w, b, g)
+    ring = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "ring"}, kind, x, r, w, b, g)
+    _assert_same_bits(again, bulk, "bulk, run to run")
+    _assert_same_bits(bulk[2:], ring[2:], "bulk against ring")
+    for a, e in zip(bulk[:2], ring[:2]):
+        if a is not None:
+            torch.testing.assert_close(a.float(), e.float(), rtol=TOLERANCE[dtype]["rtol"],
+                                       atol=TOLERANCE[dtype]["atol"] * float(e.float().abs().max()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", [256, 768, 1032, 4096, 5120, 8192, 16384])
+def test_candidate_fwd_pipe_bits(monkeypatch, dtype, kind, cast_order, residual, cols):
+    """BRRR_NORM_FWD_KERNEL=pipe gives the same bits run to run (out, residual_out, and the saved
+    statistics through every gradient), and agrees with the default (=rows) to rounding. 2053
+    rows: many rows a group on a grid of the blocks that fit at once."""
+    rows = 2053
+    x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
+    r = random((rows, cols), dtype, "cuda") if residual else None
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+
+    def run(value):
+        monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", value)
+        try:
+            leaves = [t if t is None else t.detach().requires_grad_() for t in (x, r, w, b)]
+            out, h = call(kind, leaves[0], leaves[1], (cols,), leaves[2], leaves[3], cast_order=cast_order)
+            torch.autograd.backward([out] + ([h] if h is not None else []), [g] + ([g * 0.5] if h is not None else []))
+            torch.cuda.synchronize()
+            return [out.detach(), h] + [None if t is None else t.grad for t in leaves]
+        finally:
+            monkeypatch.delenv("BRRR_NORM_FWD_KERNEL")
+
+    pipe, again, rows_ = run("pipe"), run("pipe"), run("rows")
+    names = ("out", "residual_out", "grad_x", "grad_residual", "grad_weight", "grad_bias")
+    for name, a, a2, e in zip(names, pipe, again, rows_):
+        assert (a is None) == (e is None), name
+        if a is None:
+            continue
+        assert torch.equal(a, a2), (name, "run to run")
+        torch.testing.assert_close(a.float(), e.float(), rtol=TOLERANCE[dtype]["rtol"],
+                                   atol=TOLERANCE[dtype]["atol"] * float(e.float().abs().max()), msg=name)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
