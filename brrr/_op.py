@@ -251,14 +251,17 @@ class TorchOp:
         (None where nothing flows); run(op, *args) runs a backward TorchOp; ctx.needs_input_grad
         has one entry per argument, for a list a tuple of one per tensor (False where it is empty).
     grad_args: the positions of the arguments that may require grad (the entry checks only those).
+    eager(*args): the forward the eager Function records, where the op's entry has checked what the
+        forward checks again (the operator's forward may be called by anyone); default: the forward.
     inference(*args): the op's results where nothing records a gradient, when that is cheaper than
         the forward (no statistics for a backward); default: the forward.
     Without backward the op has no derivative (the backward ops themselves).
     """
 
-    def __init__(self, name, forward, fake, *, save=None, backward=None, outputs=1, grad_args=(0,), inference=None):
+    def __init__(self, name, forward, fake, *, save=None, backward=None, outputs=1, grad_args=(0,), eager=None,
+                 inference=None):
         self.name, self.forward, self.outputs, self.grad_args = name, forward, outputs, grad_args
-        self.inference = inference
+        self.eager, self.inference = eager or forward, inference
         self._save, self._formula = save, backward
         self.op = define(name, forward, fake, self._compiled_backward if backward else None,
                          self._compiled_setup if backward else None)
@@ -288,7 +291,7 @@ class TorchOp:
         (once differentiable). An op with lists of tensors among its arguments has two: one for
         calls where a list holds tensors (see _Lists), one for calls where none does."""
         lists = _Lists(self.op)
-        op_forward, save, outputs = self.forward, self._save, self.outputs
+        op_forward, save, outputs = self.eager, self._save, self.outputs
 
         # The forward, chosen once for the op's results (no per-call tests of what never changes).
         if self._single:  # one result, which autograd always hands a gradient for
