@@ -369,12 +369,13 @@ class TorchOp:
 
 def _recorder(op, grad_args):
     """records(args): whether autograd records the op on these arguments, grad mode on: a tensor
-    at grad_args (or in a list there) requires grad. Where the op's schema has no list of tensors
-    at grad_args, each argument there is a tensor or None, asked requires_grad with no isinstance."""
+    at grad_args (or in a list there) requires grad. By the op's schema each argument there is a
+    tensor or None, asked requires_grad with no isinstance, or a list of tensors (lists last)."""
     lists = {i for i, a in enumerate(op._schema.arguments) if str(a.type) == "List[Tensor]"}
-    if lists.isdisjoint(grad_args):
+    tensors, in_lists = tuple(i for i in grad_args if i not in lists), tuple(i for i in grad_args if i in lists)
+    if not in_lists:
         def records(args):
-            for i in grad_args:
+            for i in tensors:
                 a = args[i]
                 if a is not None and a.requires_grad:
                     return True
@@ -382,18 +383,19 @@ def _recorder(op, grad_args):
         return records
 
     def records_lists(args):
-        for i in grad_args:
+        for i in tensors:
             a = args[i]
-            if isinstance(a, Tensor):
-                if a.requires_grad:
-                    return True
-            elif a and any(t.requires_grad for t in a):  # a list (None and empty ones skipped)
+            if a is not None and a.requires_grad:
                 return True
+        for i in in_lists:
+            for t in args[i] or ():  # loops, not any() over a generator: a frame of its own
+                if t.requires_grad:
+                    return True
         return False
     return records_lists
 
 
-_compiling, _grad_enabled, Tensor = torch.compiler.is_compiling, torch.is_grad_enabled, torch.Tensor
+_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
 
 
 def _outputs(results, n):
