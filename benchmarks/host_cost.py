@@ -10,6 +10,7 @@ forward <= 1.0x, forward+backward <= 1.15x.
     PYTHONPATH=$PWD python benchmarks/host_cost.py --device cuda --dtype bfloat16
     PYTHONPATH=$PWD python benchmarks/host_cost.py --profile rms_norm   # cProfile of brrr's forward+backward
     PYTHONPATH=$PWD python benchmarks/host_cost.py --floor   # the forward's brrr._C call alone, beside both
+    PYTHONPATH=$PWD python benchmarks/host_cost.py --record  # also the recording forward alone (no backward)
 
 Each number is the fastest round's mean time per call (µs): on a shared machine the other rounds
 carry other processes' time. On the CPU it is this process's CPU time, and both libraries run
@@ -96,7 +97,11 @@ def time_pair(steps, device, calls, rounds):
     return best
 
 
-def run(device="cpu", dtype=torch.float32, rows=2, hidden=16, calls=500, rounds=7, threads=1):
+MODES = (("forward", forward_step, False), ("forward+backward", backward_step, True))
+RECORD = ("record", forward_step, True)  # the forward where autograd records it, its graph dropped unrun
+
+
+def run(device="cpu", dtype=torch.float32, rows=2, hidden=16, calls=500, rounds=7, threads=1, modes=MODES):
     """[(case, mode, brrr µs, torch µs, ratio)] for every case; on the CPU with both libraries'
     kernels on `threads` threads (0: as they are), their settings restored after."""
     previous = torch.get_num_threads(), brrr.set_num_threads(threads) if device == "cpu" and threads else None
@@ -105,7 +110,7 @@ def run(device="cpu", dtype=torch.float32, rows=2, hidden=16, calls=500, rounds=
     try:
         results = []
         for name, (ours, theirs, shapes) in cases(device, dtype, rows, hidden).items():
-            for mode, make, grad in (("forward", forward_step, False), ("forward+backward", backward_step, True)):
+            for mode, make, grad in modes:
                 tensors = inputs(shapes, device, dtype, grad)
                 times = time_pair({"brrr": make(ours, tensors), "torch": make(theirs, tensors)}, device, calls, rounds)
                 results.append((name, mode, times["brrr"], times["torch"], times["brrr"] / times["torch"]))
@@ -114,6 +119,33 @@ def run(device="cpu", dtype=torch.float32, rows=2, hidden=16, calls=500, rounds=
         if previous[1] is not None:
             torch.set_num_threads(previous[0])
             brrr.set_num_threads(previous[1])
+
+
+class _BareSoftmax(torch.autograd.Function):
+    """torch.softmax as a Python autograd.Function over torch's own kernels: what a Python node
+    costs on this host against torch's C++ one, with no brrr code in it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.softmax(x, -1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, y, -1, y.dtype)
+
+
+def node_floor(device="cpu", dtype=torch.float32, rows=2, hidden=16, calls=500, rounds=7, threads=1):
+    """(bare Function µs, torch.softmax µs) forward+backward: a Python autograd node's own cost
+    (on CUDA its backward runs on autograd's device thread, which must take the GIL)."""
+    if device == "cpu" and threads:
+        torch.set_num_threads(threads)
+    tensors = inputs([(rows, hidden)], device, dtype, True)
+    times = time_pair({"bare": backward_step(_BareSoftmax.apply, tensors),
+                       "torch": backward_step(lambda x: torch.softmax(x, -1), tensors)}, device, calls, rounds)
+    return times["bare"], times["torch"]
 
 
 def floor(device="cpu", dtype=torch.float32, rows=2, hidden=16, calls=500, rounds=7, threads=1):
@@ -146,6 +178,9 @@ def profile(name, device, dtype, rows, hidden, calls, threads):
     _sync(device)
     profiler.disable()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    if device == "cuda":
+        print("On CUDA autograd runs the backward of CUDA tensors on its own device thread, which cProfile does not "
+              "see: the profile above holds the forward and torch.autograd.grad's own Python only.")
 
 
 def main():
@@ -159,7 +194,10 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of torch and brrr (0: their defaults)")
     parser.add_argument("--profile", metavar="CASE", help="cProfile brrr's forward+backward of one case instead")
     parser.add_argument("--floor", action="store_true",
-                        help="the forward's one brrr._C call alone beside brrr's and torch's forward instead")
+                        help="the forward's one brrr._C call alone beside brrr's and torch's forward instead, and a "
+                             "bare Python autograd.Function's forward+backward against torch's op")
+    parser.add_argument("--record", action="store_true",
+                        help="also time the recording forward alone (inputs requiring grad, no backward)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.profile:
@@ -173,14 +211,20 @@ def main():
         for name, ours, below, theirs in floor(args.device, dtype, args.rows, args.hidden, args.calls, args.rounds,
                                                args.threads):
             print(f"{name:12s} {ours:8.2f} {below:8.2f} {theirs:8.2f} {ours / theirs:6.2f} {below / theirs:9.2f}")
+        bare, theirs = node_floor(args.device, dtype, args.rows, args.hidden, args.calls, args.rounds, args.threads)
+        print(f"forward+backward of softmax as a bare Python autograd.Function over torch's kernels: {bare:.2f} µs, "
+              f"torch.softmax {theirs:.2f} µs, ratio {bare / theirs:.2f} (a Python node's own cost)")
         return
     print(f"host cost, {args.device} {args.dtype} ({args.rows}, {args.hidden}), torch {torch.__version__}, "
           f"brrr {brrr.__version__}: µs of {clock} per call, fastest of {args.rounds} rounds of {args.calls}")
     print(f"{'op':12s} {'mode':18s} {'brrr':>8s} {'torch':>8s} {'ratio':>6s} {'target':>7s}")
+    modes = (*MODES, RECORD) if args.record else MODES
     for name, mode, ours, theirs, ratio in run(args.device, dtype, args.rows, args.hidden, args.calls, args.rounds,
-                                               args.threads):
-        mark = "" if ratio <= TARGETS[mode] else "  over"
-        print(f"{name:12s} {mode:18s} {ours:8.2f} {theirs:8.2f} {ratio:6.2f} {TARGETS[mode]:7.2f}{mark}")
+                                               args.threads, modes):
+        target = TARGETS.get(mode)
+        mark = "" if target is None or ratio <= target else "  over"
+        shown = "-" if target is None else f"{target:.2f}"
+        print(f"{name:12s} {mode:18s} {ours:8.2f} {theirs:8.2f} {ratio:6.2f} {shown:>7s}{mark}")
 
 
 if __name__ == "__main__":

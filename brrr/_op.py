@@ -251,14 +251,17 @@ class TorchOp:
         (None where nothing flows); run(op, *args) runs a backward TorchOp; ctx.needs_input_grad
         has one entry per argument, for a list a tuple of one per tensor (False where it is empty).
     grad_args: the positions of the arguments that may require grad (the entry checks only those).
+    eager(*args): the forward the eager Function records, where the op's entry has checked what the
+        forward checks again (the operator's forward may be called by anyone); default: the forward.
     inference(*args): the op's results where nothing records a gradient, when that is cheaper than
         the forward (no statistics for a backward); default: the forward.
     Without backward the op has no derivative (the backward ops themselves).
     """
 
-    def __init__(self, name, forward, fake, *, save=None, backward=None, outputs=1, grad_args=(0,), inference=None):
+    def __init__(self, name, forward, fake, *, save=None, backward=None, outputs=1, grad_args=(0,), eager=None,
+                 inference=None):
         self.name, self.forward, self.outputs, self.grad_args = name, forward, outputs, grad_args
-        self.inference = inference
+        self.eager, self.inference = eager or forward, inference
         self._save, self._formula = save, backward
         self.op = define(name, forward, fake, self._compiled_backward if backward else None,
                          self._compiled_setup if backward else None)
@@ -287,28 +290,43 @@ class TorchOp:
         """The eager autograd.Function's apply: its forward is the op's, its backward the formula's
         (once differentiable). An op with lists of tensors among its arguments has two: one for
         calls where a list holds tensors (see _Lists), one for calls where none does."""
-        lists, single = _Lists(self.op), self._single
-        op_forward, save, outputs = self.forward, self._save, self.outputs
+        lists = _Lists(self.op)
+        op_forward, save, outputs = self.eager, self._save, self.outputs
 
-        def function(spread):
+        # The forward, chosen once for the op's results (no per-call tests of what never changes).
+        if self._single:  # one result, which autograd always hands a gradient for
             def forward(ctx, *args):
-                if spread:
-                    args = args[:lists.n]
-                    lists.enter(ctx, args)
-                if single:  # one result, which autograd always hands a gradient for
-                    result = op_forward(*args)
-                    save(ctx, args, (result,))
-                    return result
+                result = op_forward(*args)
+                save(ctx, args, (result,))
+                return result
+        elif outputs == 1:  # one output (the others only for the backward) is always given a gradient
+            def forward(ctx, *args):
                 results = op_forward(*args)
                 save(ctx, args, results)
-                if outputs == 1:  # one output (the others only for the backward) is always given a gradient
-                    return results[0]
+                return results[0]
+        else:
+            def forward(ctx, *args):
+                results = op_forward(*args)
+                save(ctx, args, results)
                 ctx.set_materialize_grads(False)
                 return tuple(results[:outputs])
 
+        def spread_forward(ctx, *spread):
+            args = spread[:lists.n]
+            lists.enter(ctx, args)
+            return forward(ctx, *args)
+
+        def function(spread):
             backward = _eager_backward(self._formula, lists if spread else None)
-            return _lean_apply(type(f"brrr_{self.name}_eager", (torch.autograd.Function,),
-                                    {"forward": staticmethod(forward), "backward": staticmethod(backward)}))
+            cls = type(f"brrr_{self.name}_eager", (torch.autograd.Function,),
+                       {"forward": staticmethod(spread_forward if spread else forward),
+                        "backward": staticmethod(backward)})
+            # autograd runs a Python Function's node by calling its ctx's `apply`, which torch's
+            # BackwardCFunction defines as a lookup of the Function's backward on every call (two
+            # frames, five attribute reads and a boxed-gradients test: about 0.6 us of a backward
+            # on this project's CPU machine). The backward itself is that method here.
+            cls._backward_cls.apply = backward
+            return _lean_apply(cls)
 
         plain = function(False)
         if not lists.positions:
@@ -351,12 +369,13 @@ class TorchOp:
 
 def _recorder(op, grad_args):
     """records(args): whether autograd records the op on these arguments, grad mode on: a tensor
-    at grad_args (or in a list there) requires grad. Where the op's schema has no list of tensors
-    at grad_args, each argument there is a tensor or None, asked requires_grad with no isinstance."""
+    at grad_args (or in a list there) requires grad. By the op's schema each argument there is a
+    tensor or None, asked requires_grad with no isinstance, or a list of tensors (lists last)."""
     lists = {i for i, a in enumerate(op._schema.arguments) if str(a.type) == "List[Tensor]"}
-    if lists.isdisjoint(grad_args):
+    tensors, in_lists = tuple(i for i in grad_args if i not in lists), tuple(i for i in grad_args if i in lists)
+    if not in_lists:
         def records(args):
-            for i in grad_args:
+            for i in tensors:
                 a = args[i]
                 if a is not None and a.requires_grad:
                     return True
@@ -364,18 +383,19 @@ def _recorder(op, grad_args):
         return records
 
     def records_lists(args):
-        for i in grad_args:
+        for i in tensors:
             a = args[i]
-            if isinstance(a, Tensor):
-                if a.requires_grad:
-                    return True
-            elif a and any(t.requires_grad for t in a):  # a list (None and empty ones skipped)
+            if a is not None and a.requires_grad:
                 return True
+        for i in in_lists:
+            for t in args[i] or ():  # loops, not any() over a generator: a frame of its own
+                if t.requires_grad:
+                    return True
         return False
     return records_lists
 
 
-_compiling, _grad_enabled, Tensor = torch.compiler.is_compiling, torch.is_grad_enabled, torch.Tensor
+_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
 
 
 def _outputs(results, n):

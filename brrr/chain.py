@@ -156,6 +156,7 @@ def torch_layer():
     import torch
     import torch.nn.functional as F
 
+    from . import _op
     from ._op import TorchOp, out_like, stream
     from ._registry import dispatch, registry, tensor_ok
 
@@ -166,32 +167,49 @@ def torch_layer():
         (("mul", -0.0) then "reciprocal" gives -inf)."""
         return tuple((s, math.copysign(1.0, s)) for s in scalars)
 
+    # The programs of chains whose steps take no scalar (every registry activation), by their op
+    # names alone: their scalars are placeholders, and signing them for the cache key cost about
+    # 0.5 us a call on this project's CPU machine (a generator over them, then a tuple to hash).
+    unscaled, unscaled_with_backward = {}, {}
+
     @functools.lru_cache(maxsize=1024)
     def compiled(ops, signed_scalars):
         names = ops.split(",") if ops else []
-        return _C.chain_program([(o, s) if o in SCALAR_OPS else o for o, (s, _) in zip(names, signed_scalars)])
+        p = _C.chain_program([(o, s) if o in SCALAR_OPS else o for o, (s, _) in zip(names, signed_scalars)])
+        if len(unscaled) < 1024 and len(names) == len(signed_scalars) and not any(o in SCALAR_OPS for o in names):
+            unscaled[ops] = p
+        return p
 
     def program(ops, scalars):
         """The compiled chain of op names joined by commas (custom-op schemas take no list of str)."""
-        return compiled(ops, signed(scalars))
+        p = unscaled.get(ops)
+        return compiled(ops, signed(scalars)) if p is None else p
 
     @functools.lru_cache(maxsize=1024)
     def compiled_with_backward(ops, signed_scalars):
         p = compiled(ops, signed_scalars)
         _C.chain_jit_with_backward(p)
+        if ops in unscaled:
+            unscaled_with_backward[ops] = p
         return p
 
     def program_with_backward(ops, scalars):
         """program(ops, scalars), its backward said to be wanted: on CUDA its forward kernel and
         its backward are compiled at once, on two threads."""
-        return compiled_with_backward(ops, signed(scalars))
+        p = unscaled_with_backward.get(ops)
+        return compiled_with_backward(ops, signed(scalars)) if p is None else p
+
+    def run_forward(x, operands, program_):
+        if _op.EXCHANGE_API and x.is_contiguous():  # the usual call: brrr._C allocates and finds the stream
+            return _C.chain_fwd(x, None, program_, tuple(operands))[0]
+        return _C.chain_fwd(x, out_like(x), program_, tuple(operands), stream(x))[0]
 
     def forward(x: Tensor, operands: list[Tensor], ops: str, scalars: list[float]) -> Tensor:
         """Where autograd records the op (and under torch.compile, which may differentiate it)."""
-        return _C.chain_fwd(x, out_like(x), program_with_backward(ops, tuple(scalars)), tuple(operands), stream(x))[0]
+        return run_forward(x, operands, program_with_backward(ops, scalars))
 
     def inference(x, operands, ops, scalars):
-        return _C.chain_fwd(x, out_like(x), program(ops, tuple(scalars)), tuple(operands), stream(x))[0]
+        return run_forward(x, operands, program(ops, scalars))
 
     def fake(x, operands, ops, scalars):
         return torch.empty_like(x)
@@ -210,8 +228,11 @@ def torch_layer():
                 partials = torch.empty(len(operands) * _C.chain_partial_rows(x.numel() // cols) * cols,
                                        device=x.device,
                                        dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-        grad_x = _C.chain_bwd(x, grad, out_like(x), partials, program(ops, tuple(scalars)), tuple(operands),
-                              grad_operands, stream(x))[0]
+        if _op.EXCHANGE_API and partials is None and x.is_contiguous():  # as run_forward
+            grad_x = _C.chain_bwd(x, grad, None, None, program(ops, scalars), tuple(operands), grad_operands)[0]
+        else:
+            grad_x = _C.chain_bwd(x, grad, out_like(x), partials, program(ops, scalars), tuple(operands),
+                                  grad_operands, stream(x))[0]
         return [grad_x, *(g for g in grad_operands if g is not None)]
 
     def backward_fake(x, grad, operands, ops, scalars, operand_needs_grad):

@@ -169,37 +169,59 @@ def torch_layer():
         table: torch before 2.10)."""
         return (True,) * n if _op.EXCHANGE_API else tuple(stats(x, k) for _ in range(n))
 
-    def layer_norm_fwd(x, normalized_shape, weight, bias, eps, residual):
-        """(out, h or None, mean, rstd): LayerNorm of x (of h = x + residual)."""
-        k = normalized_ndim(x.shape, normalized_shape)
+    def layer_norm_fwd(x, k, weight, bias, eps, residual):
+        """(out, h or None, mean, rstd): LayerNorm of x (of h = x + residual) over its last k dims."""
+        if _op.EXCHANGE_API and x.is_contiguous():  # the usual call: brrr._C allocates every output, finds the stream
+            return _C.layer_norm_fwd(x, weight, bias, residual, None, None, True, True, norm_ndim=k, eps=eps)
         h = None if residual is None else out_like(x)
         return _C.layer_norm_fwd(x, weight, bias, residual, out_like(x), h, *stat_args(x, k, 2), norm_ndim=k, eps=eps,
                                  stream=stream(x))
 
-    def rms_norm_fwd(x, normalized_shape, weight, eps, llama, offset, residual):
-        """(out, h or None, rstd): RMSNorm of x (of h = x + residual)."""
-        k = normalized_ndim(x.shape, normalized_shape)
+    def rms_norm_fwd(x, k, weight, eps, llama, offset, residual):
+        """(out, h or None, rstd): RMSNorm of x (of h = x + residual) over its last k dims."""
+        if _op.EXCHANGE_API and x.is_contiguous():  # as layer_norm_fwd
+            return _C.rms_norm_fwd(x, weight, residual, None, None, True, norm_ndim=k, eps=eps, llama=llama,
+                                   offset=offset)
         h = None if residual is None else out_like(x)
         return _C.rms_norm_fwd(x, weight, residual, out_like(x), h, *stat_args(x, k, 1), norm_ndim=k, eps=eps,
                                llama=llama, offset=offset, stream=stream(x))
 
+    # The forwards where the eager Function records the op: called only by the entries below, which
+    # checked normalized_shape against x (about 0.3 us a call).
+    def layer_norm_eager(x, normalized_shape, weight, bias, eps):
+        out, _, mean, rstd = layer_norm_fwd(x, len(normalized_shape), weight, bias, eps, None)
+        return out, mean, rstd
+
+    def add_layer_norm_eager(x, residual, normalized_shape, weight, bias, eps):
+        return layer_norm_fwd(x, len(normalized_shape), weight, bias, eps, residual)
+
+    def rms_norm_eager(x, normalized_shape, weight, eps, llama, offset):
+        out, _, rstd = rms_norm_fwd(x, len(normalized_shape), weight, eps, llama, offset, None)
+        return out, rstd
+
+    def add_rms_norm_eager(x, residual, normalized_shape, weight, eps, llama, offset):
+        return rms_norm_fwd(x, len(normalized_shape), weight, eps, llama, offset, residual)
+
+    # The operators' forwards, which anyone may call through torch.ops.brrr: normalized_shape checked.
     def layer_norm(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
-        out, _, mean, rstd = layer_norm_fwd(x, normalized_shape, weight, bias, eps, None)
-        return out, mean, rstd
+        normalized_ndim(x.shape, normalized_shape)
+        return layer_norm_eager(x, normalized_shape, weight, bias, eps)
 
     def add_layer_norm(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
                        bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return layer_norm_fwd(x, normalized_shape, weight, bias, eps, residual)
+        normalized_ndim(x.shape, normalized_shape)
+        return add_layer_norm_eager(x, residual, normalized_shape, weight, bias, eps)
 
     def rms_norm(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float,
                  llama: bool, offset: float) -> tuple[Tensor, Tensor]:
-        out, _, rstd = rms_norm_fwd(x, normalized_shape, weight, eps, llama, offset, None)
-        return out, rstd
+        normalized_ndim(x.shape, normalized_shape)
+        return rms_norm_eager(x, normalized_shape, weight, eps, llama, offset)
 
     def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float,
                      llama: bool, offset: float) -> tuple[Tensor, Tensor, Tensor]:
-        return rms_norm_fwd(x, normalized_shape, weight, eps, llama, offset, residual)
+        normalized_ndim(x.shape, normalized_shape)
+        return add_rms_norm_eager(x, residual, normalized_shape, weight, eps, llama, offset)
 
     # Without gradients: no statistics. Called only by the entries below, which checked normalized_shape.
     def layer_norm_inference(x, normalized_shape, weight, bias, eps):
@@ -242,22 +264,27 @@ def torch_layer():
         """[grad of the normalised input, grad_weight (if asked), grad_bias (if asked)] in one launch;
         mean None: RMSNorm. x: the normalised input the forward saved (h for the fused forms)."""
         k = norm_ndim
-        # True: brrr._C allocates it (like weight, so a bias gradient only where there is a weight).
-        grad_weight = (True if _op.EXCHANGE_API else torch.empty_like(weight)) if weight_grad else None
-        grad_bias = (True if _op.EXCHANGE_API and weight is not None else torch.empty_like(bias)) if bias_grad else None
-        scratch = None if _op.EXCHANGE_API else partials(x, k, weight_grad + bias_grad, rstd.dtype)
-        if mean is None:
-            grads = _C.rms_norm_bwd(x, grad_out, grad_residual, weight, rstd, out_like(x), grad_weight, scratch,
-                                    norm_ndim=k, llama=llama, offset=offset, stream=stream(x))
+        if _op.EXCHANGE_API:
+            # True: brrr._C allocates it (like weight, so a bias gradient only where there is a weight), and the
+            # CUDA scratch, and finds the stream.
+            grad_weight = True if weight_grad else None
+            grad_bias = (True if weight is not None else torch.empty_like(bias)) if bias_grad else None
+            grad_x, scratch, cuda_stream = out_like(x), None, -1
         else:
-            grads = _C.layer_norm_bwd(x, grad_out, grad_residual, weight, mean, rstd, out_like(x), grad_weight,
-                                      grad_bias, scratch, norm_ndim=k, stream=stream(x))
-        got = [grads[0]]  # grad_x, then the parameter gradients asked for (no comprehension: a frame of its own)
-        if weight_grad:
-            got.append(grads[1])
+            grad_weight = torch.empty_like(weight) if weight_grad else None
+            grad_bias = torch.empty_like(bias) if bias_grad else None
+            grad_x, scratch = out_like(x), partials(x, k, weight_grad + bias_grad, rstd.dtype)
+            cuda_stream = stream(x)
+        if mean is None:
+            grads = _C.rms_norm_bwd(x, grad_out, grad_residual, weight, rstd, grad_x, grad_weight, scratch,
+                                    norm_ndim=k, llama=llama, offset=offset, stream=cuda_stream)
+        else:
+            grads = _C.layer_norm_bwd(x, grad_out, grad_residual, weight, mean, rstd, grad_x, grad_weight,
+                                      grad_bias, scratch, norm_ndim=k, stream=cuda_stream)
+        # grad_x, then the parameter gradients asked for (no comprehension: a frame of its own)
         if bias_grad:
-            got.append(grads[2])
-        return got
+            return [grads[0], grads[1], grads[2]] if weight_grad else [grads[0], grads[2]]
+        return [grads[0], grads[1]] if weight_grad else [grads[0]]
 
     def norm_backward_fake(x, grad_out, grad_residual, weight, bias, mean, rstd, norm_ndim, llama, offset, weight_grad,
                            bias_grad):
@@ -267,51 +294,58 @@ def torch_layer():
     backward_op = TorchOp("norm_backward", norm_backward, norm_backward_fake)
 
     def save(fused, rms):
-        """Save the normalised input (x, or h), the parameters and the statistics."""
-        def save_for_backward(ctx, args, results):
-            normalized_shape = args[2 if fused else 1]
-            ctx.k = len(normalized_shape)
-            ctx.llama, ctx.offset = (bool(args[-2]), args[-1]) if rms else (False, 0.0)
-            h = results[1] if fused else args[0]
-            stats_ = results[2 if fused else 1:]
-            weight = args[3 if fused else 2]
-            bias = None if rms else args[4 if fused else 3]
-            mean, rstd = (None, stats_[0]) if rms else stats_
-            ctx.save_for_backward(h, weight, bias, mean, rstd)
+        """Save the normalised input (x, or h), the parameters and the statistics; ctx.norm: the
+        backward's (norm_ndim, llama, offset). The positions are fixed per op, read once here."""
+        shape_at, weight_at, stats_at = (2, 3, 2) if fused else (1, 2, 1)
+        h_of = (lambda args, results: results[1]) if fused else (lambda args, results: args[0])
+
+        if rms:
+            def save_for_backward(ctx, args, results):
+                ctx.norm = (len(args[shape_at]), bool(args[-2]), args[-1])
+                ctx.save_for_backward(h_of(args, results), args[weight_at], None, None, results[stats_at])
+        else:
+            def save_for_backward(ctx, args, results):
+                ctx.norm = (len(args[shape_at]), False, 0.0)
+                ctx.save_for_backward(h_of(args, results), args[weight_at], args[weight_at + 1], results[stats_at],
+                                      results[stats_at + 1])
         return save_for_backward
 
     def formula(fused, rms):
         weight_at = 3 if fused else 2
+        # The gradients of the arguments after the parameters (eps; llama and offset): none.
+        tail = (None, None, None) if rms else (None,)
 
         def backward(ctx, grads, run):
             h, weight, bias, mean, rstd = ctx.saved_tensors
             grad_out, grad_h = grads if fused else (grads[0], None)
-            need_weight = ctx.needs_input_grad[weight_at]
-            need_bias = not rms and ctx.needs_input_grad[weight_at + 1]
-            grad_weight = grad_bias = None
+            needs = ctx.needs_input_grad
+            need_weight, need_bias = needs[weight_at], not rms and needs[weight_at + 1]
             if grad_out is None:
                 grad_x = grad_h
+                grad_weight = grad_bias = None
             else:
-                got = iter(run(backward_op, h, grad_out, grad_h, weight, bias, mean, rstd, ctx.k, ctx.llama,
-                               ctx.offset, need_weight, need_bias))
-                grad_x = next(got)
-                grad_weight = next(got) if need_weight else None
-                grad_bias = next(got) if need_bias else None
-            head = (grad_x, grad_x) if fused else (grad_x,)
-            params = (grad_weight,) if rms else (grad_weight, grad_bias)
-            return (*head, None, *params, None) + ((None, None) if rms else ())
+                k, llama, offset = ctx.norm
+                got = run(backward_op, h, grad_out, grad_h, weight, bias, mean, rstd, k, llama, offset, need_weight,
+                          need_bias)
+                grad_x = got[0]
+                grad_weight = got[1] if need_weight else None
+                grad_bias = got[-1] if need_bias else None
+            head = (grad_x, grad_x, None) if fused else (grad_x, None)
+            return head + ((grad_weight,) if rms else (grad_weight, grad_bias)) + tail
         return backward
 
     ops = SimpleNamespace()
-    for name, forward, inference, outputs, fused, rms, grad_args in [
-        ("layer_norm", layer_norm, layer_norm_inference, ("x", "stat", "stat"), False, False, (0, 2, 3)),
-        ("add_layer_norm", add_layer_norm, add_layer_norm_inference, ("x", "x", "stat", "stat"), True, False,
-         (0, 1, 3, 4)),
-        ("rms_norm", rms_norm, rms_norm_inference, ("x", "stat"), False, True, (0, 2)),
-        ("add_rms_norm", add_rms_norm, add_rms_norm_inference, ("x", "x", "stat"), True, True, (0, 1, 3)),
+    for name, forward, eager, inference, outputs, fused, rms, grad_args in [
+        ("layer_norm", layer_norm, layer_norm_eager, layer_norm_inference, ("x", "stat", "stat"), False, False,
+         (0, 2, 3)),
+        ("add_layer_norm", add_layer_norm, add_layer_norm_eager, add_layer_norm_inference, ("x", "x", "stat", "stat"),
+         True, False, (0, 1, 3, 4)),
+        ("rms_norm", rms_norm, rms_norm_eager, rms_norm_inference, ("x", "stat"), False, True, (0, 2)),
+        ("add_rms_norm", add_rms_norm, add_rms_norm_eager, add_rms_norm_inference, ("x", "x", "stat"), True, True,
+         (0, 1, 3)),
     ]:
         setattr(ops, name, TorchOp(name, forward, fake(*outputs), save=save(fused, rms), backward=formula(fused, rms),
-                                   outputs=2 if fused else 1, grad_args=grad_args, inference=inference))
+                                   outputs=2 if fused else 1, grad_args=grad_args, eager=eager, inference=inference))
 
     def shape_list(x, normalized_shape):
         """normalized_shape as the custom ops' schema takes it (a list or tuple of ints), checked

@@ -128,15 +128,15 @@ def torch_layer():
     backward_op = TorchOp("softmax_backward", backward_forward, backward_fake)
 
     def save(ctx, args, results):
-        x, ctx.dim, _, ctx.log = args
-        ctx.x_dtype = x.dtype
+        x, dim, _, log = args
+        ctx.softmax = (dim, x.dtype, log)  # the backward op's arguments after y and grad_y: one attribute, not three
         ctx.save_for_backward(results[0])
 
     def formula(ctx, grads, run):
         (y,), (grad_y,) = ctx.saved_tensors, grads
         if grad_y is None or not ctx.needs_input_grad[0]:
             return None, None, None, None
-        return run(backward_op, y, grad_y, ctx.dim, ctx.x_dtype, ctx.log), None, None, None
+        return run(backward_op, y, grad_y, *ctx.softmax), None, None, None
 
     softmax_op = TorchOp("softmax", forward, fake, save=save, backward=formula)
 

@@ -201,3 +201,46 @@ def test_rotary_pair_backward_refuses_double_backward():
     assert g.requires_grad
     with pytest.raises(RuntimeError, match="once_differentiable"):
         g.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_node_runs_the_backward_itself(device):
+    """The eager Function's node calls its backward with no lookup in between (its ctx's apply is
+    the backward): called by autograd or directly, the gradient is the formula's."""
+    x = random((3, 7), torch.float32, device).requires_grad_()
+    g = random((3, 7), torch.float32, device)
+    y = brrr.softmax(x, -1)
+    assert type(y.grad_fn).apply is not torch.autograd.function.BackwardCFunction.apply
+    expected = torch.softmax(x, -1).detach()
+    expected = expected * (g - (g * expected).sum(-1, keepdim=True))
+    (auto,) = torch.autograd.grad(y, x, g, retain_graph=True)
+    direct = y.grad_fn.apply(g)[0]
+    torch.testing.assert_close(auto, expected)
+    torch.testing.assert_close(direct, expected)
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+def test_norm_operators_check_normalized_shape(name):
+    """The eager Function's forward leaves normalized_shape to the entry that checked it; the
+    operators, which anyone may call through torch.ops.brrr, still check it."""
+    x = random((3, 8), torch.float32, "cpu").requires_grad_()
+    args = (None, None, 1e-5) if name == "layer_norm" else (None, 1e-6, False, 0.0)
+    for shape in ([5], [3, 4]):
+        with pytest.raises(ValueError, match="normalized_shape"):
+            getattr(torch.ops.brrr, name)(x, shape, *args)
+        with pytest.raises(ValueError, match="normalized_shape"):
+            getattr(brrr, name)(x, shape)
+
+
+def test_chain_program_found_by_name_only_without_scalars():
+    """A chain whose steps take no scalar is found by its op names; one with a scalar step is not,
+    so 0.0 and -0.0 stay two chains, recorded by autograd or not."""
+    x = torch.ones(5, requires_grad=True)
+    negative, positive = brrr.chain(("mul", -0.0), "reciprocal"), brrr.chain(("mul", 0.0), "reciprocal")
+    for _ in range(2):
+        assert torch.equal(negative(x), torch.full((5,), -torch.inf))
+        assert torch.equal(positive(x), torch.full((5,), torch.inf))
+        assert torch.equal(negative(x.detach()), torch.full((5,), -torch.inf))
+    y = torch.linspace(-2, 2, 9, requires_grad=True)
+    (grad,) = torch.autograd.grad(brrr.chain("cos", "exp")(y).sum(), y)
+    torch.testing.assert_close(grad, -torch.sin(y) * torch.exp(torch.cos(y)))
