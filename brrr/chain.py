@@ -175,29 +175,33 @@ def torch_layer():
     @functools.lru_cache(maxsize=1024)
     def compiled(ops, signed_scalars):
         names = ops.split(",") if ops else []
+        if len(names) != len(signed_scalars):
+            raise ValueError(f"brrr::chain: argument scalars: expected one per step of ops ({len(names)}), got "
+                             f"{len(signed_scalars)}")
         p = _C.chain_program([(o, s) if o in SCALAR_OPS else o for o, (s, _) in zip(names, signed_scalars)])
-        if len(unscaled) < 1024 and len(names) == len(signed_scalars) and not any(o in SCALAR_OPS for o in names):
-            unscaled[ops] = p
+        if len(unscaled) < 1024 and not any(o in SCALAR_OPS for o in names):
+            unscaled[ops] = p, len(names)
         return p
 
     def program(ops, scalars):
         """The compiled chain of op names joined by commas (custom-op schemas take no list of str)."""
-        p = unscaled.get(ops)
-        return compiled(ops, signed(scalars)) if p is None else p
+        hit = unscaled.get(ops)
+        return hit[0] if hit is not None and hit[1] == len(scalars) else compiled(ops, signed(scalars))
 
     @functools.lru_cache(maxsize=1024)
     def compiled_with_backward(ops, signed_scalars):
         p = compiled(ops, signed_scalars)
         _C.chain_jit_with_backward(p)
         if ops in unscaled:
-            unscaled_with_backward[ops] = p
+            unscaled_with_backward[ops] = p, len(signed_scalars)
         return p
 
     def program_with_backward(ops, scalars):
         """program(ops, scalars), its backward said to be wanted: on CUDA its forward kernel and
         its backward are compiled at once, on two threads."""
-        p = unscaled_with_backward.get(ops)
-        return compiled_with_backward(ops, signed(scalars)) if p is None else p
+        hit = unscaled_with_backward.get(ops)
+        return (hit[0] if hit is not None and hit[1] == len(scalars) else
+                compiled_with_backward(ops, signed(scalars)))
 
     def run_forward(x, operands, program_):
         if _op.EXCHANGE_API and x.is_contiguous():  # the usual call: brrr._C allocates and finds the stream

@@ -340,3 +340,14 @@ def test_negative_zero_scalar_is_its_own_chain():
     assert torch.equal(brrr.chain(("mul", -0.0), "reciprocal")(x), torch.full((5,), -math.inf))
     assert brrr.chain(("mul", 0.0)) != brrr.chain(("mul", -0.0))
     assert brrr.chain(("mul", 0.0)) == brrr.chain(("mul", 0))
+
+
+def test_the_chain_operator_refuses_scalars_that_do_not_match_its_steps():
+    """torch.ops.brrr.chain takes one scalar per step (a placeholder for steps without one): a
+    shorter or longer list is refused, naming the argument, rather than dropping steps."""
+    x = torch.randn(5)
+    torch.testing.assert_close(torch.ops.brrr.chain(x, [], "mul,add", [2.0, 1.0]), x * 2 + 1)
+    torch.testing.assert_close(torch.ops.brrr.chain(x, [], "relu,sigmoid", [0.0, 0.0]), x.relu().sigmoid())
+    for ops, scalars in (("mul,add", [2.0]), ("mul,add", [2.0, 1.0, 3.0]), ("relu,sigmoid", [0.0])):
+        with pytest.raises(ValueError, match="argument scalars: expected one per step of ops"):
+            torch.ops.brrr.chain(x, [], ops, scalars)
