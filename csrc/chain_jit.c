@@ -461,7 +461,7 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
            "    const long long first = (long long)blockIdx.x * (256 * U) + threadIdx.x;\n"
            "    A y[N]%s", kernel_name(k), packs_per_thread(k, p), k->backward ? ", gr[N], t[N]" : "");
     for (int b = 0; b < nops; b++) put(t, ", v%d[N]", b);
-    for (int b = 0; b < nops; b++) /* the pack function sets every gradient; the element function's are taken as needed */
+    for (int b = 0; b < nops; b++) /* the pack function sets them all; else only the gradients stored */
         if (packed(k, p) ? k->backward : grad_wanted(k, b) && !is_vector(k, b)) put(t, ", g%d[N]", b);
     /* A pack past the end loads the last one again (its values are computed, not stored). With
      * a branch around each load, ptxas sank the first pack's steps into it and loaded the second

@@ -153,24 +153,26 @@ MIXED12 = ["sin", ("mul", 1.5), "tanh", ("add", 0.5), "exp", "log1p", ("mul", 0.
 
 @needs_nvrtc
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
-def test_compiled_kernels_have_no_stack_frame(cache_dir, dtype):
+def test_compiled_kernels_have_no_stack_frame(cache_dir, monkeypatch, dtype):
     """Every value stays in registers: no function of a forward or backward program has a stack
     frame (spills or a local array), whether the chain is inlined, called, packed, rolled or takes
-    operands. float64 sin and cos are left out: libdevice's reduction of large arguments keeps a
-    40-byte array on the stack."""
+    operands, in either order. float64 sin and cos are left out: libdevice's reduction of large
+    arguments keeps a 40-byte array on the stack."""
     chains = [[("mul", 1.0001)] * 256, ["add_tensor", "gelu", ("mul", 0.5), "mul_tensor", ("pow", 3.0), "softplus",
                                         "tanh", "exp", "log1p", "sigmoid"]]
     if dtype != "float64":
         chains += [MIXED12, ["cos", "cos"], MIXED]
     for steps in chains:
         n = sum(s in ("add_tensor", "mul_tensor") for s in steps)
-        for layout, ndim in (("contiguous", 1), ("strided", 2)):
+        for order, layout, ndim in (("interleaved", "contiguous", 1), ("packwise", "contiguous", 1),
+                                    ("interleaved", "strided", 2)):
+            monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", order)
             for backward in (False, True):
                 cubin = _C.chain_jit_compile(steps, dtype, backward=backward, layout=layout, ndim=ndim,
                                              grad_mask=(1 << n) - 1 if backward else 0)[1]
                 frames = _stack_frames(cubin)
                 assert frames[0x11] and frames[0x12], "no frame size read"
-                assert set(frames[0x11]) == set(frames[0x12]) == {0}, (steps, layout, backward, frames)
+                assert set(frames[0x11]) == set(frames[0x12]) == {0}, (steps, order, layout, backward, frames)
 
 
 # BRRR_CHAIN_JIT_ORDER: a contiguous kernel without the pack function computes every value of a
