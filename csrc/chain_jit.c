@@ -319,7 +319,7 @@ static void put_return_grads(text *t, int nops, const char *suffix) {
  *
  * Element function: chain_fwd(y, v0, ...) returns the chain's value; chain_bwd(y, v0, ...) returns
  * Grads: t, d out / d x, and gb, d out / d operand b. By value: a called (__noinline__) chain_bwd
- * that set the gb through references kept them in memory, a stack frame in every kernel of a
+ * that set the gb through references kept them in memory, a stack frame in every backward of a
  * chain with tensor operands and more than BRRR_JIT_INLINE_HEAVY_STEPS heavy steps (80 bytes a
  * thread in a contiguous float32 backward of two operands, 144 in bfloat16); Grads comes back in
  * registers. Inlined chains with a trig step (packed) also get the
