@@ -297,21 +297,32 @@ static void put_step(text *t, const brrr_chain_kernel *k, const brrr_chain_step 
     if (st->op == BRRR_OP_MUL_TENSOR) *active |= 1 << b;
 }
 
-/* The parameters of chain_fwd/chain_bwd (element function) or chain_fwd_n/chain_bwd_n (pack
- * function, of arrays of N values). */
+/* The parameters of chain_fwd/chain_bwd (element function, which returns the value or the Grads)
+ * or chain_fwd_n/chain_bwd_n (pack function, of arrays of N values, which it updates). */
 static void put_parameters(text *t, const brrr_chain_kernel *k, int nops, int pack) {
     put(t, pack ? "A (&y)[N]" : "A y");
     for (int b = 0; b < nops; b++) put(t, pack ? ", const A (&v%d)[N]" : ", const A v%d", b);
     if (k->backward && pack) put(t, ", A (&t)[N]");
-    for (int b = 0; k->backward && b < nops; b++) put(t, pack ? ", A (&g%d)[N]" : ", A &g%d", b);
+    for (int b = 0; k->backward && pack && b < nops; b++) put(t, ", A (&g%d)[N]", b);
+}
+
+/* "    return {t, g0, ...};" of a backward element function, each name followed by suffix. */
+static void put_return_grads(text *t, int nops, const char *suffix) {
+    put(t, "    return {t%s", suffix);
+    for (int b = 0; b < nops; b++) put(t, ", g%d%s", b, suffix);
+    put(t, "};\n}\n\n");
 }
 
 /* The step sequence, applied in one forward sweep as the interpreted program_grad does (the same
  * operations in the same order, so the same values up to the compiler's contraction of a
  * multiply and an add): the chain's value, and backward d out / d x and d out / d operand b.
  *
- * Element function: chain_fwd(y, v0, ...) returns the chain's value; chain_bwd(y, v0, ..., g0,
- * ...) returns d out / d x and sets gb. Inlined chains with a trig step (packed) also get the
+ * Element function: chain_fwd(y, v0, ...) returns the chain's value; chain_bwd(y, v0, ...) returns
+ * Grads: t, d out / d x, and gb, d out / d operand b. By value: a called (__noinline__) chain_bwd
+ * that set the gb through references kept them in memory, a stack frame in every backward of a
+ * chain with tensor operands and more than BRRR_JIT_INLINE_HEAVY_STEPS heavy steps (80 bytes a
+ * thread in a contiguous float32 backward of two operands, 144 in bfloat16); Grads comes back in
+ * registers. Inlined chains with a trig step (packed) also get the
  * pack function chain_fwd_n / chain_bwd_n, which applies each step to all N values of a thread
  * before the next (the element function calls it with N = 1): a trig step then checks its range
  * once for the pack, as the interpreted kernels do, instead of branching around every value's
@@ -321,6 +332,11 @@ static void put_element_functions(text *t, const brrr_chain_kernel *k, const brr
     const int nops = p->n_operands, pack = packed(k, p);
     const char *name = direction(k);
     int active = 0;
+    if (k->backward) {
+        put(t, "struct Grads {\n    A t");
+        for (int b = 0; b < nops; b++) put(t, ", g%d", b);
+        put(t, ";\n};\n");
+    }
     if (pack) {
         /* Packs out of the fast range (a large, infinite or NaN value) are rare: their trig steps
          * call one copy of the function rather than inlining it for every value. */
@@ -369,7 +385,7 @@ static void put_element_functions(text *t, const brrr_chain_kernel *k, const brr
             for (; s < end; s++) put_step(t, k, &p->steps[s], nops, "[j]", TRIG_INLINE, &active);
             put(t, "    }\n");
         }
-        put(t, "}\n\n__device__ __forceinline__ A chain_%s(", name);
+        put(t, "}\n\n__device__ __forceinline__ %s chain_%s(", k->backward ? "Grads" : "A", name);
         put_parameters(t, k, nops, 0);
         put(t, ") {\n    A y_[1] = {y}%s", k->backward ? ", t_[1]" : "");
         for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d_[1]", b);
@@ -380,31 +396,44 @@ static void put_element_functions(text *t, const brrr_chain_kernel *k, const brr
         if (k->backward) put(t, ", t_");
         for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d_", b);
         put(t, ");\n");
-        for (int b = 0; k->backward && b < nops; b++) put(t, "    g%d = g%d_[0];\n", b, b);
-        put(t, "    return %s;\n}\n\n", k->backward ? "t_[0]" : "y_[0]");
+        if (k->backward) put_return_grads(t, nops, "_[0]");
+        else put(t, "    return y_[0];\n}\n\n");
         return;
     }
-    put(t, "__device__ %s A chain_%s(", inlined(p) ? "__forceinline__" : "__noinline__", name);
+    put(t, "__device__ %s %s chain_%s(", inlined(p) ? "__forceinline__" : "__noinline__", k->backward ? "Grads" : "A",
+        name);
     put_parameters(t, k, nops, 0);
     put(t, ") {\n");
     if (k->backward) {
         put(t, "    A t = (A)1, d;\n");
-        for (int b = 0; b < nops; b++) put(t, "    g%d = (A)0;\n", b);
+        for (int b = 0; b < nops; b++) put(t, "    A g%d = (A)0;\n", b);
     }
     for (int s = 0; s < p->n_steps; s++) put_step(t, k, &p->steps[s], nops, "", TRIG_INLINE, &active);
-    put(t, "    return %s;\n}\n\n", k->backward ? "t" : "y");
+    if (k->backward) put_return_grads(t, nops, "");
+    else put(t, "    return y;\n}\n\n");
 }
 
-/* The arguments of chain_fwd/chain_bwd for element j of the arrays y, v0.. and g0.. */
+/* The call of chain_fwd/chain_bwd on element j of the arrays y and v0.. */
 static void put_call(text *t, const brrr_chain_kernel *k, int nops, const char *j) {
     put(t, "chain_%s(y%s", direction(k), j);
     for (int b = 0; b < nops; b++) put(t, ", v%d%s", b, j);
-    for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d%s", b, j);
     put(t, ")");
 }
 
 static int grad_wanted(const brrr_chain_kernel *k, int b) { return k->backward && (k->grad_mask >> b & 1); }
 static int is_vector(const brrr_chain_kernel *k, int b) { return k->vector_mask >> b & 1; }
+
+/* A contiguous kernel's element [j] through the element function, each statement after `indent`:
+ * y[j] the chain's value, or t[j] and the dense g0[j].. its derivatives times grad_out's gr[j]. */
+static void put_element(text *t, const brrr_chain_kernel *k, int nops, const char *indent) {
+    put(t, "%s%s", indent, k->backward ? "const Grads res = " : "y[j] = ");
+    put_call(t, k, nops, "[j]");
+    put(t, ";\n");
+    if (!k->backward) return;
+    put(t, "%st[j] = res.t * gr[j];\n", indent);
+    for (int b = 0; b < nops; b++)
+        if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "%sg%d[j] = res.g%d * gr[j];\n", indent, b, b);
+}
 
 /* The order of a contiguous kernel's work after its loads (BRRR_CHAIN_JIT_ORDER,
  * docs/kernel-switches.md): ORDER_INTERLEAVED, every value of the thread computed, then every pack
@@ -432,7 +461,8 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
            "    const long long first = (long long)blockIdx.x * (256 * U) + threadIdx.x;\n"
            "    A y[N]%s", kernel_name(k), packs_per_thread(k, p), k->backward ? ", gr[N], t[N]" : "");
     for (int b = 0; b < nops; b++) put(t, ", v%d[N]", b);
-    for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d[N]", b);
+    for (int b = 0; b < nops; b++) /* the pack function sets them all; else only the gradients stored */
+        if (packed(k, p) ? k->backward : grad_wanted(k, b) && !is_vector(k, b)) put(t, ", g%d[N]", b);
     /* A pack past the end loads the last one again (its values are computed, not stored). With
      * a branch around each load, ptxas sank the first pack's steps into it and loaded the second
      * pack only after computing the first: half the bytes in flight (the likely cause of float32
@@ -455,14 +485,8 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
         put(t, "#pragma unroll\n    for (int u = 0; u < U; ++u) {\n"
                "        const long long p = first + (long long)u * 256;\n"
                "        if (p >= n_packs) break;\n"
-               "#pragma unroll\n        for (int j = u * VEC; j < (u + 1) * VEC; ++j) {\n            %s[j] = ", result);
-        put_call(t, k, nops, "[j]");
-        put(t, ";\n");
-        if (k->backward) {
-            put(t, "            t[j] = t[j] * gr[j];\n");
-            for (int b = 0; b < nops; b++)
-                if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "            g%d[j] = g%d[j] * gr[j];\n", b, b);
-        }
+               "#pragma unroll\n        for (int j = u * VEC; j < (u + 1) * VEC; ++j) {\n");
+        put_element(t, k, nops, "            ");
         put(t, "        }\n        st_pack_if(static_cast<T *>(a.out) + p * VEC, %s + u * VEC, true);\n", result);
         for (int b = 0; b < nops; b++)
             if (grad_wanted(k, b) && !is_vector(k, b))
@@ -474,15 +498,14 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
             if (k->backward) put(t, ", t");
             for (int b = 0; k->backward && b < nops; b++) put(t, ", g%d", b);
             put(t, ");\n#pragma unroll\n    for (int j = 0; j < N; ++j) {\n");
+            if (k->backward) {
+                put(t, "        t[j] = t[j] * gr[j];\n");
+                for (int b = 0; b < nops; b++)
+                    if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "        g%d[j] = g%d[j] * gr[j];\n", b, b);
+            }
         } else {
-            put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n        %s[j] = ", result);
-            put_call(t, k, nops, "[j]");
-            put(t, ";\n");
-        }
-        if (k->backward) {
-            put(t, "        t[j] = t[j] * gr[j];\n");
-            for (int b = 0; b < nops; b++)
-                if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "        g%d[j] = g%d[j] * gr[j];\n", b, b);
+            put(t, "#pragma unroll\n    for (int j = 0; j < N; ++j) {\n");
+            put_element(t, k, nops, "        ");
         }
         /* Stores predicated, not branched around: with `if (p >= n_packs) continue;` the compiler
          * sank each pack's steps into its store's branch, so ptxas interleaved the 4 values of a
@@ -509,13 +532,11 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
         put(t, ");\n}\n");
         return;
     }
-    put(t, "    const A gr0 = ld(static_cast<const T *>(a.grad_out)[i]);\n    A ");
-    for (int b = 0; b < nops; b++) put(t, "g%d0, ", b);
-    put(t, "t0 = ");
+    put(t, "    const A gr0 = ld(static_cast<const T *>(a.grad_out)[i]);\n    const Grads res = ");
     put_call(t, k, nops, "0");
-    put(t, ";\n    static_cast<T *>(a.out)[i] = st(t0 * gr0);\n");
+    put(t, ";\n    static_cast<T *>(a.out)[i] = st(res.t * gr0);\n");
     for (int b = 0; b < nops; b++)
-        if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "    static_cast<T *>(a.grad_operands[%d])[i] = st(g%d0 * gr0);\n", b, b);
+        if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "    static_cast<T *>(a.grad_operands[%d])[i] = st(res.g%d * gr0);\n", b, b);
     put(t, "}\n");
 }
 
@@ -557,14 +578,12 @@ static void put_strided_kernel(text *t, const brrr_chain_kernel *k, int nops) {
         put(t, ");\n    }\n}\n");
         return;
     }
-    put(t, "        const A gr = ld(static_cast<const T *>(L.grad_out.data)[og]);\n        A ");
-    for (int b = 0; b < nops; b++) put(t, "g%d, ", b);
-    put(t, "total = ");
+    put(t, "        const A gr = ld(static_cast<const T *>(L.grad_out.data)[og]);\n        const Grads res = ");
     put_call(t, k, nops, "");
-    put(t, ";\n        static_cast<T *>(L.out.data)[oo] = st(total * gr);\n");
+    put(t, ";\n        static_cast<T *>(L.out.data)[oo] = st(res.t * gr);\n");
     for (int b = 0; b < nops; b++) /* a vector's gradient is a sum over rows: the rows layout's */
         if (grad_wanted(k, b) && !is_vector(k, b))
-            put(t, "        static_cast<T *>(L.grad_operands[%d].data)[q%d] = st(g%d * gr);\n", b, b, b);
+            put(t, "        static_cast<T *>(L.grad_operands[%d].data)[q%d] = st(res.g%d * gr);\n", b, b, b);
     put(t, "    }\n}\n");
 }
 
@@ -602,15 +621,13 @@ static void put_rows_kernel(text *t, const brrr_chain_kernel *k, int nops) {
            "        const A gr = ld(static_cast<const T *>(L.grad_out.data)[og]);\n");
     for (int b = 0; b < nops; b++)
         if (!is_vector(k, b)) put(t, "        const A v%d = ld(static_cast<const T *>(L.operands[%d].data)[o%d]);\n", b, b, b);
-    put(t, "        A ");
-    for (int b = 0; b < nops; b++) put(t, "g%d, ", b);
-    put(t, "total = ");
+    put(t, "        const Grads res = ");
     put_call(t, k, nops, "");
-    put(t, ";\n        static_cast<T *>(L.out.data)[oo] = st(total * gr);\n");
+    put(t, ";\n        static_cast<T *>(L.out.data)[oo] = st(res.t * gr);\n");
     for (int b = 0; b < nops; b++) {
         if (!grad_wanted(k, b)) continue;
-        if (is_vector(k, b)) put(t, "        acc%d += g%d * gr;\n", b, b);
-        else put(t, "        static_cast<T *>(L.grad_operands[%d].data)[q%d] = st(g%d * gr);\n", b, b, b);
+        if (is_vector(k, b)) put(t, "        acc%d += res.g%d * gr;\n", b, b);
+        else put(t, "        static_cast<T *>(L.grad_operands[%d].data)[q%d] = st(res.g%d * gr);\n", b, b, b);
     }
     put(t, "    }\n");
     for (int b = 0; b < nops; b++) {

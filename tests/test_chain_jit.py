@@ -4,6 +4,7 @@ kernels against the interpreted ones."""
 
 import os
 import random as pyrandom
+import struct
 import subprocess
 import sys
 import time
@@ -89,7 +90,7 @@ def test_the_source_is_specialised(cache_dir):
     source, _, _ = _C.chain_jit_compile(MIXED, "bfloat16", backward=True, grad_mask=3, vector_mask=1, layout="rows", ndim=3)
     assert "M::gelu_fwd_grad(y, &d)" in source and "M::pow_fwd_grad(y, (A)0x1.8p+1, &d)" in source
     assert "L.partials" in source and "__shared__" in source
-    assert "__noinline__ A chain_bwd" in source  # ten elementary functions: one copy, called
+    assert "__noinline__ Grads chain_bwd" in source  # ten elementary functions: one copy, called
     source = _C.chain_jit_compile(["cos", "cos"], "float16")[0]
     assert "__forceinline__ A chain_fwd" in source  # two trig steps: inlined, each on the whole pack
     assert source.count("if (M::pack_in_trig_range(y))") == 2 and source.count("M::cos_fwd_in_range(y[j])") == 2
@@ -123,6 +124,55 @@ def test_a_forward_rolls_runs_of_more_than_64_identical_steps(cache_dir, dtype):
     assert "#pragma unroll 1" not in _C.chain_jit_compile([("mul", 1.0001)] * 64 + [("mul", 1.0002)] * 64, dtype)[0]
     assert "for (int r = 0; r < 1; ++r)" in _C.chain_jit_compile(["relu"] * 65, dtype)[0]  # a function's run too
     assert "#pragma unroll 1" not in _C.chain_jit_compile(["tanh"] * 65, dtype)[0]  # called, not inlined
+
+
+def _stack_frames(cubin):
+    """{attribute: [bytes of stack]} read from a cubin's .nv.info section (ELF64): every
+    function's frame (EIATTR_FRAME_SIZE, 0x11) and the kernel's minimum stack (EIATTR_MIN_STACK_SIZE,
+    0x12), as cuobjdump --dump-elf shows them. Entries are 4 bytes (format, attribute, value) except
+    the format 4 ones, which carry a 16-bit size and that many bytes (here: symbol, size)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3a)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
+    strings = headers[names][4]
+    info = [h for h in headers if cubin[strings + h[0]:].split(b"\0", 1)[0] == b".nv.info"]
+    assert len(info) == 1, "a cubin without its .nv.info section"
+    data, frames, i = cubin[info[0][4]:info[0][4] + info[0][5]], {0x11: [], 0x12: []}, 0
+    while i < len(data):
+        fmt, attribute = data[i], data[i + 1]
+        size = struct.unpack_from("<H", data, i + 2)[0] if fmt == 4 else 0
+        if attribute in frames:
+            frames[attribute].append(struct.unpack_from("<I", data, i + 8)[0])
+        i += 4 + size
+    return frames
+
+
+MIXED12 = ["sin", ("mul", 1.5), "tanh", ("add", 0.5), "exp", "log1p", ("mul", 0.7), "cos", "sigmoid", ("pow", 2.0),
+           "softplus", "gelu"]  # the first-call benchmark's chain
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_compiled_kernels_have_no_stack_frame(cache_dir, monkeypatch, dtype):
+    """Every value stays in registers: no function of a forward or backward program has a stack
+    frame (spills or a local array), whether the chain is inlined, called, packed, rolled or takes
+    operands, in either order. float64 sin and cos are left out: libdevice's reduction of large
+    arguments keeps a 40-byte array on the stack."""
+    chains = [[("mul", 1.0001)] * 256, ["add_tensor", "gelu", ("mul", 0.5), "mul_tensor", ("pow", 3.0), "softplus",
+                                        "tanh", "exp", "log1p", "sigmoid"]]
+    if dtype != "float64":
+        chains += [MIXED12, ["cos", "cos"], MIXED]
+    for steps in chains:
+        n = sum(s in ("add_tensor", "mul_tensor") for s in steps)
+        for order, layout, ndim in (("interleaved", "contiguous", 1), ("packwise", "contiguous", 1),
+                                    ("interleaved", "strided", 2)):
+            monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", order)
+            for backward in (False, True):
+                cubin = _C.chain_jit_compile(steps, dtype, backward=backward, layout=layout, ndim=ndim,
+                                             grad_mask=(1 << n) - 1 if backward else 0)[1]
+                frames = _stack_frames(cubin)
+                assert frames[0x11] and frames[0x12], "no frame size read"
+                assert set(frames[0x11]) == set(frames[0x12]) == {0}, (steps, order, layout, backward, frames)
 
 
 # BRRR_CHAIN_JIT_ORDER: a contiguous kernel without the pack function computes every value of a
