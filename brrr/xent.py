@@ -706,5 +706,6 @@ def torch_layer():
 
     return SimpleNamespace(cross_entropy=cross_entropy_, linear_cross_entropy=linear_cross_entropy_,
                            backward=backward_op, linear_backward=linear_backward_op,
+                           scaled_in_place=scaled_in_place,
                            modules=[CrossEntropyLoss, LinearCrossEntropyLoss],
                            functional={"cross_entropy": cross_entropy_route})
