@@ -537,19 +537,18 @@ def torch_layer():
 
     def scaled_in_place(grad_acc, g, dtype):
         """grad_acc * g (g None: 1) rounded once to `dtype`, in grad_acc's memory: no second tensor of
-        a weight's size. brrr's kernel (_C.linear_cross_entropy_scale): the product in float32
-        (float64 for float64) rounded as it is stored, 16 bytes at a time, the bits of
-        torch.mul(grad_acc, g.reshape(1)).to(dtype) (a 1-element g takes part in type promotion;
-        on CUDA a half-precision tensor times a float32 0-d one would round the factor to half
-        precision first). In grad_acc's own dtype, in place, one call (grad_acc dense: the
-        input's gradient is empty_like(input), whose dims may be permuted). Into a narrower dtype
-        (a float32 accumulator of a bf16 weight's gradient) the result is written over the start of
-        grad_acc's storage, and is a view of it (which stays allocated until the view is freed):
-        element i lands in the bytes of element i * out_size / acc_size, read before unless a
-        thread of the same call, in no set order, has yet to read it. So one call per slice
-        [start, end) with end at most ratio = acc_size / out_size times start: a slice writes only
-        over elements that earlier calls read. The first slice (1M elements), whose destination
-        overlaps its source, is read into a copy first; the slices double from there."""
+        a weight's size. brrr's kernel (_C.linear_cross_entropy_scale, 16 bytes a load and a store):
+        the product in float32 (float64 for float64) rounded as it is stored, the bits of
+        torch.mul(grad_acc, g.reshape(1)).to(dtype) (g a 1-element tensor: converted exactly, not
+        rounded to a half-precision grad_acc's dtype first). In grad_acc's own dtype: in place, one
+        call (grad_acc dense, read in memory order: the input's gradient is empty_like(input),
+        whose dims may be permuted). Into a narrower dtype (a float32 accumulator of a bf16
+        weight's gradient) the result is written over the start of grad_acc's storage, and is a
+        view of it (which stays allocated until the view is freed): its element i lands in the
+        bytes of grad_acc's element i / ratio (ratio = acc_size / out_size), and the threads of a
+        call run in no set order, so each call writes only over elements that earlier calls read:
+        slices [start, end) with end <= ratio * start, from a first slice of 1M elements, whose
+        destination overlaps its source and which is read into a copy first."""
         if g is None and grad_acc.dtype == dtype:
             return grad_acc
         cuda_stream = stream(grad_acc)
