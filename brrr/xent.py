@@ -351,7 +351,7 @@ def torch_layer():
         return loss if loss.dtype == dtype else loss.to(dtype)
 
     # ---- linear_cross_entropy
-    scale_slice_bytes = 2**26  # the backward's slices of a gradient: 8M elements (2**26 bytes of float64)
+    scale_slice_bytes = 2**26  # blocks of the input gradient moved through a copy: 8M elements (2**26 bytes of float64)
 
     def count_rows(target, ignore_index, dtype):
         """The rows "mean" divides by: over the whole input, not a chunk; on the device (compared in
@@ -537,32 +537,34 @@ def torch_layer():
 
     def scaled_in_place(grad_acc, g, dtype):
         """grad_acc * g (g None: 1) rounded once to `dtype`, in grad_acc's memory: no second tensor of
-        a weight's size. One kernel per slice of rows: the product taken in the wider of the two
-        dtypes and rounded as it is stored (g as a 1-element tensor, which takes part in type
-        promotion; a 0-d one does not, and on CUDA a half-precision tensor times a float32 0-d
-        one rounds the factor to half precision first). The slices, at most 8M elements, bound
-        the temporaries that CPU kernels make for mixed dtypes. Into a narrower dtype (a float32
-        accumulator of a bf16 weight's gradient) the slices are written in increasing row order
-        over the start of grad_acc's storage: a slice's rows land below the bytes they are read
-        from, over rows already read, and the result is a view of that storage (which stays
-        allocated until the view is freed). Only the first slice's destination overlaps its
-        source (a later slice starts at least its own length in): it is read into a copy first."""
+        a weight's size. brrr's kernel (_C.linear_cross_entropy_scale, 16 bytes a load and a store):
+        the product in float32 (float64 for float64) rounded as it is stored, the bits of
+        torch.mul(grad_acc, g.reshape(1)).to(dtype) (g a 1-element tensor: converted exactly, not
+        rounded to a half-precision grad_acc's dtype first). In grad_acc's own dtype: in place, one
+        call (grad_acc dense, read in memory order: the input's gradient is empty_like(input),
+        whose dims may be permuted). Into a narrower dtype (a float32 accumulator of a bf16
+        weight's gradient) the result is written over the start of grad_acc's storage, and is a
+        view of it (which stays allocated until the view is freed): its element i lands in the
+        bytes of grad_acc's element i / ratio (ratio = acc_size / out_size), and the threads of a
+        call run in no set order, so each call writes only over elements that earlier calls read:
+        slices [start, end) with end <= ratio * start, from a first slice of 1M elements, whose
+        destination overlaps its source and which is read into a copy first."""
         if g is None and grad_acc.dtype == dtype:
             return grad_acc
-        out = grad_acc
-        if grad_acc.dtype != dtype:  # a narrower dtype: grad_acc is the (contiguous) accumulator
-            out = grad_acc.view(-1).view(dtype)[:grad_acc.numel()].view(grad_acc.shape)
-        factor = None if g is None else g.reshape(1)
-        rows = chunk_rows(math.prod(grad_acc.shape[1:]), 8, scale_slice_bytes)  # 32 MiB of float32
-        for start in range(0, grad_acc.shape[0], rows):
-            part = grad_acc[start:start + rows]
-            if out is not grad_acc and start == 0:
-                part = part.clone()
-            if factor is None:
-                out[start:start + rows].copy_(part)
-            else:
-                torch.mul(part, factor, out=out[start:start + rows])
-        return out
+        cuda_stream = stream(grad_acc)
+        if grad_acc.dtype == dtype:
+            memory = grad_acc.permute(sorted(range(grad_acc.dim()), key=grad_acc.stride, reverse=True))
+            _C.linear_cross_entropy_scale(memory, g, memory, stream=cuda_stream)
+            return grad_acc
+        acc = grad_acc.view(-1)  # the accumulator: contiguous
+        out = acc.view(dtype)[:acc.numel()]
+        ratio = grad_acc.element_size() // out.element_size()
+        end = min(acc.numel(), 2**20)
+        _C.linear_cross_entropy_scale(acc[:end].clone(), g, out[:end], stream=cuda_stream)
+        while end < acc.numel():
+            start, end = end, min(acc.numel(), end * ratio)
+            _C.linear_cross_entropy_scale(acc[start:end], g, out[start:end], stream=cuda_stream)
+        return out.view(grad_acc.shape)
 
     def linear_formula(ctx, grads, run):
         (grad,), options = grads, (None,) * 8
@@ -703,5 +705,6 @@ def torch_layer():
 
     return SimpleNamespace(cross_entropy=cross_entropy_, linear_cross_entropy=linear_cross_entropy_,
                            backward=backward_op, linear_backward=linear_backward_op,
+                           scaled_in_place=scaled_in_place,
                            modules=[CrossEntropyLoss, LinearCrossEntropyLoss],
                            functional={"cross_entropy": cross_entropy_route})

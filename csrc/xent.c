@@ -8,16 +8,21 @@
  * Every entry takes softcap (None, or c: the loss sees c * tanh(logits / c)) and z_loss (the
  * coefficient of each counted row's squared log-sum-exp added to its loss; 0: none).
  *
- * The three ops (specs at the end) take and return tensors by name. The forward writes per row
- * its log-sum-exp less the target's logit where that is finite (lse) and its loss (0 for both where
- * ignored), and where asked for the loss summed over rows in a fixed order (total; divided by
- * count for reduction "mean") and the rows whose target is not ignore_index (count). The backward
- * takes grad_loss of the target's shape (any strides) or 0-d (every row's), and count to divide
- * by for reduction "mean"; its grad_logits must not share memory with logits: every element of a
- * row depends on the row's target logit, which other threads of the row read. cross_entropy_fwd_bwd
- * is both in one pass over each row (no lse kept; grad_loss None: 1 for every row), and the one
- * op whose output may be an input: grad_logits may be logits itself (the same view), the gradient
- * then replacing the logits.
+ * The three ops of cross-entropy (specs at the end) take and return tensors by name. The forward
+ * writes per row its log-sum-exp less the target's logit where that is finite (lse) and its loss
+ * (0 for both where ignored), and where asked for the loss summed over rows in a fixed order
+ * (total; divided by count for reduction "mean") and the rows whose target is not ignore_index
+ * (count). The backward takes grad_loss of the target's shape (any strides) or 0-d (every row's),
+ * and count to divide by for reduction "mean"; its grad_logits must not share memory with logits:
+ * every element of a row depends on the row's target logit, which other threads of the row read.
+ * cross_entropy_fwd_bwd is both in one pass over each row (no lse kept; grad_loss None: 1 for
+ * every row), and its grad_logits may be logits itself (the same view), the gradient then
+ * replacing the logits.
+ *
+ * A fourth op, linear_cross_entropy_scale, is linear_cross_entropy's backward: the gradients its
+ * forward computed (float32 accumulators, or in the parameters' dtype) times the loss's upstream
+ * gradient, rounded once into the parameters' dtype (brrr_cuda.h), elementwise over contiguous
+ * tensors, in place or into a narrower dtype.
  *
  * A target outside [0, C) that is not ignore_index raises ValueError on the CPU; on CUDA, where
  * checking would mean a device-to-host sync, that row's loss and gradient are NaN.
@@ -270,4 +275,110 @@ static const brrr_op_spec FORWARD_BACKWARD = {
     .run = xent_fwd_bwd_run,
 };
 
-const brrr_op_spec *const brrr_xent_ops[] = {&FORWARD, &BACKWARD, &FORWARD_BACKWARD, NULL};
+/* ---- linear_cross_entropy's backward: out = acc * factor, rounded once (brrr_cuda.h) ----------- */
+
+enum { S_ACC, S_FACTOR, S_OUT };
+
+/* The CPU twin over blocks [begin, end) of BRRR_CPU_BLOCK elements: the product in float (double
+ * for a float64 acc), stored through brrr_cpu_store_*, which rounds to nearest even (double into a
+ * half type through float, as PyTorch converts). Each block is read whole before it is written, so
+ * out may be acc itself. */
+BRRR_SIMD static void scale_blocks(void *ctx, int64_t begin, int64_t end) {
+    const brrr_xent_scale_launch *L = ctx;
+    const int64_t in_size = (int64_t)brrr_dtype_size(L->dtype), out_size = (int64_t)brrr_dtype_size(L->out_dtype);
+    const int wide = L->dtype == BRRR_F64;
+    const double g64 = L->factor ? brrr_load_f64(L->factor_dtype, L->factor, 0) : 1.0;
+    const float g32 = (float)g64; /* exact: a float64 factor comes only with a float64 acc */
+    _Alignas(64) double v64[BRRR_CPU_BLOCK];
+    _Alignas(64) float v32[BRRR_CPU_BLOCK];
+    for (int64_t b = begin; b < end; b++) {
+        const int64_t i0 = b * BRRR_CPU_BLOCK, n = L->n - i0 < BRRR_CPU_BLOCK ? L->n - i0 : BRRR_CPU_BLOCK;
+        const char *src = (const char *)L->acc + i0 * in_size;
+        char *dst = (char *)L->out + i0 * out_size;
+        if (wide) {
+            brrr_cpu_load_f64(L->dtype, src, 1, n, v64);
+            for (int64_t i = 0; i < n; i++) v64[i] *= g64;
+            brrr_cpu_store_f64(L->out_dtype, dst, 1, n, v64);
+        } else {
+            brrr_cpu_load_f32(L->dtype, src, 1, n, v32);
+            for (int64_t i = 0; i < n; i++) v32[i] *= g32;
+            brrr_cpu_store_f32(L->out_dtype, dst, 1, n, v32);
+        }
+    }
+}
+
+static int check_contiguous(const brrr_tensor *t) {
+    int64_t expect = 1;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        if (t->shape[d] != 1 && t->strides[d] != expect) {
+            PyErr_Format(PyExc_ValueError, "argument %s: must be contiguous", t->name);
+            return -1;
+        }
+        expect *= t->shape[d];
+    }
+    return 0;
+}
+
+static int scale_check(brrr_op_call *c) {
+    const brrr_tensor *acc = &c->t[S_ACC], *out = &c->t[S_OUT], *factor = &c->t[S_FACTOR];
+    if (out->dtype != acc->dtype && acc->dtype != BRRR_F64 &&
+        !(acc->dtype == BRRR_F32 && (out->dtype == BRRR_BF16 || out->dtype == BRRR_F16))) {
+        PyErr_Format(PyExc_ValueError, "argument out: dtype %s does not go with acc of dtype %s (expected %s%s)",
+                     brrr_dtype_name(out->dtype), brrr_dtype_name(acc->dtype), brrr_dtype_name(acc->dtype),
+                     acc->dtype == BRRR_F32 ? ", bfloat16 or float16" : "");
+        return -1;
+    }
+    if (acc->numel > 1 && (check_contiguous(acc) < 0 || check_contiguous(out) < 0)) return -1;
+    if (!brrr_has(c, S_FACTOR)) return 0;
+    if (factor->numel != 1) {
+        PyErr_Format(PyExc_ValueError, "argument factor: expected a tensor of one element, got %lld",
+                     (long long)factor->numel);
+        return -1;
+    }
+    if (factor->dtype == BRRR_F64 && acc->dtype != BRRR_F64) {
+        PyErr_Format(PyExc_ValueError, "argument factor: dtype float64 goes only with a float64 acc (the product "
+                     "is taken in float32 for acc of dtype %s)", brrr_dtype_name(acc->dtype));
+        return -1;
+    }
+    return 0;
+}
+
+static int scale_run(brrr_op_call *c) {
+    const brrr_tensor *acc = &c->t[S_ACC], *out = &c->t[S_OUT], *factor = &c->t[S_FACTOR];
+    brrr_xent_scale_launch L;
+    memset(&L, 0, sizeof L);
+    L.dtype = acc->dtype;
+    L.out_dtype = out->dtype;
+    L.n = acc->numel;
+    L.acc = acc->data;
+    L.out = out->data;
+    if (brrr_has(c, S_FACTOR)) {
+        L.factor = factor->data;
+        L.factor_dtype = factor->dtype;
+    }
+    if (brrr_on_cpu(c)) {
+        BRRR_CPU_BEGIN(c)
+        brrr_cpu_parallel_for((L.n + BRRR_CPU_BLOCK - 1) / BRRR_CPU_BLOCK, 2 * BRRR_CPU_BLOCK, scale_blocks, &L);
+        BRRR_CPU_END
+        return 0;
+    }
+    BRRR_RETURN_CUDA(c, brrr_cuda_xent_scale, &L);
+}
+
+static const brrr_op_spec SCALE = {
+    .name = "linear_cross_entropy_scale",
+    .doc = "out = acc * factor (factor None: 1), the product in float32 (float64 for a float64 acc) rounded once "
+           "into out's dtype: the bits of torch.mul(acc, factor.reshape(1)).to(out.dtype). acc and out "
+           "contiguous, of one shape; out in acc's dtype (it may be acc itself) or, for a float32 or float64 acc, "
+           "a narrower one; factor one element, float64 only with a float64 acc. linear_cross_entropy's backward, "
+           "which scales the gradients its forward computed.",
+    .n_slots = 3,
+    .slots = {{"acc", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"factor", BRRR_OPTIONAL, BRRR_SHAPE_FAMILY, BRRR_DTYPE_ANY, -1},
+              {"out", BRRR_WRITE | BRRR_INPLACE, BRRR_SHAPE_X, BRRR_DTYPE_ANY, -1}},
+    .split_arg = -1,
+    .check = scale_check,
+    .run = scale_run,
+};
+
+const brrr_op_spec *const brrr_xent_ops[] = {&FORWARD, &BACKWARD, &FORWARD_BACKWARD, &SCALE, NULL};

@@ -277,6 +277,23 @@ typedef struct {
 
 int brrr_cuda_xent_fwd(const brrr_xent_launch *launch, int device, void *stream);
 int brrr_cuda_xent_bwd(const brrr_xent_launch *launch, int device, void *stream);
+
+/* linear_cross_entropy's backward, which scales the gradients its forward computed:
+ *     out[i] = acc[i] * factor       (factor NULL: 1)
+ * the product in acc's compute dtype (float32, float64 for float64 acc; factor converted to it
+ * exactly: a float64 factor only with a float64 acc) and rounded once, to nearest even, into out's
+ * dtype (float64 into a half type through float32, as PyTorch converts): the bits of
+ * torch.mul(acc, factor.reshape(1)).to(out's dtype). acc and out are contiguous, n elements each;
+ * out has acc's dtype or a narrower one than a float32 or float64 acc. out may be acc itself (the
+ * thread that writes an element has read it), and shares no other byte with it. */
+typedef struct {
+    int32_t dtype, out_dtype, factor_dtype; /* brrr_dtype of acc, out and factor */
+    int64_t n;
+    const void *acc, *factor;
+    void *out;
+} brrr_xent_scale_launch;
+
+int brrr_cuda_xent_scale(const brrr_xent_scale_launch *launch, int device, void *stream);
 /* ---- end softmax cross-entropy ---- */
 
 /* ---- rotary position embedding (csrc/rotary.c, cuda/rotary.cu) -----------------------------

@@ -14,6 +14,7 @@ CUDA only: a vocabulary of 32000, the peak memory, and CUDA graph captures of th
 patched model's training step.
 """
 
+import math
 import weakref
 
 import pytest
@@ -23,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import brrr
+from brrr import _C
 from brrr.xent import ACCUMULATIONS, LOGITS_BUDGET, auto_chunk_rows, chunk_rows
 from helpers import DEVICES, DTYPES, TOLERANCE, captured_in_a_graph, random
 from test_xent import IGNORE, make_targets, reference_loss
@@ -294,8 +296,8 @@ def test_gradient_against_finite_differences(reduction):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("accumulation", ACCUMULATIONS)
 def test_backward_scaling_rounds_once_over_several_slices(device, accumulation):
-    """The backward's scaling of a bf16 weight's gradient of 8.6M elements (two slices of the
-    backward, the second of 52 rows) by a float32 upstream gradient: right against float64, and
+    """The backward's scaling of a bf16 weight's gradient of 8.6M elements (five slices of the
+    backward, the last of 0.2M elements) by a float32 upstream gradient: right against float64, and
     with a bf16 accumulator bitwise bf16(float32(unscaled) * g): the factor is not rounded to
     bf16 first (1/3 is not a bf16)."""
     x, w, b = make(5, 4096, 2100, torch.bfloat16, device)
@@ -309,6 +311,132 @@ def test_backward_scaling_rounds_once_over_several_slices(device, accumulation):
     if accumulation == "weight":
         assert torch.equal(grads[1][1], (grads[0][1].float() * g).bfloat16())
     assert torch.equal(grads[1][0], (grads[0][0].float() * g).bfloat16())
+
+
+def scaling_values(n, dtype, device, generator):
+    """n float32 or float64 values for the backward's scaling: normal ones over a wide range of
+    magnitudes (overflowing and subnormal in the half types), halfway between two bf16 and two
+    float16 values (ties to even), and, at every 97th element and around the scaling's slice
+    boundaries (1M, 2M, 4M elements), +-0, +-inf and NaN."""
+    exponents = torch.randint(-20, 20, (n,), generator=generator)
+    exponents[::5] = torch.randint(-150, 130, (len(exponents[::5]),), generator=generator)
+    v = (torch.randn(n, dtype=torch.float64, generator=generator) * torch.exp2(exponents.double())).to(dtype)
+    if dtype == torch.float32:  # bf16 ties: the low 16 bits 0x8000; float16 ties: the low 13 bits 0x1000
+        bits = v.view(torch.int32)
+        bits[1::7] = (bits[1::7] & ~0xFFFF) | 0x8000
+        bits[2::7] = (bits[2::7] & ~0x1FFF) | 0x1000
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")], dtype=dtype)
+    v[::97] = special.repeat(n // 97 // 5 + 1)[:len(v[::97])]
+    for boundary in (2**20, 2**21, 2**22):
+        for i, value in zip(range(boundary - 2, boundary + 3), special):
+            if 0 <= i < n:
+                v[i] = value
+    return v.to(device)
+
+
+def assert_same_bits(actual, expected, what):
+    """The same dtype, and bits, but for NaN's (PyTorch's CPU and CUDA conversions themselves write
+    different NaNs)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan), what
+    width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
+    a, e = actual.view(width), expected.view(width)
+    bad = (a != e) & ~nan
+    assert not bad.any(), (what, int(bad.sum()), actual[bad][:4], expected[bad][:4])
+
+
+# (acc dtype, out dtype): what linear_cross_entropy's backward rounds (a float32 or float64
+# accumulator into the parameter's dtype, a gradient in its own dtype in place).
+SCALE_PAIRS = [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float32, torch.float32),
+               (torch.float64, torch.float64), (torch.float64, torch.float32), (torch.float64, torch.bfloat16),
+               (torch.float64, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("acc_dtype,out_dtype", SCALE_PAIRS, ids=str)
+def test_scale_kernel_bits_match_torch(device, acc_dtype, out_dtype):
+    """_C.linear_cross_entropy_scale against torch.mul(acc, factor.reshape(1)).to(out's dtype),
+    bitwise: odd sizes, starts on and off a 16-byte boundary (acc and out at the same offset from
+    one, which the kernel packs, and at different ones, which it takes element by element), in
+    place, factors of one element (shape (1,) or 0-d) in float32, bfloat16, float16 (float64
+    with a float64 acc), of any size and non-finite, and None (a conversion)."""
+    gen = torch.Generator().manual_seed(25)
+    factors = [None, 1 / 3, 3e38, 1e-40, float("inf"), -float("nan"), -2.5]
+    factor_dtypes = [torch.float32, torch.bfloat16, torch.float16] + ([torch.float64] if acc_dtype == torch.float64
+                                                                       else [])
+    for n in (1, 7, 8, 9, 31, 4097, 100003):
+        base = scaling_values(n + 16, acc_dtype if acc_dtype.itemsize >= 4 else torch.float32, device, gen)
+        base = base.to(acc_dtype)
+        for acc_offset, out_offset in ((0, 0), (3, 3), (1, 0), (5, 2)):
+            acc = base[acc_offset:acc_offset + n]
+            for i, value in enumerate(factors):
+                fdtype = factor_dtypes[i % len(factor_dtypes)]
+                factor = None if value is None else torch.tensor([value], dtype=fdtype, device=device)
+                if factor is not None and i % 2:
+                    factor = factor[0]  # 0-d: the same product
+                if factor is None:
+                    expected = acc.to(out_dtype)
+                else:
+                    expected = torch.mul(acc, factor.reshape(1)).to(out_dtype)
+                what = (n, acc_offset, out_offset, value, fdtype)
+                out = torch.full((n + 16,), 7.0, dtype=out_dtype, device=device)
+                _C.linear_cross_entropy_scale(acc, factor, out[out_offset:out_offset + n])
+                assert_same_bits(out[out_offset:out_offset + n], expected, what)
+                assert (out[:out_offset] == 7).all() and (out[out_offset + n:] == 7).all(), what
+                if acc_dtype == out_dtype:
+                    in_place = acc.clone()
+                    _C.linear_cross_entropy_scale(in_place, factor, in_place)
+                    assert_same_bits(in_place, expected, what + ("in place",))
+
+
+def test_scale_kernel_argument_errors():
+    """The dtypes that go together, one-element factors, contiguous tensors."""
+    acc, g = torch.ones(10), torch.tensor(0.5)
+    with pytest.raises(ValueError, match="argument out: dtype float32 does not go with acc of dtype bfloat16"):
+        _C.linear_cross_entropy_scale(acc.bfloat16(), g, acc)
+    with pytest.raises(ValueError, match="argument out: dtype float64 does not go with acc of dtype float32"):
+        _C.linear_cross_entropy_scale(acc, g, acc.double())
+    with pytest.raises(ValueError, match="argument factor: dtype float64 goes only with a float64 acc"):
+        _C.linear_cross_entropy_scale(acc, g.double(), acc)
+    with pytest.raises(ValueError, match="argument factor: expected a tensor of one element, got 2"):
+        _C.linear_cross_entropy_scale(acc, torch.ones(2), acc)
+    with pytest.raises(ValueError, match="argument acc: must be contiguous"):
+        _C.linear_cross_entropy_scale(torch.ones(20)[::2], g, acc)
+    with pytest.raises(ValueError, match="argument out: must be contiguous"):
+        _C.linear_cross_entropy_scale(acc, g, torch.ones(20)[::2])
+    with pytest.raises(ValueError, match="argument out overlaps input acc"):  # in place only as the same view
+        _C.linear_cross_entropy_scale(acc, g, acc.view(torch.bfloat16)[:10])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scaled_in_place_bits_match_torch_over_the_slices(device):
+    """The backward's scaling (scaled_in_place) bitwise torch.mul(acc, g.reshape(1)).to(dtype), with
+    non-finite values and ties around its slices' boundaries: a float32 accumulator of 1M elements
+    less one and more one, and of 4M and some (2-d, odd sides), into bf16 and float16 over its
+    own storage (the result a view of it), and gradients in their own dtype in place (one of them
+    transposed, as empty_like gives the gradient of a transposed input); g of one element in
+    float32 (0-d, as autograd hands it, and (1,)), bfloat16, non-finite, and None."""
+    scaled_in_place = brrr.xent.torch_layer().scaled_in_place
+    gen = torch.Generator().manual_seed(22)
+    factors = [None, torch.tensor(1 / 3), torch.tensor([-1e-40]), torch.tensor([3.0], dtype=torch.bfloat16),
+               torch.tensor(float("inf")), torch.tensor(float("nan"))]
+    for shape in ((2**20 - 1,), (2**20 + 1,), (1031, 4099)):
+        acc = scaling_values(math.prod(shape), torch.float32, device, gen).view(shape)
+        for g in factors:
+            g = None if g is None else g.to(device)
+            for dtype in (torch.bfloat16, torch.float16):
+                expected = acc.to(dtype) if g is None else torch.mul(acc, g.reshape(1)).to(dtype)
+                work = acc.clone()
+                got = scaled_in_place(work, g, dtype)
+                assert got.data_ptr() == work.data_ptr() and got.shape == work.shape
+                assert_same_bits(got, expected, (shape, g, dtype))
+            if g is None:
+                continue
+            for grad in (acc.clone(), acc.bfloat16(), acc.bfloat16().t().contiguous().t()):
+                expected = torch.mul(grad, g.reshape(1)).to(grad.dtype)
+                assert scaled_in_place(grad, g, grad.dtype) is grad
+                assert_same_bits(grad, expected, (shape, g, grad.dtype, grad.stride()))
 
 
 def test_second_backward_through_the_graph_raises():
