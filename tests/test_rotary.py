@@ -192,7 +192,8 @@ def test_opcheck_and_compile(device):
         torch.library.opcheck(torch.ops.brrr.rotary.default, (x, cos, sin, backward, False, 0))
         torch.library.opcheck(torch.ops.brrr.rotary.default, (x, cos[..., :2], sin[..., :2], backward, True, 4))
     q = torch.randn(2, 3, 4, 6, device=device, requires_grad=True)
-    torch.library.opcheck(torch.ops.brrr.rotary_qk.default, (x, q, cos[..., :1], sin[..., :1], True, 2))
+    for backward in (False, True):
+        torch.library.opcheck(torch.ops.brrr.rotary_qk.default, (x, q, cos[..., :1], sin[..., :1], backward, True, 2))
     torch._dynamo.reset()
     f = lambda x: brrr.rotary(x, cos, sin).square().sum()  # noqa: E731
     assert torch._dynamo.explain(f)(x).graph_break_count == 0
