@@ -758,7 +758,7 @@ def _pair_inputs(device, dtype, d, r, pairs, q_layout, k_layout):
 @pytest.mark.parametrize("q_layout,k_layout", [("transposed", "transposed"), ("contiguous", "contiguous"),
                                                ("transposed", "sliced"), ("contiguous", "transposed")])
 @pytest.mark.parametrize("backward", [False, True])
-def test_rotary_pair(device, dtype, d, r, interleaved, pairs, q_layout, k_layout, backward):
+def test_rotary_pair(monkeypatch, device, dtype, d, r, interleaved, pairs, q_layout, k_layout, backward):
     """_C.rotary_pair (q and k in one call; k with fewer heads and other strides) against float64
     (the forward, and the backward as the gradient of the forward), the same bits as _C.rotary on
     each alone, out of place (the copied features too) and in place, and the same bits under each
@@ -772,20 +772,20 @@ def test_rotary_pair(device, dtype, d, r, interleaved, pairs, q_layout, k_layout
             out2 = torch.full_like(k, float("nan"))
             return _C.rotary_pair(q, cos, sin, None, k, out2, backward, **kw)
 
-        out, out2 = pair() if device == "cpu" else _under(pytest.MonkeyPatch(), value, pair)
+        out, out2 = pair() if device == "cpu" else _under(monkeypatch, value, pair)
         assert torch.equal(out, alone[0]) and torch.equal(out2, alone[1]), value
-        y, y2 = q.clone(), k.clone()
-        base = y2._base if y2._base is not None else y2
+        base = (k._base if k._base is not None else k).clone()  # y2: k's view of a copy of its memory
+        y, y2 = q.clone(), base.as_strided(k.shape, k.stride(), k.storage_offset())
         before = base.clone()
 
         def in_place():
             _C.rotary_pair(y, cos, sin, y, y2, y2, backward, **kw)
 
-        in_place() if device == "cpu" else _under(pytest.MonkeyPatch(), value, in_place)
+        in_place() if device == "cpu" else _under(monkeypatch, value, in_place)
         assert torch.equal(y, alone[0]) and torch.equal(y2, alone[1]), value
         untouched = torch.ones_like(base, dtype=torch.bool)
-        untouched.as_strided(y2.shape, y2.stride(), y2.storage_offset() - base.storage_offset()).fill_(False)
-        assert torch.equal(base[untouched], before[untouched])
+        untouched.as_strided(k.shape, k.stride(), k.storage_offset()).fill_(False)
+        assert torch.equal(base[untouched], before[untouched]) and untouched.any() == (k_layout == "sliced")
     c64, s64 = cos.double().cpu(), sin.double().cpu()
     for x, actual in zip((q, k), alone):
         x64 = x.double().cpu().requires_grad_()
