@@ -356,7 +356,6 @@ static bool token_split(const brrr_rotary_launch &L, int vec, TokenLaunch *K) {
         if (L.cos.strides[d] == 0 && L.sin.strides[d] == 0 && L.row_shape[d] > 1) hd = d;
     if (hd < 0) return false;
     K->L = L;
-    K->L.pair = 0;
     K->heads = L.row_shape[hd];
     K->heads2 = 0;
     K->head_stride2[0] = K->head_stride2[1] = 0;
@@ -401,7 +400,6 @@ static bool token_pair(const brrr_rotary_launch &L, int vec, TokenLaunch *K) {
         if (A.row_shape[d] != B.row_shape[d] || A.cos.strides[d] != B.cos.strides[d] ||
             A.sin.strides[d] != B.sin.strides[d])
             return false;
-    K->L.pair = 1;
     K->L.x2 = B.x;
     K->L.out2 = B.out;
     K->heads2 = K2.heads;
