@@ -103,12 +103,15 @@ def _unsqueeze(a, dim):
     return a[(slice(None),) * dim + (None,)]
 
 
-Q_NAMES, K_NAMES = {"x": "q"}, {"x": "k"}  # rotary's x, as apply_rotary_pos_emb calls it
+# rotary's x (rotary_pair's x and x2), as apply_rotary_pos_emb calls it
+Q_NAMES, K_NAMES, PAIR_NAMES = {"x": "q"}, {"x": "k"}, {"x": "q", "x2": "k"}
 
 
 # ---- PyTorch: the custom ops brrr::rotary and brrr::rotary_qk (q and k under one autograd node:
-# one Function applied and one backward called per attention layer instead of two). The gradient
-# with respect to x is the same op with `backward` flipped. rotary_dim: 0 for cos's last dim.
+# one Function applied and one backward called per attention layer instead of two, and one
+# brrr._C.rotary_pair for both, which reads the angles once where the kernel allows). The
+# gradient with respect to x is the same op with `backward` flipped. rotary_dim: 0 for cos's last
+# dim.
 
 @torch_integration
 def torch_layer():
@@ -133,25 +136,29 @@ def torch_layer():
         ctx.save_for_backward(*args[1:3])
 
     def formula(ctx, grads, run):
-        """The gradients of the rotated inputs (x, or q and k), then None for the other arguments."""
+        """The gradients of the rotated inputs (x, or q and k: by one pair where both flow), then None for
+        the other arguments."""
         cos, sin = ctx.saved_tensors
-        rotated = tuple(None if g is None else run(rotary_op, g, cos, sin, not ctx.backward, ctx.interleaved,
-                                                   ctx.rotary_dim) for g in grads)
+        if len(grads) == 2 and grads[0] is not None and grads[1] is not None:
+            rotated = tuple(run(pair_op, *grads, cos, sin, not ctx.backward, ctx.interleaved, ctx.rotary_dim))
+        else:
+            rotated = tuple(None if g is None else run(rotary_op, g, cos, sin, not ctx.backward, ctx.interleaved,
+                                                       ctx.rotary_dim) for g in grads)
         return rotated + (None,) * (ctx.n_args - len(rotated))
 
     rotary_op = TorchOp("rotary", forward, fake, save=save, backward=formula)
 
-    def pair_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
+    def pair_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool, interleaved: bool,
                      rotary_dim: int) -> tuple[Tensor, Tensor]:
-        return (forward(q, cos, sin, False, interleaved, rotary_dim),
-                forward(k, cos, sin, False, interleaved, rotary_dim))
+        out, out2 = _C.rotary_pair(q, cos, sin, out_like(q), k, torch.empty_like(k), backward, interleaved, rotary_dim,
+                                   stream=stream(q))
+        return out, out2
 
-    def pair_fake(q, k, cos, sin, interleaved, rotary_dim):
+    def pair_fake(q, k, cos, sin, backward, interleaved, rotary_dim):
         return torch.empty_like(q), torch.empty_like(k)
 
     def pair_save(ctx, args, results):
-        ctx.backward = False
-        ctx.interleaved, ctx.rotary_dim = args[4:]
+        ctx.backward, ctx.interleaved, ctx.rotary_dim = args[4:]
         ctx.n_args = len(args)
         ctx.save_for_backward(*args[2:4])
 
@@ -172,8 +179,8 @@ def torch_layer():
     def rotary_qk(q, k, cos, sin, interleaved=False, rotary_dim=0):
         check_torch((k, cos, sin), ("k", "cos", "sin"))
         refuse_angle_gradients(cos, sin)
-        if q.requires_grad and k.requires_grad:  # else each output requires grad as its input does
-            return named(Q_NAMES, pair_op, q, k, cos, sin, interleaved, rotary_dim)
+        if q.requires_grad == k.requires_grad:  # else each output requires grad as its input does
+            return named(PAIR_NAMES, pair_op, q, k, cos, sin, False, interleaved, rotary_dim)
         return (named(Q_NAMES, rotary_op, q, cos, sin, False, interleaved, rotary_dim),
                 named(K_NAMES, rotary_op, k, cos, sin, False, interleaved, rotary_dim))
 

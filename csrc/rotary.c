@@ -1,7 +1,8 @@
 /* Rotary position embedding: the glue and the CPU twin (formulas: brrr_cuda.h).
  *
- * _C.rotary(x, cos, sin, out=None, backward, interleaved=False, rotary_dim=0) -> (out,): see the spec at the
- * end.
+ * _C.rotary(x, cos, sin, out=None, backward, interleaved=False, rotary_dim=0) -> (out,) and
+ * _C.rotary_pair(x, cos, sin, out=None, x2, out2, backward, interleaved=False, rotary_dim=0) -> (out, out2):
+ * see the specs at the end.
  */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL brrr_ARRAY_API
@@ -49,12 +50,32 @@ static void rotary_rows(void *ctx, int64_t begin, int64_t end) {
     }
 }
 
-/* Rows on the call's threads. */
-static void cpu_rotary(const brrr_rotary_launch *L) {
-    brrr_cpu_parallel_for(L->rows, 2 * L->half + L->pass, rotary_rows, (void *)L);
+/* The pair's second tensor as a launch of its own. */
+static brrr_rotary_launch second_of(const brrr_rotary_launch *L) {
+    brrr_rotary_launch S = *L;
+    S.pair = 0;
+    S.row_ndim = L->row_ndim2;
+    S.rows = L->rows2;
+    memcpy(S.row_shape, L->row_shape2, sizeof S.row_shape);
+    S.x = L->x2;
+    S.out = L->out2;
+    S.cos = L->cos2;
+    S.sin = L->sin2;
+    memcpy(S.col_stride, L->col_stride2, sizeof S.col_stride);
+    return S;
 }
 
-enum { S_X, S_COS, S_SIN, S_OUT };
+/* Rows on the call's threads; the pair's second tensor after the first. */
+static void cpu_rotary(const brrr_rotary_launch *L) {
+    brrr_cpu_parallel_for(L->rows, 2 * L->half + L->pass, rotary_rows, (void *)L);
+    if (L->pair) {
+        brrr_rotary_launch S = second_of(L);
+        brrr_cpu_parallel_for(S.rows, 2 * S.half + S.pass, rotary_rows, &S);
+    }
+}
+
+/* rotary_pair's slots extend rotary's: x2 and out2 after the four they share. */
+enum { S_X, S_COS, S_SIN, S_OUT, S_X2, S_OUT2 };
 enum { A_BACKWARD, A_INTERLEAVED, A_ROTARY_DIM };
 
 /* The rotated features of x's last dim: rotary_dim, or (0) cos's last dim (an angle per feature). */
@@ -71,8 +92,35 @@ static int check_angle(const brrr_tensor *t, const brrr_tensor *x, int64_t last,
         ok = size == want || size == 1;
     }
     if (!ok) {
-        PyErr_Format(PyExc_ValueError, "argument %s: shape must broadcast to x's shape with last dim %s (%lld)", t->name,
-                     what, (long long)last);
+        PyErr_Format(PyExc_ValueError, "argument %s: shape must broadcast to %s's shape with last dim %s (%lld)", t->name,
+                     x->name, what, (long long)last);
+        return -1;
+    }
+    return 0;
+}
+
+/* rotary_pair's x2 and out2: x2 with x's last dim, the angles broadcast to it as to x, out2 of
+ * x2's shape. Each output may be its own input (in place), not the other's, which a thread of the
+ * other tensor would read after this one's write. */
+static int check_second(const brrr_op_call *c, int64_t last) {
+    const brrr_tensor *x = &c->t[S_X], *x2 = &c->t[S_X2], *out2 = &c->t[S_OUT2];
+    if (x2->ndim == 0 || x2->shape[x2->ndim - 1] != x->shape[x->ndim - 1]) {
+        PyErr_Format(PyExc_ValueError, "argument x2: expected a tensor of shape (..., %lld), x's last dim",
+                     (long long)x->shape[x->ndim - 1]);
+        return -1;
+    }
+    if (check_angle(&c->t[S_COS], x2, last, "as for x") < 0 || check_angle(&c->t[S_SIN], x2, last, "as for x") < 0)
+        return -1;
+    int same = out2->ndim == x2->ndim;
+    for (int d = 0; same && d < x2->ndim; d++) same = out2->shape[d] == x2->shape[d];
+    if (!same) {
+        PyErr_Format(PyExc_ValueError, "argument out2: expected x2's shape");
+        return -1;
+    }
+    if (x->numel && x2->numel && (c->t[S_OUT].data == x2->data || out2->data == x->data)) {
+        PyErr_Format(PyExc_ValueError, "argument %s: may be %s itself (in place), not %s",
+                     c->t[S_OUT].data == x2->data ? "out" : "out2", c->t[S_OUT].data == x2->data ? "x" : "x2",
+                     c->t[S_OUT].data == x2->data ? "x2" : "x");
         return -1;
     }
     return 0;
@@ -103,24 +151,19 @@ static int rotary_check(brrr_op_call *c) {
     /* cos decides: one angle per rotated feature, or one per pair; sin must be alike */
     const int pairs = cos->ndim >= 1 && cos->shape[cos->ndim - 1] == r / 2;
     if (check_angle(cos, x, pairs ? r / 2 : r, pairs ? "rotary_dim / 2" : "rotary_dim (or rotary_dim / 2)") < 0) return -1;
-    return check_angle(&c->t[S_SIN], x, pairs ? r / 2 : r, pairs ? "rotary_dim / 2, as cos" : "rotary_dim, as cos");
+    if (check_angle(&c->t[S_SIN], x, pairs ? r / 2 : r, pairs ? "rotary_dim / 2, as cos" : "rotary_dim, as cos") < 0)
+        return -1;
+    if (c->spec->n_slots > S_X2) return check_second(c, pairs ? r / 2 : r);
+    return 0;
 }
 
-static int rotary_run(brrr_op_call *c) {
-    const brrr_tensor *x = &c->t[S_X], *cos = &c->t[S_COS];
-    if (x->numel == 0) return 0;
-    const int64_t d = x->shape[x->ndim - 1], r = rotary_dim(c);
-    brrr_rotary_launch L;
-    memset(&L, 0, sizeof L);
-    L.dtype = x->dtype;
-    L.backward = (int32_t)c->arg[A_BACKWARD].i;
-    L.interleaved = (int32_t)c->arg[A_INTERLEAVED].i;
-    L.pair_angles = cos->shape[cos->ndim - 1] != r;
-    L.half = r / 2;
-    L.pass = c->t[S_OUT].data == x->data ? 0 : d - r; /* out is x itself (the only overlap allowed): in place */
-    L.rows = x->numel / d;
-    /* Leading dims: x's, with cos and sin broadcast (stride 0) where they lack or have size 1. */
-    const int lead = x->ndim - 1, slots[4] = {S_X, S_OUT, S_COS, S_SIN};
+/* The rows of x (slot sx) and out (slot so) with the angles, coalesced: their count, shape and
+ * each view's row strides (cos and sin broadcast, stride 0, where they lack a dim or have size 1)
+ * and last dim's stride. */
+static int lay_out(const brrr_op_call *c, int sx, int so, int32_t *row_ndim, int64_t *rows, int64_t *row_shape,
+                   brrr_view *views[4], int64_t *col_stride) {
+    const brrr_tensor *x = &c->t[sx];
+    const int lead = x->ndim - 1, slots[4] = {sx, so, S_COS, S_SIN};
     int64_t shape[BRRR_MAX_RANK], strides[4][BRRR_MAX_RANK];
     memcpy(shape, x->shape, sizeof(int64_t) * (size_t)lead);
     for (int k = 0; k < 4; k++) {
@@ -129,21 +172,53 @@ static int rotary_run(brrr_op_call *c) {
             const int td = dim - (x->ndim - t->ndim); /* t's dim aligned with x's dim `dim`, from the right */
             strides[k][dim] = td >= 0 && t->shape[td] != 1 ? t->strides[td] : 0;
         }
-        L.col_stride[k] = t->strides[t->ndim - 1];
+        col_stride[k] = t->strides[t->ndim - 1];
     }
-    int n = lead ? brrr_coalesce("x", lead, shape, 4, strides) : 0;
+    int n = lead ? brrr_coalesce(x->name, lead, shape, 4, strides) : 0;
     if (n < 0) return -1;
     if (n == 0) {
         shape[0] = 1;
         for (int k = 0; k < 4; k++) strides[k][0] = 0;
         n = 1;
     }
-    L.row_ndim = n;
-    memcpy(L.row_shape, shape, sizeof(int64_t) * (size_t)n);
-    brrr_view *v[4] = {&L.x, &L.out, &L.cos, &L.sin};
+    *row_ndim = n;
+    *rows = x->numel / x->shape[lead];
+    memcpy(row_shape, shape, sizeof(int64_t) * (size_t)n);
     for (int k = 0; k < 4; k++) {
-        v[k]->data = c->t[slots[k]].data;
-        memcpy(v[k]->strides, strides[k], sizeof(int64_t) * (size_t)n);
+        views[k]->data = c->t[slots[k]].data;
+        memcpy(views[k]->strides, strides[k], sizeof(int64_t) * (size_t)n);
+    }
+    return 0;
+}
+
+static int rotary_run(brrr_op_call *c) {
+    const brrr_tensor *x = &c->t[S_X], *cos = &c->t[S_COS];
+    const int pair = c->spec->n_slots > S_X2 && c->t[S_X2].numel > 0;
+    if (x->numel == 0 && !pair) return 0;
+    const int64_t d = x->shape[x->ndim - 1], r = rotary_dim(c);
+    brrr_rotary_launch L;
+    memset(&L, 0, sizeof L);
+    L.dtype = x->dtype;
+    L.backward = (int32_t)c->arg[A_BACKWARD].i;
+    L.interleaved = (int32_t)c->arg[A_INTERLEAVED].i;
+    L.pair_angles = cos->shape[cos->ndim - 1] != r;
+    L.half = r / 2;
+    /* out is x itself (the only overlap allowed): in place, nothing to copy; a pair copies unless
+     * both are in place (a copy onto itself changes nothing) */
+    int in_place = c->t[S_OUT].data == x->data;
+    if (pair) in_place = in_place && c->t[S_OUT2].data == c->t[S_X2].data;
+    L.pass = in_place ? 0 : d - r;
+    if (x->numel == 0) { /* the second alone */
+        brrr_view *v[4] = {&L.x, &L.out, &L.cos, &L.sin};
+        if (lay_out(c, S_X2, S_OUT2, &L.row_ndim, &L.rows, L.row_shape, v, L.col_stride) < 0) return -1;
+    } else {
+        brrr_view *v[4] = {&L.x, &L.out, &L.cos, &L.sin};
+        if (lay_out(c, S_X, S_OUT, &L.row_ndim, &L.rows, L.row_shape, v, L.col_stride) < 0) return -1;
+        if (pair) {
+            brrr_view *v2[4] = {&L.x2, &L.out2, &L.cos2, &L.sin2};
+            L.pair = 1;
+            if (lay_out(c, S_X2, S_OUT2, &L.row_ndim2, &L.rows2, L.row_shape2, v2, L.col_stride2) < 0) return -1;
+        }
     }
     if (brrr_on_cpu(c)) {
         BRRR_RUN_CPU(c, cpu_rotary, &L);
@@ -173,4 +248,26 @@ static const brrr_op_spec ROTARY = {
     .run = rotary_run,
 };
 
-const brrr_op_spec *const brrr_rotary_ops[] = {&ROTARY, NULL};
+static const brrr_op_spec ROTARY_PAIR = {
+    .name = "rotary_pair",
+    .doc = "rotary of x into out and of x2 into out2 on the same cos and sin, in one launch where the layouts "
+           "allow (q and k: a position's heads of both on the angles read once): x2 has x's last dim and any "
+           "leading dims the angles broadcast to (k's heads may be fewer than q's). out may be x itself, out2 x2 "
+           "itself.",
+    .n_slots = 6,
+    .slots = {{"x", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"cos", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
+              {"sin", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
+              {"out", BRRR_WRITE | BRRR_ALLOC | BRRR_INPLACE, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+              {"x2", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
+              {"out2", BRRR_WRITE | BRRR_INPLACE, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1}},
+    .n_args = 3,
+    .args = {{"backward", BRRR_ARG_BOOL, 0, 0, NULL, "a bool"},
+             {"interleaved", BRRR_ARG_BOOL, 0, 0, NULL, "a bool", 1, 0},
+             {"rotary_dim", BRRR_ARG_INT, 0, 4611686018427387904.0, NULL, "an int >= 0 (0: cos's last dim)", 1, 0}},
+    .split_arg = -1,
+    .check = rotary_check,
+    .run = rotary_run,
+};
+
+const brrr_op_spec *const brrr_rotary_ops[] = {&ROTARY, &ROTARY_PAIR, NULL};

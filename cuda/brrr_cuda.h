@@ -307,7 +307,11 @@ int brrr_cuda_xent_scale(const brrr_xent_scale_launch *launch, int device, void 
  *     out[e0] = x[e0] cos[a0] + x[e1] sin[a1]
  *     out[e1] = x[e1] cos[a1] - x[e0] sin[a0]
  * The leading dims are coalesced into row_shape (x, out, cos, sin each with its row strides, 0
- * where broadcast); math in float32 (float64 for float64), rounded once. */
+ * where broadcast); math in float32 (float64 for float64), rounded once.
+ * pair: a second tensor on the same angles and layout (k beside q, or dk beside dq), its rows2
+ * rows over row_shape2 (coalesced as x's: x2, out2, cos2 and sin2 with their row strides and
+ * col_stride2), rotated by the same launch where the kernel shares the angles between the two,
+ * else as a launch of its own. */
 typedef struct {
     int32_t dtype;    /* brrr_dtype of every tensor */
     int32_t backward;
@@ -319,6 +323,11 @@ typedef struct {
     int64_t row_shape[BRRR_MAX_DIMS];
     brrr_view x, out, cos, sin;      /* strides over row_shape */
     int64_t col_stride[4];           /* x, out, cos, sin: the stride of the last dim */
+    int32_t pair, row_ndim2;         /* pair 0: no second tensor (the fields below unused) */
+    int64_t rows2;
+    int64_t row_shape2[BRRR_MAX_DIMS];
+    brrr_view x2, out2, cos2, sin2;  /* strides over row_shape2 */
+    int64_t col_stride2[4];
 } brrr_rotary_launch;
 
 int brrr_cuda_rotary(const brrr_rotary_launch *launch, int device, void *stream);

@@ -13,11 +13,15 @@
 // sin are broadcast (the heads of q and k as Llama-style attention rotates them). A group of
 // threads takes one position: each thread one unit of a head, its angles read once and kept in
 // registers for every head it takes (slot s of the group: heads s, s + slots, ...), the position's
-// offsets decomposed once, the loads of kAhead heads issued before their stores. x and out are
-// streamed (evict-first in L1 and L2), so that cos and sin, read once per position, stay in L2
-// for the next launch; as apply_rotary_pos_emb launches q and then k on the same angles (and the
-// backward dq and then dk), a launch on the angles of the one before runs its positions from the
-// last, so that it starts on those that launch read last. 16-byte units only; otherwise units.
+// offsets decomposed once, the loads of kAhead heads issued before their stores. A pair (q and k
+// of apply_rotary_pos_emb, dq and dk of its backward) is one launch where both tensors have the
+// same positions (the same position dims, the angles at the same offsets): a position's heads
+// are q's followed by k's (k's may be fewer: GQA), so its angles are read once for both; else the
+// pair is two launches. x and out are streamed (evict-first in L1 and L2), so that cos and sin,
+// read once per position, stay in L2 for the next launch; a launch on the angles of the one
+// before (the next layer's, or k's after q's where the pair is two launches) runs its positions
+// from the last, so that it starts on those that launch read last. 16-byte units only; otherwise
+// units, which takes a pair as two launches.
 #include <string.h>
 
 #include <atomic>
@@ -161,8 +165,11 @@ constexpr int kAhead = 4;
 // every view allows) times heads (a row dim over which cos and sin are broadcast).
 struct TokenLaunch {
     brrr_rotary_launch L;    // row_ndim, row_shape and the views' strides over the position dims
+                             // (x2's and out2's too, for a pair)
     int64_t positions, heads;
     int64_t head_stride[2];  // x's and out's
+    int64_t heads2;          // the pair's second tensor's heads after x's (0: none)
+    int64_t head_stride2[2]; // x2's and out2's
     int32_t group;           // threads a position: its units times slots
     int32_t slots;           // slot s of a group takes heads s, s + slots, ...
     int32_t descending;      // positions from the last
@@ -223,6 +230,41 @@ __device__ __forceinline__ void store_unit(T *first, int64_t second, const A (&l
     __stcs(reinterpret_cast<uint4 *>(first + second), raw[1]);
 }
 
+// The features past the rotated ones of n heads (from x and o, a step apart), copied as they are.
+template <typename T>
+__device__ __forceinline__ void copy_heads(const T *x, T *o, int n, int64_t x_step, int64_t o_step) {
+    for (int first = 0; first < n; first += kAhead, x += kAhead * x_step, o += kAhead * o_step) {
+        uint4 v[kAhead];
+#pragma unroll
+        for (int k = 0; k < kAhead; ++k)
+            if (first + k < n) v[k] = __ldcs(reinterpret_cast<const uint4 *>(x + k * x_step));
+#pragma unroll
+        for (int k = 0; k < kAhead; ++k)
+            if (first + k < n) __stcs(reinterpret_cast<uint4 *>(o + k * o_step), v[k]);
+    }
+}
+
+// The unit of n heads (from x and o, a step apart) rotated by the unit's angles.
+template <typename T, int VEC, bool Interleaved, bool Backward, typename A>
+__device__ __forceinline__ void rotate_heads(const T *x, T *o, int n, int64_t x_step, int64_t o_step, int64_t second,
+                                             const A (&c0)[VEC], const A (&c1)[VEC], const A (&s0)[VEC],
+                                             const A (&s1)[VEC]) {
+    for (int first = 0; first < n; first += kAhead, x += kAhead * x_step, o += kAhead * o_step) {
+        uint4 xr[kAhead][2];
+#pragma unroll
+        for (int k = 0; k < kAhead; ++k)
+            if (first + k < n) load_unit<true>(x + k * x_step, second, xr[k]);
+#pragma unroll
+        for (int k = 0; k < kAhead; ++k) {
+            if (first + k >= n) continue;
+            A a[VEC], b[VEC], lo[VEC], hi[VEC];
+            unpack_pairs<T, VEC, Interleaved>(xr[k], a, b);
+            rotate<VEC>(Backward, a, b, c0, c1, s0, s1, lo, hi);
+            store_unit<T, VEC, Interleaved>(o + k * o_step, second, lo, hi);
+        }
+    }
+}
+
 template <typename T, int VEC, bool Interleaved, bool PairAngles, bool Backward>
 __global__ void __launch_bounds__(kThreads, 2) rotary_token_kernel(const __grid_constant__ TokenLaunch K) {
     using A = typename Compute<T>::type;
@@ -231,30 +273,30 @@ __global__ void __launch_bounds__(kThreads, 2) rotary_token_kernel(const __grid_
     if (g >= per_block) return;  // past the block's last whole group
     const int units = (int)((L.half + L.pass) / VEC), rotated = (int)(L.half / VEC);
     const int lane = (int)threadIdx.x - g * K.group, slot = lane / units, u = lane - slot * units;
-    // This thread's heads: slot, slot + slots, ..., n of them, kAhead at a time. Its unit: the
+    // This thread's heads: slot, slot + slots, ... of x's heads followed by x2's (k's after q's),
+    // n of x's from `slot`, then n2 of x2's from `first2`, kAhead at a time. Its unit: the
     // features from `at` (in x, out, and the angles per feature) and `at + second`, or the VEC
     // copied from `at`.
     const int n = (int)((K.heads - slot + K.slots - 1) / K.slots);
+    const int64_t first2 = slot + (int64_t)n * K.slots - K.heads;  // in [0, slots)
+    const int n2 = first2 < K.heads2 ? (int)((K.heads2 - first2 + K.slots - 1) / K.slots) : 0;
     const int64_t p = (int64_t)u * VEC, second = Interleaved ? VEC : L.half;
     const int64_t at = u >= rotated ? L.half + p : Interleaved ? 2 * p : p;
     const int64_t x_step = K.slots * K.head_stride[0], o_step = K.slots * K.head_stride[1];
-    const int64_t *const strides[4] = {L.x.strides, L.out.strides, L.cos.strides, L.sin.strides};
+    const int64_t x2_step = K.slots * K.head_stride2[0], o2_step = K.slots * K.head_stride2[1];
+    const int64_t *const strides[6] = {L.x.strides,   L.out.strides, L.cos.strides,
+                                       L.sin.strides, L.x2.strides,  L.out2.strides};
     for (int64_t i = (int64_t)blockIdx.x * per_block + g; i < K.positions; i += (int64_t)gridDim.x * per_block) {
-        int64_t off[4];
+        int64_t off[6];
         unravel_offsets<uint32_t, BRRR_MAX_DIMS>(L.row_ndim, L.row_shape, K.descending ? K.positions - 1 - i : i,
                                                  strides, off);
         const T *x = static_cast<const T *>(L.x.data) + off[0] + slot * K.head_stride[0] + at;
         T *o = static_cast<T *>(L.out.data) + off[1] + slot * K.head_stride[1] + at;
-        if (u >= rotated) {  // the features past the rotated ones, copied as they are
-            for (int first = 0; first < n; first += kAhead, x += kAhead * x_step, o += kAhead * o_step) {
-                uint4 v[kAhead];
-#pragma unroll
-                for (int k = 0; k < kAhead; ++k)
-                    if (first + k < n) v[k] = __ldcs(reinterpret_cast<const uint4 *>(x + k * x_step));
-#pragma unroll
-                for (int k = 0; k < kAhead; ++k)
-                    if (first + k < n) __stcs(reinterpret_cast<uint4 *>(o + k * o_step), v[k]);
-            }
+        const T *x2 = n2 ? static_cast<const T *>(L.x2.data) + off[4] + first2 * K.head_stride2[0] + at : nullptr;
+        T *o2 = n2 ? static_cast<T *>(L.out2.data) + off[5] + first2 * K.head_stride2[1] + at : nullptr;
+        if (u >= rotated) {  // the features past the rotated ones
+            copy_heads(x, o, n, x_step, o_step);
+            copy_heads(x2, o2, n2, x2_step, o2_step);
             continue;
         }
         // This unit's angles, once for every head of the position it takes.
@@ -270,20 +312,8 @@ __global__ void __launch_bounds__(kThreads, 2) rotary_token_kernel(const __grid_
             unpack_pairs<T, VEC, Interleaved>(cr, c0, c1);
             unpack_pairs<T, VEC, Interleaved>(sr, s0, s1);
         }
-        for (int first = 0; first < n; first += kAhead, x += kAhead * x_step, o += kAhead * o_step) {
-            uint4 xr[kAhead][2];
-#pragma unroll
-            for (int k = 0; k < kAhead; ++k)
-                if (first + k < n) load_unit<true>(x + k * x_step, second, xr[k]);
-#pragma unroll
-            for (int k = 0; k < kAhead; ++k) {
-                if (first + k >= n) continue;
-                A a[VEC], b[VEC], lo[VEC], hi[VEC];
-                unpack_pairs<T, VEC, Interleaved>(xr[k], a, b);
-                rotate<VEC>(Backward, a, b, c0, c1, s0, s1, lo, hi);
-                store_unit<T, VEC, Interleaved>(o + k * o_step, second, lo, hi);
-            }
-        }
+        rotate_heads<T, VEC, Interleaved, Backward>(x, o, n, x_step, o_step, second, c0, c1, s0, s1);
+        rotate_heads<T, VEC, Interleaved, Backward>(x2, o2, n2, x2_step, o2_step, second, c0, c1, s0, s1);
     }
 }
 
@@ -298,12 +328,27 @@ static Choice choice() {
     return Choice::kUnits;
 }
 
-// The launch as positions times heads for units of `vec` elements, or false where it does not
-// fit the token kernel: no row dim of size > 1 over which cos and sin are broadcast (no angles to
-// share), or one head's units past a block. The heads' dim is the last such dim of the coalesced
-// row shape (ordered by x's strides, largest first: the heads of a (batch, seq, heads, d) tensor,
-// viewed as (batch, heads, seq, d) or not).
-static bool token_split(const brrr_rotary_launch &L, int vec, int device, TokenLaunch *K) {
+// The pair's second tensor as a launch of its own.
+static brrr_rotary_launch second_of(const brrr_rotary_launch &L) {
+    brrr_rotary_launch S = L;
+    S.pair = 0;
+    S.row_ndim = L.row_ndim2;
+    S.rows = L.rows2;
+    memcpy(S.row_shape, L.row_shape2, sizeof S.row_shape);
+    S.x = L.x2;
+    S.out = L.out2;
+    S.cos = L.cos2;
+    S.sin = L.sin2;
+    memcpy(S.col_stride, L.col_stride2, sizeof S.col_stride);
+    return S;
+}
+
+// The launch of x alone (the pair's x2 left out) as positions times heads for units of `vec`
+// elements, or false where it does not fit the token kernel: no row dim of size > 1 over which
+// cos and sin are broadcast (no angles to share), or one head's units past a block. The heads'
+// dim is the last such dim of the coalesced row shape (ordered by x's strides, largest first: the
+// heads of a (batch, seq, heads, d) tensor, viewed as (batch, heads, seq, d) or not).
+static bool token_split(const brrr_rotary_launch &L, int vec, TokenLaunch *K) {
     const int64_t units = (L.half + L.pass) / vec;
     if (units > kThreads) return false;
     int hd = -1;
@@ -312,6 +357,8 @@ static bool token_split(const brrr_rotary_launch &L, int vec, int device, TokenL
     if (hd < 0) return false;
     K->L = L;
     K->heads = L.row_shape[hd];
+    K->heads2 = 0;
+    K->head_stride2[0] = K->head_stride2[1] = 0;
     K->positions = L.rows / K->heads;
     if (K->positions > (int64_t)UINT32_MAX) return false;  // positions decomposed in 32 bits
     K->head_stride[0] = L.x.strides[hd];
@@ -339,16 +386,40 @@ static bool token_split(const brrr_rotary_launch &L, int vec, int device, TokenL
         n = 1;
     }
     K->L.row_ndim = n;
-    // Slots: one unless the positions' units leave the SMs short of 512 threads each; then the
-    // fewest that give that many, taking as few heads a thread as that many slots would.
+    return true;
+}
+
+// The pair as one launch: x's heads then x2's a position, where both split into the same
+// positions (the same merged position dims, the angles at the same offsets); false otherwise.
+static bool token_pair(const brrr_rotary_launch &L, int vec, TokenLaunch *K) {
+    TokenLaunch K2;
+    if (!token_split(L, vec, K) || !token_split(second_of(L), vec, &K2)) return false;
+    const brrr_rotary_launch &A = K->L, &B = K2.L;
+    if (A.row_ndim != B.row_ndim) return false;
+    for (int d = 0; d < A.row_ndim; ++d)
+        if (A.row_shape[d] != B.row_shape[d] || A.cos.strides[d] != B.cos.strides[d] ||
+            A.sin.strides[d] != B.sin.strides[d])
+            return false;
+    K->L.x2 = B.x;
+    K->L.out2 = B.out;
+    K->heads2 = K2.heads;
+    K->head_stride2[0] = K2.head_stride[0];
+    K->head_stride2[1] = K2.head_stride[1];
+    return true;
+}
+
+// Slots: one unless the positions' units leave the SMs short of 512 threads each; then the fewest
+// that give that many, taking as few heads a thread as that many slots would (over both tensors'
+// heads for a pair).
+static void token_slots(TokenLaunch *K, int vec, int device) {
+    const int64_t units = (K->L.half + K->L.pass) / vec, heads = K->heads + K->heads2;
     const int64_t want = (int64_t)sm_count(device) * 512, have = K->positions * units;
     int64_t slots = have >= want ? 1 : (want + have - 1) / have;
-    slots = slots < K->heads ? slots : K->heads;
+    slots = slots < heads ? slots : heads;
     slots = slots < kThreads / units ? slots : kThreads / units;
-    const int64_t per_thread = (K->heads + slots - 1) / slots;
-    K->slots = (int32_t)((K->heads + per_thread - 1) / per_thread);
+    const int64_t per_thread = (heads + slots - 1) / slots;
+    K->slots = (int32_t)((heads + per_thread - 1) / per_thread);
     K->group = (int32_t)(units * K->slots);
-    return true;
 }
 
 // Whether this launch runs its positions from the last: where the launch before it (of the token
@@ -407,13 +478,14 @@ static void launch_token(TokenLaunch &K, bool ascending, int device, cudaStream_
     }
 }
 
+// One tensor (L.pair ignored).
 template <typename T>
-static cudaError_t rotary_typed(const brrr_rotary_launch &L, int device, cudaStream_t stream) {
+static cudaError_t rotary_one(const brrr_rotary_launch &L, Choice kernel, int device, cudaStream_t stream) {
     constexpr int P = 16 / sizeof(T);
     const bool vector = vectorizable<T>(L);
-    const Choice kernel = choice();
     TokenLaunch K;
-    if (vector && kernel != Choice::kUnits && token_split(L, P, device, &K)) {
+    if (vector && kernel != Choice::kUnits && token_split(L, P, &K)) {
+        token_slots(&K, P, device);
         launch_token<T>(K, kernel == Choice::kTokenAscending, device, stream);
         return cudaGetLastError();
     }
@@ -423,6 +495,23 @@ static cudaError_t rotary_typed(const brrr_rotary_launch &L, int device, cudaStr
     if (vector) launch<T, P>(L, grid, stream);
     else launch<T, 1>(L, grid, stream);
     return cudaGetLastError();
+}
+
+// A pair as one token launch where it fits, else as two launches, x's then x2's.
+template <typename T>
+static cudaError_t rotary_typed(const brrr_rotary_launch &L, int device, cudaStream_t stream) {
+    constexpr int P = 16 / sizeof(T);
+    const Choice kernel = choice();
+    if (!L.pair) return rotary_one<T>(L, kernel, device, stream);
+    const brrr_rotary_launch S = second_of(L);
+    TokenLaunch K;
+    if (kernel != Choice::kUnits && vectorizable<T>(L) && vectorizable<T>(S) && token_pair(L, P, &K)) {
+        token_slots(&K, P, device);
+        launch_token<T>(K, kernel == Choice::kTokenAscending, device, stream);
+        return cudaGetLastError();
+    }
+    const cudaError_t first = rotary_one<T>(L, kernel, device, stream);
+    return first != cudaSuccess ? first : rotary_one<T>(S, kernel, device, stream);
 }
 
 }  // namespace rotary

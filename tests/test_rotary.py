@@ -192,7 +192,8 @@ def test_opcheck_and_compile(device):
         torch.library.opcheck(torch.ops.brrr.rotary.default, (x, cos, sin, backward, False, 0))
         torch.library.opcheck(torch.ops.brrr.rotary.default, (x, cos[..., :2], sin[..., :2], backward, True, 4))
     q = torch.randn(2, 3, 4, 6, device=device, requires_grad=True)
-    torch.library.opcheck(torch.ops.brrr.rotary_qk.default, (x, q, cos[..., :1], sin[..., :1], True, 2))
+    for backward in (False, True):
+        torch.library.opcheck(torch.ops.brrr.rotary_qk.default, (x, q, cos[..., :1], sin[..., :1], backward, True, 2))
     torch._dynamo.reset()
     f = lambda x: brrr.rotary(x, cos, sin).square().sum()  # noqa: E731
     assert torch._dynamo.explain(f)(x).graph_break_count == 0
@@ -664,8 +665,8 @@ def test_token_kernel(monkeypatch, dtype, d, r, interleaved, pairs, layout, angl
     out as attention's projections leave them ((batch, seq, heads, d) viewed as (batch, heads,
     seq, d), the gradients too) or contiguous, with angles per sequence or one set broadcast over
     the batch: outputs and both gradients against float64, and the same bits under `token`,
-    `token-ascending` and the units kernel (unset). Under `token` q and k run their positions in
-    opposite orders (the same angles follow each other), as do dq and dk."""
+    `token-ascending` and the units kernel (unset). Under `token` q and k are one launch, as are
+    dq and dk."""
     b, t = 2, 7
 
     def heads(h):
@@ -721,3 +722,115 @@ def test_token_kernel_loops_over_heads(monkeypatch, dtype, seq, r):
     ref_leaf = x.double().cpu().requires_grad_()
     ref_grad = torch.autograd.grad(layout_reference(ref_leaf, c64, s64, False, None), ref_leaf, g.double().cpu())[0]
     check(grad, ref_grad, dtype, scale=3)
+
+
+PAIR_FORMS = [  # d, rotary_dim (None: cos's last dim), interleaved, angles per pair
+    (64, None, False, False),
+    (64, None, True, False),
+    (64, 32, False, False),    # partial: the rest copied
+    (64, 32, True, True),
+    (10, 6, False, False),     # no 16-byte units
+]
+
+
+def _pair_inputs(device, dtype, d, r, pairs, q_layout, k_layout):
+    """q of 5 heads and k of 2 (GQA) over 7 positions of 2 sequences: (batch, seq, heads, d)
+    viewed as (batch, heads, seq, d), contiguous (batch, heads, seq, d), or heads sliced from a
+    wider (batch, seq, 7, d) buffer (k of a fused projection); angles per sequence."""
+    b, t = 2, 7
+
+    def heads(h, layout):
+        if layout == "transposed":
+            return random((b, t, h, d), dtype, device).transpose(1, 2)
+        if layout == "sliced":
+            return random((b, t, 7, d), dtype, device)[:, :, 5 - h:5].transpose(1, 2)
+        return random((b, h, t, d), dtype, device)
+
+    q, k = heads(5, q_layout), heads(2, k_layout)
+    rot = d if r is None else r
+    angle = random((b, 1, t, rot // 2 if pairs else rot), torch.float64, "cpu", -5, 5)
+    return q, k, angle.cos().to(device, dtype), angle.sin().to(device, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d,r,interleaved,pairs", PAIR_FORMS)
+@pytest.mark.parametrize("q_layout,k_layout", [("transposed", "transposed"), ("contiguous", "contiguous"),
+                                               ("transposed", "sliced"), ("contiguous", "transposed")])
+@pytest.mark.parametrize("backward", [False, True])
+def test_rotary_pair(monkeypatch, device, dtype, d, r, interleaved, pairs, q_layout, k_layout, backward):
+    """_C.rotary_pair (q and k in one call; k with fewer heads and other strides) against float64
+    (the forward, and the backward as the gradient of the forward), the same bits as _C.rotary on
+    each alone, out of place (the copied features too) and in place, and the same bits under each
+    kernel on CUDA; nothing written outside out and out2."""
+    q, k, cos, sin = _pair_inputs(device, dtype, d, r, pairs, q_layout, k_layout)
+    kw = dict(interleaved=interleaved, rotary_dim=r or 0)
+    alone = [_C.rotary(x, cos, sin, None, backward, **kw)[0] for x in (q, k)]
+    values = (None, "token", "token-ascending") if device == "cuda" else (None,)
+    for value in values:
+        def pair():
+            out2 = torch.full_like(k, float("nan"))
+            return _C.rotary_pair(q, cos, sin, None, k, out2, backward, **kw)
+
+        out, out2 = pair() if device == "cpu" else _under(monkeypatch, value, pair)
+        assert torch.equal(out, alone[0]) and torch.equal(out2, alone[1]), value
+        base = (k._base if k._base is not None else k).clone()  # y2: k's view of a copy of its memory
+        y, y2 = q.clone(), base.as_strided(k.shape, k.stride(), k.storage_offset())
+        before = base.clone()
+
+        def in_place():
+            _C.rotary_pair(y, cos, sin, y, y2, y2, backward, **kw)
+
+        in_place() if device == "cpu" else _under(monkeypatch, value, in_place)
+        assert torch.equal(y, alone[0]) and torch.equal(y2, alone[1]), value
+        untouched = torch.ones_like(base, dtype=torch.bool)
+        untouched.as_strided(k.shape, k.stride(), k.storage_offset()).fill_(False)
+        assert torch.equal(base[untouched], before[untouched]) and untouched.any() == (k_layout == "sliced")
+    c64, s64 = cos.double().cpu(), sin.double().cpu()
+    for x, actual in zip((q, k), alone):
+        x64 = x.double().cpu().requires_grad_()
+        expected = layout_reference(x64, c64, s64, interleaved, r)
+        if backward:  # the transpose: the gradient of the forward at grad_out = x
+            expected = torch.autograd.grad(expected, x64, x.double().cpu())[0]
+        check(actual, expected, dtype, scale=3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_pair_errors(device):
+    q, k, cos, sin = _pair_inputs(device, torch.float32, 8, None, False, "transposed", "contiguous")
+    out2 = torch.empty_like(k)
+    with pytest.raises(ValueError, match="argument out2: expected x2's shape"):
+        _C.rotary_pair(q, cos, sin, None, k, torch.empty_like(q), False)
+    with pytest.raises(ValueError, match="argument x2: expected a tensor of shape"):
+        _C.rotary_pair(q, cos, sin, None, k[..., :6], out2[..., :6], False)
+    with pytest.raises(ValueError, match="argument cos: shape must broadcast to x2's shape"):
+        _C.rotary_pair(q, cos, sin, None, k[:1, :, :3], out2[:1, :, :3], False)
+    with pytest.raises(ValueError, match="argument out: may be x itself"):
+        q2 = q.clone()
+        _C.rotary_pair(q, cos, sin, q2, q2, torch.empty_like(q2), False)
+    with pytest.raises(ValueError, match="argument out2: may be x2 itself"):
+        _C.rotary_pair(q, cos, sin, None, q.detach().clone(), q, False)
+    with pytest.raises(TypeError, match="argument out2: required"):
+        _C.rotary_pair(q, cos, sin, None, k, None, False)
+    with pytest.raises(ValueError, match="argument x2 has dtype float64 but x has dtype float32"):
+        _C.rotary_pair(q, cos, sin, None, k.double(), out2, False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rotary_pair_loops_over_heads(monkeypatch, dtype):
+    """Enough positions (4500 and 9001 of 32 q heads and 8 k heads) that a thread takes several
+    heads of both, q's then k's across kAhead's groups: the same bits as _C.rotary on each alone,
+    forward and backward, under `token` and units."""
+    for seq in (4500, 9001):
+        q = random((1, seq, 32, 128), dtype, "cuda").transpose(1, 2)
+        k = random((1, seq, 8, 128), dtype, "cuda").transpose(1, 2)
+        angle = random((seq, 64), torch.float64, "cpu", -5, 5)
+        cos, sin = angle.cos().to("cuda", dtype), angle.sin().to("cuda", dtype)
+        for backward in (False, True):
+            alone = [_C.rotary(x, cos, sin, None, backward, rotary_dim=128)[0] for x in (q, k)]
+            for value in ("token", None):
+                out = _under(monkeypatch, value,
+                             lambda: _C.rotary_pair(q, cos, sin, None, k, torch.empty_like(k), backward,
+                                                    rotary_dim=128))
+                assert torch.equal(out[0], alone[0]) and torch.equal(out[1], alone[1]), (seq, backward, value)
