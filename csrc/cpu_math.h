@@ -13,6 +13,7 @@
  *                  of Numerical Recipes' erfcc, its polynomial refitted shorter for float),
  *                  2 - erfc(-x) below zero; 1 + erf(z) is erfc(-z), accurate in the tail.
  *   brrr_erfcf_half  the same form for half storage: no division, shorter polynomials.
+ *   brrr_exp_le0_scaled  e^a 2^64 for a <= 0 (softmax): one scaling, a shorter polynomial.
  *   brrr_sincosf_reduced  sin and cos for |x| <= BRRR_TRIG_REDUCED_MAX: x = q pi/2 + r by a
  *                  three-part Cody-Waite reduction, then Taylor polynomials on |r| <= pi/4
  *                  (truncation below 3e-9). Larger arguments need the caller's scalar pass with
@@ -111,6 +112,31 @@ static inline float brrr_exp_tail_scaled(float a) {
     const brrr_f32_bits s = {.u = (t.u + (127u + 64u - 0x4B400000u)) << 23};
     return p * s.f;
 }
+
+/* e^a 2^64 for a <= ln2 / 2, exactly 0 below -104 (where e^a rounds to 0 in float), a NaN passed
+ * through: softmax's exponential, whose argument (x less its row's maximum) is never positive.
+ * brrr_expf's two-constant reduction by ln 2 (exact to n 1e-12), brrr_exp_tail_scaled's
+ * polynomial and one scaling: the factor 2^64 keeps 2^n normal down to -104, and the caller's
+ * 2^-64, folded into its 1 / sum, rounds a result below 2^-126 into the subnormals once. No clamp
+ * of a: the select of 0 drops whatever an argument below -104 (-inf too) computed. About two
+ * thirds of brrr_expf's instructions. */
+static inline float brrr_exp_le0_scaled(float a) {
+    const float round_magic = 12582912.0f; /* 1.5 * 2^23 */
+    const brrr_f32_bits t = {a * 1.44269504088896341f + round_magic};
+    const float n = t.f - round_magic, r = (a - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 0.0013811663f;
+    p = p * r + 0.008370135f;
+    p = p * r + 0.041668527f;
+    p = p * r + 0.16666509f;
+    p = p * r + 0.49999994f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    /* n + 64 in [-86, 64] as the exponent field: n sits in t's low mantissa bits */
+    const brrr_f32_bits s = {.u = (t.u + (127u + 64u - 0x4B400000u)) << 23};
+    return a < -104.0f ? 0.0f : p * s.f;
+}
+static inline double brrr_exp_le0_scaled_f64(double a) { return exp(a) * 0x1p64; }
+#define BRRR_EXP_LE0_SCALED(a) _Generic((a), float: brrr_exp_le0_scaled, default: brrr_exp_le0_scaled_f64)(a)
 
 static inline float brrr_erfcf(float x) {
     brrr_f32_bits bits = {x};
