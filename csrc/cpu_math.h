@@ -198,18 +198,20 @@ static inline float brrr_erfcf_half(float x) {
      * NaN too): -z^2 in the exponent, from z itself, makes their results 0 and NaN */
     const brrr_f32_bits zmax = {9.5f};
     const brrr_f32_bits zc = {.u = bits.u < zmax.u ? bits.u : zmax.u};
-    const float d = 1.0f + 0.44f * zc.f;
-    const brrr_f32_bits d_bits = {d}, guess = {.u = 0x7EF31000u - d_bits.u};
-    float t = guess.f;
-    t = t * (2.0f - d * t);
-    t = t * (2.0f - d * t);
-    const float s = 1.0f - t;
+    /* t64 = 2^-64 t, the factor brrr_exp_tail_scaled_half asks for, as the reciprocal of
+     * d64 = 2^64 d: every step gives the bits it gives for t and d, scaled, one multiply fewer */
+    const float d64 = 0x1p64f + 0x1p64f * 0.44f * zc.f;
+    const brrr_f32_bits d_bits = {d64}, guess = {.u = 0x7EF31000u - d_bits.u};
+    float t64 = guess.f;
+    t64 = t64 * (2.0f - d64 * t64);
+    t64 = t64 * (2.0f - d64 * t64);
+    const float s = 1.0f - t64 * 0x1p64f;
     float poly = -0.20371377f;
     poly = poly * s + 0.22335263f;
     poly = poly * s + 0.34370056f;
     poly = poly * s - 0.19678356f;
     poly = poly * s - 1.5636739f;
-    const float tail = t * 0x1p-64f * brrr_exp_tail_scaled_half(s * poly - z * z);
+    const float tail = t64 * brrr_exp_tail_scaled_half(s * poly - z * z);
     return x >= 0.0f ? tail : 2.0f - tail;
 }
 
