@@ -161,3 +161,16 @@ def test_softmax_special_rows(cols, dtype):
         assert_close(y.double()[finite], ref[finite], dtype, scale=4)
         again = fn(x, -1)
         assert torch.equal(again.isnan(), y.isnan()) and torch.equal(again.nan_to_num(), y.nan_to_num())
+
+
+@pytest.mark.parametrize("scale", [1.0009765625, 1.5, 0.7001953125, 3.0e38])
+def test_bfloat16_stores_round_to_nearest_even(scale):
+    """Every bfloat16 value times a scale, computed in float32 (exactly, but for the largest
+    scale's overflow) and stored as bfloat16: torch's rounding to nearest, ties to even, bit for
+    bit, infinities where it overflows; NaN stays NaN."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    got = brrr.chain(("mul", scale))(x)
+    want = (x.float() * scale).bfloat16()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
