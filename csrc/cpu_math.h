@@ -13,6 +13,7 @@
  *                  of Numerical Recipes' erfcc, its polynomial refitted shorter for float),
  *                  2 - erfc(-x) below zero; 1 + erf(z) is erfc(-z), accurate in the tail.
  *   brrr_erfcf_half  the same form for half storage: no division, shorter polynomials.
+ *   brrr_exp_le0_scaled  e^a 2^64 for a <= 0 (softmax): one scaling, a shorter polynomial.
  *   brrr_sincosf_reduced  sin and cos for |x| <= BRRR_TRIG_REDUCED_MAX: x = q pi/2 + r by a
  *                  three-part Cody-Waite reduction, then Taylor polynomials on |r| <= pi/4
  *                  (truncation below 3e-9). Larger arguments need the caller's scalar pass with
@@ -112,6 +113,31 @@ static inline float brrr_exp_tail_scaled(float a) {
     return p * s.f;
 }
 
+/* e^a 2^64 for a <= ln2 / 2, exactly 0 below -104 (where e^a rounds to 0 in float), a NaN passed
+ * through: softmax's exponential, whose argument (x less its row's maximum) is never positive.
+ * brrr_expf's two-constant reduction by ln 2 (exact to n 1e-12), brrr_exp_tail_scaled's
+ * polynomial and one scaling: the factor 2^64 keeps 2^n normal down to -104, and the caller's
+ * 2^-64, folded into its 1 / sum, rounds a result below 2^-126 into the subnormals once. No clamp
+ * of a: the select of 0 drops whatever an argument below -104 (-inf too) computed. About two
+ * thirds of brrr_expf's instructions. */
+static inline float brrr_exp_le0_scaled(float a) {
+    const float round_magic = 12582912.0f; /* 1.5 * 2^23 */
+    const brrr_f32_bits t = {a * 1.44269504088896341f + round_magic};
+    const float n = t.f - round_magic, r = (a - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 0.0013811663f;
+    p = p * r + 0.008370135f;
+    p = p * r + 0.041668527f;
+    p = p * r + 0.16666509f;
+    p = p * r + 0.49999994f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    /* n + 64 in [-86, 64] as the exponent field: n sits in t's low mantissa bits */
+    const brrr_f32_bits s = {.u = (t.u + (127u + 64u - 0x4B400000u)) << 23};
+    return a < -104.0f ? 0.0f : p * s.f;
+}
+static inline double brrr_exp_le0_scaled_f64(double a) { return exp(a) * 0x1p64; }
+#define BRRR_EXP_LE0_SCALED(a) _Generic((a), float: brrr_exp_le0_scaled, default: brrr_exp_le0_scaled_f64)(a)
+
 static inline float brrr_erfcf(float x) {
     brrr_f32_bits bits = {x};
     bits.u &= 0x7FFFFFFFu;
@@ -172,18 +198,20 @@ static inline float brrr_erfcf_half(float x) {
      * NaN too): -z^2 in the exponent, from z itself, makes their results 0 and NaN */
     const brrr_f32_bits zmax = {9.5f};
     const brrr_f32_bits zc = {.u = bits.u < zmax.u ? bits.u : zmax.u};
-    const float d = 1.0f + 0.44f * zc.f;
-    const brrr_f32_bits d_bits = {d}, guess = {.u = 0x7EF31000u - d_bits.u};
-    float t = guess.f;
-    t = t * (2.0f - d * t);
-    t = t * (2.0f - d * t);
-    const float s = 1.0f - t;
+    /* t64 = 2^-64 t, the factor brrr_exp_tail_scaled_half asks for, as the reciprocal of
+     * d64 = 2^64 d: every step gives the bits it gives for t and d, scaled, one multiply fewer */
+    const float d64 = 0x1p64f + 0x1p64f * 0.44f * zc.f;
+    const brrr_f32_bits d_bits = {d64}, guess = {.u = 0x7EF31000u - d_bits.u};
+    float t64 = guess.f;
+    t64 = t64 * (2.0f - d64 * t64);
+    t64 = t64 * (2.0f - d64 * t64);
+    const float s = 1.0f - t64 * 0x1p64f;
     float poly = -0.20371377f;
     poly = poly * s + 0.22335263f;
     poly = poly * s + 0.34370056f;
     poly = poly * s - 0.19678356f;
     poly = poly * s - 1.5636739f;
-    const float tail = t * 0x1p-64f * brrr_exp_tail_scaled_half(s * poly - z * z);
+    const float tail = t64 * brrr_exp_tail_scaled_half(s * poly - z * z);
     return x >= 0.0f ? tail : 2.0f - tail;
 }
 

@@ -120,3 +120,57 @@ def test_gelu_half_storage_special_values(dtype):
         assert torch.equal(torch.isnan(got), torch.isnan(want)), (got, want)
         finite = ~torch.isnan(want)
         assert torch.equal(got[finite], want[finite]), (got, want)
+
+
+@pytest.mark.parametrize("cols", [2, 4097])
+def test_softmax_exponential_over_its_range(cols):
+    """Softmax takes its own exponential of arguments at most 0 (e^a 2^64, one scaling:
+    csrc/cpu_math.h). Rows [0, a, -inf...] for a dense sweep of a in [-110, 0] give e^a / (1 + e^a)
+    within 4 ulps, subnormal results within one subnormal ulp (rounded once, not flushed), 0 past
+    -104; rows of up to 4096 columns take the three-walk path, longer ones the one-walk path."""
+    a = np.linspace(-110.0, 0.0, 400_003 if cols == 2 else 4_003).astype(np.float32)
+    x = np.full((a.size, cols), -np.inf, dtype=np.float32)
+    x[:, 0], x[:, 1] = 0.0, a
+    got = brrr.softmax(torch.from_numpy(x), -1).numpy().astype(np.float64)
+    ea = np.exp(a.astype(np.float64))
+    for col, want in ((1, ea / (1 + ea)), (0, 1 / (1 + ea))):
+        assert np.all(np.abs(got[:, col] - want) <= 4 * ULP * want + 2.0 ** -149), col
+    assert np.all(got[:, 2:] == 0)
+    assert np.any((got[:, 1] > 0) & (got[:, 1] < 2.0 ** -126))  # subnormal results were reached
+
+
+@pytest.mark.parametrize("cols", [9, 1024, 4100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_special_rows(cols, dtype):
+    """Rows all -inf, all NaN, with one NaN of either sign, with +inf, with -inf in part and with
+    an element that underflows: NaN where torch's float64 softmax and log_softmax have it, the rest
+    within the dtype's tolerance; and the same bits again."""
+    x = torch.randn(8, cols, dtype=torch.float64).to(dtype)
+    x[0] = float("-inf")
+    x[1] = float("nan")
+    x[2, cols // 2] = float("nan")
+    x[3, cols // 3] = -float("nan")
+    x[4, 1] = float("inf")
+    x[5, ::2] = float("-inf")
+    x[6, 0] = 100.0
+    for fn, ref_fn in ((brrr.softmax, torch.softmax), (brrr.log_softmax, torch.log_softmax)):
+        y = fn(x, -1)
+        ref = ref_fn(x.double(), -1)
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)), (fn, torch.isnan(y).sum(1), torch.isnan(ref).sum(1))
+        finite = ~torch.isnan(ref)
+        assert_close(y.double()[finite], ref[finite], dtype, scale=4)
+        again = fn(x, -1)
+        assert torch.equal(again.isnan(), y.isnan()) and torch.equal(again.nan_to_num(), y.nan_to_num())
+
+
+@pytest.mark.parametrize("scale", [1.0009765625, 1.5, 0.7001953125, 3.0e38])
+def test_bfloat16_stores_round_to_nearest_even(scale):
+    """Every bfloat16 value times a scale, computed in float32 (exactly, but for the largest
+    scale's overflow) and stored as bfloat16: torch's rounding to nearest, ties to even, bit for
+    bit, infinities where it overflows; NaN stays NaN."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    got = brrr.chain(("mul", scale))(x)
+    want = (x.float() * scale).bfloat16()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
