@@ -2,6 +2,8 @@
 process does on the whole batch (DDP averages the shard gradients). brrr holds no per-process
 state, so nothing in the user's distributed code changes."""
 
+import traceback
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,6 +48,12 @@ def _worker(rank, style, init_file, tokens, out_file):
         losses = train(ddp, tokens.chunk(WORLD)[rank])
         if rank == 0:
             torch.save({"state": model.state_dict(), "losses": losses}, out_file)
+        dist.barrier()  # neither rank tears the group down while the other still uses it
+    except BaseException:
+        # Written before the teardown, which can abort the process (gloo) and lose the traceback.
+        with open(f"{out_file}.rank{rank}.error", "w") as f:
+            f.write(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -54,7 +62,11 @@ def _worker(rank, style, init_file, tokens, out_file):
 def test_ddp_over_gloo_matches_one_process(style, tmp_path):
     tokens = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(1))
     out_file = str(tmp_path / "rank0.pt")
-    mp.spawn(_worker, args=(style, str(tmp_path / "init"), tokens, out_file), nprocs=WORLD, join=True)
+    try:
+        mp.spawn(_worker, args=(style, str(tmp_path / "init"), tokens, out_file), nprocs=WORLD, join=True)
+    except mp.ProcessExitedException:
+        errors = "".join(p.read_text() for p in sorted(tmp_path.glob("rank0.pt.rank*.error")))
+        pytest.fail(f"a worker died; its error, if it wrote one:\n{errors or '(none written)'}")
     result = torch.load(out_file)
     single = build(style)
     single_losses = train(single, tokens)
