@@ -496,7 +496,10 @@ def test_rolled_runs_against_float64(dtype, n):
     """Forward kernels roll runs of more than 64 identical steps into loops (the backward keeps
     them unrolled): both against float64, on all the values of a thread and the tail's."""
     steps = [("mul", 1.001)] * 130 + ["relu"] + [("add", 0.001)] * 65 + ["sin"] + [("mul", 0.999)] * 200
-    x = random((n,), dtype, "cuda", -2.0, 2.0)
+    # sin's argument stays below 1.43, away from pi / 2: there cos(y), the gradient's factor, is
+    # near 0 and a float32 y rounded ~200 times is off by more than the tolerance allows in any
+    # float32 evaluation (a step-by-step NumPy one fails it by 2x at inputs near 1.32).
+    x = random((n,), dtype, "cuda", -1.2, 1.2)
     g = random((n,), dtype, "cuda")
     got = _fwd_bwd(steps, x, [], g)
     want, (want_grad,) = reference_grads(steps, x, [], g)

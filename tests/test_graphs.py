@@ -351,21 +351,32 @@ def test_unpadded_gives_sdpa_no_causal_mask_while_transformers_counts_itself_tra
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_an_unpadded_captured_step_matches_eager_and_builds_no_mask(name):
-    """capture_step(unpadded=True) replays eager's loss and gradients, and its graph has fewer
-    kernels than the default graph's: not the ones that build transformers' full causal mask."""
+def test_an_unpadded_captured_step_matches_eager_and_builds_no_mask(monkeypatch, name):
+    """capture_step(unpadded=True) replays eager's loss and gradients, and its graph's attention
+    takes no mask (is_causal instead), where the default capture gives SDPA transformers' full
+    causal mask."""
     model = patched_cuda_model(name, torch.float32)
     loss_fn = loss_fn_of(model, name)
     tokens = torch.randint(0, 101, (2, 16), device="cuda")
     expected = eager_loss_and_grads(model, loss_fn, tokens)
-    kernels = {}
+    sdpa, masks = F.scaled_dot_product_attention, []
+
+    def recording_sdpa(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            masks.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
     for unpadded in (False, True):
+        masks.clear()
         step = brrr.capture_step(loss_fn, model, warmup=1, unpadded=unpadded)
         for call in range(3):
             assert_step_matches(model, step(tokens), expected, torch.float32, f"{name} unpadded={unpadded} {call}")
-        assert step.graphs == 1
-        kernels[unpadded] = kernel_counts(lambda: step(tokens), ("",))[""]
-    assert kernels[True] < kernels[False], kernels
+        assert step.graphs == 1 and masks, "SDPA was not called while capturing"
+        if unpadded:
+            assert all(mask is None and causal for mask, causal in masks), masks
+        else:
+            assert all(isinstance(mask, torch.Tensor) for mask, _ in masks)
 
 
 @pytest.mark.cuda
