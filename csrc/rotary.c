@@ -227,6 +227,17 @@ static int rotary_run(brrr_op_call *c) {
     BRRR_RETURN_CUDA(c, brrr_cuda_rotary, &L);
 }
 
+/* The slots and arguments rotary and rotary_pair share (rotary_pair adds x2 and out2). */
+#define ROTARY_SLOTS                                                                                               \
+    {"x", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},                                                                      \
+    {"cos", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},                                                               \
+    {"sin", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},                                                               \
+    {"out", BRRR_WRITE | BRRR_ALLOC | BRRR_INPLACE, BRRR_SHAPE_X, BRRR_DTYPE_X, -1}
+#define ROTARY_ARGS                                                                                                \
+    {{"backward", BRRR_ARG_BOOL, 0, 0, NULL, "a bool"},                                                            \
+     {"interleaved", BRRR_ARG_BOOL, 0, 0, NULL, "a bool", 1, 0},                                                   \
+     {"rotary_dim", BRRR_ARG_INT, 0, 4611686018427387904.0, NULL, "an int >= 0 (0: cos's last dim)", 1, 0}}
+
 static const brrr_op_spec ROTARY = {
     .name = "rotary",
     .doc = "x * cos + rotate_half(x) * sin over the first rotary_dim features of x's last dim (the rest copied from "
@@ -235,14 +246,9 @@ static const brrr_op_spec ROTARY = {
            "0: cos's last dim, an angle per feature. backward: the transposed rotation (the gradient with respect to "
            "x, given x = grad_out). out may be x itself.",
     .n_slots = 4,
-    .slots = {{"x", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
-              {"cos", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
-              {"sin", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
-              {"out", BRRR_WRITE | BRRR_ALLOC | BRRR_INPLACE, BRRR_SHAPE_X, BRRR_DTYPE_X, -1}},
+    .slots = {ROTARY_SLOTS},
     .n_args = 3,
-    .args = {{"backward", BRRR_ARG_BOOL, 0, 0, NULL, "a bool"},
-             {"interleaved", BRRR_ARG_BOOL, 0, 0, NULL, "a bool", 1, 0},
-             {"rotary_dim", BRRR_ARG_INT, 0, 4611686018427387904.0, NULL, "an int >= 0 (0: cos's last dim)", 1, 0}},
+    .args = ROTARY_ARGS,
     .split_arg = -1,
     .check = rotary_check,
     .run = rotary_run,
@@ -255,16 +261,11 @@ static const brrr_op_spec ROTARY_PAIR = {
            "leading dims the angles broadcast to (k's heads may be fewer than q's). out may be x itself, out2 x2 "
            "itself.",
     .n_slots = 6,
-    .slots = {{"x", 0, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
-              {"cos", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
-              {"sin", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
-              {"out", BRRR_WRITE | BRRR_ALLOC | BRRR_INPLACE, BRRR_SHAPE_X, BRRR_DTYPE_X, -1},
+    .slots = {ROTARY_SLOTS,
               {"x2", 0, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1},
               {"out2", BRRR_WRITE | BRRR_INPLACE, BRRR_SHAPE_FAMILY, BRRR_DTYPE_X, -1}},
     .n_args = 3,
-    .args = {{"backward", BRRR_ARG_BOOL, 0, 0, NULL, "a bool"},
-             {"interleaved", BRRR_ARG_BOOL, 0, 0, NULL, "a bool", 1, 0},
-             {"rotary_dim", BRRR_ARG_INT, 0, 4611686018427387904.0, NULL, "an int >= 0 (0: cos's last dim)", 1, 0}},
+    .args = ROTARY_ARGS,
     .split_arg = -1,
     .check = rotary_check,
     .run = rotary_run,
