@@ -182,7 +182,8 @@ def diagnosed(recorder, name, patched):
     print(report)
     recorder.add(family="graphs", op=name, check="diagnose, brrr eager step", shape=[BASE_BATCH, SEQ],
                  verdict=report.verdict, step_ms=report.ms, host_ms=report.host_ms, gpu_busy_ms=report.gpu_busy_ms,
-                 launches_per_step=report.launches_per_step, captured_ms=report.captured_ms)
+                 launches_per_step=report.launches_per_step, syncs_per_step=report.syncs_per_step,
+                 captured_ms=report.captured_ms, notes=report.notes)
 
 
 def test_liger_kernel_llama(recorder):
