@@ -329,7 +329,7 @@ def patched_cuda_model(name, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name,dtype", [(n, torch.float32) for n in MODELS] +
-                         [("llama", torch.bfloat16), ("gpt2", torch.bfloat16)], ids=str)
+                         [("llama", torch.bfloat16), ("gpt2", torch.bfloat16), ("bert", torch.bfloat16)], ids=str)
 def test_patched_training_step_captures_and_replays_like_eager(name, dtype):
     model = patched_cuda_model(name, dtype)
     loss_fn = loss_fn_of(model, name)
