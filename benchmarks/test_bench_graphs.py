@@ -6,12 +6,13 @@ capture is the full causal mask); Liger-Kernel's
 patched Llama too when liger_kernel is importable (last, at the Llama's sizes).
 
 GPU: a Llama (transformers config: 2 layers, hidden 1024, MLP 2816, 16 heads, vocabulary 32000)
-and a GPT-2 of the same width, at 2 x 512 tokens, where the step waits on the host; then the Llama
+and a GPT-2 and a BERT (masked LM, labels the input ids) of the same width, at 2 x 512 tokens,
+where the step waits on the host; then the Llama
 from 512 to 32768 tokens per step (batch 1 to 64 of 512): step time against tokens, where each
 regime begins (benchmarks/plot.py draws it: step-sweep.png). Every captured step's loss and
 gradients are checked against the eager step's at every size before it is timed. Each compile
 mode compiles the Llama once for the sweep with the batch dimension dynamic (batch 1 compiles again:
-dynamo specialises size 1; rows say dynamic_batch) and the GPT-2 once with static shapes; first
+dynamo specialises size 1; rows say dynamic_batch) and the GPT-2 and the BERT once with static shapes; first
 steps are timed apart (first_step_s: compiling, or recording graphs). brrr.diagnose(step, step=True) of the
 patched eager step at 2 x 512 says which regime it finds and what the graph gains there.
 CPU, or BRRR_BENCH_QUICK=1: a tiny smoke run, without torch.compile (and on the CPU without the
@@ -57,8 +58,16 @@ def gpt2():
     return transformers.GPT2LMHeadModel(cfg)
 
 
-MODELS = {"llama": llama, "gpt2": gpt2}
-CASES = [("llama", SWEEP_BATCHES), ("gpt2", (BASE_BATCH,))]
+def bert():
+    """BERT's masked LM at the same size (MLP 4 x hidden, as GPT-2's), trained on labels = the input ids."""
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=HEADS,
+                                  intermediate_size=4 * WIDTH, max_position_embeddings=SEQ,
+                                  attn_implementation="sdpa")
+    return transformers.BertForMaskedLM(cfg)
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "bert": bert}
+CASES = [("llama", SWEEP_BATCHES), ("gpt2", (BASE_BATCH,)), ("bert", (BASE_BATCH,))]
 
 
 def build(name):
@@ -182,7 +191,8 @@ def diagnosed(recorder, name, patched):
     print(report)
     recorder.add(family="graphs", op=name, check="diagnose, brrr eager step", shape=[BASE_BATCH, SEQ],
                  verdict=report.verdict, step_ms=report.ms, host_ms=report.host_ms, gpu_busy_ms=report.gpu_busy_ms,
-                 launches_per_step=report.launches_per_step, captured_ms=report.captured_ms)
+                 launches_per_step=report.launches_per_step, syncs_per_step=report.syncs_per_step,
+                 captured_ms=report.captured_ms, notes=report.notes)
 
 
 def test_liger_kernel_llama(recorder):

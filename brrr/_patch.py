@@ -23,7 +23,9 @@ A pre-norm decoder layer whose forward adds a sublayer's output to its residual 
 the sum straight to one of its norms that brrr swapped (`h = residual + x; residual = h; h =
 self.post_attention_layernorm(h)`, as transformers writes Llama's and some 20 other families'
 layers; or `residual = residual + x; y = self.mlp(self.post_attention_layernorm(residual))`, as
-StableLM's) gets a forward in which that add and norm are one add_rms_norm or add_layer_norm:
+StableLM's; or with an `if` between the add and the norm whose test calls nothing, as GPT-2's
+optional cross-attention: fused where the branch is skipped, as written where it runs) gets a
+forward in which that add and norm are one add_rms_norm or add_layer_norm:
 the layer's own source with only those statements replaced, compiled against a copy of its
 module's globals, its decorators rebuilt around it. The sum is rounded to the model's dtype and
 then normalised, as the unpatched statements compute it, and each such norm's fused form is
@@ -1098,6 +1100,47 @@ def _operands(add):
 
 
 def _residual_norm_site(statements, self_name):
+    """_adjacent_residual_norm_site, or the same add and norm with an optional branch between them
+    (GPT-2's cross-attention):
+
+        total = a + b
+        if encoder_hidden_states is not None:    # a test without calls that does not read total
+            ...                                  # (no else)
+        residual = total
+        out = self.norm(total)
+
+    which becomes the branch with the add, its body and the copy and norm as they were, and an
+    else with them fused: the test is evaluated before the add instead of after it, which only a
+    test that reads no name the add binds, and calls nothing, allows."""
+    site = _adjacent_residual_norm_site(statements, self_name)
+    if site is not None or len(statements) < 3:
+        return site
+    total, add = _assignment(statements[0])
+    branch = statements[1]
+    if not (total and isinstance(branch, ast.If) and not branch.orelse and _plain_test(branch.test, total)):
+        return None
+    site = _adjacent_residual_norm_site(statements[:1] + statements[2:], self_name)
+    if site is None:
+        return None
+    norm, n, fused = site
+    kept = copy.deepcopy([statements[0], *branch.body, *statements[2:n + 1]])
+    new = ast.copy_location(ast.If(copy.deepcopy(branch.test), kept, fused), branch)
+    return norm, n + 1, [ast.fix_missing_locations(new)]
+
+
+_PLAIN_TEST_NODES = (ast.Name, ast.Constant, ast.Attribute, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Load, ast.Is,
+                     ast.IsNot, ast.Eq, ast.NotEq, ast.Not, ast.And, ast.Or)
+
+
+def _plain_test(test, total):
+    """Whether an if statement's test may be evaluated before the add that binds `total`: names,
+    constants, attributes, comparisons and boolean operators only (no call, no subscript), and
+    not `total`."""
+    return all(isinstance(node, _PLAIN_TEST_NODES) and not (isinstance(node, ast.Name) and node.id == total)
+               for node in ast.walk(test))
+
+
+def _adjacent_residual_norm_site(statements, self_name):
     """(the norm's attribute, how many statements, what replaces them) where `statements` begin
     with a residual add whose sum a norm of self's reads next:
 
@@ -1153,7 +1196,7 @@ def _residual_norm_sites(definition):
         for block in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
             if isinstance(block, list):
                 for i in range(len(block) - 1):
-                    site = _residual_norm_site(block[i:i + 3], self_name)
+                    site = _residual_norm_site(block[i:i + 4], self_name)
                     if site is not None:
                         sites.setdefault(site[0], []).append((block, i, *site[1:]))
     if self_name is not None:

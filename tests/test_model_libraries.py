@@ -58,8 +58,8 @@ MODELS = {
                 set()),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4),
              {"brrr.nn.LayerNorm", "gelu (approximate='tanh')", "loss_function: brrr causal-LM cross_entropy", FUSED,
-              "the residual add that ends it fused into transformer.ln_f"},  # (the last block's; its inner add
-             set()),  # is left: the cross-attention's branch sits between it and ln_2, which the report says)
+              "the residual add fused into ln_2; the add that ends it fused into transformer.ln_f"},  # (the last
+             set()),  # block's; the add before ln_2 fused where the cross-attention's branch between them is skipped)
     # Partial rotary (a quarter of each head): brrr's rotary_dim.
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL,
                  {"brrr.nn.LayerNorm", "brrr rotary (its forward's apply_rotary_pos_emb, partial rotary)", FUSED},

@@ -203,10 +203,10 @@ FAMILIES = {
         "(use_parallel_residual=False; the default runs the parallel one)"),
     "gpt2": _family("GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_inner=64), (
         causal_lm("GPT2LMHeadModel") | {("NewGELUActivation", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM)}
-        | layers("GPT2Block", None, ("transformer.h.N.ln_1", "transformer.ln_f"))[0], set()),
+        | layers("GPT2Block", "ln_2", ("transformer.h.N.ln_1", "transformer.ln_f"))[0], set()),
         {"layer_norm", "add_layer_norm", "gelu", "linear_cross_entropy"},
-        "learned positions: no rotary; the cross-attention's branch between the add and ln_2 keeps them apart; the "
-        "add that ends a block fused into the next ln_1 (ln_f after the last)"),
+        "learned positions: no rotary; the add before ln_2 fused where the cross-attention's branch between them "
+        "is skipped; the add that ends a block fused into the next ln_1 (ln_f after the last)"),
     "phi": _family("PhiForCausalLM", {}, (
         causal_lm("PhiForCausalLM") | {("PhiAttention", ROTARY.format("")),
                                        ("NewGELUActivation", "gelu (approximate='tanh')"), ("LayerNorm", LAYER_NORM)}

@@ -94,6 +94,45 @@ class BranchLayer(Layer):
         return residual + self.attn(hidden_states) + self.mlp(self.post_attention_layernorm(residual))
 
 
+class CrossBranchLayer(Layer):
+    """GPT-2's: an optional branch (its cross-attention) between the add and the norm, with a test
+    of names and attributes only: fused where the branch is skipped; where it runs, the add, the
+    branch and the norm as written."""
+
+    def __init__(self):
+        super().__init__()
+        self.cross = None
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.attn(self.input_layernorm(hidden_states))
+        hidden_states = hidden_states + residual
+        if self.cross is not None and self.sequential:
+            residual = hidden_states
+            hidden_states = residual + self.cross(hidden_states)
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return residual + self.mlp(hidden_states)
+
+
+class CalledBranchLayer(CrossBranchLayer):
+    """The branch's test calls a function, which must then run after the add, as written: left."""
+
+    def has_cross(self):
+        return self.cross is not None
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.attn(self.input_layernorm(hidden_states))
+        hidden_states = hidden_states + residual
+        if self.has_cross():
+            residual = hidden_states
+            hidden_states = residual + self.cross(hidden_states)
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return residual + self.mlp(hidden_states)
+
+
 class NestedLayer(Layer):
     """StableLM's: the sum is the residual, its norm the argument of the next call."""
 
@@ -238,7 +277,7 @@ def recording(names):
     return calls
 
 
-@pytest.mark.parametrize("layer", [Layer, SumFirstLayer, BranchLayer, NestedLayer, DecoratedLayer])
+@pytest.mark.parametrize("layer", [Layer, SumFirstLayer, BranchLayer, NestedLayer, DecoratedLayer, CrossBranchLayer])
 def test_patch_fuses_the_residual_add_of_pre_norm_layers(layer):
     model = stack(layer)
     unpatched = copy.deepcopy(model)
@@ -265,18 +304,34 @@ def test_patch_fuses_the_residual_add_of_pre_norm_layers(layer):
                 part.sequential = False
         torch.testing.assert_close(outputs_and_grads(model, x, grad)[0], outputs_and_grads(unpatched, x, grad)[0],
                                    rtol=1e-5, atol=1e-5)
+    if layer is CrossBranchLayer:  # the branch taken: the add, the branch and the norm as written
+        cross = nn.Linear(HIDDEN, HIDDEN)
+        for m in (model, unpatched):
+            for part in m:
+                part.cross = cross
+        try:
+            calls = recording(["add_rms_norm"])
+            y, grads = outputs_and_grads(model, x, grad)
+        finally:
+            reset_registry()
+        assert calls == []
+        expected_y, expected_grads = outputs_and_grads(unpatched, x, grad)
+        torch.testing.assert_close(y, expected_y, rtol=1e-5, atol=1e-5)
+        for a, b in zip(grads, expected_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert brrr.unpatch(model) > 0 and type(model[0]) is layer
 
 
 @pytest.mark.parametrize("layer,why", [
     (ParallelLayer, NO_SITE),
     (SubtractingLayer, NO_SITE),
+    (CalledBranchLayer, NO_SITE),
     (OpaqueDecoratedLayer,
      "its forward is wrapped by a decorator that brrr cannot rebuild: the residual adds are left"),
     (SuperLayer, "its forward uses a closure (super() or an enclosing function's names): the residual adds are left"),
     (functools.partial(Layer, ClampedRMSNorm),
      "the residual form of post_attention_layernorm does not match its norm on a probe: the residual adds are left"),
-], ids=["parallel", "subtracting", "opaque-decorator", "super", "clamped-norm"])
+], ids=["parallel", "subtracting", "called-branch-test", "opaque-decorator", "super", "clamped-norm"])
 def test_patch_leaves_a_layer_it_cannot_fuse_with_the_reason(layer, why):
     model = stack(layer)
     unpatched = copy.deepcopy(model)

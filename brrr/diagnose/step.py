@@ -19,8 +19,10 @@ when matrix multiplies take most of the GPU time, else memory-bound. On the CPU:
 when its op count times the cost of a tiny autograd op is half the step or more.
 Where the GPU idles a fifth of the step or more, the step is captured in a CUDA graph after a
 side-stream warm-up (brrr.graphs.capture) and replayed, and the report gives both times: the gain
-measured there and then. A step that synchronises with the host (loss.item() each step, say) is
-not captured (the capture would fail); the report names the syncs instead.
+measured there and then. A step that synchronises with the host (loss.item() each step, say)
+fails the capture, and the report names the syncs instead; the capture is tried all the same,
+since a sync seen eagerly may be skipped under capture (transformers checks the position ids of
+a training step called without a cache on the host, except while a graph is captured).
 """
 
 import re
@@ -110,11 +112,7 @@ def diagnose_step(fn, args, kwargs, step, flops, bytes, scale):  # noqa: A002 - 
         busy_fraction = min(1.0, profile.busy_us * 1e-3 / ms) if profile.busy_us is not None else None
         captured_ms = None
         if busy_fraction is not None and 1.0 - busy_fraction >= CAPTURE_IDLE_SHARE:
-            if syncs:
-                notes.append(f"not captured in a CUDA graph: the step synchronises with the host {syncs} time(s) "
-                             f"per step, which a capture cannot hold")
-            else:
-                captured_ms = _captured_ms(torch, call, device, steps, notes)
+            captured_ms = _capture_trial(torch, call, device, steps, syncs, notes)
         elif busy_fraction is not None:
             notes.append(f"not captured in a CUDA graph: the GPU is busy {percent(busy_fraction)} of the "
                          f"step, so a graph could save at most the rest")
@@ -252,6 +250,26 @@ def _syncs_per_step(torch, call, device):
             torch.cuda.set_sync_debug_mode(previous)
     sync(device)
     return sum(str(w.message).startswith("called a synchronizing CUDA operation") for w in caught)
+
+
+def _capture_trial(torch, call, device, steps, syncs, notes):
+    """_captured_ms, tried also where the eager step synchronised with the host: code that checks
+    values on the host may skip the check while a graph is captured (transformers' look at the
+    position ids for packed sequences and at the padding mask, in every eager training step of its
+    models called without a cache, is skipped then), so the syncs seen eagerly do not say that the
+    capture fails. Where it fails after syncs were seen, the note names them as the likely cause."""
+    failures = []
+    captured_ms = _captured_ms(torch, call, device, steps, failures)
+    if captured_ms is None and syncs:
+        notes.append(f"not captured in a CUDA graph: the step synchronises with the host {syncs} time(s) per step, "
+                     f"which a capture cannot hold ({'; '.join(failures)})")
+    elif captured_ms is None:
+        notes.extend(failures)
+    elif syncs:
+        notes.append(f"the eager step synchronises with the host {syncs} time(s) per step; the captured one was "
+                     f"captured and replayed all the same (the code that syncs skips its host check while a graph "
+                     f"is captured, as transformers' mask and position-id checks do)")
+    return captured_ms
 
 
 def _captured_ms(torch, call, device, steps, notes):
