@@ -260,6 +260,52 @@ template <typename T> constexpr int fwd_min_blocks(int packs, int elements, bool
 }
 constexpr int fwd_max_threads(int packs) { return packs == 5 ? kMinBlockThreads : kMaxRowThreads; }
 
+// A row's statistics in every forward kernel, in one order (their common bits), from the
+// thread's packs v (those past the row zero): LayerNorm subtracts the shift from the packs in the
+// row and sums them (first_sum: the group's sum), subtracts the mean (kept: the output's v - mean)
+// and sums the squares (then_sum); RMSNorm sums the squares of every pack (first_sum). Flags are
+// uniform and pack bounds per thread: branches around whole packs, no selects per element.
+template <typename A, int PACKS, int VEC, typename First, typename Then>
+__device__ __forceinline__ void fwd_row_stats(A (&v)[PACKS][VEC], int mine, bool layer, A shift, A inv_n, A eps, A &mean,
+                                              A &rstd, First first_sum, Then then_sum) {
+    mean = A(0);
+    if (layer) {
+        A sum[1] = {A(0)};
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (k >= mine) continue;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                v[k][j] -= shift;
+                sum[0] += v[k][j];
+            }
+        }
+        first_sum(sum);
+        mean = sum[0] * inv_n;
+        A squares[1] = {A(0)};
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (k >= mine) continue;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                v[k][j] -= mean;
+                squares[0] += v[k][j] * v[k][j];
+            }
+        }
+        then_sum(squares);
+        rstd = rsqrt_of(squares[0] * inv_n + eps);
+    } else {
+        A q[1] = {A(0)};
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) q[0] += v[k][j] * v[k][j];
+        }
+        first_sum(q);
+        rstd = rsqrt_of(q[0] * inv_n + eps);
+    }
+}
+
 // kResidual: L.residual is given (a template argument, so the plain forward keeps no registers for it).
 // LayerNorm's statistics are two passes over the row in registers, a group sum each: the mean,
 // then the squares about it. Merging per-thread (count, sum, squared deviations) in one reduction
@@ -311,46 +357,12 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
                 if (k < mine) store_vec<T, VEC>(res_out + k * stride, v[k]);
             }
         }
-        // Flags are uniform and pack bounds per thread: branches around whole packs, no selects per
-        // element (packs past the row stay zero).
-        A mean = A(0), rstd;
-        if (layer) {
-            A sum[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] -= shift;
-                    sum[0] += v[k][j];
-                }
-            }
-            group_sum(sum, tpr, buf[parity]);
+        A mean, rstd;
+        auto sum = [&](A(&total)[1]) {
+            group_sum(total, tpr, buf[parity]);
             parity ^= 1;
-            mean = sum[0] * inv_n;
-            A squares[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] -= mean;  // kept: the output's (v - mean) too
-                    squares[0] += v[k][j] * v[k][j];
-                }
-            }
-            group_sum(squares, tpr, buf[parity]);
-            rstd = rsqrt_of(squares[0] * inv_n + eps);
-        } else {
-            A q[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) q[0] += v[k][j] * v[k][j];
-            }
-            group_sum(q, tpr, buf[parity]);
-            rstd = rsqrt_of(q[0] * inv_n + eps);
-        }
-        parity ^= 1;
+        };
+        fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, sum, sum);
         if (!active) continue;
         if (t == 0) {
             if (L.mean.data) static_cast<A *>(L.mean.data)[off[4]] = mean;
@@ -487,44 +499,12 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
                 if (k < mine) store_vec<T, VEC>(res_out + k * stride, v[k]);
             }
         }
-        A mean = A(0), rstd;
-        if (layer) {
-            A sum[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] -= shift;
-                    sum[0] += v[k][j];
-                }
-            }
-            group_sum_unrolled(sum, tpr, buf[parity]);
+        A mean, rstd;
+        auto sum = [&](A(&total)[1]) {
+            group_sum_unrolled(total, tpr, buf[parity]);
             parity ^= 1;
-            mean = sum[0] * inv_n;
-            A squares[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] -= mean;
-                    squares[0] += v[k][j] * v[k][j];
-                }
-            }
-            group_sum_unrolled(squares, tpr, buf[parity]);
-            rstd = rsqrt_of(squares[0] * inv_n + eps);
-        } else {
-            A q[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) q[0] += v[k][j] * v[k][j];
-            }
-            group_sum_unrolled(q, tpr, buf[parity]);
-            rstd = rsqrt_of(q[0] * inv_n + eps);
-        }
-        parity ^= 1;
+        };
+        fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, sum, sum);
         if (!active) continue;
         if (t == 0) {
             if (L.mean.data) static_cast<A *>(L.mean.data)[off[4]] = mean;
@@ -649,43 +629,12 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
             issue(s);
             s = s + 1 == stages ? 0 : s + 1;
         };
-        A mean = A(0), rstd;
-        if (layer) {
-            A sum[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] -= shift;
-                    sum[0] += v[k][j];
-                }
-            }
-            first_sum(sum);
-            mean = sum[0] * inv_n;
-            A squares[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] -= mean;
-                    squares[0] += v[k][j] * v[k][j];
-                }
-            }
-            group_sum_unrolled(squares, tpr, buf[parity]);
+        auto then_sum = [&](A(&total)[1]) {
+            group_sum_unrolled(total, tpr, buf[parity]);
             parity ^= 1;
-            rstd = rsqrt_of(squares[0] * inv_n + eps);
-        } else {
-            A q[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) q[0] += v[k][j] * v[k][j];
-            }
-            first_sum(q);
-            rstd = rsqrt_of(q[0] * inv_n + eps);
-        }
+        };
+        A mean, rstd;
+        fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, first_sum, then_sum);
         if (t == 0) {
             if (L.mean.data) static_cast<A *>(L.mean.data)[row * L.mean.row_strides[0]] = mean;
             if (L.rstd.data) static_cast<A *>(L.rstd.data)[row * L.rstd.row_strides[0]] = rstd;
