@@ -26,6 +26,10 @@
 // norm_fwd_pipe_kernel  a candidate for its launches of 16-byte packs (BRRR_NORM_FWD_KERNEL=pipe):
 //                     a grid that fits at once, the next row copied into shared memory while
 //                     the current one is reduced (see the kernel).
+// norm_fwd_bulk_kernel  a candidate for float16 and bfloat16 launches of 16-byte packs on sm_90
+//                     (BRRR_NORM_FWD_KERNEL=bulk): the same layout, arithmetic and bits, a block
+//                     per group walking rows, its weight and bias held in registers, its rows
+//                     copied into a ring in shared memory by cp.async.bulk (see the kernel).
 // norm_bwd_kernel     the same row layout (up to 16 elements a thread), a block of
 //                     brrr_norm_lanes(cols) such groups within 512 threads (128 registers each;
 //                     the widest rows split over a cluster of two such blocks on sm_90, else
@@ -33,9 +37,10 @@
 //                     cp.async ring in shared memory (up to 3 rows in flight per group), the
 //                     weight and bias gradients summed in registers in the order of brrr_cuda.h
 //                     (see the kernel).
-// norm_bwd_bulk_kernel  a candidate for the same launches on sm_90 (BRRR_NORM_BWD_KERNEL=bulk):
-//                     the same layout, ring and order, a row copied into the ring by one
-//                     cp.async.bulk a tensor, completing on an mbarrier (see the kernel).
+// norm_bwd_bulk_kernel  the same launches on sm_90, the float16 and bfloat16 default
+//                     (BRRR_NORM_BWD_KERNEL=bulk|ring): the same layout, ring and order, a row
+//                     copied into the ring by one cp.async.bulk a tensor, completing on an
+//                     mbarrier (see the kernel).
 // norm_fwd_generic_kernel, norm_bwd_dx_generic_kernel
 //                     any strides, or rows too long for registers: a 256-thread block per row,
 //                     reading the row twice (the second time mostly from L2). Forward statistics:
@@ -202,6 +207,39 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum(A (&v)[k
     butterfly(warps);
 }
 
+// Bulk copies (sm_90): a row from global into shared memory by one cp.async.bulk a tensor,
+// completing on an mbarrier (norm_fwd_bulk_kernel, norm_bwd_bulk_kernel).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned smem_addr(const void *p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// The producer's arrival on the stage's barrier, announcing `bytes` of copies that complete on it.
+__device__ __forceinline__ void mbar_expect(uint64_t *bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory,
+// completing on `bar`.
+__device__ __forceinline__ void bulk_copy(void *smem, const void *gmem, unsigned bytes, uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     smem_addr(smem)),
+                 "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+// Waits until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+#endif
+
 // ---- fast path: a row in registers --------------------------------------------------------
 // Column arithmetic is 32-bit here (a row has at most 512 * 32 elements): thread t's pack k
 // starts at column t * VEC + k * tpr * VEC and is in the row when k < its count of packs.
@@ -221,6 +259,52 @@ template <typename T> constexpr int fwd_min_blocks(int packs, int elements, bool
     return packs == 5 ? (residual ? 2 : 3) : !residual && elements * (int)sizeof(T) <= 128 ? 2 : 1;
 }
 constexpr int fwd_max_threads(int packs) { return packs == 5 ? kMinBlockThreads : kMaxRowThreads; }
+
+// A row's statistics in every forward kernel, in one order (their common bits), from the
+// thread's packs v (those past the row zero): LayerNorm subtracts the shift from the packs in the
+// row and sums them (first_sum: the group's sum), subtracts the mean (kept: the output's v - mean)
+// and sums the squares (then_sum); RMSNorm sums the squares of every pack (first_sum). Flags are
+// uniform and pack bounds per thread: branches around whole packs, no selects per element.
+template <typename A, int PACKS, int VEC, typename First, typename Then>
+__device__ __forceinline__ void fwd_row_stats(A (&v)[PACKS][VEC], int mine, bool layer, A shift, A inv_n, A eps, A &mean,
+                                              A &rstd, First first_sum, Then then_sum) {
+    mean = A(0);
+    if (layer) {
+        A sum[1] = {A(0)};
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (k >= mine) continue;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                v[k][j] -= shift;
+                sum[0] += v[k][j];
+            }
+        }
+        first_sum(sum);
+        mean = sum[0] * inv_n;
+        A squares[1] = {A(0)};
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (k >= mine) continue;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                v[k][j] -= mean;
+                squares[0] += v[k][j] * v[k][j];
+            }
+        }
+        then_sum(squares);
+        rstd = rsqrt_of(squares[0] * inv_n + eps);
+    } else {
+        A q[1] = {A(0)};
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) q[0] += v[k][j] * v[k][j];
+        }
+        first_sum(q);
+        rstd = rsqrt_of(q[0] * inv_n + eps);
+    }
+}
 
 // kResidual: L.residual is given (a template argument, so the plain forward keeps no registers for it).
 // LayerNorm's statistics are two passes over the row in registers, a group sum each: the mean,
@@ -273,46 +357,12 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
                 if (k < mine) store_vec<T, VEC>(res_out + k * stride, v[k]);
             }
         }
-        // Flags are uniform and pack bounds per thread: branches around whole packs, no selects per
-        // element (packs past the row stay zero).
-        A mean = A(0), rstd;
-        if (layer) {
-            A sum[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] -= shift;
-                    sum[0] += v[k][j];
-                }
-            }
-            group_sum(sum, tpr, buf[parity]);
+        A mean, rstd;
+        auto sum = [&](A(&total)[1]) {
+            group_sum(total, tpr, buf[parity]);
             parity ^= 1;
-            mean = sum[0] * inv_n;
-            A squares[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] -= mean;  // kept: the output's (v - mean) too
-                    squares[0] += v[k][j] * v[k][j];
-                }
-            }
-            group_sum(squares, tpr, buf[parity]);
-            rstd = rsqrt_of(squares[0] * inv_n + eps);
-        } else {
-            A q[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) q[0] += v[k][j] * v[k][j];
-            }
-            group_sum(q, tpr, buf[parity]);
-            rstd = rsqrt_of(q[0] * inv_n + eps);
-        }
-        parity ^= 1;
+        };
+        fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, sum, sum);
         if (!active) continue;
         if (t == 0) {
             if (L.mean.data) static_cast<A *>(L.mean.data)[off[4]] = mean;
@@ -449,44 +499,12 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
                 if (k < mine) store_vec<T, VEC>(res_out + k * stride, v[k]);
             }
         }
-        A mean = A(0), rstd;
-        if (layer) {
-            A sum[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] -= shift;
-                    sum[0] += v[k][j];
-                }
-            }
-            group_sum_unrolled(sum, tpr, buf[parity]);
+        A mean, rstd;
+        auto sum = [&](A(&total)[1]) {
+            group_sum_unrolled(total, tpr, buf[parity]);
             parity ^= 1;
-            mean = sum[0] * inv_n;
-            A squares[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] -= mean;
-                    squares[0] += v[k][j] * v[k][j];
-                }
-            }
-            group_sum_unrolled(squares, tpr, buf[parity]);
-            rstd = rsqrt_of(squares[0] * inv_n + eps);
-        } else {
-            A q[1] = {A(0)};
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) q[0] += v[k][j] * v[k][j];
-            }
-            group_sum_unrolled(q, tpr, buf[parity]);
-            rstd = rsqrt_of(q[0] * inv_n + eps);
-        }
-        parity ^= 1;
+        };
+        fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, sum, sum);
         if (!active) continue;
         if (t == 0) {
             if (L.mean.data) static_cast<A *>(L.mean.data)[off[4]] = mean;
@@ -509,6 +527,141 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
             store_vec<T, VEC>(out + k * stride, y);
         }
     }
+}
+
+// The forward's candidate (BRRR_NORM_FWD_KERNEL=bulk, sm_90, float16 and bfloat16):
+// norm_fwd_kernel's row layout, arithmetic and sums in their order (the same bits), with less
+// bookkeeping an element. norm_fwd_kernel issues 23-51 instructions an element (H200 ncu), its
+// issue slots the busiest unit: every row reloads its weight and bias, converts them and adds the
+// weight offset, each thread loads the row's shift from global memory, unravels six views'
+// offsets, and sums in loops of runtime width; and nothing loads while a row is reduced. Here a
+// block is one group (tpr threads, whole warps) on a grid of the blocks that fit at once, walking
+// rows blockIdx.x, + gridDim.x, ...: a thread holds its packs' weight and bias in registers,
+// converted once (the offset added); the block's first thread copies each row of x (and the
+// residual) into a ring of `stages` rows in shared memory by one cp.async.bulk a tensor,
+// completing on the stage's mbarrier, so that `stages` rows are in flight; a thread reads its
+// packs back with 16-byte loads (the ring's layout is the row's) and the shift from the ring;
+// a row's addresses are row * stride; group_sum_unrolled's sums. The stage of a row is refilled
+// (the row `stages` later) past the barrier of its first group sum, which every thread reaches
+// after its last read of the stage. kBias: the bias held (a template argument, so that rows
+// without one keep no registers for it). Assumes: sm_90, 16-byte packs, 2-d launch (row_ndim 1),
+// 16-byte aligned rows, tpr = blockDim.x a multiple of 32 up to 512, stages >= 1.
+template <typename T, int PACKS, bool kResidual, bool kBias>
+__global__ void __launch_bounds__(kMaxRowThreads, 1)
+    norm_fwd_bulk_kernel(const __grid_constant__ brrr_norm_launch L, const int stages) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using A = typename Compute<T>::type;
+    constexpr int VEC = 16 / (int)sizeof(T), kTensors = kResidual ? 2 : 1;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ A buf[2][1][kMaxWarps];
+    const int tpr = blockDim.x, t = threadIdx.x;
+    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC;
+    const int mine = packs_in_row(true, cols, first, stride);
+    const A inv_n = A(1) / static_cast<A>(cols), eps = static_cast<A>(L.eps);
+    const bool layer = !L.rms, llama = L.llama != 0;
+    const unsigned row_bytes = (unsigned)cols * (unsigned)sizeof(T);  // a multiple of 16
+    T *const ring = reinterpret_cast<T *>(smem);                       // [stage][tensor][cols]
+    uint64_t *const full = reinterpret_cast<uint64_t *>(smem + (size_t)stages * kTensors * row_bytes);
+    if (t == 0) {
+        for (int s = 0; s < stages; ++s) mbar_init(full + s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    // The producer's cursor: the next row to copy, into stage s; every thread keeps it alike.
+    int64_t prow = blockIdx.x;
+    auto issue = [&](int s) {
+        if (prow >= L.rows) return;
+        if (t == 0) {
+            T *dst = ring + (size_t)s * kTensors * cols;
+            mbar_expect(full + s, row_bytes * (unsigned)kTensors);
+            bulk_copy(dst, static_cast<const T *>(L.x.data) + prow * L.x.row_strides[0], row_bytes, full + s);
+            if constexpr (kResidual)
+                bulk_copy(dst + cols, static_cast<const T *>(L.residual.data) + prow * L.residual.row_strides[0], row_bytes,
+                          full + s);
+        }
+        prow += gridDim.x;
+    };
+    for (int s = 0; s < stages; ++s) issue(s);
+
+    A w[PACKS][VEC], b[kBias ? PACKS : 1][VEC];
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) w[k][j] = b[kBias ? k : 0][j] = A(0);
+        if (k >= mine) continue;
+        load_weight<T, VEC>(L, first + k * stride, w[k]);
+        if constexpr (kBias) load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b[k]);
+    }
+
+    int s = 0, parity = 0;
+    unsigned phases = 0;  // bit s: the parity of stage s's next phase
+    for (int64_t row = blockIdx.x; row < L.rows; row += gridDim.x) {
+        mbar_wait(full + s, (phases >> s) & 1u);
+        phases ^= 1u << s;
+        const T *xs = ring + (size_t)s * kTensors * cols;
+        A v[PACKS][VEC];
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[k][j] = A(0);
+            if (k < mine) load_vec<T, VEC>(xs + first + k * stride, v[k]);
+        }
+        A shift = A(0);
+        if (layer) shift = kResidual ? round_to<T>(to_float(xs[0]) + to_float(xs[cols])) : to_float(xs[0]);
+        if constexpr (kResidual) {
+            T *res_out = static_cast<T *>(L.residual_out.data) + row * L.residual_out.row_strides[0] + first;
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+                A add[VEC];
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) add[j] = A(0);
+                if (k < mine) load_vec<T, VEC>(xs + cols + first + k * stride, add);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[k][j] = round_to<T>(v[k][j] + add[j]);
+                if (k < mine) store_vec<T, VEC>(res_out + k * stride, v[k]);
+            }
+        }
+        // The row's first group sum, then its stage refilled: every thread is past its reads.
+        auto first_sum = [&](A (&sum)[1]) {
+            group_sum_unrolled(sum, tpr, buf[parity]);
+            parity ^= 1;
+            if (tpr == 32) __syncwarp();
+            issue(s);
+            s = s + 1 == stages ? 0 : s + 1;
+        };
+        auto then_sum = [&](A(&total)[1]) {
+            group_sum_unrolled(total, tpr, buf[parity]);
+            parity ^= 1;
+        };
+        A mean, rstd;
+        fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, first_sum, then_sum);
+        if (t == 0) {
+            if (L.mean.data) static_cast<A *>(L.mean.data)[row * L.mean.row_strides[0]] = mean;
+            if (L.rstd.data) static_cast<A *>(L.rstd.data)[row * L.rstd.row_strides[0]] = rstd;
+        }
+        T *out = static_cast<T *>(L.out.data) + row * L.out.row_strides[0] + first;
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (k >= mine) continue;
+            A y[VEC];
+            if (llama) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[k][j] * rstd) * w[k][j];
+            } else {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    // + 0 without a bias: norm_fwd_kernel's v * rstd * w + b with b = 0, the same bits
+                    if constexpr (kBias) y[j] = v[k][j] * rstd * w[k][j] + b[k][j];
+                    else y[j] = v[k][j] * rstd * w[k][j] + A(0);
+                }
+            }
+            store_vec<T, VEC>(out + k * stride, y);
+        }
+    }
+#else
+    (void)L, (void)stages;
+    __trap();  // launched only on sm_90 and later (norm_fwd_typed)
+#endif
 }
 
 // ---- backward: the terms every kernel shares ------------------------------------------------
@@ -658,6 +811,45 @@ template <int kSplit, typename A> __device__ __forceinline__ void split_sum(A (&
 #endif
 }
 
+// The end of chunk c for a group of the backward's fast path: its threads' weight and bias
+// gradient sums (dw, db: a thread's packs' columns, from col0 of the block's) go into the
+// chunk's partial row, the lanes' sums added in lane order through `combine` (one lane: straight
+// from registers), and start again from zero. The whole block calls it (barriers, lanes > 1).
+template <int VEC, int PACKS, bool kBias, typename A>
+__device__ __forceinline__ void flush_chunk_sums(A *part, bool want_dw, A (&dw)[PACKS * VEC], A (&db)[kBias ? PACKS * VEC : 1],
+                                                 int c, int chunks, int cols, int col0, int lanes, int g, int mine,
+                                                 int first, int stride, A *combine) {
+    constexpr int E = PACKS * VEC;
+    if (!want_dw && !kBias) return;
+    const int n_grads = (int)want_dw + (int)kBias;
+    auto put = [&](int q, const A *acc) {
+        A *dst = lanes == 1 ? part + ((int64_t)q * chunks + c) * cols + col0 : combine + (q * lanes + g) * cols;
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (k >= mine) continue;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) dst[first + k * stride + j] = acc[k * VEC + j];
+        }
+    };
+    if (want_dw) put(0, dw);
+    if constexpr (kBias) put(want_dw ? 1 : 0, db);
+    if (lanes > 1) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < n_grads * cols; i += blockDim.x) {
+            const int q = i / cols, col = i - q * cols;
+            const A *lane_sums = combine + (size_t)q * lanes * cols + col;
+            A total = lane_sums[0];
+            for (int l = 1; l < lanes; ++l) total += lane_sums[(size_t)l * cols];
+            part[((int64_t)q * chunks + c) * cols + col] = total;
+        }
+        __syncthreads();  // the buffer is the next chunk's
+    }
+#pragma unroll
+    for (int i = 0; i < E; ++i) dw[i] = A(0);
+#pragma unroll
+    for (int i = 0; i < (kBias ? E : 1); ++i) db[i] = A(0);
+}
+
 // The fast path: the forward's row layout (pack k of thread t of a group holds columns
 // (k * tpr + t) * VEC + [0, VEC)), a block of `lanes` groups of tpr threads, group g being lane
 // g of the summation order (brrr_cuda.h). The block walks the chunks c, c + n, ... (c: its
@@ -703,7 +895,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
     }
     const bool layer = !L.rms, llama = L.llama != 0, want_dw = L.grad_weight.data != nullptr, has_gres = tensors == 3;
-    constexpr bool want_db = kBias;  // grad_bias asked for (a template argument: its sums take E registers)
     const A inv_n = A(1) / static_cast<A>(cols);
     const int rows = (int)L.rows, chunk_rows = (int)lay.chunk_rows, chunks = (rows + chunk_rows - 1) / chunk_rows;
     T *const ring = reinterpret_cast<T *>(smem) + g * stages * tensors * row_elems;
@@ -864,40 +1055,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                 store_vec<T, VEC>(dx + k * stride, d);
             }
         }
-        if (!want_dw && !want_db) continue;
-        // The chunk's partial row: the lanes' sums added in lane order.
-        A *const part = static_cast<A *>(L.partials);
-        const int n_grads = (int)want_dw + (int)want_db;
-        auto put = [&](int q, const A *acc) {
-            A *dst = lanes == 1 ? part + ((int64_t)q * chunks + c) * cols + col0 : combine + (q * lanes + g) * cols;
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) dst[first + k * stride + j] = acc[k * VEC + j];
-            }
-        };
-        if (want_dw) put(0, dw);
-        if constexpr (kBias) put(want_dw ? 1 : 0, db);
-        if (lanes > 1) {
-            __syncthreads();
-            for (int i = threadIdx.x; i < n_grads * cols; i += blockDim.x) {
-                const int q = i / cols, col = i - q * cols;
-                const A *lane_sums = combine + (size_t)q * lanes * cols + col;
-                A total = lane_sums[0];
-                for (int l = 1; l < lanes; ++l) total += lane_sums[(size_t)l * cols];
-                part[((int64_t)q * chunks + c) * cols + col] = total;
-            }
-            __syncthreads();  // the buffer is the next chunk's
-        }
-#pragma unroll
-        for (int i = 0; i < E; ++i) dw[i] = A(0);
-#pragma unroll
-        for (int i = 0; i < (kBias ? E : 1); ++i) db[i] = A(0);
+        flush_chunk_sums<VEC, PACKS, kBias>(static_cast<A *>(L.partials), want_dw, dw, db, c, chunks, cols, col0, lanes, g, mine,
+                                            first, stride, combine);
     }
 }
 
-// ---- backward: the bulk-copy candidate (BRRR_NORM_BWD_KERNEL=bulk, sm_90) -------------------
+// ---- backward: the bulk-copy kernel (BRRR_NORM_BWD_KERNEL=bulk, sm_90; the half default) ---
 // norm_bwd_kernel spends more instructions a row on its bookkeeping than on the row's arithmetic
 // (H200 ncu, bfloat16 layer_norm, 16384 x 4096: ~645 warp instructions a warp per row, 40 an
 // element, of which the two passes are ~240 in the sm_90 SASS; 51 an element at 768 columns):
@@ -915,36 +1078,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 // of the group reaches after its last read of that stage (the previous row's grad_residual in
 // pass 2), so the ring needs no release barrier. Assumes: sm_90, 2-d launch (row_ndim 1),
 // 16-byte aligned rows, tpr a multiple of 32 (at most 512 with the lanes), stages >= 2, no split.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ unsigned smem_addr(const void *p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-// The producer's arrival on the stage's barrier, announcing `bytes` of copies that complete on it.
-__device__ __forceinline__ void mbar_expect(uint64_t *bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory,
-// completing on `bar`.
-__device__ __forceinline__ void bulk_copy(void *smem, const void *gmem, unsigned bytes, uint64_t *bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                     smem_addr(smem)),
-                 "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
-// Waits until the barrier's phase of this parity has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" ::"r"(smem_addr(bar)),
-        "r"(parity)
-        : "memory");
-}
-#endif
 
 // The row sums v (of g * xhat and of g) over a group of `warps` whole warps (group g of the
 // block): a butterfly in each warp, each warp's pair into `slots` ([warp][2]), the group's
@@ -1123,36 +1256,8 @@ __global__ void __launch_bounds__(512, 1)
                 store_vec<T, VEC>(dx + k * stride, d);
             }
         }
-        if (!want_dw && !kBias) continue;
-        // The chunk's partial row: the lanes' sums added in lane order (norm_bwd_kernel's).
-        A *const part = static_cast<A *>(L.partials);
-        const int n_grads = (int)want_dw + (int)kBias;
-        auto put = [&](int q, const A *acc) {
-            A *dst = lanes == 1 ? part + ((int64_t)q * chunks + c) * cols : combine + (q * lanes + g) * cols;
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) dst[first + k * stride + j] = acc[k * VEC + j];
-            }
-        };
-        if (want_dw) put(0, dw);
-        if constexpr (kBias) put(want_dw ? 1 : 0, db);
-        if (lanes > 1) {
-            __syncthreads();
-            for (int i = threadIdx.x; i < n_grads * cols; i += blockDim.x) {
-                const int q = i / cols, col = i - q * cols;
-                const A *lane_sums = combine + (size_t)q * lanes * cols + col;
-                A total = lane_sums[0];
-                for (int l = 1; l < lanes; ++l) total += lane_sums[(size_t)l * cols];
-                part[((int64_t)q * chunks + c) * cols + col] = total;
-            }
-            __syncthreads();  // the buffer is the next chunk's
-        }
-#pragma unroll
-        for (int i = 0; i < E; ++i) dw[i] = A(0);
-#pragma unroll
-        for (int i = 0; i < (kBias ? E : 1); ++i) db[i] = A(0);
+        flush_chunk_sums<VEC, PACKS, kBias>(static_cast<A *>(L.partials), want_dw, dw, db, c, chunks, cols, 0, lanes, g, mine, first,
+                                            stride, combine);
     }
 #else
     (void)L, (void)lay;
@@ -1548,11 +1653,63 @@ static size_t dynamic_smem_limit(int device, size_t static_bytes) {
 }
 
 // BRRR_NORM_FWD_KERNEL (docs/kernel-switches.md): unset or rows, norm_fwd_kernel; pipe,
-// norm_fwd_pipe_kernel for rows of 16-byte packs whose two stages fit in shared memory
-// (norm_fwd_kernel for the others).
-static bool fwd_pipe_wanted() {
+// norm_fwd_pipe_kernel for rows of 16-byte packs whose two stages fit in shared memory; bulk,
+// norm_fwd_bulk_kernel where fwd_bulk_launch applies (norm_fwd_kernel for the others).
+enum class FwdKernel { kRows, kPipe, kBulk };
+static FwdKernel fwd_kernel() {
     const char *v = getenv("BRRR_NORM_FWD_KERNEL");
-    return v != nullptr && strcmp(v, "pipe") == 0;
+    if (v == nullptr) return FwdKernel::kRows;
+    return strcmp(v, "pipe") == 0 ? FwdKernel::kPipe : strcmp(v, "bulk") == 0 ? FwdKernel::kBulk : FwdKernel::kRows;
+}
+
+// The device's compute capability major (0 where the query fails).
+static int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0); }
+
+constexpr int kFwdBulkStages = 4;                // at most, in norm_fwd_bulk_kernel's ring
+constexpr size_t kFwdBulkRingBytes = 48 << 10;   // past this, fewer stages (down to 2), for more blocks an SM
+
+// Launches norm_fwd_bulk_kernel for the forward's row layout cfg, setting *launched, where it
+// applies: float16 and bfloat16 rows of 16-byte packs on whole warps, a 2-d launch, sm_90, one
+// row of each tensor in shared memory. The five-pack rows (kHalfFivePacks) run at twice the
+// threads and three packs a thread (BRRR_NORM_FWD_PACKS=pow2's layout): five packs of the row, the
+// weight and the bias take more than the 128 registers a thread of 512 has. The ring holds up to
+// kFwdBulkStages rows, fewer past kFwdBulkRingBytes; the grid, the blocks that fit at once.
+template <typename T>
+static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int device, cudaStream_t stream,
+                                   bool *launched) {
+    *launched = false;
+    if (cfg.packs == 5) {
+        cfg.tpr *= 2;
+        cfg.packs = 3;
+    }
+    if (cfg.vec == 1 || cfg.tpr < 32 || L.row_ndim != 1 || compute_major(device) < 9) return cudaSuccess;
+    const size_t row = (size_t)L.cols * sizeof(T) * (L.residual.data ? 2 : 1);  // a stage, 16-byte multiples
+    const size_t limit = dynamic_smem_limit(device, sizeof(float) * 2 * kMaxWarps);
+    int stages = kFwdBulkStages;
+    while (stages > 2 && stages * row > kFwdBulkRingBytes) --stages;
+    while (stages > 0 && stages * (row + sizeof(uint64_t)) > limit) --stages;
+    if (stages == 0) return cudaSuccess;
+    auto go = [&](auto packs) {
+        constexpr int P = decltype(packs)::value;
+        const bool bias = L.bias.data != nullptr;
+        auto kernel = L.residual.data ? (bias ? norm_fwd_bulk_kernel<T, P, true, true> : norm_fwd_bulk_kernel<T, P, true, false>)
+                                      : (bias ? norm_fwd_bulk_kernel<T, P, false, true> : norm_fwd_bulk_kernel<T, P, false, false>);
+        const size_t smem = stages * (row + sizeof(uint64_t));  // the ring, then a barrier a stage
+        int per_sm = 0;
+        const cudaError_t e = blocks_per_sm(kernel, cfg.tpr, smem, device, &per_sm);
+        if (e != cudaSuccess) return e;
+        const int64_t resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device);
+        kernel<<<(unsigned)(L.rows < resident ? L.rows : resident), cfg.tpr, smem, stream>>>(L, stages);
+        *launched = true;
+        return cudaSuccess;
+    };
+    switch (cfg.packs) {
+    case 1: return go(std::integral_constant<int, 1>());
+    case 2: return go(std::integral_constant<int, 2>());
+    case 3: return go(std::integral_constant<int, 3>());
+    case 4: return go(std::integral_constant<int, 4>());
+    default: return cudaSuccess;
+    }
 }
 
 template <typename T>
@@ -1562,6 +1719,13 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     if (!row_config<T>(L, &cfg)) {
         norm_fwd_generic_kernel<T><<<generic_grid(L.rows, device), kGenericThreads, 0, stream>>>(L);
         return cudaSuccess;
+    }
+    if constexpr (is_half<T>) {
+        if (fwd_kernel() == FwdKernel::kBulk) {
+            bool launched = false;
+            const cudaError_t e = fwd_bulk_launch<T>(L, cfg, device, stream, &launched);
+            if (e != cudaSuccess || launched) return e;
+        }
     }
     return with_row_config<T>(cfg, [&](auto vec, auto packs) {
         constexpr int VEC = decltype(vec)::value, PACKS = decltype(packs)::value;
@@ -1573,7 +1737,7 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         if constexpr (VEC > 1) {  // (norm_fwd_pipe_kernel: 16-byte packs only)
             // Two stages of the threads' packs, where they fit (not float32 add_* rows of 16384 columns)
             const size_t stages = (size_t)2 * (L.residual.data ? 2 : 1) * PACKS * cfg.block * 16;
-            if (fwd_pipe_wanted() && stages <= dynamic_smem_limit(device, sizeof(typename Compute<T>::type) * 2 * kMaxWarps)) {
+            if (fwd_kernel() == FwdKernel::kPipe && stages <= dynamic_smem_limit(device, sizeof(typename Compute<T>::type) * 2 * kMaxWarps)) {
                 kernel = L.residual.data ? norm_fwd_pipe_kernel<T, VEC, PACKS, true> : norm_fwd_pipe_kernel<T, VEC, PACKS, false>;
                 smem = stages;
                 int per_sm = 0;
@@ -1598,9 +1762,6 @@ struct BwdConfig {
     int vec, packs, threads;  // threads: the kernel's bound, 512 (128 registers) or 1024 (64)
     BwdLayout lay;
 };
-
-// The device's compute capability major (0 where the query fails).
-static int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0); }
 
 // Where the backward's fast path keeps the weight: unset or auto, a copy in shared memory, or
 // global memory where the copy leaves no room for one stage of the ring; smem, the copy or the
@@ -1706,11 +1867,13 @@ static auto pick_bwd_kernel(bool bias, int threads, int split) {
     return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 512, 1> : norm_bwd_kernel<T, VEC, PACKS, false, 512, 1>;
 }
 
-// BRRR_NORM_BWD_KERNEL (docs/kernel-switches.md): unset or ring, norm_bwd_kernel; bulk,
-// norm_bwd_bulk_kernel where it applies (bulk_applies), else norm_bwd_kernel.
-static bool bwd_bulk_wanted() {
+// BRRR_NORM_BWD_KERNEL (docs/kernel-switches.md): bulk, norm_bwd_bulk_kernel where it applies
+// (bulk_applies), else norm_bwd_kernel; ring, norm_bwd_kernel; unset, bulk for float16 and
+// bfloat16 (measured faster on an H200 at every width) and ring for float32 and float64 (slower
+// at 8192 columns, the same elsewhere).
+template <typename T> static bool bwd_bulk_wanted() {
     const char *v = getenv("BRRR_NORM_BWD_KERNEL");
-    return v != nullptr && strcmp(v, "bulk") == 0;
+    return v == nullptr ? is_half<T> : strcmp(v, "bulk") == 0;
 }
 
 // norm_bwd_bulk_kernel's assumptions, for a launch that bwd_config gave the fast path.
@@ -1751,7 +1914,7 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
             const bool bias = L.grad_bias.data != nullptr;
             auto kernel = pick_bwd_kernel<T, VEC, PACKS>(bias, cfg.threads, split);
             if constexpr (VEC > 1) {  // (bulk_applies: 16-byte packs only)
-                if (bwd_bulk_wanted() && bulk_applies(L, cfg, device))
+                if (bwd_bulk_wanted<T>() && bulk_applies(L, cfg, device))
                     kernel = bias ? norm_bwd_bulk_kernel<T, VEC, PACKS, true> : norm_bwd_bulk_kernel<T, VEC, PACKS, false>;
             }
             const int block = cfg.lay.lanes * cfg.lay.tpr;

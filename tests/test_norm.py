@@ -325,14 +325,26 @@ def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
     compare("layer_norm", dtype, x, r, (cols,), w, b)
 
 
-# The candidate kernels behind BRRR_NORM_BWD_KERNEL=bulk (norm_bwd_bulk_kernel, sm_90) and
-# BRRR_NORM_FWD_KERNEL=pipe (norm_fwd_pipe_kernel). Widths: bfloat16 rows whose backward group is
-# one warp (256), two warps with the second one's packs partly past the row (768), three and nine
-# warps (1032, 4104: group sums over warp counts that are not powers of two), whole rows (5120,
-# 8192; 4096 in the bits tests below), forward rows of 1, 3, 4 and 5 packs a thread; and a width
-# where neither applies and the defaults run (4097: single elements).
+# The kernels behind the switches, each value forced for every dtype: BRRR_NORM_BWD_KERNEL=bulk
+# (norm_bwd_bulk_kernel, sm_90; the float16 and bfloat16 default) and =ring (norm_bwd_kernel; the
+# float32 and float64 default), BRRR_NORM_FWD_KERNEL=pipe (norm_fwd_pipe_kernel) and =bulk
+# (norm_fwd_bulk_kernel, sm_90, float16 and bfloat16). Widths: bfloat16 rows whose backward group
+# is one warp (256), two warps with the second one's packs partly past the row (768), three and
+# nine warps (1032, 4104: group sums over warp counts that are not powers of two), whole rows
+# (5120, 8192; 4096 in the bits tests below), forward rows of 1, 3, 4 and 5 packs a thread (the
+# bulk forward's of 1, 3, 3 with packs partly past the row, 3 and 4); and a width where none
+# applies and the defaults run (4097: single elements).
 BULK_COLS = [256, 768, 1032, 4104, 5120, 8192, 4097]
-CANDIDATES = {"bwd_bulk": ("BRRR_NORM_BWD_KERNEL", "bulk"), "fwd_pipe": ("BRRR_NORM_FWD_KERNEL", "pipe")}
+CANDIDATES = {"bwd_bulk": ("BRRR_NORM_BWD_KERNEL", "bulk"), "bwd_ring": ("BRRR_NORM_BWD_KERNEL", "ring"),
+              "fwd_pipe": ("BRRR_NORM_FWD_KERNEL", "pipe"), "fwd_bulk": ("BRRR_NORM_FWD_KERNEL", "bulk")}
+
+
+def _candidate_cases():
+    """(candidate, dtype) pairs: the bulk forward only where it applies (float16, bfloat16)."""
+    for candidate in CANDIDATES:
+        for dtype in DTYPES:
+            if candidate != "fwd_bulk" or dtype in HALF_DTYPES:
+                yield pytest.param(candidate, dtype, id=f"{candidate}-{dtype}")
 
 
 def _bulk_kinds():
@@ -342,16 +354,15 @@ def _bulk_kinds():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("candidate", list(CANDIDATES))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("candidate,dtype", list(_candidate_cases()))
 @pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("cols", BULK_COLS)
 def test_candidate_kernels(monkeypatch, candidate, dtype, kind, cast_order, residual, cols):
-    """The bulk-copy backward and the pipelined forward against the float64 reference: row
-    counts that leave one chunk shorter than the lanes (1, 3), several chunks (37) and many (301),
-    more rows than a grid's groups (301, forward); every affine form, float32 parameters for half
-    inputs, RMSNorm's weight offset, rows with padding between them."""
+    """Both backward kernels and the pipelined and bulk-copy forwards against the float64
+    reference: row counts that leave one chunk shorter than the lanes (1, 3), several chunks (37)
+    and many (301), more rows than a grid's groups (301, pipe forward); every affine form, float32
+    parameters for half inputs, RMSNorm's weight offset, rows with padding between them."""
     monkeypatch.setenv(*CANDIDATES[candidate])
     for rows in (1, 3, 37, 301):
         x = random((rows, cols), dtype, "cuda")
@@ -400,6 +411,42 @@ def test_candidate_bwd_bulk_bits(monkeypatch, dtype, kind, residual, cols):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_bwd_kernel_default(monkeypatch, dtype, kind):
+    """Unset, BRRR_NORM_BWD_KERNEL means bulk for float16 and bfloat16 and ring for float32 and
+    float64: the default's gradients have that value's bits. At 4096 columns a row's group has
+    several warps, whose row sums the two kernels add in different orders, so grad_x tells them
+    apart (checked too)."""
+    monkeypatch.delenv("BRRR_NORM_BWD_KERNEL", raising=False)
+    x, g = random((2053, 4096), dtype, "cuda"), random((2053, 4096), dtype, "cuda")
+    w, b = params(kind, "both", (4096,), dtype, "cuda")
+    default = _gradients_under(monkeypatch, {}, kind, x, None, w, b, g)
+    bulk = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "bulk"}, kind, x, None, w, b, g)
+    ring = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "ring"}, kind, x, None, w, b, g)
+    assert not torch.equal(bulk[0], ring[0]), "bulk and ring gave the same grad_x: the test cannot tell them apart"
+    chosen = bulk if dtype in HALF_DTYPES else ring
+    _assert_same_bits(default, chosen, "default")
+
+
+_FORWARD_NAMES = ("out", "residual_out", "grad_x", "grad_residual", "grad_weight", "grad_bias")
+
+
+def _forward_under(monkeypatch, value, kind, cast_order, x, r, w, b, g):
+    """out, residual_out (None for the plain forms) and every gradient (x, residual, weight,
+    bias) of one forward+backward on CUDA under BRRR_NORM_FWD_KERNEL=value."""
+    monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", value)
+    try:
+        leaves = [t if t is None else t.detach().requires_grad_() for t in (x, r, w, b)]
+        out, h = call(kind, leaves[0], leaves[1], (x.shape[-1],), leaves[2], leaves[3], cast_order=cast_order)
+        torch.autograd.backward([out] + ([h] if h is not None else []), [g] + ([g * 0.5] if h is not None else []))
+        torch.cuda.synchronize()
+        return [out.detach(), h] + [None if t is None else t.grad for t in leaves]
+    finally:
+        monkeypatch.delenv("BRRR_NORM_FWD_KERNEL")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
 @pytest.mark.parametrize("residual", [False, True])
@@ -412,27 +459,40 @@ def test_candidate_fwd_pipe_bits(monkeypatch, dtype, kind, cast_order, residual,
     x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
     r = random((rows, cols), dtype, "cuda") if residual else None
     w, b = params(kind, "both", (cols,), dtype, "cuda")
-
-    def run(value):
-        monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", value)
-        try:
-            leaves = [t if t is None else t.detach().requires_grad_() for t in (x, r, w, b)]
-            out, h = call(kind, leaves[0], leaves[1], (cols,), leaves[2], leaves[3], cast_order=cast_order)
-            torch.autograd.backward([out] + ([h] if h is not None else []), [g] + ([g * 0.5] if h is not None else []))
-            torch.cuda.synchronize()
-            return [out.detach(), h] + [None if t is None else t.grad for t in leaves]
-        finally:
-            monkeypatch.delenv("BRRR_NORM_FWD_KERNEL")
-
-    pipe, again, rows_ = run("pipe"), run("pipe"), run("rows")
-    names = ("out", "residual_out", "grad_x", "grad_residual", "grad_weight", "grad_bias")
-    for name, a, a2, e in zip(names, pipe, again, rows_):
+    args = (kind, cast_order, x, r, w, b, g)
+    pipe, again = _forward_under(monkeypatch, "pipe", *args), _forward_under(monkeypatch, "pipe", *args)
+    rows_ = _forward_under(monkeypatch, "rows", *args)
+    for name, a, a2, e in zip(_FORWARD_NAMES, pipe, again, rows_):
         assert (a is None) == (e is None), name
         if a is None:
             continue
         assert torch.equal(a, a2), (name, "run to run")
         torch.testing.assert_close(a.float(), e.float(), rtol=TOLERANCE[dtype]["rtol"],
                                    atol=TOLERANCE[dtype]["atol"] * float(e.float().abs().max()), msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", [256, 768, 1032, 4104, 5120, 8192, 16384])
+def test_candidate_fwd_bulk_bits(monkeypatch, dtype, kind, cast_order, residual, cols):
+    """BRRR_NORM_FWD_KERNEL=bulk does norm_fwd_kernel's arithmetic in its order: the same bits as
+    the default (=rows) in out, residual_out and, through the saved statistics, every gradient;
+    with a bias and without (its own instance), float32 parameters. 20011 rows up to 8192 columns
+    (more than a block a row at every width: each block's ring reused), 2053 at 16384."""
+    rows = 20011 if cols <= 8192 else 2053
+    x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
+    r = random((rows, cols), dtype, "cuda") if residual else None
+    forms = [("weight", None), ("both", None), ("both", torch.float32)] if kind == "layer_norm" else [("weight", None)]
+    for affine, param_dtype in forms:
+        w, b = params(kind, affine, (cols,), dtype, "cuda", param_dtype=param_dtype)
+        args = (kind, cast_order, x, r, w, b, g)
+        bulk, rows_ = _forward_under(monkeypatch, "bulk", *args), _forward_under(monkeypatch, "rows", *args)
+        for name, a, e in zip(_FORWARD_NAMES, bulk, rows_):
+            assert (a is None) == (e is None), name
+            if a is not None:
+                assert torch.equal(a, e), (affine, name, (a.double() - e.double()).abs().max().item())
 
 
 @pytest.mark.parametrize("device", DEVICES)
