@@ -741,19 +741,20 @@ static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p,
             "constexpr int VEC = 16 / (int)sizeof(T);\n"
             "struct alignas(16) Pack {\n    T v[VEC];\n};\n"
             "__device__ __forceinline__ A ld(const T v) {\n    %s\n}\n"
-            "__device__ __forceinline__ T st(const A v) {\n    %s\n}\n"
-            "__device__ __forceinline__ void ld_pack(const T *p, A *out) {\n"
-            "    const Pack k = *reinterpret_cast<const Pack *>(p);\n"
-            "#pragma unroll\n    for (int j = 0; j < VEC; ++j) out[j] = ld(k.v[j]);\n}\n"
-            "// Stores the pack where ok: predicated, no branch, so the compiler cannot sink steps into one.\n"
+            "__device__ __forceinline__ T st(const A v) {\n    %s\n}\n",
+        math_id, storage, compute, math, ld, st);
+    if (!(v & FORM_LEAN))
+        put(&t, "__device__ __forceinline__ void ld_pack(const T *p, A *out) {\n"
+                "    const Pack k = *reinterpret_cast<const Pack *>(p);\n"
+                "#pragma unroll\n    for (int j = 0; j < VEC; ++j) out[j] = ld(k.v[j]);\n}\n");
+    put(&t, "// Stores the pack where ok: predicated, no branch, so the compiler cannot sink steps into one.\n"
             "__device__ __forceinline__ void st_pack_if(T *p, const A *in, bool ok) {\n"
             "    Pack k;\n"
             "#pragma unroll\n    for (int j = 0; j < VEC; ++j) k.v[j] = st(in[j]);\n"
             "    unsigned w[4];\n"
             "    memcpy(w, &k, sizeof w);\n"
             "    asm volatile(\"{\\n\\t.reg .pred p;\\n\\tsetp.ne.b32 p, %%5, 0;\\n\\t@p st.global.v4.b32 [%%0], {%%1, %%2, %%3, %%4};\\n\\t}\"\n"
-            "                 :: \"l\"(p), \"r\"(w[0]), \"r\"(w[1]), \"r\"(w[2]), \"r\"(w[3]), \"r\"((int)ok) : \"memory\");\n}\n\n",
-        math_id, storage, compute, math, ld, st);
+            "                 :: \"l\"(p), \"r\"(w[0]), \"r\"(w[1]), \"r\"(w[2]), \"r\"(w[3]), \"r\"((int)ok) : \"memory\");\n}\n\n");
     if (v & FORM_LEAN)
         put(&t, "// Loads the pack where ok: predicated, no branch; elsewhere its values are undefined (computed, never stored).\n"
                 "__device__ __forceinline__ void ld_pack_if(const T *p, A *out, bool ok) {\n"
