@@ -206,8 +206,14 @@ static int packed(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
  * (BRRR_CHAIN_JIT_ORDER=packwise, else ORDER_INTERLEAVED): the order of a contiguous kernel's work
  * after its loads (put_contiguous_kernel). FORM_LEAN (BRRR_CHAIN_JIT_FORM=lean, else the wide
  * form): a contiguous kernel's indices in 32 bits where they fit, its loads predicated at one
- * address a thread, half the fixed instructions a value (put_contiguous_kernel). */
+ * address a thread, half the fixed instructions a value (put_contiguous_kernel); and
+ * VARIANT_BLOCKS. */
 enum { ORDER_INTERLEAVED = 0, ORDER_PACKWISE = 1, FORM_LEAN = 2 };
+
+/* BRRR_CHAIN_JIT_BLOCKS=b (3 to 8): a contiguous kernel's launch bounds ask for at least b blocks
+ * of 256 threads an SM (at most 65536 / (256 b) registers a thread), in bits 2-5 of the variant;
+ * 0 there (unset, or 2): 2 blocks, at most 128 registers, which no chain spills under. */
+#define VARIANT_BLOCKS(v) ((v) >> 2 & 15)
 
 /* The most elements a contiguous kernel indexes in 32 bits (index32, in the lean form): the
  * indices of the packs past the end (fewer than 512 a block) and of the tail stay below 2^32. */
@@ -466,7 +472,7 @@ static void put_element(text *t, const brrr_chain_kernel *k, int nops, const cha
  * the same program in the caches. */
 static int applied_variant(const brrr_chain_kernel *k, const brrr_chain_steps *p, int wanted) {
     if (k->layout != BRRR_JIT_CONTIGUOUS) return 0;
-    return (wanted & FORM_LEAN) | (packed(k, p) ? ORDER_INTERLEAVED : wanted & ORDER_PACKWISE);
+    return (wanted & ~ORDER_PACKWISE) | (packed(k, p) ? ORDER_INTERLEAVED : wanted & ORDER_PACKWISE);
 }
 
 /* Dense tensors: each thread owns U 16-byte packs of every tensor (packs_per_thread), a block
@@ -489,9 +495,11 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
     const char *at = lean ? "(unsigned long long)first * VEC + u * 256 * VEC" : "p * VEC";
     const char *at_vector = lean ? "(p * VEC) % (I)a.row_length" : "(p * VEC) % a.row_length";
     if (lean) put(t, "typedef %s I; // index\n", k->index32 ? "unsigned" : "unsigned long long");
-    /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels. */
-    put(t, "extern \"C\" __global__ void __launch_bounds__(256, 2) %s(const __grid_constant__ brrr_chain_flat a) {\n"
-           "    constexpr int U = %d, N = VEC * U;\n", kernel_name(k), packs_per_thread(k, p, v));
+    /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels, or
+     * VARIANT_BLOCKS. */
+    put(t, "extern \"C\" __global__ void __launch_bounds__(256, %d) %s(const __grid_constant__ brrr_chain_flat a) {\n"
+           "    constexpr int U = %d, N = VEC * U;\n", VARIANT_BLOCKS(v) ? VARIANT_BLOCKS(v) : 2, kernel_name(k),
+        packs_per_thread(k, p, v));
     if (lean) put(t, "    const I n_packs = (I)a.numel / VEC;\n"
                      "    const I first = (I)blockIdx.x * (256 * U) + threadIdx.x;\n");
     else put(t, "    const long long n_packs = a.numel / VEC;\n"
@@ -1140,8 +1148,9 @@ static void build_all(build *bs, int n) {
 
 /* The variant asked for (docs/kernel-switches.md), read at every launch so that one process can
  * time them all: BRRR_CHAIN_JIT_ORDER unset or `interleaved`, ORDER_INTERLEAVED; `packwise`,
- * ORDER_PACKWISE; and BRRR_CHAIN_JIT_FORM unset or `wide`, the wide form; `lean`, FORM_LEAN. 0,
- * or -1 with a Python exception for any other value (a misspelt value would time the default). */
+ * ORDER_PACKWISE; BRRR_CHAIN_JIT_FORM unset or `wide`, the wide form; `lean`, FORM_LEAN; and
+ * BRRR_CHAIN_JIT_BLOCKS unset or 2 to 8 (VARIANT_BLOCKS). 0, or -1 with a Python exception for
+ * any other value (a misspelt value would time the default). */
 static int variant_wanted(int *variant) {
     const char *order = getenv("BRRR_CHAIN_JIT_ORDER"), *form = getenv("BRRR_CHAIN_JIT_FORM");
     *variant = (order && strcmp(order, "packwise") == 0 ? ORDER_PACKWISE : ORDER_INTERLEAVED) |
@@ -1153,6 +1162,16 @@ static int variant_wanted(int *variant) {
     if (form && !(*variant & FORM_LEAN) && strcmp(form, "wide") != 0) {
         PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_FORM: expected wide or lean, got '%s'", form);
         return -1;
+    }
+    const char *blocks = getenv("BRRR_CHAIN_JIT_BLOCKS");
+    if (blocks) {
+        char *end;
+        const long b = strtol(blocks, &end, 10);
+        if (*blocks == 0 || *end != 0 || b < 2 || b > 8) {
+            PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_BLOCKS: expected 2 to 8, got '%s'", blocks);
+            return -1;
+        }
+        if (b > 2) *variant |= (int)b << 2;
     }
     return 0;
 }

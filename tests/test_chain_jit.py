@@ -127,18 +127,19 @@ def test_a_forward_rolls_runs_of_more_than_64_identical_steps(cache_dir, dtype):
     assert "#pragma unroll 1" not in _C.chain_jit_compile(["tanh"] * 65, dtype)[0]  # called, not inlined
 
 
-def _stack_frames(cubin):
+def _stack_frames(cubin, attributes=(0x11, 0x12)):
     """{attribute: [bytes of stack]} read from a cubin's .nv.info section (ELF64): every
     function's frame (EIATTR_FRAME_SIZE, 0x11) and the kernel's minimum stack (EIATTR_MIN_STACK_SIZE,
-    0x12), as cuobjdump --dump-elf shows them. Entries are 4 bytes (format, attribute, value) except
-    the format 4 ones, which carry a 16-bit size and that many bytes (here: symbol, size)."""
+    0x12), as cuobjdump --dump-elf shows them; other format 4 attributes of a (symbol, value) pair
+    likewise (EIATTR_REGCOUNT, 0x2f: every function's registers). Entries are 4 bytes (format,
+    attribute, value) except the format 4 ones, which carry a 16-bit size and that many bytes."""
     shoff, = struct.unpack_from("<Q", cubin, 0x28)
     entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3a)
     headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
     strings = headers[names][4]
     info = [h for h in headers if cubin[strings + h[0]:].split(b"\0", 1)[0] == b".nv.info"]
     assert len(info) == 1, "a cubin without its .nv.info section"
-    data, frames, i = cubin[info[0][4]:info[0][4] + info[0][5]], {0x11: [], 0x12: []}, 0
+    data, frames, i = cubin[info[0][4]:info[0][4] + info[0][5]], {a: [] for a in attributes}, 0
     while i < len(data):
         fmt, attribute = data[i], data[i + 1]
         size = struct.unpack_from("<H", data, i + 2)[0] if fmt == 4 else 0
@@ -313,6 +314,32 @@ def test_the_form_switch_leaves_strided_and_row_kernels_alone(cache_dir, monkeyp
         assert origin == "compiled" and "ld_pack_if" not in source
         monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", "wide")
         assert _C.chain_jit_compile(steps, dtype, **kw) == (source, cubin, "disk")
+
+
+@needs_nvrtc
+def test_the_blocks_switch_bounds_contiguous_kernels_registers(cache_dir, monkeypatch):
+    """BRRR_CHAIN_JIT_BLOCKS=8 asks for 8 blocks of 256 threads an SM: cos.cos's float32 forward
+    (39 registers wide, 35 lean under the default 2 blocks) fits 32 registers without spilling, in
+    either form; 2 is the default's program (found on disk), and strided kernels keep their bounds."""
+    for form in ("wide", "lean"):
+        monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
+        monkeypatch.delenv("BRRR_CHAIN_JIT_BLOCKS", raising=False)
+        default, cubin, _ = _C.chain_jit_compile(["cos", "cos"], "float32", index32=True)
+        assert max(_stack_frames(cubin, (0x2f,))[0x2f]) > 32 and "__launch_bounds__(256, 2)" in default
+        monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", "2")
+        assert _C.chain_jit_compile(["cos", "cos"], "float32", index32=True) == (default, cubin, "disk")
+        monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", "8")
+        bounded, cubin, origin = _C.chain_jit_compile(["cos", "cos"], "float32", index32=True)
+        assert origin == "compiled" and "__launch_bounds__(256, 8)" in bounded
+        frames = _stack_frames(cubin, (0x11, 0x2f))
+        # 8 bytes of frame: the calls of the out-of-range copies keep a register there (in the
+        # sm_90 SASS no local load or store is left in the kernel itself)
+        assert frames[0x2f] and max(frames[0x2f]) <= 32 and max(frames[0x11]) <= 8, frames
+        strided = _C.chain_jit_compile(["cos", "cos"], "float32", layout="strided", ndim=2)
+        assert strided[2] == ("compiled" if form == "wide" else "disk") and "__launch_bounds__(256)" in strided[0]
+    monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", "9")
+    with pytest.raises(ValueError, match="BRRR_CHAIN_JIT_BLOCKS: expected 2 to 8, got '9'"):
+        _C.chain_jit_compile(["relu"], "float32")
 
 
 def test_an_unknown_form_is_refused(monkeypatch):
@@ -703,16 +730,20 @@ def test_every_variant_matches_interpreted_and_float64(monkeypatch, form, order,
 def test_the_lean_form_against_the_wide_form_torch_and_float64(monkeypatch, n):
     """x * c repeated 1, 64 and 256 times (rolled, 2 packs a thread in the lean form) and a chain
     with a rolled run, a trig pack and a tail: the lean form computes each value as the wide one
-    does (the same bits), float32 x * c as torch's repeated multiply, all near float64."""
+    does (the same bits), with its launch bounds at 8 blocks an SM too (BRRR_CHAIN_JIT_BLOCKS),
+    float32 x * c as torch's repeated multiply, all near float64."""
     chains = [[("mul", 1.001)] * r for r in (1, 64, 256)] + [["cos", ("mul", 1.001)] + [("add", 0.001)] * 70]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = random((n,), dtype, "cuda", -2.0, 2.0)
         for steps in chains:
             got = {}
-            for form in ("wide", "lean"):
+            for form, blocks in (("wide", "2"), ("lean", "2"), ("lean", "8")):
                 monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
-                got[form] = brrr.chain(*steps)(x)
-            torch.testing.assert_close(got["lean"], got["wide"], rtol=0, atol=0)
+                monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", blocks)
+                got[form + blocks] = brrr.chain(*steps)(x)
+            torch.testing.assert_close(got["lean2"], got["wide2"], rtol=0, atol=0)
+            torch.testing.assert_close(got["lean8"], got["wide2"], rtol=0, atol=0)
+            got["lean"] = got["lean2"]
             assert_close(got["lean"], reference(steps, x.double(), []), dtype, scale=8.0)
             if dtype == torch.float32 and steps[0] == steps[-1]:
                 want = x.clone()
