@@ -92,6 +92,30 @@ def _interpreted(fn):
     return run
 
 
+# BRRR_BENCH_CHAIN_FORMS=wide,lean: the repeat sweep times brrr once per value of
+# BRRR_CHAIN_JIT_FORM (read at every launch; docs/kernel-switches.md) as impl "brrr[value]",
+# in one run with one torch.compile per row; unset, brrr as it runs by default.
+FORMS = [f for f in os.environ.get("BRRR_BENCH_CHAIN_FORMS", "").split(",") if f]
+
+
+class _form:
+    """BRRR_CHAIN_JIT_FORM set to `value` inside the block (None: left as it is)."""
+
+    def __init__(self, value):
+        self.value, self.previous = value, None
+
+    def __enter__(self):
+        self.previous = os.environ.get("BRRR_CHAIN_JIT_FORM")
+        if self.value is not None:
+            os.environ["BRRR_CHAIN_JIT_FORM"] = self.value
+
+    def __exit__(self, *exc):
+        if self.previous is None:
+            os.environ.pop("BRRR_CHAIN_JIT_FORM", None)
+        else:
+            os.environ["BRRR_CHAIN_JIT_FORM"] = self.previous
+
+
 def test_repeat_sweep(recorder):
     """x * c applied r times: memory-bound while the arithmetic hides under the loads, then
     compute-bound (the seed's experiment). brrr compiles one kernel for the r steps, one pass;
@@ -113,17 +137,21 @@ def test_repeat_sweep(recorder):
 
             eager = _mul_chain(r)
             comp = compiled(_mul_chain(r)) if not QUICK else None
-            # Against float64: eager rounds to bfloat16 after every multiply (1.0001 is lost),
-            # brrr and torch.compile once at the end.
-            check(chain(x), x.double() * 1.0001 ** r, dtype)
             row = dict(family="repeat", op=f"mul x{r}", dtype=dtype, shape=(n,), pass_="fwd",
                        bytes_moved=2 * n * x.element_size(), repeats=r, flops=r * n)
-            impls = {"brrr": lambda: chain(x), "brrr interpreted": _interpreted(interpreted) if on_gpu() else None,
-                     "eager": lambda: eager(x), "compile": comp and (lambda: comp(x))}
-            for impl, fn in impls.items():
+            impls = {f"brrr[{f}]": (f, lambda: chain(x)) for f in FORMS} or {"brrr": (None, lambda: chain(x))}
+            for form, fn in impls.values():
+                # Against float64: eager rounds to bfloat16 after every multiply (1.0001 is lost),
+                # brrr and torch.compile once at the end.
+                with _form(form):
+                    check(fn(), x.double() * 1.0001 ** r, dtype)
+            impls.update({"brrr interpreted": (None, _interpreted(interpreted) if on_gpu() else None),
+                          "eager": (None, lambda: eager(x)), "compile": (None, comp and (lambda: comp(x)))})
+            for impl, (form, fn) in impls.items():
                 if fn is None:
                     continue
-                ms = time_ms(fn, max_time_s=0.5)
+                with _form(form):
+                    ms = time_ms(fn, max_time_s=0.5)
                 rec = recorder.add_timing(impl=impl, ms=ms, brrr_passes=passes if impl == "brrr interpreted" else 1, **row)
                 rec["GFLOPs"] = r * n / (ms * 1e-3) / 1e9
 

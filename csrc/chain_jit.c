@@ -18,10 +18,10 @@
  * records the chain) builds its forward and its backward at once, on two threads: NVRTC compiles
  * programs in parallel, so a first call with autograd waits for the longer of the two compiles.
  * Compiled kernels are cached in memory (per process, keyed by the kernel's specification, steps,
- * architecture and generated order, BRRR_CHAIN_JIT_ORDER) and on disk, in $BRRR_CACHE_DIR, else
+ * architecture and generated variant, BRRR_CHAIN_JIT_ORDER and _FORM) and on disk, in $BRRR_CACHE_DIR, else
  * $XDG_CACHE_HOME/brrr, else ~/.cache/brrr: one file per program, named by a hash of its identity
  * (brrr's version, the architecture, the embedded headers and the whole generated source, which
- * differs between the orders where one applies), holding that identity, the cubin and a checksum.
+ * differs between the variants where one applies), holding that identity, the cubin and a checksum.
  * A file is written to a temporary name and renamed into place, so readers see a whole file or
  * none, and two processes compiling the same chain both succeed; a file whose identity or checksum
  * does not match is compiled again and replaced.
@@ -202,14 +202,45 @@ static int packed(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
     return (trig || runs) && inlined(p);
 }
 
-/* The 16-byte packs a thread of a contiguous kernel owns: 2 (the bytes in flight that keep HBM busy
- * at the repeat sweep's knee), or 1 where an inlined chain's copies (one per value) would hold
- * more than 1024 steps: such a chain is compute-bound, a thread's 4 (float32) or 8 (half) values
- * still hide the arithmetic's latency, and NVRTC compiles half the copies: 256 multiplies in
- * 0.07 s instead of 0.10 (float32), 0.11 s instead of 0.18 (bfloat16). */
-static int packs_per_thread(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+/* The variants of a kernel's program, bits of one int (docs/kernel-switches.md). ORDER_PACKWISE
+ * (BRRR_CHAIN_JIT_ORDER=packwise, else ORDER_INTERLEAVED): the order of a contiguous kernel's work
+ * after its loads (put_contiguous_kernel). FORM_LEAN (BRRR_CHAIN_JIT_FORM=lean, else the wide
+ * form): a contiguous kernel's indices in 32 bits where they fit, its loads predicated at one
+ * address a thread, half the fixed instructions a value (put_contiguous_kernel); and
+ * VARIANT_BLOCKS. */
+enum { ORDER_INTERLEAVED = 0, ORDER_PACKWISE = 1, FORM_LEAN = 2 };
+
+/* BRRR_CHAIN_JIT_BLOCKS=b (3 to 8): a contiguous kernel's launch bounds ask for at least b blocks
+ * of 256 threads an SM (at most 65536 / (256 b) registers a thread), in bits 2-5 of the variant;
+ * 0 there (unset, or 2): 2 blocks, at most 128 registers, which no chain spills under. */
+#define VARIANT_BLOCKS(v) ((v) >> 2 & 15)
+
+/* The most elements a contiguous kernel indexes in 32 bits (index32, in the lean form): the
+ * indices of the packs past the end (fewer than 512 a block) and of the tail stay below 2^32. */
+#define BRRR_JIT_CONTIGUOUS_INDEX32 0xFFFF0000LL
+
+/* The steps of one inlined copy of kernel k's chain: a rolled run counts its BRRR_JIT_RUN_UNROLL. */
+static int copy_steps(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
+    int n = 0;
+    for (int s = 0; s < p->n_steps;) {
+        const int run = run_length(p, s);
+        n += rolled(k, p, s) ? BRRR_JIT_RUN_UNROLL : run;
+        s += rolled(k, p, s) ? run / BRRR_JIT_RUN_UNROLL * BRRR_JIT_RUN_UNROLL : run;
+    }
+    return n;
+}
+
+/* The 16-byte packs a thread of a contiguous kernel in variant v (applied_variant) owns: 2 (the
+ * bytes in flight that keep HBM busy at the repeat sweep's knee), or 1 where an inlined chain's
+ * copies (one per value) would hold more than 1024 steps: such a chain is compute-bound, a
+ * thread's 4 (float32) or 8 (half) values still hide the arithmetic's latency, and NVRTC compiles
+ * half the copies: 256 multiplies in 0.07 s instead of 0.10 (float32), 0.11 s instead of 0.18
+ * (bfloat16), before runs were rolled. The wide form counts a chain's steps, the lean one the
+ * steps of its copy (a rolled run's 64): 128 and 256 multiplies forward keep 2 packs, which halves
+ * the instructions a value spends outside the steps (its share of the thread's fixed ones). */
+static int packs_per_thread(const brrr_chain_kernel *k, const brrr_chain_steps *p, int v) {
     const int vec = 16 / (int)brrr_dtype_size(k->dtype);
-    return inlined(p) && 2 * vec * p->n_steps > 1024 ? 1 : 2;
+    return inlined(p) && 2 * vec * (v & FORM_LEAN ? copy_steps(k, p) : p->n_steps) > 1024 ? 1 : 2;
 }
 
 /* "fwd" or "bwd", in the names of a kernel's element functions (chain_fwd, chain_bwd_n, ...). */
@@ -435,62 +466,90 @@ static void put_element(text *t, const brrr_chain_kernel *k, int nops, const cha
         if (grad_wanted(k, b) && !is_vector(k, b)) put(t, "%sg%d[j] = res.g%d * gr[j];\n", indent, b, b);
 }
 
-/* The order of a contiguous kernel's work after its loads (BRRR_CHAIN_JIT_ORDER,
- * docs/kernel-switches.md): ORDER_INTERLEAVED, every value of the thread computed, then every pack
- * stored; ORDER_PACKWISE, each 16-byte pack computed and stored before the next. */
-enum { ORDER_INTERLEAVED, ORDER_PACKWISE };
-
-/* The order kernel k of steps p is generated in when `wanted` is asked for: packwise applies to
- * contiguous kernels without the pack function (packed) only; others are interleaved whatever is
- * asked, so that both values find the same program in the caches. */
-static int applied_order(const brrr_chain_kernel *k, const brrr_chain_steps *p, int wanted) {
-    return k->layout == BRRR_JIT_CONTIGUOUS && !packed(k, p) ? wanted : ORDER_INTERLEAVED;
+/* The variant kernel k of steps p is generated in when variant `wanted` is asked for: packwise
+ * applies to contiguous kernels without the pack function (packed) only, the lean form to
+ * contiguous kernels; others are interleaved and wide whatever is asked, so that every value finds
+ * the same program in the caches. */
+static int applied_variant(const brrr_chain_kernel *k, const brrr_chain_steps *p, int wanted) {
+    if (k->layout != BRRR_JIT_CONTIGUOUS) return 0;
+    return (wanted & ~ORDER_PACKWISE) | (packed(k, p) ? ORDER_INTERLEAVED : wanted & ORDER_PACKWISE);
 }
 
 /* Dense tensors: each thread owns U 16-byte packs of every tensor (packs_per_thread), a block
  * apart (coalesced), all loaded before any is computed, as the precompiled contiguous kernels do
  * (the bytes in flight that keep HBM busy); block 0 takes the last numel % VEC elements one per
- * thread. order: applied_order's. */
-static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p, int order) {
-    const int nops = p->n_operands;
+ * thread. v: applied_variant's.
+ *
+ * The wide form indexes in long long and loads a pack past the end as the last one again, each
+ * pack at its own address. The lean form indexes in 32 bits where the kernel's index32 says they
+ * fit (else in 64, unsigned: no signed division), and loads each pack predicated (ld_pack_if),
+ * all of a thread's packs of a tensor at one address and its immediate offsets, as Triton's
+ * kernels do; half types unpack their words with one instruction a value. In the sm_90 SASS
+ * (nvcc 13.0) of x * c once, a thread's instructions besides its multiplies: float32 20 for 8
+ * values in the lean form against 48 wide, bfloat16 44 for 16 against 87 (the lean counts
+ * include the unpacking and packing of the values). */
+static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p, int v) {
+    const int nops = p->n_operands, lean = v & FORM_LEAN;
     const char *result = k->backward ? "t" : "y";
-    /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels. */
-    put(t, "extern \"C\" __global__ void __launch_bounds__(256, 2) %s(const __grid_constant__ brrr_chain_flat a) {\n"
-           "    constexpr int U = %d, N = VEC * U;\n"
-           "    const long long n_packs = a.numel / VEC;\n"
-           "    const long long first = (long long)blockIdx.x * (256 * U) + threadIdx.x;\n"
-           "    A y[N]%s", kernel_name(k), packs_per_thread(k, p), k->backward ? ", gr[N], t[N]" : "");
+    /* Where pack u (index p) of a tensor starts, in elements; of a vector operand. */
+    const char *at = lean ? "(unsigned long long)first * VEC + u * 256 * VEC" : "p * VEC";
+    const char *at_vector = lean ? "(p * VEC) % (I)a.row_length" : "(p * VEC) % a.row_length";
+    if (lean) put(t, "typedef %s I; // index\n", k->index32 ? "unsigned" : "unsigned long long");
+    /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels, or
+     * VARIANT_BLOCKS. */
+    put(t, "extern \"C\" __global__ void __launch_bounds__(256, %d) %s(const __grid_constant__ brrr_chain_flat a) {\n"
+           "    constexpr int U = %d, N = VEC * U;\n", VARIANT_BLOCKS(v) ? VARIANT_BLOCKS(v) : 2, kernel_name(k),
+        packs_per_thread(k, p, v));
+    if (lean) put(t, "    const I n_packs = (I)a.numel / VEC;\n"
+                     "    const I first = (I)blockIdx.x * (256 * U) + threadIdx.x;\n");
+    else put(t, "    const long long n_packs = a.numel / VEC;\n"
+                "    const long long first = (long long)blockIdx.x * (256 * U) + threadIdx.x;\n");
+    put(t, "    A y[N]%s", k->backward ? ", gr[N], t[N]" : "");
     for (int b = 0; b < nops; b++) put(t, ", v%d[N]", b);
     for (int b = 0; b < nops; b++) /* the pack function sets them all; else only the gradients stored */
         if (packed(k, p) ? k->backward : grad_wanted(k, b) && !is_vector(k, b)) put(t, ", g%d[N]", b);
-    /* A pack past the end loads the last one again (its values are computed, not stored). With
-     * a branch around each load, ptxas sank the first pack's steps into it and loaded the second
-     * pack only after computing the first: half the bytes in flight (the likely cause of float32
-     * x * c 64 times running at 0.88 of torch.compile's speed). Unguarded, the second load is
-     * issued first. */
-    put(t, ";\n    if (n_packs > 0) {\n#pragma unroll\n"
-           "    for (int u = 0; u < U; ++u) {\n"
-           "        const long long q = first + (long long)u * 256, p = q < n_packs ? q : n_packs - 1;\n"
-           "        ld_pack(static_cast<const T *>(a.x) + p * VEC, y + u * VEC);\n");
-    if (k->backward) put(t, "        ld_pack(static_cast<const T *>(a.grad_out) + p * VEC, gr + u * VEC);\n");
-    for (int b = 0; b < nops; b++)
-        put(t, "        ld_pack(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC);\n", b,
-            is_vector(k, b) ? "(p * VEC) % a.row_length" : "p * VEC", b);
+    if (lean) {
+        /* Predicated, not branched around (below): a pack past the end is not loaded, its values
+         * are computed and not stored. */
+        put(t, ";\n    {\n#pragma unroll\n"
+               "    for (int u = 0; u < U; ++u) {\n"
+               "        const I p = first + (I)u * 256;\n"
+               "        ld_pack_if(static_cast<const T *>(a.x) + %s, y + u * VEC, p < n_packs);\n", at);
+        if (k->backward) put(t, "        ld_pack_if(static_cast<const T *>(a.grad_out) + %s, gr + u * VEC, p < n_packs);\n", at);
+        for (int b = 0; b < nops; b++)
+            put(t, "        ld_pack_if(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC, p < n_packs);\n", b,
+                is_vector(k, b) ? at_vector : at, b);
+    } else {
+        /* A pack past the end loads the last one again (its values are computed, not stored).
+         * With a branch around each load, ptxas sank the first pack's steps into it and loaded
+         * the second pack only after computing the first: half the bytes in flight (the likely
+         * cause of float32 x * c 64 times running at 0.88 of torch.compile's speed). Unguarded,
+         * the second load is issued first. */
+        put(t, ";\n    if (n_packs > 0) {\n#pragma unroll\n"
+               "    for (int u = 0; u < U; ++u) {\n"
+               "        const long long q = first + (long long)u * 256, p = q < n_packs ? q : n_packs - 1;\n"
+               "        ld_pack(static_cast<const T *>(a.x) + p * VEC, y + u * VEC);\n");
+        if (k->backward) put(t, "        ld_pack(static_cast<const T *>(a.grad_out) + p * VEC, gr + u * VEC);\n");
+        for (int b = 0; b < nops; b++)
+            put(t, "        ld_pack(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC);\n", b,
+                is_vector(k, b) ? at_vector : at, b);
+    }
     put(t, "    }\n");
-    if (order == ORDER_PACKWISE) {
+    const char *index = lean ? "I" : "long long";
+    if (v & ORDER_PACKWISE) {
         /* Each pack computed and stored before the next, as Triton orders x * c repeated: the
          * branch keeps ptxas from interleaving the packs, so the first pack's store is issued
          * halfway through the thread's arithmetic and the stores spread over the kernel's time
          * (the knee of the repeat sweep, where memory and arithmetic take about as long). */
         put(t, "#pragma unroll\n    for (int u = 0; u < U; ++u) {\n"
-               "        const long long p = first + (long long)u * 256;\n"
+               "        const %s p = first + (%s)u * 256;\n"
                "        if (p >= n_packs) break;\n"
-               "#pragma unroll\n        for (int j = u * VEC; j < (u + 1) * VEC; ++j) {\n");
+               "#pragma unroll\n        for (int j = u * VEC; j < (u + 1) * VEC; ++j) {\n", index, index);
         put_element(t, k, nops, "            ");
-        put(t, "        }\n        st_pack_if(static_cast<T *>(a.out) + p * VEC, %s + u * VEC, true);\n", result);
+        put(t, "        }\n        st_pack_if(static_cast<T *>(a.out) + %s, %s + u * VEC, true);\n", at, result);
         for (int b = 0; b < nops; b++)
             if (grad_wanted(k, b) && !is_vector(k, b))
-                put(t, "        st_pack_if(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC, true);\n", b, b);
+                put(t, "        st_pack_if(static_cast<T *>(a.grad_operands[%d]) + %s, g%d + u * VEC, true);\n", b, at, b);
     } else {
         if (packed(k, p)) { /* the whole pack at once: y becomes the value, or t and g0.. the derivatives */
             put(t, "    chain_%s_n(y", direction(k));
@@ -513,16 +572,21 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
          * steps (as Triton's kernels do), for latency hiding at the knee of the repeat sweep. */
         put(t, "    }\n#pragma unroll\n"
                "    for (int u = 0; u < U; ++u) {\n"
-               "        const long long p = first + (long long)u * 256;\n"
-               "        st_pack_if(static_cast<T *>(a.out) + p * VEC, %s + u * VEC, p < n_packs);\n", result);
+               "        const %s p = first + (%s)u * 256;\n"
+               "        st_pack_if(static_cast<T *>(a.out) + %s, %s + u * VEC, p < n_packs);\n", index, index, at, result);
         for (int b = 0; b < nops; b++)
             if (grad_wanted(k, b) && !is_vector(k, b))
-                put(t, "        st_pack_if(static_cast<T *>(a.grad_operands[%d]) + p * VEC, g%d + u * VEC, p < n_packs);\n", b, b);
+                put(t, "        st_pack_if(static_cast<T *>(a.grad_operands[%d]) + %s, g%d + u * VEC, p < n_packs);\n", b, at, b);
     }
-    put(t, "    }\n    }\n"
-           "    const long long i = n_packs * VEC + threadIdx.x;\n"
-           "    if (VEC == 1 || blockIdx.x != 0 || i >= a.numel) return;\n"
-           "    const A y0 = ld(static_cast<const T *>(a.x)[i]);\n");
+    put(t, "    }\n    }\n");
+    if (lean) /* block 0 first: the other blocks leave on one uniform test */
+        put(t, "    if (VEC == 1 || blockIdx.x != 0) return;\n"
+               "    const I i = n_packs * VEC + threadIdx.x;\n"
+               "    if (i >= (I)a.numel) return;\n");
+    else
+        put(t, "    const long long i = n_packs * VEC + threadIdx.x;\n"
+               "    if (VEC == 1 || blockIdx.x != 0 || i >= a.numel) return;\n");
+    put(t, "    const A y0 = ld(static_cast<const T *>(a.x)[i]);\n");
     for (int b = 0; b < nops; b++)
         put(t, "    const A v%d0 = ld(static_cast<const T *>(a.operands[%d])[%s]);\n", b, b,
             is_vector(k, b) ? "i % a.row_length" : "i");
@@ -645,10 +709,14 @@ static void put_rows_kernel(text *t, const brrr_chain_kernel *k, int nops) {
     put(t, "}\n");
 }
 
-/* The whole source of kernel k's program for steps p in the order `wanted` (applied_order); NULL
+/* The whole source of kernel k's program for steps p in variant `wanted` (applied_variant); NULL
  * when out of memory. */
 static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p, int wanted) {
     text t = {NULL, 0, 0, 0};
+    const int v = applied_variant(k, p, wanted);
+    /* The lean form's ld_pack_if: the values of a pack's 4 words w; bfloat16's with one
+     * instruction each, where ld's conversion of each unsigned short took two or three. */
+    const char *unpack = "    Pack k;\n    memcpy(&k, w, sizeof k);\n#pragma unroll\n    for (int j = 0; j < VEC; ++j) out[j] = ld(k.v[j]);";
     const char *storage, *compute, *math, *ld, *st;
     int math_id = 1; /* chain_math.cuh's BRRR_CHAIN_MATH for M */
     switch (k->dtype) {
@@ -660,6 +728,8 @@ static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p,
     case BRRR_BF16:
         storage = "unsigned short", compute = "float", math = "Fast32", math_id = 2;
         ld = "return __uint_as_float((unsigned)v << 16);";
+        unpack = "#pragma unroll\n    for (int j = 0; j < 4; ++j) {\n        out[2 * j] = __uint_as_float(w[j] << 16);\n"
+                 "        out[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);\n    }";
         st = "unsigned short h;\n    asm(\"cvt.rn.bf16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(v));\n    return h;";
         break;
     case BRRR_F64:
@@ -679,21 +749,29 @@ static char *chain_source(const brrr_chain_kernel *k, const brrr_chain_steps *p,
             "constexpr int VEC = 16 / (int)sizeof(T);\n"
             "struct alignas(16) Pack {\n    T v[VEC];\n};\n"
             "__device__ __forceinline__ A ld(const T v) {\n    %s\n}\n"
-            "__device__ __forceinline__ T st(const A v) {\n    %s\n}\n"
-            "__device__ __forceinline__ void ld_pack(const T *p, A *out) {\n"
-            "    const Pack k = *reinterpret_cast<const Pack *>(p);\n"
-            "#pragma unroll\n    for (int j = 0; j < VEC; ++j) out[j] = ld(k.v[j]);\n}\n"
-            "// Stores the pack where ok: predicated, no branch, so the compiler cannot sink steps into one.\n"
+            "__device__ __forceinline__ T st(const A v) {\n    %s\n}\n",
+        math_id, storage, compute, math, ld, st);
+    if (!(v & FORM_LEAN))
+        put(&t, "__device__ __forceinline__ void ld_pack(const T *p, A *out) {\n"
+                "    const Pack k = *reinterpret_cast<const Pack *>(p);\n"
+                "#pragma unroll\n    for (int j = 0; j < VEC; ++j) out[j] = ld(k.v[j]);\n}\n");
+    put(&t, "// Stores the pack where ok: predicated, no branch, so the compiler cannot sink steps into one.\n"
             "__device__ __forceinline__ void st_pack_if(T *p, const A *in, bool ok) {\n"
             "    Pack k;\n"
             "#pragma unroll\n    for (int j = 0; j < VEC; ++j) k.v[j] = st(in[j]);\n"
             "    unsigned w[4];\n"
             "    memcpy(w, &k, sizeof w);\n"
             "    asm volatile(\"{\\n\\t.reg .pred p;\\n\\tsetp.ne.b32 p, %%5, 0;\\n\\t@p st.global.v4.b32 [%%0], {%%1, %%2, %%3, %%4};\\n\\t}\"\n"
-            "                 :: \"l\"(p), \"r\"(w[0]), \"r\"(w[1]), \"r\"(w[2]), \"r\"(w[3]), \"r\"((int)ok) : \"memory\");\n}\n\n",
-        math_id, storage, compute, math, ld, st);
+            "                 :: \"l\"(p), \"r\"(w[0]), \"r\"(w[1]), \"r\"(w[2]), \"r\"(w[3]), \"r\"((int)ok) : \"memory\");\n}\n\n");
+    if (v & FORM_LEAN)
+        put(&t, "// Loads the pack where ok: predicated, no branch; elsewhere its values are undefined (computed, never stored).\n"
+                "__device__ __forceinline__ void ld_pack_if(const T *p, A *out, bool ok) {\n"
+                "    unsigned w[4];\n"
+                "    asm volatile(\"{\\n\\t.reg .pred p;\\n\\tsetp.ne.b32 p, %%5, 0;\\n\\t@p ld.global.v4.b32 {%%0, %%1, %%2, %%3}, [%%4];\\n\\t}\"\n"
+                "                 : \"=r\"(w[0]), \"=r\"(w[1]), \"=r\"(w[2]), \"=r\"(w[3]) : \"l\"(p), \"r\"((int)ok));\n"
+                "%s\n}\n\n", unpack);
     put_element_functions(&t, k, p);
-    if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p, applied_order(k, p, wanted));
+    if (k->layout == BRRR_JIT_CONTIGUOUS) put_contiguous_kernel(&t, k, p, v);
     else if (k->layout == BRRR_JIT_STRIDED) put_strided_kernel(&t, k, p->n_operands);
     else put_rows_kernel(&t, k, p->n_operands);
     return t.data;
@@ -999,13 +1077,13 @@ static struct {
 } stats;
 static pthread_mutex_t compile_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* One kernel's program to build, in the order `order` asks for (chain_source): its cubin
+/* One kernel's program to build, in the variant `variant` asks for (chain_source): its cubin
  * (malloc'd; NULL on failure, with a malloc'd error and missing set when for want of NVRTC), where
  * it came from, and with want_source its source. */
 typedef struct {
     brrr_chain_kernel k;
     const brrr_chain_steps *p;
-    int arch, order, skip_disk, want_source;
+    int arch, variant, skip_disk, want_source;
     char *image, *source, *error;
     size_t size;
     int origin, missing;
@@ -1017,7 +1095,7 @@ typedef struct {
 static void build_run(build *b) {
     b->image = b->source = b->error = NULL;
     b->missing = 0;
-    char *source = chain_source(&b->k, b->p, b->order), *identity = source ? kernel_identity(source, b->arch) : NULL;
+    char *source = chain_source(&b->k, b->p, b->variant), *identity = source ? kernel_identity(source, b->arch) : NULL;
     char dir[PATH_MAX], path[PATH_MAX + 64];
     const int have_dir = identity && cache_dir(dir, sizeof dir);
     text t = {NULL, 0, 0, 0};
@@ -1068,15 +1146,32 @@ static void build_all(build *bs, int n) {
 
 /* ---- the kernels of this process -------------------------------------------------------------- */
 
-/* BRRR_CHAIN_JIT_ORDER (docs/kernel-switches.md), read at every launch so that one process can
- * time both orders: unset or `interleaved`, ORDER_INTERLEAVED; `packwise`, ORDER_PACKWISE. 0, or
- * -1 with a Python exception for any other value (a misspelt value would time the default). */
-static int order_wanted(int *order) {
-    const char *v = getenv("BRRR_CHAIN_JIT_ORDER");
-    *order = v && strcmp(v, "packwise") == 0 ? ORDER_PACKWISE : ORDER_INTERLEAVED;
-    if (v && *order == ORDER_INTERLEAVED && strcmp(v, "interleaved") != 0) {
-        PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_ORDER: expected interleaved or packwise, got '%s'", v);
+/* The variant asked for (docs/kernel-switches.md), read at every launch so that one process can
+ * time them all: BRRR_CHAIN_JIT_ORDER unset or `interleaved`, ORDER_INTERLEAVED; `packwise`,
+ * ORDER_PACKWISE; BRRR_CHAIN_JIT_FORM unset or `wide`, the wide form; `lean`, FORM_LEAN; and
+ * BRRR_CHAIN_JIT_BLOCKS unset or 2 to 8 (VARIANT_BLOCKS). 0, or -1 with a Python exception for
+ * any other value (a misspelt value would time the default). */
+static int variant_wanted(int *variant) {
+    const char *order = getenv("BRRR_CHAIN_JIT_ORDER"), *form = getenv("BRRR_CHAIN_JIT_FORM");
+    *variant = (order && strcmp(order, "packwise") == 0 ? ORDER_PACKWISE : ORDER_INTERLEAVED) |
+               (form && strcmp(form, "lean") == 0 ? FORM_LEAN : 0);
+    if (order && !(*variant & ORDER_PACKWISE) && strcmp(order, "interleaved") != 0) {
+        PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_ORDER: expected interleaved or packwise, got '%s'", order);
         return -1;
+    }
+    if (form && !(*variant & FORM_LEAN) && strcmp(form, "wide") != 0) {
+        PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_FORM: expected wide or lean, got '%s'", form);
+        return -1;
+    }
+    const char *blocks = getenv("BRRR_CHAIN_JIT_BLOCKS");
+    if (blocks) {
+        char *end;
+        const long b = strtol(blocks, &end, 10);
+        if (*blocks == 0 || *end != 0 || b < 2 || b > 8) {
+            PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_BLOCKS: expected 2 to 8, got '%s'", blocks);
+            return -1;
+        }
+        if (b > 2) *variant |= (int)b << 2;
     }
     return 0;
 }
@@ -1085,7 +1180,7 @@ static int jit_enabled = 1;
 
 #if BRRR_WITH_CUDA
 /* The table of loaded kernels: open addressing on an FNV-1a hash of the key (the kernel's
- * specification, the architecture, the order it was generated in, the steps). kernel NULL: that kernel failed to build (the
+ * specification, the architecture, the variant it was generated in, the steps). kernel NULL: that kernel failed to build (the
  * interpreted kernels run it from then on). Guarded by table_lock, as is `with_backward`: the
  * chains whose backward is wanted (chain_jit_with_backward), keyed by their steps alone. */
 typedef struct {
@@ -1104,13 +1199,15 @@ static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 
 typedef struct {
     brrr_chain_kernel k;
-    int32_t arch, order, n_steps;
+    int32_t arch, variant, n_steps;
 } key_head;
 
-/* The key of kernel k for steps p on sm_<arch> when order `wanted` is asked for: the order it is
- * generated in (applied_order), so that one order's program never answers for the other's. */
+/* The key of kernel k for steps p on sm_<arch> when variant `wanted` is asked for: the variant it
+ * is generated in (applied_variant), so that one variant's program never answers for another's. A
+ * contiguous kernel's index32 only counts in the lean form, the wide one's source ignores it. */
 static unsigned char *make_key(const brrr_chain_kernel *k, int arch, int wanted, const brrr_chain_steps *p, size_t *len) {
-    const key_head head = {*k, arch, applied_order(k, p, wanted), p->n_steps};
+    key_head head = {*k, arch, applied_variant(k, p, wanted), p->n_steps};
+    if (k->layout == BRRR_JIT_CONTIGUOUS && !(head.variant & FORM_LEAN)) head.k.index32 = 0;
     *len = sizeof head + (size_t)p->n_steps * sizeof(brrr_chain_step);
     unsigned char *key = malloc(*len);
     if (key == NULL) return NULL;
@@ -1176,7 +1273,7 @@ static brrr_chain_kernel kernel_for(const brrr_chain_launch *L, int n_operands, 
     const int64_t vec = 16 / (int64_t)brrr_dtype_size(L->dtype);
     if (L->partials) k.layout = BRRR_JIT_ROWS;
     else if (L->contiguous && aligned && (!k.vector_mask || L->row_length % vec == 0))
-        k.layout = BRRR_JIT_CONTIGUOUS, k.ndim = 1, k.index32 = 0;
+        k.layout = BRRR_JIT_CONTIGUOUS, k.ndim = 1, k.index32 = L->numel <= BRRR_JIT_CONTIGUOUS_INDEX32;
     return k;
 }
 
@@ -1220,7 +1317,7 @@ static void *load(build *b) {
     return kernel;
 }
 
-/* The loaded kernel for (k, arch, p) in order `wanted` (applied_order), building it if need be: 1 found (*kernel NULL when it
+/* The loaded kernel for (k, arch, p) in variant `wanted` (applied_variant), building it if need be: 1 found (*kernel NULL when it
  * failed to build, with the reason in *error the first time, *missing when for want of NVRTC),
  * 0 when it is not built and the stream is capturing, -1 with a Python exception. Builds without
  * the GIL. A contiguous forward of a chain whose backward is wanted is built at the same time as
@@ -1262,7 +1359,7 @@ static int find_kernel(const brrr_chain_kernel *k, int arch, int wanted, const b
         clock_gettime(CLOCK_MONOTONIC, &t0);
         build bs[2];
         void *kernels[2] = {NULL, NULL};
-        for (int i = 0; i < n; i++) bs[i] = (build){.k = ks[i], .p = p, .arch = arch, .order = wanted};
+        for (int i = 0; i < n; i++) bs[i] = (build){.k = ks[i], .p = p, .arch = arch, .variant = wanted};
         build_all(bs, n);
         for (int i = 0; i < n; i++) kernels[i] = load(&bs[i]);
         clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -1298,9 +1395,9 @@ int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_s
     const brrr_chain_kernel k = kernel_for(L, prog->n_operands, backward);
     void *stream = brrr_call_stream(&c->call), *kernel;
     char *error;
-    int missing, order;
-    if (order_wanted(&order) < 0) return -1;
-    const int found = find_kernel(&k, archs[device], order, prog, stream, &kernel, &error, &missing);
+    int missing, variant;
+    if (variant_wanted(&variant) < 0) return -1;
+    const int found = find_kernel(&k, archs[device], variant, prog, stream, &kernel, &error, &missing);
     if (found < 0) return -1;
     if (!found) {
         if (interpretable)
@@ -1330,7 +1427,7 @@ int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_s
         flat.x = L->x.data, flat.out = L->out.data, flat.grad_out = L->grad_out.data;
         for (int b = 0; b < prog->n_operands; b++) flat.operands[b] = L->operands[b].data, flat.grad_operands[b] = L->grad_operands[b].data;
         flat.numel = L->numel, flat.row_length = L->row_length;
-        const int64_t packs = L->numel / (16 / (int64_t)brrr_dtype_size(L->dtype)), per_block = 256 * packs_per_thread(&k, prog);
+        const int64_t packs = L->numel / (16 / (int64_t)brrr_dtype_size(L->dtype)), per_block = 256 * packs_per_thread(&k, prog, applied_variant(&k, prog, variant));
         grid[0] = (unsigned)((packs + per_block - 1) / per_block);
         grid[0] = grid[0] ? grid[0] : 1;
         param = &flat;
@@ -1374,7 +1471,9 @@ static int parse_dtype(const char *name, int32_t *dtype) {
  * CUDA call would compile, through the disk cache (origin "disk" or "compiled"), without a GPU;
  * with_backward: the forward's backward (of every operand's gradient) built at the same time on a
  * second thread, as a chain whose backward is wanted gets it (the result is the forward's). In the
- * order BRRR_CHAIN_JIT_ORDER asks for, as a launch. For tests and the first-call benchmark. */
+ * variant BRRR_CHAIN_JIT_ORDER and BRRR_CHAIN_JIT_FORM ask for, as a launch (index32: a contiguous
+ * kernel's, in the lean form, is a launch's of at most 0xFFFF0000 elements). For tests and the
+ * first-call benchmark. */
 PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *kwargs) {
     (void)module;
     static char *keywords[] = {"steps", "dtype", "backward", "layout", "ndim", "vector_mask", "grad_mask", "arch", "index32",
@@ -1413,14 +1512,14 @@ PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *
                                           "is built with its backward");
         return NULL;
     }
-    int order;
-    if (order_wanted(&order) < 0 || nvrtc_prepare() < 0) {
+    int variant;
+    if (variant_wanted(&variant) < 0 || nvrtc_prepare() < 0) {
         PyMem_Free(p.steps);
         return NULL;
     }
     const int n = 1 + with_backward;
-    build bs[2] = {{.k = k, .p = &p, .arch = arch, .order = order, .want_source = 1},
-                   {.k = backward_of(&k, p.n_operands), .p = &p, .arch = arch, .order = order}};
+    build bs[2] = {{.k = k, .p = &p, .arch = arch, .variant = variant, .want_source = 1},
+                   {.k = backward_of(&k, p.n_operands), .p = &p, .arch = arch, .variant = variant}};
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&compile_lock);
     build_all(bs, n);

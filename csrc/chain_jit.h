@@ -27,7 +27,8 @@ typedef struct {
     int32_t backward, dtype, layout, ndim; /* ndim: 1 for contiguous */
     int32_t vector_mask;                   /* bit b: operand b is a vector along the last dim */
     int32_t grad_mask;                     /* backward, bit b: operand b's gradient is written */
-    int32_t index32;                       /* strided, rows: indices fit 32 bits (cheaper divisions) */
+    int32_t index32;                       /* indices fit 32 bits (strided, rows: cheaper divisions; contiguous:
+                                              fewer instructions, in the lean form) */
 } brrr_chain_kernel;
 
 /* Run launch L (laid out by chain.c) through a kernel compiled for its exact steps. Returns 1

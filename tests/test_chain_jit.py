@@ -4,6 +4,7 @@ kernels against the interpreted ones."""
 
 import os
 import random as pyrandom
+import re
 import struct
 import subprocess
 import sys
@@ -126,18 +127,19 @@ def test_a_forward_rolls_runs_of_more_than_64_identical_steps(cache_dir, dtype):
     assert "#pragma unroll 1" not in _C.chain_jit_compile(["tanh"] * 65, dtype)[0]  # called, not inlined
 
 
-def _stack_frames(cubin):
+def _stack_frames(cubin, attributes=(0x11, 0x12)):
     """{attribute: [bytes of stack]} read from a cubin's .nv.info section (ELF64): every
     function's frame (EIATTR_FRAME_SIZE, 0x11) and the kernel's minimum stack (EIATTR_MIN_STACK_SIZE,
-    0x12), as cuobjdump --dump-elf shows them. Entries are 4 bytes (format, attribute, value) except
-    the format 4 ones, which carry a 16-bit size and that many bytes (here: symbol, size)."""
+    0x12), as cuobjdump --dump-elf shows them; other format 4 attributes of a (symbol, value) pair
+    likewise (EIATTR_REGCOUNT, 0x2f: every function's registers). Entries are 4 bytes (format,
+    attribute, value) except the format 4 ones, which carry a 16-bit size and that many bytes."""
     shoff, = struct.unpack_from("<Q", cubin, 0x28)
     entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3a)
     headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
     strings = headers[names][4]
     info = [h for h in headers if cubin[strings + h[0]:].split(b"\0", 1)[0] == b".nv.info"]
     assert len(info) == 1, "a cubin without its .nv.info section"
-    data, frames, i = cubin[info[0][4]:info[0][4] + info[0][5]], {0x11: [], 0x12: []}, 0
+    data, frames, i = cubin[info[0][4]:info[0][4] + info[0][5]], {a: [] for a in attributes}, 0
     while i < len(data):
         fmt, attribute = data[i], data[i + 1]
         size = struct.unpack_from("<H", data, i + 2)[0] if fmt == 4 else 0
@@ -164,15 +166,17 @@ def test_compiled_kernels_have_no_stack_frame(cache_dir, monkeypatch, dtype):
         chains += [MIXED12, ["cos", "cos"], MIXED]
     for steps in chains:
         n = sum(s in ("add_tensor", "mul_tensor") for s in steps)
-        for order, layout, ndim in (("interleaved", "contiguous", 1), ("packwise", "contiguous", 1),
-                                    ("interleaved", "strided", 2)):
+        for order, form, layout, ndim in (("interleaved", "wide", "contiguous", 1), ("packwise", "wide", "contiguous", 1),
+                                          ("interleaved", "lean", "contiguous", 1), ("packwise", "lean", "contiguous", 1),
+                                          ("interleaved", "wide", "strided", 2)):
             monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", order)
+            monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
             for backward in (False, True):
                 cubin = _C.chain_jit_compile(steps, dtype, backward=backward, layout=layout, ndim=ndim,
-                                             grad_mask=(1 << n) - 1 if backward else 0)[1]
+                                             grad_mask=(1 << n) - 1 if backward else 0, index32=True)[1]
                 frames = _stack_frames(cubin)
                 assert frames[0x11] and frames[0x12], "no frame size read"
-                assert set(frames[0x11]) == set(frames[0x12]) == {0}, (steps, order, layout, backward, frames)
+                assert set(frames[0x11]) == set(frames[0x12]) == {0}, (steps, order, form, layout, backward, frames)
 
 
 # BRRR_CHAIN_JIT_ORDER: a contiguous kernel without the pack function computes every value of a
@@ -237,6 +241,110 @@ def test_a_forward_built_with_its_backward_takes_the_order(cache_dir, monkeypatc
 def test_an_unknown_order_is_refused(monkeypatch):
     monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", "Packwise")
     with pytest.raises(ValueError, match="BRRR_CHAIN_JIT_ORDER: expected interleaved or packwise, got 'Packwise'"):
+        _C.chain_jit_compile(["relu"], "float32")
+
+
+# BRRR_CHAIN_JIT_FORM: a contiguous kernel indexes in long long and loads each pack at its own
+# address (unset, `wide`), or indexes in 32 bits where the launch allows (index32) and loads its
+# packs predicated at one address (`lean`); strided and row kernels are one program under both.
+LEAN_LOAD = "ld_pack_if(static_cast<const T *>(a.x) + (unsigned long long)first * VEC + u * 256 * VEC, y + u * VEC, p < n_packs);"
+WIDE_LOAD = "ld_pack(static_cast<const T *>(a.x) + p * VEC, y + u * VEC);"
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_the_form_switch_rewrites_contiguous_kernels(cache_dir, monkeypatch, dtype):
+    """Light chains, rolled runs, operands (dense and vector), a trig pack and many heavy steps,
+    forward and backward, in both orders: the lean form compiles to another program (its own file
+    in the disk cache) that loads through ld_pack_if, indexed in 32 bits under index32 and in 64
+    without."""
+    cases = [([("mul", 1.0001)] * 64, {}),
+             ([("mul", 1.0001)] * 256, {}),
+             (["add_tensor", ("mul", 0.5), "relu", "mul_tensor"], dict(backward=True, grad_mask=3)),
+             (["add_tensor", ("mul", 0.5), "relu", "mul_tensor"], dict(vector_mask=1)),
+             (["cos", ("mul", 1.5), "cos"], dict(backward=True)),
+             (MIXED, dict(backward=True, grad_mask=1))]
+    files = 0
+    for order in ("interleaved", "packwise"):
+        monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", order)
+        for steps, kw in cases:
+            monkeypatch.delenv("BRRR_CHAIN_JIT_FORM", raising=False)
+            wide, cubin, origin = _C.chain_jit_compile(steps, dtype, index32=True, **kw)
+            monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", "wide")
+            assert _C.chain_jit_compile(steps, dtype, **kw) == (wide, cubin, "disk")  # index32 left out
+            monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", "lean")
+            lean, lean_cubin, lean_origin = _C.chain_jit_compile(steps, dtype, index32=True, **kw)
+            lean64, lean64_cubin, lean64_origin = _C.chain_jit_compile(steps, dtype, **kw)
+            assert lean_cubin[:4] == lean64_cubin[:4] == b"\x7fELF", (steps, kw)
+            # a chain with the pack function: one program for both orders in either form
+            assert origin == lean_origin == lean64_origin == ("compiled" if order == "interleaved" else origin), kw
+            files += 3 * (origin == "compiled")
+            load = LEAN_LOAD.replace("a.x", "a.grad_out").replace("y + u", "gr + u") if kw.get("backward") else LEAN_LOAD
+            assert load in lean and load in lean64 and "ld_pack(" not in lean and WIDE_LOAD in wide, (steps, kw)
+            assert "typedef unsigned I; // index" in lean and "typedef unsigned long long I; // index" in lean64
+            assert "I; // index" not in wide and "ld_pack_if" not in wide
+            assert (PACKWISE_STORE in lean) == (PACKWISE_STORE in wide), (steps, kw)
+    assert len(os.listdir(cache_dir)) == files
+
+
+@needs_nvrtc
+def test_the_lean_form_keeps_two_packs_a_thread_for_rolled_runs(cache_dir, monkeypatch):
+    """The wide form gives 256 multiplies forward 1 pack a thread (its 256 steps, 8 or 16 copies,
+    are more than 1024), the lean form 2 (a copy of the rolled loop is 64 steps); the backward,
+    unrolled, and 256 heavy-free steps that are no run keep 1 in both."""
+    def packs(steps, dtype, **kw):
+        return int(re.search(r"constexpr int U = (\d+)", _C.chain_jit_compile(steps, dtype, **kw)[0]).group(1))
+
+    run, mixed = [("mul", 1.0001)] * 256, [("mul", 1.0001), ("add", 0.5)] * 128
+    for dtype in ("float32", "bfloat16"):
+        monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", "wide")
+        assert packs(run, dtype) == packs(mixed, dtype) == packs(run, dtype, backward=True) == 1
+        monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", "lean")
+        assert packs(run, dtype) == 2 and packs(run[:128], dtype) == 2
+        assert packs(mixed, dtype) == packs(run, dtype, backward=True) == 1
+
+
+@needs_nvrtc
+def test_the_form_switch_leaves_strided_and_row_kernels_alone(cache_dir, monkeypatch):
+    cases = [([("mul", 1.0001)] * 64, "float32", dict(layout="strided", ndim=2)),
+             (MIXED, "bfloat16", dict(backward=True, grad_mask=3, vector_mask=1, layout="rows", ndim=3))]
+    for steps, dtype, kw in cases:
+        monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", "lean")
+        source, cubin, origin = _C.chain_jit_compile(steps, dtype, **kw)
+        assert origin == "compiled" and "ld_pack_if" not in source
+        monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", "wide")
+        assert _C.chain_jit_compile(steps, dtype, **kw) == (source, cubin, "disk")
+
+
+@needs_nvrtc
+def test_the_blocks_switch_bounds_contiguous_kernels_registers(cache_dir, monkeypatch):
+    """BRRR_CHAIN_JIT_BLOCKS=8 asks for 8 blocks of 256 threads an SM: cos.cos's float32 forward
+    (39 registers wide, 35 lean under the default 2 blocks) fits 32 registers without spilling, in
+    either form; 2 is the default's program (found on disk), and strided kernels keep their bounds."""
+    for form in ("wide", "lean"):
+        monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
+        monkeypatch.delenv("BRRR_CHAIN_JIT_BLOCKS", raising=False)
+        default, cubin, _ = _C.chain_jit_compile(["cos", "cos"], "float32", index32=True)
+        assert max(_stack_frames(cubin, (0x2f,))[0x2f]) > 32 and "__launch_bounds__(256, 2)" in default
+        monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", "2")
+        assert _C.chain_jit_compile(["cos", "cos"], "float32", index32=True) == (default, cubin, "disk")
+        monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", "8")
+        bounded, cubin, origin = _C.chain_jit_compile(["cos", "cos"], "float32", index32=True)
+        assert origin == "compiled" and "__launch_bounds__(256, 8)" in bounded
+        frames = _stack_frames(cubin, (0x11, 0x2f))
+        # 8 bytes of frame: the calls of the out-of-range copies keep a register there (in the
+        # sm_90 SASS no local load or store is left in the kernel itself)
+        assert frames[0x2f] and max(frames[0x2f]) <= 32 and max(frames[0x11]) <= 8, frames
+        strided = _C.chain_jit_compile(["cos", "cos"], "float32", layout="strided", ndim=2)
+        assert strided[2] == ("compiled" if form == "wide" else "disk") and "__launch_bounds__(256)" in strided[0]
+    monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", "9")
+    with pytest.raises(ValueError, match="BRRR_CHAIN_JIT_BLOCKS: expected 2 to 8, got '9'"):
+        _C.chain_jit_compile(["relu"], "float32")
+
+
+def test_an_unknown_form_is_refused(monkeypatch):
+    monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", "Lean")
+    with pytest.raises(ValueError, match="BRRR_CHAIN_JIT_FORM: expected wide or lean, got 'Lean'"):
         _C.chain_jit_compile(["relu"], "float32")
 
 
@@ -593,14 +701,16 @@ ORDER_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("form", ["wide", "lean"])
 @pytest.mark.parametrize("order", ["interleaved", "packwise"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("shape", [(3603,), (5,), (67, 1000)], ids=str)
-def test_both_orders_match_interpreted_and_float64(monkeypatch, order, dtype, shape):
+def test_every_variant_matches_interpreted_and_float64(monkeypatch, form, order, dtype, shape):
     """3603 elements: the last block's threads own a first pack and only some a second one, and a
     tail past the last pack; 5: no whole pack in half types; (67, 1000): vector operands."""
     assert HAVE_NVRTC, _C.chain_jit_info()
     monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", order)
+    monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
     rng = pyrandom.Random(len(shape) * 10007 + shape[0])
     for steps in ORDER_CHAINS:
         x = random(shape, dtype, "cuda", -2.0, 2.0)
@@ -616,6 +726,50 @@ def test_both_orders_match_interpreted_and_float64(monkeypatch, order, dtype, sh
             # relu may zero a few elements' gradients entirely: then the error itself
             err = (got.double().cpu() - expected).norm() / (expected.norm() if expected.norm() > 0 else 1.0)
             assert err < ORDER_TOLERANCE[dtype], (steps, float(err))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [5, 3603, (1 << 16) + 3], ids=str)
+def test_the_lean_form_against_the_wide_form_torch_and_float64(monkeypatch, n):
+    """x * c repeated 1, 64 and 256 times (rolled, 2 packs a thread in the lean form) and a chain
+    with a rolled run, a trig pack and a tail: the lean form computes each value as the wide one
+    does (the same bits), with its launch bounds at 8 blocks an SM too (BRRR_CHAIN_JIT_BLOCKS),
+    float32 x * c as torch's repeated multiply, all near float64."""
+    chains = [[("mul", 1.001)] * r for r in (1, 64, 256)] + [["cos", ("mul", 1.001)] + [("add", 0.001)] * 70]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = random((n,), dtype, "cuda", -2.0, 2.0)
+        for steps in chains:
+            got = {}
+            for form, blocks in (("wide", "2"), ("lean", "2"), ("lean", "8")):
+                monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
+                monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", blocks)
+                got[form + blocks] = brrr.chain(*steps)(x)
+            torch.testing.assert_close(got["lean2"], got["wide2"], rtol=0, atol=0)
+            torch.testing.assert_close(got["lean8"], got["wide2"], rtol=0, atol=0)
+            got["lean"] = got["lean2"]
+            assert_close(got["lean"], reference(steps, x.double(), []), dtype, scale=8.0)
+            if dtype == torch.float32 and steps[0] == steps[-1]:
+                want = x.clone()
+                for _ in steps:
+                    want = want * 1.001
+                torch.testing.assert_close(got["lean"], want, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_the_forms_are_cached_apart(tmp_path, monkeypatch):
+    """One process, both forms: the contiguous kernel compiled once for each, then found in memory;
+    the strided kernel, the same program under both, compiled once."""
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    x = torch.randn((1 << 16) + 3, device="cuda")
+    c = 1.0 + 1e-3 * pyrandom.random()  # a scalar no other test uses
+    repeat, strided = brrr.chain(*[("mul", c)] * 64), brrr.chain(("mul", c), "relu")
+    xt = torch.randn(300, 400, device="cuda")[:, ::2]  # the strided layout
+    for form, built in (("wide", 2), ("lean", 1), ("wide", 0), ("lean", 0)):
+        monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
+        before = _C.chain_jit_info()["compiled"]
+        repeat(x), strided(xt)
+        assert _C.chain_jit_info()["compiled"] - before == built, form
+    assert len(os.listdir(tmp_path)) == 3
 
 
 @pytest.mark.cuda
