@@ -204,8 +204,8 @@ static int packed(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
 
 /* The variants of a kernel's program, bits of one int (docs/kernel-switches.md). ORDER_PACKWISE
  * (BRRR_CHAIN_JIT_ORDER=packwise, else ORDER_INTERLEAVED): the order of a contiguous kernel's work
- * after its loads (put_contiguous_kernel). FORM_LEAN (BRRR_CHAIN_JIT_FORM=lean, else the wide
- * form): a contiguous kernel's indices in 32 bits where they fit, its loads predicated at one
+ * after its loads (put_contiguous_kernel). FORM_LEAN (unset or BRRR_CHAIN_JIT_FORM=lean; `wide`:
+ * the wide form): a contiguous kernel's indices in 32 bits where they fit, its loads predicated at one
  * address a thread, half the fixed instructions a value (put_contiguous_kernel); and
  * VARIANT_BLOCKS. */
 enum { ORDER_INTERLEAVED = 0, ORDER_PACKWISE = 1, FORM_LEAN = 2 };
@@ -1148,18 +1148,18 @@ static void build_all(build *bs, int n) {
 
 /* The variant asked for (docs/kernel-switches.md), read at every launch so that one process can
  * time them all: BRRR_CHAIN_JIT_ORDER unset or `interleaved`, ORDER_INTERLEAVED; `packwise`,
- * ORDER_PACKWISE; BRRR_CHAIN_JIT_FORM unset or `wide`, the wide form; `lean`, FORM_LEAN; and
+ * ORDER_PACKWISE; BRRR_CHAIN_JIT_FORM unset or `lean`, FORM_LEAN; `wide`, the wide form; and
  * BRRR_CHAIN_JIT_BLOCKS unset or 2 to 8 (VARIANT_BLOCKS). 0, or -1 with a Python exception for
  * any other value (a misspelt value would time the default). */
 static int variant_wanted(int *variant) {
     const char *order = getenv("BRRR_CHAIN_JIT_ORDER"), *form = getenv("BRRR_CHAIN_JIT_FORM");
     *variant = (order && strcmp(order, "packwise") == 0 ? ORDER_PACKWISE : ORDER_INTERLEAVED) |
-               (form && strcmp(form, "lean") == 0 ? FORM_LEAN : 0);
+               (form && strcmp(form, "wide") == 0 ? 0 : FORM_LEAN);
     if (order && !(*variant & ORDER_PACKWISE) && strcmp(order, "interleaved") != 0) {
         PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_ORDER: expected interleaved or packwise, got '%s'", order);
         return -1;
     }
-    if (form && !(*variant & FORM_LEAN) && strcmp(form, "wide") != 0) {
+    if (form && (*variant & FORM_LEAN) && strcmp(form, "lean") != 0) {
         PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_FORM: expected wide or lean, got '%s'", form);
         return -1;
     }
