@@ -51,6 +51,11 @@ BRRR_INLINE void brrr_cpu_prefetch(const void *p, int64_t bytes) {
     for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch((const char *)p + k);
 }
 
+/* The same, for lines about to be written (fetched for ownership: the stores do not wait). */
+BRRR_INLINE void brrr_cpu_prefetch_write(void *p, int64_t bytes) {
+    for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch((char *)p + k, 1);
+}
+
 /* Elements a kernel processes per step of its inner loops: small enough for the L1 cache. */
 #define BRRR_CPU_BLOCK 512
 
