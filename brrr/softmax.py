@@ -16,19 +16,24 @@ from ._frameworks import empty_like, torch_if_tensor
 from ._integration import torch_integration
 
 
-# A torch tensor goes to the op from the public function itself: a frame less is about 0.05 us
-# of a tiny softmax's 2 on this project's CPU machine.
+# A torch tensor goes to the op from the public function itself, and the usual dim (-1 of a tensor
+# of 1 dim or more) is taken without _dim's frame: each frame less is about 0.05 to 0.1 us of a tiny
+# softmax's 2 on this project's CPU machine.
 def softmax(x, dim=-1, dtype=None):
     """torch.nn.functional.softmax(x, dim, dtype=dtype) in one pass (see the module)."""
     if torch_if_tensor(x) is not None:
-        return torch_layer().softmax(x, _dim(x.ndim, dim), dtype, False)
+        ndim = x.ndim
+        return torch_layer().softmax(x, ndim - 1 if dim.__class__ is int and dim == -1 and ndim else _dim(ndim, dim),
+                                     dtype, False)
     return _softmax(x, dim, dtype, False)
 
 
 def log_softmax(x, dim=-1, dtype=None):
     """torch.nn.functional.log_softmax(x, dim, dtype=dtype) in one pass (see the module)."""
     if torch_if_tensor(x) is not None:
-        return torch_layer().softmax(x, _dim(x.ndim, dim), dtype, True)
+        ndim = x.ndim
+        return torch_layer().softmax(x, ndim - 1 if dim.__class__ is int and dim == -1 and ndim else _dim(ndim, dim),
+                                     dtype, True)
     return _softmax(x, dim, dtype, True)
 
 
@@ -40,8 +45,6 @@ def reference(x, dim=-1, dtype=None, log=False):
 
 
 def _dim(ndim, dim):
-    if dim.__class__ is int and dim == -1 and ndim:  # the usual call: half the general check's time
-        return ndim - 1
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"argument dim: expected an int, got {type(dim).__name__}")
     rank = max(ndim, 1)
