@@ -92,28 +92,32 @@ def _interpreted(fn):
     return run
 
 
-# BRRR_BENCH_CHAIN_FORMS=wide,lean: the repeat sweep times brrr once per value of
-# BRRR_CHAIN_JIT_FORM (read at every launch; docs/kernel-switches.md) as impl "brrr[value]",
-# in one run with one torch.compile per row; unset, brrr as it runs by default.
-FORMS = [f for f in os.environ.get("BRRR_BENCH_CHAIN_FORMS", "").split(",") if f]
+# BRRR_BENCH_CHAIN_VARIANT=NAME=a,b (e.g. BRRR_CHAIN_JIT_BLOCKS=2,8): the repeat sweep times brrr
+# once per value of the switch NAME (one that brrr's C code reads at every launch;
+# docs/kernel-switches.md) as impl "brrr[NAME=value]", in one run with one torch.compile per row;
+# unset, brrr as it runs by default.
+SWITCH, _, _values = os.environ.get("BRRR_BENCH_CHAIN_VARIANT", "").partition("=")
+SWITCH_VALUES = [v for v in _values.split(",") if v]
 
 
-class _form:
-    """BRRR_CHAIN_JIT_FORM set to `value` inside the block (None: left as it is)."""
+class _switch:
+    """The environment variable SWITCH set to `value` inside the block (None: left as it is)."""
 
     def __init__(self, value):
         self.value, self.previous = value, None
 
     def __enter__(self):
-        self.previous = os.environ.get("BRRR_CHAIN_JIT_FORM")
+        self.previous = os.environ.get(SWITCH)
         if self.value is not None:
-            os.environ["BRRR_CHAIN_JIT_FORM"] = self.value
+            os.environ[SWITCH] = self.value
 
     def __exit__(self, *exc):
+        if self.value is None:
+            return
         if self.previous is None:
-            os.environ.pop("BRRR_CHAIN_JIT_FORM", None)
+            os.environ.pop(SWITCH, None)
         else:
-            os.environ["BRRR_CHAIN_JIT_FORM"] = self.previous
+            os.environ[SWITCH] = self.previous
 
 
 def test_repeat_sweep(recorder):
@@ -139,18 +143,19 @@ def test_repeat_sweep(recorder):
             comp = compiled(_mul_chain(r)) if not QUICK else None
             row = dict(family="repeat", op=f"mul x{r}", dtype=dtype, shape=(n,), pass_="fwd",
                        bytes_moved=2 * n * x.element_size(), repeats=r, flops=r * n)
-            impls = {f"brrr[{f}]": (f, lambda: chain(x)) for f in FORMS} or {"brrr": (None, lambda: chain(x))}
-            for form, fn in impls.values():
+            impls = ({f"brrr[{SWITCH}={v}]": (v, lambda: chain(x)) for v in SWITCH_VALUES}
+                     or {"brrr": (None, lambda: chain(x))})
+            for value, fn in impls.values():
                 # Against float64: eager rounds to bfloat16 after every multiply (1.0001 is lost),
                 # brrr and torch.compile once at the end.
-                with _form(form):
+                with _switch(value):
                     check(fn(), x.double() * 1.0001 ** r, dtype)
             impls.update({"brrr interpreted": (None, _interpreted(interpreted) if on_gpu() else None),
                           "eager": (None, lambda: eager(x)), "compile": (None, comp and (lambda: comp(x)))})
-            for impl, (form, fn) in impls.items():
+            for impl, (value, fn) in impls.items():
                 if fn is None:
                     continue
-                with _form(form):
+                with _switch(value):
                     ms = time_ms(fn, max_time_s=0.5)
                 rec = recorder.add_timing(impl=impl, ms=ms, brrr_passes=passes if impl == "brrr interpreted" else 1, **row)
                 rec["GFLOPs"] = r * n / (ms * 1e-3) / 1e9
