@@ -14,12 +14,12 @@ Liger-Kernel (when liger_kernel is importable), in one run: time and peak memory
 - A training step (forward and backward, bf16 weights) of a Llama-style model from transformers'
   config (2 layers, hidden 2048, random weights) at vocabularies 32000, 128256 and 256000 and
   4 x 2048 and 2 x 8192 tokens: unpatched eager, brrr.patch eager (and with remat=True: the
-  norms' and GLUs' outputs recomputed in the backward, docs/remat.md; and remat with the leanest
-  loss: accumulation="weight" in 128 MiB chunks), Liger-Kernel's Llama patch
+  norms' and GLUs' outputs recomputed in the backward, docs/remat.md; remat with the loss's
+  accumulation="weight" in its default chunks; and remat with the leanest loss:
+  accumulation="weight" in 128 MiB chunks), Liger-Kernel's Llama patch
   with its cross-entropy and with its fused linear cross-entropy; brrr.patch eager with the
-  loss's chunks of 128 MiB (the default before); unpatched torch.compile at
-  2 x 8192 tokens (compiling takes most of the benchmark's time: about 150 s in all on an H200,
-  estimated; brrr.patch under torch.compile is tests/test_linear_xent.py's and
+  loss's chunks of 128 MiB (the default before); unpatched torch.compile (compiling takes most
+  of the benchmark's time; brrr.patch under torch.compile is tests/test_linear_xent.py's and
   benchmarks/test_bench_models.py's).
 Each row has the median time (CUDA events: wall time, host gaps included), the device time of one
 warm call (device_ms: the sum of its kernels' times under torch.profiler, harness.kernel_ms) and
@@ -273,12 +273,14 @@ def test_training_step(recorder, vocab, batch, seq):
     rematerialised = copy.deepcopy(base)
     brrr.patch(rematerialised, remat=True)  # its gradients are the patched model's bitwise (tests/test_remat.py)
     measure(recorder, case, "brrr.patch eager remat", rematerialised, tokens)
-    # The leanest loss: the weight's gradient summed in its own dtype (as Liger-Kernel's), 128 MiB
-    # of logits a chunk.
+    # The weight's gradient summed in its own dtype (as Liger-Kernel's), in the default chunks
+    # (auto_chunk_rows) and in the leanest loss's 128 MiB of logits a chunk.
+    with loss_defaults(accumulation="weight"):
+        measure(recorder, case, "brrr.patch eager remat, weight accumulation", rematerialised, tokens)
     with loss_defaults(logits_budget=2**27, accumulation="weight"):
         measure(recorder, case, "brrr.patch eager remat, lean loss", rematerialised, tokens)
     del rematerialised
-    if not QUICK and seq == 8192:  # compiling is most of the benchmark's time
+    if not QUICK:
         measure(recorder, case, "unpatched compile", base, tokens, compile_it=True)
     if liger is not None and on_gpu():
         for fused, impl in ((False, "liger cross_entropy"), (True, "liger fused linear CE")):
