@@ -9,7 +9,8 @@ GPU: a Llama (transformers config: 2 layers, hidden 1024, MLP 2816, 16 heads, vo
 and a GPT-2 and a BERT (masked LM, labels the input ids) of the same width, at 2 x 512 tokens,
 where the step waits on the host; then the Llama
 from 512 to 32768 tokens per step (batch 1 to 64 of 512): step time against tokens, where each
-regime begins (benchmarks/plot.py draws it: step-sweep.png). Every captured step's loss and
+regime begins (benchmarks/plot.py draws it: step-sweep.png; BRRR_BENCH_GRAPH_BATCHES=2,32 runs
+those batches alone). Every captured step's loss and
 gradients are checked against the eager step's at every size before it is timed. Each compile
 mode compiles the Llama once for the sweep with the batch dimension dynamic (batch 1 compiles again:
 dynamo specialises size 1; rows say dynamic_batch) and the GPT-2 and the BERT once with static shapes; first
@@ -37,6 +38,9 @@ DTYPE = torch.bfloat16 if on_gpu() else torch.float32
 SEQ, VOCAB, WIDTH, HEADS = (512, 32000, 1024, 16) if not QUICK else (32, 256, 64, 4)
 BASE_BATCH = 2
 SWEEP_BATCHES = (2, 4, 8, 16, 32, 64, 1) if not QUICK else (2, 1)   # batch 1 last: it compiles again
+# BRRR_BENCH_GRAPH_BATCHES=2,32: the Llama's batches of 512 tokens, a subset of the sweep's.
+if os.environ.get("BRRR_BENCH_GRAPH_BATCHES"):
+    SWEEP_BATCHES = tuple(int(b) for b in os.environ["BRRR_BENCH_GRAPH_BATCHES"].split(","))
 MAX_TIME_S = 0.5 if not QUICK else 0.05
 CAPTURE = on_gpu()
 COMPILE = on_gpu() and not QUICK

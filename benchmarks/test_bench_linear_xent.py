@@ -23,7 +23,8 @@ Liger-Kernel (when liger_kernel is importable), in one run: time and peak memory
   benchmarks/test_bench_models.py's).
 Each row has the median time (CUDA events: wall time, host gaps included), the device time of one
 warm call (device_ms: the sum of its kernels' times under torch.profiler, harness.kernel_ms) and
-the step's peak memory above what was allocated before it (torch.cuda.max_memory_allocated). The
+the step's peak memory above the model's weights (torch.cuda.max_memory_allocated, gradients freed
+before the step: the peak counts the gradients and what they keep allocated). The
 op's rows also have each implementation's gradients' relative error against float64
 (input_grad_error, weight_grad_error); the steps' loss and gradients are checked against eager
 first. CPU, or BRRR_BENCH_QUICK=1: a quick smoke version at small sizes, without torch.compile.
@@ -70,11 +71,15 @@ except ImportError:
     transformers = None
 
 
-def peak_bytes(fn):
-    """Bytes allocated at the peak of fn() above those allocated before it (None off the GPU)."""
+def peak_bytes(fn, model=None):
+    """Bytes allocated at the peak of fn() above those allocated before it (None off the GPU); with
+    a model, its gradients freed first, so that the peak counts the step's gradients (and all that
+    they keep allocated: a gradient that is a view of a larger buffer counts the buffer)."""
     if not on_gpu():
         fn()
         return None
+    if model is not None:
+        model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -222,7 +227,7 @@ def measure(recorder, case, impl, model, tokens, compile_it=False):
     torch._dynamo.reset()
     step = step_fn(compiled(model) if compile_it else model, tokens)
     step()  # warm-up (and compilation)
-    peak = peak_bytes(step)
+    peak = peak_bytes(step, model)
     ms = time_ms(step, warmup=2, reps=10, max_time_s=MAX_TIME_S)
     device_ms = kernel_ms(step)
     vocab, batch, seq = case
