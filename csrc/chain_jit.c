@@ -210,10 +210,19 @@ static int packed(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
  * VARIANT_BLOCKS. */
 enum { ORDER_INTERLEAVED = 0, ORDER_PACKWISE = 1, FORM_LEAN = 2 };
 
-/* BRRR_CHAIN_JIT_BLOCKS=b (3 to 8): a contiguous kernel's launch bounds ask for at least b blocks
- * of 256 threads an SM (at most 65536 / (256 b) registers a thread), in bits 2-5 of the variant;
- * 0 there (unset, or 2): 2 blocks, at most 128 registers, which no chain spills under. */
+/* BRRR_CHAIN_JIT_BLOCKS=b (2 to 8): a contiguous kernel's launch bounds ask for at least b blocks
+ * of 256 threads an SM (at most 65536 / (256 b) registers a thread), in bits 2-5 of the variant.
+ * 0 there (unset): auto_blocks's choice (build_run). */
 #define VARIANT_BLOCKS(v) ((v) >> 2 & 15)
+#define WITH_BLOCKS(v, b) (((v) & ~(15 << 2)) | (b) << 2)
+
+/* auto_blocks: unset, a contiguous forward kernel asks for every warp slot of an SM (8 blocks of 256 threads,
+ * at most 32 registers) and keeps that program where ptxas gives its kernel no stack frame (no
+ * spill), else it asks for 2 blocks (at most 128 registers, which no chain spills under), as
+ * every backward does. H200 (docs/kernel-switches.md): cos.cos's float32 forward 5.6% faster at 8
+ * (35 registers at 2: 6 blocks an SM), the 12-step chain's forward the same; at 8 the bfloat16
+ * forwards spill, and the backwards spill or (the 12-step chain's float32 one) run 3% slower. */
+static int auto_blocks(const brrr_chain_kernel *k) { return k->layout == BRRR_JIT_CONTIGUOUS && !k->backward ? 8 : 2; }
 
 /* The most elements a contiguous kernel indexes in 32 bits (index32, in the lean form): the
  * indices of the packs past the end (fewer than 512 a block) and of the tail stay below 2^32. */
@@ -495,10 +504,8 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
     const char *at = lean ? "(unsigned long long)first * VEC + u * 256 * VEC" : "p * VEC";
     const char *at_vector = lean ? "(p * VEC) % (I)a.row_length" : "(p * VEC) % a.row_length";
     if (lean) put(t, "typedef %s I; // index\n", k->index32 ? "unsigned" : "unsigned long long");
-    /* At least 2 blocks an SM (at most 128 registers a thread), as the interpreted kernels, or
-     * VARIANT_BLOCKS. */
     put(t, "extern \"C\" __global__ void __launch_bounds__(256, %d) %s(const __grid_constant__ brrr_chain_flat a) {\n"
-           "    constexpr int U = %d, N = VEC * U;\n", VARIANT_BLOCKS(v) ? VARIANT_BLOCKS(v) : 2, kernel_name(k),
+           "    constexpr int U = %d, N = VEC * U;\n", VARIANT_BLOCKS(v) ? VARIANT_BLOCKS(v) : auto_blocks(k), kernel_name(k),
         packs_per_thread(k, p, v));
     if (lean) put(t, "    const I n_packs = (I)a.numel / VEC;\n"
                      "    const I first = (I)blockIdx.x * (256 * U) + threadIdx.x;\n");
@@ -928,9 +935,23 @@ static int nvrtc_open(void) {
     return rc;
 }
 
-/* Compile source for sm_<arch> into a cubin (malloc'd). On failure, -1 with the reason (and the
- * compiler's log) in a malloc'd *error. Thread-safe; call without the GIL. */
-static int nvrtc_compile(const char *source, int arch, char **image, size_t *size, char **error) {
+/* The bytes of stack frame and of spill stores that ptxas's report (-v) in log gives the entry
+ * function `name`; -1 when the log does not say. */
+static int frame_bytes(const char *log, const char *name) {
+    char heading[64];
+    snprintf(heading, sizeof heading, "Function properties for %s\n", name);
+    const char *at = strstr(log, heading);
+    int frame, spills;
+    if (at == NULL || sscanf(at + strlen(heading), "ptxas . %d bytes stack frame, %d bytes spill stores", &frame, &spills) != 2)
+        return -1;
+    return frame + spills;
+}
+
+/* Compile source for sm_<arch> into a cubin (malloc'd). With `frame` non-NULL, *frame: the stack
+ * frame and spill bytes of its kernel `name` (frame_bytes). On failure, -1 with the reason (and
+ * the compiler's log) in a malloc'd *error. Thread-safe; call without the GIL. */
+static int nvrtc_compile(const char *source, int arch, const char *name, int *frame, char **image, size_t *size,
+                         char **error) {
     void *prog = NULL;
     *image = NULL;
     *error = NULL;
@@ -947,20 +968,27 @@ static int nvrtc_compile(const char *source, int arch, char **image, size_t *siz
     /* -default-device: brrr_cuda.h declares the host launchers, unannotated. --minimal (NVRTC
      * 12.4 and later) leaves out the runtime API's device-side declarations, which the kernels do
      * not use: about 5 ms of every compile. */
-    const char *options[] = {arch_option, "-std=c++17", "-default-device", "--minimal"};
     const int minimal = nvrtc.major > 12 || (nvrtc.major == 12 && nvrtc.minor >= 4);
-    rc = nvrtc.compile(prog, (int)(sizeof options / sizeof options[0]) - !minimal, options);
+    const char *options[5] = {arch_option, "-std=c++17", "-default-device"};
+    int n_options = 3;
+    if (minimal) options[n_options++] = "--minimal";
+    if (frame) options[n_options++] = "-Xptxas=-v"; /* the report frame_bytes reads */
+    rc = nvrtc.compile(prog, n_options, options);
+    size_t log_size = 0;
+    char *log = NULL;
+    if (nvrtc.log_size(prog, &log_size) == 0 && (log = malloc(log_size + 1)) != NULL && nvrtc.log(prog, log) == 0)
+        log[log_size] = 0;
+    else
+        free(log), log = NULL;
     if (rc == 0 && nvrtc.cubin_size(prog, size) == 0 && (*image = malloc(*size)) != NULL &&
         nvrtc.cubin(prog, *image) == 0) {
+        if (frame) *frame = log ? frame_bytes(log, name) : -1;
+        free(log);
         nvrtc.destroy(&prog);
         return 0;
     }
     free(*image);
     *image = NULL;
-    size_t log_size = 0;
-    char *log = NULL;
-    if (nvrtc.log_size(prog, &log_size) == 0 && (log = malloc(log_size + 1)) != NULL && nvrtc.log(prog, log) == 0)
-        log[log_size] = 0;
     text t = {NULL, 0, 0, 0};
     put(&t, "NVRTC (%s) failed on a generated chain kernel for sm_%d: %s\n%s", nvrtc.path, arch,
         rc ? nvrtc.error_string(rc) : "no cubin", log ? log : "");
@@ -1092,31 +1120,82 @@ typedef struct {
 /* Build b: the cubin of kernel b->k (chain_source) for steps b->p on sm_<arch>, from the disk
  * cache unless skip_disk, else compiled and stored. Thread-safe; call without the GIL, after
  * nvrtc_prepare. */
+/* Kernel b's program is one of n sources, in order of preference: with two (auto_blocks's 8
+ * blocks, then 2), the first is passed over where ptxas gives its kernel a stack frame
+ * (frame_bytes). The disk cache holds the program taken under its own source's identity, so that
+ * a later process finds the second at its second lookup, without NVRTC. Both begin with a line
+ * that BRRR_CHAIN_JIT_BLOCKS's programs lack: an 8-block program compiled for the switch is
+ * never found for the choice. */
+
+/* The cached program of the first source on disk: 1 found (b->image), else 0. */
+static int build_from_disk(build *b, char *const *sources, int n) {
+    char dir[PATH_MAX], path[PATH_MAX + 64];
+    for (int i = 0; i < n && !b->skip_disk && cache_dir(dir, sizeof dir); i++) {
+        char *identity = kernel_identity(sources[i], b->arch);
+        if (identity == NULL) return 0;
+        cache_file_name(dir, identity, path, sizeof path);
+        b->image = cache_read(path, identity, &b->size);
+        free(identity);
+        if (b->image) {
+            b->origin = ORIGIN_DISK;
+            if (b->want_source) b->source = strdup(sources[i]);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Compile the first source whose kernel has no stack frame (the last one whatever it has) and
+ * cache it. */
+static void build_compiled(build *b, char *const *sources, int n) {
+    for (int i = 0; i < n; i++) {
+        int frame = 0;
+        free(b->error);
+        b->error = NULL;
+        if (nvrtc_compile(sources[i], b->arch, kernel_name(&b->k), i + 1 < n ? &frame : NULL, &b->image, &b->size,
+                          &b->error) != 0)
+            return;
+        if (frame != 0 && i + 1 < n) {
+            free(b->image);
+            b->image = NULL;
+            continue;
+        }
+        b->origin = ORIGIN_COMPILED;
+        char dir[PATH_MAX], path[PATH_MAX + 64], *identity = kernel_identity(sources[i], b->arch);
+        if (identity && cache_dir(dir, sizeof dir)) {
+            cache_file_name(dir, identity, path, sizeof path);
+            cache_write(dir, path, identity, b->image, b->size);
+        }
+        free(identity);
+        if (b->want_source) b->source = strdup(sources[i]);
+        return;
+    }
+}
+
 static void build_run(build *b) {
     b->image = b->source = b->error = NULL;
     b->missing = 0;
-    char *source = chain_source(&b->k, b->p, b->variant), *identity = source ? kernel_identity(source, b->arch) : NULL;
-    char dir[PATH_MAX], path[PATH_MAX + 64];
-    const int have_dir = identity && cache_dir(dir, sizeof dir);
-    text t = {NULL, 0, 0, 0};
-    if (identity == NULL) {
-        put(&t, "out of memory generating a chain kernel");
-    } else {
-        if (have_dir) cache_file_name(dir, identity, path, sizeof path);
-        if (have_dir && !b->skip_disk && (b->image = cache_read(path, identity, &b->size)) != NULL) {
-            b->origin = ORIGIN_DISK;
-        } else if (nvrtc_open() != 0) {
-            put(&t, "%s", nvrtc.error);
+    const int automatic = VARIANT_BLOCKS(b->variant) == 0 && auto_blocks(&b->k) == 8, n = 1 + automatic;
+    char *sources[2] = {chain_source(&b->k, b->p, b->variant),
+                        automatic ? chain_source(&b->k, b->p, WITH_BLOCKS(b->variant, 2)) : NULL};
+    for (int i = 0; i < n && automatic; i++) {
+        text t = {NULL, 0, 0, 0};
+        if (sources[i]) put(&t, "// launch bounds: 8 blocks an SM where the kernel keeps no stack frame, else 2\n%s", sources[i]);
+        free(sources[i]);
+        sources[i] = t.data;
+    }
+    if (sources[0] == NULL || (automatic && sources[1] == NULL)) {
+        b->error = strdup("out of memory generating a chain kernel");
+    } else if (!build_from_disk(b, sources, n)) {
+        if (nvrtc_open() != 0) {
+            b->error = strdup(nvrtc.error);
             b->missing = 1;
-        } else if (nvrtc_compile(source, b->arch, &b->image, &b->size, &b->error) == 0) {
-            b->origin = ORIGIN_COMPILED;
-            if (have_dir) cache_write(dir, path, identity, b->image, b->size);
+        } else {
+            build_compiled(b, sources, n);
         }
     }
-    if (t.data) b->error = t.data;
-    free(identity);
-    if (b->want_source) b->source = source;
-    else free(source);
+    free(sources[0]);
+    free(sources[1]);
 }
 
 static void *build_thread(void *b) {
@@ -1171,7 +1250,7 @@ static int variant_wanted(int *variant) {
             PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_BLOCKS: expected 2 to 8, got '%s'", blocks);
             return -1;
         }
-        if (b > 2) *variant |= (int)b << 2;
+        *variant = WITH_BLOCKS(*variant, (int)b);
     }
     return 0;
 }
