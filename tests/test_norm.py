@@ -327,8 +327,8 @@ def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
 
 # The kernels behind the switches, each value forced for every dtype: BRRR_NORM_BWD_KERNEL=bulk
 # (norm_bwd_bulk_kernel, sm_90; the float16 and bfloat16 default) and =ring (norm_bwd_kernel; the
-# float32 and float64 default), BRRR_NORM_FWD_KERNEL=pipe (norm_fwd_pipe_kernel) and =bulk
-# (norm_fwd_bulk_kernel, sm_90, float16 and bfloat16). Widths: bfloat16 rows whose backward group
+# float32 and float64 default) and BRRR_NORM_FWD_KERNEL=bulk (norm_fwd_bulk_kernel, sm_90,
+# float16 and bfloat16). Widths: bfloat16 rows whose backward group
 # is one warp (256), two warps with the second one's packs partly past the row (768), three and
 # nine warps (1032, 4104: group sums over warp counts that are not powers of two), whole rows
 # (5120, 8192; 4096 in the bits tests below), forward rows of 1, 3, 4 and 5 packs a thread (the
@@ -336,7 +336,7 @@ def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
 # applies and the defaults run (4097: single elements).
 BULK_COLS = [256, 768, 1032, 4104, 5120, 8192, 4097]
 CANDIDATES = {"bwd_bulk": ("BRRR_NORM_BWD_KERNEL", "bulk"), "bwd_ring": ("BRRR_NORM_BWD_KERNEL", "ring"),
-              "fwd_pipe": ("BRRR_NORM_FWD_KERNEL", "pipe"), "fwd_bulk": ("BRRR_NORM_FWD_KERNEL", "bulk")}
+              "fwd_bulk": ("BRRR_NORM_FWD_KERNEL", "bulk")}
 
 
 def _candidate_cases():
@@ -359,10 +359,10 @@ def _bulk_kinds():
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("cols", BULK_COLS)
 def test_candidate_kernels(monkeypatch, candidate, dtype, kind, cast_order, residual, cols):
-    """Both backward kernels and the pipelined and bulk-copy forwards against the float64
-    reference: row counts that leave one chunk shorter than the lanes (1, 3), several chunks (37)
-    and many (301), more rows than a grid's groups (301, pipe forward); every affine form, float32
-    parameters for half inputs, RMSNorm's weight offset, rows with padding between them."""
+    """Both backward kernels and the bulk-copy forward against the float64 reference: row counts
+    that leave one chunk shorter than the lanes (1, 3), several chunks (37) and many (301); every
+    affine form, float32 parameters for half inputs, RMSNorm's weight offset, rows with padding
+    between them."""
     monkeypatch.setenv(*CANDIDATES[candidate])
     for rows in (1, 3, 37, 301):
         x = random((rows, cols), dtype, "cuda")
@@ -445,31 +445,6 @@ def _forward_under(monkeypatch, value, kind, cast_order, x, r, w, b, g):
         return [out.detach(), h] + [None if t is None else t.grad for t in leaves]
     finally:
         monkeypatch.delenv("BRRR_NORM_FWD_KERNEL")
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("cols", [256, 768, 1032, 4096, 5120, 8192, 16384])
-def test_candidate_fwd_pipe_bits(monkeypatch, dtype, kind, cast_order, residual, cols):
-    """BRRR_NORM_FWD_KERNEL=pipe gives the same bits run to run (out, residual_out, and the saved
-    statistics through every gradient), and agrees with the default (=rows) to rounding. 2053
-    rows: many rows a group on a grid of the blocks that fit at once."""
-    rows = 2053
-    x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
-    r = random((rows, cols), dtype, "cuda") if residual else None
-    w, b = params(kind, "both", (cols,), dtype, "cuda")
-    args = (kind, cast_order, x, r, w, b, g)
-    pipe, again = _forward_under(monkeypatch, "pipe", *args), _forward_under(monkeypatch, "pipe", *args)
-    rows_ = _forward_under(monkeypatch, "rows", *args)
-    for name, a, a2, e in zip(_FORWARD_NAMES, pipe, again, rows_):
-        assert (a is None) == (e is None), name
-        if a is None:
-            continue
-        assert torch.equal(a, a2), (name, "run to run")
-        torch.testing.assert_close(a.float(), e.float(), rtol=TOLERANCE[dtype]["rtol"],
-                                   atol=TOLERANCE[dtype]["atol"] * float(e.float().abs().max()), msg=name)
 
 
 @pytest.mark.cuda
