@@ -23,13 +23,11 @@
 //                     butterflies, then one over the group's warps through shared memory; one
 //                     per row (LayerNorm: two, the mean and then the squares about it).
 //                     Assumes: N <= 512 * PACKS * VEC, N % VEC == 0.
-// norm_fwd_pipe_kernel  a candidate for its launches of 16-byte packs (BRRR_NORM_FWD_KERNEL=pipe):
-//                     a grid that fits at once, the next row copied into shared memory while
-//                     the current one is reduced (see the kernel).
-// norm_fwd_bulk_kernel  a candidate for float16 and bfloat16 launches of 16-byte packs on sm_90
-//                     (BRRR_NORM_FWD_KERNEL=bulk): the same layout, arithmetic and bits, a block
-//                     per group walking rows, its weight and bias held in registers, its rows
-//                     copied into a ring in shared memory by cp.async.bulk (see the kernel).
+// norm_fwd_bulk_kernel  the float16 and bfloat16 default for launches of 16-byte packs on sm_90
+//                     in groups of whole warps (BRRR_NORM_FWD_KERNEL=bulk|rows): the same layout
+//                     and arithmetic (rows of 5 packs a thread at twice the threads and 3 packs),
+//                     a block per group walking rows, its weight and bias held in registers, its
+//                     rows copied into a ring in shared memory by cp.async.bulk (see the kernel).
 // norm_bwd_kernel     the same row layout (up to 16 elements a thread), a block of
 //                     brrr_norm_lanes(cols) such groups within 512 threads (128 registers each;
 //                     the widest rows split over a cluster of two such blocks on sm_90, else
@@ -387,23 +385,12 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
     }
 }
 
-// The forward's candidate (BRRR_NORM_FWD_KERNEL=pipe): norm_fwd_kernel's rows, layout, sums and
-// arithmetic, on a grid of the blocks that fit at once, each group walking rows gridDim.x *
-// groups apart; a thread copies its packs of the next row (x, and the residual) into shared
-// memory by cp.async before it waits for the current row's and reduces it, so the loads that
-// norm_fwd_kernel leaves idle through a row's reductions (its latency, above) stay in flight.
-// Two stages, [stage][tensor][pack][thread][VEC] (a thread's own packs, read back only by it: no
-// barrier). Holding the next row in registers instead cost 16-32 registers a thread and spilled
-// (ptxas, sm_90, bfloat16 4 packs: 52 bytes at 80 registers). 16-byte packs only.
-// group_sum with its butterflies unrolled where the group is whole warps (the same additions in
-// the same order: the same bits): group_sum's are loops of runtime width, with their counter and
-// branch at every level, in norm_fwd_kernel, which issues ~32 instructions an element at 4096
-// bfloat16 columns (H200 ncu: issue slots 73% busy, the integer pipe the busiest).
+// group_sum for groups of whole warps (tpr a multiple of 32; norm_fwd_bulk_kernel's), its
+// butterflies unrolled: the same additions in the same order, so the same bits. group_sum's are
+// loops of runtime width, with their counter and branch at every level, in norm_fwd_kernel, which
+// issues ~32 instructions an element at 4096 bfloat16 columns (H200 ncu: issue slots 73% busy,
+// the integer pipe the busiest).
 template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled(A (&v)[kN], int tpr, A (*buf)[kMaxWarps]) {
-    if (tpr < 32) {
-        group_sum(v, tpr, buf);
-        return;
-    }
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) {
 #pragma unroll
@@ -427,111 +414,12 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled
     }
 }
 
-template <typename T, int VEC, int PACKS, bool kResidual>
-__global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACKS, PACKS * VEC, kResidual))
-    norm_fwd_pipe_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr) {
-    using A = typename Compute<T>::type;
-    static_assert(VEC * sizeof(T) == 16, "norm_fwd_pipe_kernel: 16-byte packs");
-    constexpr int kAdd = kResidual ? PACKS : 1, kTensors = kResidual ? 2 : 1;
-    extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ A buf[2][1][kMaxWarps];
-    const int groups = blockDim.x / tpr, t = threadIdx.x % tpr;
-    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC;
-    const A inv_n = A(1) / static_cast<A>(cols), eps = static_cast<A>(L.eps);
-    const bool layer = !L.rms;
-    const int64_t step = (int64_t)gridDim.x * groups;
-    auto slot = [&](int s, int q, int k) {
-        return reinterpret_cast<T *>(smem) + (((s * kTensors + q) * PACKS + k) * (int)blockDim.x + (int)threadIdx.x) * VEC;
-    };
-    // Copies row r's packs (those in the row; none past the last row) into stage s, and commits
-    // a copy group.
-    auto fetch = [&](int64_t r, int s) {
-        if (r < L.rows) {
-            const int mine = packs_in_row(true, cols, first, stride);
-            const brrr_norm_view *const views[2] = {&L.x, &L.residual};
-            int64_t off[2];
-            row_offsets(L, r, views, off);
-            const T *x = static_cast<const T *>(L.x.data) + off[0] + first;
-            const T *res = kResidual ? static_cast<const T *>(L.residual.data) + off[1] + first : nullptr;
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-                copy_async16(slot(s, 0, k), x + k * stride);
-                if constexpr (kResidual) copy_async16(slot(s, 1, k), res + k * stride);
-            }
-        }
-        copy_async_commit();
-    };
-    fetch((int64_t)blockIdx.x * groups + threadIdx.x / tpr, 0);
-    int parity = 0, s = 0;
-    for (int64_t base = (int64_t)blockIdx.x * groups; base < L.rows; base += step) {
-        const int64_t row = base + threadIdx.x / tpr;
-        const bool active = row < L.rows;
-        const int mine = packs_in_row(active, cols, first, stride);
-        fetch(row + step, s ^ 1);  // the next row, into the stage this thread read a row ago
-        copy_async_wait<1>();      // this row's copies have landed
-        const brrr_norm_view *const views[6] = {&L.x, &L.residual, &L.residual_out, &L.out, &L.mean, &L.rstd};
-        int64_t off[6];
-        row_offsets(L, active ? row : base, views, off);  // an in-range row for the address arithmetic
-        const T *x = static_cast<const T *>(L.x.data) + off[0] + first;
-        const T *res = kResidual ? static_cast<const T *>(L.residual.data) + off[1] + first : nullptr;
-        A v[PACKS][VEC], add[kAdd][VEC];
-#pragma unroll
-        for (int k = 0; k < PACKS; ++k) {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) v[k][j] = A(0);
-            if (k < mine) load_vec<T, VEC>(slot(s, 0, k), v[k]);
-            if constexpr (kResidual) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) add[k][j] = A(0);
-                if (k < mine) load_vec<T, VEC>(slot(s, 1, k), add[k]);
-            }
-        }
-        s ^= 1;
-        A shift = A(0);
-        if (layer && active) shift = kResidual ? round_to<T>(to_float(x[-first]) + to_float(res[-first])) : to_float(x[-first]);
-        if constexpr (kResidual) {
-            T *res_out = static_cast<T *>(L.residual_out.data) + off[2] + first;
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) v[k][j] = round_to<T>(v[k][j] + add[k][j]);
-                if (k < mine) store_vec<T, VEC>(res_out + k * stride, v[k]);
-            }
-        }
-        A mean, rstd;
-        auto sum = [&](A(&total)[1]) {
-            group_sum_unrolled(total, tpr, buf[parity]);
-            parity ^= 1;
-        };
-        fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, sum, sum);
-        if (!active) continue;
-        if (t == 0) {
-            if (L.mean.data) static_cast<A *>(L.mean.data)[off[4]] = mean;
-            if (L.rstd.data) static_cast<A *>(L.rstd.data)[off[5]] = rstd;
-        }
-        T *out = static_cast<T *>(L.out.data) + off[3] + first;
-#pragma unroll
-        for (int k = 0; k < PACKS; ++k) {
-            if (k >= mine) continue;
-            A w[VEC], b[VEC], y[VEC];
-            load_weight<T, VEC>(L, first + k * stride, w);
-            if (L.llama) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[k][j] * rstd) * w[j];
-            } else {
-                load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) y[j] = v[k][j] * rstd * w[j] + b[j];
-            }
-            store_vec<T, VEC>(out + k * stride, y);
-        }
-    }
-}
-
-// The forward's candidate (BRRR_NORM_FWD_KERNEL=bulk, sm_90, float16 and bfloat16):
-// norm_fwd_kernel's row layout, arithmetic and sums in their order (the same bits), with less
-// bookkeeping an element. norm_fwd_kernel issues 23-51 instructions an element (H200 ncu), its
+// The float16 and bfloat16 forward on sm_90 (the default; BRRR_NORM_FWD_KERNEL=rows runs
+// norm_fwd_kernel instead): norm_fwd_kernel's arithmetic and sums in their order for a row layout
+// of tpr threads and PACKS packs a thread (the same bits as norm_fwd_kernel at that layout), with
+// less bookkeeping an element. Rows that norm_fwd_kernel gives 5 packs a thread run here at twice
+// the threads and 3 packs (fwd_bulk_launch): their sums group the elements otherwise, so their
+// bits are those of BRRR_NORM_FWD_PACKS=pow2's layout, not the default's. norm_fwd_kernel issues 23-51 instructions an element (H200 ncu), its
 // issue slots the busiest unit: every row reloads its weight and bias, converts them and adds the
 // weight offset, each thread loads the row's shift from global memory, unravels six views'
 // offsets, and sums in loops of runtime width; and nothing loads while a row is reduced. Here a
@@ -1513,7 +1401,8 @@ static inline bool rows_aligned(const brrr_norm_launch &L, const brrr_norm_view 
 // (40 bytes of a 5120-column row, against 64 at 4096 and 8192 columns), with twice the warps in
 // each row's two reductions; bf16 layer_norm's forward ran at 59% of the floor at 5120 columns
 // against 71-72% at 4096 and 8192 (H200). BRRR_NORM_FWD_PACKS=five (unset) takes 5 packs a thread
-// over half the group instead; =pow2 keeps the doubled group.
+// over half the group instead; =pow2 keeps the doubled group. norm_fwd_bulk_kernel, where it runs,
+// takes the doubled group either way (fwd_bulk_launch).
 static bool half_five_packs() {
     const char *v = getenv("BRRR_NORM_FWD_PACKS");
     return !(v && strcmp(v, "pow2") == 0);
@@ -1652,14 +1541,13 @@ static size_t dynamic_smem_limit(int device, size_t static_bytes) {
     return (size_t)v > static_bytes ? (size_t)v - static_bytes : 0;
 }
 
-// BRRR_NORM_FWD_KERNEL (docs/kernel-switches.md): unset or rows, norm_fwd_kernel; pipe,
-// norm_fwd_pipe_kernel for rows of 16-byte packs whose two stages fit in shared memory; bulk,
-// norm_fwd_bulk_kernel where fwd_bulk_launch applies (norm_fwd_kernel for the others).
-enum class FwdKernel { kRows, kPipe, kBulk };
-static FwdKernel fwd_kernel() {
+// BRRR_NORM_FWD_KERNEL (docs/kernel-switches.md): unset or bulk, norm_fwd_bulk_kernel for float16
+// and bfloat16 where fwd_bulk_launch applies (on an H200, bfloat16 at 768-16384 columns: 3-24%
+// faster, equal at RMSNorm's 8192), norm_fwd_kernel for the others; rows, norm_fwd_kernel.
+// float32 and float64 run norm_fwd_kernel either way (81-97% of the memory floor in float32).
+static bool fwd_bulk_wanted() {
     const char *v = getenv("BRRR_NORM_FWD_KERNEL");
-    if (v == nullptr) return FwdKernel::kRows;
-    return strcmp(v, "pipe") == 0 ? FwdKernel::kPipe : strcmp(v, "bulk") == 0 ? FwdKernel::kBulk : FwdKernel::kRows;
+    return v == nullptr || strcmp(v, "bulk") == 0;
 }
 
 // The device's compute capability major (0 where the query fails).
@@ -1671,9 +1559,11 @@ constexpr size_t kFwdBulkRingBytes = 48 << 10;   // past this, fewer stages (dow
 // Launches norm_fwd_bulk_kernel for the forward's row layout cfg, setting *launched, where it
 // applies: float16 and bfloat16 rows of 16-byte packs on whole warps, a 2-d launch, sm_90, one
 // row of each tensor in shared memory. The five-pack rows (kHalfFivePacks) run at twice the
-// threads and three packs a thread (BRRR_NORM_FWD_PACKS=pow2's layout): five packs of the row, the
-// weight and the bias take more than the 128 registers a thread of 512 has. The ring holds up to
-// kFwdBulkStages rows, fewer past kFwdBulkRingBytes; the grid, the blocks that fit at once.
+// threads and three packs a thread (BRRR_NORM_FWD_PACKS=pow2's layout, and its bits): five packs
+// of the row, the weight and the bias take more than the 128 registers a thread of 512 has. A
+// launch this leaves to norm_fwd_kernel (rows in several dims, before sm_90) gets the five. The
+// ring holds up to kFwdBulkStages rows, fewer past kFwdBulkRingBytes; the grid, the blocks that
+// fit at once.
 template <typename T>
 static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int device, cudaStream_t stream,
                                    bool *launched) {
@@ -1721,7 +1611,7 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         return cudaSuccess;
     }
     if constexpr (is_half<T>) {
-        if (fwd_kernel() == FwdKernel::kBulk) {
+        if (fwd_bulk_wanted()) {
             bool launched = false;
             const cudaError_t e = fwd_bulk_launch<T>(L, cfg, device, stream, &launched);
             if (e != cudaSuccess || launched) return e;
@@ -1732,22 +1622,8 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         auto kernel = L.residual.data ? norm_fwd_kernel<T, VEC, PACKS, true> : norm_fwd_kernel<T, VEC, PACKS, false>;
         const int groups = cfg.block / cfg.tpr;
         const int64_t blocks = (L.rows + groups - 1) / groups;
-        unsigned grid = (unsigned)(blocks < kMaxGrid ? blocks : kMaxGrid);
-        size_t smem = 0;
-        if constexpr (VEC > 1) {  // (norm_fwd_pipe_kernel: 16-byte packs only)
-            // Two stages of the threads' packs, where they fit (not float32 add_* rows of 16384 columns)
-            const size_t stages = (size_t)2 * (L.residual.data ? 2 : 1) * PACKS * cfg.block * 16;
-            if (fwd_kernel() == FwdKernel::kPipe && stages <= dynamic_smem_limit(device, sizeof(typename Compute<T>::type) * 2 * kMaxWarps)) {
-                kernel = L.residual.data ? norm_fwd_pipe_kernel<T, VEC, PACKS, true> : norm_fwd_pipe_kernel<T, VEC, PACKS, false>;
-                smem = stages;
-                int per_sm = 0;
-                const cudaError_t e = blocks_per_sm(kernel, cfg.block, smem, device, &per_sm);
-                if (e != cudaSuccess) return e;
-                const int64_t resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device);
-                if (resident < (int64_t)grid) grid = (unsigned)resident;  // the blocks that run at once
-            }
-        }
-        kernel<<<grid, cfg.block, smem, stream>>>(L, cfg.tpr);
+        const unsigned grid = (unsigned)(blocks < kMaxGrid ? blocks : kMaxGrid);
+        kernel<<<grid, cfg.block, 0, stream>>>(L, cfg.tpr);
         return cudaSuccess;
     });
 }

@@ -325,25 +325,26 @@ def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
     compare("layer_norm", dtype, x, r, (cols,), w, b)
 
 
-# The kernels behind the switches, each value forced for every dtype: BRRR_NORM_BWD_KERNEL=bulk
+# The kernels behind the switches, each value forced: BRRR_NORM_BWD_KERNEL=bulk
 # (norm_bwd_bulk_kernel, sm_90; the float16 and bfloat16 default) and =ring (norm_bwd_kernel; the
-# float32 and float64 default), BRRR_NORM_FWD_KERNEL=pipe (norm_fwd_pipe_kernel) and =bulk
-# (norm_fwd_bulk_kernel, sm_90, float16 and bfloat16). Widths: bfloat16 rows whose backward group
-# is one warp (256), two warps with the second one's packs partly past the row (768), three and
-# nine warps (1032, 4104: group sums over warp counts that are not powers of two), whole rows
-# (5120, 8192; 4096 in the bits tests below), forward rows of 1, 3, 4 and 5 packs a thread (the
-# bulk forward's of 1, 3, 3 with packs partly past the row, 3 and 4); and a width where none
-# applies and the defaults run (4097: single elements).
+# float32 and float64 default) for every dtype; BRRR_NORM_FWD_KERNEL=bulk (norm_fwd_bulk_kernel,
+# sm_90; the float16 and bfloat16 default) and =rows (norm_fwd_kernel) for float16 and bfloat16,
+# where they differ (float32 and float64 run norm_fwd_kernel either way). Widths: bfloat16 rows
+# whose backward group is one warp (256), two warps with the second one's packs partly past the
+# row (768), three and nine warps (1032, 4104: group sums over warp counts that are not powers of
+# two), whole rows (5120, 8192; 4096 in the bits tests below), forward rows of 1, 3, 4 and 5 packs
+# a thread (the bulk forward's of 1, 3, 3 with packs partly past the row, 3 and 4); and a width
+# where none applies and the defaults run (4097: single elements).
 BULK_COLS = [256, 768, 1032, 4104, 5120, 8192, 4097]
 CANDIDATES = {"bwd_bulk": ("BRRR_NORM_BWD_KERNEL", "bulk"), "bwd_ring": ("BRRR_NORM_BWD_KERNEL", "ring"),
-              "fwd_pipe": ("BRRR_NORM_FWD_KERNEL", "pipe"), "fwd_bulk": ("BRRR_NORM_FWD_KERNEL", "bulk")}
+              "fwd_bulk": ("BRRR_NORM_FWD_KERNEL", "bulk"), "fwd_rows": ("BRRR_NORM_FWD_KERNEL", "rows")}
 
 
 def _candidate_cases():
-    """(candidate, dtype) pairs: the bulk forward only where it applies (float16, bfloat16)."""
+    """(candidate, dtype) pairs: the forward's values only where they differ (float16, bfloat16)."""
     for candidate in CANDIDATES:
         for dtype in DTYPES:
-            if candidate != "fwd_bulk" or dtype in HALF_DTYPES:
+            if not candidate.startswith("fwd_") or dtype in HALF_DTYPES:
                 yield pytest.param(candidate, dtype, id=f"{candidate}-{dtype}")
 
 
@@ -359,10 +360,10 @@ def _bulk_kinds():
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("cols", BULK_COLS)
 def test_candidate_kernels(monkeypatch, candidate, dtype, kind, cast_order, residual, cols):
-    """Both backward kernels and the pipelined and bulk-copy forwards against the float64
-    reference: row counts that leave one chunk shorter than the lanes (1, 3), several chunks (37)
-    and many (301), more rows than a grid's groups (301, pipe forward); every affine form, float32
-    parameters for half inputs, RMSNorm's weight offset, rows with padding between them."""
+    """Both backward kernels and both forward kernels against the float64 reference: row counts
+    that leave one chunk shorter than the lanes (1, 3), several chunks (37) and many (301); every
+    affine form, float32 parameters for half inputs, RMSNorm's weight offset, rows with padding
+    between them."""
     monkeypatch.setenv(*CANDIDATES[candidate])
     for rows in (1, 3, 37, 301):
         x = random((rows, cols), dtype, "cuda")
@@ -433,10 +434,13 @@ def test_bwd_kernel_default(monkeypatch, dtype, kind):
 _FORWARD_NAMES = ("out", "residual_out", "grad_x", "grad_residual", "grad_weight", "grad_bias")
 
 
-def _forward_under(monkeypatch, value, kind, cast_order, x, r, w, b, g):
+def _forward_under(monkeypatch, env, kind, cast_order, x, r, w, b, g):
     """out, residual_out (None for the plain forms) and every gradient (x, residual, weight,
-    bias) of one forward+backward on CUDA under BRRR_NORM_FWD_KERNEL=value."""
-    monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", value)
+    bias) of one forward+backward on CUDA with the environment variables of `env` set around the
+    calls (BRRR_NORM_FWD_KERNEL unset unless `env` names it)."""
+    monkeypatch.delenv("BRRR_NORM_FWD_KERNEL", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     try:
         leaves = [t if t is None else t.detach().requires_grad_() for t in (x, r, w, b)]
         out, h = call(kind, leaves[0], leaves[1], (x.shape[-1],), leaves[2], leaves[3], cast_order=cast_order)
@@ -444,60 +448,137 @@ def _forward_under(monkeypatch, value, kind, cast_order, x, r, w, b, g):
         torch.cuda.synchronize()
         return [out.detach(), h] + [None if t is None else t.grad for t in leaves]
     finally:
-        monkeypatch.delenv("BRRR_NORM_FWD_KERNEL")
+        for name in env:
+            monkeypatch.delenv(name)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("cols", [256, 768, 1032, 4096, 5120, 8192, 16384])
-def test_candidate_fwd_pipe_bits(monkeypatch, dtype, kind, cast_order, residual, cols):
-    """BRRR_NORM_FWD_KERNEL=pipe gives the same bits run to run (out, residual_out, and the saved
-    statistics through every gradient), and agrees with the default (=rows) to rounding. 2053
-    rows: many rows a group on a grid of the blocks that fit at once."""
-    rows = 2053
-    x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
-    r = random((rows, cols), dtype, "cuda") if residual else None
-    w, b = params(kind, "both", (cols,), dtype, "cuda")
-    args = (kind, cast_order, x, r, w, b, g)
-    pipe, again = _forward_under(monkeypatch, "pipe", *args), _forward_under(monkeypatch, "pipe", *args)
-    rows_ = _forward_under(monkeypatch, "rows", *args)
-    for name, a, a2, e in zip(_FORWARD_NAMES, pipe, again, rows_):
-        assert (a is None) == (e is None), name
-        if a is None:
-            continue
-        assert torch.equal(a, a2), (name, "run to run")
-        torch.testing.assert_close(a.float(), e.float(), rtol=TOLERANCE[dtype]["rtol"],
-                                   atol=TOLERANCE[dtype]["atol"] * float(e.float().abs().max()), msg=name)
+def _assert_same_forward(got, want, what, names=_FORWARD_NAMES):
+    for name, a, e in zip(names, got, want):
+        assert (a is None) == (e is None), (what, name)
+        if a is not None:
+            assert torch.equal(a, e), (what, name, (a.double() - e.double()).abs().max().item())
+
+
+# Half rows that norm_fwd_kernel's default layout gives 5 packs a thread (kHalfFivePacks; bfloat16
+# 1032, 4104 and 5120 columns: 129, 513 and 640 packs of 8) run in norm_fwd_bulk_kernel at twice
+# the threads and 3 packs a thread, BRRR_NORM_FWD_PACKS=pow2's layout: the row's sums group its
+# elements otherwise, so there the default forward's bits differ from BRRR_NORM_FWD_KERNEL=rows'.
+FIVE_PACK_COLS = [1032, 4104, 5120]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("cols", [256, 768, 8192, 16384])
-def test_candidate_fwd_bulk_bits(monkeypatch, dtype, kind, cast_order, residual, cols):
-    """BRRR_NORM_FWD_KERNEL=bulk, where a row's packs split evenly over its threads, does
-    norm_fwd_kernel's arithmetic in its order: the same bits as the default (=rows) in out,
-    residual_out and, through the saved statistics, every gradient; with a bias and without (its
-    own instance), float32 parameters. 20011 rows up to 8192 columns (more than a block a row at
-    every width: each block's ring reused), 2053 at 16384. At 1032, 4104 and 5120 columns (packs
-    not a multiple of the threads) the bits differed from rows' on an H200 (2026-12-03), while
-    test_candidate_kernels' float64 references passed there: the candidate stays behind its
-    switch until that is explained."""
-    rows = 20011 if cols <= 8192 else 2053
+@pytest.mark.parametrize("cols", [256, 768] + FIVE_PACK_COLS + [8192, 16384])
+def test_fwd_bulk_has_the_bits_of_rows_at_its_layout(monkeypatch, dtype, kind, cast_order, residual, cols):
+    """BRRR_NORM_FWD_KERNEL=bulk does norm_fwd_kernel's arithmetic in its order at the same row
+    layout: the same bits as =rows with BRRR_NORM_FWD_PACKS=pow2 (bulk's layout at every width) in
+    out, residual_out and, through the saved statistics, every gradient, and the same bits run to
+    run; with a bias and without (its own instance), float32 parameters. 20011 rows up to 1032
+    columns and 2053 past that: several rows a block at every width, each block's ring reused."""
+    rows = 20011 if cols <= 1032 else 2053
     x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
     r = random((rows, cols), dtype, "cuda") if residual else None
     forms = [("weight", None), ("both", None), ("both", torch.float32)] if kind == "layer_norm" else [("weight", None)]
     for affine, param_dtype in forms:
         w, b = params(kind, affine, (cols,), dtype, "cuda", param_dtype=param_dtype)
         args = (kind, cast_order, x, r, w, b, g)
-        bulk, rows_ = _forward_under(monkeypatch, "bulk", *args), _forward_under(monkeypatch, "rows", *args)
-        for name, a, e in zip(_FORWARD_NAMES, bulk, rows_):
-            assert (a is None) == (e is None), name
-            if a is not None:
-                assert torch.equal(a, e), (affine, name, (a.double() - e.double()).abs().max().item())
+        bulk = _forward_under(monkeypatch, {"BRRR_NORM_FWD_KERNEL": "bulk"}, *args)
+        again = _forward_under(monkeypatch, {"BRRR_NORM_FWD_KERNEL": "bulk"}, *args)
+        rows_ = _forward_under(monkeypatch, {"BRRR_NORM_FWD_KERNEL": "rows", "BRRR_NORM_FWD_PACKS": "pow2"}, *args)
+        _assert_same_forward(again, bulk, (affine, "bulk, run to run"))
+        _assert_same_forward(bulk, rows_, (affine, "bulk against rows at pow2's layout"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_fwd_kernel_default(monkeypatch, dtype, kind):
+    """Unset, BRRR_NORM_FWD_KERNEL means bulk for float16 and bfloat16; float32 and float64 run
+    norm_fwd_kernel whatever its value. The default's outputs and gradients have that kernel's
+    bits. At 5120 columns (FIVE_PACK_COLS) the two half kernels group a row's sums differently, so
+    their results tell them apart (checked too)."""
+    x, g = random((2053, 5120), dtype, "cuda"), random((2053, 5120), dtype, "cuda")
+    w, b = params(kind, "both", (5120,), dtype, "cuda")
+    args = (kind, "torch", x, None, w, b, g)
+    default = _forward_under(monkeypatch, {}, *args)
+    bulk = _forward_under(monkeypatch, {"BRRR_NORM_FWD_KERNEL": "bulk"}, *args)
+    rows_ = _forward_under(monkeypatch, {"BRRR_NORM_FWD_KERNEL": "rows"}, *args)
+    if dtype in HALF_DTYPES:
+        assert not all(torch.equal(a, e) for a, e in zip(bulk[:3], rows_[:3]) if a is not None), \
+            "bulk and rows gave the same bits: the test cannot tell them apart"
+        _assert_same_forward(default, bulk, "default")
+    else:
+        _assert_same_forward(bulk, rows_, "bulk against rows")
+        _assert_same_forward(default, rows_, "default")
+
+
+_OP_NAMES = ("out", "residual_out", "mean", "rstd")
+
+
+def _op_forward(kind, cast_order, x, r, w, b, eps):
+    """The forward autograd records (torch.ops.brrr's, which saves the statistics): (out,
+    residual_out or None, LayerNorm's mean or None, rstd)."""
+    ops, cols, llama = torch.ops.brrr, [x.shape[-1]], cast_order == "llama"
+    if kind == "layer_norm":
+        if r is None:
+            out, mean, rstd = ops.layer_norm(x, cols, w, b, eps)
+            return out, None, mean, rstd
+        return tuple(ops.add_layer_norm(x, r, cols, w, b, eps))
+    if r is None:
+        out, rstd = ops.rms_norm(x, cols, w, eps, llama, 0.0)
+        return out, None, None, rstd
+    out, h, rstd = ops.add_rms_norm(x, r, cols, w, eps, llama, 0.0)
+    return out, h, None, rstd
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
+@pytest.mark.parametrize("cols", FIVE_PACK_COLS)
+@pytest.mark.parametrize("kernel", ["default", "rows"])
+def test_fwd_at_five_pack_widths(monkeypatch, dtype, kind, cast_order, cols, kernel):
+    """Where the default forward's bits differ from =rows' (FIVE_PACK_COLS), each of the two: out
+    and the statistics the backward reads (LayerNorm's mean minus the row's first element, rstd)
+    against float64, for the plain and the fused residual forms; the same bits run to run; and the
+    same out bits from every path that computes it: the op autograd records (saving the
+    statistics), the call without autograd (saving none), the fused residual form and the plain
+    form on its sum (as brrr.patch's fused add and remat's recomputation rely on), whose
+    statistics are the same bits too. 2053 rows: several a block."""
+    if kernel == "rows":
+        monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "rows")
+    else:
+        monkeypatch.delenv("BRRR_NORM_FWD_KERNEL", raising=False)
+    eps = 1e-5 if kind == "layer_norm" else 1e-6
+    x, r = random((2053, cols), dtype, "cuda"), random((2053, cols), dtype, "cuda")
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    for residual in (None, r):
+        got = _op_forward(kind, cast_order, x, residual, w, b, eps)
+        _assert_same_forward(_op_forward(kind, cast_order, x, residual, w, b, eps), got, "run to run", _OP_NAMES)
+        out, h, mean, rstd = got
+        refs = [t if t is None else t.to("cpu", torch.float64) for t in (x, residual, w, b)]
+        ref_out, ref_h = reference(kind, dtype, refs[0], refs[1], (cols,), refs[2], refs[3], eps, cast_order == "llama")
+        check("out", out, ref_out, dtype)
+        if kind == "layer_norm":
+            check("mean", mean, ref_h.mean(-1) - ref_h[:, 0], torch.float32)
+            variance = ref_h.var(-1, unbiased=False)
+        else:
+            variance = ref_h.pow(2).mean(-1)
+        check("rstd", rstd, (variance + eps).rsqrt(), torch.float32)
+        leaves = [t if t is None else t.detach().requires_grad_() for t in (x, residual, w, b)]
+        recorded, recorded_h = call(kind, leaves[0], leaves[1], (cols,), leaves[2], leaves[3], eps, cast_order)
+        with torch.no_grad():
+            untracked, untracked_h = call(kind, x, residual, (cols,), w, b, eps, cast_order)
+        assert recorded.grad_fn is not None and not untracked.requires_grad
+        assert torch.equal(recorded, out) and torch.equal(untracked, out)
+        if residual is None:
+            continue
+        assert torch.equal(h, x + r) and torch.equal(recorded_h, h) and torch.equal(untracked_h, h)
+        on_sum = _op_forward(kind, cast_order, h, None, w, b, eps)
+        _assert_same_forward(on_sum, (out, None, mean, rstd), "the plain form on the sum", _OP_NAMES)
+        with torch.no_grad():
+            assert torch.equal(call(kind, h, None, (cols,), w, b, eps, cast_order)[0], out)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1003,15 +1084,20 @@ def test_cuda_argument_errors():
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("cols", [512, 520, 640, 648, 1032, 1280, 1288, 2056, 2560, 2568, 4096, 4104, 5120, 5128, 8200,
                                   10240, 10248])
-@pytest.mark.parametrize("value", ["five", "pow2"])
-def test_forward_five_packs(monkeypatch, dtype, kind, residual, cols, value):
+@pytest.mark.parametrize("layout", ["rows-five", "rows-pow2", "bulk"])
+def test_forward_five_packs(monkeypatch, dtype, kind, residual, cols, layout):
     """float16 and bfloat16 rows whose 8-element packs fall just past a power-of-two group of 4
-    packs a thread (65-80, 129-160, 257-320, 513-640, 1025-1280 packs) take 5 packs a thread over
-    half the group (BRRR_NORM_FWD_PACKS unset, =five) or the doubled group (=pow2). Against the
-    float64 reference either way, at the first and last width of each range and the one past it
-    (520, 640 | 648; 1032, 1280 | 1288; 2056, 2560 | 2568; 4104, 5120 | 5128; 8200, 10240 | 10248;
-    512 and 4096 just below a range), one row and many, with the weight and bias; the gradients too."""
-    monkeypatch.setenv("BRRR_NORM_FWD_PACKS", value)
+    packs a thread (65-80, 129-160, 257-320, 513-640, 1025-1280 packs): norm_fwd_kernel
+    (BRRR_NORM_FWD_KERNEL=rows) takes 5 packs a thread over half the group (BRRR_NORM_FWD_PACKS
+    unset, =five) or the doubled group (=pow2); norm_fwd_bulk_kernel (the default) the doubled
+    group, 3 packs a thread. Against the float64 reference each way, at the first and last width
+    of each range and the one past it (520, 640 | 648; 1032, 1280 | 1288; 2056, 2560 | 2568; 4104,
+    5120 | 5128; 8200, 10240 | 10248; 512 and 4096 just below a range), one row and many, with the
+    weight and bias; the gradients too."""
+    kernel, _, packs = layout.partition("-")
+    monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", kernel)
+    if packs:
+        monkeypatch.setenv("BRRR_NORM_FWD_PACKS", packs)
     for rows in (1, 37):
         x = random((rows, cols), dtype, "cuda")
         r = random((rows, cols), dtype, "cuda") if residual else None
