@@ -237,19 +237,6 @@ def measure(recorder, case, impl, model, tokens, compile_it=False):
           f"{'-' if peak is None else f'{peak / 2**30:.2f} GiB'}")
 
 
-@contextlib.contextmanager
-def loss_defaults(**settings):
-    """brrr.linear_cross_entropy's keyword-only defaults (logits_budget, accumulation) set in the
-    block: what brrr.patch's fused loss then uses."""
-    defaults = brrr.xent.linear_cross_entropy.__kwdefaults__
-    saved = dict(defaults)
-    defaults.update(settings)
-    try:
-        yield
-    finally:
-        defaults.update(saved)
-
-
 @pytest.mark.skipif(transformers is None, reason="needs transformers")
 @pytest.mark.parametrize("vocab,batch,seq", STEP_CASES, ids=lambda v: str(v))
 def test_training_step(recorder, vocab, batch, seq):
@@ -273,18 +260,20 @@ def test_training_step(recorder, vocab, batch, seq):
     case = (vocab, batch, seq)
     measure(recorder, case, "unpatched eager", base, tokens)
     measure(recorder, case, "brrr.patch eager", patched, tokens)
-    with loss_defaults(logits_budget=2**27):
-        measure(recorder, case, "brrr.patch eager, 128 MiB chunks", patched, tokens)
-    rematerialised = copy.deepcopy(base)
-    brrr.patch(rematerialised, remat=True)  # its gradients are the patched model's bitwise (tests/test_remat.py)
-    measure(recorder, case, "brrr.patch eager remat", rematerialised, tokens)
-    # The weight's gradient summed in its own dtype (as Liger-Kernel's), in the default chunks
-    # (auto_chunk_rows) and in the leanest loss's 128 MiB of logits a chunk.
-    with loss_defaults(accumulation="weight"):
-        measure(recorder, case, "brrr.patch eager remat, weight accumulation", rematerialised, tokens)
-    with loss_defaults(logits_budget=2**27, accumulation="weight"):
-        measure(recorder, case, "brrr.patch eager remat, lean loss", rematerialised, tokens)
-    del rematerialised
+    del patched
+    # brrr.patch's settings: remat (its gradients are the patched model's bitwise: tests/test_remat.py)
+    # and the fused loss's options, the weight's gradient summed in its own dtype (as Liger-Kernel's)
+    # in the default chunks (auto_chunk_rows) or in 128 MiB of logits a chunk.
+    settings = {"brrr.patch eager, 128 MiB chunks": ({"logits_budget": 2**27}, False),
+                "brrr.patch eager remat": (True, True),
+                "brrr.patch eager remat, weight accumulation": ({"accumulation": "weight"}, True),
+                "brrr.patch eager remat, lean loss": ({"accumulation": "weight", "logits_budget": 2**27}, True)}
+    for impl, (loss_options, remat) in settings.items():
+        if wanted(impl):
+            model = copy.deepcopy(base)
+            brrr.patch(model, fused_linear_cross_entropy=loss_options, remat=remat)
+            measure(recorder, case, impl, model, tokens)
+            del model
     if not QUICK:
         measure(recorder, case, "unpatched compile", base, tokens, compile_it=True)
     if liger is not None and on_gpu():

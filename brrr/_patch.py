@@ -524,17 +524,18 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
 
 
 def causal_lm_linear_loss(hidden_states, head, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-                          softcap=None, logit_scale=None):
+                          softcap=None, logit_scale=None, **options):
     """causal_lm_loss of the logits head(hidden_states) (softcapped as Gemma 2 caps them, or times
     logit_scale as Cohere scales them: the head's input scaled instead, its width rather than the
-    vocabulary's), through brrr's linear_cross_entropy: the logits are never held whole."""
+    vocabulary's), through brrr's linear_cross_entropy: the logits are never held whole. options:
+    linear_cross_entropy's logits_budget and accumulation."""
     hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
     if logit_scale is not None:
         hidden_states = hidden_states * logit_scale
     shift_labels = _shifted_labels(labels, ignore_index, shift_labels).to(hidden_states.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = registry("linear_cross_entropy", hidden_states, head.weight, shift_labels, head.bias,
-                    ignore_index=ignore_index, reduction=reduction, softcap=softcap, dtype=torch.float32)
+                    ignore_index=ignore_index, reduction=reduction, softcap=softcap, dtype=torch.float32, **options)
     return _per_item(loss, num_items_in_batch)
 
 
@@ -620,7 +621,7 @@ def _fused_linear_loss_forward(original):
             raise RuntimeError(f"brrr.patch: {type(self).__name__}'s forward did not call its output embeddings "
                                "(brrr.unpatch the model, or patch it with fused_linear_cross_entropy=False)")
         loss = causal_lm_linear_loss(hidden_states, head, labels, softcap=self._brrr_softcap,
-                                     logit_scale=self._brrr_logit_scale,
+                                     logit_scale=self._brrr_logit_scale, **dict(self._brrr_loss_options),
                                      **{k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs})
         if isinstance(out, tuple):  # return_dict=False: to_tuple of the output below
             return (loss,) + out[1:]
@@ -679,9 +680,9 @@ def _logits_transform(module, head, device):
                      "nor scaled by logit_scale)", None)
 
 
-def _try_fused_linear_loss(module, device):
+def _try_fused_linear_loss(module, device, options):
     """(model class, head, head class, what) for a causal LM whose loss was swapped and whose head
-    brrr's linear_cross_entropy can take, else (None, None, None, why)."""
+    brrr's linear_cross_entropy can take (with the keywords `options`), else (None, None, None, why)."""
     get_head = getattr(module, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if type(head) is not torch.nn.Linear:
@@ -691,7 +692,7 @@ def _try_fused_linear_loss(module, device):
         return None, None, None, f"fused linear cross-entropy: {softcap}"
     cls = type(module)
     model_class = _subclass(cls, "fused_linear_loss", _fused_linear_loss_forward(cls.forward), _brrr_softcap=softcap,
-                            _brrr_logit_scale=scale)
+                            _brrr_logit_scale=scale, _brrr_loss_options=tuple(sorted(options.items())))
     head_class = _subclass(type(head), "deferring_head", _deferring_head_forward)
     cap = "" if softcap is None else f", its softcap {softcap:g} fused"
     cap += "" if scale is None else f", its logit scale {scale:g} on the head's input"
@@ -1374,24 +1375,49 @@ def _residual_norm_class(cls, chain, definition, keys):
     return type(f"Brrr{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
 
 
+_LOSS_OPTIONS = ("logits_budget", "accumulation")
+
+
 def patch(model, *, fused_linear_cross_entropy=True, remat=False):
     """Swap every module of `model` that brrr fuses, in place; returns a PatchReport.
 
     fused_linear_cross_entropy: a causal LM whose loss is swapped (see the module) computes that
     loss, in training with labels, from its head's input through brrr.linear_cross_entropy, and
     its output's logits are then None; in eval mode or without labels it returns them as before.
+    True, False, or a dict of linear_cross_entropy's keywords logits_budget and accumulation for
+    that loss: {"accumulation": "weight"} sums the head's weight gradient in its own dtype, as
+    Liger-Kernel does, instead of in a float32 buffer that the gradient then keeps (twice a bf16
+    head's bytes: docs/linear-cross-entropy.md).
     remat: the outputs of the norms and gated MLPs it swaps are recomputed in the backward instead
     of saved by the linear layers they feed (brrr.remat; its torch.nn.Linear modules become
-    brrr.nn.RematLinear); the report says how many bytes per token that saves. Off by default:
-    its time cost (one memory-bound pass per norm and GLU) is not measured yet. The global random
-    generators are left as they were (the probes draw from a private one)."""
+    brrr.nn.RematLinear); the report says how many bytes per token that saves. Off by default: it
+    swaps every torch.nn.Linear of the model, those that take no norm's or GLU's output too, and
+    what that costs a host-bound step is not measured (a Llama's GPU-bound step measured within
+    1% of the step without it: docs/remat.md). The global random generators are left as they
+    were (the probes draw from a private one)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"argument model: expected a torch.nn.Module, got {type(model).__name__}")
+    loss_options = _loss_options(fused_linear_cross_entropy)
     with _rng_states_kept():
-        return _patch(model, fused_linear_cross_entropy, remat)
+        return _patch(model, fused_linear_cross_entropy is not False, loss_options, remat)
 
 
-def _patch(model, fused_linear_cross_entropy, remat):
+def _loss_options(value):
+    """The keywords of patch's fused_linear_cross_entropy argument for linear_cross_entropy."""
+    if isinstance(value, bool):
+        return {}
+    if not isinstance(value, dict) or not set(value) <= set(_LOSS_OPTIONS):
+        raise ValueError(f"argument fused_linear_cross_entropy: expected True, False or a dict of "
+                         f"{' and '.join(_LOSS_OPTIONS)}, got {value!r}")
+    accumulation, budget = value.get("accumulation", "float32"), value.get("logits_budget")
+    if accumulation not in ("float32", "weight"):
+        raise ValueError(f"argument fused_linear_cross_entropy: accumulation 'float32' or 'weight', got {accumulation!r}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise ValueError(f"argument fused_linear_cross_entropy: logits_budget None or a positive int, got {budget!r}")
+    return dict(value)
+
+
+def _patch(model, fused_linear_cross_entropy, loss_options, remat):
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     report = PatchReport()
@@ -1411,7 +1437,7 @@ def _patch(model, fused_linear_cross_entropy, remat):
         if loss is not None:
             (report.swapped if loss[0] else report.left).append((name, cls.__name__, loss[1]))
             if loss[0] and fused_linear_cross_entropy and _ORIGINAL not in module.__dict__:
-                model_class, head, head_class, what = _try_fused_linear_loss(module, device)
+                model_class, head, head_class, what = _try_fused_linear_loss(module, device, loss_options)
                 if model_class is None:
                     report.left.append((name, cls.__name__, what))
                 else:

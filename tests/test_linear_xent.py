@@ -989,6 +989,36 @@ def test_patch_leaves_logits_it_cannot_fuse_and_can_be_told_to_keep_them():
     assert llama(input_ids=tokens, labels=tokens).logits.shape == (2, 7, 211)
 
 
+def test_patch_gives_the_fused_loss_its_options(monkeypatch):
+    """fused_linear_cross_entropy as a dict of linear_cross_entropy's logits_budget and
+    accumulation: brrr's kernel (on the CPU here) gets them in every training step. A bf16 head's
+    gradient summed in float32 is a view of that buffer, twice the gradient's bytes; with
+    accumulation "weight" it holds its own bytes alone, and the loss and gradients stay those of the
+    default within bf16's rounding. Other keys and values raise ValueError naming the argument."""
+    import copy
+
+    monkeypatch.setattr(brrr.registry.lookup("linear_cross_entropy"), "cpu", "kernel")
+    base = tiny("Llama", dtype=torch.bfloat16)
+    tokens = torch.randint(0, 211, (2, 9))
+    results = {}
+    for options in (True, {"accumulation": "weight"}, {"accumulation": "weight", "logits_budget": 211 * 2 * 5}):
+        model = copy.deepcopy(base)
+        brrr.patch(model, fused_linear_cross_entropy=options, remat=False)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        head = model.get_output_embeddings().weight.grad
+        results[str(options)] = loss, head
+        held = head.untyped_storage().nbytes()
+        assert held == (head.nbytes if options is not True else 2 * head.nbytes), (options, held, head.nbytes)
+    (loss, head), *others = results.values()
+    for other_loss, other_head in others:
+        torch.testing.assert_close(other_loss, loss, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(other_head.float(), head.float(), rtol=5e-2, atol=2e-3)
+    for bad in ({"chunk": 3}, {"accumulation": "bf16"}, {"logits_budget": 0}, {"logits_budget": True}, "weight"):
+        with pytest.raises(ValueError, match="argument fused_linear_cross_entropy"):
+            brrr.patch(copy.deepcopy(base), fused_linear_cross_entropy=bad)
+
+
 @pytest.mark.cuda
 def test_cuda_graph_capture_of_a_patched_step_with_the_fused_loss():
     """A bf16 Llama's patched training step captured in one CUDA graph: replays give eager's loss
