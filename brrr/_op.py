@@ -11,13 +11,15 @@ needs), its fake (the same, as empty tensors) and its backward formula, TorchOp 
 - the entry that picks one per call: the operator under torch.compile, the Function when autograd
   records, else the forward itself or the op's cheaper inference (the overhead regime's hot path:
   no dispatcher, no autograd).
-A backward formula calls its backward ops through `run`, which is the op's forward in eager mode
+A backward formula calls its backward ops through `run(op)`, which is the op's forward in eager mode
 and the operator under torch.compile, so that the compiled backward sees opaque nodes too.
 
 This module imports torch. Loading it builds every family's integration (declared with
 brrr._integration.torch_integration): brrr loads it when it first sees a torch tensor
 (brrr._frameworks), or at `import brrr` when torch is imported already.
 """
+
+import operator
 
 import torch
 
@@ -248,7 +250,7 @@ class TorchOp:
     save(ctx, args, results): ctx.save_for_backward(...) and any attributes of ctx the formula reads.
     backward(ctx, grads, run) -> one gradient (or None) per argument, for a list of tensors a list
         of them (None where the list is empty): grads holds one entry per differentiable result
-        (None where nothing flows); run(op, *args) runs a backward TorchOp; ctx.needs_input_grad
+        (None where nothing flows); run(op)(*args) runs a backward TorchOp; ctx.needs_input_grad
         has one entry per argument, for a list a tuple of one per tensor (False where it is empty).
     grad_args: the positions of the arguments that may require grad (the entry checks only those).
     eager(*args): the forward the eager Function records, where the op's entry has checked what the
@@ -347,8 +349,8 @@ class TorchOp:
         if self._apply is None or not _grad_enabled():
             return True
         tensors, lists = _grad_positions(self.op, self.grad_args)
-        recorded = [args[i] for i in tensors] + [t for i in lists for t in args[i] or ()]
-        return not any(t is not None and t.requires_grad for t in recorded)
+        return not (any(args[i] is not None and args[i].requires_grad for i in tensors) or
+                    _lists_require_grad(args, lists))
 
     def _entry(self):
         """The op's call, which returns its results (the first `outputs`): the operator under
@@ -357,7 +359,8 @@ class TorchOp:
         on the eager hot path, looking them up on the instance cost about 0.1 us a call, and a
         frame for the requires_grad test about as much. By the op's schema each argument at
         grad_args is a tensor or None, asked requires_grad with no isinstance, or a list of
-        tensors; an op without a backward tests none."""
+        tensors, tested in a frame of its own where the op has one (an empty loop in the call cost
+        ops without lists about 200 instructions); an op without a backward tests none."""
         op, outputs, apply, direct = self.op, self.outputs, self._apply, self._direct
         tensors, lists = _grad_positions(op, self.grad_args) if apply is not None else ((), ())
 
@@ -369,12 +372,19 @@ class TorchOp:
                     a = args[i]
                     if a is not None and a.requires_grad:
                         return apply(*args)
-                for i in lists:
-                    for t in args[i] or ():  # loops, not any() over a generator: a frame of its own
-                        if t.requires_grad:
-                            return apply(*args)
+                if lists and _lists_require_grad(args, lists):
+                    return apply(*args)
             return direct(*args)
         return call
+
+
+def _lists_require_grad(args, lists):
+    """Whether a tensor in the lists of tensors at positions `lists` of args requires grad."""
+    for i in lists:
+        for t in args[i] or ():  # loops, not any() over a generator: a frame of its own
+            if t.requires_grad:
+                return True
+    return False
 
 
 def _grad_positions(op, grad_args):
@@ -395,12 +405,9 @@ def _outputs(results, n):
     return results[0] if n == 1 else tuple(results[:n])
 
 
-def _run_eager(op, *args):
-    return op.forward(*args)
-
-
-def _run_compiled(op, *args):
-    return op.op(*args)
+# A formula's `run`: run(op) is what runs a backward TorchOp, its forward in eager mode, its operator
+# under torch.compile. attrgetter is C: no Python frame between a formula and its backward op.
+_run_eager, _run_compiled = operator.attrgetter("forward"), operator.attrgetter("op")
 
 
 # Every family's integration, built now that torch is in use (see the module): its namespace, with
