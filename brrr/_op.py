@@ -11,13 +11,15 @@ needs), its fake (the same, as empty tensors) and its backward formula, TorchOp 
 - the entry that picks one per call: the operator under torch.compile, the Function when autograd
   records, else the forward itself or the op's cheaper inference (the overhead regime's hot path:
   no dispatcher, no autograd).
-A backward formula calls its backward ops through `run`, which is the op's forward in eager mode
+A backward formula calls its backward ops through `run(op)`, which is the op's forward in eager mode
 and the operator under torch.compile, so that the compiled backward sees opaque nodes too.
 
 This module imports torch. Loading it builds every family's integration (declared with
 brrr._integration.torch_integration): brrr loads it when it first sees a torch tensor
 (brrr._frameworks), or at `import brrr` when torch is imported already.
 """
+
+import operator
 
 import torch
 
@@ -248,7 +250,7 @@ class TorchOp:
     save(ctx, args, results): ctx.save_for_backward(...) and any attributes of ctx the formula reads.
     backward(ctx, grads, run) -> one gradient (or None) per argument, for a list of tensors a list
         of them (None where the list is empty): grads holds one entry per differentiable result
-        (None where nothing flows); run(op, *args) runs a backward TorchOp; ctx.needs_input_grad
+        (None where nothing flows); run(op)(*args) runs a backward TorchOp; ctx.needs_input_grad
         has one entry per argument, for a list a tuple of one per tensor (False where it is empty).
     grad_args: the positions of the arguments that may require grad (the entry checks only those).
     eager(*args): the forward the eager Function records, where the op's entry has checked what the
@@ -268,7 +270,6 @@ class TorchOp:
         returns = self.op._schema.returns
         self._single = len(returns) == 1 and str(returns[0].type) == "Tensor"  # the forward returns one tensor
         self._apply = self._eager_apply() if backward else None
-        self._records = _recorder(self.op, grad_args)
         # Where nothing records: the inference, or the forward's results as the op's.
         if inference is None and not self._single:
             self._direct = lambda *args: _outputs(forward(*args), outputs)
@@ -343,80 +344,55 @@ class TorchOp:
     def runs_forward(self, args):
         """Whether a call on these arguments runs the forward itself (outside torch.compile, with
         nothing recorded): the only path on which a caller may give an output to write."""
-        return not _compiling() and not (self._apply is not None and _grad_enabled() and self._records(args))
+        if _compiling():
+            return False
+        if self._apply is None or not _grad_enabled():
+            return True
+        tensors, lists = _grad_positions(self.op, self.grad_args)
+        return not (any(args[i] is not None and args[i].requires_grad for i in tensors) or
+                    _lists_require_grad(args, lists))
 
     def _entry(self):
         """The op's call, which returns its results (the first `outputs`): the operator under
         torch.compile, the eager Function when autograd records, else the forward (or the
         inference). A closure over the op's pieces, made the __call__ of a class of the op's own:
-        on the eager hot path, looking them up on the instance cost about 0.1 us a call."""
-        op, outputs, apply, direct, records = self.op, self.outputs, self._apply, self._direct, self._records
-        if apply is None:
-            def call(self, *args):
-                if _compiling():
-                    return _outputs(op(*args), outputs)
-                return direct(*args)
-            return call
-
-        tensors = _tensor_positions(op, self.grad_args)
-        if tensors is not None:
-            # No list among grad_args: records() inlined, as its frame was about 0.1 us of every
-            # call on this project's CPU machine.
-            def call(self, *args):
-                if _compiling():
-                    return _outputs(op(*args), outputs)
-                if _grad_enabled():
-                    for i in tensors:
-                        a = args[i]
-                        if a is not None and a.requires_grad:
-                            return apply(*args)
-                return direct(*args)
-            return call
+        on the eager hot path, looking them up on the instance cost about 0.1 us a call, and a
+        frame for the requires_grad test about as much. By the op's schema each argument at
+        grad_args is a tensor or None, asked requires_grad with no isinstance, or a list of
+        tensors, tested in a frame of its own where the op has one (an empty loop in the call cost
+        ops without lists about 200 instructions); an op without a backward tests none."""
+        op, outputs, apply, direct = self.op, self.outputs, self._apply, self._direct
+        tensors, lists = _grad_positions(op, self.grad_args) if apply is not None else ((), ())
 
         def call(self, *args):
             if _compiling():
                 return _outputs(op(*args), outputs)
-            if _grad_enabled() and records(args):
-                return apply(*args)
+            if _grad_enabled():
+                for i in tensors:
+                    a = args[i]
+                    if a is not None and a.requires_grad:
+                        return apply(*args)
+                if lists and _lists_require_grad(args, lists):
+                    return apply(*args)
             return direct(*args)
         return call
 
 
-def _tensor_positions(op, grad_args):
-    """grad_args when none of them is a list of tensors by the op's schema (each a tensor or None
-    there), else None."""
-    arguments = op._schema.arguments
-    if any(str(arguments[i].type) == "List[Tensor]" for i in grad_args):
-        return None
-    return tuple(grad_args)
-
-
-def _recorder(op, grad_args):
-    """records(args): whether autograd records the op on these arguments, grad mode on: a tensor
-    at grad_args (or in a list there) requires grad. By the op's schema each argument there is a
-    tensor or None, asked requires_grad with no isinstance, or a list of tensors (lists last)."""
-    lists = {i for i, a in enumerate(op._schema.arguments) if str(a.type) == "List[Tensor]"}
-    tensors, in_lists = tuple(i for i in grad_args if i not in lists), tuple(i for i in grad_args if i in lists)
-    if not in_lists:
-        def records(args):
-            for i in tensors:
-                a = args[i]
-                if a is not None and a.requires_grad:
-                    return True
-            return False
-        return records
-
-    def records_lists(args):
-        for i in tensors:
-            a = args[i]
-            if a is not None and a.requires_grad:
+def _lists_require_grad(args, lists):
+    """Whether a tensor in the lists of tensors at positions `lists` of args requires grad."""
+    for i in lists:
+        for t in args[i] or ():  # loops, not any() over a generator: a frame of its own
+            if t.requires_grad:
                 return True
-        for i in in_lists:
-            for t in args[i] or ():  # loops, not any() over a generator: a frame of its own
-                if t.requires_grad:
-                    return True
-        return False
-    return records_lists
+    return False
+
+
+def _grad_positions(op, grad_args):
+    """(tensors, lists): the positions among grad_args of the op's tensor arguments and of its lists
+    of tensors, by its schema."""
+    arguments = op._schema.arguments
+    lists = tuple(i for i in grad_args if str(arguments[i].type) == "List[Tensor]")
+    return tuple(i for i in grad_args if i not in lists), lists
 
 
 _compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
@@ -429,12 +405,9 @@ def _outputs(results, n):
     return results[0] if n == 1 else tuple(results[:n])
 
 
-def _run_eager(op, *args):
-    return op.forward(*args)
-
-
-def _run_compiled(op, *args):
-    return op.op(*args)
+# A formula's `run`: run(op) is what runs a backward TorchOp, its forward in eager mode, its operator
+# under torch.compile. attrgetter is C: no Python frame between a formula and its backward op.
+_run_eager, _run_compiled = operator.attrgetter("forward"), operator.attrgetter("op")
 
 
 # Every family's integration, built now that torch is in use (see the module): its namespace, with

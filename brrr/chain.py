@@ -115,6 +115,8 @@ def gelu_step(approximate):
 
 def gelu(x, approximate="none", *, out=None):
     """x * Phi(x); approximate='tanh' uses the tanh form, as torch.nn.functional.gelu does."""
+    if approximate.__class__ is str and approximate == "none":  # the usual call, without gelu_step's frame
+        return _GELU(x, out=out)
     return (_GELU if gelu_step(approximate) == "gelu" else _GELU_TANH)(x, out=out)
 
 
@@ -253,7 +255,7 @@ def torch_layer():
         if grad is None:
             return None, None, None, None
         needs = list(ctx.needs_input_grad[1]) if operands else []
-        got = run(backward_op, x, grad, operands, ctx.ops, ctx.scalars, needs)
+        got = run(backward_op)(x, grad, operands, ctx.ops, ctx.scalars, needs)
         rest = iter(got[1:])
         return got[0], [next(rest) if need else None for need in needs] if operands else None, None, None
 

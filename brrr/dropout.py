@@ -126,7 +126,7 @@ def torch_layer():
         (grad,), (need_x, need_bias, need_residual) = grads, ctx.needs_input_grad[:3]
         grad_x = grad_bias = None
         if grad is not None and (need_x or need_bias):
-            got = run(backward_op, grad, ctx.p, ctx.seed, ctx.offset, need_bias)
+            got = run(backward_op)(grad, ctx.p, ctx.seed, ctx.offset, need_bias)
             grad_x, grad_bias = got[0] if need_x else None, got[1] if need_bias else None
         return grad_x, grad_bias, grad if need_residual else None, None, None, None
 

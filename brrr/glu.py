@@ -160,7 +160,7 @@ def torch_layer():
         if grad is None:
             return None, None, None
         needs = [ctx.needs_input_grad[0], up is not None and ctx.needs_input_grad[1]]
-        got = run(backward_op, x, up, grad, ctx.activation, needs)
+        got = run(backward_op)(x, up, grad, ctx.activation, needs)
         if up is None:
             return got[0], None, None
         return (got[0] if needs[0] else None), (got[1] if needs[1] else None), None

@@ -51,11 +51,6 @@ def normalized_ndim(shape, normalized_shape):
     return len(ns)
 
 
-def default_rms_eps(dtype):
-    """rms_norm's eps=None as torch computes it: the machine epsilon of the compute dtype, float32
-    for float16/bfloat16/float32 and float64 for float64 (torch's documentation says
-    torch.finfo(x.dtype).eps; its kernels and decompositions use the compute dtype's)."""
-    return 2.0**-52 if dtype.itemsize == 8 else 2.0**-23
 
 
 def llama_order(cast_order):
@@ -65,8 +60,12 @@ def llama_order(cast_order):
 
 
 def rms_eps(x, eps):
-    """rms_norm's eps as a float: None for default_rms_eps(x.dtype)."""
-    return default_rms_eps(x.dtype) if eps is None else as_float("eps", eps)
+    """rms_norm's eps as a float. None: as torch computes it, the machine epsilon of the compute
+    dtype, float32 for float16/bfloat16/float32 and float64 for float64 (torch's documentation says
+    torch.finfo(x.dtype).eps; its kernels and decompositions use the compute dtype's)."""
+    if eps is None:
+        return 2.0**-52 if x.dtype.itemsize == 8 else 2.0**-23
+    return as_float("eps", eps)
 
 
 def _out_like(x):
@@ -94,7 +93,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
     """torch.nn.functional.rms_norm: x / sqrt(mean(x^2) + eps) * weight over the trailing dims
-    `normalized_shape`; eps=None: see default_rms_eps. cast_order, offset (weight + offset in
+    `normalized_shape`; eps=None: see rms_eps. cast_order, offset (weight + offset in
     place of weight): see the module."""
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
@@ -332,7 +331,7 @@ def torch_layer():
                 grad_weight = grad_bias = None
             else:
                 k, llama, offset = ctx.norm
-                got = run(backward_op, h, grad_out, grad_h, weight, bias, mean, rstd, k, llama, offset, need_weight,
+                got = run(backward_op)(h, grad_out, grad_h, weight, bias, mean, rstd, k, llama, offset, need_weight,
                           need_bias)
                 grad_x = got[0]
                 grad_weight = got[1] if need_weight else None
@@ -374,7 +373,7 @@ def torch_layer():
     def rms_norm_entry(x, normalized_shape, weight=None, eps=None, llama=False, offset=0.0):
         check_torch((weight,), ("weight",))
         return ops.rms_norm(x, shape_list(x, normalized_shape), weight, rms_eps(x, eps), llama,
-                            as_float("offset", offset))
+                            offset if offset.__class__ is float else as_float("offset", offset))
 
     def add_rms_norm_entry(x, residual, normalized_shape, weight=None, eps=None, llama=False, offset=0.0):
         check_torch((residual, weight), ("residual", "weight"))

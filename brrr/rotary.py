@@ -140,9 +140,9 @@ def torch_layer():
         the other arguments."""
         cos, sin = ctx.saved_tensors
         if len(grads) == 2 and grads[0] is not None and grads[1] is not None:
-            rotated = tuple(run(pair_op, *grads, cos, sin, not ctx.backward, ctx.interleaved, ctx.rotary_dim))
+            rotated = tuple(run(pair_op)(*grads, cos, sin, not ctx.backward, ctx.interleaved, ctx.rotary_dim))
         else:
-            rotated = tuple(None if g is None else run(rotary_op, g, cos, sin, not ctx.backward, ctx.interleaved,
+            rotated = tuple(None if g is None else run(rotary_op)(g, cos, sin, not ctx.backward, ctx.interleaved,
                                                        ctx.rotary_dim) for g in grads)
         return rotated + (None,) * (ctx.n_args - len(rotated))
 

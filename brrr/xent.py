@@ -337,7 +337,7 @@ def torch_layer():
         # compiling, but its tensors are functional or fake ones) or on a tensor subclass: PyTorch
         # ops, for inductor; brrr's kernel for plain tensors.
         traced = torch.compiler.is_compiling() or type(grad) is not torch.Tensor or type(logits) is not torch.Tensor
-        return (backward_in_torch_ops(*args) if traced else run(backward_op, *args), *nones)
+        return (backward_in_torch_ops(*args) if traced else run(backward_op)(*args), *nones)
 
     cross_entropy_op = TorchOp("cross_entropy", forward, fake, save=save, backward=formula)
 
@@ -573,7 +573,7 @@ def torch_layer():
             return (None, None, None, None) + options
         if ctx.reduction == "none":
             x, weight, target, bias = ctx.saved_tensors
-            got = run(linear_backward_op, grad, x, weight, target, bias, *ctx.options[:4], *ctx.options[5:7], needs)
+            got = run(linear_backward_op)(grad, x, weight, target, bias, *ctx.options[:4], *ctx.options[5:7], needs)
         else:
             for name, need, computed in zip(("input", "weight", "bias"), needs, ctx.computed):
                 if need and not computed:
