@@ -385,6 +385,392 @@ def test_the_default_bounds_take_8_blocks_where_the_forward_keeps_no_frame(cache
     assert again.stdout.split() == ["disk", chosen[False][1].hex()]
 
 
+def test_an_unknown_form_is_refused(monkeypatch):
+    monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", "Lean")
+    with pytest.raises(ValueError, match="BRRR_CHAIN_JIT_FORM: expected wide or lean, got 'Lean'"):
+        _C.chain_jit_compile(["relu"], "float32")
+
+
+@needs_nvrtc
+def test_a_second_process_reads_the_cache(cache_dir):
+    steps = ["cos", ("mul", 1.5), "cos"]
+    assert _C.chain_jit_compile(steps, "float32")[2] == "compiled"
+    assert _C.chain_jit_compile(steps, "float32")[2] == "disk"
+    files = os.listdir(cache_dir)
+    assert len(files) == 1 and files[0].startswith("chain-") and files[0].endswith(".cubin")
+    started = time.perf_counter()
+    assert finish(compile_in_subprocess(steps, cache_dir)) == "disk"
+    print(f"new process, cached: {time.perf_counter() - started:.2f} s (with Python's start)")
+    # A cached kernel needs no NVRTC.
+    assert finish(compile_in_subprocess(steps, cache_dir, env={"BRRR_NVRTC": "none"})) == "disk"
+    # Another chain, dtype or direction is another kernel.
+    assert _C.chain_jit_compile(steps, "float16")[2] == "compiled"
+    assert _C.chain_jit_compile(steps, "float32", backward=True)[2] == "compiled"
+    assert _C.chain_jit_compile(["cos", ("mul", 1.25), "cos"], "float32")[2] == "compiled"
+
+
+@needs_nvrtc
+def test_a_corrupted_cache_file_is_rebuilt(cache_dir):
+    steps = ["sin", "softplus"]
+    _, cubin, _ = _C.chain_jit_compile(steps, "float32")
+    (path,) = cache_dir.iterdir()
+    good = path.read_bytes()
+    for damage in (lambda b: b[:-1] + bytes([b[-1] ^ 1]),            # the checksum
+                   lambda b: b[:200] + bytes([b[200] ^ 0x40]) + b[201:],  # the identity or the cubin
+                   lambda b: b[: len(b) // 2],                        # cut short
+                   lambda b: b""):
+        path.write_bytes(damage(good))
+        _, rebuilt, origin = _C.chain_jit_compile(steps, "float32")
+        assert origin == "compiled" and rebuilt == cubin
+        assert path.read_bytes() == good  # replaced by a whole file
+        assert _C.chain_jit_compile(steps, "float32")[2] == "disk"
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_forward_and_its_backward_build_at_once(cache_dir, dtype):
+    """A chain whose backward is wanted builds its forward and its backward (every operand's
+    gradient) at once, on two threads: two programs, each the one it would be alone, so a backward
+    built with its forward serves a backward needed alone, and the other way round."""
+    steps = ["cos", ("mul", 1.75), "mul_tensor", "sin"]
+    before = _C.chain_jit_info()["compiled"]
+    source, cubin, origin = _C.chain_jit_compile(steps, dtype, with_backward=True)
+    assert origin == "compiled" and cubin[:4] == b"\x7fELF" and b"brrr_chain_fwd" in cubin
+    assert b"brrr_chain_bwd" not in cubin
+    assert _C.chain_jit_info()["compiled"] == before + 2 and len(os.listdir(cache_dir)) == 2
+    assert _C.chain_jit_compile(steps, dtype) == (source, cubin, "disk")
+    backward_source, backward_cubin, origin = _C.chain_jit_compile(steps, dtype, backward=True, grad_mask=1)
+    assert origin == "disk" and b"brrr_chain_bwd" in backward_cubin and backward_source != source
+    assert _C.chain_jit_info()["compiled"] == before + 2 and len(os.listdir(cache_dir)) == 2
+    assert _C.chain_jit_compile(steps, dtype, with_backward=True)[2] == "disk"
+    # A backward of fewer gradients is another program.
+    assert _C.chain_jit_compile(steps, dtype, backward=True)[2] == "compiled"
+
+
+@needs_nvrtc
+def test_a_backward_built_alone_serves_a_forward_built_with_its_backward(cache_dir):
+    steps = ["tanh", ("pow", 3.0), "add_tensor"]
+    _C.chain_jit_compile(steps, "float16", backward=True, grad_mask=1)
+    before = _C.chain_jit_info()["compiled"]
+    assert _C.chain_jit_compile(steps, "float16", with_backward=True)[2] == "compiled"
+    assert _C.chain_jit_info()["compiled"] == before + 1  # the forward; the backward came from disk
+    assert len(os.listdir(cache_dir)) == 2
+
+
+@needs_nvrtc
+def test_a_forward_and_backward_corrupted_on_disk_are_rebuilt(cache_dir):
+    steps = ["sin", "softplus"]
+    _, cubin, _ = _C.chain_jit_compile(steps, "float32", with_backward=True)
+    files = sorted(cache_dir.iterdir())
+    good = {path: path.read_bytes() for path in files}
+    assert len(files) == 2
+    for path in files:
+        for damage in (lambda b: b[:-1] + bytes([b[-1] ^ 1]), lambda b: b[: len(b) // 3], lambda b: b"BRRRJIT1"):
+            path.write_bytes(damage(good[path]))
+            before = _C.chain_jit_info()["compiled"]
+            _, rebuilt, _ = _C.chain_jit_compile(steps, "float32", with_backward=True)
+            assert rebuilt == cubin and _C.chain_jit_info()["compiled"] == before + 1  # the damaged one alone
+            assert {p: p.read_bytes() for p in cache_dir.iterdir()} == good
+
+
+def test_with_backward_without_nvrtc_says_why(tmp_path):
+    code = "from brrr import _C; _C.chain_jit_compile(['cos'], 'float32', with_backward=True)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "BRRR_NVRTC": "none", "BRRR_CACHE_DIR": str(tmp_path)})
+    assert result.returncode != 0 and "NVRTC not available: BRRR_NVRTC=none" in result.stderr
+
+
+def test_with_backward_arguments_are_checked():
+    with pytest.raises(ValueError, match="argument with_backward"):
+        _C.chain_jit_compile(["relu"], "float32", layout="strided", with_backward=True)
+    with pytest.raises(ValueError, match="argument with_backward"):
+        _C.chain_jit_compile(["add_tensor"], "float32", vector_mask=1, with_backward=True)
+    with pytest.raises(ValueError, match="argument with_backward"):
+        _C.chain_jit_compile(["relu"], "float32", backward=True, with_backward=True)
+    with pytest.raises(TypeError, match="argument program"):
+        _C.chain_jit_with_backward(b"short")
+    assert _C.chain_jit_with_backward(brrr.chain("cos", "relu").program) is None
+
+
+@needs_nvrtc
+def test_two_processes_compiling_the_same_chain_both_succeed(cache_dir):
+    steps = ["mish", ("leaky_relu", 0.1), "cos", ("clamp_max", 0.5)]
+    processes = [compile_in_subprocess(steps, cache_dir, "bfloat16") for _ in range(2)]
+    assert {finish(p) for p in processes} <= {"compiled", "disk"}
+    assert [f for f in os.listdir(cache_dir) if not f.startswith(".")] == os.listdir(cache_dir)
+    assert len(os.listdir(cache_dir)) == 1  # no temporary file left behind
+    assert _C.chain_jit_compile(steps, "bfloat16")[2] == "disk"
+
+
+@needs_nvrtc
+def test_an_unwritable_cache_folder_still_compiles(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(blocker / "cache"))
+    assert _C.chain_jit_compile(["relu", "neg"], "float32")[2] == "compiled"
+
+
+def test_the_cache_folder(monkeypatch):
+    monkeypatch.setenv("BRRR_CACHE_DIR", "/somewhere/brrr-cache")
+    assert _C.chain_jit_info()["cache_dir"] == "/somewhere/brrr-cache"
+    monkeypatch.delenv("BRRR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert _C.chain_jit_info()["cache_dir"] == "/xdg/brrr"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert _C.chain_jit_info()["cache_dir"] == "/home/someone/.cache/brrr"
+
+
+def test_without_nvrtc_brrr_imports_and_chains_run_on_the_cpu():
+    code = ("import brrr, numpy as np; from brrr import _C; info = _C.chain_jit_info(); "
+            "assert info['nvrtc'] is None and info['nvrtc_error'] == 'BRRR_NVRTC=none', info; "
+            "x = np.linspace(-1, 1, 100, dtype=np.float32); y = brrr.chain(*['sin'] * 40)(x); "
+            "assert abs(float(y[-1]) - 0.29) < 0.05, y[-1]; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "BRRR_NVRTC": "none"})
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@needs_nvrtc
+def test_an_nvrtc_already_loaded_is_used_with_its_builtins(tmp_path):
+    """PyTorch's CUDA wheels load libnvrtc from a folder off the loader's path: brrr finds it by name
+    and loads the builtins NVRTC needs from the same folder."""
+    path = _C.chain_jit_info()["nvrtc"]
+    code = (f"import ctypes; ctypes.CDLL({path!r}, mode=ctypes.RTLD_GLOBAL); from brrr import _C; "
+            "print(_C.chain_jit_compile(['cos', ('mul', 3.25)], 'float32')[2], _C.chain_jit_info()['nvrtc'])")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "BRRR_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["compiled", os.path.realpath(path)]
+
+
+def test_build_info_reports_no_chain_step_limit():
+    # Chains have none (the CPU twin, the compiled kernels); the interpreted kernels, which run
+    # CUDA chains without NVRTC, take MAX_CHAIN_STEPS.
+    info = brrr.build_info()
+    assert info["max_chain_steps"] is None and info["max_interpreted_chain_steps"] == _C.MAX_CHAIN_STEPS == 16
+    steps = [("mul", 1.0001)] * (2 * _C.MAX_CHAIN_STEPS + 1)
+    x = random((1000,), torch.float32, "cpu")
+    assert_close(brrr.chain(*steps)(x), x.double() * 1.0001 ** len(steps), torch.float32)
+
+
+def test_compile_arguments_are_checked():
+    with pytest.raises(ValueError, match="argument dtype"):
+        _C.chain_jit_compile(["relu"], "int8")
+    with pytest.raises(ValueError, match="argument layout"):
+        _C.chain_jit_compile(["relu"], "float32", layout="rows")  # rows: backward only
+    with pytest.raises(ValueError, match="vector_mask"):
+        _C.chain_jit_compile(["relu"], "float32", vector_mask=1)
+    with pytest.raises(ValueError, match="argument layout"):
+        _C.chain_jit_compile(["add_tensor"], "float32", backward=True, vector_mask=1, grad_mask=1)
+    with pytest.raises(ValueError, match=r"steps\[0\]: unknown op"):
+        _C.chain_jit_compile(["nope"], "float32")
+
+
+# ---- CUDA: compiled against interpreted ----------------------------------------------------------
+
+def _interpreted(fn):
+    previous = _C.chain_jit_enable(False)
+    try:
+        return fn()
+    finally:
+        _C.chain_jit_enable(previous)
+
+
+def _fwd_bwd(steps, x, operands, g):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, *operands)]
+    y = brrr.chain(*steps)(*leaves)
+    y.backward(g)
+    return [y.detach()] + [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("shape", [(4097,), (64, 1000), (3, 5, 40)], ids=str)
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_compiled_matches_interpreted(dtype, seed, shape, strided):
+    assert HAVE_NVRTC, _C.chain_jit_info()
+    rng = pyrandom.Random(seed)
+    steps = random_long_chain(rng, rng.randint(1, 16))
+    x = random(shape, dtype, "cuda", -2.0, 2.0)
+    if strided:
+        x = x.transpose(0, -1).contiguous().transpose(0, -1)
+    operands = _operands(steps, x, rng)
+    g = random(x.shape, dtype, "cuda")
+    compiled = _fwd_bwd(steps, x, operands, g)
+    interpreted = _interpreted(lambda: _fwd_bwd(steps, x, operands, g))
+    # The same functions in the same order; the compiler may contract a multiply and an add
+    # differently in the unrolled code. A wrong step is off by far more.
+    for a, b in zip(compiled, interpreted):
+        torch.testing.assert_close(a, b, rtol=4 * torch.finfo(dtype).eps * len(steps), atol=1e-6 * len(steps) *
+                                   max(1.0, float(b.abs().max())))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_chains_on_cuda_against_float64(dtype):
+    rng = pyrandom.Random(7)
+    for n in (17, 64, 200):
+        steps = random_long_chain(rng, n)
+        x = random((333, 65), dtype, "cuda", -2.0, 2.0)
+        operands = _operands(steps, x, rng)  # bias-like vectors among them: the rows layout's backward
+        g = random(x.shape, dtype, "cuda")
+        ours = _fwd_bwd(steps, x, operands, g)
+        leaves = [t.detach().to("cpu", torch.float64).requires_grad_() for t in (x, *operands)]
+        want = reference(steps, leaves[0], leaves[1:])
+        want.backward(g.double().cpu())
+        for got, expected in zip(ours, [want.detach()] + [leaf.grad for leaf in leaves]):
+            # a chain that clamps to a constant has a gradient of exactly 0: then the error itself
+            err = (got.double().cpu() - expected).norm() / (expected.norm() if expected.norm() > 0 else 1.0)
+            assert err < (1e-5 if dtype == torch.float32 else 2e-2) * n / 16, (n, float(err))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [4097, 1 << 16, 3])
+def test_long_inlined_chains_one_pack_a_thread_against_float64(dtype, n):
+    """Light steps only, 200 of them: inlined, one 16-byte pack a thread (packs_per_thread)."""
+    steps = [("mul", 1.001), ("add", 0.001), "neg", "abs", ("clamp_max", 5.0)] * 40
+    x = random((n,), dtype, "cuda", -2.0, 2.0)
+    g = random((n,), dtype, "cuda")
+    got = _fwd_bwd(steps, x, [], g)
+    want, (want_grad,) = reference_grads(steps, x, [], g)
+    assert_close(got[0], want, dtype, scale=8.0)
+    assert_close(got[1], want_grad, dtype, scale=8.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [4099, 1 << 16, 5])
+def test_rolled_runs_against_float64(dtype, n):
+    """Forward kernels roll runs of more than 64 identical steps into loops (the backward keeps
+    them unrolled): both against float64, on all the values of a thread and the tail's."""
+    steps = [("mul", 1.001)] * 130 + ["relu"] + [("add", 0.001)] * 65 + ["sin"] + [("mul", 0.999)] * 200
+    # sin's argument stays below 1.43, away from pi / 2: there cos(y), the gradient's factor, is
+    # near 0 and a float32 y rounded ~200 times is off by more than the tolerance allows in any
+    # float32 evaluation (a step-by-step NumPy one fails it by 2x at inputs near 1.32).
+    x = random((n,), dtype, "cuda", -1.2, 1.2)
+    g = random((n,), dtype, "cuda")
+    got = _fwd_bwd(steps, x, [], g)
+    want, (want_grad,) = reference_grads(steps, x, [], g)
+    assert_close(got[0], want, dtype, scale=8.0)
+    assert_close(got[1], want_grad, dtype, scale=8.0)
+    x64 = random((1 << 12,), torch.float32, "cuda")  # one rounded multiply a step, as torch's own
+    want = x64.clone()
+    for _ in range(300):
+        want = want * 1.001
+    torch.testing.assert_close(brrr.chain(*[("mul", 1.001)] * 300)(x64), want, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_first_call_compiles_then_the_memory_cache_answers(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(1 << 20, device="cuda")
+    chain = brrr.chain("cos", ("mul", 1.0 + pyrandom.random()), "cos")  # a scalar no other test uses
+    before = _C.chain_jit_info()["compiled"]
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    chain(x)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - started
+    assert _C.chain_jit_info()["compiled"] == before + 1
+    started = time.perf_counter()
+    for _ in range(10):
+        chain(x)
+    torch.cuda.synchronize()
+    again = (time.perf_counter() - started) / 10
+    print(f"first call {first * 1e3:.1f} ms (compile + load {_C.chain_jit_info()['last_seconds'] * 1e3:.1f} ms), "
+          f"then {again * 1e3:.3f} ms")
+    assert _C.chain_jit_info()["compiled"] == before + 1
+    assert first < 5.0 and again < first
+
+
+def _fresh_chain():
+    return brrr.chain("cos", ("mul", 1.0 + pyrandom.random()), "tanh")  # a scalar no other test uses
+
+
+def _check_grad(chain, x, y, grad):
+    want_x = x.detach().double().requires_grad_()
+    want = torch.tanh(torch.cos(want_x) * chain.steps[1][1])
+    want.backward(grad.double())
+    assert_close(y.detach(), want.detach(), x.dtype)
+    assert_close(x.grad, want_x.grad, x.dtype)
+
+
+@pytest.mark.cuda
+def test_a_chain_that_autograd_records_compiles_forward_and_backward_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    chain = _fresh_chain()
+    x = torch.randn(4099, device="cuda", requires_grad=True)  # 4099: a tail past the last 16-byte pack
+    grad = torch.randn_like(x)
+    before = _C.chain_jit_info()["compiled"]
+    y = chain(x)
+    y.backward(grad)
+    assert _C.chain_jit_info()["compiled"] == before + 2  # forward and backward, built at once
+    _check_grad(chain, x, y, grad)
+    assert len(os.listdir(tmp_path)) == 2
+    code = ("import json, torch, brrr; from brrr import _C; "
+            f"x = torch.randn(4099, device='cuda', requires_grad=True); y = brrr.chain(*{list(chain.steps)!r})(x); "
+            "y.backward(torch.ones_like(y)); info = _C.chain_jit_info(); print(json.dumps([info['compiled'], info['from_disk']]))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "BRRR_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[0, 2]"  # the next process reads both from disk
+
+
+@pytest.mark.cuda
+def test_a_forward_compiled_alone_still_gains_its_backward(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    chain = _fresh_chain()
+    x = torch.randn(1 << 12, device="cuda", requires_grad=True)
+    grad = torch.randn_like(x)
+    before = _C.chain_jit_info()["compiled"]
+    with torch.no_grad():
+        chain(x)  # the forward alone
+    assert _C.chain_jit_info()["compiled"] == before + 1
+    y = chain(x)
+    y.backward(grad)
+    assert _C.chain_jit_info()["compiled"] == before + 2  # the backward, alone
+    _check_grad(chain, x, y, grad)
+
+
+# Chains for both orders: packwise applies to the first three (no pack function), not the last.
+ORDER_CHAINS = [[("mul", 1.0001)] * 16, ["add_tensor", ("mul", 0.5), "relu", "mul_tensor", ("add", 0.25)], MIXED,
+                ["cos", ("mul", 1.5), "cos"]]
+# Relative error (norm) against float64: the compute type's rounding over a few steps, then the
+# storage's; a pack computed or stored in the wrong place is off by about 1.
+ORDER_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("form", ["wide", "lean"])
+@pytest.mark.parametrize("order", ["interleaved", "packwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [(3603,), (5,), (67, 1000)], ids=str)
+def test_every_variant_matches_interpreted_and_float64(monkeypatch, form, order, dtype, shape):
+    """3603 elements: the last block's threads own a first pack and only some a second one, and a
+    tail past the last pack; 5: no whole pack in half types; (67, 1000): vector operands."""
+    assert HAVE_NVRTC, _C.chain_jit_info()
+    monkeypatch.setenv("BRRR_CHAIN_JIT_ORDER", order)
+    monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
+    rng = pyrandom.Random(len(shape) * 10007 + shape[0])
+    for steps in ORDER_CHAINS:
+        x = random(shape, dtype, "cuda", -2.0, 2.0)
+        operands = _operands(steps, x, rng)
+        x = away_from_kinks(steps, x, operands)  # relu's: the reference's derivative there is a convention
+        g = random(x.shape, dtype, "cuda")
+        compiled = _fwd_bwd(steps, x, operands, g)
+        interpreted = _interpreted(lambda: _fwd_bwd(steps, x, operands, g))
+        want, want_grads = reference_grads(steps, x, operands, g)
+        for got, same, expected in zip(compiled, interpreted, [want] + want_grads):
+            torch.testing.assert_close(got, same, rtol=4 * torch.finfo(dtype).eps * len(steps),
+                                       atol=1e-6 * len(steps) * max(1.0, float(same.abs().max())))
+            # relu may zero a few elements' gradients entirely: then the error itself
+            err = (got.double().cpu() - expected).norm() / (expected.norm() if expected.norm() > 0 else 1.0)
+            assert err < ORDER_TOLERANCE[dtype], (steps, float(err))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("n", [5, 3603, (1 << 16) + 3], ids=str)
 def test_the_lean_form_against_the_wide_form_torch_and_float64(monkeypatch, n):
