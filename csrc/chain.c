@@ -36,6 +36,7 @@
 #define EXP brrr_expf
 #define TANH brrr_tanhf
 #define ONE_PLUS_ERF(z) brrr_erfcf(-(z)) /* 1 + erf(z) = erfc(-z): no cancellation in the left tail */
+#define ONE_PLUS_ERF_GAUSS(z, g) brrr_erfcf_gauss(-(z), g)
 #define COS brrr_cosf_reduced
 #define SIN brrr_sinf_reduced
 #define SINCOS(x, s, c) brrr_sincosf_reduced(x, s, c)
