@@ -96,6 +96,13 @@ static int64_t dims_off(const brrr_norm_launch *L, const brrr_norm_view *v, int6
 static int64_t row_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t r) { return dims_off(L, v, r, 1); }
 static int64_t col_off(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t c) { return dims_off(L, v, c, 0); }
 
+/* Row r + 1 of view v (elements of `size` bytes), to be fetched while row r is written, where it
+ * is one of the rows before `end` and its columns are dense; else NULL. */
+static const char *next_row(const brrr_norm_launch *L, const brrr_norm_view *v, int64_t r, int64_t end, int64_t size) {
+    if (r + 1 >= end || L->col_ndim != 1 || v->col_strides[0] != 1) return NULL;
+    return (const char *)v->data + row_off(L, v, r + 1) * size;
+}
+
 static double norm_sum_lanes(const double *lanes) {
     double s = 0.0;
     for (int l = 0; l < NORM_LANES; l++) s += lanes[l];
