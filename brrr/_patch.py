@@ -94,6 +94,7 @@ from . import remat as brrr_remat
 from .rotary import apply_rotary_pos_emb as brrr_apply_rotary_pos_emb
 from ._op import INTEGRATIONS
 from ._registry import registry
+from .xent import check_chunking
 
 _ORIGINAL = "_brrr_original_class"
 _ORIGINAL_LOSS = "_brrr_original_loss_attributes"  # what setting loss_function changed in __dict__
@@ -1403,17 +1404,17 @@ def patch(model, *, fused_linear_cross_entropy=True, remat=False):
 
 
 def _loss_options(value):
-    """The keywords of patch's fused_linear_cross_entropy argument for linear_cross_entropy."""
+    """The keywords of patch's fused_linear_cross_entropy argument for linear_cross_entropy,
+    checked as linear_cross_entropy checks them."""
     if isinstance(value, bool):
         return {}
     if not isinstance(value, dict) or not set(value) <= set(_LOSS_OPTIONS):
         raise ValueError(f"argument fused_linear_cross_entropy: expected True, False or a dict of "
                          f"{' and '.join(_LOSS_OPTIONS)}, got {value!r}")
-    accumulation, budget = value.get("accumulation", "float32"), value.get("logits_budget")
-    if accumulation not in ("float32", "weight"):
-        raise ValueError(f"argument fused_linear_cross_entropy: accumulation 'float32' or 'weight', got {accumulation!r}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-        raise ValueError(f"argument fused_linear_cross_entropy: logits_budget None or a positive int, got {budget!r}")
+    try:
+        check_chunking(value.get("logits_budget"), value.get("accumulation", "float32"))
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"argument fused_linear_cross_entropy: {error}") from None
     return dict(value)
 
 

@@ -59,6 +59,15 @@ def check_args(weight, ignore_index, reduction, label_smoothing, softcap=None, z
         raise ValueError(f"argument z_loss: expected a finite float >= 0, got {z_loss}")
 
 
+def check_chunking(logits_budget, accumulation):
+    """linear_cross_entropy's logits_budget (None or a positive int of bytes) and accumulation."""
+    if logits_budget is not None and (isinstance(logits_budget, bool) or not isinstance(logits_budget, numbers.Integral)
+                                      or logits_budget <= 0):
+        raise ValueError(f"argument logits_budget: expected None or a positive int (bytes), got {logits_budget!r}")
+    if not isinstance(accumulation, str) or accumulation not in ACCUMULATIONS:
+        raise bad_choice("accumulation", accumulation, ACCUMULATIONS)
+
+
 def check_rank(ndim):
     if ndim == 0:
         raise ValueError("argument input: expected a tensor of shape (C,), (N, C) or (N, C, d1, ...), got a 0-d one")
@@ -146,11 +155,7 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
         raise TypeError(f"argument input: brrr.linear_cross_entropy takes PyTorch tensors (its GEMMs run in "
                         f"PyTorch), got {type(input).__name__}")
     _check_linear(torch, input, weight, target, bias)
-    if logits_budget is not None and (isinstance(logits_budget, bool) or not isinstance(logits_budget, numbers.Integral)
-                                      or logits_budget <= 0):
-        raise ValueError(f"argument logits_budget: expected None or a positive int (bytes), got {logits_budget!r}")
-    if not isinstance(accumulation, str) or accumulation not in ACCUMULATIONS:
-        raise bad_choice("accumulation", accumulation, ACCUMULATIONS)
+    check_chunking(logits_budget, accumulation)
     return torch_layer().linear_cross_entropy(input, weight, target, bias, int(ignore_index), reduction,
                                          float(label_smoothing), None if softcap is None else float(softcap),
                                          float(z_loss), dtype, None if logits_budget is None else int(logits_budget),
