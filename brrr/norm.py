@@ -51,8 +51,6 @@ def normalized_ndim(shape, normalized_shape):
     return len(ns)
 
 
-
-
 def llama_order(cast_order):
     if not isinstance(cast_order, str) or cast_order not in CAST_ORDERS:
         raise bad_choice("cast_order", cast_order, CAST_ORDERS)

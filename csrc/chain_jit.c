@@ -216,10 +216,10 @@ enum { ORDER_INTERLEAVED = 0, ORDER_PACKWISE = 1, FORM_LEAN = 2 };
 #define VARIANT_BLOCKS(v) ((v) >> 2 & 15)
 #define WITH_BLOCKS(v, b) (((v) & ~(15 << 2)) | (b) << 2)
 
-/* auto_blocks: unset, a contiguous forward kernel asks for every warp slot of an SM (8 blocks of 256 threads,
- * at most 32 registers) and keeps that program where ptxas gives its kernel no stack frame (no
- * spill), else it asks for 2 blocks (at most 128 registers, which no chain spills under), as
- * every backward does. H200 (docs/kernel-switches.md): cos.cos's float32 forward 5.6% faster at 8
+/* BRRR_CHAIN_JIT_BLOCKS unset: a contiguous forward kernel asks for every warp slot of an SM (8
+ * blocks of 256 threads, at most 32 registers) and keeps that program where ptxas gives its kernel
+ * no stack frame (no spill; build_run), else it asks for 2 blocks (at most 128 registers, which no
+ * chain spills under), as every backward does. H200 (docs/kernel-switches.md): cos.cos's float32 forward 5.6% faster at 8
  * (35 registers at 2: 6 blocks an SM), the 12-step chain's forward the same; at 8 the bfloat16
  * forwards spill, and the backwards spill or (the 12-step chain's float32 one) run 3% slower. */
 static int auto_blocks(const brrr_chain_kernel *k) { return k->layout == BRRR_JIT_CONTIGUOUS && !k->backward ? 8 : 2; }
@@ -1117,9 +1117,6 @@ typedef struct {
     int origin, missing;
 } build;
 
-/* Build b: the cubin of kernel b->k (chain_source) for steps b->p on sm_<arch>, from the disk
- * cache unless skip_disk, else compiled and stored. Thread-safe; call without the GIL, after
- * nvrtc_prepare. */
 /* Kernel b's program is one of n sources, in order of preference: with two (auto_blocks's 8
  * blocks, then 2), the first is passed over where ptxas gives its kernel a stack frame
  * (frame_bytes). The disk cache holds the program taken under its own source's identity, so that
@@ -1172,13 +1169,16 @@ static void build_compiled(build *b, char *const *sources, int n) {
     }
 }
 
+/* Build b: the cubin of kernel b->k (chain_source) for steps b->p on sm_<arch>, from the disk
+ * cache unless skip_disk, else compiled and stored. Thread-safe; call without the GIL, after
+ * nvrtc_prepare. */
 static void build_run(build *b) {
     b->image = b->source = b->error = NULL;
     b->missing = 0;
     const int automatic = VARIANT_BLOCKS(b->variant) == 0 && auto_blocks(&b->k) == 8, n = 1 + automatic;
     char *sources[2] = {chain_source(&b->k, b->p, b->variant),
                         automatic ? chain_source(&b->k, b->p, WITH_BLOCKS(b->variant, 2)) : NULL};
-    for (int i = 0; i < n && automatic; i++) {
+    for (int i = 0; automatic && i < 2; i++) { /* the choice's note, which the switch's programs lack */
         text t = {NULL, 0, 0, 0};
         if (sources[i]) put(&t, "// launch bounds: 8 blocks an SM where the kernel keeps no stack frame, else 2\n%s", sources[i]);
         free(sources[i]);
