@@ -207,8 +207,12 @@ static int packed(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
  * after its loads (put_contiguous_kernel). FORM_LEAN (unset or BRRR_CHAIN_JIT_FORM=lean; `wide`:
  * the wide form): a contiguous kernel's indices in 32 bits where they fit, its loads predicated at one
  * address a thread, half the fixed instructions a value (put_contiguous_kernel); and
- * VARIANT_BLOCKS. */
-enum { ORDER_INTERLEAVED = 0, ORDER_PACKWISE = 1, FORM_LEAN = 2 };
+ * VARIANT_BLOCKS; BLOCK_128 (BRRR_CHAIN_JIT_THREADS=128; unset or 256: 256 threads a block). */
+enum { ORDER_INTERLEAVED = 0, ORDER_PACKWISE = 1, FORM_LEAN = 2, BLOCK_128 = 64 };
+
+/* The threads of a contiguous kernel's block in variant v: 256, or 128 with BLOCK_128
+ * (BRRR_CHAIN_JIT_THREADS=128, Triton's block for its pointwise kernels: 4 warps). */
+static int block_threads(int v) { return v & BLOCK_128 ? 128 : 256; }
 
 /* BRRR_CHAIN_JIT_BLOCKS=b (2 to 8): a contiguous kernel's launch bounds ask for at least b blocks
  * of 256 threads an SM (at most 65536 / (256 b) registers a thread), in bits 2-5 of the variant.
@@ -501,16 +505,19 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
     const int nops = p->n_operands, lean = v & FORM_LEAN;
     const char *result = k->backward ? "t" : "y";
     /* Where pack u (index p) of a tensor starts, in elements; of a vector operand. */
-    const char *at = lean ? "(unsigned long long)first * VEC + u * 256 * VEC" : "p * VEC";
+    const char *at = lean ? "(unsigned long long)first * VEC + u * THREADS * VEC" : "p * VEC";
     const char *at_vector = lean ? "(p * VEC) % (I)a.row_length" : "(p * VEC) % a.row_length";
     if (lean) put(t, "typedef %s I; // index\n", k->index32 ? "unsigned" : "unsigned long long");
-    put(t, "extern \"C\" __global__ void __launch_bounds__(256, %d) %s(const __grid_constant__ brrr_chain_flat a) {\n"
-           "    constexpr int U = %d, N = VEC * U;\n", VARIANT_BLOCKS(v) ? VARIANT_BLOCKS(v) : auto_blocks(k), kernel_name(k),
-        packs_per_thread(k, p, v));
+    /* The launch bounds' blocks are blocks of 256 threads' worth: 128-thread blocks ask for twice
+     * as many, the same registers a thread. */
+    const int threads = block_threads(v), blocks = (VARIANT_BLOCKS(v) ? VARIANT_BLOCKS(v) : auto_blocks(k)) * 256 / threads;
+    put(t, "extern \"C\" __global__ void __launch_bounds__(%d, %d) %s(const __grid_constant__ brrr_chain_flat a) {\n"
+           "    constexpr int U = %d, N = VEC * U, THREADS = %d;\n", threads, blocks, kernel_name(k),
+        packs_per_thread(k, p, v), threads);
     if (lean) put(t, "    const I n_packs = (I)a.numel / VEC;\n"
-                     "    const I first = (I)blockIdx.x * (256 * U) + threadIdx.x;\n");
+                     "    const I first = (I)blockIdx.x * (THREADS * U) + threadIdx.x;\n");
     else put(t, "    const long long n_packs = a.numel / VEC;\n"
-                "    const long long first = (long long)blockIdx.x * (256 * U) + threadIdx.x;\n");
+                "    const long long first = (long long)blockIdx.x * (THREADS * U) + threadIdx.x;\n");
     put(t, "    A y[N]%s", k->backward ? ", gr[N], t[N]" : "");
     for (int b = 0; b < nops; b++) put(t, ", v%d[N]", b);
     for (int b = 0; b < nops; b++) /* the pack function sets them all; else only the gradients stored */
@@ -520,7 +527,7 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
          * are computed and not stored. */
         put(t, ";\n    {\n#pragma unroll\n"
                "    for (int u = 0; u < U; ++u) {\n"
-               "        const I p = first + (I)u * 256;\n"
+               "        const I p = first + (I)u * THREADS;\n"
                "        ld_pack_if(static_cast<const T *>(a.x) + %s, y + u * VEC, p < n_packs);\n", at);
         if (k->backward) put(t, "        ld_pack_if(static_cast<const T *>(a.grad_out) + %s, gr + u * VEC, p < n_packs);\n", at);
         for (int b = 0; b < nops; b++)
@@ -534,7 +541,7 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
          * the second load is issued first. */
         put(t, ";\n    if (n_packs > 0) {\n#pragma unroll\n"
                "    for (int u = 0; u < U; ++u) {\n"
-               "        const long long q = first + (long long)u * 256, p = q < n_packs ? q : n_packs - 1;\n"
+               "        const long long q = first + (long long)u * THREADS, p = q < n_packs ? q : n_packs - 1;\n"
                "        ld_pack(static_cast<const T *>(a.x) + p * VEC, y + u * VEC);\n");
         if (k->backward) put(t, "        ld_pack(static_cast<const T *>(a.grad_out) + p * VEC, gr + u * VEC);\n");
         for (int b = 0; b < nops; b++)
@@ -549,7 +556,7 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
          * halfway through the thread's arithmetic and the stores spread over the kernel's time
          * (the knee of the repeat sweep, where memory and arithmetic take about as long). */
         put(t, "#pragma unroll\n    for (int u = 0; u < U; ++u) {\n"
-               "        const %s p = first + (%s)u * 256;\n"
+               "        const %s p = first + (%s)u * THREADS;\n"
                "        if (p >= n_packs) break;\n"
                "#pragma unroll\n        for (int j = u * VEC; j < (u + 1) * VEC; ++j) {\n", index, index);
         put_element(t, k, nops, "            ");
@@ -579,7 +586,7 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
          * steps (as Triton's kernels do), for latency hiding at the knee of the repeat sweep. */
         put(t, "    }\n#pragma unroll\n"
                "    for (int u = 0; u < U; ++u) {\n"
-               "        const %s p = first + (%s)u * 256;\n"
+               "        const %s p = first + (%s)u * THREADS;\n"
                "        st_pack_if(static_cast<T *>(a.out) + %s, %s + u * VEC, p < n_packs);\n", index, index, at, result);
         for (int b = 0; b < nops; b++)
             if (grad_wanted(k, b) && !is_vector(k, b))
@@ -1228,7 +1235,8 @@ static void build_all(build *bs, int n) {
 /* The variant asked for (docs/kernel-switches.md), read at every launch so that one process can
  * time them all: BRRR_CHAIN_JIT_ORDER unset or `interleaved`, ORDER_INTERLEAVED; `packwise`,
  * ORDER_PACKWISE; BRRR_CHAIN_JIT_FORM unset or `lean`, FORM_LEAN; `wide`, the wide form; and
- * BRRR_CHAIN_JIT_BLOCKS unset or 2 to 8 (VARIANT_BLOCKS). 0, or -1 with a Python exception for
+ * BRRR_CHAIN_JIT_BLOCKS unset or 2 to 8 (VARIANT_BLOCKS); BRRR_CHAIN_JIT_THREADS unset, 256 or 128
+ * (BLOCK_128). 0, or -1 with a Python exception for
  * any other value (a misspelt value would time the default). */
 static int variant_wanted(int *variant) {
     const char *order = getenv("BRRR_CHAIN_JIT_ORDER"), *form = getenv("BRRR_CHAIN_JIT_FORM");
@@ -1242,6 +1250,12 @@ static int variant_wanted(int *variant) {
         PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_FORM: expected wide or lean, got '%s'", form);
         return -1;
     }
+    const char *threads = getenv("BRRR_CHAIN_JIT_THREADS");
+    if (threads && strcmp(threads, "128") != 0 && strcmp(threads, "256") != 0) {
+        PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_THREADS: expected 128 or 256, got '%s'", threads);
+        return -1;
+    }
+    if (threads && strcmp(threads, "128") == 0) *variant |= BLOCK_128;
     const char *blocks = getenv("BRRR_CHAIN_JIT_BLOCKS");
     if (blocks) {
         char *end;
@@ -1506,7 +1520,10 @@ int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_s
         flat.x = L->x.data, flat.out = L->out.data, flat.grad_out = L->grad_out.data;
         for (int b = 0; b < prog->n_operands; b++) flat.operands[b] = L->operands[b].data, flat.grad_operands[b] = L->grad_operands[b].data;
         flat.numel = L->numel, flat.row_length = L->row_length;
-        const int64_t packs = L->numel / (16 / (int64_t)brrr_dtype_size(L->dtype)), per_block = 256 * packs_per_thread(&k, prog, applied_variant(&k, prog, variant));
+        const int applied = applied_variant(&k, prog, variant);
+        block[0] = (unsigned)block_threads(applied);
+        const int64_t packs = L->numel / (16 / (int64_t)brrr_dtype_size(L->dtype)),
+                      per_block = block_threads(applied) * packs_per_thread(&k, prog, applied);
         grid[0] = (unsigned)((packs + per_block - 1) / per_block);
         grid[0] = grid[0] ? grid[0] : 1;
         param = &flat;

@@ -253,7 +253,7 @@ def test_an_unknown_order_is_refused(monkeypatch):
 # BRRR_CHAIN_JIT_FORM: a contiguous kernel indexes in long long and loads each pack at its own
 # address (`wide`), or indexes in 32 bits where the launch allows (index32) and loads its packs
 # predicated at one address (unset, `lean`); strided and row kernels are one program under both.
-LEAN_LOAD = "ld_pack_if(static_cast<const T *>(a.x) + (unsigned long long)first * VEC + u * 256 * VEC, y + u * VEC, p < n_packs);"
+LEAN_LOAD = "ld_pack_if(static_cast<const T *>(a.x) + (unsigned long long)first * VEC + u * THREADS * VEC, y + u * VEC, p < n_packs);"
 WIDE_LOAD = "ld_pack(static_cast<const T *>(a.x) + p * VEC, y + u * VEC);"
 
 
@@ -321,6 +321,37 @@ def test_the_form_switch_leaves_strided_and_row_kernels_alone(cache_dir, monkeyp
         assert origin == "compiled" and "ld_pack_if" not in source
         monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", "wide")
         assert _C.chain_jit_compile(steps, dtype, **kw) == (source, cubin, "disk")
+
+
+@needs_nvrtc
+def test_the_threads_switch_halves_contiguous_kernels_blocks(cache_dir, monkeypatch):
+    """BRRR_CHAIN_JIT_THREADS=128: contiguous kernels of 128-thread blocks (twice the blocks in
+    their launch bounds, the same registers a thread), each its own program on disk, in either form
+    and direction; 256 is the default's program; strided and row kernels are one program under
+    every value; other values raise."""
+    for form in ("wide", "lean"):
+        monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
+        for steps, kw in (([("mul", 1.0001)] * 64, {}), (MIXED12, dict(backward=True))):
+            monkeypatch.delenv("BRRR_CHAIN_JIT_THREADS", raising=False)
+            default, cubin, _ = _C.chain_jit_compile(steps, "bfloat16", index32=True, **kw)
+            monkeypatch.setenv("BRRR_CHAIN_JIT_THREADS", "256")
+            assert _C.chain_jit_compile(steps, "bfloat16", index32=True, **kw) == (default, cubin, "disk")
+            monkeypatch.setenv("BRRR_CHAIN_JIT_THREADS", "128")
+            small, small_cubin, origin = _C.chain_jit_compile(steps, "bfloat16", index32=True, **kw)
+            bounds = re.search(r"__launch_bounds__\((\d+), (\d+)\)", default).groups()
+            assert bounds[0] == "256" and "THREADS = 256;" in default, default
+            assert origin == "compiled" and small_cubin[:4] == b"\x7fELF" and "THREADS = 128;" in small
+            assert f"__launch_bounds__(128, {2 * int(bounds[1])})" in small
+    for steps, dtype, kw in (([("mul", 1.0001)] * 64, "float32", dict(layout="strided", ndim=2)),
+                             (MIXED, "bfloat16", dict(backward=True, grad_mask=3, vector_mask=1, layout="rows", ndim=3))):
+        monkeypatch.setenv("BRRR_CHAIN_JIT_THREADS", "128")
+        source, cubin, origin = _C.chain_jit_compile(steps, dtype, **kw)
+        assert origin == "compiled" and "THREADS" not in source
+        monkeypatch.setenv("BRRR_CHAIN_JIT_THREADS", "256")
+        assert _C.chain_jit_compile(steps, dtype, **kw) == (source, cubin, "disk")
+    monkeypatch.setenv("BRRR_CHAIN_JIT_THREADS", "64")
+    with pytest.raises(ValueError, match="BRRR_CHAIN_JIT_THREADS: expected 128 or 256, got '64'"):
+        _C.chain_jit_compile(["relu"], "float32")
 
 
 @needs_nvrtc
@@ -776,19 +807,22 @@ def test_every_variant_matches_interpreted_and_float64(monkeypatch, form, order,
 def test_the_lean_form_against_the_wide_form_torch_and_float64(monkeypatch, n):
     """x * c repeated 1, 64 and 256 times (rolled, 2 packs a thread in the lean form) and a chain
     with a rolled run, a trig pack and a tail: the lean form computes each value as the wide one
-    does (the same bits), with its launch bounds at 8 blocks an SM too (BRRR_CHAIN_JIT_BLOCKS),
-    float32 x * c as torch's repeated multiply, all near float64."""
+    does (the same bits), with its launch bounds at 8 blocks an SM too (BRRR_CHAIN_JIT_BLOCKS) and
+    in blocks of 128 threads (BRRR_CHAIN_JIT_THREADS), float32 x * c as torch's repeated
+    multiply, all near float64."""
     chains = [[("mul", 1.001)] * r for r in (1, 64, 256)] + [["cos", ("mul", 1.001)] + [("add", 0.001)] * 70]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = random((n,), dtype, "cuda", -2.0, 2.0)
         for steps in chains:
             got = {}
-            for form, blocks in (("wide", "2"), ("lean", "2"), ("lean", "8")):
+            for form, blocks, threads in (("wide", "2", "256"), ("lean", "2", "256"), ("lean", "8", "256"),
+                                          ("lean", "2", "128"), ("lean", "8", "128")):
                 monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
                 monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", blocks)
-                got[form + blocks] = brrr.chain(*steps)(x)
-            torch.testing.assert_close(got["lean2"], got["wide2"], rtol=0, atol=0)
-            torch.testing.assert_close(got["lean8"], got["wide2"], rtol=0, atol=0)
+                monkeypatch.setenv("BRRR_CHAIN_JIT_THREADS", threads)
+                got[form + blocks + ("" if threads == "256" else "t" + threads)] = brrr.chain(*steps)(x)
+            for variant in ("lean2", "lean8", "lean2t128", "lean8t128"):
+                torch.testing.assert_close(got[variant], got["wide2"], rtol=0, atol=0)
             got["lean"] = got["lean2"]
             assert_close(got["lean"], reference(steps, x.double(), []), dtype, scale=8.0)
             if dtype == torch.float32 and steps[0] == steps[-1]:
