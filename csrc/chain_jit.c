@@ -207,15 +207,18 @@ static int packed(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
  * after its loads (put_contiguous_kernel). FORM_LEAN (unset or BRRR_CHAIN_JIT_FORM=lean; `wide`:
  * the wide form): a contiguous kernel's indices in 32 bits where they fit, its loads predicated at one
  * address a thread, half the fixed instructions a value (put_contiguous_kernel); and
- * VARIANT_BLOCKS; BLOCK_128 (BRRR_CHAIN_JIT_THREADS=128; unset or 256: 256 threads a block). */
-enum { ORDER_INTERLEAVED = 0, ORDER_PACKWISE = 1, FORM_LEAN = 2, BLOCK_128 = 64 };
+ * VARIANT_BLOCKS; BLOCK_256 (BRRR_CHAIN_JIT_THREADS=256; unset or 128: 128 threads a block). */
+enum { ORDER_INTERLEAVED = 0, ORDER_PACKWISE = 1, FORM_LEAN = 2, BLOCK_256 = 64 };
 
-/* The threads of a contiguous kernel's block in variant v: 256, or 128 with BLOCK_128
- * (BRRR_CHAIN_JIT_THREADS=128, Triton's block for its pointwise kernels: 4 warps). */
-static int block_threads(int v) { return v & BLOCK_128 ? 128 : 256; }
+/* The threads of a contiguous kernel's block in variant v: 128 (4 warps, as Triton's pointwise
+ * kernels), or 256 with BLOCK_256 (BRRR_CHAIN_JIT_THREADS=256). On an H200 (c62e08c) the repeat
+ * sweep's forward ran 1-3% faster at 128 than at 256 at every repeat count, float32 and
+ * bfloat16 (docs/kernel-switches.md). */
+static int block_threads(int v) { return v & BLOCK_256 ? 256 : 128; }
 
 /* BRRR_CHAIN_JIT_BLOCKS=b (2 to 8): a contiguous kernel's launch bounds ask for at least b blocks
- * of 256 threads an SM (at most 65536 / (256 b) registers a thread), in bits 2-5 of the variant.
+ * of 256 threads' worth an SM (2b blocks of 128; at most 65536 / (256 b) registers a thread), in
+ * bits 2-5 of the variant.
  * 0 there (unset): auto_blocks's choice (build_run). */
 #define VARIANT_BLOCKS(v) ((v) >> 2 & 15)
 #define WITH_BLOCKS(v, b) (((v) & ~(15 << 2)) | (b) << 2)
@@ -1235,8 +1238,8 @@ static void build_all(build *bs, int n) {
 /* The variant asked for (docs/kernel-switches.md), read at every launch so that one process can
  * time them all: BRRR_CHAIN_JIT_ORDER unset or `interleaved`, ORDER_INTERLEAVED; `packwise`,
  * ORDER_PACKWISE; BRRR_CHAIN_JIT_FORM unset or `lean`, FORM_LEAN; `wide`, the wide form; and
- * BRRR_CHAIN_JIT_BLOCKS unset or 2 to 8 (VARIANT_BLOCKS); BRRR_CHAIN_JIT_THREADS unset, 256 or 128
- * (BLOCK_128). 0, or -1 with a Python exception for
+ * BRRR_CHAIN_JIT_BLOCKS unset or 2 to 8 (VARIANT_BLOCKS); BRRR_CHAIN_JIT_THREADS unset, 128 or 256
+ * (BLOCK_256). 0, or -1 with a Python exception for
  * any other value (a misspelt value would time the default). */
 static int variant_wanted(int *variant) {
     const char *order = getenv("BRRR_CHAIN_JIT_ORDER"), *form = getenv("BRRR_CHAIN_JIT_FORM");
@@ -1255,7 +1258,7 @@ static int variant_wanted(int *variant) {
         PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_THREADS: expected 128 or 256, got '%s'", threads);
         return -1;
     }
-    if (threads && strcmp(threads, "128") == 0) *variant |= BLOCK_128;
+    if (threads && strcmp(threads, "256") == 0) *variant |= BLOCK_256;
     const char *blocks = getenv("BRRR_CHAIN_JIT_BLOCKS");
     if (blocks) {
         char *end;

@@ -325,23 +325,23 @@ def test_the_form_switch_leaves_strided_and_row_kernels_alone(cache_dir, monkeyp
 
 @needs_nvrtc
 def test_the_threads_switch_halves_contiguous_kernels_blocks(cache_dir, monkeypatch):
-    """BRRR_CHAIN_JIT_THREADS=128: contiguous kernels of 128-thread blocks (twice the blocks in
-    their launch bounds, the same registers a thread), each its own program on disk, in either form
-    and direction; 256 is the default's program; strided and row kernels are one program under
-    every value; other values raise."""
+    """BRRR_CHAIN_JIT_THREADS=256: contiguous kernels of 256-thread blocks (half the blocks of the
+    default's 128 in their launch bounds, the same registers a thread), each its own program on
+    disk, in either form and direction; 128 is the default's program; strided and row kernels are
+    one program under every value; other values raise."""
     for form in ("wide", "lean"):
         monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
         for steps, kw in (([("mul", 1.0001)] * 64, {}), (MIXED12, dict(backward=True))):
             monkeypatch.delenv("BRRR_CHAIN_JIT_THREADS", raising=False)
             default, cubin, _ = _C.chain_jit_compile(steps, "bfloat16", index32=True, **kw)
-            monkeypatch.setenv("BRRR_CHAIN_JIT_THREADS", "256")
-            assert _C.chain_jit_compile(steps, "bfloat16", index32=True, **kw) == (default, cubin, "disk")
             monkeypatch.setenv("BRRR_CHAIN_JIT_THREADS", "128")
-            small, small_cubin, origin = _C.chain_jit_compile(steps, "bfloat16", index32=True, **kw)
-            bounds = re.search(r"__launch_bounds__\((\d+), (\d+)\)", default).groups()
-            assert bounds[0] == "256" and "THREADS = 256;" in default, default
-            assert origin == "compiled" and small_cubin[:4] == b"\x7fELF" and "THREADS = 128;" in small
-            assert f"__launch_bounds__(128, {2 * int(bounds[1])})" in small
+            assert _C.chain_jit_compile(steps, "bfloat16", index32=True, **kw) == (default, cubin, "disk")
+            monkeypatch.setenv("BRRR_CHAIN_JIT_THREADS", "256")
+            large, large_cubin, origin = _C.chain_jit_compile(steps, "bfloat16", index32=True, **kw)
+            bounds = re.search(r"__launch_bounds__\((\d+), (\d+)\)", large).groups()
+            assert bounds[0] == "256" and "THREADS = 256;" in large, large
+            assert origin == "compiled" and large_cubin[:4] == b"\x7fELF" and "THREADS = 128;" in default
+            assert f"__launch_bounds__(128, {2 * int(bounds[1])})" in default
     for steps, dtype, kw in (([("mul", 1.0001)] * 64, "float32", dict(layout="strided", ndim=2)),
                              (MIXED, "bfloat16", dict(backward=True, grad_mask=3, vector_mask=1, layout="rows", ndim=3))):
         monkeypatch.setenv("BRRR_CHAIN_JIT_THREADS", "128")
@@ -356,17 +356,17 @@ def test_the_threads_switch_halves_contiguous_kernels_blocks(cache_dir, monkeypa
 
 @needs_nvrtc
 def test_the_blocks_switch_bounds_contiguous_kernels_registers(cache_dir, monkeypatch):
-    """BRRR_CHAIN_JIT_BLOCKS=8 asks for 8 blocks of 256 threads an SM: cos.cos's float32 forward
-    (39 registers wide, 35 lean at 2 blocks) fits 32 registers, in either form; strided kernels
-    keep their bounds; values outside 2 to 8 raise."""
+    """BRRR_CHAIN_JIT_BLOCKS=8 asks for 8 blocks of 256 threads' worth an SM (16 of 128):
+    cos.cos's float32 forward (39 registers wide, 35 lean at 2 blocks) fits 32 registers, in either
+    form; strided kernels keep their bounds; values outside 2 to 8 raise."""
     for form in ("wide", "lean"):
         monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
         monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", "2")
         two, cubin, _ = _C.chain_jit_compile(["cos", "cos"], "float32", index32=True)
-        assert max(_stack_frames(cubin, (0x2f,))[0x2f]) > 32 and "__launch_bounds__(256, 2)" in two
+        assert max(_stack_frames(cubin, (0x2f,))[0x2f]) > 32 and "__launch_bounds__(128, 4)" in two
         monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", "8")
         bounded, cubin, origin = _C.chain_jit_compile(["cos", "cos"], "float32", index32=True)
-        assert origin == "compiled" and "__launch_bounds__(256, 8)" in bounded
+        assert origin == "compiled" and "__launch_bounds__(128, 16)" in bounded
         frames = _stack_frames(cubin, (0x11, 0x2f))
         # 8 bytes of frame in the wide form: the calls of the out-of-range copies keep a register
         # there (in the sm_90 SASS no local load or store is left in the kernel itself)
@@ -808,7 +808,7 @@ def test_the_lean_form_against_the_wide_form_torch_and_float64(monkeypatch, n):
     """x * c repeated 1, 64 and 256 times (rolled, 2 packs a thread in the lean form) and a chain
     with a rolled run, a trig pack and a tail: the lean form computes each value as the wide one
     does (the same bits), with its launch bounds at 8 blocks an SM too (BRRR_CHAIN_JIT_BLOCKS) and
-    in blocks of 128 threads (BRRR_CHAIN_JIT_THREADS), float32 x * c as torch's repeated
+    in blocks of 128 and 256 threads (BRRR_CHAIN_JIT_THREADS), float32 x * c as torch's repeated
     multiply, all near float64."""
     chains = [[("mul", 1.001)] * r for r in (1, 64, 256)] + [["cos", ("mul", 1.001)] + [("add", 0.001)] * 70]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
