@@ -10,7 +10,7 @@ and a GPT-2 and a BERT (masked LM, labels the input ids) of the same width, at 2
 where the step waits on the host; then the Llama
 from 512 to 32768 tokens per step (batch 1 to 64 of 512): step time against tokens, where each
 regime begins (benchmarks/plot.py draws it: step-sweep.png; BRRR_BENCH_GRAPH_BATCHES=2,32 runs
-those batches alone; BRRR_BENCH_GRAPH_REMAT=1 adds brrr.patch(remat=True), eager and captured). Every captured step's loss and
+those batches alone; BRRR_BENCH_GRAPH_REMAT=1 adds brrr.patch(remat=True) and remat=False). Every captured step's loss and
 gradients are checked against the eager step's at every size before it is timed. Each compile
 mode compiles the Llama once for the sweep with the batch dimension dynamic (batch 1 compiles again:
 dynamo specialises size 1; rows say dynamic_batch) and the GPT-2 and the BERT once with static shapes; first
@@ -41,8 +41,9 @@ SWEEP_BATCHES = (2, 4, 8, 16, 32, 64, 1) if not QUICK else (2, 1)   # batch 1 la
 # BRRR_BENCH_GRAPH_BATCHES=2,32: the Llama's batches of 512 tokens, a subset of the sweep's.
 if os.environ.get("BRRR_BENCH_GRAPH_BATCHES"):
     SWEEP_BATCHES = tuple(int(b) for b in os.environ["BRRR_BENCH_GRAPH_BATCHES"].split(","))
-# BRRR_BENCH_GRAPH_REMAT=1: also brrr.patch(remat=True), eager and captured ("brrr remat ..."): what
-# remat costs a step where the host, not the GPU, sets the time.
+# BRRR_BENCH_GRAPH_REMAT=1: also brrr.patch(remat=True), eager and captured ("brrr remat ..."), and
+# brrr.patch(remat=False) eager ("brrr no remat"): what remat costs a step where the host, not the
+# GPU, sets the time, and what its default ("auto", the "brrr" rows) costs.
 REMAT = os.environ.get("BRRR_BENCH_GRAPH_REMAT") == "1"
 MAX_TIME_S = 0.5 if not QUICK else 0.05
 CAPTURE = on_gpu()
@@ -77,7 +78,7 @@ MODELS = {"llama": llama, "gpt2": gpt2, "bert": bert}
 CASES = [("llama", SWEEP_BATCHES), ("gpt2", (BASE_BATCH,)), ("bert", (BASE_BATCH,))]
 
 
-def build(name, remat=False):
+def build(name, remat="auto"):
     """The unpatched model and a patched copy."""
     base = unpatched(name)
     patched = copy.deepcopy(base)
@@ -152,7 +153,8 @@ def test_training_step_regimes(recorder, name, batches):
     # parameters cannot join (docs/graphs.md).
     captured = build(name) if CAPTURE else None
     # remat's eager model, and its own for capture (as above)
-    remat = (build(name, remat=True), build(name, remat=True) if CAPTURE else None) if REMAT else None
+    remat = (build(name, remat=True), build(name, remat=True) if CAPTURE else None,
+             build(name, remat=False)) if REMAT else None
     compiled = {mode: torch.compile(loss_fn_of(base), mode=mode) for mode in ("default", "reduce-overhead")} \
         if COMPILE else {}
     dynamic_batch = len(batches) > 1  # one compile for the sweep; a single size compiles static
@@ -163,6 +165,7 @@ def test_training_step_regimes(recorder, name, batches):
         variants = {"eager": eager_step(base, tokens), "brrr": eager_step(patched, tokens)}
         if REMAT:
             variants["brrr remat"] = eager_step(remat[0][1], tokens)
+            variants["brrr no remat"] = eager_step(remat[2][1], tokens)
         checks = {}
         for mode, compiled_loss in compiled.items():
             impl = "compile" if mode == "default" else "compile reduce-overhead"

@@ -61,9 +61,10 @@ Gemma 2 does by config.final_logit_softcapping, or scales, as Cohere does by its
 probed), a training call with `labels` computes that loss from the head's input with
 brrr.linear_cross_entropy, never the logits, and returns logits None
 (docs/linear-cross-entropy.md); eval mode or no labels returns them as before. patch(model,
-fused_linear_cross_entropy=False) keeps them in training too. patch(model, remat=True) has the
-backward recompute the swapped norms' and GLUs' outputs instead of their linear layers saving them
-(brrr.remat, docs/remat.md).
+fused_linear_cross_entropy=False) keeps them in training too. patch(model) has the backward
+recompute the swapped norms' and GLUs' outputs of at least brrr.remat.AUTO_MIN_BYTES instead of
+their linear layers saving them (remat="auto"; True: every output; False: none; brrr.remat,
+docs/remat.md).
 
     with brrr.use_fused():        # route torch.nn.functional's gelu/silu/layer_norm/rms_norm
         y = model(x)              # and cross_entropy through brrr for the inputs it supports
@@ -190,19 +191,19 @@ def _eps_attribute(module):
 def _rms_norm_forward(self, x):
     out = registry("rms_norm", x, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
                    cast_order=self._brrr_cast_order, offset=self._brrr_offset)
-    return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
+    return brrr_remat.tag(out, self.forward, x, min_bytes=self._brrr_remat) if self._brrr_remat is not None else out
 
 
 def _layer_norm_forward(self, x):
     out = registry("layer_norm", x, self.weight.shape, self.weight, self.bias if self._brrr_bias else None,
                    getattr(self, self._brrr_eps))
-    return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
+    return brrr_remat.tag(out, self.forward, x, min_bytes=self._brrr_remat) if self._brrr_remat is not None else out
 
 
 def _plain_norm_forward(self, x):
     """A norm without parameters: its eps an attribute (_brrr_eps) or a constant (_brrr_eps_value)."""
     out = registry(self._brrr_op, x, self.normalized_shape, eps=_plain_norm_eps(self))
-    return brrr_remat.tag(out, self.forward, x) if self._brrr_remat else out
+    return brrr_remat.tag(out, self.forward, x, min_bytes=self._brrr_remat) if self._brrr_remat is not None else out
 
 
 def _head_norm_forward(self, x):
@@ -240,7 +241,8 @@ def _plain_norm_residual_forward(self, x, residual):
 
 
 def _remat_tagged(self, out, h):
-    return (brrr_remat.tag(out, self.forward, h) if self._brrr_remat else out), h
+    return (brrr_remat.tag(out, self.forward, h, min_bytes=self._brrr_remat) if self._brrr_remat is not None
+            else out), h
 
 
 def _activation_forward(self, x):
@@ -254,7 +256,8 @@ def _glu_of(self, *gate_up):
 def _down_of_glu(self, *gate_up):
     """down_proj(act(gate) * up); with remat, the product tagged to be recomputed, not saved."""
     out = _glu_of(self, *gate_up)
-    return self.down_proj(brrr_remat.tag(out, self._brrr_glu, *gate_up) if self._brrr_remat else out)
+    return self.down_proj(brrr_remat.tag(out, self._brrr_glu, *gate_up, min_bytes=self._brrr_remat)
+                          if self._brrr_remat is not None else out)
 
 
 def _glu_mlp_forward(self, x):
@@ -1379,7 +1382,7 @@ def _residual_norm_class(cls, chain, definition, keys):
 _LOSS_OPTIONS = ("logits_budget", "accumulation")
 
 
-def patch(model, *, fused_linear_cross_entropy=True, remat=False):
+def patch(model, *, fused_linear_cross_entropy=True, remat="auto"):
     """Swap every module of `model` that brrr fuses, in place; returns a PatchReport.
 
     fused_linear_cross_entropy: a causal LM whose loss is swapped (see the module) computes that
@@ -1391,16 +1394,21 @@ def patch(model, *, fused_linear_cross_entropy=True, remat=False):
     head's bytes: docs/linear-cross-entropy.md).
     remat: the outputs of the norms and gated MLPs it swaps are recomputed in the backward instead
     of saved by the linear layers they feed (brrr.remat; its torch.nn.Linear modules become
-    brrr.nn.RematLinear); the report says how many bytes per token that saves. Off by default: it
-    swaps every torch.nn.Linear of the model, those that take no norm's or GLU's output too, and
-    what that costs a host-bound step is not measured (a Llama's GPU-bound step measured within
-    1% of the step without it: docs/remat.md). The global random generators are left as they
+    brrr.nn.RematLinear); the report says how many bytes per token that saves. "auto" (the
+    default): an output of at least brrr.remat.AUTO_MIN_BYTES, call by call; smaller ones are
+    saved, where a recompute's launches would cost more than its bytes save (docs/remat.md: on an
+    H200, remat of every output cost a small Llama's host-bound step 8%). True: every output;
+    False: none, and no torch.nn.Linear swapped. The global random generators are left as they
     were (the probes draw from a private one)."""
+    if remat not in (True, False, "auto"):
+        raise ValueError(f"argument remat: expected True, False or 'auto', got {remat!r}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"argument model: expected a torch.nn.Module, got {type(model).__name__}")
     loss_options = _loss_options(fused_linear_cross_entropy)
     with _rng_states_kept():
-        return _patch(model, fused_linear_cross_entropy is not False, loss_options, remat)
+        # the smallest output that remat recomputes (None: remat off)
+        remat_min_bytes = brrr_remat.AUTO_MIN_BYTES if remat == "auto" else 0 if remat else None
+        return _patch(model, fused_linear_cross_entropy is not False, loss_options, remat_min_bytes)
 
 
 def _loss_options(value):
@@ -1418,7 +1426,7 @@ def _loss_options(value):
     return dict(value)
 
 
-def _patch(model, fused_linear_cross_entropy, loss_options, remat):
+def _patch(model, fused_linear_cross_entropy, loss_options, remat_min_bytes):
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     report = PatchReport()
@@ -1426,6 +1434,7 @@ def _patch(model, fused_linear_cross_entropy, loss_options, remat):
     computed_by_parent = {}  # a child a swapped parent's forward computes itself -> the parent's name
     deferring_heads = set()  # the heads of fused linear losses, reported with their model
     remat_bytes = {"norm": [0, 0], "GLU": [0, 0]}  # outputs recomputed, not saved: count, bytes per token
+    remat_linears = 0  # torch.nn.Linear modules made brrr.nn.RematLinear
     for name, module in model.named_modules():
         cls = type(module)
         if module in deferring_heads:
@@ -1460,24 +1469,24 @@ def _patch(model, fused_linear_cross_entropy, loss_options, remat):
             _swap(module, twin)
             report.swapped.append((name, cls.__name__, f"brrr.nn.{twin.__name__}"))
             continue
-        if remat and cls is torch.nn.Linear:
-            _swap(module, brrr_nn.RematLinear)
-            report.swapped.append((name, cls.__name__, "brrr.nn.RematLinear (remat)"))
+        if remat_min_bytes is not None and cls is torch.nn.Linear:
+            _swap(module, brrr_nn.RematLinear)  # said in remat's note: no fusion of its own
+            remat_linears += 1
             continue
         new_class, what = _try_forward_globals(module, device, forward_classes)
         if new_class is None and what is None:
-            new_class, what = _try_glu_mlp(module, remat)
+            new_class, what = _try_glu_mlp(module, remat_min_bytes)
         if new_class is None and what is None:
             new_class, what = _try_experts_gate(module)
         if new_class is None and what is None:
             new_class, what = _try_residual_layer_norm(module)
         if new_class is None and what is None:
-            new_class, what = _try_plain_norm(module, device, remat)
+            new_class, what = _try_plain_norm(module, device, remat_min_bytes)
         if new_class is None and what is not None:
             report.left.append((name, cls.__name__, what))
             continue
         if new_class is None and hasattr(module, "weight") and _eps_attribute(module) is not None:
-            new_class, what = _try_norm(module, remat)
+            new_class, what = _try_norm(module, remat_min_bytes)
             if new_class is None:
                 report.left.append((name, cls.__name__, what))
                 continue
@@ -1490,7 +1499,7 @@ def _patch(model, fused_linear_cross_entropy, loss_options, remat):
             report.swapped.append((name, cls.__name__, what))
             for child in getattr(new_class, "_brrr_computes", ()):
                 computed_by_parent[f"{name}.{child}" if name else child] = name
-            if getattr(new_class, "_brrr_remat", False):
+            if getattr(new_class, "_brrr_remat", None) is not None:
                 kind, out, like = _remat_output(module, first)
                 remat_bytes[kind][0] += 1
                 remat_bytes[kind][1] += out * like.element_size()
@@ -1528,11 +1537,13 @@ def _patch(model, fused_linear_cross_entropy, loss_options, remat):
             module.__class__ = module.__dict__.pop(_ORIGINAL)
             if why is not None:
                 report.left.append((name, cls_name, why))
-    if remat:
+    if remat_min_bytes is not None:
         (norms, norm_bytes), (glus, glu_bytes) = remat_bytes["norm"], remat_bytes["GLU"]
         report.notes.append(f"remat: the backward recomputes the outputs of {norms} norms and {glus} gated MLPs' GLUs "
                             f"instead of saving them for their linear layers: {norm_bytes + glu_bytes} bytes per token "
-                            "not held from the forward to the backward")
+                            "not held from the forward to the backward" +
+                            (f" (outputs of at least {remat_min_bytes} bytes)" if remat_min_bytes else "") +
+                            f"; its {remat_linears} torch.nn.Linear modules are brrr.nn.RematLinear")
     if device.type == "cpu" and report.swapped and any(registry.lookup(n).cpu == "pytorch" for n in registry.names()):
         report.notes.append("the model is on the CPU, where the registry runs PyTorch's functions for the ops whose "
                             "CPU kernels measured faster than brrr's, unless told registry.on_cpu(name, 'kernel'). "

@@ -267,7 +267,9 @@ def test_patch_leaves_other_losses_and_unpatch_restores_the_loss_function():
     assert "_loss_function" in model.__dict__
     again = brrr.patch(model)
     assert ("", "TinyCausalLM", "loss_function already patched") in again.left
-    assert brrr.unpatch(model) == 1 + 5 + 2  # the loss function, 5 LayerNorms, 2 GELUs
+    linears = sum(type(m) is brrr.nn.RematLinear for m in model.modules())  # remat="auto"'s
+    assert linears == sum(isinstance(m, nn.Linear) for m in TinyCausalLM("gelu").modules()) > 0
+    assert brrr.unpatch(model) == 1 + 5 + 2 + linears  # the loss function, 5 LayerNorms, 2 GELUs, the Linears
     assert "_loss_function" not in model.__dict__ and model.loss_function is hf_causal_lm_loss
 
 

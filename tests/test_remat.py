@@ -170,11 +170,13 @@ def layer_saved_bytes(model, tokens):
 def test_patch_remat_saves_a_quarter_of_a_decoder_layer():
     base = llama()
     plain, rematerialised = copy.deepcopy(base), copy.deepcopy(base)
-    brrr.patch(plain)
+    brrr.patch(plain, remat=False)
     report = brrr.patch(rematerialised, remat=True)
-    assert sum(what == "brrr.nn.RematLinear (remat)" for _, _, what in report.swapped) == 2 * 7
+    assert sum(isinstance(m, brrr.nn.RematLinear) for m in rematerialised.modules()) == 2 * 7
+    assert not any(isinstance(m, brrr.nn.RematLinear) for m in plain.modules())
     assert any(note.startswith("remat: the backward recomputes the outputs of 5 norms and 2 gated MLPs' GLUs")
-               for note in report.notes), report.notes
+               and note.endswith("its 14 torch.nn.Linear modules are brrr.nn.RematLinear") for note in report.notes), \
+        report.notes
     tokens = torch.randint(0, 211, (2, 33))
     loss, grads, plain_bytes = layer_saved_bytes(plain, tokens)
     r_loss, r_grads, remat_bytes = layer_saved_bytes(rematerialised, tokens)
@@ -188,6 +190,32 @@ def test_patch_remat_saves_a_quarter_of_a_decoder_layer():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=n)
     assert brrr.unpatch(rematerialised) > 0
     assert [type(m) for m in rematerialised.modules()] == [type(m) for m in base.modules()]
+
+
+def test_patch_remat_auto_recomputes_the_outputs_of_at_least_its_bytes(monkeypatch):
+    """remat="auto" (patch's default) recomputes the outputs of at least brrr.remat.AUTO_MIN_BYTES,
+    as read when patching: the GLU's and not the norms' between their sizes, all at 0, none above
+    them; the loss and gradients the same bits in every case."""
+    base = llama()
+    tokens = torch.randint(0, 211, (2, 33))
+    hidden, inner, rows = 64, 172, tokens.numel()
+    plain = copy.deepcopy(base)
+    brrr.patch(plain, remat=False)
+    loss, grads, plain_bytes = layer_saved_bytes(plain, tokens)
+    for min_bytes, recomputed in ((0, 2 * hidden + inner), (rows * hidden * 4 + 1, inner), (rows * inner * 4 + 1, 0)):
+        monkeypatch.setattr(brrr.remat, "AUTO_MIN_BYTES", min_bytes)
+        model = copy.deepcopy(base)
+        report = brrr.patch(model)
+        assert any(note.startswith("remat: ") for note in report.notes), report.notes
+        a_loss, a_grads, auto_bytes = layer_saved_bytes(model, tokens)
+        assert torch.equal(a_loss, loss) and all(torch.equal(a, b) for a, b in zip(a_grads, grads))
+        assert plain_bytes - auto_bytes == rows * recomputed * 4, (min_bytes, plain_bytes, auto_bytes)
+    assert brrr.remat.tag is not None and brrr.patch.__kwdefaults__["remat"] == "auto"
+
+
+def test_patch_refuses_an_unknown_remat():
+    with pytest.raises(ValueError, match="argument remat: expected True, False or 'auto', got 'yes'"):
+        brrr.patch(llama(), remat="yes")
 
 
 def test_patch_remat_compiles_without_graph_breaks():
