@@ -422,8 +422,9 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled
 // issue slots the busiest unit: every row reloads its weight and bias, converts them and adds the
 // weight offset, each thread loads the row's shift from global memory, unravels six views'
 // offsets, and sums in loops of runtime width; and nothing loads while a row is reduced. Here a
-// block is one group (tpr threads, whole warps) on a grid of the blocks that fit at once, walking
-// rows blockIdx.x, + gridDim.x, ...: a thread holds its packs' weight and bias in registers,
+// block is one group (tpr threads, whole warps) on a grid of waves of the blocks that fit at once
+// (fwd_bulk_launch), walking rows blockIdx.x, + gridDim.x, ...: a thread holds its packs' weight
+// and bias in registers,
 // converted once (the offset added); the block's first thread copies each row of x (and the
 // residual) into a ring of `stages` rows in shared memory by one cp.async.bulk a tensor,
 // completing on the stage's mbarrier, so that `stages` rows are in flight; a thread reads its
@@ -432,7 +433,7 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled
 // (the row `stages` later) past the barrier of its first group sum, which every thread reaches
 // after its last read of the stage. kBias: the bias held (a template argument, so that rows
 // without one keep no registers for it). Assumes: sm_90, 16-byte packs, 2-d launch (row_ndim 1),
-// 16-byte aligned rows, tpr = blockDim.x a multiple of 32 up to 512, stages >= 1.
+// 16-byte aligned rows, tpr = blockDim.x a multiple of 32 up to 512, 1 <= stages <= 32 (phases).
 template <typename T, int PACKS, bool kResidual, bool kBias>
 __global__ void __launch_bounds__(kMaxRowThreads, 1)
     norm_fwd_bulk_kernel(const __grid_constant__ brrr_norm_launch L, const int stages) {
@@ -1556,14 +1557,31 @@ static int compute_major(int device) { return device_attribute<cudaDevAttrComput
 constexpr int kFwdBulkStages = 4;                // at most, in norm_fwd_bulk_kernel's ring
 constexpr size_t kFwdBulkRingBytes = 48 << 10;   // past this, fewer stages (down to 2), for more blocks an SM
 
+// A count from 1 to hi in the environment variable `name`, or 0 where it is unset or another value.
+static int env_count(const char *name, int hi) {
+    const char *v = getenv(name);
+    const int n = v ? atoi(v) : 0;
+    return n >= 1 && n <= hi ? n : 0;
+}
+
+// BRRR_NORM_FWD_WAVES (docs/kernel-switches.md): norm_fwd_bulk_kernel's grid, in waves of the
+// blocks that fit at once (1 to 64; unset, 1: every block walks rows / grid rows a grid apart).
+// BRRR_NORM_FWD_STAGES: its ring's stages (1 to 8), fewer only where the device's shared memory
+// holds fewer; unset, kFwdBulkStages, fewer (down to 2) past kFwdBulkRingBytes. Neither changes a
+// row's arithmetic, so neither changes the bits.
+static int fwd_bulk_waves() {
+    const int n = env_count("BRRR_NORM_FWD_WAVES", 64);
+    return n ? n : 1;
+}
+
 // Launches norm_fwd_bulk_kernel for the forward's row layout cfg, setting *launched, where it
 // applies: float16 and bfloat16 rows of 16-byte packs on whole warps, a 2-d launch, sm_90, one
 // row of each tensor in shared memory. The five-pack rows (kHalfFivePacks) run at twice the
 // threads and three packs a thread (BRRR_NORM_FWD_PACKS=pow2's layout, and its bits): five packs
 // of the row, the weight and the bias take more than the 128 registers a thread of 512 has. A
 // launch this leaves to norm_fwd_kernel (rows in several dims, before sm_90) gets the five. The
-// ring holds up to kFwdBulkStages rows, fewer past kFwdBulkRingBytes; the grid, the blocks that
-// fit at once.
+// ring holds up to kFwdBulkStages rows, fewer past kFwdBulkRingBytes (or BRRR_NORM_FWD_STAGES'
+// count); the grid, fwd_bulk_waves() waves of the blocks that fit at once.
 template <typename T>
 static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int device, cudaStream_t stream,
                                    bool *launched) {
@@ -1575,8 +1593,11 @@ static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int
     if (cfg.vec == 1 || cfg.tpr < 32 || L.row_ndim != 1 || compute_major(device) < 9) return cudaSuccess;
     const size_t row = (size_t)L.cols * sizeof(T) * (L.residual.data ? 2 : 1);  // a stage, 16-byte multiples
     const size_t limit = dynamic_smem_limit(device, sizeof(float) * 2 * kMaxWarps);
-    int stages = kFwdBulkStages;
-    while (stages > 2 && stages * row > kFwdBulkRingBytes) --stages;
+    int stages = env_count("BRRR_NORM_FWD_STAGES", 8);
+    if (stages == 0) {
+        stages = kFwdBulkStages;
+        while (stages > 2 && stages * row > kFwdBulkRingBytes) --stages;
+    }
     while (stages > 0 && stages * (row + sizeof(uint64_t)) > limit) --stages;
     if (stages == 0) return cudaSuccess;
     auto go = [&](auto packs) {
@@ -1588,8 +1609,8 @@ static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int
         int per_sm = 0;
         const cudaError_t e = blocks_per_sm(kernel, cfg.tpr, smem, device, &per_sm);
         if (e != cudaSuccess) return e;
-        const int64_t resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device);
-        kernel<<<(unsigned)(L.rows < resident ? L.rows : resident), cfg.tpr, smem, stream>>>(L, stages);
+        const int64_t grid = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device) * fwd_bulk_waves();
+        kernel<<<(unsigned)(L.rows < grid ? L.rows : grid), cfg.tpr, smem, stream>>>(L, stages);
         *launched = true;
         return cudaSuccess;
     };

@@ -491,6 +491,35 @@ def test_fwd_bulk_has_the_bits_of_rows_at_its_layout(monkeypatch, dtype, kind, c
         _assert_same_forward(bulk, rows_, (affine, "bulk against rows at pow2's layout"))
 
 
+# norm_fwd_bulk_kernel's grid and ring under BRRR_NORM_FWD_WAVES and BRRR_NORM_FWD_STAGES: a grid
+# of several waves, one stage, stages past the default's 4 (at 8192 columns with a residual, 8 are
+# more than shared memory holds: the launch takes 6).
+BULK_GRID_AND_RING = {"waves3": {"BRRR_NORM_FWD_WAVES": "3"}, "stages1": {"BRRR_NORM_FWD_STAGES": "1"},
+                      "stages5": {"BRRR_NORM_FWD_STAGES": "5"},
+                      "stages8-waves2": {"BRRR_NORM_FWD_STAGES": "8", "BRRR_NORM_FWD_WAVES": "2"}}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", [768, 4104, 8192])
+@pytest.mark.parametrize("env", list(BULK_GRID_AND_RING))
+def test_fwd_bulk_grid_and_ring(monkeypatch, dtype, residual, cols, env):
+    """The bulk forward's grid and ring change no row's arithmetic: under each setting of
+    BULK_GRID_AND_RING, LayerNorm (weight and bias) and RMSNorm have the bits of =rows at pow2's
+    layout in out, residual_out and, through the saved statistics, every gradient. 20011 rows at
+    768 columns and 4099 past that: every block reuses its ring's stages."""
+    rows = 20011 if cols <= 1032 else 4099
+    x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
+    r = random((rows, cols), dtype, "cuda") if residual else None
+    for kind in ("layer_norm", "rms_norm"):
+        w, b = params(kind, "both", (cols,), dtype, "cuda")
+        args = (kind, "torch", x, r, w, b, g)
+        bulk = _forward_under(monkeypatch, {"BRRR_NORM_FWD_KERNEL": "bulk", **BULK_GRID_AND_RING[env]}, *args)
+        rows_ = _forward_under(monkeypatch, {"BRRR_NORM_FWD_KERNEL": "rows", "BRRR_NORM_FWD_PACKS": "pow2"}, *args)
+        _assert_same_forward(bulk, rows_, (kind, env, "bulk against rows at pow2's layout"))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
