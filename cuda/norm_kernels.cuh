@@ -1557,8 +1557,7 @@ static bool fwd_bulk_wanted() {
 // The device's compute capability major (0 where the query fails).
 static int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0); }
 
-constexpr int kFwdBulkStages = 4;                // at most, in norm_fwd_bulk_kernel's ring
-constexpr size_t kFwdBulkRingBytes = 48 << 10;   // past this, fewer stages (down to 2), for more blocks an SM
+constexpr int kFwdBulkStages = 4;  // at most, in norm_fwd_bulk_kernel's ring (BRRR_NORM_FWD_STAGES unset)
 
 // A count from 1 to hi in the environment variable `name`, or 0 where it is unset or another value.
 static int env_count(const char *name, int hi) {
@@ -1570,8 +1569,8 @@ static int env_count(const char *name, int hi) {
 // BRRR_NORM_FWD_WAVES (docs/kernel-switches.md): norm_fwd_bulk_kernel's grid, in waves of the
 // blocks that fit at once (1 to 64; unset, 1: every block walks rows / grid rows a grid apart).
 // BRRR_NORM_FWD_STAGES: its ring's stages (1 to 8), fewer only where the device's shared memory
-// holds fewer; unset, kFwdBulkStages, fewer (down to 2) past kFwdBulkRingBytes. Neither changes a
-// row's arithmetic, so neither changes the bits.
+// holds fewer; unset, see fwd_bulk_launch. Neither changes a row's arithmetic, so neither changes
+// the bits.
 static int fwd_bulk_waves() {
     const int n = env_count("BRRR_NORM_FWD_WAVES", 64);
     return n ? n : 1;
@@ -1583,8 +1582,10 @@ static int fwd_bulk_waves() {
 // threads and three packs a thread (BRRR_NORM_FWD_PACKS=pow2's layout, and its bits): five packs
 // of the row, the weight and the bias take more than the 128 registers a thread of 512 has. A
 // launch this leaves to norm_fwd_kernel (rows in several dims, before sm_90) gets the five. The
-// ring holds up to kFwdBulkStages rows, fewer past kFwdBulkRingBytes (or BRRR_NORM_FWD_STAGES'
-// count); the grid, fwd_bulk_waves() waves of the blocks that fit at once.
+// ring holds the most rows up to kFwdBulkStages that leave an SM as many blocks as 2 would (at
+// 768-2048 columns with a residual, 4 stages left 17 of 23, 13 of 18 and 6 of 9 in bfloat16, the
+// residual forms' shared memory and not their registers the limit), or BRRR_NORM_FWD_STAGES'
+// count; the grid, fwd_bulk_waves() waves of the blocks that fit at once.
 template <typename T>
 static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int device, cudaStream_t stream,
                                    bool *launched) {
@@ -1594,26 +1595,27 @@ static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int
         cfg.packs = 3;
     }
     if (cfg.vec == 1 || cfg.tpr < 32 || L.row_ndim != 1 || compute_major(device) < 9) return cudaSuccess;
-    const size_t row = (size_t)L.cols * sizeof(T) * (L.residual.data ? 2 : 1);  // a stage, 16-byte multiples
+    // a stage: a row of each tensor (16-byte multiples), then its barrier
+    const size_t stage = (size_t)L.cols * sizeof(T) * (L.residual.data ? 2 : 1) + sizeof(uint64_t);
     const size_t limit = dynamic_smem_limit(device, sizeof(float) * 2 * kMaxWarps);
-    int stages = env_count("BRRR_NORM_FWD_STAGES", 8);
-    if (stages == 0) {
-        stages = kFwdBulkStages;
-        while (stages > 2 && stages * row > kFwdBulkRingBytes) --stages;
-    }
-    while (stages > 0 && stages * (row + sizeof(uint64_t)) > limit) --stages;
+    const int forced = env_count("BRRR_NORM_FWD_STAGES", 8);
+    int stages = forced ? forced : kFwdBulkStages;
+    while (stages > 0 && stages * stage > limit) --stages;
     if (stages == 0) return cudaSuccess;
     auto go = [&](auto packs) {
         constexpr int P = decltype(packs)::value;
         const bool bias = L.bias.data != nullptr;
         auto kernel = L.residual.data ? (bias ? norm_fwd_bulk_kernel<T, P, true, true> : norm_fwd_bulk_kernel<T, P, true, false>)
                                       : (bias ? norm_fwd_bulk_kernel<T, P, false, true> : norm_fwd_bulk_kernel<T, P, false, false>);
-        const size_t smem = stages * (row + sizeof(uint64_t));  // the ring, then a barrier a stage
-        int per_sm = 0;
-        const cudaError_t e = blocks_per_sm(kernel, cfg.tpr, smem, device, &per_sm);
+        int per_sm = 0, most = 0;  // most: the blocks an SM at 2 stages
+        cudaError_t e = forced ? cudaSuccess : blocks_per_sm(kernel, cfg.tpr, (stages < 2 ? stages : 2) * stage, device, &most);
+        for (; e == cudaSuccess; --stages) {
+            e = blocks_per_sm(kernel, cfg.tpr, stages * stage, device, &per_sm);
+            if (forced || stages <= 2 || per_sm >= most) break;
+        }
         if (e != cudaSuccess) return e;
         const int64_t grid = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device) * fwd_bulk_waves();
-        kernel<<<(unsigned)(L.rows < grid ? L.rows : grid), cfg.tpr, smem, stream>>>(L, stages);
+        kernel<<<(unsigned)(L.rows < grid ? L.rows : grid), cfg.tpr, stages * stage, stream>>>(L, stages);
         *launched = true;
         return cudaSuccess;
     };
