@@ -414,7 +414,8 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled
     }
 }
 
-// A float16 and bfloat16 forward on sm_90 (BRRR_NORM_FWD_KERNEL=bulk; unset, norm_fwd_kernel runs): norm_fwd_kernel's arithmetic and sums in their order for a row layout
+// The float16 and bfloat16 forward on sm_90 (the default; BRRR_NORM_FWD_KERNEL=rows runs
+// norm_fwd_kernel instead): norm_fwd_kernel's arithmetic and sums in their order for a row layout
 // of tpr threads and PACKS packs a thread (the same bits as norm_fwd_kernel at that layout), with
 // less bookkeeping an element. Rows that norm_fwd_kernel gives 5 packs a thread run here at twice
 // the threads and 3 packs (fwd_bulk_launch): their sums group the elements otherwise, so their
@@ -422,8 +423,9 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled
 // issue slots the busiest unit: every row reloads its weight and bias, converts them and adds the
 // weight offset, each thread loads the row's shift from global memory, unravels six views'
 // offsets, and sums in loops of runtime width; and nothing loads while a row is reduced. Here a
-// block is one group (tpr threads, whole warps) on a grid of the blocks that fit at once, walking
-// rows blockIdx.x, + gridDim.x, ...: a thread holds its packs' weight and bias in registers,
+// block is one group (tpr threads, whole warps) on a grid of waves of the blocks that fit at once
+// (fwd_bulk_launch), walking rows blockIdx.x, + gridDim.x, ...: a thread holds its packs' weight
+// and bias in registers,
 // converted once (the offset added); the block's first thread copies each row of x (and the
 // residual) into a ring of `stages` rows in shared memory by one cp.async.bulk a tensor,
 // completing on the stage's mbarrier, so that `stages` rows are in flight; a thread reads its
@@ -432,7 +434,7 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled
 // (the row `stages` later) past the barrier of its first group sum, which every thread reaches
 // after its last read of the stage. kBias: the bias held (a template argument, so that rows
 // without one keep no registers for it). Assumes: sm_90, 16-byte packs, 2-d launch (row_ndim 1),
-// 16-byte aligned rows, tpr = blockDim.x a multiple of 32 up to 512, stages >= 1.
+// 16-byte aligned rows, tpr = blockDim.x a multiple of 32 up to 512, 1 <= stages <= 32 (phases).
 template <typename T, int PACKS, bool kResidual, bool kBias>
 __global__ void __launch_bounds__(kMaxRowThreads, 1)
     norm_fwd_bulk_kernel(const __grid_constant__ brrr_norm_launch L, const int stages) {
@@ -1540,21 +1542,39 @@ static size_t dynamic_smem_limit(int device, size_t static_bytes) {
     return (size_t)v > static_bytes ? (size_t)v - static_bytes : 0;
 }
 
-// BRRR_NORM_FWD_KERNEL (docs/kernel-switches.md): bulk, norm_fwd_bulk_kernel for float16 and
-// bfloat16 where fwd_bulk_launch applies; unset or rows, norm_fwd_kernel. On an H200 (39a9ca5) bulk
-// ran the plain norms 3-24% faster at 768-16384 columns but the fused residual forms 1-7% slower
-// at 1024-8192, and the two must run one kernel (a fused norm's output is the plain norm's of the
-// sum, bitwise, which remat's recompute relies on). float32 and float64 run norm_fwd_kernel.
+// BRRR_NORM_FWD_KERNEL (docs/kernel-switches.md): unset or bulk, norm_fwd_bulk_kernel for float16
+// and bfloat16 where fwd_bulk_launch applies, norm_fwd_kernel for the others; rows,
+// norm_fwd_kernel. The plain and the fused residual forms take one kernel (a fused norm's output
+// is the plain norm's of the sum, bitwise, which remat's recompute relies on). On an H200
+// (39a9ca5) bulk ran the plain norms 3-24% faster at 768-16384 columns and the fused residual
+// forms 1-7% slower at 1024-8192 in its one-wave grid (fwd_bulk_waves). float32 and float64 run
+// norm_fwd_kernel either way (81-97% of the memory floor in float32).
 static bool fwd_bulk_wanted() {
     const char *v = getenv("BRRR_NORM_FWD_KERNEL");
-    return v != nullptr && strcmp(v, "bulk") == 0;
+    return v == nullptr || strcmp(v, "bulk") == 0;
 }
 
 // The device's compute capability major (0 where the query fails).
 static int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0); }
 
-constexpr int kFwdBulkStages = 4;                // at most, in norm_fwd_bulk_kernel's ring
-constexpr size_t kFwdBulkRingBytes = 48 << 10;   // past this, fewer stages (down to 2), for more blocks an SM
+constexpr int kFwdBulkStages = 4;  // at most, in norm_fwd_bulk_kernel's ring (BRRR_NORM_FWD_STAGES unset)
+
+// A count from 1 to hi in the environment variable `name`, or 0 where it is unset or another value.
+static int env_count(const char *name, int hi) {
+    const char *v = getenv(name);
+    const int n = v ? atoi(v) : 0;
+    return n >= 1 && n <= hi ? n : 0;
+}
+
+// BRRR_NORM_FWD_WAVES (docs/kernel-switches.md): norm_fwd_bulk_kernel's grid, in waves of the
+// blocks that fit at once (1 to 64; unset, 1: every block walks rows / grid rows a grid apart).
+// BRRR_NORM_FWD_STAGES: its ring's stages (1 to 8), fewer only where the device's shared memory
+// holds fewer; unset, see fwd_bulk_launch. Neither changes a row's arithmetic, so neither changes
+// the bits.
+static int fwd_bulk_waves() {
+    const int n = env_count("BRRR_NORM_FWD_WAVES", 64);
+    return n ? n : 1;
+}
 
 // Launches norm_fwd_bulk_kernel for the forward's row layout cfg, setting *launched, where it
 // applies: float16 and bfloat16 rows of 16-byte packs on whole warps, a 2-d launch, sm_90, one
@@ -1562,8 +1582,10 @@ constexpr size_t kFwdBulkRingBytes = 48 << 10;   // past this, fewer stages (dow
 // threads and three packs a thread (BRRR_NORM_FWD_PACKS=pow2's layout, and its bits): five packs
 // of the row, the weight and the bias take more than the 128 registers a thread of 512 has. A
 // launch this leaves to norm_fwd_kernel (rows in several dims, before sm_90) gets the five. The
-// ring holds up to kFwdBulkStages rows, fewer past kFwdBulkRingBytes; the grid, the blocks that
-// fit at once.
+// ring holds the most rows up to kFwdBulkStages that leave an SM as many blocks as 2 would (at
+// 768-2048 columns with a residual, 4 stages left 17 of 23, 13 of 18 and 6 of 9 in bfloat16, the
+// residual forms' shared memory and not their registers the limit), or BRRR_NORM_FWD_STAGES'
+// count; the grid, fwd_bulk_waves() waves of the blocks that fit at once.
 template <typename T>
 static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int device, cudaStream_t stream,
                                    bool *launched) {
@@ -1573,23 +1595,27 @@ static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int
         cfg.packs = 3;
     }
     if (cfg.vec == 1 || cfg.tpr < 32 || L.row_ndim != 1 || compute_major(device) < 9) return cudaSuccess;
-    const size_t row = (size_t)L.cols * sizeof(T) * (L.residual.data ? 2 : 1);  // a stage, 16-byte multiples
+    // a stage: a row of each tensor (16-byte multiples), then its barrier
+    const size_t stage = (size_t)L.cols * sizeof(T) * (L.residual.data ? 2 : 1) + sizeof(uint64_t);
     const size_t limit = dynamic_smem_limit(device, sizeof(float) * 2 * kMaxWarps);
-    int stages = kFwdBulkStages;
-    while (stages > 2 && stages * row > kFwdBulkRingBytes) --stages;
-    while (stages > 0 && stages * (row + sizeof(uint64_t)) > limit) --stages;
+    const int forced = env_count("BRRR_NORM_FWD_STAGES", 8);
+    int stages = forced ? forced : kFwdBulkStages;
+    while (stages > 0 && stages * stage > limit) --stages;
     if (stages == 0) return cudaSuccess;
     auto go = [&](auto packs) {
         constexpr int P = decltype(packs)::value;
         const bool bias = L.bias.data != nullptr;
         auto kernel = L.residual.data ? (bias ? norm_fwd_bulk_kernel<T, P, true, true> : norm_fwd_bulk_kernel<T, P, true, false>)
                                       : (bias ? norm_fwd_bulk_kernel<T, P, false, true> : norm_fwd_bulk_kernel<T, P, false, false>);
-        const size_t smem = stages * (row + sizeof(uint64_t));  // the ring, then a barrier a stage
-        int per_sm = 0;
-        const cudaError_t e = blocks_per_sm(kernel, cfg.tpr, smem, device, &per_sm);
+        int per_sm = 0, most = 0;  // most: the blocks an SM at 2 stages
+        cudaError_t e = forced ? cudaSuccess : blocks_per_sm(kernel, cfg.tpr, (stages < 2 ? stages : 2) * stage, device, &most);
+        for (; e == cudaSuccess; --stages) {
+            e = blocks_per_sm(kernel, cfg.tpr, stages * stage, device, &per_sm);
+            if (forced || stages <= 2 || per_sm >= most) break;
+        }
         if (e != cudaSuccess) return e;
-        const int64_t resident = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device);
-        kernel<<<(unsigned)(L.rows < resident ? L.rows : resident), cfg.tpr, smem, stream>>>(L, stages);
+        const int64_t grid = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count(device) * fwd_bulk_waves();
+        kernel<<<(unsigned)(L.rows < grid ? L.rows : grid), cfg.tpr, stages * stage, stream>>>(L, stages);
         *launched = true;
         return cudaSuccess;
     };
