@@ -62,16 +62,16 @@ def test_two_input_glu(device, dtype, activation):
     assert_close(u.grad, u64.grad, dtype, scale=2.0)
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", list(GLUS))
 @pytest.mark.parametrize("up_grad", [True, False])
-def test_glu_kernels_match_the_generic_chain_bitwise(dtype, activation, up_grad):
-    """The GLU's own kernels against the generic chain kernels (the same program with a
-    trailing multiply by 1, which changes no value but is not a GLU), over several blocks and a
-    tail that is not a whole pack."""
+def test_glu_kernels_match_the_generic_chain_bitwise(device, dtype, activation, up_grad):
+    """The GLU's own kernels (on CPU, its backward's one loop) against the generic chain kernels
+    (the same program with a trailing multiply by 1, which changes no value but is not a GLU),
+    over several blocks and a tail that is not a whole pack."""
     n = 3 * 256 * 2 * 8 + 5
-    gate, up, grad = (random((n,), dtype, "cuda") for _ in range(3))
+    gate, up, grad = (random((n,), dtype, device) for _ in range(3))
     generic = brrr.chain(activation, "mul_tensor", ("mul", 1.0))
     results = []
     for fn in (GLUS[activation], generic):
@@ -82,6 +82,21 @@ def test_glu_kernels_match_the_generic_chain_bitwise(dtype, activation, up_grad)
     (out, gg, ug), (out_ref, gg_ref, ug_ref) = results
     assert torch.equal(out, out_ref) and torch.equal(gg, gg_ref)
     assert (ug is None and ug_ref is None) if not up_grad else torch.equal(ug, ug_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", list(GLUS))
+def test_glu_backward_in_place_of_gate(dtype, activation):
+    """grad_gate written over gate (the one overlap allowed): the same bits as into new memory."""
+    from brrr.chain import torch_layer
+
+    program = torch_layer().program(activation + ",mul_tensor", (0.0, 0.0))
+    gate, up, grad = (random((7, 1100), dtype, "cpu") for _ in range(3))
+    grad_up, grad_up_in_place, x = torch.empty_like(up), torch.empty_like(up), gate.clone()
+    grad_gate = brrr._C.chain_bwd(gate, grad, None, None, program, (up,), (grad_up,))[0]
+    brrr._C.chain_bwd(x, grad, x, None, program, (up,), (grad_up_in_place,))
+    assert torch.equal(x, grad_gate) and torch.equal(grad_up_in_place, grad_up)
+    assert not torch.equal(x, gate)
 
 
 @pytest.mark.parametrize("device", DEVICES)
