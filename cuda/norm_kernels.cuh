@@ -414,8 +414,8 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled
     }
 }
 
-// The float16 and bfloat16 forward on sm_90 (the default; BRRR_NORM_FWD_KERNEL=rows runs
-// norm_fwd_kernel instead): norm_fwd_kernel's arithmetic and sums in their order for a row layout
+// A float16 and bfloat16 forward on sm_90 (BRRR_NORM_FWD_KERNEL=bulk; unset, norm_fwd_kernel runs):
+// norm_fwd_kernel's arithmetic and sums in their order for a row layout
 // of tpr threads and PACKS packs a thread (the same bits as norm_fwd_kernel at that layout), with
 // less bookkeeping an element. Rows that norm_fwd_kernel gives 5 packs a thread run here at twice
 // the threads and 3 packs (fwd_bulk_launch): their sums group the elements otherwise, so their
@@ -1542,16 +1542,16 @@ static size_t dynamic_smem_limit(int device, size_t static_bytes) {
     return (size_t)v > static_bytes ? (size_t)v - static_bytes : 0;
 }
 
-// BRRR_NORM_FWD_KERNEL (docs/kernel-switches.md): unset or bulk, norm_fwd_bulk_kernel for float16
-// and bfloat16 where fwd_bulk_launch applies, norm_fwd_kernel for the others; rows,
-// norm_fwd_kernel. The plain and the fused residual forms take one kernel (a fused norm's output
-// is the plain norm's of the sum, bitwise, which remat's recompute relies on). On an H200
-// (39a9ca5) bulk ran the plain norms 3-24% faster at 768-16384 columns and the fused residual
-// forms 1-7% slower at 1024-8192 in its one-wave grid (fwd_bulk_waves). float32 and float64 run
-// norm_fwd_kernel either way (81-97% of the memory floor in float32).
+// BRRR_NORM_FWD_KERNEL (docs/kernel-switches.md): bulk, norm_fwd_bulk_kernel for float16 and
+// bfloat16 where fwd_bulk_launch applies; unset or rows, norm_fwd_kernel. On an H200 (39a9ca5) bulk
+// ran the plain norms 3-24% faster at 768-16384 columns but the fused residual forms 1-7% slower
+// at 1024-8192, and the two must run one kernel (a fused norm's output is the plain norm's of the
+// sum, bitwise, which remat's recompute relies on); again at a0f7714 with the stage rule of
+// fwd_bulk_launch and 1-64 waves (fwd_bulk_waves): the residual forms 1-5% slower at 2048-8192 at
+// their best wave count. float32 and float64 run norm_fwd_kernel.
 static bool fwd_bulk_wanted() {
     const char *v = getenv("BRRR_NORM_FWD_KERNEL");
-    return v == nullptr || strcmp(v, "bulk") == 0;
+    return v != nullptr && strcmp(v, "bulk") == 0;
 }
 
 // The device's compute capability major (0 where the query fails).

@@ -328,7 +328,7 @@ def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
 # The kernels behind the switches, each value forced: BRRR_NORM_BWD_KERNEL=bulk
 # (norm_bwd_bulk_kernel, sm_90; the float16 and bfloat16 default) and =ring (norm_bwd_kernel; the
 # float32 and float64 default) for every dtype; BRRR_NORM_FWD_KERNEL=bulk (norm_fwd_bulk_kernel,
-# sm_90; the float16 and bfloat16 default) and =rows (norm_fwd_kernel) for float16 and bfloat16,
+# sm_90) and =rows (norm_fwd_kernel, the default) for float16 and bfloat16,
 # where they differ (float32 and float64 run norm_fwd_kernel either way). Widths: bfloat16 rows
 # whose backward group is one warp (256), two warps with the second one's packs partly past the
 # row (768), three and nine warps (1032, 4104: group sums over warp counts that are not powers of
@@ -462,7 +462,7 @@ def _assert_same_forward(got, want, what, names=_FORWARD_NAMES):
 # Half rows that norm_fwd_kernel's default layout gives 5 packs a thread (kHalfFivePacks; bfloat16
 # 1032, 4104 and 5120 columns: 129, 513 and 640 packs of 8) run in norm_fwd_bulk_kernel at twice
 # the threads and 3 packs a thread, BRRR_NORM_FWD_PACKS=pow2's layout: the row's sums group its
-# elements otherwise, so there the default forward's bits differ from BRRR_NORM_FWD_KERNEL=rows'.
+# elements otherwise, so there BRRR_NORM_FWD_KERNEL=bulk's bits differ from the default's (rows).
 FIVE_PACK_COLS = [1032, 4104, 5120]
 
 
@@ -524,7 +524,7 @@ def test_fwd_bulk_grid_and_ring(monkeypatch, dtype, residual, cols, env):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
 def test_fwd_kernel_default(monkeypatch, dtype, kind):
-    """Unset, BRRR_NORM_FWD_KERNEL means bulk for float16 and bfloat16; float32 and float64 run
+    """Unset, BRRR_NORM_FWD_KERNEL means rows (norm_fwd_kernel); float32 and float64 run
     norm_fwd_kernel whatever its value. The default's outputs and gradients have that kernel's
     bits. At 5120 columns (FIVE_PACK_COLS) the two half kernels group a row's sums differently, so
     their results tell them apart (checked too)."""
@@ -537,7 +537,7 @@ def test_fwd_kernel_default(monkeypatch, dtype, kind):
     if dtype in HALF_DTYPES:
         assert not all(torch.equal(a, e) for a, e in zip(bulk[:3], rows_[:3]) if a is not None), \
             "bulk and rows gave the same bits: the test cannot tell them apart"
-        _assert_same_forward(default, bulk, "default")
+        _assert_same_forward(default, rows_, "default")
     else:
         _assert_same_forward(bulk, rows_, "bulk against rows")
         _assert_same_forward(default, rows_, "default")
@@ -566,17 +566,17 @@ def _op_forward(kind, cast_order, x, r, w, b, eps):
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
 @pytest.mark.parametrize("cols", FIVE_PACK_COLS)
-@pytest.mark.parametrize("kernel", ["default", "rows"])
+@pytest.mark.parametrize("kernel", ["bulk", "rows"])
 def test_fwd_at_five_pack_widths(monkeypatch, dtype, kind, cast_order, cols, kernel):
-    """Where the default forward's bits differ from =rows' (FIVE_PACK_COLS), each of the two: out
+    """Where =bulk's bits differ from the default's, =rows (FIVE_PACK_COLS), each of the two: out
     and the statistics the backward reads (LayerNorm's mean minus the row's first element, rstd)
     against float64, for the plain and the fused residual forms; the same bits run to run; and the
     same out bits from every path that computes it: the op autograd records (saving the
     statistics), the call without autograd (saving none), the fused residual form and the plain
     form on its sum (as brrr.patch's fused add and remat's recomputation rely on), whose
     statistics are the same bits too. 2053 rows: several a block."""
-    if kernel == "rows":
-        monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "rows")
+    if kernel == "bulk":
+        monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "bulk")
     else:
         monkeypatch.delenv("BRRR_NORM_FWD_KERNEL", raising=False)
     eps = 1e-5 if kind == "layer_norm" else 1e-6
@@ -1117,8 +1117,8 @@ def test_cuda_argument_errors():
 def test_forward_five_packs(monkeypatch, dtype, kind, residual, cols, layout):
     """float16 and bfloat16 rows whose 8-element packs fall just past a power-of-two group of 4
     packs a thread (65-80, 129-160, 257-320, 513-640, 1025-1280 packs): norm_fwd_kernel
-    (BRRR_NORM_FWD_KERNEL=rows) takes 5 packs a thread over half the group (BRRR_NORM_FWD_PACKS
-    unset, =five) or the doubled group (=pow2); norm_fwd_bulk_kernel (the default) the doubled
+    (BRRR_NORM_FWD_KERNEL=rows, the default) takes 5 packs a thread over half the group (BRRR_NORM_FWD_PACKS
+    unset, =five) or the doubled group (=pow2); norm_fwd_bulk_kernel (=bulk) the doubled
     group, 3 packs a thread. Against the float64 reference each way, at the first and last width
     of each range and the one past it (520, 640 | 648; 1032, 1280 | 1288; 2056, 2560 | 2568; 4104,
     5120 | 5128; 8200, 10240 | 10248; 512 and 4096 just below a range), one row and many, with the
