@@ -188,22 +188,28 @@ def _eps_attribute(module):
     return None
 
 
+def _remat(self, out, fn, *inputs):
+    """out, tagged to be recomputed as fn(*inputs) by the linear layers it feeds where the swapped
+    module has remat on (_brrr_remat: the smallest output it recomputes, None for off)."""
+    return out if self._brrr_remat is None else brrr_remat.tag(out, fn, *inputs, min_bytes=self._brrr_remat)
+
+
 def _rms_norm_forward(self, x):
     out = registry("rms_norm", x, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
                    cast_order=self._brrr_cast_order, offset=self._brrr_offset)
-    return brrr_remat.tag(out, self.forward, x, min_bytes=self._brrr_remat) if self._brrr_remat is not None else out
+    return _remat(self, out, self.forward, x)
 
 
 def _layer_norm_forward(self, x):
     out = registry("layer_norm", x, self.weight.shape, self.weight, self.bias if self._brrr_bias else None,
                    getattr(self, self._brrr_eps))
-    return brrr_remat.tag(out, self.forward, x, min_bytes=self._brrr_remat) if self._brrr_remat is not None else out
+    return _remat(self, out, self.forward, x)
 
 
 def _plain_norm_forward(self, x):
     """A norm without parameters: its eps an attribute (_brrr_eps) or a constant (_brrr_eps_value)."""
     out = registry(self._brrr_op, x, self.normalized_shape, eps=_plain_norm_eps(self))
-    return brrr_remat.tag(out, self.forward, x, min_bytes=self._brrr_remat) if self._brrr_remat is not None else out
+    return _remat(self, out, self.forward, x)
 
 
 def _head_norm_forward(self, x):
@@ -226,23 +232,18 @@ def _plain_norm_eps(self):
 def _rms_norm_residual_forward(self, x, residual):
     out, h = registry("add_rms_norm", x, residual, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
                       cast_order=self._brrr_cast_order, offset=self._brrr_offset)
-    return _remat_tagged(self, out, h)
+    return _remat(self, out, self.forward, h), h
 
 
 def _layer_norm_residual_forward(self, x, residual):
     out, h = registry("add_layer_norm", x, residual, self.weight.shape, self.weight,
                       self.bias if self._brrr_bias else None, getattr(self, self._brrr_eps))
-    return _remat_tagged(self, out, h)
+    return _remat(self, out, self.forward, h), h
 
 
 def _plain_norm_residual_forward(self, x, residual):
     out, h = registry("add_" + self._brrr_op, x, residual, self.normalized_shape, eps=_plain_norm_eps(self))
-    return _remat_tagged(self, out, h)
-
-
-def _remat_tagged(self, out, h):
-    return (brrr_remat.tag(out, self.forward, h, min_bytes=self._brrr_remat) if self._brrr_remat is not None
-            else out), h
+    return _remat(self, out, self.forward, h), h
 
 
 def _activation_forward(self, x):
@@ -256,8 +257,7 @@ def _glu_of(self, *gate_up):
 def _down_of_glu(self, *gate_up):
     """down_proj(act(gate) * up); with remat, the product tagged to be recomputed, not saved."""
     out = _glu_of(self, *gate_up)
-    return self.down_proj(brrr_remat.tag(out, self._brrr_glu, *gate_up, min_bytes=self._brrr_remat)
-                          if self._brrr_remat is not None else out)
+    return self.down_proj(_remat(self, out, self._brrr_glu, *gate_up))
 
 
 def _glu_mlp_forward(self, x):
