@@ -113,7 +113,12 @@ typedef struct {
     const brrr_norm_launch *L;
     int64_t chunk_rows;
     double *partial_w, *partial_b; /* [chunk][cols], or NULL */
-    atomic_int out_of_memory;      /* set by a task without room for its sums */
+    /* The task that starts at chunk 0 adds its chunks' partial rows into acc_w and acc_b (unless
+     * NULL) as it finishes each, in chunk order, reusing partial row 0 for all of them; it sets
+     * first_end to the chunk after its last. The other tasks keep theirs, added in order after. */
+    double *acc_w, *acc_b;
+    int64_t first_end;
+    atomic_int out_of_memory; /* set by a task without room for its sums */
 } norm_bwd_work;
 
 #include "cpu_real_f32.h"
@@ -132,10 +137,12 @@ static void cpu_norm_fwd(const brrr_norm_launch *L) {
  * without room for the sums (no error set: this runs without the GIL). */
 static int cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b) {
     const int64_t n = L->cols, chunk_rows = brrr_cpu_chunk_rows(L->rows), chunks = (L->rows + chunk_rows - 1) / chunk_rows;
-    norm_bwd_work work = {L, chunk_rows, NULL, NULL, 0};
+    norm_bwd_work work = {L, chunk_rows, NULL, NULL, NULL, NULL, 0, 0};
     double *partials = NULL;
     if (acc_w || acc_b) {
-        partials = calloc((size_t)(2 * chunks * n), sizeof(double));
+        /* not zeroed: each chunk's first group sets its row (the first task's chunks leave all
+         * but row 0 untouched) */
+        partials = malloc((size_t)(2 * chunks * n) * sizeof(double));
         if (partials == NULL) { /* no room: one chunk, summed in row order straight into acc */
             work.chunk_rows = L->rows > 0 ? L->rows : 1;
             work.partial_w = acc_w;
@@ -143,6 +150,8 @@ static int cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b)
         } else {
             work.partial_w = acc_w ? partials : NULL;
             work.partial_b = acc_b ? partials + chunks * n : NULL;
+            work.acc_w = acc_w;
+            work.acc_b = acc_b;
         }
     }
     const int64_t items = (L->rows + work.chunk_rows - 1) / work.chunk_rows, per_item = work.chunk_rows * n;
@@ -152,7 +161,7 @@ static int cpu_norm_bwd(const brrr_norm_launch *L, double *acc_w, double *acc_b)
         free(partials);
         return -1;
     }
-    for (int64_t k = 0; partials && k < chunks; k++) {
+    for (int64_t k = work.first_end; partials && k < chunks; k++) {
         for (int64_t j = 0; acc_w && j < n; j++) acc_w[j] += work.partial_w[k * n + j];
         for (int64_t j = 0; acc_b && j < n; j++) acc_b[j] += work.partial_b[k * n + j];
     }
