@@ -491,13 +491,13 @@ BRRR_SIMD static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
                 }
                 const int in_place = !bwd && dt == BRRR_F32 && col_stride(w, T_OUT) == 1 && L->out.data != L->x.data;
                 float *dst = in_place ? out : NULL;
+                const float *g = bwd ? TILE(T_GRAD_OUT, L->grad_out.data) : NULL; /* grad_out, as float */
+                if (bwd && (dt != BRRR_F32 || col_stride(w, T_GRAD_OUT) != 1)) {
+                    brrr_cpu_load_f32(dt, g, col_stride(w, T_GRAD_OUT), n, fb[B_G]);
+                    g = fb[B_G];
+                }
                 if (bwd && glu) { /* one loop, writing float32 outputs at stride 1 in place where
                                      they overlap no input nor each other */
-                    const float *g = TILE(T_GRAD_OUT, L->grad_out.data);
-                    if (dt != BRRR_F32 || col_stride(w, T_GRAD_OUT) != 1) {
-                        brrr_cpu_load_f32(dt, g, col_stride(w, T_GRAD_OUT), n, fb[B_G]);
-                        g = fb[B_G];
-                    }
                     const int64_t bytes = n * (int64_t)sizeof(float);
                     void *go = L->grad_operands[0].data && !c->vector_operand[0]
                                    ? TILE(T_GRAD_OPERANDS, L->grad_operands[0].data) : NULL;
@@ -516,11 +516,6 @@ BRRR_SIMD static void chain_tiles(void *ctx, int64_t begin, int64_t end) {
                                                        bwd ? fb[B_TOTAL] : NULL, grads, n);
                     if (bwd) { /* grad_x = grad_out * total, grad operand k = grad_out * grads[k] */
                         float *total = fb[B_TOTAL];
-                        const float *g = TILE(T_GRAD_OUT, L->grad_out.data);
-                        if (dt != BRRR_F32 || col_stride(w, T_GRAD_OUT) != 1) {
-                            brrr_cpu_load_f32(dt, g, col_stride(w, T_GRAD_OUT), n, fb[B_G]);
-                            g = fb[B_G];
-                        }
                         for (int64_t i = 0; i < n; i++) total[i] *= g[i];
                         for (int b = 0; b < nops; b++)
                             for (int64_t i = 0; i < n; i++) grads[b][i] *= g[i];
