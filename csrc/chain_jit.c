@@ -18,7 +18,7 @@
  * records the chain) builds its forward and its backward at once, on two threads: NVRTC compiles
  * programs in parallel, so a first call with autograd waits for the longer of the two compiles.
  * Compiled kernels are cached in memory (per process, keyed by the kernel's specification, steps,
- * architecture and generated variant, BRRR_CHAIN_JIT_ORDER and _FORM) and on disk, in $BRRR_CACHE_DIR, else
+ * architecture and generated variant, the BRRR_CHAIN_JIT_* switches) and on disk, in $BRRR_CACHE_DIR, else
  * $XDG_CACHE_HOME/brrr, else ~/.cache/brrr: one file per program, named by a hash of its identity
  * (brrr's version, the architecture, the embedded headers and the whole generated source, which
  * differs between the variants where one applies), holding that identity, the cubin and a checksum.
@@ -207,8 +207,10 @@ static int packed(const brrr_chain_kernel *k, const brrr_chain_steps *p) {
  * after its loads (put_contiguous_kernel). FORM_LEAN (unset or BRRR_CHAIN_JIT_FORM=lean; `wide`:
  * the wide form): a contiguous kernel's indices in 32 bits where they fit, its loads predicated at one
  * address a thread, half the fixed instructions a value (put_contiguous_kernel); and
- * VARIANT_BLOCKS; BLOCK_256 (BRRR_CHAIN_JIT_THREADS=256; unset or 128: 128 threads a block). */
-enum { ORDER_INTERLEAVED = 0, ORDER_PACKWISE = 1, FORM_LEAN = 2, BLOCK_256 = 64 };
+ * VARIANT_BLOCKS; BLOCK_256 (BRRR_CHAIN_JIT_THREADS=256; unset or 128: 128 threads a block); BOUNDS_EXACT
+ * (BRRR_CHAIN_JIT_BOUNDS=exact, a launch that fills every block, lean form: no bounds tests, no tail;
+ * put_contiguous_kernel). */
+enum { ORDER_INTERLEAVED = 0, ORDER_PACKWISE = 1, FORM_LEAN = 2, BLOCK_256 = 64, BOUNDS_EXACT = 128 };
 
 /* The threads of a contiguous kernel's block in variant v: 128 (4 warps, as Triton's pointwise
  * kernels), or 256 with BLOCK_256 (BRRR_CHAIN_JIT_THREADS=256). On an H200 (c62e08c) the repeat
@@ -484,11 +486,12 @@ static void put_element(text *t, const brrr_chain_kernel *k, int nops, const cha
 
 /* The variant kernel k of steps p is generated in when variant `wanted` is asked for: packwise
  * applies to contiguous kernels without the pack function (packed) only, the lean form to
- * contiguous kernels; others are interleaved and wide whatever is asked, so that every value finds
- * the same program in the caches. */
+ * contiguous kernels, exact bounds to the lean form; others are interleaved and wide whatever is
+ * asked, so that every value finds the same program in the caches. */
 static int applied_variant(const brrr_chain_kernel *k, const brrr_chain_steps *p, int wanted) {
     if (k->layout != BRRR_JIT_CONTIGUOUS) return 0;
-    return (wanted & ~ORDER_PACKWISE) | (packed(k, p) ? ORDER_INTERLEAVED : wanted & ORDER_PACKWISE);
+    const int v = (wanted & ~ORDER_PACKWISE) | (packed(k, p) ? ORDER_INTERLEAVED : wanted & ORDER_PACKWISE);
+    return v & FORM_LEAN ? v : v & ~BOUNDS_EXACT;
 }
 
 /* Dense tensors: each thread owns U 16-byte packs of every tensor (packs_per_thread), a block
@@ -500,13 +503,17 @@ static int applied_variant(const brrr_chain_kernel *k, const brrr_chain_steps *p
  * pack at its own address. The lean form indexes in 32 bits where the kernel's index32 says they
  * fit (else in 64, unsigned: no signed division), and loads each pack predicated (ld_pack_if),
  * all of a thread's packs of a tensor at one address and its immediate offsets, as Triton's
- * kernels do; half types unpack their words with one instruction a value. In the sm_90 SASS
+ * kernels do; half types unpack their words with one instruction a value. With BOUNDS_EXACT (a
+ * launch whose blocks are all full) every pack is in bounds: no predicate and no tail, as
+ * Triton's kernels for a static size that their block divides. In the sm_90 SASS
  * (nvcc 13.0) of x * c once, a thread's instructions besides its multiplies: float32 20 for 8
  * values in the lean form against 48 wide, bfloat16 44 for 16 against 87 (the lean counts
  * include the unpacking and packing of the values). */
 static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brrr_chain_steps *p, int v) {
-    const int nops = p->n_operands, lean = v & FORM_LEAN;
+    const int nops = p->n_operands, lean = v & FORM_LEAN, exact = v & BOUNDS_EXACT;
     const char *result = k->backward ? "t" : "y";
+    /* Whether pack p is in bounds: always, for a launch that fills every block (exact). */
+    const char *inside = exact ? "true" : "p < n_packs";
     /* Where pack u (index p) of a tensor starts, in elements; of a vector operand. */
     const char *at = lean ? "(unsigned long long)first * VEC + u * THREADS * VEC" : "p * VEC";
     const char *at_vector = lean ? "(p * VEC) % (I)a.row_length" : "(p * VEC) % a.row_length";
@@ -517,8 +524,8 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
     put(t, "extern \"C\" __global__ void __launch_bounds__(%d, %d) %s(const __grid_constant__ brrr_chain_flat a) {\n"
            "    constexpr int U = %d, N = VEC * U, THREADS = %d;\n", threads, blocks, kernel_name(k),
         packs_per_thread(k, p, v), threads);
-    if (lean) put(t, "    const I n_packs = (I)a.numel / VEC;\n"
-                     "    const I first = (I)blockIdx.x * (THREADS * U) + threadIdx.x;\n");
+    if (lean) put(t, "%s    const I first = (I)blockIdx.x * (THREADS * U) + threadIdx.x;\n",
+                  exact ? "" : "    const I n_packs = (I)a.numel / VEC;\n");
     else put(t, "    const long long n_packs = a.numel / VEC;\n"
                 "    const long long first = (long long)blockIdx.x * (THREADS * U) + threadIdx.x;\n");
     put(t, "    A y[N]%s", k->backward ? ", gr[N], t[N]" : "");
@@ -529,13 +536,13 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
         /* Predicated, not branched around (below): a pack past the end is not loaded, its values
          * are computed and not stored. */
         put(t, ";\n    {\n#pragma unroll\n"
-               "    for (int u = 0; u < U; ++u) {\n"
-               "        const I p = first + (I)u * THREADS;\n"
-               "        ld_pack_if(static_cast<const T *>(a.x) + %s, y + u * VEC, p < n_packs);\n", at);
-        if (k->backward) put(t, "        ld_pack_if(static_cast<const T *>(a.grad_out) + %s, gr + u * VEC, p < n_packs);\n", at);
+               "    for (int u = 0; u < U; ++u) {\n%s"
+               "        ld_pack_if(static_cast<const T *>(a.x) + %s, y + u * VEC, %s);\n",
+            exact && !k->vector_mask ? "" : "        const I p = first + (I)u * THREADS;\n", at, inside);
+        if (k->backward) put(t, "        ld_pack_if(static_cast<const T *>(a.grad_out) + %s, gr + u * VEC, %s);\n", at, inside);
         for (int b = 0; b < nops; b++)
-            put(t, "        ld_pack_if(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC, p < n_packs);\n", b,
-                is_vector(k, b) ? at_vector : at, b);
+            put(t, "        ld_pack_if(static_cast<const T *>(a.operands[%d]) + %s, v%d + u * VEC, %s);\n", b,
+                is_vector(k, b) ? at_vector : at, b, inside);
     } else {
         /* A pack past the end loads the last one again (its values are computed, not stored).
          * With a branch around each load, ptxas sank the first pack's steps into it and loaded
@@ -558,10 +565,9 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
          * branch keeps ptxas from interleaving the packs, so the first pack's store is issued
          * halfway through the thread's arithmetic and the stores spread over the kernel's time
          * (the knee of the repeat sweep, where memory and arithmetic take about as long). */
-        put(t, "#pragma unroll\n    for (int u = 0; u < U; ++u) {\n"
-               "        const %s p = first + (%s)u * THREADS;\n"
-               "        if (p >= n_packs) break;\n"
-               "#pragma unroll\n        for (int j = u * VEC; j < (u + 1) * VEC; ++j) {\n", index, index);
+        put(t, "#pragma unroll\n    for (int u = 0; u < U; ++u) {\n");
+        if (!exact) put(t, "        const %s p = first + (%s)u * THREADS;\n        if (p >= n_packs) break;\n", index, index);
+        put(t, "#pragma unroll\n        for (int j = u * VEC; j < (u + 1) * VEC; ++j) {\n");
         put_element(t, k, nops, "            ");
         put(t, "        }\n        st_pack_if(static_cast<T *>(a.out) + %s, %s + u * VEC, true);\n", at, result);
         for (int b = 0; b < nops; b++)
@@ -587,15 +593,18 @@ static void put_contiguous_kernel(text *t, const brrr_chain_kernel *k, const brr
          * sank each pack's steps into its store's branch, so ptxas interleaved the 4 values of a
          * pack (float32) and not the 8 of a thread; predicated, one block holds all 8 chains of
          * steps (as Triton's kernels do), for latency hiding at the knee of the repeat sweep. */
-        put(t, "    }\n#pragma unroll\n"
-               "    for (int u = 0; u < U; ++u) {\n"
-               "        const %s p = first + (%s)u * THREADS;\n"
-               "        st_pack_if(static_cast<T *>(a.out) + %s, %s + u * VEC, p < n_packs);\n", index, index, at, result);
+        put(t, "    }\n#pragma unroll\n    for (int u = 0; u < U; ++u) {\n");
+        if (!exact) put(t, "        const %s p = first + (%s)u * THREADS;\n", index, index);
+        put(t, "        st_pack_if(static_cast<T *>(a.out) + %s, %s + u * VEC, %s);\n", at, result, inside);
         for (int b = 0; b < nops; b++)
             if (grad_wanted(k, b) && !is_vector(k, b))
-                put(t, "        st_pack_if(static_cast<T *>(a.grad_operands[%d]) + %s, g%d + u * VEC, p < n_packs);\n", b, at, b);
+                put(t, "        st_pack_if(static_cast<T *>(a.grad_operands[%d]) + %s, g%d + u * VEC, %s);\n", b, at, b, inside);
     }
     put(t, "    }\n    }\n");
+    if (exact) { /* every block full: no pack past the end, no tail */
+        put(t, "}\n");
+        return;
+    }
     if (lean) /* block 0 first: the other blocks leave on one uniform test */
         put(t, "    if (VEC == 1 || blockIdx.x != 0) return;\n"
                "    const I i = n_packs * VEC + threadIdx.x;\n"
@@ -1239,7 +1248,8 @@ static void build_all(build *bs, int n) {
  * time them all: BRRR_CHAIN_JIT_ORDER unset or `interleaved`, ORDER_INTERLEAVED; `packwise`,
  * ORDER_PACKWISE; BRRR_CHAIN_JIT_FORM unset or `lean`, FORM_LEAN; `wide`, the wide form; and
  * BRRR_CHAIN_JIT_BLOCKS unset or 2 to 8 (VARIANT_BLOCKS); BRRR_CHAIN_JIT_THREADS unset, 128 or 256
- * (BLOCK_256). 0, or -1 with a Python exception for
+ * (BLOCK_256); BRRR_CHAIN_JIT_BOUNDS unset or `checked`; `exact`, BOUNDS_EXACT (which the launch
+ * keeps only where it fills every block). 0, or -1 with a Python exception for
  * any other value (a misspelt value would time the default). */
 static int variant_wanted(int *variant) {
     const char *order = getenv("BRRR_CHAIN_JIT_ORDER"), *form = getenv("BRRR_CHAIN_JIT_FORM");
@@ -1259,6 +1269,12 @@ static int variant_wanted(int *variant) {
         return -1;
     }
     if (threads && strcmp(threads, "256") == 0) *variant |= BLOCK_256;
+    const char *bounds = getenv("BRRR_CHAIN_JIT_BOUNDS");
+    if (bounds && strcmp(bounds, "checked") != 0 && strcmp(bounds, "exact") != 0) {
+        PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_BOUNDS: expected checked or exact, got '%s'", bounds);
+        return -1;
+    }
+    if (bounds && strcmp(bounds, "exact") == 0) *variant |= BOUNDS_EXACT;
     const char *blocks = getenv("BRRR_CHAIN_JIT_BLOCKS");
     if (blocks) {
         char *end;
@@ -1374,6 +1390,13 @@ static brrr_chain_kernel kernel_for(const brrr_chain_launch *L, int n_operands, 
 }
 
 static int warned_missing, warned_capture, warned_failed;
+
+/* Whether a launch of n elements fills every block of contiguous kernel k in variant v (applied):
+ * BOUNDS_EXACT's kernels take only such launches. */
+static int fills_blocks(const brrr_chain_kernel *k, const brrr_chain_steps *p, int v, int64_t n) {
+    const int64_t per_block = (int64_t)block_threads(v) * packs_per_thread(k, p, v) * (16 / (int64_t)brrr_dtype_size(k->dtype));
+    return k->layout == BRRR_JIT_CONTIGUOUS && n > 0 && n % per_block == 0;
+}
 
 /* Whether chain p's backward is wanted (chain_jit_with_backward). Takes table_lock. */
 static int backward_wanted(const brrr_chain_steps *p) {
@@ -1493,6 +1516,7 @@ int brrr_chain_jit_run(brrr_op_call *c, brrr_chain_launch *L, const brrr_chain_s
     char *error;
     int missing, variant;
     if (variant_wanted(&variant) < 0) return -1;
+    if (!fills_blocks(&k, prog, applied_variant(&k, prog, variant), L->numel)) variant &= ~BOUNDS_EXACT;
     const int found = find_kernel(&k, archs[device], variant, prog, stream, &kernel, &error, &missing);
     if (found < 0) return -1;
     if (!found) {
@@ -1566,23 +1590,25 @@ static int parse_dtype(const char *name, int32_t *dtype) {
 }
 
 /* chain_jit_compile(steps, dtype, backward=False, layout="contiguous", ndim=1, vector_mask=0,
- * grad_mask=0, arch=90, index32=False, with_backward=False) -> (source, cubin, origin): what a
+ * grad_mask=0, arch=90, index32=False, with_backward=False, full_blocks=False) -> (source, cubin, origin): what a
  * CUDA call would compile, through the disk cache (origin "disk" or "compiled"), without a GPU;
  * with_backward: the forward's backward (of every operand's gradient) built at the same time on a
  * second thread, as a chain whose backward is wanted gets it (the result is the forward's). In the
  * variant BRRR_CHAIN_JIT_ORDER and BRRR_CHAIN_JIT_FORM ask for, as a launch (index32: a contiguous
- * kernel's, in the lean form, is a launch's of at most 0xFFFF0000 elements). For tests and the
+ * kernel's, in the lean form, is a launch's of at most 0xFFFF0000 elements; full_blocks: a launch
+ * that fills every block, which BRRR_CHAIN_JIT_BOUNDS=exact needs). For tests and the
  * first-call benchmark. */
 PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *kwargs) {
     (void)module;
     static char *keywords[] = {"steps", "dtype", "backward", "layout", "ndim", "vector_mask", "grad_mask", "arch", "index32",
-                               "with_backward", NULL};
+                               "with_backward", "full_blocks", NULL};
     PyObject *steps;
     const char *dtype_name, *layout_name = "contiguous";
-    int backward = 0, ndim = 1, vector_mask = 0, grad_mask = 0, arch = 90, index32 = 0, with_backward = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Os|psiiiipp:chain_jit_compile", keywords, &steps, &dtype_name,
+    int backward = 0, ndim = 1, vector_mask = 0, grad_mask = 0, arch = 90, index32 = 0, with_backward = 0,
+        full_blocks = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Os|psiiiippp:chain_jit_compile", keywords, &steps, &dtype_name,
                                      &backward, &layout_name, &ndim, &vector_mask, &grad_mask, &arch, &index32,
-                                     &with_backward))
+                                     &with_backward, &full_blocks))
         return NULL;
     brrr_chain_kernel k = {backward, 0, -1, ndim, vector_mask, grad_mask, index32};
     static const char *const LAYOUTS[] = {"contiguous", "strided", "rows"};
@@ -1616,6 +1642,7 @@ PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *
         PyMem_Free(p.steps);
         return NULL;
     }
+    if (!full_blocks) variant &= ~BOUNDS_EXACT;
     const int n = 1 + with_backward;
     build bs[2] = {{.k = k, .p = &p, .arch = arch, .variant = variant, .want_source = 1},
                    {.k = backward_of(&k, p.n_operands), .p = &p, .arch = arch, .variant = variant}};

@@ -422,6 +422,47 @@ def test_an_unknown_form_is_refused(monkeypatch):
         _C.chain_jit_compile(["relu"], "float32")
 
 
+# BRRR_CHAIN_JIT_BOUNDS=exact: a lean contiguous kernel for a launch that fills every block
+# (full_blocks) loads and stores every pack unpredicated and has no tail; other launches, the wide
+# form and strided or row kernels get the default's program.
+BOUNDS_CHAINS = [([("mul", 1.0001)] * 64, {}), ([("mul", 1.0001)] * 64, dict(backward=True)),
+                 ([("mul", 1.0001)] * 256, {}), (["cos", "cos"], {}), (MIXED, dict(backward=True, grad_mask=3)),
+                 (MIXED, dict(vector_mask=1))]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_bounds_switch_drops_the_bounds_tests_of_full_launches(cache_dir, monkeypatch, dtype):
+    for steps, kw in BOUNDS_CHAINS:
+        monkeypatch.delenv("BRRR_CHAIN_JIT_BOUNDS", raising=False)
+        default, cubin, _ = _C.chain_jit_compile(steps, dtype, index32=True, full_blocks=True, **kw)
+        monkeypatch.setenv("BRRR_CHAIN_JIT_BOUNDS", "checked")
+        assert _C.chain_jit_compile(steps, dtype, index32=True, full_blocks=True, **kw) == (default, cubin, "disk")
+        monkeypatch.setenv("BRRR_CHAIN_JIT_BOUNDS", "exact")
+        assert _C.chain_jit_compile(steps, dtype, index32=True, **kw) == (default, cubin, "disk")
+        exact, exact_cubin, origin = _C.chain_jit_compile(steps, dtype, index32=True, full_blocks=True, **kw)
+        assert origin == "compiled" and exact_cubin[:4] == b"\x7fELF" and exact_cubin != cubin
+        assert "n_packs" in default and "blockIdx.x != 0" in default
+        assert "n_packs" not in exact and "blockIdx.x != 0" not in exact, exact
+        for helper in ("ld_pack_if(", "st_pack_if("):
+            calls = re.findall(re.escape(helper) + r".*, (\S+)\);", exact.split("brrr_chain_", 1)[1])
+            assert calls and set(calls) == {"true"}, calls
+            assert len(calls) == len(re.findall(re.escape(helper) + r".*, p < n_packs\);", default))
+    for steps, kw in (([("mul", 1.0001)] * 64, dict(layout="strided", ndim=2)),
+                      (MIXED, dict(backward=True, grad_mask=3, vector_mask=1, layout="rows", ndim=3)),
+                      ([("mul", 1.0001)] * 64, {})):
+        if not kw:
+            monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", "wide")
+        monkeypatch.setenv("BRRR_CHAIN_JIT_BOUNDS", "checked")
+        source, cubin, origin = _C.chain_jit_compile(steps, dtype, full_blocks=True, **kw)
+        assert origin == "compiled"
+        monkeypatch.setenv("BRRR_CHAIN_JIT_BOUNDS", "exact")
+        assert _C.chain_jit_compile(steps, dtype, full_blocks=True, **kw) == (source, cubin, "disk")
+    monkeypatch.setenv("BRRR_CHAIN_JIT_BOUNDS", "Exact")
+    with pytest.raises(ValueError, match="BRRR_CHAIN_JIT_BOUNDS: expected checked or exact, got 'Exact'"):
+        _C.chain_jit_compile(["relu"], "float32")
+
+
 @needs_nvrtc
 def test_a_second_process_reads_the_cache(cache_dir):
     steps = ["cos", ("mul", 1.5), "cos"]
@@ -847,6 +888,41 @@ def test_the_forms_are_cached_apart(tmp_path, monkeypatch):
         repeat(x), strided(xt)
         assert _C.chain_jit_info()["compiled"] - before == built, form
     assert len(os.listdir(tmp_path)) == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("threads", ["128", "256"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_exact_bounds_compute_the_default_bits(tmp_path, monkeypatch, threads, dtype):
+    """BRRR_CHAIN_JIT_BOUNDS=exact: a launch of 64 x 1024 elements fills every block of every dtype
+    (1 or 2 packs a thread, 128 or 256 threads) and runs kernels of their own, forward and backward,
+    vector operands included, with the default's bits; one of 67 x 1000 does not, and runs the
+    default's programs."""
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BRRR_CHAIN_JIT_THREADS", threads)
+    c = 1.0 + 1e-3 * pyrandom.random()  # a scalar no other test uses
+    chains = [[("mul", c)] * 64, [("mul", c)] * 256, ["cos", ("mul", c), "cos"],
+              ["add_tensor", ("mul", c), "relu", "mul_tensor", ("add", 0.25)], MIXED + [("mul", c)]]
+    rng = pyrandom.Random(int(threads) + dtype.itemsize)
+    for shape, full in (((64, 1024), True), ((67, 1000), False)):
+        for steps in chains:
+            x = random(shape, dtype, "cuda", -2.0, 2.0)
+            operands = _operands(steps, x, rng)
+            x = away_from_kinks(steps, x, operands)
+            g = random(x.shape, dtype, "cuda")
+            got, built = {}, {}
+            for bounds in ("checked", "exact"):
+                monkeypatch.setenv("BRRR_CHAIN_JIT_BOUNDS", bounds)
+                before = _C.chain_jit_info()["compiled"]
+                got[bounds] = _fwd_bwd(steps, x, operands, g)
+                built[bounds] = _C.chain_jit_info()["compiled"] - before
+            assert (built["exact"] >= 1) == full, (steps, shape, built)
+            for exact, checked in zip(got["exact"], got["checked"]):
+                torch.testing.assert_close(exact, checked, rtol=0, atol=0)
+            want, want_grads = reference_grads(steps, x, operands, g)
+            for exact, expected in zip(got["exact"], [want] + want_grads):
+                err = (exact.double().cpu() - expected).norm() / (expected.norm() if expected.norm() > 0 else 1.0)
+                assert err < ORDER_TOLERANCE[dtype] * (4 if len(steps) > 16 else 1), (steps, float(err))
 
 
 @pytest.mark.cuda
