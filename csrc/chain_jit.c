@@ -1248,8 +1248,8 @@ static void build_all(build *bs, int n) {
  * time them all: BRRR_CHAIN_JIT_ORDER unset or `interleaved`, ORDER_INTERLEAVED; `packwise`,
  * ORDER_PACKWISE; BRRR_CHAIN_JIT_FORM unset or `lean`, FORM_LEAN; `wide`, the wide form; and
  * BRRR_CHAIN_JIT_BLOCKS unset or 2 to 8 (VARIANT_BLOCKS); BRRR_CHAIN_JIT_THREADS unset, 128 or 256
- * (BLOCK_256); BRRR_CHAIN_JIT_BOUNDS unset or `checked`; `exact`, BOUNDS_EXACT (which the launch
- * keeps only where it fills every block). 0, or -1 with a Python exception for
+ * (BLOCK_256); BRRR_CHAIN_JIT_BOUNDS unset or `exact`, BOUNDS_EXACT (which the launch keeps only
+ * where it fills every block); `checked`, the bounds tested everywhere. 0, or -1 with a Python exception for
  * any other value (a misspelt value would time the default). */
 static int variant_wanted(int *variant) {
     const char *order = getenv("BRRR_CHAIN_JIT_ORDER"), *form = getenv("BRRR_CHAIN_JIT_FORM");
@@ -1274,7 +1274,7 @@ static int variant_wanted(int *variant) {
         PyErr_Format(PyExc_ValueError, "BRRR_CHAIN_JIT_BOUNDS: expected checked or exact, got '%s'", bounds);
         return -1;
     }
-    if (bounds && strcmp(bounds, "exact") == 0) *variant |= BOUNDS_EXACT;
+    if (!bounds || strcmp(bounds, "exact") == 0) *variant |= BOUNDS_EXACT;
     const char *blocks = getenv("BRRR_CHAIN_JIT_BLOCKS");
     if (blocks) {
         char *end;

@@ -28,6 +28,10 @@
 //                     and arithmetic (rows of 5 packs a thread at twice the threads and 3 packs),
 //                     a block per group walking rows, its weight and bias held in registers, its
 //                     rows copied into a ring in shared memory by cp.async.bulk (see the kernel).
+// norm_fwd_flat_kernel  2-d launches of 16-byte packs in float32, float16 and bfloat16, the
+//                     float32 default up to 4096 columns (BRRR_NORM_FWD_KERNEL=flat|rows): the
+//                     same arithmetic in a layout of up to 4 packs a thread over 32-1024 threads
+//                     (flat_config), with less bookkeeping an element (see the kernel).
 // norm_bwd_kernel     the same row layout (up to 16 elements a thread), a block of
 //                     brrr_norm_lanes(cols) such groups within 512 threads (128 registers each;
 //                     the widest rows split over a cluster of two such blocks on sm_90, else
@@ -551,6 +555,124 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
     (void)L, (void)stages;
     __trap();  // launched only on sm_90 and later (norm_fwd_typed)
 #endif
+}
+
+// ---- the flat forward: one row a group, lean ------------------------------------------------
+
+constexpr int kFlatMaxThreads = 1024, kFlatMaxWarps = kFlatMaxThreads / 32, kFlatMinBlock = 128;
+
+// group_sum's additions in its order for a group of `warps` whole warps (a power of two up to 32):
+// the butterflies unrolled, the thread's slot of the warps' results computed once by the caller.
+template <typename A, int kN>
+__device__ __forceinline__ void flat_group_sum(A (&v)[kN], int warps, int slot, A (*buf)[kFlatMaxWarps]) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
+    }
+    if (warps == 1) return;
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) buf[i][threadIdx.x / 32] = v[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kN; ++i) v[i] = buf[i][slot];
+#pragma unroll
+    for (int off = kFlatMaxWarps / 2; off > 0; off /= 2) {
+        if (off >= warps) continue;  // uniform: group_sum's levels warps / 2, ..., 1
+#pragma unroll
+        for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
+    }
+}
+
+// The forward of 2-d launches (rows at one stride) of 16-byte packs, float32, float16 and
+// bfloat16 (the float32 default up to 4096 columns; BRRR_NORM_FWD_KERNEL=flat): norm_fwd_kernel's arithmetic in its order (fwd_row_stats,
+// group_sum's order), in a layout chosen for registers rather than for the fewest threads: a group
+// of 2^tpr_log2 threads (32 to 1024) holds a row in at most 4 packs a thread (flat_config), so a
+// thread keeps 16 values or fewer at the common widths and an SM keeps enough rows in flight. The
+// bookkeeping of norm_fwd_kernel that ncu found costing as much as the arithmetic is gone: a row's
+// addresses are row * stride (no unravelling of several row dims), the group sums unrolled with
+// their slot computed once, no integer division. Block: max(group, 128) threads, the rows of a
+// block consecutive; the grid walks row groups a grid apart past 2^30 blocks.
+template <typename T, int PACKS, bool kResidual>
+__global__ void __launch_bounds__(kFlatMaxThreads)
+    norm_fwd_flat_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr_log2) {
+    using A = typename Compute<T>::type;
+    constexpr int VEC = 16 / (int)sizeof(T);
+    __shared__ A buf[2][1][kFlatMaxWarps];
+    const int tpr = 1 << tpr_log2, groups = (int)blockDim.x >> tpr_log2, t = threadIdx.x & (tpr - 1);
+    const int warps = tpr >= 32 ? tpr / 32 : 1, lane = threadIdx.x & 31;
+    const int slot = (int)(threadIdx.x >> tpr_log2) * warps + (lane & (warps - 1));
+    const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC;
+    // 1 / cols rounded once, as A(1) / A(cols) is (without the division's slow path), and the
+    // thread's packs in a row by comparisons: a block may hold one row, so this runs per row.
+    const A inv_n = __frcp_rn(static_cast<A>(cols)), eps = static_cast<A>(L.eps);
+    int packs_here = 0;
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) packs_here += first + k * stride < cols ? 1 : 0;
+    const bool layer = !L.rms;
+    int parity = 0;
+    for (int64_t base = (int64_t)blockIdx.x * groups; base < L.rows; base += (int64_t)gridDim.x * groups) {
+        const int64_t row = base + (threadIdx.x >> tpr_log2);
+        const bool active = row < L.rows;
+        const int64_t at = active ? row : base;  // an in-range row for the address arithmetic
+        const int mine = active ? packs_here : 0;
+        const T *x = static_cast<const T *>(L.x.data) + at * L.x.row_strides[0] + first;
+        const T *res = kResidual ? static_cast<const T *>(L.residual.data) + at * L.residual.row_strides[0] + first : nullptr;
+        A v[PACKS][VEC];
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[k][j] = A(0);
+            if (k < mine) load_vec<T, VEC>(x + k * stride, v[k]);
+        }
+        A shift = A(0);
+        if (layer && active) shift = kResidual ? round_to<T>(to_float(x[-first]) + to_float(res[-first])) : to_float(x[-first]);
+        if constexpr (kResidual) {
+            T *res_out = static_cast<T *>(L.residual_out.data) + at * L.residual_out.row_strides[0] + first;
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+                A add[VEC];
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) add[j] = A(0);
+                if (k < mine) load_vec<T, VEC>(res + k * stride, add);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[k][j] = round_to<T>(v[k][j] + add[j]);
+                if (k < mine) store_vec<T, VEC>(res_out + k * stride, v[k]);
+            }
+        }
+        A mean, rstd;
+        auto sum = [&](A(&total)[1]) {
+            flat_group_sum(total, warps, slot, buf[parity]);
+            parity ^= 1;
+        };
+        fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, sum, sum);
+        if (!active) continue;
+        if (t == 0) {
+            if (L.mean.data) static_cast<A *>(L.mean.data)[row * L.mean.row_strides[0]] = mean;
+            if (L.rstd.data) static_cast<A *>(L.rstd.data)[row * L.rstd.row_strides[0]] = rstd;
+        }
+        T *out = static_cast<T *>(L.out.data) + row * L.out.row_strides[0] + first;
+        // A pack's weight and bias loaded before either is used (their latencies overlap), a
+        // pack at a time (all of them at once spill at 64 registers).
+        const bool llama = L.llama != 0;
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (k >= mine) continue;
+            A w[VEC], b[VEC];
+            load_weight<T, VEC>(L, first + k * stride, w);
+            load_param<T, VEC>(L, llama ? nullptr : L.bias.data, first + k * stride, A(0), b);
+            if (llama) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[k][j] = round_to<T>(v[k][j] * rstd) * w[j];
+            } else {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[k][j] = v[k][j] * rstd * w[j] + b[j];
+            }
+            store_vec<T, VEC>(out + k * stride, v[k]);  // the output in the pack's registers
+        }
+    }
 }
 
 // ---- backward: the terms every kernel shares ------------------------------------------------
@@ -1409,17 +1531,23 @@ static bool half_five_packs() {
     return !(v && strcmp(v, "pow2") == 0);
 }
 
+// Whether the forward's rows go in 16-byte packs: whole packs a row, every row and parameter aligned.
+template <typename T>
+static bool packs_fit(const brrr_norm_launch &L) {
+    const brrr_norm_view *const views[] = {&L.x, &L.residual, &L.out, &L.residual_out};
+    bool vector = L.cols % vec_width<T>() == 0 && (L.weight.data == nullptr || aligned16(L.weight.data)) &&
+                  (L.bias.data == nullptr || aligned16(L.bias.data));
+    for (int i = 0; i < 4; ++i) vector = vector && rows_aligned(L, *views[i], (int64_t)sizeof(T));
+    return vector;
+}
+
 // The forward's fast path for this launch, or false when it does not apply (strided columns, or
 // a row longer than 512 threads can hold): a row gets the fewest threads (32 and up) that hold it.
 template <typename T>
 static bool row_config(const brrr_norm_launch &L, RowConfig *cfg) {
     if (!L.contiguous_cols || (L.row_ndim > 1 && L.rows > INT32_MAX)) return false;  // see row_offsets
-    constexpr int kVec = vec_width<T>();
-    const brrr_norm_view *const views[] = {&L.x, &L.residual, &L.out, &L.residual_out};
-    bool vector = L.cols % kVec == 0 && (L.weight.data == nullptr || aligned16(L.weight.data)) &&
-                  (L.bias.data == nullptr || aligned16(L.bias.data));
-    for (int i = 0; i < 4; ++i) vector = vector && rows_aligned(L, *views[i], (int64_t)sizeof(T));
-    const int vec = vector ? kVec : 1, max_packs = max_elements<T>(vec) / vec;
+    const bool vector = packs_fit<T>(L);
+    const int vec = vector ? vec_width<T>() : 1, max_packs = max_elements<T>(vec) / vec;
     const int64_t packs_total = (L.cols + vec - 1) / vec;
     int tpr = 1, packs = 1;
     if (packs_total <= 32) {
@@ -1549,11 +1677,10 @@ static size_t dynamic_smem_limit(int device, size_t static_bytes) {
 // sum, bitwise, which remat's recompute relies on); again at a0f7714 with the stage rule of
 // fwd_bulk_launch and 1-64 waves (fwd_bulk_waves): the residual forms 1-5% slower at 2048-8192 at
 // their best wave count. float32 and float64 run norm_fwd_kernel.
-static bool fwd_bulk_wanted() {
+static bool fwd_kernel_is(const char *name) {
     const char *v = getenv("BRRR_NORM_FWD_KERNEL");
-    return v != nullptr && strcmp(v, "bulk") == 0;
+    return v != nullptr && strcmp(v, name) == 0;
 }
-
 // The device's compute capability major (0 where the query fails).
 static int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0); }
 
@@ -1628,16 +1755,75 @@ static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int
     }
 }
 
+// BRRR_NORM_FWD_KERNEL=flat: norm_fwd_flat_kernel wherever flat_config applies; unset, for float32
+// rows of groups up to 256 threads (up to 4096 columns), where it measured 5-14% faster than
+// norm_fwd_kernel on an H200 (768-4096 columns; 8192, a group of 512, within 2% either way; 5120
+// and 16384 slower). float16 and bfloat16 keep norm_fwd_kernel: flat was slower there.
+
+// norm_fwd_flat_kernel's row layout for the fast path's row_config cfg, or false where it does
+// not apply (single elements, float64, rows in several dims): 2^tpr_log2 threads (32 to 1024) of
+// `packs` packs (1 to 4), the fewest pack slots that hold the row, and among those the packs
+// nearest 16 values a thread (ties to fewer): fewer leave the group sums' shuffles and barriers
+// to few values, more cost registers (bfloat16 4096 columns: 256 threads of 2 packs, where
+// norm_fwd_kernel takes 128 of 4; float32 4096: 256 of 4).
+template <typename T>
+static bool flat_config(const brrr_norm_launch &L, int *tpr_log2, int *packs) {
+    constexpr int kVec = vec_width<T>();
+    if (sizeof(T) == 8 || !L.contiguous_cols || L.row_ndim != 1 || !packs_fit<T>(L)) return false;
+    const int64_t total = L.cols / kVec;
+    int64_t best = 0;
+    int best_gap = 0;
+    for (int p = 1; p <= 4; ++p) {
+        int lg = 5;
+        while (((int64_t)1 << lg) * p < total && lg < 10) ++lg;
+        const int64_t slots = ((int64_t)1 << lg) * p;
+        const int gap = abs(p * kVec - 16);
+        if (slots < total || (best != 0 && (slots > best || (slots == best && gap >= best_gap)))) continue;
+        best = slots;
+        best_gap = gap;
+        *tpr_log2 = lg;
+        *packs = p;
+    }
+    return best != 0;
+}
+
+template <typename T>
+static cudaError_t fwd_flat_launch(const brrr_norm_launch &L, int tpr_log2, int packs, cudaStream_t stream) {
+    const int tpr = 1 << tpr_log2, block = tpr > kFlatMinBlock ? tpr : kFlatMinBlock, groups = block / tpr;
+    const int64_t blocks = (L.rows + groups - 1) / groups;
+    const unsigned grid = (unsigned)(blocks < kMaxGrid ? blocks : kMaxGrid);
+    auto go = [&](auto p) {
+        constexpr int P = decltype(p)::value;
+        auto kernel = L.residual.data ? norm_fwd_flat_kernel<T, P, true> : norm_fwd_flat_kernel<T, P, false>;
+        kernel<<<grid, block, 0, stream>>>(L, tpr_log2);
+        return cudaSuccess;
+    };
+    switch (packs) {
+    case 1: return go(std::integral_constant<int, 1>());
+    case 2: return go(std::integral_constant<int, 2>());
+    case 3: return go(std::integral_constant<int, 3>());
+    case 4: return go(std::integral_constant<int, 4>());
+    default: return cudaErrorInvalidValue;
+    }
+}
+
 template <typename T>
 cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
     if (L.rows == 0 || L.cols == 0) return cudaSuccess;
+    if constexpr (!std::is_same<T, double>::value) {
+        int tpr_log2 = 0, packs = 0;
+        const bool unset = getenv("BRRR_NORM_FWD_KERNEL") == nullptr;
+        if ((fwd_kernel_is("flat") || (unset && std::is_same<T, float>::value)) && flat_config<T>(L, &tpr_log2, &packs) &&
+            (!unset || tpr_log2 <= 8))
+            return fwd_flat_launch<T>(L, tpr_log2, packs, stream);
+    }
     RowConfig cfg;
     if (!row_config<T>(L, &cfg)) {
         norm_fwd_generic_kernel<T><<<generic_grid(L.rows, device), kGenericThreads, 0, stream>>>(L);
         return cudaSuccess;
     }
     if constexpr (is_half<T>) {
-        if (fwd_bulk_wanted()) {
+        if (fwd_kernel_is("bulk")) {
             bool launched = false;
             const cudaError_t e = fwd_bulk_launch<T>(L, cfg, device, stream, &launched);
             if (e != cudaSuccess || launched) return e;

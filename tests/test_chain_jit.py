@@ -422,9 +422,9 @@ def test_an_unknown_form_is_refused(monkeypatch):
         _C.chain_jit_compile(["relu"], "float32")
 
 
-# BRRR_CHAIN_JIT_BOUNDS=exact: a lean contiguous kernel for a launch that fills every block
-# (full_blocks) loads and stores every pack unpredicated and has no tail; other launches, the wide
-# form and strided or row kernels get the default's program.
+# BRRR_CHAIN_JIT_BOUNDS=exact (the default): a lean contiguous kernel for a launch that fills every
+# block (full_blocks) loads and stores every pack unpredicated and has no tail; other launches, the
+# wide form and strided or row kernels get the program of =checked.
 BOUNDS_CHAINS = [([("mul", 1.0001)] * 64, {}), ([("mul", 1.0001)] * 64, dict(backward=True)),
                  ([("mul", 1.0001)] * 256, {}), (["cos", "cos"], {}), (MIXED, dict(backward=True, grad_mask=3)),
                  (MIXED, dict(vector_mask=1))]
@@ -434,14 +434,14 @@ BOUNDS_CHAINS = [([("mul", 1.0001)] * 64, {}), ([("mul", 1.0001)] * 64, dict(bac
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_bounds_switch_drops_the_bounds_tests_of_full_launches(cache_dir, monkeypatch, dtype):
     for steps, kw in BOUNDS_CHAINS:
-        monkeypatch.delenv("BRRR_CHAIN_JIT_BOUNDS", raising=False)
-        default, cubin, _ = _C.chain_jit_compile(steps, dtype, index32=True, full_blocks=True, **kw)
         monkeypatch.setenv("BRRR_CHAIN_JIT_BOUNDS", "checked")
-        assert _C.chain_jit_compile(steps, dtype, index32=True, full_blocks=True, **kw) == (default, cubin, "disk")
+        default, cubin, _ = _C.chain_jit_compile(steps, dtype, index32=True, full_blocks=True, **kw)
         monkeypatch.setenv("BRRR_CHAIN_JIT_BOUNDS", "exact")
         assert _C.chain_jit_compile(steps, dtype, index32=True, **kw) == (default, cubin, "disk")
         exact, exact_cubin, origin = _C.chain_jit_compile(steps, dtype, index32=True, full_blocks=True, **kw)
         assert origin == "compiled" and exact_cubin[:4] == b"\x7fELF" and exact_cubin != cubin
+        monkeypatch.delenv("BRRR_CHAIN_JIT_BOUNDS")
+        assert _C.chain_jit_compile(steps, dtype, index32=True, full_blocks=True, **kw) == (exact, exact_cubin, "disk")
         assert "n_packs" in default and "blockIdx.x != 0" in default
         assert "n_packs" not in exact and "blockIdx.x != 0" not in exact, exact
         for helper in ("ld_pack_if(", "st_pack_if("):
@@ -916,7 +916,8 @@ def test_exact_bounds_compute_the_default_bits(tmp_path, monkeypatch, threads, d
                 before = _C.chain_jit_info()["compiled"]
                 got[bounds] = _fwd_bwd(steps, x, operands, g)
                 built[bounds] = _C.chain_jit_info()["compiled"] - before
-            assert (built["exact"] >= 1) == full, (steps, shape, built)
+            if not operands:  # (a chain with tensor operands may reuse a kernel of another test's scalar)
+                assert (built["exact"] >= 1) == full, (steps, shape, built)
             for exact, checked in zip(got["exact"], got["checked"]):
                 torch.testing.assert_close(exact, checked, rtol=0, atol=0)
             want, want_grads = reference_grads(steps, x, operands, g)

@@ -337,14 +337,17 @@ def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
 # where none applies and the defaults run (4097: single elements).
 BULK_COLS = [256, 768, 1032, 4104, 5120, 8192, 4097]
 CANDIDATES = {"bwd_bulk": ("BRRR_NORM_BWD_KERNEL", "bulk"), "bwd_ring": ("BRRR_NORM_BWD_KERNEL", "ring"),
-              "fwd_bulk": ("BRRR_NORM_FWD_KERNEL", "bulk"), "fwd_rows": ("BRRR_NORM_FWD_KERNEL", "rows")}
+              "fwd_bulk": ("BRRR_NORM_FWD_KERNEL", "bulk"), "fwd_rows": ("BRRR_NORM_FWD_KERNEL", "rows"),
+              "fwd_flat": ("BRRR_NORM_FWD_KERNEL", "flat")}
 
 
 def _candidate_cases():
-    """(candidate, dtype) pairs: the forward's values only where they differ (float16, bfloat16)."""
+    """(candidate, dtype) pairs: the forward's values only where they differ (bulk and rows:
+    float16, bfloat16; flat: every dtype but float64, which it leaves to norm_fwd_kernel)."""
     for candidate in CANDIDATES:
         for dtype in DTYPES:
-            if not candidate.startswith("fwd_") or dtype in HALF_DTYPES:
+            if (not candidate.startswith("fwd_") or dtype in HALF_DTYPES
+                    or (candidate == "fwd_flat" and dtype != torch.float64)):
                 yield pytest.param(candidate, dtype, id=f"{candidate}-{dtype}")
 
 
@@ -524,8 +527,8 @@ def test_fwd_bulk_grid_and_ring(monkeypatch, dtype, residual, cols, env):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
 def test_fwd_kernel_default(monkeypatch, dtype, kind):
-    """Unset, BRRR_NORM_FWD_KERNEL means rows (norm_fwd_kernel); float32 and float64 run
-    norm_fwd_kernel whatever its value. The default's outputs and gradients have that kernel's
+    """Unset, BRRR_NORM_FWD_KERNEL means rows (norm_fwd_kernel) at 5120 columns (float32 too:
+    test_float32_forward_default); float32 and float64 run norm_fwd_kernel under =bulk. The default's outputs and gradients have that kernel's
     bits. At 5120 columns (FIVE_PACK_COLS) the two half kernels group a row's sums differently, so
     their results tell them apart (checked too)."""
     x, g = random((2053, 5120), dtype, "cuda"), random((2053, 5120), dtype, "cuda")
@@ -566,7 +569,7 @@ def _op_forward(kind, cast_order, x, r, w, b, eps):
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
 @pytest.mark.parametrize("cols", FIVE_PACK_COLS)
-@pytest.mark.parametrize("kernel", ["bulk", "rows"])
+@pytest.mark.parametrize("kernel", ["bulk", "rows", "flat"])
 def test_fwd_at_five_pack_widths(monkeypatch, dtype, kind, cast_order, cols, kernel):
     """Where =bulk's bits differ from the default's, =rows (FIVE_PACK_COLS), each of the two: out
     and the statistics the backward reads (LayerNorm's mean minus the row's first element, rstd)
@@ -575,8 +578,8 @@ def test_fwd_at_five_pack_widths(monkeypatch, dtype, kind, cast_order, cols, ker
     statistics), the call without autograd (saving none), the fused residual form and the plain
     form on its sum (as brrr.patch's fused add and remat's recomputation rely on), whose
     statistics are the same bits too. 2053 rows: several a block."""
-    if kernel == "bulk":
-        monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "bulk")
+    if kernel in ("bulk", "flat"):
+        monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", kernel)
     else:
         monkeypatch.delenv("BRRR_NORM_FWD_KERNEL", raising=False)
     eps = 1e-5 if kind == "layer_norm" else 1e-6
@@ -608,6 +611,56 @@ def test_fwd_at_five_pack_widths(monkeypatch, dtype, kind, cast_order, cols, ker
         _assert_same_forward(on_sum, (out, None, mean, rstd), "the plain form on the sum", _OP_NAMES)
         with torch.no_grad():
             assert torch.equal(call(kind, h, None, (cols,), w, b, eps, cast_order)[0], out)
+
+
+# norm_fwd_flat_kernel's layouts (flat_config: 32 to 1024 threads a row, 1 to 4 packs a thread):
+# groups of one warp four to a block (bfloat16 8 and 256 columns, float32 128), two to a block
+# (264: 33 packs, the second warp's second pack past the row), one warp's group of 3 packs (768),
+# 3 packs partly past the row (5120), the widest groups of 2 packs (16384 bfloat16, 8192 float32)
+# and of 4 (32768 bfloat16, 16384 float32), one pack past them (32776 bfloat16, 16388 float32:
+# norm_fwd_kernel or the generic kernel instead).
+FLAT_COLS = {torch.bfloat16: [8, 256, 264, 768, 5120, 16384, 32768, 32776],
+             torch.float16: [264, 5120, 16384],
+             torch.float32: [128, 264, 768, 5120, 8192, 16384, 16388]}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,cols", [(d, c) for d, cs in FLAT_COLS.items() for c in cs], ids=str)
+@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
+def test_fwd_flat_layouts(monkeypatch, dtype, cols, kind, cast_order):
+    """BRRR_NORM_FWD_KERNEL=flat against float64 (forward and gradients) at each of its layouts,
+    row counts that leave a block's groups partly past the last row (1, 5, 37); the fused residual
+    form's out and statistics with the bits of the plain form on its sum."""
+    monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "flat")
+    eps = 1e-5 if kind == "layer_norm" else 1e-6
+    for rows in (1, 5, 37):
+        x, r = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
+        w, b = params(kind, "both", (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r if rows == 5 else None, (cols,), w, b, cast_order=cast_order)
+    x, r = random((37, cols), dtype, "cuda"), random((37, cols), dtype, "cuda")
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    fused = _op_forward(kind, cast_order, x, r, w, b, eps)
+    out, h, mean, rstd = fused
+    _assert_same_forward(_op_forward(kind, cast_order, h, None, w, b, eps), (out, None, mean, rstd),
+                         "the plain form on the sum", _OP_NAMES)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cols,kernel", [(768, "flat"), (4096, "flat"), (5120, "rows"), (8192, "rows")])
+def test_float32_forward_default(monkeypatch, kind, cols, kernel):
+    """Unset, BRRR_NORM_FWD_KERNEL means flat for float32 rows of groups up to 256 threads (768
+    and 4096 columns) and rows past them (5120, 8192): the default's outputs and gradients have
+    that kernel's bits, and the two kernels' bits differ at those widths (their groups sum a row
+    in other orders), so the test tells them apart."""
+    x, g = random((2053, cols), torch.float32, "cuda"), random((2053, cols), torch.float32, "cuda")
+    w, b = params(kind, "both", (cols,), torch.float32, "cuda")
+    args = (kind, "torch", x, None, w, b, g)
+    default = _forward_under(monkeypatch, {}, *args)
+    flat = _forward_under(monkeypatch, {"BRRR_NORM_FWD_KERNEL": "flat"}, *args)
+    rows_ = _forward_under(monkeypatch, {"BRRR_NORM_FWD_KERNEL": "rows"}, *args)
+    assert not torch.equal(flat[0], rows_[0]), "flat and rows gave the same bits: the test cannot tell them apart"
+    _assert_same_forward(default, flat if kernel == "flat" else rows_, "default")
 
 
 @pytest.mark.parametrize("device", DEVICES)
