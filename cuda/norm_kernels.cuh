@@ -29,7 +29,7 @@
 //                     a block per group walking rows, its weight and bias held in registers, its
 //                     rows copied into a ring in shared memory by cp.async.bulk (see the kernel).
 // norm_fwd_flat_kernel  2-d launches of 16-byte packs in float32, float16 and bfloat16, the
-//                     float32 default up to 4096 columns (BRRR_NORM_FWD_KERNEL=flat|rows): the
+//                     float32 default up to 2048 columns (BRRR_NORM_FWD_KERNEL=flat|rows): the
 //                     same arithmetic in a layout of up to 4 packs a thread over 32-1024 threads
 //                     (flat_config), with less bookkeeping an element (see the kernel).
 // norm_bwd_kernel     the same row layout (up to 16 elements a thread), a block of
@@ -587,11 +587,11 @@ __device__ __forceinline__ void flat_group_sum(A (&v)[kN], int warps, int slot, 
 }
 
 // The forward of 2-d launches (rows at one stride) of 16-byte packs, float32, float16 and
-// bfloat16 (the float32 default up to 4096 columns; BRRR_NORM_FWD_KERNEL=flat): norm_fwd_kernel's arithmetic in its order (fwd_row_stats,
-// group_sum's order), in a layout chosen for registers rather than for the fewest threads: a group
-// of 2^tpr_log2 threads (32 to 1024) holds a row in at most 4 packs a thread (flat_config), so a
-// thread keeps 16 values or fewer at the common widths and an SM keeps enough rows in flight. The
-// bookkeeping of norm_fwd_kernel that ncu found costing as much as the arithmetic is gone: a row's
+// bfloat16 (the float32 default up to 2048 columns; BRRR_NORM_FWD_KERNEL=flat): norm_fwd_kernel's
+// arithmetic in its order (fwd_row_stats, group_sum's order), in a layout chosen for registers
+// rather than for the fewest threads: a group of 2^tpr_log2 threads (32 to 1024) holds a row in at
+// most 4 packs a thread (flat_config), 16 values or fewer at the common widths. The bookkeeping of
+// norm_fwd_kernel (ncu: 33 instructions an element at 4096 bfloat16 columns) is gone: a row's
 // addresses are row * stride (no unravelling of several row dims), the group sums unrolled with
 // their slot computed once, no integer division. Block: max(group, 128) threads, the rows of a
 // block consecutive; the grid walks row groups a grid apart past 2^30 blocks.
@@ -1756,9 +1756,10 @@ static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int
 }
 
 // BRRR_NORM_FWD_KERNEL=flat: norm_fwd_flat_kernel wherever flat_config applies; unset, for float32
-// rows of groups up to 256 threads (up to 4096 columns), where it measured 5-14% faster than
-// norm_fwd_kernel on an H200 (768-4096 columns; 8192, a group of 512, within 2% either way; 5120
-// and 16384 slower). float16 and bfloat16 keep norm_fwd_kernel: flat was slower there.
+// rows of groups up to 128 threads (up to 2048 columns), where it ran 1-14% faster than
+// norm_fwd_kernel on an H200 in two runs but for one row in one of them (docs/kernel-switches.md);
+// at 4096 the residual forms ran up to 4% slower in one run, at 5120 and 16384 every form slower.
+// float16 and bfloat16 keep norm_fwd_kernel: flat was slower there.
 
 // norm_fwd_flat_kernel's row layout for the fast path's row_config cfg, or false where it does
 // not apply (single elements, float64, rows in several dims): 2^tpr_log2 threads (32 to 1024) of
@@ -1814,7 +1815,7 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         int tpr_log2 = 0, packs = 0;
         const bool unset = getenv("BRRR_NORM_FWD_KERNEL") == nullptr;
         if ((fwd_kernel_is("flat") || (unset && std::is_same<T, float>::value)) && flat_config<T>(L, &tpr_log2, &packs) &&
-            (!unset || tpr_log2 <= 8))
+            (!unset || tpr_log2 <= 7))
             return fwd_flat_launch<T>(L, tpr_log2, packs, stream);
     }
     RowConfig cfg;
