@@ -926,6 +926,52 @@ def test_exact_bounds_compute_the_default_bits(tmp_path, monkeypatch, threads, d
                 assert err < ORDER_TOLERANCE[dtype] * (4 if len(steps) > 16 else 1), (steps, float(err))
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_packs_past_the_end_are_zeros_where_a_range_check_reads_them(cache_dir, monkeypatch, dtype):
+    """The lean form does not load a pack past the end of a launch whose last block is part empty.
+    A pack function's trig step checks the range of all of a thread's values at once, so there those
+    packs are zeros (in range): left undefined, a register's stale contents chose the fast or the
+    full trig path for the thread's packs in bounds, and a half value of the last block came out
+    1 ulp apart from run to run. Without the check (no trig step, or a called element function) or
+    with every block full they stay unloaded, the programs as before."""
+    monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", "lean")
+    monkeypatch.setenv("BRRR_CHAIN_JIT_BOUNDS", "exact")
+    zeroed = "unsigned w[4] = {0u, 0u, 0u, 0u};"
+    for steps, checks in ((["cos", ("mul", 1.5), "cos"], True), (["add_tensor", "sin"], True),
+                          ([("mul", 1.5)] * 3, False), (MIXED, False)):
+        n = sum(s in ("add_tensor", "mul_tensor") for s in steps)
+        for backward in (False, True):
+            for full in (False, True):
+                source = _C.chain_jit_compile(steps, dtype, backward=backward, grad_mask=(1 << n) - 1 if backward else 0,
+                                              index32=True, full_blocks=full)[0]
+                assert "ld_pack_if" in source and (zeroed in source) == (checks and not full), (steps, backward, full)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("threads", ["128", "256"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_part_empty_last_block_has_the_bits_of_a_full_one(tmp_path, monkeypatch, threads, dtype):
+    """Compiled chains with a trig step (pack functions) over launches whose last block is part
+    empty: every value, forward and backward, launch after launch, has the bits of the same values
+    in a launch continued with zeros (every block full). Over |x| <= 30 the fast and the full trig
+    paths of a half type differ by up to about 1% of a float16 ulp, so a last block whose range
+    check read a stale register out of range had values 1 ulp off."""
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BRRR_CHAIN_JIT_THREADS", threads)
+    for steps in (["cos"], ["add_tensor", "sin"]):
+        for numel in (67000, 5000, 25800):
+            x = random(numel, dtype, "cuda", -15.0, 15.0)
+            operands = [random(numel, dtype, "cuda", -15.0, 15.0) for s in steps if s == "add_tensor"]
+            g = random(numel, dtype, "cuda")
+            whole = -(-numel // 4096) * 4096  # every block full, at every block size and pack count
+            padded = [torch.cat([t, torch.zeros(whole - numel, dtype=dtype, device="cuda")]) for t in (x, *operands, g)]
+            want = [t[:numel] for t in _fwd_bwd(steps, padded[0], padded[1:-1], padded[-1])]
+            for _ in range(20):
+                for got, expected in zip(_fwd_bwd(steps, x, operands, g), want):
+                    torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=lambda m: f"{steps} {numel}: {m}")
+
+
 @pytest.mark.cuda
 def test_the_orders_are_cached_apart(tmp_path, monkeypatch):
     """One process, both orders: each order's program is compiled once and then answers from
