@@ -389,33 +389,42 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
     }
 }
 
-// group_sum for groups of whole warps (tpr a multiple of 32; norm_fwd_bulk_kernel's), its
-// butterflies unrolled: the same additions in the same order, so the same bits. group_sum's are
-// loops of runtime width, with their counter and branch at every level, in norm_fwd_kernel, which
-// issues ~32 instructions an element at 4096 bfloat16 columns (H200 ncu: issue slots 73% busy,
-// the integer pipe the busiest).
-template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled(A (&v)[kN], int tpr, A (*buf)[kMaxWarps]) {
+// group_sum's additions in its order for a group of `warps` whole warps (a power of two up to
+// kSlots), its butterflies unrolled: the same bits. slot() gives the thread's slot of the warps'
+// results in buf (called past the barrier). group_sum's are loops of runtime width, with their
+// counter and branch at every level, in norm_fwd_kernel, which issues ~32 instructions an element
+// at 4096 bfloat16 columns (H200 ncu: issue slots 73% busy, the integer pipe the busiest).
+template <int kSlots, typename A, int kN, typename Slot>
+__device__ __forceinline__ void warps_group_sum(A (&v)[kN], int warps, Slot slot, A (*buf)[kSlots]) {
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) {
 #pragma unroll
         for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
     }
-    if (tpr == 32) return;
-    const int warps = tpr / 32, lane = threadIdx.x & 31;
-    if (lane == 0) {
+    if (warps == 1) return;
+    if ((threadIdx.x & 31) == 0) {
 #pragma unroll
         for (int i = 0; i < kN; ++i) buf[i][threadIdx.x / 32] = v[i];
     }
     __syncthreads();
-    const int slot = (threadIdx.x / tpr) * warps + (lane & (warps - 1));
+    const int at = slot();
 #pragma unroll
-    for (int i = 0; i < kN; ++i) v[i] = buf[i][slot];
+    for (int i = 0; i < kN; ++i) v[i] = buf[i][at];
 #pragma unroll
-    for (int off = kMaxWarps / 2; off > 0; off /= 2) {
+    for (int off = kSlots / 2; off > 0; off /= 2) {
         if (off >= warps) continue;  // (uniform) group_sum's levels: warps / 2, ..., 1
 #pragma unroll
         for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
     }
+}
+
+// warps_group_sum for the groups of tpr threads (a multiple of 32) of norm_fwd_bulk_kernel.
+template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled(A (&v)[kN], int tpr, A (*buf)[kMaxWarps]) {
+    const int warps = tpr / 32;
+    warps_group_sum(v, warps, [&] {
+        const int lane = threadIdx.x & 31;
+        return (int)((threadIdx.x / tpr) * warps + (lane & (warps - 1)));
+    }, buf);
 }
 
 // A float16 and bfloat16 forward on sm_90 (BRRR_NORM_FWD_KERNEL=bulk; unset, norm_fwd_kernel runs):
@@ -561,31 +570,6 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
 
 constexpr int kFlatMaxThreads = 1024, kFlatMaxWarps = kFlatMaxThreads / 32, kFlatMinBlock = 128;
 
-// group_sum's additions in its order for a group of `warps` whole warps (a power of two up to 32):
-// the butterflies unrolled, the thread's slot of the warps' results computed once by the caller.
-template <typename A, int kN>
-__device__ __forceinline__ void flat_group_sum(A (&v)[kN], int warps, int slot, A (*buf)[kFlatMaxWarps]) {
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) {
-#pragma unroll
-        for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
-    }
-    if (warps == 1) return;
-    if ((threadIdx.x & 31) == 0) {
-#pragma unroll
-        for (int i = 0; i < kN; ++i) buf[i][threadIdx.x / 32] = v[i];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < kN; ++i) v[i] = buf[i][slot];
-#pragma unroll
-    for (int off = kFlatMaxWarps / 2; off > 0; off /= 2) {
-        if (off >= warps) continue;  // uniform: group_sum's levels warps / 2, ..., 1
-#pragma unroll
-        for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
-    }
-}
-
 // The forward of 2-d launches (rows at one stride) of 16-byte packs, float32, float16 and
 // bfloat16 (the float32 default up to 2048 columns; BRRR_NORM_FWD_KERNEL=flat): norm_fwd_kernel's
 // arithmetic in its order (fwd_row_stats, group_sum's order), in a layout chosen for registers
@@ -644,7 +628,7 @@ __global__ void __launch_bounds__(kFlatMaxThreads)
         }
         A mean, rstd;
         auto sum = [&](A(&total)[1]) {
-            flat_group_sum(total, warps, slot, buf[parity]);
+            warps_group_sum(total, warps, [&] { return slot; }, buf[parity]);
             parity ^= 1;
         };
         fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, sum, sum);
@@ -1593,6 +1577,18 @@ template <typename T, typename F> static cudaError_t with_row_config(const RowCo
     return cfg.vec > 1 ? with_packs<T, vec_width<T>()>(cfg.packs, f) : with_packs<T, 1>(cfg.packs, f);
 }
 
+// Calls go(integral_constant PACKS) for packs from 1 to 4 (the bulk and flat forwards' instances);
+// `otherwise` for any other count.
+template <typename F> static cudaError_t with_packs_up_to_4(int packs, F go, cudaError_t otherwise) {
+    switch (packs) {
+    case 1: return go(std::integral_constant<int, 1>());
+    case 2: return go(std::integral_constant<int, 2>());
+    case 3: return go(std::integral_constant<int, 3>());
+    case 4: return go(std::integral_constant<int, 4>());
+    default: return otherwise;
+    }
+}
+
 static inline unsigned generic_grid(int64_t rows, int device) {
     const int64_t cap = (int64_t)sm_count(device) * 16;
     return (unsigned)(rows < cap ? rows : cap);
@@ -1670,17 +1666,7 @@ static size_t dynamic_smem_limit(int device, size_t static_bytes) {
     return (size_t)v > static_bytes ? (size_t)v - static_bytes : 0;
 }
 
-// BRRR_NORM_FWD_KERNEL (docs/kernel-switches.md): bulk, norm_fwd_bulk_kernel for float16 and
-// bfloat16 where fwd_bulk_launch applies; unset or rows, norm_fwd_kernel. On an H200 (39a9ca5) bulk
-// ran the plain norms 3-24% faster at 768-16384 columns but the fused residual forms 1-7% slower
-// at 1024-8192, and the two must run one kernel (a fused norm's output is the plain norm's of the
-// sum, bitwise, which remat's recompute relies on); again at a0f7714 with the stage rule of
-// fwd_bulk_launch and 1-64 waves (fwd_bulk_waves): the residual forms 1-5% slower at 2048-8192 at
-// their best wave count. float32 and float64 run norm_fwd_kernel.
-static bool fwd_kernel_is(const char *name) {
-    const char *v = getenv("BRRR_NORM_FWD_KERNEL");
-    return v != nullptr && strcmp(v, name) == 0;
-}
+
 // The device's compute capability major (0 where the query fails).
 static int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0); }
 
@@ -1746,23 +1732,11 @@ static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int
         *launched = true;
         return cudaSuccess;
     };
-    switch (cfg.packs) {
-    case 1: return go(std::integral_constant<int, 1>());
-    case 2: return go(std::integral_constant<int, 2>());
-    case 3: return go(std::integral_constant<int, 3>());
-    case 4: return go(std::integral_constant<int, 4>());
-    default: return cudaSuccess;
-    }
+    return with_packs_up_to_4(cfg.packs, go, cudaSuccess);
 }
 
-// BRRR_NORM_FWD_KERNEL=flat: norm_fwd_flat_kernel wherever flat_config applies; unset, for float32
-// rows of groups up to 128 threads (up to 2048 columns), where it ran 1-14% faster than
-// norm_fwd_kernel on an H200 in two runs but for one row in one of them (docs/kernel-switches.md);
-// at 4096 the residual forms ran up to 4% slower in one run, at 5120 and 16384 every form slower.
-// float16 and bfloat16 keep norm_fwd_kernel: flat was slower there.
-
-// norm_fwd_flat_kernel's row layout for the fast path's row_config cfg, or false where it does
-// not apply (single elements, float64, rows in several dims): 2^tpr_log2 threads (32 to 1024) of
+// norm_fwd_flat_kernel's row layout for launch L, or false where it does not apply (single
+// elements, float64, rows in several dims): 2^tpr_log2 threads (32 to 1024) of
 // `packs` packs (1 to 4), the fewest pack slots that hold the row, and among those the packs
 // nearest 16 values a thread (ties to fewer): fewer leave the group sums' shuffles and barriers
 // to few values, more cost registers (bfloat16 4096 columns: 256 threads of 2 packs, where
@@ -1799,23 +1773,28 @@ static cudaError_t fwd_flat_launch(const brrr_norm_launch &L, int tpr_log2, int 
         kernel<<<grid, block, 0, stream>>>(L, tpr_log2);
         return cudaSuccess;
     };
-    switch (packs) {
-    case 1: return go(std::integral_constant<int, 1>());
-    case 2: return go(std::integral_constant<int, 2>());
-    case 3: return go(std::integral_constant<int, 3>());
-    case 4: return go(std::integral_constant<int, 4>());
-    default: return cudaErrorInvalidValue;
-    }
+    return with_packs_up_to_4(packs, go, cudaErrorInvalidValue);
 }
 
 template <typename T>
 cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t stream) {
     if (L.rows == 0 || L.cols == 0) return cudaSuccess;
+    // BRRR_NORM_FWD_KERNEL (docs/kernel-switches.md), read at every launch so that one process can
+    // time every value. flat: norm_fwd_flat_kernel wherever flat_config applies; unset, for float32
+    // rows of groups up to 128 threads (up to 2048 columns), where it ran 1-15% faster than
+    // norm_fwd_kernel on an H200 in two runs but for one row in one of them; at 4096 the residual
+    // forms ran up to 4% slower in one run, at 5120 and 16384 every form slower. bulk:
+    // norm_fwd_bulk_kernel for float16 and bfloat16 where fwd_bulk_launch applies; on an H200
+    // (39a9ca5, a0f7714) it ran the plain norms 3-24% faster at 768-16384 columns but the fused
+    // residual forms 1-7% slower at 1024-8192 at its best wave count, and the two forms must run one
+    // kernel (a fused norm's output is the plain norm's of the sum, bitwise, which remat's recompute
+    // relies on). Otherwise (float16 and bfloat16 unset, where flat was slower, and rows)
+    // norm_fwd_kernel.
+    const char *choice = getenv("BRRR_NORM_FWD_KERNEL");
     if constexpr (!std::is_same<T, double>::value) {
         int tpr_log2 = 0, packs = 0;
-        const bool unset = getenv("BRRR_NORM_FWD_KERNEL") == nullptr;
-        if ((fwd_kernel_is("flat") || (unset && std::is_same<T, float>::value)) && flat_config<T>(L, &tpr_log2, &packs) &&
-            (!unset || tpr_log2 <= 7))
+        const bool flat = choice ? strcmp(choice, "flat") == 0 : std::is_same<T, float>::value;
+        if (flat && flat_config<T>(L, &tpr_log2, &packs) && (choice || tpr_log2 <= 7))
             return fwd_flat_launch<T>(L, tpr_log2, packs, stream);
     }
     RowConfig cfg;
@@ -1824,7 +1803,7 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         return cudaSuccess;
     }
     if constexpr (is_half<T>) {
-        if (fwd_kernel_is("bulk")) {
+        if (choice && strcmp(choice, "bulk") == 0) {
             bool launched = false;
             const cudaError_t e = fwd_bulk_launch<T>(L, cfg, device, stream, &launched);
             if (e != cudaSuccess || launched) return e;
