@@ -427,6 +427,34 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled
     }, buf);
 }
 
+// Value j of a 16-byte pack of T held as its bits (uint4: whole-register moves; a Pack of 16-bit
+// class values held in registers is spilled 2 bytes at a time by nvcc 13 where its loads are
+// conditional), and the bits of v rounded to T into it. j is a constant once unrolled.
+__device__ __forceinline__ unsigned word_of(const uint4 &r, int i) { return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w; }
+__device__ __forceinline__ void set_word(uint4 &r, int i, unsigned w) {
+    if (i == 0) r.x = w;
+    else if (i == 1) r.y = w;
+    else if (i == 2) r.z = w;
+    else r.w = w;
+}
+template <typename T> __device__ __forceinline__ float raw_value(const uint4 &r, int j) {
+    if constexpr (std::is_same<T, float>::value) {
+        return __uint_as_float(word_of(r, j));
+    } else {
+        const unsigned w = word_of(r, j / 2), bits = j % 2 ? w >> 16 : w & 0xffffu;
+        if constexpr (std::is_same<T, __nv_bfloat16>::value) return __uint_as_float(bits << 16);
+        else return __half2float(__ushort_as_half((unsigned short)bits));
+    }
+}
+template <typename T> __device__ __forceinline__ void set_raw_value(uint4 &r, int j, float v) {
+    static_assert(sizeof(T) == 2, "16-bit values");
+    unsigned short bits;
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) bits = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    else bits = __half_as_ushort(__float2half_rn(v));
+    const unsigned w = word_of(r, j / 2);
+    set_word(r, j / 2, j % 2 ? (w & 0xffffu) | ((unsigned)bits << 16) : (w & 0xffff0000u) | bits);
+}
+
 // A float16 and bfloat16 forward on sm_90 (BRRR_NORM_FWD_KERNEL=bulk; unset, norm_fwd_kernel runs):
 // norm_fwd_kernel's arithmetic and sums in their order for a row layout
 // of tpr threads and PACKS packs a thread (the same bits as norm_fwd_kernel at that layout), with
@@ -448,7 +476,9 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled
 // after its last read of the stage. kBias: the bias held (a template argument, so that rows
 // without one keep no registers for it). Assumes: sm_90, 16-byte packs, 2-d launch (row_ndim 1),
 // 16-byte aligned rows, tpr = blockDim.x a multiple of 32 up to 512, 1 <= stages <= 32 (phases).
-template <typename T, int PACKS, bool kResidual, bool kBias>
+// kRaw: the weight and bias (of dtype T) held as their bits, converted for each row (8 registers a
+// pack of bfloat16 instead of 16).
+template <typename T, int PACKS, bool kResidual, bool kBias, bool kRaw>
 __global__ void __launch_bounds__(kMaxRowThreads, 1)
     norm_fwd_bulk_kernel(const __grid_constant__ brrr_norm_launch L, const int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -485,15 +515,25 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
     };
     for (int s = 0; s < stages; ++s) issue(s);
 
-    A w[PACKS][VEC], b[kBias ? PACKS : 1][VEC];
+    A w[kRaw ? 1 : PACKS][VEC], b[kBias && !kRaw ? PACKS : 1][VEC];
+    uint4 w_raw[kRaw ? PACKS : 1], b_raw[kRaw && kBias ? PACKS : 1];
+    const bool has_weight = L.weight.data != nullptr;
 #pragma unroll
     for (int k = 0; k < PACKS; ++k) {
+        if constexpr (kRaw) {
+            w_raw[k] = b_raw[kBias ? k : 0] = make_uint4(0, 0, 0, 0);
+            if (k >= mine) continue;
+            if (has_weight) w_raw[k] = *reinterpret_cast<const uint4 *>(static_cast<const T *>(L.weight.data) + first + k * stride);
+            if constexpr (kBias) b_raw[k] = *reinterpret_cast<const uint4 *>(static_cast<const T *>(L.bias.data) + first + k * stride);
+        } else {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) w[k][j] = b[kBias ? k : 0][j] = A(0);
-        if (k >= mine) continue;
-        load_weight<T, VEC>(L, first + k * stride, w[k]);
-        if constexpr (kBias) load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b[k]);
+            for (int j = 0; j < VEC; ++j) w[k][j] = b[kBias ? k : 0][j] = A(0);
+            if (k >= mine) continue;
+            load_weight<T, VEC>(L, first + k * stride, w[k]);
+            if constexpr (kBias) load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b[k]);
+        }
     }
+    const A offset = static_cast<A>(L.weight_offset);
 
     int s = 0, parity = 0;
     unsigned phases = 0;  // bit s: the parity of stage s's next phase
@@ -545,16 +585,30 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
 #pragma unroll
         for (int k = 0; k < PACKS; ++k) {
             if (k >= mine) continue;
-            A y[VEC];
+            A y[VEC], wk[VEC], bk[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) wk[j] = w[kRaw ? 0 : k][j], bk[j] = b[kBias && !kRaw ? k : 0][j];
+            if constexpr (kRaw) {
+                // Converted here for every row: the empty asm hides that the bits are the same
+                // each row, or the compiler keeps them converted (the registers kRaw saves).
+                uint4 wr = w_raw[k], br = b_raw[kBias ? k : 0];
+                asm volatile("" : "+r"(wr.x), "+r"(wr.y), "+r"(wr.z), "+r"(wr.w));
+                if constexpr (kBias) asm volatile("" : "+r"(br.x), "+r"(br.y), "+r"(br.z), "+r"(br.w));
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    wk[j] = (has_weight ? raw_value<T>(wr, j) : A(1)) + offset;
+                    bk[j] = kBias ? raw_value<T>(br, j) : A(0);
+                }
+            }
             if (llama) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[k][j] * rstd) * w[k][j];
+                for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[k][j] * rstd) * wk[j];
             } else {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     // + 0 without a bias: norm_fwd_kernel's v * rstd * w + b with b = 0, the same bits
-                    if constexpr (kBias) y[j] = v[k][j] * rstd * w[k][j] + b[k][j];
-                    else y[j] = v[k][j] * rstd * w[k][j] + A(0);
+                    if constexpr (kBias) y[j] = v[k][j] * rstd * wk[j] + bk[j];
+                    else y[j] = v[k][j] * rstd * wk[j] + A(0);
                 }
             }
             store_vec<T, VEC>(out + k * stride, y);
@@ -568,33 +622,6 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
 
 // ---- the flat forward: one row a group, lean ------------------------------------------------
 
-// Value j of a 16-byte pack of T held as its bits (uint4: whole-register moves; a Pack of 16-bit
-// class values held in registers is spilled 2 bytes at a time by nvcc 13 where its loads are
-// conditional), and the bits of v rounded to T into it. j is a constant once unrolled.
-__device__ __forceinline__ unsigned word_of(const uint4 &r, int i) { return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w; }
-__device__ __forceinline__ void set_word(uint4 &r, int i, unsigned w) {
-    if (i == 0) r.x = w;
-    else if (i == 1) r.y = w;
-    else if (i == 2) r.z = w;
-    else r.w = w;
-}
-template <typename T> __device__ __forceinline__ float raw_value(const uint4 &r, int j) {
-    if constexpr (std::is_same<T, float>::value) {
-        return __uint_as_float(word_of(r, j));
-    } else {
-        const unsigned w = word_of(r, j / 2), bits = j % 2 ? w >> 16 : w & 0xffffu;
-        if constexpr (std::is_same<T, __nv_bfloat16>::value) return __uint_as_float(bits << 16);
-        else return __half2float(__ushort_as_half((unsigned short)bits));
-    }
-}
-template <typename T> __device__ __forceinline__ void set_raw_value(uint4 &r, int j, float v) {
-    static_assert(sizeof(T) == 2, "16-bit values");
-    unsigned short bits;
-    if constexpr (std::is_same<T, __nv_bfloat16>::value) bits = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-    else bits = __half_as_ushort(__float2half_rn(v));
-    const unsigned w = word_of(r, j / 2);
-    set_word(r, j / 2, j % 2 ? (w & 0xffffu) | ((unsigned)bits << 16) : (w & 0xffff0000u) | bits);
-}
 
 constexpr int kFlatMaxThreads = 1024, kFlatMaxWarps = kFlatMaxThreads / 32, kFlatMinBlock = 128;
 
@@ -1829,9 +1856,10 @@ static int fwd_bulk_waves() {
 // residual forms' shared memory and not their registers the limit), or BRRR_NORM_FWD_STAGES'
 // count; the grid, fwd_bulk_waves() waves of the blocks that fit at once.
 template <typename T>
-static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int device, cudaStream_t stream,
-                                   bool *launched) {
+static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, bool raw_params, int device,
+                                   cudaStream_t stream, bool *launched) {
     *launched = false;
+    const bool raw = raw_params && L.weight_dtype != BRRR_F32;  // kRaw holds parameters of dtype T
     if (cfg.packs == 5) {
         cfg.tpr *= 2;
         cfg.packs = 3;
@@ -1847,8 +1875,11 @@ static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int
     auto go = [&](auto packs) {
         constexpr int P = decltype(packs)::value;
         const bool bias = L.bias.data != nullptr;
-        auto kernel = L.residual.data ? (bias ? norm_fwd_bulk_kernel<T, P, true, true> : norm_fwd_bulk_kernel<T, P, true, false>)
-                                      : (bias ? norm_fwd_bulk_kernel<T, P, false, true> : norm_fwd_bulk_kernel<T, P, false, false>);
+        auto kernel = L.residual.data ? (bias ? norm_fwd_bulk_kernel<T, P, true, true, false> : norm_fwd_bulk_kernel<T, P, true, false, false>)
+                                      : (bias ? norm_fwd_bulk_kernel<T, P, false, true, false> : norm_fwd_bulk_kernel<T, P, false, false, false>);
+        if (raw)
+            kernel = L.residual.data ? (bias ? norm_fwd_bulk_kernel<T, P, true, true, true> : norm_fwd_bulk_kernel<T, P, true, false, true>)
+                                     : (bias ? norm_fwd_bulk_kernel<T, P, false, true, true> : norm_fwd_bulk_kernel<T, P, false, false, true>);
         int per_sm = 0, most = 0;  // most: the blocks an SM at 2 stages
         cudaError_t e = forced ? cudaSuccess : blocks_per_sm(kernel, cfg.tpr, (stages < 2 ? stages : 2) * stage, device, &most);
         for (; e == cudaSuccess; --stages) {
@@ -1946,9 +1977,9 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         return cudaSuccess;
     }
     if constexpr (is_half<T>) {
-        if (choice && strcmp(choice, "bulk") == 0) {
+        if (choice && strncmp(choice, "bulk", 4) == 0) {
             bool launched = false;
-            const cudaError_t e = fwd_bulk_launch<T>(L, cfg, device, stream, &launched);
+            const cudaError_t e = fwd_bulk_launch<T>(L, cfg, strcmp(choice, "bulk_raw") == 0, device, stream, &launched);
             if (e != cudaSuccess || launched) return e;
         }
     }
