@@ -1671,6 +1671,12 @@ static bool half_five_packs() {
     return !(v && strcmp(v, "pow2") == 0);
 }
 
+static int env_count(const char *name, int hi) {
+    const char *v = getenv(name);
+    const int n = v ? atoi(v) : 0;
+    return n >= 1 && n <= hi ? n : 0;
+}
+
 // Whether the forward's rows go in 16-byte packs: whole packs a row, every row and parameter aligned.
 template <typename T>
 static bool packs_fit(const brrr_norm_launch &L) {
@@ -1687,7 +1693,10 @@ template <typename T>
 static bool row_config(const brrr_norm_launch &L, RowConfig *cfg) {
     if (!L.contiguous_cols || (L.row_ndim > 1 && L.rows > INT32_MAX)) return false;  // see row_offsets
     const bool vector = packs_fit<T>(L);
-    const int vec = vector ? vec_width<T>() : 1, max_packs = max_elements<T>(vec) / vec;
+    int max_packs = max_elements<T>(vector ? vec_width<T>() : 1) / (vector ? vec_width<T>() : 1);
+    const int vec = vector ? vec_width<T>() : 1;
+    const int fewer = env_count("BRRR_NORM_FWD_MAX_PACKS", 4);  // to measure layouts of fewer packs a thread
+    if (vector && fewer && fewer < max_packs) max_packs = fewer;
     const int64_t packs_total = (L.cols + vec - 1) / vec;
     int tpr = 1, packs = 1;
     if (packs_total <= 32) {
@@ -1829,11 +1838,6 @@ static int compute_major(int device) { return device_attribute<cudaDevAttrComput
 constexpr int kFwdBulkStages = 4;  // at most, in norm_fwd_bulk_kernel's ring (BRRR_NORM_FWD_STAGES unset)
 
 // A count from 1 to hi in the environment variable `name`, or 0 where it is unset or another value.
-static int env_count(const char *name, int hi) {
-    const char *v = getenv(name);
-    const int n = v ? atoi(v) : 0;
-    return n >= 1 && n <= hi ? n : 0;
-}
 
 // BRRR_NORM_FWD_WAVES (docs/kernel-switches.md): norm_fwd_bulk_kernel's grid, in waves of the
 // blocks that fit at once (1 to 64; unset, 1: every block walks rows / grid rows a grid apart).
