@@ -639,9 +639,9 @@ constexpr int kFlatMaxThreads = 1024, kFlatMaxWarps = kFlatMaxThreads / 32, kFla
 // needs them. kPacked (float16 and bfloat16): the row held as its 16-bit values (8 registers a
 // 16-byte pack instead of 16 floats), each pass converting them again: the same float32
 // operations in the same order as the unpacked form, so the same bits.
-template <typename T, int PACKS, bool kResidual, bool kPrefetch, bool kPacked>
-__global__ void __launch_bounds__(kFlatMaxThreads)
-    norm_fwd_flat_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr_log2) {
+// kOnce: a group's one row, no loop (the launch covers every row): nothing kept across rows.
+template <typename T, int PACKS, bool kResidual, bool kPrefetch, bool kPacked, bool kOnce>
+__device__ __forceinline__ void norm_fwd_flat_body(const brrr_norm_launch &L, const int tpr_log2) {
     using A = typename Compute<T>::type;
     constexpr int VEC = 16 / (int)sizeof(T);
     using Raw = uint4;
@@ -742,7 +742,10 @@ __global__ void __launch_bounds__(kFlatMaxThreads)
                 sum(q);
                 rstd = rsqrt_of(q[0] * inv_n + eps);
             }
-            if (!active) continue;
+            if (!active) {
+                if constexpr (kOnce) return;
+                continue;
+            }
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
@@ -784,7 +787,10 @@ __global__ void __launch_bounds__(kFlatMaxThreads)
                 }
             }
             fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, sum, sum);
-            if (!active) continue;
+            if (!active) {
+                if constexpr (kOnce) return;
+                continue;
+            }
             // Without the prefetch a pack's weight and bias are loaded before either is used (their
             // latencies overlap), a pack at a time (all of them at once spill at 64 registers).
 #pragma unroll
@@ -812,7 +818,21 @@ __global__ void __launch_bounds__(kFlatMaxThreads)
             if (L.mean.data) static_cast<A *>(L.mean.data)[row * L.mean.row_strides[0]] = mean;
             if (L.rstd.data) static_cast<A *>(L.rstd.data)[row * L.rstd.row_strides[0]] = rstd;
         }
+        if constexpr (kOnce) break;
     }
+}
+
+template <typename T, int PACKS, bool kResidual, bool kPrefetch, bool kPacked>
+__global__ void __launch_bounds__(kFlatMaxThreads)
+    norm_fwd_flat_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr_log2) {
+    norm_fwd_flat_body<T, PACKS, kResidual, kPrefetch, kPacked, false>(L, tpr_log2);
+}
+
+// The packed, prefetched flat form of one row a group, its registers capped at kRegs (the blocks an
+// SM holds at once, and so the rows in flight, follow from them).
+template <typename T, int PACKS, bool kResidual, int kRegs>
+__global__ void __maxnreg__(kRegs) norm_fwd_lean_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr_log2) {
+    norm_fwd_flat_body<T, PACKS, kResidual, true, true, true>(L, tpr_log2);
 }
 
 // ---- backward: the terms every kernel shares ------------------------------------------------
@@ -1939,8 +1959,19 @@ static cudaError_t fwd_flat_launch(const brrr_norm_launch &L, int tpr_log2, int 
     const bool params_t = !is_half<T> || L.weight_dtype != BRRR_F32;
     const bool packed = is_half<T> && params_t && form && strcmp(form, "flat_packed") == 0;
     const bool prefetch = params_t && form && (packed || strcmp(form, "flat_prefetch") == 0);
+    const int lean = is_half<T> && params_t && blocks <= kMaxGrid && form && strncmp(form, "flat_lean", 9) == 0
+                         ? atoi(form + 9) : 0;
     auto go = [&](auto p) {
         constexpr int P = decltype(p)::value;
+        if constexpr (is_half<T>) {
+            if (lean) {
+                auto k = L.residual.data ? norm_fwd_lean_kernel<T, P, true, 40> : norm_fwd_lean_kernel<T, P, false, 40>;
+                if (lean == 48) k = L.residual.data ? norm_fwd_lean_kernel<T, P, true, 48> : norm_fwd_lean_kernel<T, P, false, 48>;
+                if (lean == 64) k = L.residual.data ? norm_fwd_lean_kernel<T, P, true, 64> : norm_fwd_lean_kernel<T, P, false, 64>;
+                k<<<grid, block, 0, stream>>>(L, tpr_log2);
+                return cudaSuccess;
+            }
+        }
         auto kernel = L.residual.data ? norm_fwd_flat_kernel<T, P, true, false, false> : norm_fwd_flat_kernel<T, P, false, false, false>;
         if (prefetch)
             kernel = L.residual.data ? norm_fwd_flat_kernel<T, P, true, true, false> : norm_fwd_flat_kernel<T, P, false, true, false>;

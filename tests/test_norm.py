@@ -676,7 +676,7 @@ def test_fwd_bulk_raw_same_bits(monkeypatch, dtype, cols, kind, cast_order):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype,cols", [(d, c) for d, cs in FLAT_COLS.items() for c in cs], ids=str)
 @pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
-@pytest.mark.parametrize("form", ["prefetch", "packed"])
+@pytest.mark.parametrize("form", ["prefetch", "packed", "lean40", "lean48"])
 def test_fwd_flat_forms_same_bits(monkeypatch, dtype, cols, kind, cast_order, form):
     """BRRR_NORM_FWD_KERNEL=flat_prefetch (the parameters loaded before the row) and =flat_packed (the row
     held as its 16-bit values; float32 runs the plain form) give the flat kernel's bits: out,
