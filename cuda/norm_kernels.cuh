@@ -427,34 +427,6 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled
     }, buf);
 }
 
-// Value j of a 16-byte pack of T held as its bits (uint4: whole-register moves; a Pack of 16-bit
-// class values held in registers is spilled 2 bytes at a time by nvcc 13 where its loads are
-// conditional), and the bits of v rounded to T into it. j is a constant once unrolled.
-__device__ __forceinline__ unsigned word_of(const uint4 &r, int i) { return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w; }
-__device__ __forceinline__ void set_word(uint4 &r, int i, unsigned w) {
-    if (i == 0) r.x = w;
-    else if (i == 1) r.y = w;
-    else if (i == 2) r.z = w;
-    else r.w = w;
-}
-template <typename T> __device__ __forceinline__ float raw_value(const uint4 &r, int j) {
-    if constexpr (std::is_same<T, float>::value) {
-        return __uint_as_float(word_of(r, j));
-    } else {
-        const unsigned w = word_of(r, j / 2), bits = j % 2 ? w >> 16 : w & 0xffffu;
-        if constexpr (std::is_same<T, __nv_bfloat16>::value) return __uint_as_float(bits << 16);
-        else return __half2float(__ushort_as_half((unsigned short)bits));
-    }
-}
-template <typename T> __device__ __forceinline__ void set_raw_value(uint4 &r, int j, float v) {
-    static_assert(sizeof(T) == 2, "16-bit values");
-    unsigned short bits;
-    if constexpr (std::is_same<T, __nv_bfloat16>::value) bits = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-    else bits = __half_as_ushort(__float2half_rn(v));
-    const unsigned w = word_of(r, j / 2);
-    set_word(r, j / 2, j % 2 ? (w & 0xffffu) | ((unsigned)bits << 16) : (w & 0xffff0000u) | bits);
-}
-
 // A float16 and bfloat16 forward on sm_90 (BRRR_NORM_FWD_KERNEL=bulk; unset, norm_fwd_kernel runs):
 // norm_fwd_kernel's arithmetic and sums in their order for a row layout
 // of tpr threads and PACKS packs a thread (the same bits as norm_fwd_kernel at that layout), with
@@ -476,9 +448,7 @@ template <typename T> __device__ __forceinline__ void set_raw_value(uint4 &r, in
 // after its last read of the stage. kBias: the bias held (a template argument, so that rows
 // without one keep no registers for it). Assumes: sm_90, 16-byte packs, 2-d launch (row_ndim 1),
 // 16-byte aligned rows, tpr = blockDim.x a multiple of 32 up to 512, 1 <= stages <= 32 (phases).
-// kRaw: the weight and bias (of dtype T) held as their bits, converted for each row (8 registers a
-// pack of bfloat16 instead of 16).
-template <typename T, int PACKS, bool kResidual, bool kBias, bool kRaw>
+template <typename T, int PACKS, bool kResidual, bool kBias>
 __global__ void __launch_bounds__(kMaxRowThreads, 1)
     norm_fwd_bulk_kernel(const __grid_constant__ brrr_norm_launch L, const int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -515,25 +485,15 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
     };
     for (int s = 0; s < stages; ++s) issue(s);
 
-    A w[kRaw ? 1 : PACKS][VEC], b[kBias && !kRaw ? PACKS : 1][VEC];
-    uint4 w_raw[kRaw ? PACKS : 1], b_raw[kRaw && kBias ? PACKS : 1];
-    const bool has_weight = L.weight.data != nullptr;
+    A w[PACKS][VEC], b[kBias ? PACKS : 1][VEC];
 #pragma unroll
     for (int k = 0; k < PACKS; ++k) {
-        if constexpr (kRaw) {
-            w_raw[k] = b_raw[kBias ? k : 0] = make_uint4(0, 0, 0, 0);
-            if (k >= mine) continue;
-            if (has_weight) w_raw[k] = *reinterpret_cast<const uint4 *>(static_cast<const T *>(L.weight.data) + first + k * stride);
-            if constexpr (kBias) b_raw[k] = *reinterpret_cast<const uint4 *>(static_cast<const T *>(L.bias.data) + first + k * stride);
-        } else {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) w[k][j] = b[kBias ? k : 0][j] = A(0);
-            if (k >= mine) continue;
-            load_weight<T, VEC>(L, first + k * stride, w[k]);
-            if constexpr (kBias) load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b[k]);
-        }
+        for (int j = 0; j < VEC; ++j) w[k][j] = b[kBias ? k : 0][j] = A(0);
+        if (k >= mine) continue;
+        load_weight<T, VEC>(L, first + k * stride, w[k]);
+        if constexpr (kBias) load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b[k]);
     }
-    const A offset = static_cast<A>(L.weight_offset);
 
     int s = 0, parity = 0;
     unsigned phases = 0;  // bit s: the parity of stage s's next phase
@@ -585,30 +545,16 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
 #pragma unroll
         for (int k = 0; k < PACKS; ++k) {
             if (k >= mine) continue;
-            A y[VEC], wk[VEC], bk[VEC];
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) wk[j] = w[kRaw ? 0 : k][j], bk[j] = b[kBias && !kRaw ? k : 0][j];
-            if constexpr (kRaw) {
-                // Converted here for every row: the empty asm hides that the bits are the same
-                // each row, or the compiler keeps them converted (the registers kRaw saves).
-                uint4 wr = w_raw[k], br = b_raw[kBias ? k : 0];
-                asm volatile("" : "+r"(wr.x), "+r"(wr.y), "+r"(wr.z), "+r"(wr.w));
-                if constexpr (kBias) asm volatile("" : "+r"(br.x), "+r"(br.y), "+r"(br.z), "+r"(br.w));
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    wk[j] = (has_weight ? raw_value<T>(wr, j) : A(1)) + offset;
-                    bk[j] = kBias ? raw_value<T>(br, j) : A(0);
-                }
-            }
+            A y[VEC];
             if (llama) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[k][j] * rstd) * wk[j];
+                for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[k][j] * rstd) * w[k][j];
             } else {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     // + 0 without a bias: norm_fwd_kernel's v * rstd * w + b with b = 0, the same bits
-                    if constexpr (kBias) y[j] = v[k][j] * rstd * wk[j] + bk[j];
-                    else y[j] = v[k][j] * rstd * wk[j] + A(0);
+                    if constexpr (kBias) y[j] = v[k][j] * rstd * w[k][j] + b[k][j];
+                    else y[j] = v[k][j] * rstd * w[k][j] + A(0);
                 }
             }
             store_vec<T, VEC>(out + k * stride, y);
@@ -622,7 +568,6 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
 
 // ---- the flat forward: one row a group, lean ------------------------------------------------
 
-
 constexpr int kFlatMaxThreads = 1024, kFlatMaxWarps = kFlatMaxThreads / 32, kFlatMinBlock = 128;
 
 // The forward of 2-d launches (rows at one stride) of 16-byte packs, float32, float16 and
@@ -634,18 +579,11 @@ constexpr int kFlatMaxThreads = 1024, kFlatMaxWarps = kFlatMaxThreads / 32, kFla
 // addresses are row * stride (no unravelling of several row dims), the group sums unrolled with
 // their slot computed once, no integer division. Block: max(group, 128) threads, the rows of a
 // block consecutive; the grid walks row groups a grid apart past 2^30 blocks.
-// kPrefetch: the weight and bias (of dtype T) loaded raw before the row, so that their latency
-// overlaps the row's and not the output's; converted (with the weight offset) where the output
-// needs them. kPacked (float16 and bfloat16): the row held as its 16-bit values (8 registers a
-// 16-byte pack instead of 16 floats), each pass converting them again: the same float32
-// operations in the same order as the unpacked form, so the same bits.
-// kOnce: a group's one row, no loop (the launch covers every row): nothing kept across rows.
-template <typename T, int PACKS, bool kResidual, bool kPrefetch, bool kPacked, bool kOnce>
-__device__ __forceinline__ void norm_fwd_flat_body(const brrr_norm_launch &L, const int tpr_log2) {
+template <typename T, int PACKS, bool kResidual>
+__global__ void __launch_bounds__(kFlatMaxThreads)
+    norm_fwd_flat_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr_log2) {
     using A = typename Compute<T>::type;
     constexpr int VEC = 16 / (int)sizeof(T);
-    using Raw = uint4;
-    static_assert(!kPacked || (kPrefetch && is_half<T>), "the packed row takes the prefetched parameters");
     __shared__ A buf[2][1][kFlatMaxWarps];
     const int tpr = 1 << tpr_log2, groups = (int)blockDim.x >> tpr_log2, t = threadIdx.x & (tpr - 1);
     const int warps = tpr >= 32 ? tpr / 32 : 1, lane = threadIdx.x & 31;
@@ -657,182 +595,68 @@ __device__ __forceinline__ void norm_fwd_flat_body(const brrr_norm_launch &L, co
     int packs_here = 0;
 #pragma unroll
     for (int k = 0; k < PACKS; ++k) packs_here += first + k * stride < cols ? 1 : 0;
-    const bool layer = !L.rms, llama = L.llama != 0;
-    const bool has_bias = !llama && L.bias.data != nullptr;
+    const bool layer = !L.rms;
     int parity = 0;
     for (int64_t base = (int64_t)blockIdx.x * groups; base < L.rows; base += (int64_t)gridDim.x * groups) {
         const int64_t row = base + (threadIdx.x >> tpr_log2);
         const bool active = row < L.rows;
         const int64_t at = active ? row : base;  // an in-range row for the address arithmetic
         const int mine = active ? packs_here : 0;
-        // In the loop (a block's rows are one pass of it but past 2^30 blocks): out of it the
-        // compiler keeps them converted, 2 floats a value, and spills.
-        Raw w_raw[kPrefetch ? PACKS : 1], b_raw[kPrefetch ? PACKS : 1];
-        if constexpr (kPrefetch) {
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-                if (L.weight.data) w_raw[k] = *reinterpret_cast<const Raw *>(static_cast<const T *>(L.weight.data) + first + k * stride);
-                if (has_bias) b_raw[k] = *reinterpret_cast<const Raw *>(static_cast<const T *>(L.bias.data) + first + k * stride);
-            }
-        }
         const T *x = static_cast<const T *>(L.x.data) + at * L.x.row_strides[0] + first;
         const T *res = kResidual ? static_cast<const T *>(L.residual.data) + at * L.residual.row_strides[0] + first : nullptr;
+        A v[PACKS][VEC];
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[k][j] = A(0);
+            if (k < mine) load_vec<T, VEC>(x + k * stride, v[k]);
+        }
+        A shift = A(0);
+        if (layer && active) shift = kResidual ? round_to<T>(to_float(x[-first]) + to_float(res[-first])) : to_float(x[-first]);
+        if constexpr (kResidual) {
+            T *res_out = static_cast<T *>(L.residual_out.data) + at * L.residual_out.row_strides[0] + first;
+#pragma unroll
+            for (int k = 0; k < PACKS; ++k) {
+                A add[VEC];
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) add[j] = A(0);
+                if (k < mine) load_vec<T, VEC>(res + k * stride, add);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[k][j] = round_to<T>(v[k][j] + add[j]);
+                if (k < mine) store_vec<T, VEC>(res_out + k * stride, v[k]);
+            }
+        }
         A mean, rstd;
         auto sum = [&](A(&total)[1]) {
             warps_group_sum(total, warps, [&] { return slot; }, buf[parity]);
             parity ^= 1;
         };
-        auto param = [&](const Raw &w_pack, const Raw &b_pack, int j, A &w, A &b) {  // prefetched
-            w = (L.weight.data ? raw_value<T>(w_pack, j) : A(1)) + static_cast<A>(L.weight_offset);
-            b = has_bias ? raw_value<T>(b_pack, j) : A(0);
-        };
-        T *out = static_cast<T *>(L.out.data) + at * L.out.row_strides[0] + first;
-        if constexpr (kPacked) {
-            Raw h[PACKS];
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                h[k] = make_uint4(0, 0, 0, 0);
-                if (k < mine) h[k] = *reinterpret_cast<const Raw *>(x + k * stride);
-            }
-            A shift = A(0);
-            if (layer && active) shift = kResidual ? round_to<T>(to_float(x[-first]) + to_float(res[-first])) : to_float(x[-first]);
-            if constexpr (kResidual) {
-                T *res_out = static_cast<T *>(L.residual_out.data) + at * L.residual_out.row_strides[0] + first;
-#pragma unroll
-                for (int k = 0; k < PACKS; ++k) {
-                    if (k >= mine) continue;
-                    const Raw r = *reinterpret_cast<const Raw *>(res + k * stride);
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) set_raw_value<T>(h[k], j, raw_value<T>(h[k], j) + raw_value<T>(r, j));
-                    *reinterpret_cast<Raw *>(res_out + k * stride) = h[k];
-                }
-            }
-            // fwd_row_stats' operations on the values as they convert
-            mean = A(0);
-            if (layer) {
-                A total[1] = {A(0)};
-#pragma unroll
-                for (int k = 0; k < PACKS; ++k) {
-                    if (k >= mine) continue;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) total[0] += raw_value<T>(h[k], j) - shift;
-                }
-                sum(total);
-                mean = total[0] * inv_n;
-                A squares[1] = {A(0)};
-#pragma unroll
-                for (int k = 0; k < PACKS; ++k) {
-                    if (k >= mine) continue;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        const A d = (raw_value<T>(h[k], j) - shift) - mean;
-                        squares[0] += d * d;
-                    }
-                }
-                sum(squares);
-                rstd = rsqrt_of(squares[0] * inv_n + eps);
-            } else {
-                A q[1] = {A(0)};
-#pragma unroll
-                for (int k = 0; k < PACKS; ++k) {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) q[0] += raw_value<T>(h[k], j) * raw_value<T>(h[k], j);
-                }
-                sum(q);
-                rstd = rsqrt_of(q[0] * inv_n + eps);
-            }
-            if (!active) {
-                if constexpr (kOnce) return;
-                continue;
-            }
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-                A y[VEC];
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    A w, b;
-                    param(w_raw[k], b_raw[k], j, w, b);
-                    if (llama) {
-                        y[j] = round_to<T>(raw_value<T>(h[k], j) * rstd) * w;
-                    } else {
-                        const A v = layer ? (raw_value<T>(h[k], j) - shift) - mean : raw_value<T>(h[k], j);
-                        y[j] = v * rstd * w + b;
-                    }
-                }
-                store_vec<T, VEC>(out + k * stride, y);
-            }
-        } else {
-            A v[PACKS][VEC];
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) v[k][j] = A(0);
-                if (k < mine) load_vec<T, VEC>(x + k * stride, v[k]);
-            }
-            A shift = A(0);
-            if (layer && active) shift = kResidual ? round_to<T>(to_float(x[-first]) + to_float(res[-first])) : to_float(x[-first]);
-            if constexpr (kResidual) {
-                T *res_out = static_cast<T *>(L.residual_out.data) + at * L.residual_out.row_strides[0] + first;
-#pragma unroll
-                for (int k = 0; k < PACKS; ++k) {
-                    A add[VEC];
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) add[j] = A(0);
-                    if (k < mine) load_vec<T, VEC>(res + k * stride, add);
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) v[k][j] = round_to<T>(v[k][j] + add[j]);
-                    if (k < mine) store_vec<T, VEC>(res_out + k * stride, v[k]);
-                }
-            }
-            fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, sum, sum);
-            if (!active) {
-                if constexpr (kOnce) return;
-                continue;
-            }
-            // Without the prefetch a pack's weight and bias are loaded before either is used (their
-            // latencies overlap), a pack at a time (all of them at once spill at 64 registers).
-#pragma unroll
-            for (int k = 0; k < PACKS; ++k) {
-                if (k >= mine) continue;
-                A w[VEC], b[VEC];
-                if constexpr (kPrefetch) {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) param(w_raw[k], b_raw[k], j, w[j], b[j]);
-                } else {
-                    load_weight<T, VEC>(L, first + k * stride, w);
-                    load_param<T, VEC>(L, llama ? nullptr : L.bias.data, first + k * stride, A(0), b);
-                }
-                if (llama) {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) v[k][j] = round_to<T>(v[k][j] * rstd) * w[j];
-                } else {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) v[k][j] = v[k][j] * rstd * w[j] + b[j];
-                }
-                store_vec<T, VEC>(out + k * stride, v[k]);  // the output in the pack's registers
-            }
-        }
-        if (active && t == 0) {
+        fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, sum, sum);
+        if (!active) continue;
+        if (t == 0) {
             if (L.mean.data) static_cast<A *>(L.mean.data)[row * L.mean.row_strides[0]] = mean;
             if (L.rstd.data) static_cast<A *>(L.rstd.data)[row * L.rstd.row_strides[0]] = rstd;
         }
-        if constexpr (kOnce) break;
+        T *out = static_cast<T *>(L.out.data) + row * L.out.row_strides[0] + first;
+        // A pack's weight and bias loaded before either is used (their latencies overlap), a
+        // pack at a time (all of them at once spill at 64 registers).
+        const bool llama = L.llama != 0;
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (k >= mine) continue;
+            A w[VEC], b[VEC];
+            load_weight<T, VEC>(L, first + k * stride, w);
+            load_param<T, VEC>(L, llama ? nullptr : L.bias.data, first + k * stride, A(0), b);
+            if (llama) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[k][j] = round_to<T>(v[k][j] * rstd) * w[j];
+            } else {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[k][j] = v[k][j] * rstd * w[j] + b[j];
+            }
+            store_vec<T, VEC>(out + k * stride, v[k]);  // the output in the pack's registers
+        }
     }
-}
-
-template <typename T, int PACKS, bool kResidual, bool kPrefetch, bool kPacked>
-__global__ void __launch_bounds__(kFlatMaxThreads)
-    norm_fwd_flat_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr_log2) {
-    norm_fwd_flat_body<T, PACKS, kResidual, kPrefetch, kPacked, false>(L, tpr_log2);
-}
-
-// The packed, prefetched flat form of one row a group, its registers capped at kRegs (the blocks an
-// SM holds at once, and so the rows in flight, follow from them).
-template <typename T, int PACKS, bool kResidual, int kRegs>
-__global__ void __maxnreg__(kRegs) norm_fwd_lean_kernel(const __grid_constant__ brrr_norm_launch L, const int tpr_log2) {
-    norm_fwd_flat_body<T, PACKS, kResidual, true, true, true>(L, tpr_log2);
 }
 
 // ---- backward: the terms every kernel shares ------------------------------------------------
@@ -1691,12 +1515,6 @@ static bool half_five_packs() {
     return !(v && strcmp(v, "pow2") == 0);
 }
 
-static int env_count(const char *name, int hi) {
-    const char *v = getenv(name);
-    const int n = v ? atoi(v) : 0;
-    return n >= 1 && n <= hi ? n : 0;
-}
-
 // Whether the forward's rows go in 16-byte packs: whole packs a row, every row and parameter aligned.
 template <typename T>
 static bool packs_fit(const brrr_norm_launch &L) {
@@ -1713,10 +1531,7 @@ template <typename T>
 static bool row_config(const brrr_norm_launch &L, RowConfig *cfg) {
     if (!L.contiguous_cols || (L.row_ndim > 1 && L.rows > INT32_MAX)) return false;  // see row_offsets
     const bool vector = packs_fit<T>(L);
-    int max_packs = max_elements<T>(vector ? vec_width<T>() : 1) / (vector ? vec_width<T>() : 1);
-    const int vec = vector ? vec_width<T>() : 1;
-    const int fewer = env_count("BRRR_NORM_FWD_MAX_PACKS", 4);  // to measure layouts of fewer packs a thread
-    if (vector && fewer && fewer < max_packs) max_packs = fewer;
+    const int vec = vector ? vec_width<T>() : 1, max_packs = max_elements<T>(vec) / vec;
     const int64_t packs_total = (L.cols + vec - 1) / vec;
     int tpr = 1, packs = 1;
     if (packs_total <= 32) {
@@ -1858,6 +1673,11 @@ static int compute_major(int device) { return device_attribute<cudaDevAttrComput
 constexpr int kFwdBulkStages = 4;  // at most, in norm_fwd_bulk_kernel's ring (BRRR_NORM_FWD_STAGES unset)
 
 // A count from 1 to hi in the environment variable `name`, or 0 where it is unset or another value.
+static int env_count(const char *name, int hi) {
+    const char *v = getenv(name);
+    const int n = v ? atoi(v) : 0;
+    return n >= 1 && n <= hi ? n : 0;
+}
 
 // BRRR_NORM_FWD_WAVES (docs/kernel-switches.md): norm_fwd_bulk_kernel's grid, in waves of the
 // blocks that fit at once (1 to 64; unset, 1: every block walks rows / grid rows a grid apart).
@@ -1880,10 +1700,9 @@ static int fwd_bulk_waves() {
 // residual forms' shared memory and not their registers the limit), or BRRR_NORM_FWD_STAGES'
 // count; the grid, fwd_bulk_waves() waves of the blocks that fit at once.
 template <typename T>
-static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, bool raw_params, int device,
-                                   cudaStream_t stream, bool *launched) {
+static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int device, cudaStream_t stream,
+                                   bool *launched) {
     *launched = false;
-    const bool raw = raw_params && L.weight_dtype != BRRR_F32;  // kRaw holds parameters of dtype T
     if (cfg.packs == 5) {
         cfg.tpr *= 2;
         cfg.packs = 3;
@@ -1899,11 +1718,8 @@ static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, boo
     auto go = [&](auto packs) {
         constexpr int P = decltype(packs)::value;
         const bool bias = L.bias.data != nullptr;
-        auto kernel = L.residual.data ? (bias ? norm_fwd_bulk_kernel<T, P, true, true, false> : norm_fwd_bulk_kernel<T, P, true, false, false>)
-                                      : (bias ? norm_fwd_bulk_kernel<T, P, false, true, false> : norm_fwd_bulk_kernel<T, P, false, false, false>);
-        if (raw)
-            kernel = L.residual.data ? (bias ? norm_fwd_bulk_kernel<T, P, true, true, true> : norm_fwd_bulk_kernel<T, P, true, false, true>)
-                                     : (bias ? norm_fwd_bulk_kernel<T, P, false, true, true> : norm_fwd_bulk_kernel<T, P, false, false, true>);
+        auto kernel = L.residual.data ? (bias ? norm_fwd_bulk_kernel<T, P, true, true> : norm_fwd_bulk_kernel<T, P, true, false>)
+                                      : (bias ? norm_fwd_bulk_kernel<T, P, false, true> : norm_fwd_bulk_kernel<T, P, false, false>);
         int per_sm = 0, most = 0;  // most: the blocks an SM at 2 stages
         cudaError_t e = forced ? cudaSuccess : blocks_per_sm(kernel, cfg.tpr, (stages < 2 ? stages : 2) * stage, device, &most);
         for (; e == cudaSuccess; --stages) {
@@ -1930,15 +1746,13 @@ static bool flat_config(const brrr_norm_launch &L, int *tpr_log2, int *packs) {
     constexpr int kVec = vec_width<T>();
     if (sizeof(T) == 8 || !L.contiguous_cols || L.row_ndim != 1 || !packs_fit<T>(L)) return false;
     const int64_t total = L.cols / kVec;
-    const int values = env_count("BRRR_NORM_FWD_FLAT_VALUES", 64);
-    const int target = values ? values : 16;
     int64_t best = 0;
     int best_gap = 0;
     for (int p = 1; p <= 4; ++p) {
         int lg = 5;
         while (((int64_t)1 << lg) * p < total && lg < 10) ++lg;
         const int64_t slots = ((int64_t)1 << lg) * p;
-        const int gap = abs(p * kVec - target);
+        const int gap = abs(p * kVec - 16);
         if (slots < total || (best != 0 && (slots > best || (slots == best && gap >= best_gap)))) continue;
         best = slots;
         best_gap = gap;
@@ -1949,36 +1763,13 @@ static bool flat_config(const brrr_norm_launch &L, int *tpr_log2, int *packs) {
 }
 
 template <typename T>
-static cudaError_t fwd_flat_launch(const brrr_norm_launch &L, int tpr_log2, int packs, const char *form,
-                                   cudaStream_t stream) {
+static cudaError_t fwd_flat_launch(const brrr_norm_launch &L, int tpr_log2, int packs, cudaStream_t stream) {
     const int tpr = 1 << tpr_log2, block = tpr > kFlatMinBlock ? tpr : kFlatMinBlock, groups = block / tpr;
     const int64_t blocks = (L.rows + groups - 1) / groups;
     const unsigned grid = (unsigned)(blocks < kMaxGrid ? blocks : kMaxGrid);
-    // form: flat_prefetch, flat_packed (BRRR_NORM_FWD_KERNEL), else the plain form. The prefetch
-    // holds parameters of dtype T.
-    const bool params_t = !is_half<T> || L.weight_dtype != BRRR_F32;
-    const bool packed = is_half<T> && params_t && form && strcmp(form, "flat_packed") == 0;
-    const bool prefetch = params_t && form && (packed || strcmp(form, "flat_prefetch") == 0);
-    const int lean = is_half<T> && params_t && blocks <= kMaxGrid && form && strncmp(form, "flat_lean", 9) == 0
-                         ? atoi(form + 9) : 0;
     auto go = [&](auto p) {
         constexpr int P = decltype(p)::value;
-        if constexpr (is_half<T>) {
-            if (lean) {
-                auto k = L.residual.data ? norm_fwd_lean_kernel<T, P, true, 40> : norm_fwd_lean_kernel<T, P, false, 40>;
-                if (lean == 48) k = L.residual.data ? norm_fwd_lean_kernel<T, P, true, 48> : norm_fwd_lean_kernel<T, P, false, 48>;
-                if (lean == 64) k = L.residual.data ? norm_fwd_lean_kernel<T, P, true, 64> : norm_fwd_lean_kernel<T, P, false, 64>;
-                k<<<grid, block, 0, stream>>>(L, tpr_log2);
-                return cudaSuccess;
-            }
-        }
-        auto kernel = L.residual.data ? norm_fwd_flat_kernel<T, P, true, false, false> : norm_fwd_flat_kernel<T, P, false, false, false>;
-        if (prefetch)
-            kernel = L.residual.data ? norm_fwd_flat_kernel<T, P, true, true, false> : norm_fwd_flat_kernel<T, P, false, true, false>;
-        if constexpr (is_half<T>) {
-            if (packed)
-                kernel = L.residual.data ? norm_fwd_flat_kernel<T, P, true, true, true> : norm_fwd_flat_kernel<T, P, false, true, true>;
-        }
+        auto kernel = L.residual.data ? norm_fwd_flat_kernel<T, P, true> : norm_fwd_flat_kernel<T, P, false>;
         kernel<<<grid, block, 0, stream>>>(L, tpr_log2);
         return cudaSuccess;
     };
@@ -2002,9 +1793,9 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     const char *choice = getenv("BRRR_NORM_FWD_KERNEL");
     if constexpr (!std::is_same<T, double>::value) {
         int tpr_log2 = 0, packs = 0;
-        const bool flat = choice ? strncmp(choice, "flat", 4) == 0 : std::is_same<T, float>::value;
+        const bool flat = choice ? strcmp(choice, "flat") == 0 : std::is_same<T, float>::value;
         if (flat && flat_config<T>(L, &tpr_log2, &packs) && (choice || tpr_log2 <= 7))
-            return fwd_flat_launch<T>(L, tpr_log2, packs, choice, stream);
+            return fwd_flat_launch<T>(L, tpr_log2, packs, stream);
     }
     RowConfig cfg;
     if (!row_config<T>(L, &cfg)) {
@@ -2012,9 +1803,9 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         return cudaSuccess;
     }
     if constexpr (is_half<T>) {
-        if (choice && strncmp(choice, "bulk", 4) == 0) {
+        if (choice && strcmp(choice, "bulk") == 0) {
             bool launched = false;
-            const cudaError_t e = fwd_bulk_launch<T>(L, cfg, strcmp(choice, "bulk_raw") == 0, device, stream, &launched);
+            const cudaError_t e = fwd_bulk_launch<T>(L, cfg, device, stream, &launched);
             if (e != cudaSuccess || launched) return e;
         }
     }

@@ -646,65 +646,6 @@ def test_fwd_flat_layouts(monkeypatch, dtype, cols, kind, cast_order):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-@pytest.mark.parametrize("cols", BULK_COLS)
-@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
-def test_fwd_bulk_raw_same_bits(monkeypatch, dtype, cols, kind, cast_order):
-    """BRRR_NORM_FWD_KERNEL=bulk_raw (the parameters held as their bits) gives =bulk's bits: out,
-    residual_out and the statistics, plain and fused residual forms, every affine form, float32
-    parameters (=bulk's kernel runs), RMSNorm's weight offset; 301 rows, several a block."""
-    eps = 1e-5 if kind == "layer_norm" else 1e-6
-    x, r = random((301, cols), dtype, "cuda"), random((301, cols), dtype, "cuda")
-    cases = [params(kind, affine, (cols,), dtype, "cuda") for affine in AFFINE[kind]]
-    cases.append(params(kind, "both", (cols,), dtype, "cuda", param_dtype=torch.float32))
-    for w, b in cases:
-        for residual in (None, r):
-            monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "bulk")
-            want = _op_forward(kind, cast_order, x, residual, w, b, eps)
-            monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "bulk_raw")
-            _assert_same_forward(_op_forward(kind, cast_order, x, residual, w, b, eps), want, "bulk_raw", _OP_NAMES)
-    if kind == "rms_norm":
-        w = random((cols,), dtype, "cuda", -0.5, 0.5)
-        ops, llama = torch.ops.brrr, cast_order == "llama"
-        monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "bulk")
-        want = ops.rms_norm(x, [cols], w, eps, llama, 1.0)
-        monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "bulk_raw")
-        got = ops.rms_norm(x, [cols], w, eps, llama, 1.0)
-        assert all(torch.equal(a, e) for a, e in zip(got, want)), "weight offset"
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype,cols", [(d, c) for d, cs in FLAT_COLS.items() for c in cs], ids=str)
-@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
-@pytest.mark.parametrize("form", ["prefetch", "packed", "lean40", "lean48"])
-def test_fwd_flat_forms_same_bits(monkeypatch, dtype, cols, kind, cast_order, form):
-    """BRRR_NORM_FWD_KERNEL=flat_prefetch (the parameters loaded before the row) and =flat_packed (the row
-    held as its 16-bit values; float32 runs the plain form) give the flat kernel's bits: out,
-    residual_out and the statistics, plain and fused residual forms, every affine form, float32
-    parameters for half inputs (the plain form runs), RMSNorm's weight offset, a row count that
-    leaves a block's groups partly past the last row."""
-    eps = 1e-5 if kind == "layer_norm" else 1e-6
-    x, r = random((37, cols), dtype, "cuda"), random((37, cols), dtype, "cuda")
-    cases = [params(kind, affine, (cols,), dtype, "cuda") for affine in AFFINE[kind]]
-    if dtype in HALF_DTYPES:
-        cases.append(params(kind, "both", (cols,), dtype, "cuda", param_dtype=torch.float32))
-    for w, b in cases:
-        for residual in (None, r):
-            monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "flat")
-            want = _op_forward(kind, cast_order, x, residual, w, b, eps)
-            monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "flat_" + form)
-            _assert_same_forward(_op_forward(kind, cast_order, x, residual, w, b, eps), want, form, _OP_NAMES)
-    if kind == "rms_norm":
-        w = random((cols,), dtype, "cuda", -0.5, 0.5)
-        ops, llama = torch.ops.brrr, cast_order == "llama"
-        monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "flat")
-        want = ops.rms_norm(x, [cols], w, eps, llama, 1.0)
-        monkeypatch.setenv("BRRR_NORM_FWD_KERNEL", "flat_" + form)
-        got = ops.rms_norm(x, [cols], w, eps, llama, 1.0)
-        assert all(torch.equal(a, e) for a, e in zip(got, want)), "weight offset"
-
-
-@pytest.mark.cuda
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("cols,kernel", [(768, "flat"), (2048, "flat"), (4096, "rows"), (5120, "rows")])
 def test_float32_forward_default(monkeypatch, kind, cols, kernel):
