@@ -1784,12 +1784,13 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     // rows of groups up to 128 threads (up to 2048 columns), where it ran 1-15% faster than
     // norm_fwd_kernel on an H200 in two runs but for one row in one of them; at 4096 the residual
     // forms ran up to 4% slower in one run, at 5120 and 16384 every form slower. bulk:
-    // norm_fwd_bulk_kernel for float16 and bfloat16 where fwd_bulk_launch applies; on an H200
-    // (39a9ca5, a0f7714) it ran the plain norms 3-24% faster at 768-16384 columns but the fused
-    // residual forms 1-7% slower at 1024-8192 at its best wave count, and the two forms must run one
-    // kernel (a fused norm's output is the plain norm's of the sum, bitwise, which remat's recompute
-    // relies on). Otherwise (float16 and bfloat16 unset, where flat was slower, and rows)
-    // norm_fwd_kernel.
+    // norm_fwd_bulk_kernel for float16 and bfloat16 where fwd_bulk_launch applies; unset, for their
+    // plain forms but at the five-pack widths: on an H200 (39a9ca5, a0f7714, b284e06's runs) it ran
+    // the plain norms 0-24% faster than norm_fwd_kernel at 1024-16384 columns but the fused
+    // residual forms 1-7% slower at 2048-8192, and a fused norm's output must have the plain norm's
+    // bits on its sum (remat's recompute relies on it), which the two kernels share but where bulk
+    // takes another row layout (the five-pack rows). Otherwise (the fused forms, the five-pack
+    // widths, and rows) norm_fwd_kernel.
     const char *choice = getenv("BRRR_NORM_FWD_KERNEL");
     if constexpr (!std::is_same<T, double>::value) {
         int tpr_log2 = 0, packs = 0;
@@ -1803,7 +1804,11 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         return cudaSuccess;
     }
     if constexpr (is_half<T>) {
-        if (choice && strcmp(choice, "bulk") == 0) {
+        // Unset: bulk for the plain forms where its row layout is rows' (every width but the five-pack
+        // rows), rows for the fused residual forms: the same bits (a fused form's output is the plain
+        // form's on its sum), each form at its faster kernel.
+        const bool plain_bulk = !L.residual.data && cfg.packs != 5;
+        if (choice ? strcmp(choice, "bulk") == 0 : plain_bulk) {
             bool launched = false;
             const cudaError_t e = fwd_bulk_launch<T>(L, cfg, device, stream, &launched);
             if (e != cudaSuccess || launched) return e;

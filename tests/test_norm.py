@@ -328,7 +328,7 @@ def test_layer_norm_backward_shift_word(monkeypatch, dtype, residual, cols):
 # The kernels behind the switches, each value forced: BRRR_NORM_BWD_KERNEL=bulk
 # (norm_bwd_bulk_kernel, sm_90; the float16 and bfloat16 default) and =ring (norm_bwd_kernel; the
 # float32 and float64 default) for every dtype; BRRR_NORM_FWD_KERNEL=bulk (norm_fwd_bulk_kernel,
-# sm_90) and =rows (norm_fwd_kernel, the default) for float16 and bfloat16,
+# sm_90) and =rows (norm_fwd_kernel, the fused forms' default) for float16 and bfloat16,
 # where they differ (float32 and float64 run norm_fwd_kernel either way). Widths: bfloat16 rows
 # whose backward group is one warp (256), two warps with the second one's packs partly past the
 # row (768), three and nine warps (1032, 4104: group sums over warp counts that are not powers of
@@ -547,6 +547,56 @@ def test_fwd_kernel_default(monkeypatch, dtype, kind):
 
 
 _OP_NAMES = ("out", "residual_out", "mean", "rstd")
+
+
+def _forward_kernels(fn):
+    """The names of the norm forward kernels fn() launches, from the profiler's device events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = {e.name() for e in prof.profiler.kineto_results.events()
+             if e.device_type() == torch.autograd.DeviceType.CUDA and "norm_fwd" in e.name()}
+    assert names, "the profiler saw no norm forward kernel"
+    return names
+
+
+# Half widths of every forward layout class: one-warp groups (256), 3 packs a thread (768), 4
+# (2048, 4096, 8192, 16384), a thread's last pack past the row (776: 97 packs over 32 threads of
+# 4), and the five-pack widths (FIVE_PACK_COLS), where the plain forms stay on norm_fwd_kernel.
+HALF_DEFAULT_COLS = [256, 768, 776, 2048, 4096, 8192, 16384] + FIVE_PACK_COLS
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
+@pytest.mark.parametrize("cols", HALF_DEFAULT_COLS)
+def test_half_forward_default(monkeypatch, dtype, kind, cast_order, cols):
+    """Unset, BRRR_NORM_FWD_KERNEL runs the plain half forms in norm_fwd_bulk_kernel (on sm_90)
+    but at the five-pack widths, and the fused residual forms in norm_fwd_kernel; the fused form's
+    out, residual_out and statistics have the bits of the plain form on its sum (remat's
+    recompute relies on it), and the plain form's out is right against float64."""
+    monkeypatch.delenv("BRRR_NORM_FWD_KERNEL", raising=False)
+    eps = 1e-5 if kind == "layer_norm" else 1e-6
+    x, r = random((301, cols), dtype, "cuda"), random((301, cols), dtype, "cuda")
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    fused = _op_forward(kind, cast_order, x, r, w, b, eps)
+    out, h, mean, rstd = fused
+    plain = _op_forward(kind, cast_order, h, None, w, b, eps)
+    _assert_same_forward(plain, (out, None, mean, rstd), "the plain form on the sum", _OP_NAMES)
+    refs = [t.to("cpu", torch.float64) for t in (h, w)] + [None if b is None else b.to("cpu", torch.float64)]
+    check("out", plain[0], reference(kind, dtype, refs[0], None, (cols,), refs[1], refs[2], eps,
+                                     cast_order == "llama")[0], dtype)
+    if torch.cuda.get_device_capability()[0] < 9:
+        return
+    five = cols in FIVE_PACK_COLS
+    plain_kernels = _forward_kernels(lambda: _op_forward(kind, cast_order, h, None, w, b, eps))
+    fused_kernels = _forward_kernels(lambda: _op_forward(kind, cast_order, x, r, w, b, eps))
+    assert all("norm_fwd_kernel" in n for n in fused_kernels), fused_kernels
+    want = "norm_fwd_kernel" if five else "norm_fwd_bulk_kernel"
+    assert all(want in n for n in plain_kernels), (cols, plain_kernels)
 
 
 def _op_forward(kind, cast_order, x, r, w, b, eps):
