@@ -704,6 +704,158 @@ __global__ void __launch_bounds__(kGroupMaxThreads, group_min_blocks<TX, TY, kBa
     }
 }
 
+// ---- rows in registers, lean: the flat kernel ---------------------------------------------------
+
+// The flat kernel's largest group, and its smallest block (groups of fewer threads share one).
+constexpr int kFlatMaxThreads = 1024, kFlatMinBlock = 128;
+
+// Packs per thread the flat kernel may hold: 32 values in float32 (forward x; backward y and
+// grad_y), as the group kernel's widest instances hold. At twice that, the bfloat16 backward
+// spilled 120 bytes a thread (ptxas, sm_90, 64 registers). 0 for float64, which it does not take.
+template <typename TX, typename TY, bool kBackward> constexpr int flat_max_packs() {
+    return sizeof(typename Compute<TX>::type) == 8 ? 0 : (kBackward ? 16 : 32) / pack_elems<TX, TY>();
+}
+
+// The max (kMax) or sum of v over this thread's group of `warps` whole warps (a power of two up to
+// 32); every thread of the group gets the same bits. Warp butterflies, then, past one warp, one
+// barrier: each warp's result stored at its slot of buf, read back by lane i of every warp of the
+// group from the group's i-th slot (`slot`, computed once per kernel), and combined by butterflies
+// unrolled over at most 5 levels of uniform branches. The group kernel's pair reduction takes
+// two exps a level and a serial merge over the warps; this one takes none and log2(warps) levels.
+template <bool kMax>
+__device__ __forceinline__ float flat_group_reduce(float v, int warps, int slot, float *buf) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, v, off);
+        v = kMax ? fmaxf(v, o) : v + o;
+    }
+    if (warps == 1) return v;
+    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = buf[slot];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        if (off >= warps) continue;
+        const float o = __shfl_xor_sync(0xffffffffu, v, off);
+        v = kMax ? fmaxf(v, o) : v + o;
+    }
+    return v;
+}
+
+// exp for the flat kernel's result type TO: exp_'s, but for float16 and bfloat16 the MUFU op
+// alone (ex2.approx.ftz, cuda/elementary.cuh), where __expf adds a check of the subnormal range
+// (four more instructions an element); results below 2^-126 become 0, beside a row's largest,
+// which is 1.
+template <typename TO> __device__ __forceinline__ float flat_exp(float v) {
+    return std::is_same<TO, float>::value ? expf(v) : exp2_ftz(v * 1.4426950408889634f);
+}
+
+// Contiguous rows at one row stride (2-d launches) of float32, float16 and bfloat16, each on a
+// group of 2^tpr_log2 threads (whole warps, up to kFlatMaxThreads) holding N 16-byte packs a
+// thread in registers: thread t of a group holds packs t + k * group (k < N), so that each load
+// of a warp reads 32 adjacent packs. Forward as Liger-Kernel's Triton softmax computes it: the
+// row's max M, then e = exp(x - M) in place and its sum S, then y = e * (1 / S), or x - M - log(S):
+// one exp an element and none in the reductions. Backward: the dot product, then the outputs.
+// The bookkeeping is what norm_fwd_flat_kernel's is: a row's addresses are row * stride (no
+// unravelling of row dims), the group reductions unrolled with their slot computed once, no
+// integer division; every load of a row issued before any is used, and log_softmax and softmax
+// compiled as two branches of one kernel (a select between them kept both values alive).
+// Block: max(group, 128) threads, its rows consecutive. Packs past the row and rows past L.rows
+// load, count and store nothing, but their threads reach the barriers. Rows of -inf: M stays the
+// lowest finite value, S = 0, and the outputs NaN (0 * inf, -inf - -inf), as torch gives.
+// Assumes packable(L), L.row_ndim == 1 and cols / P <= N << tpr_log2.
+template <typename TX, typename TY, bool kBackward, int N>
+__global__ void __launch_bounds__(kFlatMaxThreads)
+    softmax_flat_kernel(const __grid_constant__ brrr_softmax_launch L, const int tpr_log2) {
+    using TI = typename std::conditional<kBackward, TY, TX>::type;  // what is read: x, or y and grad_y
+    using TO = typename std::conditional<kBackward, TX, TY>::type;
+    constexpr int P = pack_elems<TX, TY>();
+    __shared__ float buf[2][kFlatMaxThreads / 32];
+    const int tpr = 1 << tpr_log2, t = (int)threadIdx.x & (tpr - 1), warps = tpr >> 5, lane = (int)threadIdx.x & 31;
+    const int slot = (int)(threadIdx.x >> tpr_log2) * warps + (lane & (warps - 1));
+    const int64_t row = (int64_t)blockIdx.x * ((int)blockDim.x >> tpr_log2) + (threadIdx.x >> tpr_log2);
+    const int first = t * P, stride = tpr * P;
+    int mine = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) mine += row < L.rows && first + k * stride < L.cols ? 1 : 0;
+    const TI *in0 = static_cast<const TI *>(L.in[0]) + row * L.row_strides[0][0] + first;
+    TO *out = static_cast<TO *>(L.out) + row * L.row_strides[2][0] + first;
+    Pack<TI, P> a[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+        if (k < mine) a[k] = *reinterpret_cast<const Pack<TI, P> *>(in0 + k * stride);
+    if constexpr (!kBackward) {
+        auto forward = [&](auto log) {
+            float v[N][P];
+            float m = lowest<float>();
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                if (k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < P; ++j) {
+                    v[k][j] = to_float(a[k].v[j]);
+                    m = fmaxf(m, v[k][j]);
+                }
+            }
+            m = flat_group_reduce<true>(m, warps, slot, buf[0]);
+            float s = 0.f;
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                if (k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < P; ++j) {
+                    const float e = flat_exp<TO>(v[k][j] - m);
+                    s += e;
+                    if (!log) v[k][j] = e;
+                }
+            }
+            s = flat_group_reduce<false>(s, warps, slot, buf[1]);
+            const float shift = m + logf(s), inv = __frcp_rn(s);
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                if (k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < P; ++j) v[k][j] = log ? v[k][j] - shift : v[k][j] * inv;
+                store_pack<TO, P>(out + k * stride, v[k]);
+            }
+        };
+        if (L.log) forward(std::true_type());
+        else forward(std::false_type());
+    } else {
+        const TI *in1 = static_cast<const TI *>(L.in[1]) + row * L.row_strides[1][0] + first;
+        Pack<TI, P> b[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+            if (k < mine) b[k] = *reinterpret_cast<const Pack<TI, P> *>(in1 + k * stride);
+        auto backward = [&](auto log) {
+            float dot = 0.f;
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                if (k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < P; ++j) {
+                    const float g = to_float(b[k].v[j]);
+                    dot += log ? g : g * to_float(a[k].v[j]);
+                }
+            }
+            dot = flat_group_reduce<false>(dot, warps, slot, buf[0]);
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                if (k >= mine) continue;
+                float v[P];
+#pragma unroll
+                for (int j = 0; j < P; ++j) {
+                    const float y = to_float(a[k].v[j]), g = to_float(b[k].v[j]);
+                    v[j] = log ? g - flat_exp<TO>(y) * dot : y * (g - dot);
+                }
+                store_pack<TO, P>(out + k * stride, v);
+            }
+        };
+        if (L.log) backward(std::true_type());
+        else backward(std::false_type());
+    }
+}
+
 // Is every view of the launch contiguous along its columns, its rows 16-byte aligned for packs of P?
 template <typename TX, typename TY>
 inline bool packable(const brrr_softmax_launch &L) {
@@ -827,19 +979,79 @@ bool launch_group(const brrr_softmax_launch &L, int per, int device, cudaStream_
     }
 }
 
+// softmax_flat_kernel's layout for this launch, or false where it does not apply (float64, rows
+// over several dims, views packable() refuses, rows past kFlatMaxThreads threads of the most
+// packs a thread): 2^tpr_log2 threads (32 to 1024) of `packs` packs a thread, `per` of them
+// where per is 1, 2, 4 or 8, else (per = 0) the fewest pack slots that hold the row and among
+// those the packs nearest 16 values a thread (ties to fewer): Liger-Kernel's Triton softmax gives
+// a row 16 values a thread from 2048 to 8192 columns (bfloat16 4096: 256 threads of 2 packs;
+// float32 4096: 256 of 4; 32768: 1024 threads of 4 packs bfloat16, 8 float32).
+template <typename TX, typename TY, bool kBackward>
+bool flat_config(const brrr_softmax_launch &L, int per, int *tpr_log2, int *packs) {
+    constexpr int P = pack_elems<TX, TY>(), kMax = flat_max_packs<TX, TY, kBackward>();
+    if (kMax == 0 || L.row_ndim != 1 || L.cols > (int64_t)kFlatMaxThreads * kMax * P || !packable<TX, TY>(L))
+        return false;
+    const int64_t total = L.cols / P;
+    int64_t best = 0;
+    int best_gap = 0;
+    for (int p = 1; p <= kMax; p *= 2) {
+        if (per != 0 && p != per) continue;
+        int lg = 5;
+        while (((int64_t)1 << lg) * p < total && lg < 10) ++lg;
+        const int64_t slots = ((int64_t)1 << lg) * p;
+        const int gap = abs(p * P - 16);
+        if (slots < total || (best != 0 && (slots > best || (slots == best && gap >= best_gap)))) continue;
+        best = slots;
+        best_gap = gap;
+        *tpr_log2 = lg;
+        *packs = p;
+    }
+    return best != 0;
+}
+
+template <typename TX, typename TY, bool kBackward, int N>
+void launch_flat_n(const brrr_softmax_launch &L, unsigned blocks, int block, int tpr_log2, cudaStream_t stream) {
+    if constexpr (N <= flat_max_packs<TX, TY, kBackward>())
+        softmax_flat_kernel<TX, TY, kBackward, N><<<blocks, block, 0, stream>>>(L, tpr_log2);
+}
+
+// softmax_flat_kernel for this launch with `per` packs a thread (1, 2, 4 or 8; 0: flat_config's
+// choice), or false where it does not apply or the grid would be too large.
+template <typename TX, typename TY, bool kBackward>
+bool launch_flat(const brrr_softmax_launch &L, int per, cudaStream_t stream) {
+    int tpr_log2 = 0, packs = 0;
+    if (!flat_config<TX, TY, kBackward>(L, per, &tpr_log2, &packs)) return false;
+    const int tpr = 1 << tpr_log2, block = tpr > kFlatMinBlock ? tpr : kFlatMinBlock, groups = block / tpr;
+    const int64_t blocks = (L.rows + groups - 1) / groups;
+    if (blocks > INT32_MAX) return false;
+    switch (packs) {
+    case 1: launch_flat_n<TX, TY, kBackward, 1>(L, (unsigned)blocks, block, tpr_log2, stream); break;
+    case 2: launch_flat_n<TX, TY, kBackward, 2>(L, (unsigned)blocks, block, tpr_log2, stream); break;
+    case 4: launch_flat_n<TX, TY, kBackward, 4>(L, (unsigned)blocks, block, tpr_log2, stream); break;
+    default: launch_flat_n<TX, TY, kBackward, 8>(L, (unsigned)blocks, block, tpr_log2, stream); break;
+    }
+    return true;
+}
+
 // Rows whose inputs take up to 32 KB go to the tile kernel past 1024 columns and to the register
 // kernel up to 1024, longer ones to the shared-memory (cluster) kernel, unaligned or strided ones
 // to the streaming kernel. On an H200 (16384 rows, device time) the tile kernel took a bfloat16
 // softmax forward of 4096 columns from 0.153 to 0.082 ms and a float32 one from 0.204 to 0.140,
 // where at 1024 columns it was 10-17% slower than the register kernel. BRRR_SOFTMAX_KERNEL=tile,
-// rows, smem, stream, group or group1/2/4/8 picks one where it applies, else the streaming kernel
-// (for measurements; docs/kernel-switches.md).
+// rows, smem, stream, group or group1/2/4/8 picks one where it applies, else the streaming kernel;
+// flat or flat1/2/4/8 the flat kernel where it applies, else the default choice; auto the default
+// choice (for measurements; docs/kernel-switches.md).
 template <typename TX, typename TY, bool kBackward>
 cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t stream) {
     constexpr int P = pack_elems<TX, TY>(), kMax = max_packs<TX, TY, kBackward>();
     using TI = typename std::conditional<kBackward, TY, TX>::type;
     const int64_t packs = L.cols / P, held = L.cols * (kBackward ? 2 : 1) * (int64_t)sizeof(TI);
     const char *force = getenv("BRRR_SOFTMAX_KERNEL");
+    if (force && strncmp(force, "flat", 4) == 0) {
+        if (launch_flat<TX, TY, kBackward>(L, force[4] ? atoi(force + 4) : 0, stream)) return cudaGetLastError();
+        force = nullptr;
+    }
+    if (force && strcmp(force, "auto") == 0) force = nullptr;
     const bool pack = packable<TX, TY>(L);
     const bool rows_fit = pack && packs <= 512 * kMax;
     const bool want_smem = force ? strcmp(force, "smem") == 0 : held > (32 << 10);
