@@ -24,6 +24,10 @@
 //                        product (backward), then the outputs, reading the row again (from L2
 //                        where it is still there); 16-byte packs where the views allow, else
 //                        element by element at any column stride. Any row length.
+// softmax_flat_kernel    (BRRR_SOFTMAX_KERNEL=flat) rows at one row stride of float32, float16 and
+//                        bfloat16, a group of 32-1024 threads a row, the row in registers; one exp
+//                        an element and unrolled reductions (see the kernel). Up to 32768 columns
+//                        forward, 16384 backward.
 #pragma once
 
 #include <stdint.h>
