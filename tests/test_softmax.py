@@ -210,29 +210,41 @@ def _kernel_names(fn):
 
 
 def _flat_applies(kernel, x_dtype, y_dtype, cols, backward):
-    """Whether BRRR_SOFTMAX_KERNEL=kernel runs the flat kernel on contiguous 16-byte aligned rows
+    """Whether BRRR_SOFTMAX_KERNEL=kernel runs its flat kernel on contiguous 16-byte aligned rows
     (docs/kernel-switches.md): P values a 16-byte pack of the wider dtype, up to 32 of them a thread
-    forward and 16 backward, in at most 1024 threads; flat1-flat8 at that many packs a thread."""
+    forward and 16 backward, in at most 1024 threads; flatnext half as many (a quarter for float32
+    x forward); flat1-flat8 and flatnext1-flatnext4 at that many packs a thread."""
     p = 16 // max(x_dtype.itemsize, y_dtype.itemsize)
     most = (16 if backward else 32) // p
-    per = int(kernel[4:] or 0)
+    if kernel.startswith("flatnext"):
+        most //= 4 if not backward and x_dtype.itemsize == 4 else 2
+    per = int(kernel.removeprefix("flatnext").removeprefix("flat") or 0)
     return cols % p == 0 and (per or most) <= most and cols // p <= 1024 * (per or most)
 
 
+def _flat_ran(names, kernel, backward):
+    """Whether names (_kernel_names) hold the flat kernel that kernel names, forward or backward
+    (its third template argument)."""
+    name = "softmax_flat_next_kernel<" if kernel.startswith("flatnext") else "softmax_flat_kernel<"
+    return any(n.split(name, 1)[1].split(",")[2].strip() == str(backward).lower() for n in names if name in n)
+
+
+FLAT_KERNELS = ["flat", "flat1", "flat2", "flat4", "flat8", "flatnext", "flatnext1", "flatnext2", "flatnext4"]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["flat", "flat1", "flat2", "flat4", "flat8"])
+@pytest.mark.parametrize("kernel", FLAT_KERNELS)
 @pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=str)
-@pytest.mark.parametrize("cols", [8, 24, 264, 1001, 4088, 4096, 4104, 8192, 8200, 16384, 16392, 32768, 32776])
+@pytest.mark.parametrize("cols", [8, 264, 1001, 4104, 8192, 8200, 16384, 16392, 32768, 32776])
 def test_flat_kernel_at_the_edges_of_its_range(monkeypatch, kernel, dtypes, cols):
-    """The flat kernel at each edge of its range: groups of 32 threads (4 rows a block) and 64,
+    """The flat kernels at each edge of their range: groups of 32 threads (4 rows a block) and 64,
     rows that leave a thread's last packs empty, odd rows (no packs), the largest rows of each
-    packs-a-thread value forward (32 values a thread) and backward (16) and just past them, where
-    it falls back to the default choice; -inf included. The profiler's kernel names say which
-    kernel ran, so that a fallback where the flat kernel should run (or the reverse) fails. Each
-    row's result must not depend on its neighbours in the block."""
+    packs-a-thread value forward and backward and just past them, where they fall back to the
+    default choice; -inf included. The profiler's kernel names say which kernel ran, so that a
+    fallback where a flat kernel should run (or the reverse) fails. Each row's result must not
+    depend on its neighbours in the block."""
     monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", kernel)
     x_dtype, dtype = dtypes
-    y_dtype = dtype or x_dtype
     x = random((5, cols), x_dtype, "cuda", -6, 6)
     x[0, ::5] = float("-inf")
     for log in (False, True):
@@ -243,14 +255,37 @@ def test_flat_kernel_at_the_edges_of_its_range(monkeypatch, kernel, dtypes, cols
 
     def step():
         y = brrr.softmax(leaf, -1, dtype=dtype)
-        y.backward(torch.ones_like(y))  # a contiguous gradient, which the flat kernel takes
+        y.backward(torch.ones_like(y))  # a contiguous gradient, which the flat kernels take
 
     names = _kernel_names(step)
-    # The flat kernels' template arguments: x's type, y's, backward (true or false), packs.
-    flat = [n.split("softmax_flat_kernel<", 1)[1].split(",") for n in names if "softmax_flat_kernel<" in n]
     for back in (False, True):
-        ran = any(args[2].strip() == str(back).lower() for args in flat)
-        assert ran == _flat_applies(kernel, x_dtype, y_dtype, cols, back), (names, back)
+        assert _flat_ran(names, kernel, back) == _flat_applies(kernel, x_dtype, dtype or x_dtype, cols, back), (
+            names, back)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows, cols", [(20001, 8), (20001, 264), (3001, 4096)])
+def test_flat_next_kernel_walks_rows(monkeypatch, dtype, rows, cols):
+    """softmax_flat_next_kernel runs as many blocks as fit at once, each group walking rows a grid
+    apart: more rows than 132 SMs hold at once (at most 2048 threads an SM: 8448 rows of groups
+    of 32 threads, 4224 of 64, 1056 of 256), with rows of -inf among them, against the reference,
+    forward and backward; the last row alone gives the same bits."""
+    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", "flatnext")
+    x = random((rows, cols), dtype, "cuda", -6, 6)
+    x[1000] = float("-inf")
+    x[2000, ::3] = float("-inf")
+    for log in (False, True):
+        y = FUNCTIONS[log](x, -1)
+        ref = (torch.log_softmax if log else torch.softmax)(x.double().cpu(), -1)
+        assert torch.equal(torch.isnan(y.cpu()), torch.isnan(ref))
+        finite = torch.isfinite(ref)
+        assert_close(y.cpu().double()[finite], ref[finite], dtype, scale=4)
+        assert torch.equal(FUNCTIONS[log](x[rows - 1:].clone(), -1), y[rows - 1:])
+    keep = torch.ones(rows, dtype=torch.bool, device="cuda")
+    keep[1000] = False  # the row of -inf: NaN gradients
+    check_op(x[keep], -1, False, grad_scale=8.0)
+    assert _flat_ran(_kernel_names(lambda: brrr.softmax(x, -1)), "flatnext", False)
 
 
 @pytest.mark.cuda
