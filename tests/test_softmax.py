@@ -229,12 +229,15 @@ def _flat_ran(names, kernel, backward):
     return any(n.split(name, 1)[1].split(",")[2].strip() == str(backward).lower() for n in names if name in n)
 
 
-FLAT_KERNELS = ["flat", "flat1", "flat2", "flat4", "flat8", "flatnext", "flatnext1", "flatnext2", "flatnext4"]
+# The flat kernels' values: their own layouts on every dtype pair, those of a set number of packs a
+# thread on float32 and bfloat16.
+FLAT_CASES = ([(k, d) for k in ("flat", "flatnext") for d in DTYPE_PAIRS]
+              + [(k, d) for k in ("flat1", "flat2", "flat4", "flat8", "flatnext1", "flatnext2", "flatnext4")
+                 for d in [(torch.float32, None), (torch.bfloat16, None)]])
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", FLAT_KERNELS)
-@pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=str)
+@pytest.mark.parametrize("kernel, dtypes", FLAT_CASES, ids=str)
 @pytest.mark.parametrize("cols", [8, 264, 1001, 4104, 8192, 8200, 16384, 16392, 32768, 32776])
 def test_flat_kernel_at_the_edges_of_its_range(monkeypatch, kernel, dtypes, cols):
     """The flat kernels at each edge of their range: groups of 32 threads (4 rows a block) and 64,
