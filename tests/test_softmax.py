@@ -105,7 +105,7 @@ def test_row_lengths_around_the_kernel_switches(device, dtype, cols):
     check_op(random((2, cols), dtype, device, -6, 6), -1, True, grad_scale=8.0)
 
 
-KERNELS = ["tile", "rows", "smem", "stream", "group", "group1", "group2", "group4", "group8", "flat", "auto"]
+KERNELS = ["tile", "rows", "smem", "stream", "group", "group1", "group2", "group4", "group8", "flat", "flatnext", "auto"]
 # (x's dtype, dtype=): y of x's dtype, and float32 y of half x.
 DTYPE_PAIRS = [(torch.float32, None), (torch.float16, None), (torch.bfloat16, None), (torch.float16, torch.float32),
                (torch.bfloat16, torch.float32)]
