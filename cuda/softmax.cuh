@@ -27,9 +27,10 @@
 // softmax_flat_kernel    (BRRR_SOFTMAX_KERNEL=flat) rows at one row stride of float32, float16 and
 //                        bfloat16, a group of 32-1024 threads a row, the row in registers; one exp
 //                        an element and unrolled reductions (see the kernel). Up to 32768 columns
-//                        forward, 16384 backward.
+//                        (a float32 backward 16384).
 // softmax_flat_next_kernel  (flatnext) the same on a grid of the blocks that run at once, a group
-//                        loading its next row before it reduces this one; half the columns.
+//                        loading its next row before it reduces this one; half the columns (a
+//                        float32 forward a quarter).
 #pragma once
 
 #include <stdint.h>
@@ -715,11 +716,13 @@ __global__ void __launch_bounds__(kGroupMaxThreads, group_min_blocks<TX, TY, kBa
 // The flat kernel's largest group, and its smallest block (groups of fewer threads share one).
 constexpr int kFlatMaxThreads = 1024, kFlatMinBlock = 128;
 
-// Packs per thread the flat kernel may hold: 32 values in float32 (forward x; backward y and
-// grad_y), as the group kernel's widest instances hold. At twice that, the bfloat16 backward
-// spilled 120 bytes a thread (ptxas, sm_90, 64 registers). 0 for float64, which it does not take.
+// Packs per thread the flat kernel may hold: forward 32 values in float32 (x, converted), as
+// the group kernel's widest instances hold; backward 4 packs each of y and grad_y, kept as stored
+// (32 registers: 32 values each in float16 and bfloat16, 16 in float32). The float32 backward at
+// 8 packs spilled 184 bytes a thread (ptxas, sm_90, 64 registers). 0 for float64, which it does
+// not take.
 template <typename TX, typename TY, bool kBackward> constexpr int flat_max_packs() {
-    return sizeof(typename Compute<TX>::type) == 8 ? 0 : (kBackward ? 16 : 32) / pack_elems<TX, TY>();
+    return sizeof(typename Compute<TX>::type) == 8 ? 0 : kBackward ? 4 : 32 / pack_elems<TX, TY>();
 }
 // softmax_flat_next_kernel's, which holds two rows' packs: half as many, and a quarter for a
 // float32 x forward, which spilled 32 bytes a thread at half (ptxas, sm_90, 64 registers).

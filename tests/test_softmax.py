@@ -212,10 +212,10 @@ def _kernel_names(fn):
 def _flat_applies(kernel, x_dtype, y_dtype, cols, backward):
     """Whether BRRR_SOFTMAX_KERNEL=kernel runs its flat kernel on contiguous 16-byte aligned rows
     (docs/kernel-switches.md): P values a 16-byte pack of the wider dtype, up to 32 of them a thread
-    forward and 16 backward, in at most 1024 threads; flatnext half as many (a quarter for float32
-    x forward); flat1-flat8 and flatnext1-flatnext4 at that many packs a thread."""
+    forward and 4 packs backward, in at most 1024 threads; flatnext half as many (a quarter for
+    float32 x forward); flat1-flat8 and flatnext1-flatnext4 at that many packs a thread."""
     p = 16 // max(x_dtype.itemsize, y_dtype.itemsize)
-    most = (16 if backward else 32) // p
+    most = 4 if backward else 32 // p
     if kernel.startswith("flatnext"):
         most //= 4 if not backward and x_dtype.itemsize == 4 else 2
     per = int(kernel.removeprefix("flatnext").removeprefix("flat") or 0)
