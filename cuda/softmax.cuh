@@ -764,6 +764,15 @@ template <typename TO> __device__ __forceinline__ float flat_exp(float v) {
     return std::is_same<TO, float>::value ? expf(v) : exp2_ftz(v * 1.4426950408889634f);
 }
 
+// Blocks of kFlatMaxThreads an SM softmax_flat_kernel's registers must leave room for: 2 (32
+// registers a thread, 8 rows of 256 threads an SM, as Liger-Kernel's 4096-column softmax runs)
+// for a float16 or bfloat16 forward of up to 16 values a thread, which took 40 unbounded (ptxas,
+// sm_90, bfloat16 at 2 packs) and none spilled at 32; else 1 (64). A float32 y (expf) spilled
+// 16 bytes at 32 (float32 at 4 packs).
+template <typename TX, typename TY, bool kBackward, int N> constexpr int flat_min_blocks() {
+    return !kBackward && sizeof(TY) == 2 && N * pack_elems<TX, TY>() <= 16 ? 2 : 1;
+}
+
 // A pack of P values of TI held as 32-bit words, and its value j: float16 and bfloat16 pairs
 // taken from their word (for bfloat16 a shift or a mask), so that packs are loaded, kept and
 // copied as whole registers (as Pack<TI, P>, ptxas moved 16-bit halves: a PRMT a value, and
@@ -776,12 +785,25 @@ template <typename TI> __device__ __forceinline__ float word_value(const uint32_
     else return __half2float(__ushort_as_half((unsigned short)(j % 2 ? w[j / 2] >> 16 : w[j / 2] & 0xffffu)));
 }
 
-// The flat kernels' packs of one row: pack k of this thread (k < mine) from p + k * stride.
+// -inf in every value of a word of TI: the forward's padding, which adds nothing to a row's max
+// or to its sum of exp(x - max) (the max starts at the lowest finite value).
+template <typename TI> constexpr uint32_t minus_inf_word() {
+    return std::is_same<TI, float>::value ? 0xff800000u : std::is_same<TI, __half>::value ? 0xfc00fc00u : 0xff80ff80u;
+}
+
+// The flat kernels' packs of one row: pack k of this thread (k < mine) from p + k * stride, the
+// others `pad` in every word (-inf forward, zeros backward), so that a float16 or bfloat16
+// forward's passes before the stores need no test of k < mine: a branch around each pack in
+// each pass, with its convergence barrier and `mine` recomputed each pass (ptxas, sm_90,
+// bfloat16 at 2 packs: 720 instructions in the kernel with the tests, 648 without).
 template <typename TI, int P, int N>
-__device__ __forceinline__ void flat_load(Words<TI, P> (&a)[N], const TI *p, int stride, int mine) {
+__device__ __forceinline__ void flat_load(Words<TI, P> (&a)[N], const TI *p, int stride, int mine, uint32_t pad) {
 #pragma unroll
-    for (int k = 0; k < N; ++k)
+    for (int k = 0; k < N; ++k) {
+#pragma unroll
+        for (int i = 0; i < P * (int)sizeof(TI) / 4; ++i) a[k].v[i] = pad;
         if (k < mine) a[k] = *reinterpret_cast<const Words<TI, P> *>(p + k * stride);
+    }
 }
 
 // The rest of a row of the flat kernels once its packs are loaded (a: x forward, y backward; b:
@@ -798,12 +820,16 @@ __device__ __forceinline__ void flat_row(const brrr_softmax_launch &L, const Wor
                                          const Words<TI, P> (&b)[N], int mine, TO *out, int stride, int warps,
                                          int slot, float (*buf)[kFlatMaxThreads / 32], int parity) {
     if constexpr (!kBackward) {
+        // Past the padding (-inf), which adds nothing, for float32 results alone: their expf
+        // (about ten instructions) interleaved over all of a thread's values took more registers
+        // (ptxas, sm_90, float32 at 4 packs: 62 against 44).
+        constexpr bool kSkip = std::is_same<TO, float>::value;
         auto forward = [&](auto log) {
             float v[N][P];
             float m = lowest<float>();
 #pragma unroll
             for (int k = 0; k < N; ++k) {
-                if (k >= mine) continue;
+                if (kSkip && k >= mine) continue;
 #pragma unroll
                 for (int j = 0; j < P; ++j) {
                     v[k][j] = word_value<TI>(a[k].v, j);
@@ -814,7 +840,7 @@ __device__ __forceinline__ void flat_row(const brrr_softmax_launch &L, const Wor
             float s = 0.f;
 #pragma unroll
             for (int k = 0; k < N; ++k) {
-                if (k >= mine) continue;
+                if (kSkip && k >= mine) continue;
 #pragma unroll
                 for (int j = 0; j < P; ++j) {
                     const float e = flat_exp<TO>(v[k][j] - m);
@@ -836,6 +862,8 @@ __device__ __forceinline__ void flat_row(const brrr_softmax_launch &L, const Wor
         else forward(std::false_type());
     } else {
         auto backward = [&](auto log) {
+            // The padding (zeros) would add nothing, but without the test ptxas took more
+            // registers (bfloat16 at 4 packs: 64 and 96 bytes of spills, against 56 and none).
             float dot = 0.f;
 #pragma unroll
             for (int k = 0; k < N; ++k) {
@@ -874,11 +902,12 @@ __device__ __forceinline__ void flat_row(const brrr_softmax_launch &L, const Wor
 // the row and rows past L.rows load, count and store nothing, but their threads reach the
 // barriers. Assumes packable(L), L.row_ndim == 1 and cols / P <= N << tpr_log2.
 template <typename TX, typename TY, bool kBackward, int N>
-__global__ void __launch_bounds__(kFlatMaxThreads)
+__global__ void __launch_bounds__(kFlatMaxThreads, flat_min_blocks<TX, TY, kBackward, N>())
     softmax_flat_kernel(const __grid_constant__ brrr_softmax_launch L, const int tpr_log2) {
     using TI = typename std::conditional<kBackward, TY, TX>::type;  // what is read: x, or y and grad_y
     using TO = typename std::conditional<kBackward, TX, TY>::type;
     constexpr int P = pack_elems<TX, TY>();
+    constexpr uint32_t pad = kBackward ? 0u : minus_inf_word<TI>();
     __shared__ float buf[2][kFlatMaxThreads / 32];
     const int tpr = 1 << tpr_log2, t = (int)threadIdx.x & (tpr - 1), warps = tpr >> 5, lane = (int)threadIdx.x & 31;
     const int slot = (int)(threadIdx.x >> tpr_log2) * warps + (lane & (warps - 1));
@@ -888,8 +917,8 @@ __global__ void __launch_bounds__(kFlatMaxThreads)
 #pragma unroll
     for (int k = 0; k < N; ++k) mine += row < L.rows && first + k * stride < L.cols ? 1 : 0;
     Words<TI, P> a[N], b[N];
-    flat_load<TI, P>(a, static_cast<const TI *>(L.in[0]) + row * L.row_strides[0][0] + first, stride, mine);
-    if (kBackward) flat_load<TI, P>(b, static_cast<const TI *>(L.in[1]) + row * L.row_strides[1][0] + first, stride, mine);
+    flat_load<TI, P>(a, static_cast<const TI *>(L.in[0]) + row * L.row_strides[0][0] + first, stride, mine, pad);
+    if (kBackward) flat_load<TI, P>(b, static_cast<const TI *>(L.in[1]) + row * L.row_strides[1][0] + first, stride, mine, 0u);
     TO *out = static_cast<TO *>(L.out) + row * L.row_strides[2][0] + first;
     flat_row<TX, TY, kBackward, N>(L, a, b, mine, out, stride, warps, slot, buf, 0);
 }
@@ -905,6 +934,7 @@ __global__ void __launch_bounds__(kFlatMaxThreads)
     using TI = typename std::conditional<kBackward, TY, TX>::type;
     using TO = typename std::conditional<kBackward, TX, TY>::type;
     constexpr int P = pack_elems<TX, TY>();
+    constexpr uint32_t pad = kBackward ? 0u : minus_inf_word<TI>();
     __shared__ float buf[2][kFlatMaxThreads / 32];
     const int tpr = 1 << tpr_log2, t = (int)threadIdx.x & (tpr - 1), warps = tpr >> 5, lane = (int)threadIdx.x & 31;
     const int slot = (int)(threadIdx.x >> tpr_log2) * warps + (lane & (warps - 1));
@@ -918,21 +948,20 @@ __global__ void __launch_bounds__(kFlatMaxThreads)
     int64_t row = (int64_t)blockIdx.x * groups + (threadIdx.x >> tpr_log2);
     int mine = row < L.rows ? packs_here : 0, parity = 0;
     Words<TI, P> a[N], b[N];
-    flat_load<TI, P>(a, in0 + row * L.row_strides[0][0], stride, mine);
-    if (kBackward) flat_load<TI, P>(b, in1 + row * L.row_strides[1][0], stride, mine);
+    flat_load<TI, P>(a, in0 + row * L.row_strides[0][0], stride, mine, pad);
+    if (kBackward) flat_load<TI, P>(b, in1 + row * L.row_strides[1][0], stride, mine, 0u);
     for (int64_t base = (int64_t)blockIdx.x * groups; base < L.rows; base += step, row += step) {
         const int64_t next = row + step;
         const int next_mine = next < L.rows ? packs_here : 0;
         Words<TI, P> na[N], nb[N];
-        flat_load<TI, P>(na, in0 + next * L.row_strides[0][0], stride, next_mine);
-        if (kBackward) flat_load<TI, P>(nb, in1 + next * L.row_strides[1][0], stride, next_mine);
+        flat_load<TI, P>(na, in0 + next * L.row_strides[0][0], stride, next_mine, pad);
+        if (kBackward) flat_load<TI, P>(nb, in1 + next * L.row_strides[1][0], stride, next_mine, 0u);
         TO *out = static_cast<TO *>(L.out) + row * L.row_strides[2][0] + first;
         flat_row<TX, TY, kBackward, N>(L, a, b, mine, out, stride, warps, slot, buf, parity);
         parity ^= 1;  // the backward's next reduction stores into the other half: no second barrier
 #pragma unroll
         for (int k = 0; k < N; ++k) {
-            if (k >= next_mine) continue;
-            a[k] = na[k];
+            a[k] = na[k];  // the padding too, which the next row's passes read
             if (kBackward) b[k] = nb[k];
         }
         mine = next_mine;
