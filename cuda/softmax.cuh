@@ -24,6 +24,13 @@
 //                        product (backward), then the outputs, reading the row again (from L2
 //                        where it is still there); 16-byte packs where the views allow, else
 //                        element by element at any column stride. Any row length.
+// softmax_flat_kernel    (BRRR_SOFTMAX_KERNEL=flat) rows at one row stride of float32, float16 and
+//                        bfloat16, a group of 32-1024 threads a row, the row in registers; one exp
+//                        an element and unrolled reductions (see the kernel). Up to 32768 columns
+//                        (a float32 backward 16384).
+// softmax_flat_next_kernel  (flatnext) the same on a grid of the blocks that run at once, a group
+//                        loading its next row before it reduces this one; half the columns (a
+//                        float32 forward a quarter).
 #pragma once
 
 #include <stdint.h>
@@ -704,6 +711,263 @@ __global__ void __launch_bounds__(kGroupMaxThreads, group_min_blocks<TX, TY, kBa
     }
 }
 
+// ---- rows in registers, lean: the flat kernel ---------------------------------------------------
+
+// The flat kernel's largest group, and its smallest block (groups of fewer threads share one).
+constexpr int kFlatMaxThreads = 1024, kFlatMinBlock = 128;
+
+// Packs per thread the flat kernel may hold: forward 32 values in float32 (x, converted), as
+// the group kernel's widest instances hold; backward 4 packs each of y and grad_y, kept as stored
+// (32 registers: 32 values each in float16 and bfloat16, 16 in float32). The float32 backward at
+// 8 packs spilled 184 bytes a thread (ptxas, sm_90, 64 registers). 0 for float64, which it does
+// not take.
+template <typename TX, typename TY, bool kBackward> constexpr int flat_max_packs() {
+    return sizeof(typename Compute<TX>::type) == 8 ? 0 : kBackward ? 4 : 32 / pack_elems<TX, TY>();
+}
+// softmax_flat_next_kernel's, which holds two rows' packs: half as many, and a quarter for a
+// float32 x forward, which spilled 32 bytes a thread at half (ptxas, sm_90, 64 registers).
+template <typename TX, typename TY, bool kBackward> constexpr int flat_next_packs() {
+    return flat_max_packs<TX, TY, kBackward>() / (!kBackward && sizeof(TX) == 4 ? 4 : 2);
+}
+
+// The max (kMax) or sum of v over this thread's group of `warps` whole warps (a power of two up to
+// 32); every thread of the group gets the same bits. Warp butterflies, then, past one warp, one
+// barrier: each warp's result stored at its slot of buf, read back by lane i of every warp of the
+// group from the group's i-th slot (`slot`, computed once per kernel), and combined by butterflies
+// unrolled over at most 5 levels of uniform branches. The group kernel's pair reduction takes
+// two exps a level and a serial merge over the warps; this one takes none and log2(warps) levels.
+template <bool kMax>
+__device__ __forceinline__ float flat_group_reduce(float v, int warps, int slot, float *buf) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, v, off);
+        v = kMax ? fmaxf(v, o) : v + o;
+    }
+    if (warps == 1) return v;
+    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = buf[slot];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        if (off >= warps) continue;
+        const float o = __shfl_xor_sync(0xffffffffu, v, off);
+        v = kMax ? fmaxf(v, o) : v + o;
+    }
+    return v;
+}
+
+// exp for the flat kernel's result type TO: exp_'s, but for float16 and bfloat16 the MUFU op
+// alone (ex2.approx.ftz, cuda/elementary.cuh), where __expf adds a check of the subnormal range
+// (four more instructions an element); results below 2^-126 become 0, beside a row's largest,
+// which is 1.
+template <typename TO> __device__ __forceinline__ float flat_exp(float v) {
+    return std::is_same<TO, float>::value ? expf(v) : exp2_ftz(v * 1.4426950408889634f);
+}
+
+// Blocks of kFlatMaxThreads an SM softmax_flat_kernel's registers must leave room for: 2 (32
+// registers a thread, 8 rows of 256 threads an SM, as Liger-Kernel's 4096-column softmax runs)
+// for a float16 or bfloat16 forward of up to 16 values a thread, which took 40 unbounded (ptxas,
+// sm_90, bfloat16 at 2 packs) and none spilled at 32; else 1 (64). A float32 y (expf) spilled
+// 16 bytes at 32 (float32 at 4 packs).
+template <typename TX, typename TY, bool kBackward, int N> constexpr int flat_min_blocks() {
+    return !kBackward && sizeof(TY) == 2 && N * pack_elems<TX, TY>() <= 16 ? 2 : 1;
+}
+
+// A pack of P values of TI held as 32-bit words, and its value j: float16 and bfloat16 pairs
+// taken from their word (for bfloat16 a shift or a mask), so that packs are loaded, kept and
+// copied as whole registers (as Pack<TI, P>, ptxas moved 16-bit halves: a PRMT a value, and
+// 16-bit spills where softmax_flat_next_kernel copies a row's packs).
+template <typename TI, int P> using Words = Pack<uint32_t, P * (int)sizeof(TI) / 4>;
+template <typename TI> __device__ __forceinline__ float word_value(const uint32_t *w, int j) {
+    if constexpr (std::is_same<TI, float>::value) return __uint_as_float(w[j]);
+    else if constexpr (std::is_same<TI, __nv_bfloat16>::value)
+        return __uint_as_float(j % 2 ? w[j / 2] & 0xffff0000u : w[j / 2] << 16);
+    else return __half2float(__ushort_as_half((unsigned short)(j % 2 ? w[j / 2] >> 16 : w[j / 2] & 0xffffu)));
+}
+
+// -inf in every value of a word of TI: the forward's padding, which adds nothing to a row's max
+// or to its sum of exp(x - max) (the max starts at the lowest finite value).
+template <typename TI> constexpr uint32_t minus_inf_word() {
+    return std::is_same<TI, float>::value ? 0xff800000u : std::is_same<TI, __half>::value ? 0xfc00fc00u : 0xff80ff80u;
+}
+
+// The flat kernels' packs of one row: pack k of this thread (k < mine) from p + k * stride, the
+// others `pad` in every word (-inf forward, zeros backward), so that a float16 or bfloat16
+// forward's passes before the stores need no test of k < mine: a branch around each pack in
+// each pass, with its convergence barrier and `mine` recomputed each pass (ptxas, sm_90,
+// bfloat16 at 2 packs: 720 instructions in the kernel with the tests, 648 without).
+template <typename TI, int P, int N>
+__device__ __forceinline__ void flat_load(Words<TI, P> (&a)[N], const TI *p, int stride, int mine, uint32_t pad) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+#pragma unroll
+        for (int i = 0; i < P * (int)sizeof(TI) / 4; ++i) a[k].v[i] = pad;
+        if (k < mine) a[k] = *reinterpret_cast<const Words<TI, P> *>(p + k * stride);
+    }
+}
+
+// The rest of a row of the flat kernels once its packs are loaded (a: x forward, y backward; b:
+// grad_y), this thread's `mine` of them: the reductions and the outputs, at out + k * stride.
+// Forward as Liger-Kernel's Triton softmax computes it: the row's max M, then e = exp(x - M) in
+// place and its sum S, then y = e * (1 / S), or x - M - log(S): one exp an element and none in
+// the reductions (buf[0], then buf[1]). Backward: the dot product (buf[parity]), then the
+// outputs. log_softmax and softmax are two branches (a select between them kept both values
+// alive). Rows of -inf: M stays the lowest finite value, S = 0, and the outputs NaN (0 * inf,
+// -inf - -inf), as torch gives.
+template <typename TX, typename TY, bool kBackward, int N, typename TI = typename std::conditional<kBackward, TY, TX>::type,
+          int P = pack_elems<TX, TY>(), typename TO = typename std::conditional<kBackward, TX, TY>::type>
+__device__ __forceinline__ void flat_row(const brrr_softmax_launch &L, const Words<TI, P> (&a)[N],
+                                         const Words<TI, P> (&b)[N], int mine, TO *out, int stride, int warps,
+                                         int slot, float (*buf)[kFlatMaxThreads / 32], int parity) {
+    if constexpr (!kBackward) {
+        // Past the padding (-inf), which adds nothing, for float32 results alone: their expf
+        // (about ten instructions) interleaved over all of a thread's values took more registers
+        // (ptxas, sm_90, float32 at 4 packs: 62 against 44).
+        constexpr bool kSkip = std::is_same<TO, float>::value;
+        auto forward = [&](auto log) {
+            float v[N][P];
+            float m = lowest<float>();
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                if (kSkip && k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < P; ++j) {
+                    v[k][j] = word_value<TI>(a[k].v, j);
+                    m = fmaxf(m, v[k][j]);
+                }
+            }
+            m = flat_group_reduce<true>(m, warps, slot, buf[0]);
+            float s = 0.f;
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                if (kSkip && k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < P; ++j) {
+                    const float e = flat_exp<TO>(v[k][j] - m);
+                    s += e;
+                    if (!log) v[k][j] = e;
+                }
+            }
+            s = flat_group_reduce<false>(s, warps, slot, buf[1]);
+            const float shift = m + logf(s), inv = __frcp_rn(s);
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                if (k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < P; ++j) v[k][j] = log ? v[k][j] - shift : v[k][j] * inv;
+                store_pack<TO, P>(out + k * stride, v[k]);
+            }
+        };
+        if (L.log) forward(std::true_type());
+        else forward(std::false_type());
+    } else {
+        auto backward = [&](auto log) {
+            // The padding (zeros) would add nothing, but without the test ptxas took more
+            // registers (bfloat16 at 4 packs: 64 and 96 bytes of spills, against 56 and none).
+            float dot = 0.f;
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                if (k >= mine) continue;
+#pragma unroll
+                for (int j = 0; j < P; ++j) {
+                    const float g = word_value<TI>(b[k].v, j);
+                    dot += log ? g : g * word_value<TI>(a[k].v, j);
+                }
+            }
+            dot = flat_group_reduce<false>(dot, warps, slot, buf[parity]);
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                if (k >= mine) continue;
+                float v[P];
+#pragma unroll
+                for (int j = 0; j < P; ++j) {
+                    const float y = word_value<TI>(a[k].v, j), g = word_value<TI>(b[k].v, j);
+                    v[j] = log ? g - flat_exp<TO>(y) * dot : y * (g - dot);
+                }
+                store_pack<TO, P>(out + k * stride, v);
+            }
+        };
+        if (L.log) backward(std::true_type());
+        else backward(std::false_type());
+    }
+}
+
+// Contiguous rows at one row stride (2-d launches) of float32, float16 and bfloat16, each on a
+// group of 2^tpr_log2 threads (whole warps, up to kFlatMaxThreads) holding N 16-byte packs a
+// thread in registers: thread t of a group holds packs t + k * group (k < N), so that each load
+// of a warp reads 32 adjacent packs; flat_row does the rest. The bookkeeping is what
+// norm_fwd_flat_kernel's is: a row's addresses are row * stride (no unravelling of row dims), the
+// group reductions unrolled with their slot computed once, no integer division; every load of a
+// row issued before any is used. Block: max(group, 128) threads, its rows consecutive. Packs past
+// the row and rows past L.rows load, count and store nothing, but their threads reach the
+// barriers. Assumes packable(L), L.row_ndim == 1 and cols / P <= N << tpr_log2.
+template <typename TX, typename TY, bool kBackward, int N>
+__global__ void __launch_bounds__(kFlatMaxThreads, flat_min_blocks<TX, TY, kBackward, N>())
+    softmax_flat_kernel(const __grid_constant__ brrr_softmax_launch L, const int tpr_log2) {
+    using TI = typename std::conditional<kBackward, TY, TX>::type;  // what is read: x, or y and grad_y
+    using TO = typename std::conditional<kBackward, TX, TY>::type;
+    constexpr int P = pack_elems<TX, TY>();
+    constexpr uint32_t pad = kBackward ? 0u : minus_inf_word<TI>();
+    __shared__ float buf[2][kFlatMaxThreads / 32];
+    const int tpr = 1 << tpr_log2, t = (int)threadIdx.x & (tpr - 1), warps = tpr >> 5, lane = (int)threadIdx.x & 31;
+    const int slot = (int)(threadIdx.x >> tpr_log2) * warps + (lane & (warps - 1));
+    const int64_t row = (int64_t)blockIdx.x * ((int)blockDim.x >> tpr_log2) + (threadIdx.x >> tpr_log2);
+    const int first = t * P, stride = tpr * P;
+    int mine = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) mine += row < L.rows && first + k * stride < L.cols ? 1 : 0;
+    Words<TI, P> a[N], b[N];
+    flat_load<TI, P>(a, static_cast<const TI *>(L.in[0]) + row * L.row_strides[0][0] + first, stride, mine, pad);
+    if (kBackward) flat_load<TI, P>(b, static_cast<const TI *>(L.in[1]) + row * L.row_strides[1][0] + first, stride, mine, 0u);
+    TO *out = static_cast<TO *>(L.out) + row * L.row_strides[2][0] + first;
+    flat_row<TX, TY, kBackward, N>(L, a, b, mine, out, stride, warps, slot, buf, 0);
+}
+
+// softmax_flat_kernel's rows and layout on a grid of the blocks that run at once (launch_flat),
+// each group walking rows a grid apart: the loads of a group's next row are issued before the
+// reductions and stores of this one, so that a row's loads stay in flight through the previous
+// row's barriers (in softmax_flat_kernel a group has nothing in flight from its last load to its
+// exit). Twice the registers of packs: N packs of at most 16 values a thread (flat_next_packs).
+template <typename TX, typename TY, bool kBackward, int N>
+__global__ void __launch_bounds__(kFlatMaxThreads)
+    softmax_flat_next_kernel(const __grid_constant__ brrr_softmax_launch L, const int tpr_log2) {
+    using TI = typename std::conditional<kBackward, TY, TX>::type;
+    using TO = typename std::conditional<kBackward, TX, TY>::type;
+    constexpr int P = pack_elems<TX, TY>();
+    constexpr uint32_t pad = kBackward ? 0u : minus_inf_word<TI>();
+    __shared__ float buf[2][kFlatMaxThreads / 32];
+    const int tpr = 1 << tpr_log2, t = (int)threadIdx.x & (tpr - 1), warps = tpr >> 5, lane = (int)threadIdx.x & 31;
+    const int slot = (int)(threadIdx.x >> tpr_log2) * warps + (lane & (warps - 1));
+    const int groups = (int)blockDim.x >> tpr_log2, first = t * P, stride = tpr * P;
+    const int64_t step = (int64_t)gridDim.x * groups;
+    int packs_here = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) packs_here += first + k * stride < L.cols ? 1 : 0;
+    const TI *in0 = static_cast<const TI *>(L.in[0]) + first;
+    const TI *in1 = kBackward ? static_cast<const TI *>(L.in[1]) + first : nullptr;
+    int64_t row = (int64_t)blockIdx.x * groups + (threadIdx.x >> tpr_log2);
+    int mine = row < L.rows ? packs_here : 0, parity = 0;
+    Words<TI, P> a[N], b[N];
+    flat_load<TI, P>(a, in0 + row * L.row_strides[0][0], stride, mine, pad);
+    if (kBackward) flat_load<TI, P>(b, in1 + row * L.row_strides[1][0], stride, mine, 0u);
+    for (int64_t base = (int64_t)blockIdx.x * groups; base < L.rows; base += step, row += step) {
+        const int64_t next = row + step;
+        const int next_mine = next < L.rows ? packs_here : 0;
+        Words<TI, P> na[N], nb[N];
+        flat_load<TI, P>(na, in0 + next * L.row_strides[0][0], stride, next_mine, pad);
+        if (kBackward) flat_load<TI, P>(nb, in1 + next * L.row_strides[1][0], stride, next_mine, 0u);
+        TO *out = static_cast<TO *>(L.out) + row * L.row_strides[2][0] + first;
+        flat_row<TX, TY, kBackward, N>(L, a, b, mine, out, stride, warps, slot, buf, parity);
+        parity ^= 1;  // the backward's next reduction stores into the other half: no second barrier
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            a[k] = na[k];  // the padding too, which the next row's passes read
+            if (kBackward) b[k] = nb[k];
+        }
+        mine = next_mine;
+    }
+}
+
 // Is every view of the launch contiguous along its columns, its rows 16-byte aligned for packs of P?
 template <typename TX, typename TY>
 inline bool packable(const brrr_softmax_launch &L) {
@@ -827,12 +1091,93 @@ bool launch_group(const brrr_softmax_launch &L, int per, int device, cudaStream_
     }
 }
 
+// The flat kernels' layout for this launch, or false where it does not apply (float64, rows over
+// several dims, views packable() refuses, rows past kFlatMaxThreads threads of `most` packs a
+// thread): 2^tpr_log2 threads (32 to 1024) of `packs` packs a thread, `per` of them where per
+// is 1, 2, 4 or 8, else (per = 0) the fewest pack slots that hold the row and among those the
+// packs nearest 16 values a thread (ties to fewer): Liger-Kernel's Triton softmax gives a row 16
+// values a thread from 2048 to 8192 columns (bfloat16 4096: 256 threads of 2 packs; float32
+// 4096: 256 of 4; 32768: 1024 threads of 4 packs bfloat16, 8 float32).
+template <typename TX, typename TY>
+bool flat_config(const brrr_softmax_launch &L, int per, int most, int *tpr_log2, int *packs) {
+    constexpr int P = pack_elems<TX, TY>();
+    if (most == 0 || L.row_ndim != 1 || L.cols > (int64_t)kFlatMaxThreads * most * P || !packable<TX, TY>(L))
+        return false;
+    const int64_t total = L.cols / P;
+    int64_t best = 0;
+    int best_gap = 0;
+    for (int p = 1; p <= most; p *= 2) {
+        if (per != 0 && p != per) continue;
+        int lg = 5;
+        while (((int64_t)1 << lg) * p < total && lg < 10) ++lg;
+        const int64_t slots = ((int64_t)1 << lg) * p;
+        const int gap = abs(p * P - 16);
+        if (slots < total || (best != 0 && (slots > best || (slots == best && gap >= best_gap)))) continue;
+        best = slots;
+        best_gap = gap;
+        *tpr_log2 = lg;
+        *packs = p;
+    }
+    return best != 0;
+}
+
+// softmax_flat_kernel (next: softmax_flat_next_kernel, on as many blocks as run at once) at N
+// packs a thread.
+template <typename TX, typename TY, bool kBackward, int N>
+cudaError_t launch_flat_n(const brrr_softmax_launch &L, bool next, int64_t blocks, int block, int tpr_log2, int device,
+                          cudaStream_t stream) {
+    if constexpr (N <= flat_max_packs<TX, TY, kBackward>()) {
+        if (!next) softmax_flat_kernel<TX, TY, kBackward, N><<<(unsigned)blocks, block, 0, stream>>>(L, tpr_log2);
+    }
+    if constexpr (N <= flat_next_packs<TX, TY, kBackward>()) {
+        if (next) {
+            auto kernel = softmax_flat_next_kernel<TX, TY, kBackward, N>;
+            // Blocks an SM runs at once, per device and group size (the block size follows from
+            // it), kept after the first query: the runtime call costs host time on every launch.
+            static std::atomic<int> kept[64][11];
+            const bool keep = device >= 0 && device < 64;
+            int per_sm = keep ? kept[device][tpr_log2].load(std::memory_order_relaxed) : 0;
+            if (per_sm == 0) {
+                const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, 0);
+                if (err != cudaSuccess) return err;
+                per_sm = per_sm > 1 ? per_sm : 1;
+                if (keep) kept[device][tpr_log2].store(per_sm, std::memory_order_relaxed);
+            }
+            const int64_t wave = (int64_t)per_sm * sm_count(device);
+            kernel<<<(unsigned)(blocks < wave ? blocks : wave), block, 0, stream>>>(L, tpr_log2);
+        }
+    }
+    return cudaGetLastError();
+}
+
+// softmax_flat_kernel, or softmax_flat_next_kernel where `next`, for this launch with `per` packs
+// a thread (1, 2, 4 or 8; 0: flat_config's choice); false where it does not apply or the grid
+// would be too large.
+template <typename TX, typename TY, bool kBackward>
+bool launch_flat(const brrr_softmax_launch &L, int per, bool next, int device, cudaStream_t stream, cudaError_t *err) {
+    const int most = next ? flat_next_packs<TX, TY, kBackward>() : flat_max_packs<TX, TY, kBackward>();
+    int tpr_log2 = 0, packs = 0;
+    if (!flat_config<TX, TY>(L, per, most, &tpr_log2, &packs)) return false;
+    const int tpr = 1 << tpr_log2, block = tpr > kFlatMinBlock ? tpr : kFlatMinBlock, groups = block / tpr;
+    const int64_t blocks = (L.rows + groups - 1) / groups;
+    if (blocks > INT32_MAX) return false;
+    switch (packs) {
+    case 1: *err = launch_flat_n<TX, TY, kBackward, 1>(L, next, blocks, block, tpr_log2, device, stream); break;
+    case 2: *err = launch_flat_n<TX, TY, kBackward, 2>(L, next, blocks, block, tpr_log2, device, stream); break;
+    case 4: *err = launch_flat_n<TX, TY, kBackward, 4>(L, next, blocks, block, tpr_log2, device, stream); break;
+    default: *err = launch_flat_n<TX, TY, kBackward, 8>(L, next, blocks, block, tpr_log2, device, stream); break;
+    }
+    return true;
+}
+
 // Rows whose inputs take up to 32 KB go to the tile kernel past 1024 columns and to the register
 // kernel up to 1024, longer ones to the shared-memory (cluster) kernel, unaligned or strided ones
 // to the streaming kernel. On an H200 (16384 rows, device time) the tile kernel took a bfloat16
 // softmax forward of 4096 columns from 0.153 to 0.082 ms and a float32 one from 0.204 to 0.140,
 // where at 1024 columns it was 10-17% slower than the register kernel. BRRR_SOFTMAX_KERNEL=tile,
-// rows, smem, stream, group or group1/2/4/8 picks one where it applies, else the streaming kernel
+// rows, smem, stream, group or group1/2/4/8 picks one where it applies, else the streaming kernel;
+// flat or flat1/2/4/8 the flat kernel, flatnext or flatnext1/2/4 the flat kernel that loads a
+// group's next row early, where they apply, else the default choice; auto the default choice
 // (for measurements; docs/kernel-switches.md).
 template <typename TX, typename TY, bool kBackward>
 cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t stream) {
@@ -840,6 +1185,14 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t 
     using TI = typename std::conditional<kBackward, TY, TX>::type;
     const int64_t packs = L.cols / P, held = L.cols * (kBackward ? 2 : 1) * (int64_t)sizeof(TI);
     const char *force = getenv("BRRR_SOFTMAX_KERNEL");
+    if (force && strncmp(force, "flat", 4) == 0) {
+        const bool next = strncmp(force + 4, "next", 4) == 0;
+        const char *per = force + (next ? 8 : 4);
+        cudaError_t err = cudaSuccess;
+        if (launch_flat<TX, TY, kBackward>(L, *per ? atoi(per) : 0, next, device, stream, &err)) return err;
+        force = nullptr;
+    }
+    if (force && strcmp(force, "auto") == 0) force = nullptr;
     const bool pack = packable<TX, TY>(L);
     const bool rows_fit = pack && packs <= 512 * kMax;
     const bool want_smem = force ? strcmp(force, "smem") == 0 : held > (32 << 10);

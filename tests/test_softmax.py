@@ -1,6 +1,7 @@
 """brrr.softmax and brrr.log_softmax: outputs and gradients against float64 PyTorch on fresh random
 inputs (every dim, odd row lengths, rows that take each CUDA kernel and each block shape of the
-tile and group kernels, every BRRR_SOFTMAX_KERNEL value on every dtype pair, strided views,
+tile and group kernels, every BRRR_SOFTMAX_KERNEL value on every dtype pair, the flat kernel at
+the edges of its range with the kernel that ran read from the profiler, strided views,
 dtype=), rows with -inf, NumPy, the C op's argument checks, opcheck, torch.compile, the registry,
 brrr.nn and torch.nn.functional routing."""
 
@@ -104,7 +105,7 @@ def test_row_lengths_around_the_kernel_switches(device, dtype, cols):
     check_op(random((2, cols), dtype, device, -6, 6), -1, True, grad_scale=8.0)
 
 
-KERNELS = ["tile", "rows", "smem", "stream", "group", "group1", "group2", "group4", "group8"]
+KERNELS = ["tile", "rows", "smem", "stream", "group", "group1", "group2", "group4", "group8", "flat", "flatnext", "auto"]
 # (x's dtype, dtype=): y of x's dtype, and float32 y of half x.
 DTYPE_PAIRS = [(torch.float32, None), (torch.float16, None), (torch.bfloat16, None), (torch.float16, torch.float32),
                (torch.bfloat16, torch.float32)]
@@ -193,6 +194,114 @@ def test_group_kernel_groups_and_rows_per_block(monkeypatch, kernel, dtype, cols
         check_op(x, -1, log, grad_scale=8.0)
         alone = FUNCTIONS[log](x[rows - 1:].clone(), -1)
         assert torch.equal(FUNCTIONS[log](x, -1)[rows - 1:], alone)
+
+
+def _kernel_names(fn):
+    """The names of the CUDA kernels that fn() launches, from the profiler's device events
+    (demangled: "void brrr::softmax::softmax_flat_kernel<float, float, false, 4>(...)")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name() for e in prof.profiler.kineto_results.events()
+            if e.device_type() == torch.autograd.DeviceType.CUDA and not e.is_user_annotation()]
+
+
+def _flat_applies(kernel, x_dtype, y_dtype, cols, backward):
+    """Whether BRRR_SOFTMAX_KERNEL=kernel runs its flat kernel on contiguous 16-byte aligned rows
+    (docs/kernel-switches.md): P values a 16-byte pack of the wider dtype, up to 32 of them a thread
+    forward and 4 packs backward, in at most 1024 threads; flatnext half as many (a quarter for
+    float32 x forward); flat1-flat8 and flatnext1-flatnext4 at that many packs a thread."""
+    p = 16 // max(x_dtype.itemsize, y_dtype.itemsize)
+    most = 4 if backward else 32 // p
+    if kernel.startswith("flatnext"):
+        most //= 4 if not backward and x_dtype.itemsize == 4 else 2
+    per = int(kernel.removeprefix("flatnext").removeprefix("flat") or 0)
+    return cols % p == 0 and (per or most) <= most and cols // p <= 1024 * (per or most)
+
+
+def _flat_ran(names, kernel, backward):
+    """Whether names (_kernel_names) hold the flat kernel that kernel names, forward or backward
+    (its third template argument)."""
+    name = "softmax_flat_next_kernel<" if kernel.startswith("flatnext") else "softmax_flat_kernel<"
+    return any(n.split(name, 1)[1].split(",")[2].strip() == str(backward).lower() for n in names if name in n)
+
+
+# The flat kernels' values: their own layouts on every dtype pair, those of a set number of packs a
+# thread on float32 and bfloat16.
+FLAT_CASES = ([(k, d) for k in ("flat", "flatnext") for d in DTYPE_PAIRS]
+              + [(k, d) for k in ("flat1", "flat2", "flat4", "flat8", "flatnext1", "flatnext2", "flatnext4")
+                 for d in [(torch.float32, None), (torch.bfloat16, None)]])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel, dtypes", FLAT_CASES, ids=str)
+@pytest.mark.parametrize("cols", [8, 264, 1001, 4104, 8192, 8200, 16384, 16392, 32768, 32776])
+def test_flat_kernel_at_the_edges_of_its_range(monkeypatch, kernel, dtypes, cols):
+    """The flat kernels at each edge of their range: groups of 32 threads (4 rows a block) and 64,
+    rows that leave a thread's last packs empty, odd rows (no packs), the largest rows of each
+    packs-a-thread value forward and backward and just past them, where they fall back to the
+    default choice; -inf included. The profiler's kernel names say which kernel ran, so that a
+    fallback where a flat kernel should run (or the reverse) fails. Each row's result must not
+    depend on its neighbours in the block."""
+    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", kernel)
+    x_dtype, dtype = dtypes
+    x = random((5, cols), x_dtype, "cuda", -6, 6)
+    x[0, ::5] = float("-inf")
+    for log in (False, True):
+        check_op(x, -1, log, dtype=dtype, grad_scale=8.0)
+        alone = FUNCTIONS[log](x[4:].clone(), -1, dtype=dtype)
+        assert torch.equal(FUNCTIONS[log](x, -1, dtype=dtype)[4:], alone)
+    leaf = x.detach().requires_grad_()
+
+    def step():
+        y = brrr.softmax(leaf, -1, dtype=dtype)
+        y.backward(torch.ones_like(y))  # a contiguous gradient, which the flat kernels take
+
+    names = _kernel_names(step)
+    for back in (False, True):
+        assert _flat_ran(names, kernel, back) == _flat_applies(kernel, x_dtype, dtype or x_dtype, cols, back), (
+            names, back)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows, cols", [(20001, 8), (20001, 264), (3001, 4096)])
+def test_flat_next_kernel_walks_rows(monkeypatch, dtype, rows, cols):
+    """softmax_flat_next_kernel runs as many blocks as fit at once, each group walking rows a grid
+    apart: more rows than 132 SMs hold at once (at most 2048 threads an SM: 8448 rows of groups
+    of 32 threads, 4224 of 64, 1056 of 256), with rows of -inf among them, against the reference,
+    forward and backward; the last row alone gives the same bits."""
+    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", "flatnext")
+    x = random((rows, cols), dtype, "cuda", -6, 6)
+    x[1000] = float("-inf")
+    x[2000, ::3] = float("-inf")
+    for log in (False, True):
+        y = FUNCTIONS[log](x, -1)
+        ref = (torch.log_softmax if log else torch.softmax)(x.double().cpu(), -1)
+        assert torch.equal(torch.isnan(y.cpu()), torch.isnan(ref))
+        finite = torch.isfinite(ref)
+        assert_close(y.cpu().double()[finite], ref[finite], dtype, scale=4)
+        assert torch.equal(FUNCTIONS[log](x[rows - 1:].clone(), -1), y[rows - 1:])
+    keep = torch.ones(rows, dtype=torch.bool, device="cuda")
+    keep[1000] = False  # the row of -inf: NaN gradients
+    check_op(x[keep], -1, False, grad_scale=8.0)
+    assert _flat_ran(_kernel_names(lambda: brrr.softmax(x, -1)), "flatnext", False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["padded", "two_row_dims", "unaligned", "strided"])
+def test_flat_kernel_takes_padded_rows_and_leaves_other_views(monkeypatch, dtype, layout):
+    """Rows at a row stride past their columns (16-byte aligned) take the flat kernel; rows over two
+    dims, unaligned rows and strided columns fall back to the default choice."""
+    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", "flat")
+    x = _layout((5, 4096), dtype, layout)
+    check_op(x, -1, False, grad_scale=8.0)
+    names = _kernel_names(lambda: brrr.softmax(x, -1))
+    assert any("softmax_flat_kernel<" in n for n in names) == (layout == "padded"), names
 
 
 @pytest.mark.cuda

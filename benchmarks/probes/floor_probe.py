@@ -38,9 +38,10 @@ On the CPU (--device cpu), device time is the time of the operators torch's prof
 
 --variant NAME=a,b times brrr once per value of the environment variable NAME, set in this
 process before that value's calls. That serves switches that brrr's C code reads with getenv at
-every launch, as BRRR_SOFTMAX_KERNEL is (cuda/softmax.cuh, launch_typed). A switch read once (at
-import, or cached in the module state as BRRR_NUM_THREADS is, csrc/cpu.c) needs a process per
-value: run the probe once per value with NAME set outside.
+every launch, as BRRR_SOFTMAX_KERNEL is (cuda/softmax.cuh, launch_typed; its value auto names the
+default choice, which an empty value does not: that forces the streaming kernel). A switch read
+once (at import, or cached in the module state as BRRR_NUM_THREADS is, csrc/cpu.c) needs a
+process per value: run the probe once per value with NAME set outside.
 
 Writes DIR/floor.txt (markdown tables, one per section and dtype) and DIR/floor.json (every
 cell, and each row's timing seconds), and prints each row as it is measured, then the seconds
