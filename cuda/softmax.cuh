@@ -1178,21 +1178,27 @@ bool launch_flat(const brrr_softmax_launch &L, int per, bool next, int device, c
 // rows, smem, stream, group or group1/2/4/8 picks one where it applies, else the streaming kernel;
 // flat or flat1/2/4/8 the flat kernel, flatnext or flatnext1/2/4 the flat kernel that loads a
 // group's next row early, where they apply, else the default choice; auto the default choice
-// (for measurements; docs/kernel-switches.md).
+// (for measurements; docs/kernel-switches.md). Unset, the flat kernel first (below), then these.
 template <typename TX, typename TY, bool kBackward>
 cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t stream) {
     constexpr int P = pack_elems<TX, TY>(), kMax = max_packs<TX, TY, kBackward>();
     using TI = typename std::conditional<kBackward, TY, TX>::type;
     const int64_t packs = L.cols / P, held = L.cols * (kBackward ? 2 : 1) * (int64_t)sizeof(TI);
     const char *force = getenv("BRRR_SOFTMAX_KERNEL");
-    if (force && strncmp(force, "flat", 4) == 0) {
-        const bool next = strncmp(force + 4, "next", 4) == 0;
-        const char *per = force + (next ? 8 : 4);
+    if (force && strcmp(force, "auto") == 0) force = nullptr;
+    // Unset, the flat kernel wherever it applies but for 16-bit inputs past 16384 columns. On an
+    // H200 (2026-12-04, 16384 rows, device time, docs/kernel-switches.md) it ran the bfloat16
+    // softmax forward at 1024 and 4096 columns at 91% and 96% of the memory floor (the choice
+    // below: 73% and 86%), float32 at 4096 and 32768 at 97% and 93% (89%, 88%), float32 at 1024
+    // within 2%; bfloat16 at 32768 at 73% against the shared-memory kernel's 82%.
+    const bool flat_default = !force && !(sizeof(TI) == 2 && L.cols > 16384);
+    if (flat_default || (force && strncmp(force, "flat", 4) == 0)) {
+        const bool next = force && strncmp(force + 4, "next", 4) == 0;
+        const char *per = force ? force + (next ? 8 : 4) : "";
         cudaError_t err = cudaSuccess;
         if (launch_flat<TX, TY, kBackward>(L, *per ? atoi(per) : 0, next, device, stream, &err)) return err;
         force = nullptr;
     }
-    if (force && strcmp(force, "auto") == 0) force = nullptr;
     const bool pack = packable<TX, TY>(L);
     const bool rows_fit = pack && packs <= 512 * kMax;
     const bool want_smem = force ? strcmp(force, "smem") == 0 : held > (32 << 10);

@@ -267,6 +267,35 @@ def test_flat_kernel_at_the_edges_of_its_range(monkeypatch, kernel, dtypes, cols
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=str)
+@pytest.mark.parametrize("cols", [1024, 4096, 16384, 16392, 32768])
+@pytest.mark.parametrize("env", [None, "auto"])
+def test_default_takes_the_flat_kernel(monkeypatch, dtypes, cols, env):
+    """Unset (or auto), the flat kernel runs wherever it applies (_flat_applies) but for 16-bit
+    inputs past 16384 columns (the forward's x, the backward's y and grad_y), and the result is
+    right either way."""
+    if env is None:
+        monkeypatch.delenv("BRRR_SOFTMAX_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", env)
+    x_dtype, dtype = dtypes
+    y_dtype = dtype or x_dtype
+    x = random((3, cols), x_dtype, "cuda", -6, 6)
+    check_op(x, -1, False, dtype=dtype, grad_scale=8.0)
+    leaf = x.detach().requires_grad_()
+
+    def step():
+        y = brrr.softmax(leaf, -1, dtype=dtype)
+        y.backward(torch.ones_like(y))
+
+    names = _kernel_names(step)
+    for back, input_dtype in ((False, x_dtype), (True, y_dtype)):
+        want = (_flat_applies("flat", x_dtype, y_dtype, cols, back)
+                and not (input_dtype.itemsize == 2 and cols > 16384))
+        assert _flat_ran(names, "flat", back) == want, (names, back)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows, cols", [(20001, 8), (20001, 264), (3001, 4096)])
 def test_flat_next_kernel_walks_rows(monkeypatch, dtype, rows, cols):
@@ -313,9 +342,7 @@ def test_tile_kernel_rows_per_block(monkeypatch, dtype, cols, rows):
     (forward: x; backward: y and grad_y; float32 and bfloat16 switch at different columns): rows
     at each side of every switch, in numbers that leave the last block part-filled, -inf
     included. Each row's result must not depend on its neighbours in the block."""
-    monkeypatch.delenv("BRRR_SOFTMAX_KERNEL", raising=False)  # the default past 1024 columns
-    if cols <= 1024:
-        monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", "tile")
+    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", "tile")
     x = random((rows, cols), dtype, "cuda", -6, 6)
     x[0, ::5] = float("-inf")
     for log in (False, True):
