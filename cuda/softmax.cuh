@@ -1186,12 +1186,15 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t 
     const int64_t packs = L.cols / P, held = L.cols * (kBackward ? 2 : 1) * (int64_t)sizeof(TI);
     const char *force = getenv("BRRR_SOFTMAX_KERNEL");
     if (force && strcmp(force, "auto") == 0) force = nullptr;
-    // Unset, the flat kernel wherever it applies but for 16-bit inputs past 16384 columns. On an
-    // H200 (2026-12-04, 16384 rows, device time, docs/kernel-switches.md) it ran the bfloat16
-    // softmax forward at 1024 and 4096 columns at 91% and 96% of the memory floor (the choice
-    // below: 73% and 86%), float32 at 4096 and 32768 at 97% and 93% (89%, 88%), float32 at 1024
-    // within 2%; bfloat16 at 32768 at 73% against the shared-memory kernel's 82%.
-    const bool flat_default = !force && !(sizeof(TI) == 2 && L.cols > 16384);
+    // Unset, the flat kernel wherever it applies but for 16-bit inputs past 16384 columns and 32-bit
+    // inputs of 4097-16384. On an H200 (2026-12-04, 16384 rows, device time, docs/kernel-switches.md)
+    // it ran the bfloat16 softmax forward at 1024, 4096, 8192 and 16384 columns at 92%, 98%, 96% and
+    // 89% of the memory floor (the choice below: 73%, 69-86%, 82%, 86%), float32 at 4096 and 32768
+    // at 97% and 93% (89%, 88%), float32 at 1024 within 2%; but bfloat16 at 32768 at 73% against
+    // the shared-memory kernel's 82%, and float32 at 8192 and 16384 at 89% and 76% against the group
+    // kernel's 97% and 98%.
+    const bool flat_default = !force && !(sizeof(TI) == 2 && L.cols > 16384) &&
+                              !(sizeof(TI) == 4 && L.cols > 4096 && L.cols <= 16384);
     if (flat_default || (force && strncmp(force, "flat", 4) == 0)) {
         const bool next = force && strncmp(force + 4, "next", 4) == 0;
         const char *per = force ? force + (next ? 8 : 4) : "";

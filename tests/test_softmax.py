@@ -268,12 +268,12 @@ def test_flat_kernel_at_the_edges_of_its_range(monkeypatch, kernel, dtypes, cols
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=str)
-@pytest.mark.parametrize("cols", [1024, 4096, 16384, 16392, 32768])
+@pytest.mark.parametrize("cols", [1024, 4096, 4100, 16384, 16392, 32768])
 @pytest.mark.parametrize("env", [None, "auto"])
 def test_default_takes_the_flat_kernel(monkeypatch, dtypes, cols, env):
     """Unset (or auto), the flat kernel runs wherever it applies (_flat_applies) but for 16-bit
-    inputs past 16384 columns (the forward's x, the backward's y and grad_y), and the result is
-    right either way."""
+    inputs past 16384 columns and 32-bit inputs of 4097-16384 (the forward's x, the backward's y
+    and grad_y), and the result is right either way."""
     if env is None:
         monkeypatch.delenv("BRRR_SOFTMAX_KERNEL", raising=False)
     else:
@@ -291,7 +291,8 @@ def test_default_takes_the_flat_kernel(monkeypatch, dtypes, cols, env):
     names = _kernel_names(step)
     for back, input_dtype in ((False, x_dtype), (True, y_dtype)):
         want = (_flat_applies("flat", x_dtype, y_dtype, cols, back)
-                and not (input_dtype.itemsize == 2 and cols > 16384))
+                and not (input_dtype.itemsize == 2 and cols > 16384)
+                and not (input_dtype.itemsize == 4 and 4096 < cols <= 16384))
         assert _flat_ran(names, "flat", back) == want, (names, back)
 
 
