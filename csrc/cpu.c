@@ -115,18 +115,6 @@ void brrr_cpu_parallel_for(int64_t n_items, int64_t item_work, brrr_cpu_task tas
 
 /* ---- block loads and stores ---------------------------------------------------------------- */
 
-/* brrr_f32_to_bf16 (round to nearest even, a NaN kept quiet) with its NaN found by an unordered
- * compare, one vector operation where the test of the magnitude's bits takes two: the same bits
- * for every float, and about 15% fewer operations in the store loop. */
-BRRR_INLINE uint16_t f32_to_bf16(float f) {
-    const union {
-        float f;
-        uint32_t u;
-    } v = {f};
-    const uint32_t rounded = (v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16, quiet = (v.u >> 16) | 0x40u;
-    return (uint16_t)(f == f ? rounded : quiet);
-}
-
 BRRR_SIMD void brrr_cpu_load_f32(int32_t dtype, const void *base, int64_t stride, int64_t n, float *dst) {
     switch (dtype) {
     case BRRR_F32:
@@ -160,9 +148,9 @@ BRRR_SIMD void brrr_cpu_store_f32(int32_t dtype, void *base, int64_t stride, int
         break;
     case BRRR_BF16:
         if (stride == 1) {
-            for (int64_t i = 0; i < n; i++) ((uint16_t *)base)[i] = f32_to_bf16(src[i]);
+            for (int64_t i = 0; i < n; i++) ((uint16_t *)base)[i] = brrr_cpu_f32_to_bf16(src[i]);
         } else {
-            for (int64_t i = 0; i < n; i++) ((uint16_t *)base)[i * stride] = f32_to_bf16(src[i]);
+            for (int64_t i = 0; i < n; i++) ((uint16_t *)base)[i * stride] = brrr_cpu_f32_to_bf16(src[i]);
         }
         break;
     default:
@@ -210,9 +198,9 @@ BRRR_SIMD void brrr_cpu_store_f64(int32_t dtype, void *base, int64_t stride, int
         break;
     case BRRR_BF16:
         if (stride == 1) {
-            for (int64_t i = 0; i < n; i++) ((uint16_t *)base)[i] = f32_to_bf16((float)src[i]);
+            for (int64_t i = 0; i < n; i++) ((uint16_t *)base)[i] = brrr_cpu_f32_to_bf16((float)src[i]);
         } else {
-            for (int64_t i = 0; i < n; i++) ((uint16_t *)base)[i * stride] = f32_to_bf16((float)src[i]);
+            for (int64_t i = 0; i < n; i++) ((uint16_t *)base)[i * stride] = brrr_cpu_f32_to_bf16((float)src[i]);
         }
         break;
     default:
