@@ -28,9 +28,6 @@
 //                        bfloat16, a group of 32-1024 threads a row, the row in registers; one exp
 //                        an element and unrolled reductions (see the kernel). Up to 32768 columns
 //                        (a float32 backward 16384).
-// softmax_flat_next_kernel  (flatnext) the same on a grid of the blocks that run at once, a group
-//                        loading its next row before it reduces this one; half the columns (a
-//                        float32 forward a quarter).
 #pragma once
 
 #include <stdint.h>
@@ -724,12 +721,6 @@ constexpr int kFlatMaxThreads = 1024, kFlatMinBlock = 128;
 template <typename TX, typename TY, bool kBackward> constexpr int flat_max_packs() {
     return sizeof(typename Compute<TX>::type) == 8 ? 0 : kBackward ? 4 : 32 / pack_elems<TX, TY>();
 }
-// softmax_flat_next_kernel's, which holds two rows' packs: half as many, and a quarter for a
-// float32 x forward, which spilled 32 bytes a thread at half (ptxas, sm_90, 64 registers).
-template <typename TX, typename TY, bool kBackward> constexpr int flat_next_packs() {
-    return flat_max_packs<TX, TY, kBackward>() / (!kBackward && sizeof(TX) == 4 ? 4 : 2);
-}
-
 // The max (kMax) or sum of v over this thread's group of `warps` whole warps (a power of two up to
 // 32); every thread of the group gets the same bits. Warp butterflies, then, past one warp, one
 // barrier: each warp's result stored at its slot of buf, read back by lane i of every warp of the
@@ -775,8 +766,7 @@ template <typename TX, typename TY, bool kBackward, int N> constexpr int flat_mi
 
 // A pack of P values of TI held as 32-bit words, and its value j: float16 and bfloat16 pairs
 // taken from their word (for bfloat16 a shift or a mask), so that packs are loaded, kept and
-// copied as whole registers (as Pack<TI, P>, ptxas moved 16-bit halves: a PRMT a value, and
-// 16-bit spills where softmax_flat_next_kernel copies a row's packs).
+// copied as whole registers (as Pack<TI, P>, ptxas moved 16-bit halves: a PRMT a value).
 template <typename TI, int P> using Words = Pack<uint32_t, P * (int)sizeof(TI) / 4>;
 template <typename TI> __device__ __forceinline__ float word_value(const uint32_t *w, int j) {
     if constexpr (std::is_same<TI, float>::value) return __uint_as_float(w[j]);
@@ -810,7 +800,7 @@ __device__ __forceinline__ void flat_load(Words<TI, P> (&a)[N], const TI *p, int
 // grad_y), this thread's `mine` of them: the reductions and the outputs, at out + k * stride.
 // Forward as Liger-Kernel's Triton softmax computes it: the row's max M, then e = exp(x - M) in
 // place and its sum S, then y = e * (1 / S), or x - M - log(S): one exp an element and none in
-// the reductions (buf[0], then buf[1]). Backward: the dot product (buf[parity]), then the
+// the reductions (buf[0], then buf[1]). Backward: the dot product (buf[0]), then the
 // outputs. log_softmax and softmax are two branches (a select between them kept both values
 // alive). Rows of -inf: M stays the lowest finite value, S = 0, and the outputs NaN (0 * inf,
 // -inf - -inf), as torch gives.
@@ -818,7 +808,7 @@ template <typename TX, typename TY, bool kBackward, int N, typename TI = typenam
           int P = pack_elems<TX, TY>(), typename TO = typename std::conditional<kBackward, TX, TY>::type>
 __device__ __forceinline__ void flat_row(const brrr_softmax_launch &L, const Words<TI, P> (&a)[N],
                                          const Words<TI, P> (&b)[N], int mine, TO *out, int stride, int warps,
-                                         int slot, float (*buf)[kFlatMaxThreads / 32], int parity) {
+                                         int slot, float (*buf)[kFlatMaxThreads / 32]) {
     if constexpr (!kBackward) {
         // Past the padding (-inf), which adds nothing, for float32 results alone: their expf
         // (about ten instructions) interleaved over all of a thread's values took more registers
@@ -874,7 +864,7 @@ __device__ __forceinline__ void flat_row(const brrr_softmax_launch &L, const Wor
                     dot += log ? g : g * word_value<TI>(a[k].v, j);
                 }
             }
-            dot = flat_group_reduce<false>(dot, warps, slot, buf[parity]);
+            dot = flat_group_reduce<false>(dot, warps, slot, buf[0]);
 #pragma unroll
             for (int k = 0; k < N; ++k) {
                 if (k >= mine) continue;
@@ -920,52 +910,7 @@ __global__ void __launch_bounds__(kFlatMaxThreads, flat_min_blocks<TX, TY, kBack
     flat_load<TI, P>(a, static_cast<const TI *>(L.in[0]) + row * L.row_strides[0][0] + first, stride, mine, pad);
     if (kBackward) flat_load<TI, P>(b, static_cast<const TI *>(L.in[1]) + row * L.row_strides[1][0] + first, stride, mine, 0u);
     TO *out = static_cast<TO *>(L.out) + row * L.row_strides[2][0] + first;
-    flat_row<TX, TY, kBackward, N>(L, a, b, mine, out, stride, warps, slot, buf, 0);
-}
-
-// softmax_flat_kernel's rows and layout on a grid of the blocks that run at once (launch_flat),
-// each group walking rows a grid apart: the loads of a group's next row are issued before the
-// reductions and stores of this one, so that a row's loads stay in flight through the previous
-// row's barriers (in softmax_flat_kernel a group has nothing in flight from its last load to its
-// exit). Twice the registers of packs: N packs of at most 16 values a thread (flat_next_packs).
-template <typename TX, typename TY, bool kBackward, int N>
-__global__ void __launch_bounds__(kFlatMaxThreads)
-    softmax_flat_next_kernel(const __grid_constant__ brrr_softmax_launch L, const int tpr_log2) {
-    using TI = typename std::conditional<kBackward, TY, TX>::type;
-    using TO = typename std::conditional<kBackward, TX, TY>::type;
-    constexpr int P = pack_elems<TX, TY>();
-    constexpr uint32_t pad = kBackward ? 0u : minus_inf_word<TI>();
-    __shared__ float buf[2][kFlatMaxThreads / 32];
-    const int tpr = 1 << tpr_log2, t = (int)threadIdx.x & (tpr - 1), warps = tpr >> 5, lane = (int)threadIdx.x & 31;
-    const int slot = (int)(threadIdx.x >> tpr_log2) * warps + (lane & (warps - 1));
-    const int groups = (int)blockDim.x >> tpr_log2, first = t * P, stride = tpr * P;
-    const int64_t step = (int64_t)gridDim.x * groups;
-    int packs_here = 0;
-#pragma unroll
-    for (int k = 0; k < N; ++k) packs_here += first + k * stride < L.cols ? 1 : 0;
-    const TI *in0 = static_cast<const TI *>(L.in[0]) + first;
-    const TI *in1 = kBackward ? static_cast<const TI *>(L.in[1]) + first : nullptr;
-    int64_t row = (int64_t)blockIdx.x * groups + (threadIdx.x >> tpr_log2);
-    int mine = row < L.rows ? packs_here : 0, parity = 0;
-    Words<TI, P> a[N], b[N];
-    flat_load<TI, P>(a, in0 + row * L.row_strides[0][0], stride, mine, pad);
-    if (kBackward) flat_load<TI, P>(b, in1 + row * L.row_strides[1][0], stride, mine, 0u);
-    for (int64_t base = (int64_t)blockIdx.x * groups; base < L.rows; base += step, row += step) {
-        const int64_t next = row + step;
-        const int next_mine = next < L.rows ? packs_here : 0;
-        Words<TI, P> na[N], nb[N];
-        flat_load<TI, P>(na, in0 + next * L.row_strides[0][0], stride, next_mine, pad);
-        if (kBackward) flat_load<TI, P>(nb, in1 + next * L.row_strides[1][0], stride, next_mine, 0u);
-        TO *out = static_cast<TO *>(L.out) + row * L.row_strides[2][0] + first;
-        flat_row<TX, TY, kBackward, N>(L, a, b, mine, out, stride, warps, slot, buf, parity);
-        parity ^= 1;  // the backward's next reduction stores into the other half: no second barrier
-#pragma unroll
-        for (int k = 0; k < N; ++k) {
-            a[k] = na[k];  // the padding too, which the next row's passes read
-            if (kBackward) b[k] = nb[k];
-        }
-        mine = next_mine;
-    }
+    flat_row<TX, TY, kBackward, N>(L, a, b, mine, out, stride, warps, slot, buf);
 }
 
 // Is every view of the launch contiguous along its columns, its rows 16-byte aligned for packs of P?
@@ -1121,51 +1066,30 @@ bool flat_config(const brrr_softmax_launch &L, int per, int most, int *tpr_log2,
     return best != 0;
 }
 
-// softmax_flat_kernel (next: softmax_flat_next_kernel, on as many blocks as run at once) at N
-// packs a thread.
+// softmax_flat_kernel at N packs a thread.
 template <typename TX, typename TY, bool kBackward, int N>
-cudaError_t launch_flat_n(const brrr_softmax_launch &L, bool next, int64_t blocks, int block, int tpr_log2, int device,
-                          cudaStream_t stream) {
-    if constexpr (N <= flat_max_packs<TX, TY, kBackward>()) {
-        if (!next) softmax_flat_kernel<TX, TY, kBackward, N><<<(unsigned)blocks, block, 0, stream>>>(L, tpr_log2);
-    }
-    if constexpr (N <= flat_next_packs<TX, TY, kBackward>()) {
-        if (next) {
-            auto kernel = softmax_flat_next_kernel<TX, TY, kBackward, N>;
-            // Blocks an SM runs at once, per device and group size (the block size follows from
-            // it), kept after the first query: the runtime call costs host time on every launch.
-            static std::atomic<int> kept[64][11];
-            const bool keep = device >= 0 && device < 64;
-            int per_sm = keep ? kept[device][tpr_log2].load(std::memory_order_relaxed) : 0;
-            if (per_sm == 0) {
-                const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, 0);
-                if (err != cudaSuccess) return err;
-                per_sm = per_sm > 1 ? per_sm : 1;
-                if (keep) kept[device][tpr_log2].store(per_sm, std::memory_order_relaxed);
-            }
-            const int64_t wave = (int64_t)per_sm * sm_count(device);
-            kernel<<<(unsigned)(blocks < wave ? blocks : wave), block, 0, stream>>>(L, tpr_log2);
-        }
-    }
+cudaError_t launch_flat_n(const brrr_softmax_launch &L, int64_t blocks, int block, int tpr_log2, cudaStream_t stream) {
+    if constexpr (N <= flat_max_packs<TX, TY, kBackward>())
+        softmax_flat_kernel<TX, TY, kBackward, N><<<(unsigned)blocks, block, 0, stream>>>(L, tpr_log2);
     return cudaGetLastError();
 }
 
-// softmax_flat_kernel, or softmax_flat_next_kernel where `next`, for this launch with `per` packs
+// softmax_flat_kernel for this launch with `per` packs
 // a thread (1, 2, 4 or 8; 0: flat_config's choice); false where it does not apply or the grid
 // would be too large.
 template <typename TX, typename TY, bool kBackward>
-bool launch_flat(const brrr_softmax_launch &L, int per, bool next, int device, cudaStream_t stream, cudaError_t *err) {
-    const int most = next ? flat_next_packs<TX, TY, kBackward>() : flat_max_packs<TX, TY, kBackward>();
+bool launch_flat(const brrr_softmax_launch &L, int per, cudaStream_t stream, cudaError_t *err) {
+    const int most = flat_max_packs<TX, TY, kBackward>();
     int tpr_log2 = 0, packs = 0;
     if (!flat_config<TX, TY>(L, per, most, &tpr_log2, &packs)) return false;
     const int tpr = 1 << tpr_log2, block = tpr > kFlatMinBlock ? tpr : kFlatMinBlock, groups = block / tpr;
     const int64_t blocks = (L.rows + groups - 1) / groups;
     if (blocks > INT32_MAX) return false;
     switch (packs) {
-    case 1: *err = launch_flat_n<TX, TY, kBackward, 1>(L, next, blocks, block, tpr_log2, device, stream); break;
-    case 2: *err = launch_flat_n<TX, TY, kBackward, 2>(L, next, blocks, block, tpr_log2, device, stream); break;
-    case 4: *err = launch_flat_n<TX, TY, kBackward, 4>(L, next, blocks, block, tpr_log2, device, stream); break;
-    default: *err = launch_flat_n<TX, TY, kBackward, 8>(L, next, blocks, block, tpr_log2, device, stream); break;
+    case 1: *err = launch_flat_n<TX, TY, kBackward, 1>(L, blocks, block, tpr_log2, stream); break;
+    case 2: *err = launch_flat_n<TX, TY, kBackward, 2>(L, blocks, block, tpr_log2, stream); break;
+    case 4: *err = launch_flat_n<TX, TY, kBackward, 4>(L, blocks, block, tpr_log2, stream); break;
+    default: *err = launch_flat_n<TX, TY, kBackward, 8>(L, blocks, block, tpr_log2, stream); break;
     }
     return true;
 }
@@ -1176,8 +1100,7 @@ bool launch_flat(const brrr_softmax_launch &L, int per, bool next, int device, c
 // softmax forward of 4096 columns from 0.153 to 0.082 ms and a float32 one from 0.204 to 0.140,
 // where at 1024 columns it was 10-17% slower than the register kernel. BRRR_SOFTMAX_KERNEL=tile,
 // rows, smem, stream, group or group1/2/4/8 picks one where it applies, else the streaming kernel;
-// flat or flat1/2/4/8 the flat kernel, flatnext or flatnext1/2/4 the flat kernel that loads a
-// group's next row early, where they apply, else the default choice; auto the default choice
+// flat or flat1/2/4/8 the flat kernel where it applies, else the default choice; auto the default choice
 // (for measurements; docs/kernel-switches.md). Unset, the flat kernel first (below), then these.
 template <typename TX, typename TY, bool kBackward>
 cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t stream) {
@@ -1196,10 +1119,9 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t 
     const bool flat_default = !force && !(sizeof(TI) == 2 && L.cols > 16384) &&
                               !(sizeof(TI) == 4 && L.cols > 4096 && L.cols <= 16384);
     if (flat_default || (force && strncmp(force, "flat", 4) == 0)) {
-        const bool next = force && strncmp(force + 4, "next", 4) == 0;
-        const char *per = force ? force + (next ? 8 : 4) : "";
+        const char *per = force ? force + 4 : "";
         cudaError_t err = cudaSuccess;
-        if (launch_flat<TX, TY, kBackward>(L, *per ? atoi(per) : 0, next, device, stream, &err)) return err;
+        if (launch_flat<TX, TY, kBackward>(L, *per ? atoi(per) : 0, stream, &err)) return err;
         force = nullptr;
     }
     const bool pack = packable<TX, TY>(L);

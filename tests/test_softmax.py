@@ -105,7 +105,7 @@ def test_row_lengths_around_the_kernel_switches(device, dtype, cols):
     check_op(random((2, cols), dtype, device, -6, 6), -1, True, grad_scale=8.0)
 
 
-KERNELS = ["tile", "rows", "smem", "stream", "group", "group1", "group2", "group4", "group8", "flat", "flatnext", "auto"]
+KERNELS = ["tile", "rows", "smem", "stream", "group", "group1", "group2", "group4", "group8", "flat", "auto"]
 # (x's dtype, dtype=): y of x's dtype, and float32 y of half x.
 DTYPE_PAIRS = [(torch.float32, None), (torch.float16, None), (torch.bfloat16, None), (torch.float16, torch.float32),
                (torch.bfloat16, torch.float32)]
@@ -212,27 +212,24 @@ def _kernel_names(fn):
 def _flat_applies(kernel, x_dtype, y_dtype, cols, backward):
     """Whether BRRR_SOFTMAX_KERNEL=kernel runs its flat kernel on contiguous 16-byte aligned rows
     (docs/kernel-switches.md): P values a 16-byte pack of the wider dtype, up to 32 of them a thread
-    forward and 4 packs backward, in at most 1024 threads; flatnext half as many (a quarter for
-    float32 x forward); flat1-flat8 and flatnext1-flatnext4 at that many packs a thread."""
+    forward and 4 packs backward, in at most 1024 threads; flat1-flat8 at that many packs a thread."""
     p = 16 // max(x_dtype.itemsize, y_dtype.itemsize)
     most = 4 if backward else 32 // p
-    if kernel.startswith("flatnext"):
-        most //= 4 if not backward and x_dtype.itemsize == 4 else 2
-    per = int(kernel.removeprefix("flatnext").removeprefix("flat") or 0)
+    per = int(kernel.removeprefix("flat") or 0)
     return cols % p == 0 and (per or most) <= most and cols // p <= 1024 * (per or most)
 
 
-def _flat_ran(names, kernel, backward):
-    """Whether names (_kernel_names) hold the flat kernel that kernel names, forward or backward
-    (its third template argument)."""
-    name = "softmax_flat_next_kernel<" if kernel.startswith("flatnext") else "softmax_flat_kernel<"
+def _flat_ran(names, backward):
+    """Whether names (_kernel_names) hold softmax_flat_kernel, forward or backward (its third
+    template argument)."""
+    name = "softmax_flat_kernel<"
     return any(n.split(name, 1)[1].split(",")[2].strip() == str(backward).lower() for n in names if name in n)
 
 
-# The flat kernels' values: their own layouts on every dtype pair, those of a set number of packs a
+# The flat kernel's values: its own layouts on every dtype pair, those of a set number of packs a
 # thread on float32 and bfloat16.
-FLAT_CASES = ([(k, d) for k in ("flat", "flatnext") for d in DTYPE_PAIRS]
-              + [(k, d) for k in ("flat1", "flat2", "flat4", "flat8", "flatnext1", "flatnext2", "flatnext4")
+FLAT_CASES = ([("flat", d) for d in DTYPE_PAIRS]
+              + [(k, d) for k in ("flat1", "flat2", "flat4", "flat8")
                  for d in [(torch.float32, None), (torch.bfloat16, None)]])
 
 
@@ -262,7 +259,7 @@ def test_flat_kernel_at_the_edges_of_its_range(monkeypatch, kernel, dtypes, cols
 
     names = _kernel_names(step)
     for back in (False, True):
-        assert _flat_ran(names, kernel, back) == _flat_applies(kernel, x_dtype, dtype or x_dtype, cols, back), (
+        assert _flat_ran(names, back) == _flat_applies(kernel, x_dtype, dtype or x_dtype, cols, back), (
             names, back)
 
 
@@ -293,32 +290,7 @@ def test_default_takes_the_flat_kernel(monkeypatch, dtypes, cols, env):
         want = (_flat_applies("flat", x_dtype, y_dtype, cols, back)
                 and not (input_dtype.itemsize == 2 and cols > 16384)
                 and not (input_dtype.itemsize == 4 and 4096 < cols <= 16384))
-        assert _flat_ran(names, "flat", back) == want, (names, back)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows, cols", [(20001, 8), (20001, 264), (3001, 4096)])
-def test_flat_next_kernel_walks_rows(monkeypatch, dtype, rows, cols):
-    """softmax_flat_next_kernel runs as many blocks as fit at once, each group walking rows a grid
-    apart: more rows than 132 SMs hold at once (at most 2048 threads an SM: 8448 rows of groups
-    of 32 threads, 4224 of 64, 1056 of 256), with rows of -inf among them, against the reference,
-    forward and backward; the last row alone gives the same bits."""
-    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", "flatnext")
-    x = random((rows, cols), dtype, "cuda", -6, 6)
-    x[1000] = float("-inf")
-    x[2000, ::3] = float("-inf")
-    for log in (False, True):
-        y = FUNCTIONS[log](x, -1)
-        ref = (torch.log_softmax if log else torch.softmax)(x.double().cpu(), -1)
-        assert torch.equal(torch.isnan(y.cpu()), torch.isnan(ref))
-        finite = torch.isfinite(ref)
-        assert_close(y.cpu().double()[finite], ref[finite], dtype, scale=4)
-        assert torch.equal(FUNCTIONS[log](x[rows - 1:].clone(), -1), y[rows - 1:])
-    keep = torch.ones(rows, dtype=torch.bool, device="cuda")
-    keep[1000] = False  # the row of -inf: NaN gradients
-    check_op(x[keep], -1, False, grad_scale=8.0)
-    assert _flat_ran(_kernel_names(lambda: brrr.softmax(x, -1)), "flatnext", False)
+        assert _flat_ran(names, back) == want, (names, back)
 
 
 @pytest.mark.cuda
