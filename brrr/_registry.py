@@ -26,11 +26,12 @@ the seed) to "kernel".
 
 On CPU tensors each op runs brrr's CPU kernel or the PyTorch function it replaces, whichever
 measured faster on this project's 2-core CPU machine (benchmarks/cpu_twins.py, numbers in
-benchmarks/results/cpu-2026-12-02-simd.md; ops a user registers run their implementation there,
-as on any device they list): brrr's kernel for tanh, rms_norm, cross_entropy and swiglu, where it
-won at every size measured; PyTorch's for the rest (the erf GELU, ReLU, SiLU, sigmoid, GeGLU,
-LayerNorm and softmax, where PyTorch's CPU kernels were as fast or faster at some size measured,
-or brrr's won only through huge pages for outputs of 32 MiB and more; ops not measured there).
+benchmarks/results/cpu-2026-12-02-simd.md to cpu-2026-12-04.md, docs/cpu.md; ops a user registers
+run their implementation there, as on any device they list): brrr's kernel for tanh, rms_norm,
+cross_entropy, swiglu, geglu and softmax, where it won at every size measured; PyTorch's for the
+rest (the erf GELU, ReLU, SiLU, sigmoid and LayerNorm, where PyTorch's CPU kernels were as fast or
+faster at some size measured, or brrr's won only through huge pages for outputs of 32 MiB and
+more; ops not measured there, log_softmax among them).
 registry.on_cpu(name, "kernel" | "pytorch") changes it.
 
 An input brrr does not support (a dtype or device it has no kernel for, mixed dtypes that

@@ -157,8 +157,9 @@ def torch_layer():
     def route(name):
         return lambda input, dim=None, _stacklevel=3, dtype=None: dispatch(name, input, dim, _stacklevel, dtype)
 
-    # torch's, bound before brrr.use_fused can route these names of F here
-    registry.register("softmax", F.softmax, implementation(False), supports, compiled="inductor", cpu="pytorch")
+    # torch's, bound before brrr.use_fused can route these names of F here. On CPU tensors brrr's softmax
+    # measured faster than PyTorch's at every size measured (docs/cpu.md); log_softmax is not measured.
+    registry.register("softmax", F.softmax, implementation(False), supports, compiled="inductor", cpu="kernel")
     registry.register("log_softmax", F.log_softmax, implementation(True), supports, compiled="inductor",
                       cpu="pytorch")
 

@@ -987,14 +987,17 @@ def test_cpu_tensors_run_the_faster_kernel_measured_unless_told():
     registry.reset()  # the defaults, as a user has them
     try:
         x = torch.randn(5, 8)
-        faster = {"tanh", "rms_norm", "cross_entropy", "swiglu", "geglu"}
+        faster = {"tanh", "rms_norm", "cross_entropy", "swiglu", "geglu", "softmax"}
         for name in registry.names():
             assert registry.lookup(name).cpu == ("kernel" if name in faster else "pytorch"), name
         rms = registry.lookup("rms_norm")
         assert rms.resolve(x, (8,)) is rms.implementation
+        softmax, log_softmax = registry.lookup("softmax"), registry.lookup("log_softmax")
+        assert softmax.resolve(x, -1) is softmax.implementation and log_softmax.resolve(x, -1) is log_softmax.reference
+        x64 = x.double()
+        torch.testing.assert_close(brrr.nn.Softmax(-1)(x).double(), torch.softmax(x64, -1), rtol=2e-6, atol=1e-7)
         geglu = registry.lookup("geglu")
         assert geglu.resolve(x) is geglu.implementation and geglu.resolve(x[:, :4], x[:, 4:]) is geglu.implementation
-        x64 = x.double()
         torch.testing.assert_close(brrr.nn.GeGLU()(x).double(), F.gelu(x64[:, :4]) * x64[:, 4:], rtol=2e-5, atol=2e-6)
         op = registry.lookup("gelu")
         assert op.resolve(x) is op.reference
