@@ -688,6 +688,12 @@ template <typename T, typename A> __device__ __forceinline__ A add_dw(A acc, A d
 // ---- backward: the fast path ----------------------------------------------------------------
 
 constexpr int kBwdMaxThreads = 1024, kBwdMaxLanes = 8, kBwdMaxStages = 4;
+// Elements a thread of the backward keeps xhat and g for between its passes (128 registers).
+template <typename T> constexpr int bwd_max_elements(int vec) {
+    return sizeof(typename Compute<T>::type) == 8 || vec == 1 ? 8 : 16;
+}
+// norm_bwd_bulk_kernel's wide rows: 4 packs of 8 halves a thread, nothing kept between the passes.
+constexpr int kBwdWideElements = 32;
 // A row's scalars in the ring, one slot per warp of a group: the saved mean and rstd, and x's
 // first element (the shift, as T).
 enum { kSlotMean, kSlotRstd, kSlotShift, kSlotSize = 4 };
@@ -1073,6 +1079,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 // of the group reaches after its last read of that stage (the previous row's grad_residual in
 // pass 2), so the ring needs no release barrier. Assumes: sm_90, 2-d launch (row_ndim 1),
 // 16-byte aligned rows, tpr a multiple of 32 (at most 512 with the lanes), stages >= 2, no split.
+// Wide rows (kBwdWideElements a thread: half rows of 8193-16384 columns, one lane, whose two packs
+// a thread would need 1024 threads) keep nothing between the passes: pass 2 reads x and dy back
+// from the ring and recomputes xhat and g (the same bits), and the weight comes from global
+// memory (L2), as three stages of the ring (192 KB at 16384 columns) leave no room for its copy.
 
 // The row sums v (of g * xhat and of g) over a group of `warps` whole warps (group g of the
 // block): a butterfly in each warp, each warp's pair into `slots` ([warp][2]), the group's
@@ -1105,6 +1115,7 @@ __global__ void __launch_bounds__(512, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using A = typename Compute<T>::type;
     constexpr int E = PACKS * VEC;
+    constexpr bool kWide = E > bwd_max_elements<T>(VEC);  // xhat and g not kept, the weight from L2
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ A red[2][kBwdMaxLanes][32];  // per group: [warp][2], warps <= 16
     const int tpr = lay.tpr, lanes = lay.lanes, stages = lay.stages, tensors = lay.tensors;
@@ -1165,7 +1176,8 @@ __global__ void __launch_bounds__(512, 1)
         __syncthreads();
     }
     auto weight = [&](int at, A *w) {
-        if constexpr (is_half<T>) load_vec<A, VEC>(wsh + at, w);  // the copy always fits (bwd_config)
+        if constexpr (kWide) load_weight<T, VEC>(L, at, w);
+        else if constexpr (is_half<T>) load_vec<A, VEC>(wsh + at, w);  // the copy always fits (bwd_config)
         else if (weight_copy) load_vec<A, VEC>(wsh + at, w);
         else load_weight<T, VEC>(L, at, w);
     };
@@ -1199,7 +1211,7 @@ __global__ void __launch_bounds__(512, 1)
             out = out + 1 == stages ? 0 : out + 1;
             const RowStats<A> st = row_stats(layer, layer ? to_float(xs[0]) : A(0), mean, rstd);
             A sums[2] = {A(0), A(0)};  // of g * xhat and of g (LayerNorm)
-            A xh[E], gk[E];
+            A xh[kWide ? 1 : E], gk[kWide ? 1 : E];
             // Pass 1 in three forms (runtime selects of per-element work cost instructions): Llama's
             // rounding, and RMSNorm's xhat = x * rstd, the bits of xhat_of with no shift and no
             // mean (x - 0 = x, fma(x, rstd, -0) = x * rstd rounded), without the sum of g.
@@ -1219,8 +1231,10 @@ __global__ void __launch_bounds__(512, 1)
                         if constexpr (kLayerNorm) sums[1] += gj;
                         if (want_dw) dw[k * VEC + j] = add_dw<T>(dw[k * VEC + j], dv[j], xhat, decltype(kLlama)::value);
                         if constexpr (kBias) db[k * VEC + j] += dv[j];
-                        xh[k * VEC + j] = xhat;
-                        gk[k * VEC + j] = gj;
+                        if constexpr (!kWide) {
+                            xh[k * VEC + j] = xhat;
+                            gk[k * VEC + j] = gj;
+                        }
                     }
                 }
             };
@@ -1240,8 +1254,20 @@ __global__ void __launch_bounds__(512, 1)
             for (int k = 0; k < PACKS; ++k) {
                 if (k >= mine) continue;
                 A d[VEC];
+                if constexpr (kWide) {
+                    A xv[VEC], dv[VEC], w[VEC];
+                    load_vec<T, VEC>(xs + first + k * stride, xv);
+                    load_vec<T, VEC>(dys + first + k * stride, dv);
+                    weight(first + k * stride, w);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) d[j] = fma_rn(gk[k * VEC + j], st.rstd, fma_rn(xh[k * VEC + j], b1, b2));
+                    for (int j = 0; j < VEC; ++j) {
+                        const A xhat = layer ? xhat_of(st, xv[j]) : mul_rn(xv[j], st.rstd);
+                        d[j] = fma_rn(dv[j] * w[j], st.rstd, fma_rn(xhat, b1, b2));
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) d[j] = fma_rn(gk[k * VEC + j], st.rstd, fma_rn(xh[k * VEC + j], b1, b2));
+                }
                 if (has_gres) {
                     A extra[VEC];
                     load_vec<T, VEC>(gs + first + k * stride, extra);
@@ -1827,10 +1853,6 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
 
 // Elements a backward thread holds per tensor: 16 with 16-byte packs, 8 with single elements
 // (each taking its own address) or float64. The PACKS compiled are the powers of two up to that.
-template <typename T> constexpr int bwd_max_elements(int vec) {
-    return sizeof(typename Compute<T>::type) == 8 || vec == 1 ? 8 : 16;
-}
-
 struct BwdConfig {
     int vec, packs, threads;  // threads: the kernel's bound, 512 (128 registers) or 1024 (64)
     BwdLayout lay;
@@ -1844,6 +1866,20 @@ static WeightPlace weight_place() {
     const char *v = getenv("BRRR_NORM_BWD_WEIGHT");
     if (v == nullptr) return WeightPlace::kCopyOrGlobal;
     return strcmp(v, "global") == 0 ? WeightPlace::kGlobal : strcmp(v, "smem") == 0 ? WeightPlace::kCopy : WeightPlace::kCopyOrGlobal;
+}
+
+// BRRR_NORM_BWD_KERNEL (docs/kernel-switches.md): bulk, norm_bwd_bulk_kernel where it applies
+// (bulk_applies), else norm_bwd_kernel; ring, norm_bwd_kernel; unset, bulk for float16 and
+// bfloat16 (measured faster on an H200 at every width) and ring for float32 and float64 (slower
+// at 8192 columns, the same elsewhere).
+// wide: bulk, with its wide rows wherever they apply (half rows of one lane), for measuring.
+template <typename T> static bool bwd_bulk_wanted() {
+    const char *v = getenv("BRRR_NORM_BWD_KERNEL");
+    return v == nullptr ? is_half<T> : strcmp(v, "bulk") == 0 || strcmp(v, "wide") == 0;
+}
+static bool bwd_wide_first() {
+    const char *v = getenv("BRRR_NORM_BWD_KERNEL");
+    return v != nullptr && strcmp(v, "wide") == 0;
 }
 
 // The backward's fast path for this launch, or false when it does not apply (strided columns,
@@ -1878,11 +1914,12 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     // 1.06 ms with the copy and one stage, 1.22 ms reading the weight from global memory with two;
     // at 16384 columns, where the copy does not fit, 2.35 ms from global memory against 6.27 ms in
     // the generic kernels.
-    auto fit = [&](int64_t tpr, int packs, int threads, int split, int64_t ncols) {
+    // wide: norm_bwd_bulk_kernel's wide rows, the weight from global memory, two stages or more.
+    auto fit = [&](int64_t tpr, int packs, int threads, int split, int64_t ncols, bool wide = false) {
         BwdLayout best[2] = {};  // [copy]
         for (int copy = 0; copy < 2; ++copy) {
-            if (copy == 0 ? !global_ok : place == WeightPlace::kGlobal && global_ok) continue;
-            for (int stages = kBwdMaxStages; stages >= 1 && best[copy].bytes == 0; --stages) {
+            if (wide ? copy == 1 : copy == 0 ? !global_ok : place == WeightPlace::kGlobal && global_ok) continue;
+            for (int stages = kBwdMaxStages; stages >= (wide ? 2 : 1) && best[copy].bytes == 0; --stages) {
                 BwdLayout lay = BwdLayout::make<T, A>((int)tpr, packs * vec, lanes, stages, tensors, n_grads, ncols, copy == 1);
                 if (lay.bytes > 0 && (size_t)lay.bytes <= limit) best[copy] = lay;
             }
@@ -1914,10 +1951,24 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     // of 16384) it took layer_norm from 1.73 to 1.50 ms and add_layer_norm from 2.82 to 2.54 ms,
     // where it made float32 rms_norm (1.38 to 1.46 ms) and every bfloat16 row slower.
     // BRRR_NORM_BWD_SPLIT=1 or 0 forces it on or off.
+    // norm_bwd_bulk_kernel's wide rows (half rows of one lane, sm_90, the bulk kernel wanted), 4
+    // packs a thread within 512 threads, where no bulk copy would be misaligned: past the 2-pack
+    // layout's 512 threads (8193-16384 columns), or wherever they apply with BRRR_NORM_BWD_KERNEL=wide.
+    auto wide_rows = [&]() {
+        if constexpr (is_half<T>) {
+            const int64_t tpr = threads_for(packs_total, kBwdWideElements / kVec);
+            return vec == kVec && lanes == 1 && tpr <= 512 && tpr % 32 == 0 && bwd_bulk_wanted<T>() && L.row_ndim == 1 &&
+                   compute_major(device) >= 9 && (L.weight.data == nullptr || aligned16(L.weight.data)) &&
+                   fit(tpr, kBwdWideElements / kVec, 512, 1, L.cols, true);
+        }
+        return false;
+    };
+    if (bwd_wide_first() && wide_rows()) return true;
     for (int packs = 1; packs * vec <= bwd_max_elements<T>(vec); packs *= 2) {
         const int64_t tpr = threads_for(packs_total, packs);
         if (tpr * lanes <= 512) return fit(tpr, packs, 512, 1, L.cols);
     }
+    if (wide_rows()) return true;
     const int packs = bwd_max_elements<T>(vec) / vec;
     const char *split = getenv("BRRR_NORM_BWD_SPLIT");
     const bool want_split = split ? strcmp(split, "1") == 0 : std::is_same<T, float>::value && L.grad_bias.data != nullptr;
@@ -1933,20 +1984,15 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
 // elements a thread (the widest rows), the only rows that need them.
 template <typename T, int VEC, int PACKS>
 static auto pick_bwd_kernel(bool bias, int threads, int split) {
+    if constexpr (PACKS * VEC > bwd_max_elements<T>(VEC)) {  // wide rows: the bulk kernel only
+        (void)threads, (void)split;
+        return bias ? norm_bwd_bulk_kernel<T, VEC, PACKS, true> : norm_bwd_bulk_kernel<T, VEC, PACKS, false>;
+    }
     if constexpr (PACKS * VEC == bwd_max_elements<T>(VEC)) {
         if (threads > 512) return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 1024, 1> : norm_bwd_kernel<T, VEC, PACKS, false, 1024, 1>;
         if (split > 1) return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 512, 2> : norm_bwd_kernel<T, VEC, PACKS, false, 512, 2>;
     }
     return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 512, 1> : norm_bwd_kernel<T, VEC, PACKS, false, 512, 1>;
-}
-
-// BRRR_NORM_BWD_KERNEL (docs/kernel-switches.md): bulk, norm_bwd_bulk_kernel where it applies
-// (bulk_applies), else norm_bwd_kernel; ring, norm_bwd_kernel; unset, bulk for float16 and
-// bfloat16 (measured faster on an H200 at every width) and ring for float32 and float64 (slower
-// at 8192 columns, the same elsewhere).
-template <typename T> static bool bwd_bulk_wanted() {
-    const char *v = getenv("BRRR_NORM_BWD_KERNEL");
-    return v == nullptr ? is_half<T> : strcmp(v, "bulk") == 0;
 }
 
 // norm_bwd_bulk_kernel's assumptions, for a launch that bwd_config gave the fast path.
@@ -1956,7 +2002,7 @@ static bool bulk_applies(const brrr_norm_launch &L, const BwdConfig &cfg, int de
 }
 
 template <typename T, int VEC, int P, typename F> static cudaError_t call_bwd(F &f) {
-    if constexpr (P * VEC <= bwd_max_elements<T>(VEC))
+    if constexpr (P * VEC <= bwd_max_elements<T>(VEC) || (is_half<T> && VEC == vec_width<T>() && P * VEC == kBwdWideElements))
         return f(std::integral_constant<int, VEC>(), std::integral_constant<int, P>());
     else
         return cudaErrorInvalidValue;

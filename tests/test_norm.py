@@ -434,6 +434,65 @@ def test_bwd_kernel_default(monkeypatch, dtype, kind):
     _assert_same_bits(default, chosen, "default")
 
 
+# Half rows of one summation lane past the 2-pack layout's 512 threads: norm_bwd_bulk_kernel's wide
+# rows, 4 packs a thread. The first and last widths (8200: 1025 packs over 288 threads, the last
+# thread's packs past the row; 16384: 512 threads, every pack in the row), and two between.
+WIDE_COLS = [8200, 12296, 16376, 16384]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", WIDE_COLS)
+def test_bwd_bulk_wide_rows(monkeypatch, dtype, kind, cast_order, residual, cols):
+    """Unset (= bulk for halves), BRRR_NORM_BWD_KERNEL runs the wide rows in norm_bwd_bulk_kernel
+    on sm_90, xhat and g recomputed in its second pass and the weight read from global memory:
+    against the float64 reference for row counts of one chunk and several, every affine form,
+    float32 parameters, RMSNorm's weight offset, padded rows and a weight not 16-byte aligned
+    (which leaves the launch to norm_bwd_kernel); the same bits run to run, and the same weight
+    and bias gradient bits as =ring (norm_bwd_kernel's 1024 threads: the same order, brrr_cuda.h),
+    grad_x to rounding."""
+    monkeypatch.delenv("BRRR_NORM_BWD_KERNEL", raising=False)
+    for rows in (1, 3, 37):
+        x = random((rows, cols), dtype, "cuda")
+        r = random((rows, cols), dtype, "cuda") if residual else None
+        w, b = params(kind, "both", (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
+    x = random((37, cols), dtype, "cuda")
+    r = random((37, cols), dtype, "cuda") if residual else None
+    for affine in AFFINE[kind]:
+        w, b = params(kind, affine, (cols,), dtype, "cuda")
+        compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
+    w, b = params(kind, "both", (cols,), dtype, "cuda", param_dtype=torch.float32)
+    compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
+    if kind == "rms_norm":
+        w = random((cols,), dtype, "cuda", -0.5, 0.5)
+        compare(kind, dtype, x, r, (cols,), w, None, cast_order=cast_order, offset=1.0)
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    padded = torch.empty(37, cols + 64, dtype=dtype, device="cuda")[:, :cols].copy_(x)
+    compare(kind, dtype, padded, r, (cols,), w, b, cast_order=cast_order)
+    unaligned = torch.empty(cols + 1, dtype=dtype, device="cuda")[1:].copy_(w)
+    compare(kind, dtype, x, r, (cols,), unaligned, b, cast_order=cast_order)
+    if cast_order != "torch":
+        return
+    x, g = random((301, cols), dtype, "cuda"), random((301, cols), dtype, "cuda")
+    r = random((301, cols), dtype, "cuda") if residual else None
+    default = _gradients_under(monkeypatch, {}, kind, x, r, w, b, g)
+    again = _gradients_under(monkeypatch, {}, kind, x, r, w, b, g)
+    ring = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "ring"}, kind, x, r, w, b, g)
+    _assert_same_bits(again, default, "wide rows, run to run")
+    _assert_same_bits(default[2:], ring[2:], "wide rows against ring")
+    for a, e in zip(default[:2], ring[:2]):
+        if a is not None:
+            torch.testing.assert_close(a.float(), e.float(), rtol=TOLERANCE[dtype]["rtol"],
+                                       atol=TOLERANCE[dtype]["atol"] * float(e.float().abs().max()))
+    if torch.cuda.get_device_capability()[0] >= 9:
+        names = _forward_kernels(lambda: _gradients_under(monkeypatch, {}, kind, x, r, w, b, g), "norm_bwd")
+        assert any("norm_bwd_bulk_kernel" in n for n in names), names
+        assert not any("norm_bwd_kernel" in n for n in names), names
+
+
 _FORWARD_NAMES = ("out", "residual_out", "grad_x", "grad_residual", "grad_weight", "grad_bias")
 
 
@@ -549,8 +608,9 @@ def test_fwd_kernel_default(monkeypatch, dtype, kind):
 _OP_NAMES = ("out", "residual_out", "mean", "rstd")
 
 
-def _forward_kernels(fn):
-    """The names of the norm forward kernels fn() launches, from the profiler's device events."""
+def _forward_kernels(fn, part="norm_fwd"):
+    """The names of the norm forward kernels (or those whose names hold `part`) fn() launches,
+    from the profiler's device events."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -558,8 +618,8 @@ def _forward_kernels(fn):
         fn()
         torch.cuda.synchronize()
     names = {e.name() for e in prof.profiler.kineto_results.events()
-             if e.device_type() == torch.autograd.DeviceType.CUDA and "norm_fwd" in e.name()}
-    assert names, "the profiler saw no norm forward kernel"
+             if e.device_type() == torch.autograd.DeviceType.CUDA and part in e.name()}
+    assert names, f"the profiler saw no {part} kernel"
     return names
 
 
