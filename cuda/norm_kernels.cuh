@@ -1081,8 +1081,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // 16-byte aligned rows, tpr a multiple of 32 (at most 512 with the lanes), stages >= 2, no split.
 // Wide rows (kBwdWideElements a thread: half rows of 8193-16384 columns, one lane, whose two packs
 // a thread would need 1024 threads) keep nothing between the passes: pass 2 reads x and dy back
-// from the ring and recomputes xhat and g (the same bits), and the weight comes from global
-// memory (L2), as three stages of the ring (192 KB at 16384 columns) leave no room for its copy.
+// from the ring and recomputes xhat and g (the same bits); the weight's copy is made where it
+// fits beside two stages of the ring, else the weight is read from global memory (L2).
 
 // The row sums v (of g * xhat and of g) over a group of `warps` whole warps (group g of the
 // block): a butterfly in each warp, each warp's pair into `slots` ([warp][2]), the group's
@@ -1176,8 +1176,7 @@ __global__ void __launch_bounds__(512, 1)
         __syncthreads();
     }
     auto weight = [&](int at, A *w) {
-        if constexpr (kWide) load_weight<T, VEC>(L, at, w);
-        else if constexpr (is_half<T>) load_vec<A, VEC>(wsh + at, w);  // the copy always fits (bwd_config)
+        if constexpr (is_half<T> && !kWide) load_vec<A, VEC>(wsh + at, w);  // the copy always fits (bwd_config)
         else if (weight_copy) load_vec<A, VEC>(wsh + at, w);
         else load_weight<T, VEC>(L, at, w);
     };
@@ -1914,11 +1913,14 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     // 1.06 ms with the copy and one stage, 1.22 ms reading the weight from global memory with two;
     // at 16384 columns, where the copy does not fit, 2.35 ms from global memory against 6.27 ms in
     // the generic kernels.
-    // wide: norm_bwd_bulk_kernel's wide rows, the weight from global memory, two stages or more.
+    // wide: norm_bwd_bulk_kernel's wide rows, two stages or more, the weight's copy where it fits
+    // beside them (unless BRRR_NORM_BWD_WEIGHT=global), else global memory.
     auto fit = [&](int64_t tpr, int packs, int threads, int split, int64_t ncols, bool wide = false) {
         BwdLayout best[2] = {};  // [copy]
         for (int copy = 0; copy < 2; ++copy) {
-            if (wide ? copy == 1 : copy == 0 ? !global_ok : place == WeightPlace::kGlobal && global_ok) continue;
+            if (wide ? copy == 1 && place == WeightPlace::kGlobal
+                     : copy == 0 ? !global_ok : place == WeightPlace::kGlobal && global_ok)
+                continue;
             for (int stages = kBwdMaxStages; stages >= (wide ? 2 : 1) && best[copy].bytes == 0; --stages) {
                 BwdLayout lay = BwdLayout::make<T, A>((int)tpr, packs * vec, lanes, stages, tensors, n_grads, ncols, copy == 1);
                 if (lay.bytes > 0 && (size_t)lay.bytes <= limit) best[copy] = lay;

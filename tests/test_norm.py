@@ -447,7 +447,9 @@ WIDE_COLS = [8200, 12296, 16376, 16384]
 @pytest.mark.parametrize("cols", WIDE_COLS)
 def test_bwd_bulk_wide_rows(monkeypatch, dtype, kind, cast_order, residual, cols):
     """Unset (= bulk for halves), BRRR_NORM_BWD_KERNEL runs the wide rows in norm_bwd_bulk_kernel
-    on sm_90, xhat and g recomputed in its second pass and the weight read from global memory:
+    on sm_90, xhat and g recomputed in its second pass, the weight from its copy in shared memory
+    or from global memory (where the copy does not fit, and with BRRR_NORM_BWD_WEIGHT=global: the
+    same bits):
     against the float64 reference for row counts of one chunk and several, every affine form,
     float32 parameters, RMSNorm's weight offset, padded rows and a weight not 16-byte aligned
     (which leaves the launch to norm_bwd_kernel); the same bits run to run, and the same weight
@@ -481,7 +483,9 @@ def test_bwd_bulk_wide_rows(monkeypatch, dtype, kind, cast_order, residual, cols
     default = _gradients_under(monkeypatch, {}, kind, x, r, w, b, g)
     again = _gradients_under(monkeypatch, {}, kind, x, r, w, b, g)
     ring = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "ring"}, kind, x, r, w, b, g)
+    from_l2 = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_WEIGHT": "global"}, kind, x, r, w, b, g)
     _assert_same_bits(again, default, "wide rows, run to run")
+    _assert_same_bits(from_l2, default, "wide rows, the weight from global memory")
     _assert_same_bits(default[2:], ring[2:], "wide rows against ring")
     for a, e in zip(default[:2], ring[:2]):
         if a is not None:
