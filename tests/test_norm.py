@@ -286,7 +286,9 @@ def test_backward_split_over_a_cluster(monkeypatch, dtype, kind, residual, cols)
     the halves unequal) with BRRR_NORM_BWD_SPLIT=1 (unset: float32 rows with a bias gradient); =0
     runs one 1024-thread block. Against the float64 reference, for row counts that leave one chunk
     (1, 3) and many; the weight and bias gradients the same bits either way (the same order),
-    grad_x to rounding (its row sums are added in another order)."""
+    grad_x to rounding (its row sums are added in another order). BRRR_NORM_BWD_KERNEL=ring: the
+    half rows here go to norm_bwd_bulk_kernel's wide rows otherwise (test_bwd_bulk_wide_rows)."""
+    monkeypatch.setenv("BRRR_NORM_BWD_KERNEL", "ring")
     monkeypatch.setenv("BRRR_NORM_BWD_SPLIT", "1")
     for rows in (1, 3, 37):
         x = random((rows, cols), dtype, "cuda")
