@@ -42,7 +42,8 @@
 // norm_bwd_bulk_kernel  the same launches on sm_90, the float16 and bfloat16 default
 //                     (BRRR_NORM_BWD_KERNEL=bulk|ring): the same layout, ring and order, a row
 //                     copied into the ring by one cp.async.bulk a tensor, completing on an
-//                     mbarrier (see the kernel).
+//                     mbarrier; and half rows of 8193-16384 columns at 4 packs a thread within
+//                     512 threads, recomputing xhat and g in the second pass (see the kernel).
 // norm_fwd_generic_kernel, norm_bwd_dx_generic_kernel
 //                     any strides, or rows too long for registers: a 256-thread block per row,
 //                     reading the row twice (the second time mostly from L2). Forward statistics:
@@ -1884,7 +1885,8 @@ static bool bwd_wide_first() {
 // The backward's fast path for this launch, or false when it does not apply (strided columns,
 // rows too long for 1024 threads / lanes at bwd_max_elements each, or shared memory too small
 // for one stage). A row gets the most threads, up to 512 / lanes, at the fewest elements a
-// thread; past that, two such blocks of a cluster (sm_90) or one of 1024 threads; the ring as
+// thread; past that, half rows norm_bwd_bulk_kernel's wide rows (sm_90, up to 16384 columns),
+// other rows two such blocks of a cluster (sm_90) or one of 1024 threads; the ring as
 // many stages, up to 4, as the device's shared memory holds beside the weight's copy, or without
 // the copy (the weight read from global memory) where that is the only way to hold one stage.
 // Without it, float32 add_layer_norm at 16384 columns (three rows of 64 KB and the weight's 64 KB,
