@@ -370,7 +370,14 @@ def test_candidate_kernels(monkeypatch, candidate, dtype, kind, cast_order, resi
     affine form, float32 parameters for half inputs, RMSNorm's weight offset, rows with padding
     between them."""
     monkeypatch.setenv(*CANDIDATES[candidate])
-    for rows in (1, 3, 37, 301):
+    _compare_every_form(kind, cast_order, dtype, residual, cols, (1, 3, 37, 301))
+
+
+def _compare_every_form(kind, cast_order, dtype, residual, cols, row_counts):
+    """Against the float64 reference on CUDA: rows of each count, then at 37 rows every affine
+    form, float32 parameters for half inputs, RMSNorm's weight offset, rows 64 elements apart, and
+    a weight not 16-byte aligned."""
+    for rows in row_counts:
         x = random((rows, cols), dtype, "cuda")
         r = random((rows, cols), dtype, "cuda") if residual else None
         w, b = params(kind, "both", (cols,), dtype, "cuda")
@@ -386,9 +393,11 @@ def test_candidate_kernels(monkeypatch, candidate, dtype, kind, cast_order, resi
     if kind == "rms_norm":
         w = random((cols,), dtype, "cuda", -0.5, 0.5)
         compare(kind, dtype, x, r, (cols,), w, None, cast_order=cast_order, offset=1.0)
-    padded = torch.empty(37, cols + 64, dtype=dtype, device="cuda")[:, :cols].copy_(x)  # rows 64 elements apart
     w, b = params(kind, "both", (cols,), dtype, "cuda")
+    padded = torch.empty(37, cols + 64, dtype=dtype, device="cuda")[:, :cols].copy_(x)
     compare(kind, dtype, padded, r, (cols,), w, b, cast_order=cast_order)
+    unaligned = torch.empty(cols + 1, dtype=w.dtype, device="cuda")[1:].copy_(w)
+    compare(kind, dtype, x, r, (cols,), unaligned, b, cast_order=cast_order)
 
 
 @pytest.mark.cuda
@@ -458,30 +467,12 @@ def test_bwd_bulk_wide_rows(monkeypatch, dtype, kind, cast_order, residual, cols
     and bias gradient bits as =ring (norm_bwd_kernel's 1024 threads: the same order, brrr_cuda.h),
     grad_x to rounding."""
     monkeypatch.delenv("BRRR_NORM_BWD_KERNEL", raising=False)
-    for rows in (1, 3, 37):
-        x = random((rows, cols), dtype, "cuda")
-        r = random((rows, cols), dtype, "cuda") if residual else None
-        w, b = params(kind, "both", (cols,), dtype, "cuda")
-        compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
-    x = random((37, cols), dtype, "cuda")
-    r = random((37, cols), dtype, "cuda") if residual else None
-    for affine in AFFINE[kind]:
-        w, b = params(kind, affine, (cols,), dtype, "cuda")
-        compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
-    w, b = params(kind, "both", (cols,), dtype, "cuda", param_dtype=torch.float32)
-    compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
-    if kind == "rms_norm":
-        w = random((cols,), dtype, "cuda", -0.5, 0.5)
-        compare(kind, dtype, x, r, (cols,), w, None, cast_order=cast_order, offset=1.0)
-    w, b = params(kind, "both", (cols,), dtype, "cuda")
-    padded = torch.empty(37, cols + 64, dtype=dtype, device="cuda")[:, :cols].copy_(x)
-    compare(kind, dtype, padded, r, (cols,), w, b, cast_order=cast_order)
-    unaligned = torch.empty(cols + 1, dtype=dtype, device="cuda")[1:].copy_(w)
-    compare(kind, dtype, x, r, (cols,), unaligned, b, cast_order=cast_order)
+    _compare_every_form(kind, cast_order, dtype, residual, cols, (1, 3, 37))
     if cast_order != "torch":
         return
     x, g = random((301, cols), dtype, "cuda"), random((301, cols), dtype, "cuda")
     r = random((301, cols), dtype, "cuda") if residual else None
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
     default = _gradients_under(monkeypatch, {}, kind, x, r, w, b, g)
     again = _gradients_under(monkeypatch, {}, kind, x, r, w, b, g)
     ring = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "ring"}, kind, x, r, w, b, g)
