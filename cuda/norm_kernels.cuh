@@ -1110,13 +1110,18 @@ __device__ __forceinline__ void warps_row_sum(A (&v)[2], int warps, int warp, in
     }
 }
 
-template <typename T, int VEC, int PACKS, bool kBias>
+// kRefillOwn (BRRR_NORM_BWD_REFILL=own, a candidate for measuring): a stage is refilled with the
+// row `stages` on as soon as the group is past its last read of it (past the row's sum where
+// pass 2 reads only registers, else past a barrier after pass 2), where the default refills the
+// previous row's stage past the next row's sum: with two stages the next row is in flight
+// through a whole row's work instead of through pass 2 only. The same bits either way.
+template <typename T, int VEC, int PACKS, bool kBias, bool kRefillOwn>
 __global__ void __launch_bounds__(512, 1)
     norm_bwd_bulk_kernel(const __grid_constant__ brrr_norm_launch L, const BwdLayout lay) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using A = typename Compute<T>::type;
     constexpr int E = PACKS * VEC;
-    constexpr bool kWide = E > bwd_max_elements<T>(VEC);  // xhat and g not kept, the weight from L2
+    constexpr bool kWide = E > bwd_max_elements<T>(VEC);  // xhat and g not kept between the passes
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ A red[2][kBwdMaxLanes][32];  // per group: [warp][2], warps <= 16
     const int tpr = lay.tpr, lanes = lay.lanes, stages = lay.stages, tensors = lay.tensors;
@@ -1166,7 +1171,7 @@ __global__ void __launch_bounds__(512, 1)
         prow += lanes;
         settle(pc, prow);
     };
-    for (int s = 0; s + 1 < stages; ++s) issue(s);
+    for (int s = 0; s + (kRefillOwn ? 0 : 1) < stages; ++s) issue(s);
 
     // The weight, in the compute type, for the whole block (copied while the first rows load),
     // where it fits beside the ring; else each pass reads it from global memory (L2).
@@ -1199,7 +1204,12 @@ __global__ void __launch_bounds__(512, 1)
     for (int i = 0; i < E; ++i) dw[i] = A(0);
 #pragma unroll
     for (int i = 0; i < (kBias ? E : 1); ++i) db[i] = A(0);
-    int in = stages - 1, out = 0, parity = 0;
+    int in = kRefillOwn ? 0 : stages - 1, out = 0, parity = 0;
+    const bool late_reads = kWide || has_gres;  // pass 2 reads the row's stage
+    auto refill = [&]() {
+        issue(in);
+        in = in + 1 == stages ? 0 : in + 1;
+    };
     unsigned phases = 0;  // bit s: the parity of stage s's next phase
     for (int c = blockIdx.x; c < chunks; c += gridDim.x) {
         for (int row = c * chunk_rows + g; row < chunk_end(c); row += lanes) {
@@ -1243,10 +1253,12 @@ __global__ void __launch_bounds__(512, 1)
             else pass1(std::false_type(), std::false_type());
             warps_row_sum(sums, warps, t / 32, g, red[parity][g]);
             parity ^= 1;
-            // Every thread of the group is past its reads of the previous row's stage: refill it.
-            if (warps == 1) __syncwarp();
-            issue(in);
-            in = in + 1 == stages ? 0 : in + 1;
+            // Every thread of the group is past its reads of the previous row's stage (kRefillOwn:
+            // of this row's, unless pass 2 reads it): refill it.
+            if (!kRefillOwn || !late_reads) {
+                if (warps == 1) __syncwarp();
+                refill();
+            }
             // dx = rstd * (g - xhat * c1 - c2) [+ grad_residual], c1 = mean(g * xhat), c2 = mean(g) (LayerNorm)
             const A b1 = -(sums[0] * inv_n) * st.rstd, b2 = layer ? -(sums[1] * inv_n) * st.rstd : A(0);
             T *dx = static_cast<T *>(L.grad_x.data) + (int64_t)row * L.grad_x.row_strides[0] + first;
@@ -1275,6 +1287,11 @@ __global__ void __launch_bounds__(512, 1)
                     for (int j = 0; j < VEC; ++j) d[j] += extra[j];
                 }
                 store_vec<T, VEC>(dx + k * stride, d);
+            }
+            if (kRefillOwn && late_reads) {  // the group past its pass 2 reads of this row's stage
+                if (warps == 1) __syncwarp();
+                else named_barrier(1 + g, warps * 32);
+                refill();
             }
         }
         flush_chunk_sums<VEC, PACKS, kBias>(static_cast<A *>(L.partials), want_dw, dw, db, c, chunks, cols, 0, lanes, g, mine, first,
@@ -1984,13 +2001,22 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     return tpr * lanes <= kBwdMaxThreads && fit(tpr, packs, kBwdMaxThreads, 1, L.cols);
 }
 
+// norm_bwd_bulk_kernel's instance for grad_bias (or not) and BRRR_NORM_BWD_REFILL: unset or
+// `sum`, the default; `own`, its kRefillOwn candidate (docs/kernel-switches.md).
+template <typename T, int VEC, int PACKS> static auto bulk_bwd_kernel(bool bias) {
+    const char *v = getenv("BRRR_NORM_BWD_REFILL");
+    if (v != nullptr && strcmp(v, "own") == 0)
+        return bias ? norm_bwd_bulk_kernel<T, VEC, PACKS, true, true> : norm_bwd_bulk_kernel<T, VEC, PACKS, false, true>;
+    return bias ? norm_bwd_bulk_kernel<T, VEC, PACKS, true, false> : norm_bwd_bulk_kernel<T, VEC, PACKS, false, false>;
+}
+
 // The instance for grad_bias (or not) and the block bound: 1024 threads only at the most
 // elements a thread (the widest rows), the only rows that need them.
 template <typename T, int VEC, int PACKS>
 static auto pick_bwd_kernel(bool bias, int threads, int split) {
     if constexpr (PACKS * VEC > bwd_max_elements<T>(VEC)) {  // wide rows: the bulk kernel only
         (void)threads, (void)split;
-        return bias ? norm_bwd_bulk_kernel<T, VEC, PACKS, true> : norm_bwd_bulk_kernel<T, VEC, PACKS, false>;
+        return bulk_bwd_kernel<T, VEC, PACKS>(bias);
     }
     if constexpr (PACKS * VEC == bwd_max_elements<T>(VEC)) {
         if (threads > 512) return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 1024, 1> : norm_bwd_kernel<T, VEC, PACKS, false, 1024, 1>;
@@ -2038,7 +2064,7 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
             auto kernel = pick_bwd_kernel<T, VEC, PACKS>(bias, cfg.threads, split);
             if constexpr (VEC > 1) {  // (bulk_applies: 16-byte packs only)
                 if (bwd_bulk_wanted<T>() && bulk_applies(L, cfg, device))
-                    kernel = bias ? norm_bwd_bulk_kernel<T, VEC, PACKS, true> : norm_bwd_bulk_kernel<T, VEC, PACKS, false>;
+                    kernel = bulk_bwd_kernel<T, VEC, PACKS>(bias);
             }
             const int block = cfg.lay.lanes * cfg.lay.tpr;
             int per_sm = 0;

@@ -406,8 +406,8 @@ def _compare_every_form(kind, cast_order, dtype, residual, cols, row_counts):
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("cols", [256, 768, 1032, 4096, 5120, 8192])
 def test_candidate_bwd_bulk_bits(monkeypatch, dtype, kind, residual, cols):
-    """BRRR_NORM_BWD_KERNEL=bulk gives the same bits run to run, and the same weight and bias
-    gradient bits as the default (=ring: the same order, brrr_cuda.h); grad_x and grad_residual
+    """BRRR_NORM_BWD_KERNEL=bulk gives the same bits run to run and with BRRR_NORM_BWD_REFILL=own,
+    and the same weight and bias gradient bits as the default (=ring: the same order, brrr_cuda.h); grad_x and grad_residual
     agree to rounding (the row sums are added in another order). 2053 rows: 229 chunks of 9 rows,
     the last one short."""
     rows = 2053
@@ -416,8 +416,11 @@ def test_candidate_bwd_bulk_bits(monkeypatch, dtype, kind, residual, cols):
     w, b = params(kind, "both", (cols,), dtype, "cuda")
     bulk = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "bulk"}, kind, x, r, w, b, g)
     again = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "bulk"}, kind, x, r, w, b, g)
+    own = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "bulk", "BRRR_NORM_BWD_REFILL": "own"},
+                           kind, x, r, w, b, g)
     ring = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "ring"}, kind, x, r, w, b, g)
     _assert_same_bits(again, bulk, "bulk, run to run")
+    _assert_same_bits(own, bulk, "bulk, each stage refilled past its own row")
     _assert_same_bits(bulk[2:], ring[2:], "bulk against ring")
     for a, e in zip(bulk[:2], ring[:2]):
         if a is not None:
@@ -463,7 +466,8 @@ def test_bwd_bulk_wide_rows(monkeypatch, dtype, kind, cast_order, residual, cols
     same bits):
     against the float64 reference for row counts of one chunk and several, every affine form,
     float32 parameters, RMSNorm's weight offset, padded rows and a weight not 16-byte aligned
-    (which leaves the launch to norm_bwd_kernel); the same bits run to run, and the same weight
+    (which leaves the launch to norm_bwd_kernel); the same bits run to run and with
+    BRRR_NORM_BWD_REFILL=own, and the same weight
     and bias gradient bits as =ring (norm_bwd_kernel's 1024 threads: the same order, brrr_cuda.h),
     grad_x to rounding."""
     monkeypatch.delenv("BRRR_NORM_BWD_KERNEL", raising=False)
@@ -477,8 +481,10 @@ def test_bwd_bulk_wide_rows(monkeypatch, dtype, kind, cast_order, residual, cols
     again = _gradients_under(monkeypatch, {}, kind, x, r, w, b, g)
     ring = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "ring"}, kind, x, r, w, b, g)
     from_l2 = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_WEIGHT": "global"}, kind, x, r, w, b, g)
+    own = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_REFILL": "own"}, kind, x, r, w, b, g)
     _assert_same_bits(again, default, "wide rows, run to run")
     _assert_same_bits(from_l2, default, "wide rows, the weight from global memory")
+    _assert_same_bits(own, default, "wide rows, each stage refilled past its own row")
     _assert_same_bits(default[2:], ring[2:], "wide rows against ring")
     for a, e in zip(default[:2], ring[:2]):
         if a is not None:
