@@ -993,6 +993,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                                              layer ? slot[kSlotMean] : A(0), slot[kSlotRstd]);
             A sums[2] = {A(0), A(0)};  // of g * xhat and of g
             A xh[kKeep ? E : 1], gk[kKeep ? E : 1];
+            // Pack k of the row's x and dy (from the ring) and of the weight, in the compute type.
+            auto load_pack = [&](int k, A *xv, A *dv, A *w) {
+                load_vec<T, VEC>(xs + first + k * stride, xv);
+                load_vec<T, VEC>(dys + first + k * stride, dv);
+                weight(first + k * stride, w);
+            };
             // Pass 1, with Llama's rounding a template argument: as a runtime select the rounding
             // ran for every element, used or not.
             auto pass1 = [&](auto kLlama) {
@@ -1000,9 +1006,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 for (int k = 0; k < PACKS; ++k) {
                     if (k >= mine) continue;
                     A xv[VEC], dv[VEC], w[VEC];
-                    load_vec<T, VEC>(xs + first + k * stride, xv);
-                    load_vec<T, VEC>(dys + first + k * stride, dv);
-                    weight(first + k * stride, w);
+                    load_pack(k, xv, dv, w);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
                         const A xhat = xhat_of(st, xv[j]), gj = dv[j] * w[j];
@@ -1040,9 +1044,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     }
                 } else {
                     A w[VEC];
-                    load_vec<T, VEC>(xs + first + k * stride, xv);
-                    load_vec<T, VEC>(dys + first + k * stride, dv);
-                    weight(first + k * stride, w);
+                    load_pack(k, xv, dv, w);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
                         xv[j] = xhat_of(st, xv[j]);
@@ -1222,6 +1224,11 @@ __global__ void __launch_bounds__(512, 1)
             const RowStats<A> st = row_stats(layer, layer ? to_float(xs[0]) : A(0), mean, rstd);
             A sums[2] = {A(0), A(0)};  // of g * xhat and of g (LayerNorm)
             A xh[kWide ? 1 : E], gk[kWide ? 1 : E];
+            auto load_pack = [&](int k, A *xv, A *dv, A *w) {  // as norm_bwd_kernel's
+                load_vec<T, VEC>(xs + first + k * stride, xv);
+                load_vec<T, VEC>(dys + first + k * stride, dv);
+                weight(first + k * stride, w);
+            };
             // Pass 1 in three forms (runtime selects of per-element work cost instructions): Llama's
             // rounding, and RMSNorm's xhat = x * rstd, the bits of xhat_of with no shift and no
             // mean (x - 0 = x, fma(x, rstd, -0) = x * rstd rounded), without the sum of g.
@@ -1231,9 +1238,7 @@ __global__ void __launch_bounds__(512, 1)
                 for (int k = 0; k < PACKS; ++k) {
                     if (k >= mine) continue;
                     A xv[VEC], dv[VEC], w[VEC];
-                    load_vec<T, VEC>(xs + first + k * stride, xv);
-                    load_vec<T, VEC>(dys + first + k * stride, dv);
-                    weight(first + k * stride, w);
+                    load_pack(k, xv, dv, w);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
                         const A xhat = kLayerNorm ? xhat_of(st, xv[j]) : mul_rn(xv[j], st.rstd), gj = dv[j] * w[j];
@@ -1268,9 +1273,7 @@ __global__ void __launch_bounds__(512, 1)
                 A d[VEC];
                 if constexpr (kWide) {
                     A xv[VEC], dv[VEC], w[VEC];
-                    load_vec<T, VEC>(xs + first + k * stride, xv);
-                    load_vec<T, VEC>(dys + first + k * stride, dv);
-                    weight(first + k * stride, w);
+                    load_pack(k, xv, dv, w);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
                         const A xhat = layer ? xhat_of(st, xv[j]) : mul_rn(xv[j], st.rstd);
