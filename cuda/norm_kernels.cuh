@@ -1902,6 +1902,12 @@ static bool bwd_wide_first() {
     return v != nullptr && strcmp(v, "wide") == 0;
 }
 
+// norm_bwd_bulk_kernel's assumptions, for a launch that bwd_config gave the fast path.
+static bool bulk_applies(const brrr_norm_launch &L, const BwdConfig &cfg, int device) {
+    return cfg.vec > 1 && cfg.threads == 512 && cfg.lay.split == 1 && cfg.lay.tpr % 32 == 0 && cfg.lay.stages >= 2 &&
+           L.row_ndim == 1 && compute_major(device) >= 9;
+}
+
 // The backward's fast path for this launch, or false when it does not apply (strided columns,
 // rows too long for 1024 threads / lanes at bwd_max_elements each, or shared memory too small
 // for one stage). A row gets the most threads, up to 512 / lanes, at the fewest elements a
@@ -1975,15 +1981,15 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     // of 16384) it took layer_norm from 1.73 to 1.50 ms and add_layer_norm from 2.82 to 2.54 ms,
     // where it made float32 rms_norm (1.38 to 1.46 ms) and every bfloat16 row slower.
     // BRRR_NORM_BWD_SPLIT=1 or 0 forces it on or off.
-    // norm_bwd_bulk_kernel's wide rows (half rows of one lane, sm_90, the bulk kernel wanted), 4
-    // packs a thread within 512 threads, where no bulk copy would be misaligned: past the 2-pack
+    // norm_bwd_bulk_kernel's wide rows (half rows of one lane, the bulk kernel wanted), 4 packs a
+    // thread within 512 threads, where the bulk kernel applies to their layout and the weight,
+    // read from global memory where its copy does not fit, is 16-byte aligned: past the 2-pack
     // layout's 512 threads (8193-16384 columns), or wherever they apply with BRRR_NORM_BWD_KERNEL=wide.
     auto wide_rows = [&]() {
         if constexpr (is_half<T>) {
             const int64_t tpr = threads_for(packs_total, kBwdWideElements / kVec);
-            return vec == kVec && lanes == 1 && tpr <= 512 && tpr % 32 == 0 && bwd_bulk_wanted<T>() && L.row_ndim == 1 &&
-                   compute_major(device) >= 9 && (L.weight.data == nullptr || aligned16(L.weight.data)) &&
-                   fit(tpr, kBwdWideElements / kVec, 512, 1, L.cols, true);
+            return lanes == 1 && tpr <= 512 && bwd_bulk_wanted<T>() && (L.weight.data == nullptr || aligned16(L.weight.data)) &&
+                   fit(tpr, kBwdWideElements / kVec, 512, 1, L.cols, true) && bulk_applies(L, *cfg, device);
         }
         return false;
     };
@@ -2026,12 +2032,6 @@ static auto pick_bwd_kernel(bool bias, int threads, int split) {
         if (split > 1) return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 512, 2> : norm_bwd_kernel<T, VEC, PACKS, false, 512, 2>;
     }
     return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 512, 1> : norm_bwd_kernel<T, VEC, PACKS, false, 512, 1>;
-}
-
-// norm_bwd_bulk_kernel's assumptions, for a launch that bwd_config gave the fast path.
-static bool bulk_applies(const brrr_norm_launch &L, const BwdConfig &cfg, int device) {
-    return cfg.vec > 1 && cfg.threads == 512 && cfg.lay.split == 1 && cfg.lay.tpr % 32 == 0 && cfg.lay.stages >= 2 &&
-           L.row_ndim == 1 && compute_major(device) >= 9;
 }
 
 template <typename T, int VEC, int P, typename F> static cudaError_t call_bwd(F &f) {
