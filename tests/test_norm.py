@@ -407,9 +407,9 @@ def _compare_every_form(kind, cast_order, dtype, residual, cols, row_counts):
 @pytest.mark.parametrize("cols", [256, 768, 1032, 4096, 5120, 8192])
 def test_candidate_bwd_bulk_bits(monkeypatch, dtype, kind, residual, cols):
     """BRRR_NORM_BWD_KERNEL=bulk gives the same bits run to run and with BRRR_NORM_BWD_REFILL=own,
-    and the same weight and bias gradient bits as the default (=ring: the same order, brrr_cuda.h); grad_x and grad_residual
-    agree to rounding (the row sums are added in another order). 2053 rows: 229 chunks of 9 rows,
-    the last one short."""
+    and the same weight and bias gradient bits as the default (=ring: the same order,
+    brrr_cuda.h); grad_x and grad_residual agree to rounding (the row sums are added in another
+    order). 2053 rows: 229 chunks of 9 rows, the last one short."""
     rows = 2053
     x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
     r = random((rows, cols), dtype, "cuda") if residual else None
@@ -463,13 +463,11 @@ def test_bwd_bulk_wide_rows(monkeypatch, dtype, kind, cast_order, residual, cols
     """Unset (= bulk for halves), BRRR_NORM_BWD_KERNEL runs the wide rows in norm_bwd_bulk_kernel
     on sm_90, xhat and g recomputed in its second pass, the weight from its copy in shared memory
     or from global memory (where the copy does not fit, and with BRRR_NORM_BWD_WEIGHT=global: the
-    same bits):
-    against the float64 reference for row counts of one chunk and several, every affine form,
-    float32 parameters, RMSNorm's weight offset, padded rows and a weight not 16-byte aligned
-    (which leaves the launch to norm_bwd_kernel); the same bits run to run and with
-    BRRR_NORM_BWD_REFILL=own, and the same weight
-    and bias gradient bits as =ring (norm_bwd_kernel's 1024 threads: the same order, brrr_cuda.h),
-    grad_x to rounding."""
+    same bits): against the float64 reference for row counts of one chunk and several, every
+    affine form, float32 parameters, RMSNorm's weight offset, padded rows and a weight not 16-byte
+    aligned (which leaves the launch to norm_bwd_kernel); the same bits run to run and with
+    BRRR_NORM_BWD_REFILL=own, and the same weight and bias gradient bits as =ring
+    (norm_bwd_kernel's 1024 threads: the same order, brrr_cuda.h), grad_x to rounding."""
     monkeypatch.delenv("BRRR_NORM_BWD_KERNEL", raising=False)
     _compare_every_form(kind, cast_order, dtype, residual, cols, (1, 3, 37))
     if cast_order != "torch":
@@ -491,7 +489,7 @@ def test_bwd_bulk_wide_rows(monkeypatch, dtype, kind, cast_order, residual, cols
             torch.testing.assert_close(a.float(), e.float(), rtol=TOLERANCE[dtype]["rtol"],
                                        atol=TOLERANCE[dtype]["atol"] * float(e.float().abs().max()))
     if torch.cuda.get_device_capability()[0] >= 9:
-        names = _forward_kernels(lambda: _gradients_under(monkeypatch, {}, kind, x, r, w, b, g), "norm_bwd")
+        names = _kernels_launched(lambda: _gradients_under(monkeypatch, {}, kind, x, r, w, b, g), "norm_bwd")
         assert any("norm_bwd_bulk_kernel" in n for n in names), names
         assert not any("norm_bwd_kernel" in n for n in names), names
 
@@ -611,9 +609,9 @@ def test_fwd_kernel_default(monkeypatch, dtype, kind):
 _OP_NAMES = ("out", "residual_out", "mean", "rstd")
 
 
-def _forward_kernels(fn, part="norm_fwd"):
-    """The names of the norm forward kernels (or those whose names hold `part`) fn() launches,
-    from the profiler's device events."""
+def _kernels_launched(fn, part):
+    """The names of the kernels holding `part` (norm_fwd, norm_bwd) that fn() launches, from the
+    profiler's device events."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -655,8 +653,8 @@ def test_half_forward_default(monkeypatch, dtype, kind, cast_order, cols):
     if torch.cuda.get_device_capability()[0] < 9:
         return
     five = cols in FIVE_PACK_COLS
-    plain_kernels = _forward_kernels(lambda: _op_forward(kind, cast_order, h, None, w, b, eps))
-    fused_kernels = _forward_kernels(lambda: _op_forward(kind, cast_order, x, r, w, b, eps))
+    plain_kernels = _kernels_launched(lambda: _op_forward(kind, cast_order, h, None, w, b, eps), "norm_fwd")
+    fused_kernels = _kernels_launched(lambda: _op_forward(kind, cast_order, x, r, w, b, eps), "norm_fwd")
     assert all("norm_fwd_kernel" in n for n in fused_kernels), fused_kernels
     want = "norm_fwd_kernel" if five else "norm_fwd_bulk_kernel"
     assert all(want in n for n in plain_kernels), (cols, plain_kernels)
