@@ -1112,10 +1112,10 @@ __device__ __forceinline__ void warps_row_sum(A (&v)[2], int warps, int warp, in
     }
 }
 
-// kRefillOwn (BRRR_NORM_BWD_REFILL=own, a candidate for measuring): a stage is refilled with the
+// kRefillOwn (bulk_bwd_kernel: rings of two stages of two rows): a stage is refilled with the
 // row `stages` on as soon as the group is past its last read of it (past the row's sum where
-// pass 2 reads only registers, else past a barrier after pass 2), where the default refills the
-// previous row's stage past the next row's sum: with two stages the next row is in flight
+// pass 2 reads only registers, else past a barrier after pass 2), where otherwise the previous
+// row's stage is refilled past the next row's sum: with two stages the next row is in flight
 // through a whole row's work instead of through pass 2 only. The same bits either way.
 template <typename T, int VEC, int PACKS, bool kBias, bool kRefillOwn>
 __global__ void __launch_bounds__(512, 1)
@@ -2010,11 +2010,14 @@ static bool bwd_config(const brrr_norm_launch &L, int n_grads, int device, BwdCo
     return tpr * lanes <= kBwdMaxThreads && fit(tpr, packs, kBwdMaxThreads, 1, L.cols);
 }
 
-// norm_bwd_bulk_kernel's instance for grad_bias (or not) and BRRR_NORM_BWD_REFILL: unset or
-// `sum`, the default; `own`, its kRefillOwn candidate (docs/kernel-switches.md).
-template <typename T, int VEC, int PACKS> static auto bulk_bwd_kernel(bool bias) {
+// norm_bwd_bulk_kernel's instance for grad_bias (or not) and its refill order,
+// BRRR_NORM_BWD_REFILL `sum` or `own` (kRefillOwn; docs/kernel-switches.md). Unset: `own` for rings
+// of two stages of two rows (x and dy: the wide rows at 16384 columns), where the next row
+// otherwise loads through the second pass only (H200, bf16 16384 x 16384: rms_norm 0.767 -> 0.737
+// ms, layer_norm level), `sum` elsewhere (`own` 1-5% slower with three stages or a third row).
+template <typename T, int VEC, int PACKS> static auto bulk_bwd_kernel(bool bias, const BwdLayout &lay) {
     const char *v = getenv("BRRR_NORM_BWD_REFILL");
-    if (v != nullptr && strcmp(v, "own") == 0)
+    if (v != nullptr ? strcmp(v, "own") == 0 : lay.stages == 2 && lay.tensors == 2)
         return bias ? norm_bwd_bulk_kernel<T, VEC, PACKS, true, true> : norm_bwd_bulk_kernel<T, VEC, PACKS, false, true>;
     return bias ? norm_bwd_bulk_kernel<T, VEC, PACKS, true, false> : norm_bwd_bulk_kernel<T, VEC, PACKS, false, false>;
 }
@@ -2022,10 +2025,10 @@ template <typename T, int VEC, int PACKS> static auto bulk_bwd_kernel(bool bias)
 // The instance for grad_bias (or not) and the block bound: 1024 threads only at the most
 // elements a thread (the widest rows), the only rows that need them.
 template <typename T, int VEC, int PACKS>
-static auto pick_bwd_kernel(bool bias, int threads, int split) {
+static auto pick_bwd_kernel(bool bias, int threads, int split, const BwdLayout &lay) {
     if constexpr (PACKS * VEC > bwd_max_elements<T>(VEC)) {  // wide rows: the bulk kernel only
         (void)threads, (void)split;
-        return bulk_bwd_kernel<T, VEC, PACKS>(bias);
+        return bulk_bwd_kernel<T, VEC, PACKS>(bias, lay);
     }
     if constexpr (PACKS * VEC == bwd_max_elements<T>(VEC)) {
         if (threads > 512) return bias ? norm_bwd_kernel<T, VEC, PACKS, true, 1024, 1> : norm_bwd_kernel<T, VEC, PACKS, false, 1024, 1>;
@@ -2064,10 +2067,10 @@ cudaError_t norm_bwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
             constexpr int VEC = decltype(vec)::value, PACKS = decltype(packs)::value;
             const int split = cfg.lay.split;
             const bool bias = L.grad_bias.data != nullptr;
-            auto kernel = pick_bwd_kernel<T, VEC, PACKS>(bias, cfg.threads, split);
+            auto kernel = pick_bwd_kernel<T, VEC, PACKS>(bias, cfg.threads, split, cfg.lay);
             if constexpr (VEC > 1) {  // (bulk_applies: 16-byte packs only)
                 if (bwd_bulk_wanted<T>() && bulk_applies(L, cfg, device))
-                    kernel = bulk_bwd_kernel<T, VEC, PACKS>(bias);
+                    kernel = bulk_bwd_kernel<T, VEC, PACKS>(bias, cfg.lay);
             }
             const int block = cfg.lay.lanes * cfg.lay.tpr;
             int per_sm = 0;

@@ -9,6 +9,7 @@ with single elements (3, 127, 4097), the generic path (65536, 8193, strided colu
 """
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -466,7 +467,7 @@ def test_bwd_bulk_wide_rows(monkeypatch, dtype, kind, cast_order, residual, cols
     same bits): against the float64 reference for row counts of one chunk and several, every
     affine form, float32 parameters, RMSNorm's weight offset, padded rows and a weight not 16-byte
     aligned (which leaves the launch to norm_bwd_kernel); the same bits run to run and with
-    BRRR_NORM_BWD_REFILL=own, and the same weight and bias gradient bits as =ring
+    BRRR_NORM_BWD_REFILL=own and =sum, and the same weight and bias gradient bits as =ring
     (norm_bwd_kernel's 1024 threads: the same order, brrr_cuda.h), grad_x to rounding."""
     monkeypatch.delenv("BRRR_NORM_BWD_KERNEL", raising=False)
     _compare_every_form(kind, cast_order, dtype, residual, cols, (1, 3, 37))
@@ -480,9 +481,11 @@ def test_bwd_bulk_wide_rows(monkeypatch, dtype, kind, cast_order, residual, cols
     ring = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_KERNEL": "ring"}, kind, x, r, w, b, g)
     from_l2 = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_WEIGHT": "global"}, kind, x, r, w, b, g)
     own = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_REFILL": "own"}, kind, x, r, w, b, g)
+    by_sum = _gradients_under(monkeypatch, {"BRRR_NORM_BWD_REFILL": "sum"}, kind, x, r, w, b, g)
     _assert_same_bits(again, default, "wide rows, run to run")
     _assert_same_bits(from_l2, default, "wide rows, the weight from global memory")
     _assert_same_bits(own, default, "wide rows, each stage refilled past its own row")
+    _assert_same_bits(by_sum, default, "wide rows, each stage refilled past the next row's sum")
     _assert_same_bits(default[2:], ring[2:], "wide rows against ring")
     for a, e in zip(default[:2], ring[:2]):
         if a is not None:
@@ -492,6 +495,36 @@ def test_bwd_bulk_wide_rows(monkeypatch, dtype, kind, cast_order, residual, cols
         names = _kernels_launched(lambda: _gradients_under(monkeypatch, {}, kind, x, r, w, b, g), "norm_bwd")
         assert any("norm_bwd_bulk_kernel" in n for n in names), names
         assert not any("norm_bwd_kernel" in n for n in names), names
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("residual,cols,own", [(False, 16384, True), (True, 16384, False), (False, 12288, False),
+                                               (False, 4096, False)])
+def test_bwd_refill_default(monkeypatch, kind, residual, cols, own):
+    """Unset, BRRR_NORM_BWD_REFILL means `own` for the bulk backward's rings of two stages of x and
+    dy (bf16 rows of 16384 columns: two stages beside the weight's copy), `sum` for three stages
+    (12288, 4096) or three rows (a residual gradient); the variable overrides it. Read from the
+    kernel's last template argument (kRefillOwn) in the profiler's names."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the bulk backward runs on sm_90 and later")
+    monkeypatch.delenv("BRRR_NORM_BWD_KERNEL", raising=False)
+    monkeypatch.delenv("BRRR_NORM_BWD_REFILL", raising=False)
+    dtype = torch.bfloat16
+    x, g = random((64, cols), dtype, "cuda"), random((64, cols), dtype, "cuda")
+    r = random((64, cols), dtype, "cuda") if residual else None
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+
+    def refill_own(env):
+        names = _kernels_launched(lambda: _gradients_under(monkeypatch, env, kind, x, r, w, b, g), "norm_bwd")
+        flags = {re.search(r"norm_bwd_bulk_kernel<.*, (true|false)>", n).group(1) for n in names
+                 if "norm_bwd_bulk_kernel" in n}
+        assert len(flags) == 1, names
+        return flags.pop() == "true"
+
+    assert refill_own({}) == own
+    assert refill_own({"BRRR_NORM_BWD_REFILL": "own"})
+    assert not refill_own({"BRRR_NORM_BWD_REFILL": "sum"})
 
 
 _FORWARD_NAMES = ("out", "residual_out", "grad_x", "grad_residual", "grad_weight", "grad_bias")
