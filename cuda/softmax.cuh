@@ -401,6 +401,151 @@ __global__ void __launch_bounds__(kSmemThreads) softmax_smem_kernel(const brrr_s
     }
 }
 
+// ---- rows streamed through a ring in shared memory, over a cluster of blocks -------------------
+
+constexpr int kRingThreads = 512, kRingMaxStages = 4;
+
+// softmax_smem_kernel's passes and merges (the same bits at the same cluster size and slice), on
+// a grid of the clusters that run at once, each walking rows (cluster c: rows c, c + clusters,
+// ...) through a ring of `stages` rows of its slices in shared memory: the block's first thread
+// copies a slice of each input (forward: x; backward: y and grad_y) by one cp.async.bulk, which
+// completes on the stage's mbarrier, so that while a row is reduced and written the next
+// `stages - 1` rows load. The smem kernel loads a row only once the block holding the previous
+// one exits, and its loads and its arithmetic each leave the other's unit idle. A stage is
+// refilled past a barrier after its row's last pass. The cluster's partials go to every block's
+// parts[row % 2]: a block writes parts[k] for row i + 2 only past the cluster barrier of row i + 1,
+// which every block reaches after reading parts[k] for row i. Assumes sm_90, x and y of one
+// dtype (16-byte packs), packable(L), rows at one stride (row_ndim 1), slice a multiple of
+// kSliceAlign, 2 <= stages <= kRingMaxStages, gridDim.x a multiple of cluster.
+template <typename TX, typename TY, bool kBackward>
+__global__ void __launch_bounds__(kRingThreads, 1)
+    softmax_ring_kernel(const __grid_constant__ brrr_softmax_launch L, const int cluster, const int64_t slice,
+                        const int stages) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using A = typename Compute<TX>::type;
+    using TI = typename std::conditional<kBackward, TY, TX>::type;
+    using TO = typename std::conditional<kBackward, TX, TY>::type;
+    constexpr int P = pack_elems<TX, TY>(), kInputs = kBackward ? 2 : 1;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ A scratch[32];
+    __shared__ A parts[2][kMaxCluster][2];
+    __shared__ __align__(8) uint64_t full[kRingMaxStages];
+    if (cluster > 1) cluster_arrive_relaxed();
+    const int rank = (int)(blockIdx.x % (unsigned)cluster);
+    const int64_t first_row = blockIdx.x / (unsigned)cluster, row_step = gridDim.x / (unsigned)cluster;
+    const int64_t begin = (int64_t)rank * slice;
+    const int64_t n = begin >= L.cols ? 0 : (L.cols - begin < slice ? L.cols - begin : slice);
+    const unsigned bytes = (unsigned)(n * (int64_t)sizeof(TI));
+    const int64_t step = (int64_t)blockDim.x * P;
+    TI *const ring = reinterpret_cast<TI *>(smem);  // [stage][input][slice]
+    const TI *const src0 = static_cast<const TI *>(L.in[0]) + begin;
+    const TI *const src1 = kBackward ? static_cast<const TI *>(L.in[1]) + begin : nullptr;
+    TO *const dst = static_cast<TO *>(L.out) + begin;
+    auto issue = [&](int s, int64_t r) {  // the block's first thread: row r's slices into stage s
+        mbar_expect(full + s, kInputs * bytes);
+        if (bytes == 0) return;
+        bulk_copy(ring + (int64_t)s * kInputs * slice, src0 + r * L.row_strides[0][0], bytes, full + s);
+        if (kBackward) bulk_copy(ring + ((int64_t)s * kInputs + 1) * slice, src1 + r * L.row_strides[1][0], bytes, full + s);
+    };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) mbar_init(full + s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        for (int s = 0; s < stages; ++s)
+            if (first_row + s * row_step < L.rows) issue(s, first_row + s * row_step);
+    }
+    __syncthreads();
+    bool waited = false;  // the cluster's first barrier, before the first store into another block
+    int s = 0;
+    unsigned parity = 0;
+    for (int64_t i = 0, r = first_row; r < L.rows; ++i, r += row_step) {
+        mbar_wait(full + s, parity);
+        const TI *in0 = ring + (int64_t)s * kInputs * slice, *in1 = in0 + slice;
+        A part0, part1 = A(0);
+        if (!kBackward) {
+            A m = lowest<A>();
+            for (int64_t c = threadIdx.x * P; c < n; c += step) {
+                A v[P];
+                load_pack<TI, P>(in0 + c, v);
+#pragma unroll
+                for (int j = 0; j < P; ++j) m = fmax(m, v[j]);
+            }
+            m = block_reduce<true>(m, scratch);
+            A sum = A(0);
+            for (int64_t c = threadIdx.x * P; c < n; c += step) {
+                A v[P];
+                load_pack<TI, P>(in0 + c, v);
+#pragma unroll
+                for (int j = 0; j < P; ++j) sum += exp_<TO>(v[j] - m);
+            }
+            part0 = m;
+            part1 = block_reduce<false>(sum, scratch);
+        } else {
+            A dot = A(0);
+            for (int64_t c = threadIdx.x * P; c < n; c += step) {
+                A y[P], g[P];
+                load_pack<TI, P>(in0 + c, y);
+                load_pack<TI, P>(in1 + c, g);
+#pragma unroll
+                for (int j = 0; j < P; ++j) dot += L.log ? g[j] : g[j] * y[j];
+            }
+            part0 = block_reduce<false>(dot, scratch);
+        }
+        A total0 = part0, total1 = part1;
+        if (cluster > 1) {
+            A(*const mine)[2] = parts[i & 1];
+            if (!waited) cluster_wait();
+            waited = true;
+            if (threadIdx.x < (unsigned)cluster) {
+                const unsigned remote = cluster_map(&mine[rank][0], threadIdx.x);
+                cluster_store(remote, part0);
+                cluster_store(remote + sizeof(A), part1);
+            }
+            cluster_sync();
+            if (!kBackward) {
+                total0 = mine[0][0];
+                for (int k = 1; k < cluster; ++k) total0 = fmax(total0, mine[k][0]);
+                total1 = A(0);
+                for (int k = 0; k < cluster; ++k) total1 += mine[k][1] * exp_<TO>(mine[k][0] - total0);
+            } else {
+                total0 = mine[0][0];
+                for (int k = 1; k < cluster; ++k) total0 += mine[k][0];
+            }
+        }
+        TO *out = dst + r * L.row_strides[2][0];
+        if (!kBackward) {
+            const A m = total0, shift = m + log_(total1), inv = A(1) / total1;
+            for (int64_t c = threadIdx.x * P; c < n; c += step) {
+                A v[P];
+                load_pack<TI, P>(in0 + c, v);
+#pragma unroll
+                for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_<TO>(v[j] - m) * inv;
+                store_pack<TO, P>(out + c, v);
+            }
+        } else {
+            const A dot = total0;
+            for (int64_t c = threadIdx.x * P; c < n; c += step) {
+                A y[P], g[P];
+                load_pack<TI, P>(in0 + c, y);
+                load_pack<TI, P>(in1 + c, g);
+#pragma unroll
+                for (int j = 0; j < P; ++j) y[j] = L.log ? g[j] - exp_<TO>(y[j]) * dot : y[j] * (g[j] - dot);
+                store_pack<TO, P>(out + c, y);
+            }
+        }
+        __syncthreads();  // every thread past its last read of stage s
+        const int64_t next = r + (int64_t)stages * row_step;
+        if (threadIdx.x == 0 && next < L.rows) issue(s, next);
+        if (++s == stages) {
+            s = 0;
+            parity ^= 1u;
+        }
+    }
+    if (cluster > 1 && !waited) cluster_wait();  // a cluster with no row still completes its arrival
+#else
+    (void)L, (void)cluster, (void)slice, (void)stages;
+#endif
+}
+
 // ---- rows in shared memory, several per block ------------------------------------------------
 
 // The tile kernel's block: kTileThreads threads, split into 1 to 4 row groups (threadIdx.y) of
@@ -968,6 +1113,48 @@ bool launch_smem(const brrr_softmax_launch &L, int device, cudaStream_t stream, 
     return true;
 }
 
+// softmax_ring_kernel for this launch, or false where it does not apply (before sm_90, x and y of
+// two dtypes or float64, rows over several dims, views packable() refuses, fewer than two stages
+// in shared memory): a cluster of the fewest blocks (a power of two up to kMaxCluster) whose
+// slices take up to BRRR_SOFTMAX_RING_KB kilobytes a stage (unset: 32), BRRR_SOFTMAX_RING_STAGES
+// stages (unset: 2; fewer where they do not fit), on a grid of the clusters that run at once.
+template <typename TX, typename TY, bool kBackward>
+bool launch_ring(const brrr_softmax_launch &L, int device, cudaStream_t stream, cudaError_t *err) {
+    using A = typename Compute<TX>::type;
+    using TI = typename std::conditional<kBackward, TY, TX>::type;
+    if (!std::is_same<TX, TY>::value || sizeof(TX) == 8 || L.row_ndim != 1 || !packable<TX, TY>(L) ||
+        device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0) < 9)
+        return false;
+    const int64_t per_col = (kBackward ? 2 : 1) * (int64_t)sizeof(TI);
+    const char *kb = getenv("BRRR_SOFTMAX_RING_KB"), *want = getenv("BRRR_SOFTMAX_RING_STAGES");
+    const int64_t stage_target = (int64_t)(kb ? atoi(kb) : 32) << 10;
+    auto slice_of = [&](int c) { return ((L.cols + c - 1) / c + kSliceAlign - 1) / kSliceAlign * kSliceAlign; };
+    int cluster = 1;
+    while (cluster < kMaxCluster && slice_of(cluster) * per_col > stage_target) cluster *= 2;
+    const int64_t slice = slice_of(cluster), stage_bytes = slice * per_col;
+    const int64_t limit = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 0) -
+                          (int64_t)(sizeof(A) * (32 + 4 * kMaxCluster) + sizeof(uint64_t) * kRingMaxStages);
+    int stages = want ? atoi(want) : 2;
+    if (stages > kRingMaxStages) stages = kRingMaxStages;
+    while (stages >= 2 && stages * stage_bytes > limit) --stages;
+    if (stages < 2) return false;
+    auto kernel = softmax_ring_kernel<TX, TY, kBackward>;
+    const size_t bytes = (size_t)(stages * stage_bytes);
+    int per_sm = 0;
+    *err = blocks_per_sm(kernel, kRingThreads, bytes, device, &per_sm);  // (raises the kernel's shared-memory limit)
+    if (*err != cudaSuccess) return true;
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr;
+    cluster_launch_config(cfg, attr, dim3(kRingThreads), bytes, stream, cluster);
+    int clusters = per_sm * sm_count(device);
+    if (cluster > 1) *err = clusters_resident(kernel, cfg, device, &clusters);
+    if (*err != cudaSuccess) return true;
+    const int64_t fit = clusters > 0 ? clusters : 1;
+    cfg.gridDim = dim3((unsigned)((L.rows < fit ? L.rows : fit) * cluster));
+    *err = cudaLaunchKernelEx(&cfg, kernel, L, cluster, slice, stages);
+    return true;
+}
+
 // softmax_tile_kernel for this launch: as many rows a block (up to kTileMaxRows) as take up to
 // kTileBlockBytes of inputs, the block's 128 threads split evenly among them. False where the
 // rows' inputs take more or the grid would be too large.
@@ -1143,6 +1330,10 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t 
         cudaError_t err = cudaSuccess;
         if (launch_group<TX, TY, kBackward>(L, group, device, stream, &err))
             return err != cudaSuccess ? err : cudaGetLastError();
+    }
+    if (pack && force && strcmp(force, "ring") == 0) {
+        cudaError_t err = cudaSuccess;
+        if (launch_ring<TX, TY, kBackward>(L, device, stream, &err)) return err != cudaSuccess ? err : cudaGetLastError();
     }
     if (pack && want_smem) {
         cudaError_t err = cudaSuccess;
