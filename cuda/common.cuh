@@ -8,7 +8,6 @@
 #include <stdint.h>
 
 #include <atomic>
-#include <mutex>
 
 #include "brrr_cuda.h"
 #include "elementary.cuh"
@@ -173,39 +172,6 @@ __device__ __forceinline__ void cluster_store(unsigned remote, double v) {
 }
 #endif
 
-// Bulk copies (sm_90): a row from global into shared memory by one cp.async.bulk a tensor,
-// completing on an mbarrier (the norm kernels' and softmax_ring_kernel's rings).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ unsigned smem_addr(const void *p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-// The producer's arrival on the stage's barrier, announcing `bytes` of copies that complete on it.
-__device__ __forceinline__ void mbar_expect(uint64_t *bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory,
-// completing on `bar`.
-__device__ __forceinline__ void bulk_copy(void *smem, const void *gmem, unsigned bytes, uint64_t *bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                     smem_addr(smem)),
-                 "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
-// Waits until the barrier's phase of this parity has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" ::"r"(smem_addr(bar)),
-        "r"(parity)
-        : "memory");
-}
-#endif
-
 // The launch configuration of blocks of `block` threads with `bytes` of dynamic shared memory on
 // `stream`, in clusters of `cluster` blocks along x (the attribute only where cluster > 1); the
 // caller sets gridDim. cfg points at attr, so attr must live as long as cfg is used.
@@ -252,70 +218,5 @@ inline int device_attribute(int device, int fallback) {
 inline int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device, 1); }
 
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-// Resident blocks per SM of a kernel at this block size and dynamic shared memory, with its
-// dynamic shared-memory limit raised to match. Both runtime calls cost host time on every launch
-// (a transformer's norms are host-bound), and their answer depends only on these four values, so
-// it is kept (in one table for all the kernels: they share a type), guarded for the threads that
-// call brrr._C with the GIL released.
-template <typename Kernel>
-static cudaError_t blocks_per_sm(Kernel kernel, int block, size_t smem, int device, int *per_sm) {
-    struct Entry {
-        const void *kernel;
-        int block, device;
-        size_t smem;
-        int per_sm;
-    };
-    static std::mutex mutex;
-    static Entry table[64];
-    static int used = 0;
-    std::lock_guard<std::mutex> lock(mutex);
-    size_t limit = smem;  // the kernel's limit only grows: a launch found here may need more than this one
-    for (int i = 0; i < used; ++i) {
-        if (table[i].kernel != (const void *)kernel || table[i].device != device) continue;
-        if (table[i].block == block && table[i].smem == smem) {
-            *per_sm = table[i].per_sm;
-            return cudaSuccess;
-        }
-        if (table[i].smem > limit) limit = table[i].smem;
-    }
-    // Always raise the dynamic limit: the kernel's static shared memory counts against the
-    // default 48 KB too, so a test on smem alone let 48 KB of dynamic memory fail to launch.
-    cudaError_t e = cudaSuccess;
-    if (limit > 0) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)limit);
-    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, block, smem);
-    if (e == cudaSuccess && used < 64) table[used++] = {(const void *)kernel, block, device, smem, *per_sm};
-    return e;
-}
-
-// Clusters of a launch's cluster size that run at once: the blocks of a cluster share a GPC, so
-// this can be fewer than blocks_per_sm * SMs / size (a wave of clusters past it doubles a
-// kernel's time). Kept like blocks_per_sm, for the same reason, by cluster size too: one kernel
-// may run on clusters of several sizes.
-template <typename Kernel>
-static cudaError_t clusters_resident(Kernel kernel, cudaLaunchConfig_t cfg, int device, int *clusters) {
-    struct Entry {
-        const void *kernel;
-        int block, device, size;
-        size_t smem;
-        int clusters;
-    };
-    static std::mutex mutex;
-    static Entry table[32];
-    static int used = 0;
-    std::lock_guard<std::mutex> lock(mutex);
-    const int block = (int)cfg.blockDim.x, size = (int)cfg.attrs[0].val.clusterDim.x;
-    for (int i = 0; i < used; ++i) {
-        if (table[i].kernel == (const void *)kernel && table[i].device == device && table[i].block == block &&
-            table[i].size == size && table[i].smem == cfg.dynamicSmemBytes) {
-            *clusters = table[i].clusters;
-            return cudaSuccess;
-        }
-    }
-    cfg.gridDim = dim3((unsigned)size);  // one cluster: the query reads its shape
-    const cudaError_t e = cudaOccupancyMaxActiveClusters(clusters, kernel, &cfg);
-    if (e == cudaSuccess && used < 32) table[used++] = {(const void *)kernel, block, device, size, cfg.dynamicSmemBytes, *clusters};
-    return e;
-}
 
 }  // namespace brrr

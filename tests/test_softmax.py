@@ -105,7 +105,7 @@ def test_row_lengths_around_the_kernel_switches(device, dtype, cols):
     check_op(random((2, cols), dtype, device, -6, 6), -1, True, grad_scale=8.0)
 
 
-KERNELS = ["tile", "rows", "smem", "ring", "stream", "group", "group1", "group2", "group4", "group8", "flat", "auto"]
+KERNELS = ["tile", "rows", "smem", "stream", "group", "group1", "group2", "group4", "group8", "flat", "auto"]
 # (x's dtype, dtype=): y of x's dtype, and float32 y of half x.
 DTYPE_PAIRS = [(torch.float32, None), (torch.float16, None), (torch.bfloat16, None), (torch.float16, torch.float32),
                (torch.bfloat16, torch.float32)]
@@ -261,87 +261,6 @@ def test_flat_kernel_at_the_edges_of_its_range(monkeypatch, kernel, dtypes, cols
     for back in (False, True):
         assert _flat_ran(names, back) == _flat_applies(kernel, x_dtype, dtype or x_dtype, cols, back), (
             names, back)
-
-
-def _ring_ran(names, backward):
-    """Whether names (_kernel_names) hold softmax_ring_kernel, forward or backward (its third
-    template argument)."""
-    name = "softmax_ring_kernel<"
-    return any(n.split(name, 1)[1].split(">", 1)[0].split(",")[2].strip() == str(backward).lower()
-               for n in names if name in n)
-
-
-def _ring_applies(itemsize, cols, backward, env):
-    """Whether the ring kernel takes a contiguous row of one dtype (launch_ring): the fewest
-    blocks (a power of two up to 8) whose slices (multiples of 16 columns) take up to
-    BRRR_SOFTMAX_RING_KB (32) kilobytes a stage, and two stages of them in a block's shared memory."""
-    per_col = (2 if backward else 1) * itemsize
-    target = int(env.get("BRRR_SOFTMAX_RING_KB", 32)) << 10
-
-    def slice_of(c):
-        return (-(-cols // c) + 15) // 16 * 16
-
-    c = 1
-    while c < 8 and slice_of(c) * per_col > target:
-        c *= 2
-    room = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 227 << 10) - 512
-    return 2 * slice_of(c) * per_col <= room
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("cols,rows", [(8, 1000), (4104, 1000), (32768, 300), (40008, 97), (131072, 40),
-                                       (262144, 9)])
-@pytest.mark.parametrize("env", [{}, {"BRRR_SOFTMAX_RING_STAGES": "3"}, {"BRRR_SOFTMAX_RING_STAGES": "4"},
-                                 {"BRRR_SOFTMAX_RING_KB": "8"}], ids=str)
-def test_ring_kernel(monkeypatch, dtype, cols, rows, env):
-    """BRRR_SOFTMAX_KERNEL=ring: rows streamed through a ring of 2-4 stages on clusters of 1 to 8
-    blocks, more rows than the clusters that run at once (so every stage is refilled and its
-    barrier's parity turns), slices that leave a cluster's last blocks short or empty (40008),
-    rows whose two stages do not fit (float32 at 262144 columns, the half backward there: the
-    streaming kernel), -inf included: against the reference, the same bits run to run, each row
-    as it is alone; the profiler says that the ring kernel ran where it applies."""
-    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", "ring")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    x = random((rows, cols), dtype, "cuda", -6, 6)
-    x[0, ::5] = float("-inf")
-    x[rows // 2] = float("-inf")
-    for log in (False, True):
-        check_op(x, -1, log, grad_scale=8.0)
-        alone = FUNCTIONS[log](x[rows - 1:].clone(), -1)
-        assert torch.equal(FUNCTIONS[log](x, -1)[rows - 1:], alone)
-    leaf = x[:3].detach().requires_grad_()
-
-    def step():
-        y = brrr.softmax(leaf, -1)
-        y.backward(torch.ones_like(y))
-
-    names = _kernel_names(step)
-    for back in (False, True):
-        assert _ring_ran(names, back) == _ring_applies(dtype.itemsize, cols, back, env), (names, back)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("cols", [40008, 65536])
-def test_ring_kernel_has_the_smem_kernels_bits(monkeypatch, dtype, cols):
-    """At the shared-memory kernel's slices (64 KB a stage: BRRR_SOFTMAX_RING_KB=64) the ring kernel
-    runs its passes and merges on the same clusters: the same bits, forward and backward."""
-    x = random((37, cols), dtype, "cuda", -6, 6)
-    g = random((37, cols), dtype, "cuda")
-    results = {}
-    for kernel in ("smem", "ring"):
-        monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", kernel)
-        monkeypatch.setenv("BRRR_SOFTMAX_RING_KB", "64")
-        for log in (False, True):
-            leaf = x.detach().requires_grad_()
-            y = FUNCTIONS[log](leaf, -1)
-            y.backward(g)
-            results[kernel, log] = (y.detach(), leaf.grad)
-    for log in (False, True):
-        for a, b in zip(results["ring", log], results["smem", log]):
-            assert torch.equal(a, b), (log, (a.double() - b.double()).abs().max().item())
 
 
 @pytest.mark.cuda
