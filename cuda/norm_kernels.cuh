@@ -1832,12 +1832,14 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
     // norm_fwd_kernel on an H200 in two runs but for one row in one of them; at 4096 the residual
     // forms ran up to 4% slower in one run, at 5120 and 16384 every form slower. bulk:
     // norm_fwd_bulk_kernel for float16 and bfloat16 where fwd_bulk_launch applies; unset, for their
-    // plain forms but at the five-pack widths: on an H200 (39a9ca5, a0f7714, b284e06's runs) it ran
-    // the plain norms 0-24% faster than norm_fwd_kernel at 1024-16384 columns but the fused
-    // residual forms 1-7% slower at 2048-8192, and a fused norm's output must have the plain norm's
-    // bits on its sum (remat's recompute relies on it), which the two kernels share but where bulk
-    // takes another row layout (the five-pack rows). Otherwise (the fused forms, the five-pack
-    // widths, and rows) norm_fwd_kernel.
+    // plain forms, and for the fused residual forms past 8192 columns, but at the five-pack widths:
+    // on an H200 (39a9ca5, a0f7714, b284e06's runs) it ran the plain norms 0-24% faster than
+    // norm_fwd_kernel at 1024-16384 columns but the fused residual forms 1-7% slower at 2048-8192,
+    // and 11-23% faster at 12288 and 16384 (bf16 add_layer_norm 12288 forward 0.423 against 0.550
+    // ms, at 3da342c); and a fused norm's output must have the plain norm's bits on its sum (remat's
+    // recompute relies on it), which the two kernels share but where bulk takes another row layout
+    // (the five-pack rows). Otherwise (the fused forms up to 8192 columns, the five-pack widths,
+    // and rows) norm_fwd_kernel.
     const char *choice = getenv("BRRR_NORM_FWD_KERNEL");
     if constexpr (!std::is_same<T, double>::value) {
         int tpr_log2 = 0, packs = 0;
@@ -1851,11 +1853,11 @@ cudaError_t norm_fwd_typed(const brrr_norm_launch &L, int device, cudaStream_t s
         return cudaSuccess;
     }
     if constexpr (is_half<T>) {
-        // Unset: bulk for the plain forms where its row layout is rows' (every width but the five-pack
-        // rows), rows for the fused residual forms: the same bits (a fused form's output is the plain
-        // form's on its sum), each form at its faster kernel.
-        const bool plain_bulk = !L.residual.data && cfg.packs != 5;
-        if (choice ? strcmp(choice, "bulk") == 0 : plain_bulk) {
+        // Unset: bulk where its row layout is rows' (every width but the five-pack rows) for the
+        // plain forms, and for the fused residual forms past 8192 columns; rows for the others: the
+        // same bits (a fused form's output is the plain form's on its sum), each at its faster kernel.
+        const bool bulk_default = cfg.packs != 5 && (!L.residual.data || L.cols > 8192);
+        if (choice ? strcmp(choice, "bulk") == 0 : bulk_default) {
             bool launched = false;
             const cudaError_t e = fwd_bulk_launch<T>(L, cfg, device, stream, &launched);
             if (e != cudaSuccess || launched) return e;

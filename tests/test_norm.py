@@ -556,17 +556,18 @@ def _assert_same_forward(got, want, what, names=_FORWARD_NAMES):
 
 
 # Half rows that norm_fwd_kernel's default layout gives 5 packs a thread (kHalfFivePacks; bfloat16
-# 1032, 4104 and 5120 columns: 129, 513 and 640 packs of 8) run in norm_fwd_bulk_kernel at twice
-# the threads and 3 packs a thread, BRRR_NORM_FWD_PACKS=pow2's layout: the row's sums group its
-# elements otherwise, so there BRRR_NORM_FWD_KERNEL=bulk's bits differ from the default's (rows).
-FIVE_PACK_COLS = [1032, 4104, 5120]
+# 1032, 4104, 5120 and 8200 columns: 129, 513, 640 and 1025 packs of 8) run in norm_fwd_bulk_kernel
+# at twice the threads and 3 packs a thread, BRRR_NORM_FWD_PACKS=pow2's layout: the row's sums
+# group its elements otherwise, so there BRRR_NORM_FWD_KERNEL=bulk's bits differ from the
+# default's (rows).
+FIVE_PACK_COLS = [1032, 4104, 5120, 8200]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("cols", [256, 768] + FIVE_PACK_COLS + [8192, 16384])
+@pytest.mark.parametrize("cols", [256, 768] + FIVE_PACK_COLS + [8192, 12288, 16384])
 def test_fwd_bulk_has_the_bits_of_rows_at_its_layout(monkeypatch, dtype, kind, cast_order, residual, cols):
     """BRRR_NORM_FWD_KERNEL=bulk does norm_fwd_kernel's arithmetic in its order at the same row
     layout: the same bits as =rows with BRRR_NORM_FWD_PACKS=pow2 (bulk's layout at every width) in
@@ -660,7 +661,7 @@ def _kernels_launched(fn, part):
 # Half widths of every forward layout class: one-warp groups (256), 3 packs a thread (768), 4
 # (2048, 4096, 8192, 16384), a thread's last pack past the row (776: 97 packs over 32 threads of
 # 4), and the five-pack widths (FIVE_PACK_COLS), where the plain forms stay on norm_fwd_kernel.
-HALF_DEFAULT_COLS = [256, 768, 776, 2048, 4096, 8192, 16384] + FIVE_PACK_COLS
+HALF_DEFAULT_COLS = [256, 768, 776, 2048, 4096, 8192, 12288, 16384] + FIVE_PACK_COLS
 
 
 @pytest.mark.cuda
@@ -669,7 +670,8 @@ HALF_DEFAULT_COLS = [256, 768, 776, 2048, 4096, 8192, 16384] + FIVE_PACK_COLS
 @pytest.mark.parametrize("cols", HALF_DEFAULT_COLS)
 def test_half_forward_default(monkeypatch, dtype, kind, cast_order, cols):
     """Unset, BRRR_NORM_FWD_KERNEL runs the plain half forms in norm_fwd_bulk_kernel (on sm_90)
-    but at the five-pack widths, and the fused residual forms in norm_fwd_kernel; the fused form's
+    but at the five-pack widths, and the fused residual forms there too past 8192 columns, else in
+    norm_fwd_kernel; the fused form's
     out, residual_out and statistics have the bits of the plain form on its sum (remat's
     recompute relies on it), and the plain form's out is right against float64."""
     monkeypatch.delenv("BRRR_NORM_FWD_KERNEL", raising=False)
@@ -688,9 +690,10 @@ def test_half_forward_default(monkeypatch, dtype, kind, cast_order, cols):
     five = cols in FIVE_PACK_COLS
     plain_kernels = _kernels_launched(lambda: _op_forward(kind, cast_order, h, None, w, b, eps), "norm_fwd")
     fused_kernels = _kernels_launched(lambda: _op_forward(kind, cast_order, x, r, w, b, eps), "norm_fwd")
-    assert all("norm_fwd_kernel" in n for n in fused_kernels), fused_kernels
     want = "norm_fwd_kernel" if five else "norm_fwd_bulk_kernel"
     assert all(want in n for n in plain_kernels), (cols, plain_kernels)
+    want = "norm_fwd_bulk_kernel" if not five and cols > 8192 else "norm_fwd_kernel"
+    assert all(want in n for n in fused_kernels), (cols, fused_kernels)
 
 
 def _op_forward(kind, cast_order, x, r, w, b, eps):
