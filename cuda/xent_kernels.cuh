@@ -38,14 +38,9 @@ constexpr int kUnroll = 4;  // packs per thread per step
 // so the forward that writes the gradient too.
 template <typename T, bool kGrad> constexpr int fwd_min_blocks() { return sizeof(T) == 8 || kGrad ? 1 : 4; }
 
-// ex2.approx.ftz: __expf and exp2f compile to the non-ftz form, which scales around subnormal
-// results with four more instructions per call; terms below 2^-126 of a sum that holds a 1 (the
-// row's max) do not change it.
-__device__ __forceinline__ float exp2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
+// exp as ex2.approx.ftz (exp2_ftz, cuda/elementary.cuh): __expf and exp2f compile to the non-ftz
+// form, which scales around subnormal results with four more instructions per call; terms below
+// 2^-126 of a sum that holds a 1 (the row's max) do not change it.
 __device__ __forceinline__ float exp_(float x) { return exp2_ftz(x * 1.4426950408889634f); }
 __device__ __forceinline__ double exp_(double x) { return exp(x); }
 __device__ __forceinline__ float log_(float x) { return logf(x); }
