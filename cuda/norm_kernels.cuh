@@ -428,10 +428,11 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled
     }, buf);
 }
 
-// A float16 and bfloat16 forward on sm_90 (BRRR_NORM_FWD_KERNEL=bulk; unset, norm_fwd_kernel runs):
-// norm_fwd_kernel's arithmetic and sums in their order for a row layout
-// of tpr threads and PACKS packs a thread (the same bits as norm_fwd_kernel at that layout), with
-// less bookkeeping an element. Rows that norm_fwd_kernel gives 5 packs a thread run here at twice
+// A float16 and bfloat16 forward on sm_90 (BRRR_NORM_FWD_KERNEL=bulk; unset, the plain forms' and,
+// past 8192 columns, the fused residual forms' but at the five-pack widths: norm_fwd_typed):
+// norm_fwd_kernel's arithmetic and sums in their order for a row layout of tpr threads and PACKS
+// packs a thread (the same bits as norm_fwd_kernel at that layout), with less bookkeeping an
+// element. Rows that norm_fwd_kernel gives 5 packs a thread run here at twice
 // the threads and 3 packs (fwd_bulk_launch): their sums group the elements otherwise, so their
 // bits are those of BRRR_NORM_FWD_PACKS=pow2's layout, not the default's. norm_fwd_kernel issues 23-51 instructions an element (H200 ncu), its
 // issue slots the busiest unit: every row reloads its weight and bias, converts them and adds the
