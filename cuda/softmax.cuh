@@ -84,12 +84,15 @@ __device__ __forceinline__ int64_t row_off(const brrr_softmax_launch &L, int k, 
     return off;
 }
 
-// exp for a result stored as TO: the hardware's ex2 (two instructions, a few float32 ulp) where
-// TO is float16 or bfloat16, whose rounding hides that; expf (about ten, under an ulp) for a
-// float32 result, exp for float64. The half kernels' instruction count is what keeps them near
-// the memory floor: three exps an element forward cost more than the bytes of a bfloat16 row.
+// exp for a result stored as TO: where TO is float16 or bfloat16, whose rounding hides a few
+// float32 ulp, the MUFU op alone (ex2.approx.ftz, cuda/elementary.cuh: two instructions with the
+// scaling), where __expf adds a check of the subnormal range (four more an element, the busiest
+// part of a bfloat16 forward past 16384 columns); results below 2^-126 become 0, beside a row's
+// largest, which is 1. expf (about ten, under an ulp) for a float32 result, exp for float64. The
+// half kernels' instruction count is what keeps them near the memory floor: the forward's one or
+// two exps an element cost more than the bytes of a bfloat16 row.
 template <typename TO> __device__ __forceinline__ float exp_(float v) {
-    return std::is_same<TO, __half>::value || std::is_same<TO, __nv_bfloat16>::value ? __expf(v) : expf(v);
+    return std::is_same<TO, float>::value ? expf(v) : exp2_ftz(v * 1.4426950408889634f);
 }
 template <typename TO> __device__ __forceinline__ double exp_(double v) { return exp(v); }
 template <typename A> __device__ __forceinline__ A log_(A v) { return log(v); }
@@ -747,14 +750,6 @@ __device__ __forceinline__ float flat_group_reduce(float v, int warps, int slot,
     return v;
 }
 
-// exp for the flat kernel's result type TO: exp_'s, but for float16 and bfloat16 the MUFU op
-// alone (ex2.approx.ftz, cuda/elementary.cuh), where __expf adds a check of the subnormal range
-// (four more instructions an element); results below 2^-126 become 0, beside a row's largest,
-// which is 1.
-template <typename TO> __device__ __forceinline__ float flat_exp(float v) {
-    return std::is_same<TO, float>::value ? expf(v) : exp2_ftz(v * 1.4426950408889634f);
-}
-
 // Blocks of kFlatMaxThreads an SM softmax_flat_kernel's registers must leave room for: 2 (32
 // registers a thread, 8 rows of 256 threads an SM, as Liger-Kernel's 4096-column softmax runs)
 // for a float16 or bfloat16 forward of up to 16 values a thread, which took 40 unbounded (ptxas,
@@ -833,7 +828,7 @@ __device__ __forceinline__ void flat_row(const brrr_softmax_launch &L, const Wor
                 if (kSkip && k >= mine) continue;
 #pragma unroll
                 for (int j = 0; j < P; ++j) {
-                    const float e = flat_exp<TO>(v[k][j] - m);
+                    const float e = exp_<TO>(v[k][j] - m);
                     s += e;
                     if (!log) v[k][j] = e;
                 }
@@ -872,7 +867,7 @@ __device__ __forceinline__ void flat_row(const brrr_softmax_launch &L, const Wor
 #pragma unroll
                 for (int j = 0; j < P; ++j) {
                     const float y = word_value<TI>(a[k].v, j), g = word_value<TI>(b[k].v, j);
-                    v[j] = log ? g - flat_exp<TO>(y) * dot : y * (g - dot);
+                    v[j] = log ? g - exp_<TO>(y) * dot : y * (g - dot);
                 }
                 store_pack<TO, P>(out + k * stride, v);
             }
