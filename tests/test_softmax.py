@@ -143,6 +143,21 @@ def test_every_kernel_where_it_applies(monkeypatch, kernel, dtypes, cols):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, None), (torch.float16, torch.float32)], ids=str)
+@pytest.mark.parametrize("cols", [5000, 40000, 65544, 131080, 262152])
+def test_smem_kernel_clusters(monkeypatch, dtypes, cols):
+    """The shared-memory kernel on clusters of 1, 2, 4 and 8 blocks (a forward's half row of 5000,
+    40000, 65544 and 131080 columns) and past 8 (262152: slices over 64 KB), the last block's slice
+    short, its forward's four load groups uneven, -inf in a row."""
+    monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", "smem")
+    x_dtype, dtype = dtypes
+    x = random((3, cols), x_dtype, "cuda", -6, 6)
+    x[1, ::3] = float("-inf")
+    for log in (False, True):
+        check_op(x, -1, log, dtype=dtype, grad_scale=8.0)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["padded", "two_row_dims", "unaligned", "strided"])
