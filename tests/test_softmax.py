@@ -111,6 +111,17 @@ DTYPE_PAIRS = [(torch.float32, None), (torch.float16, None), (torch.bfloat16, No
                (torch.bfloat16, torch.float32)]
 
 
+def check_rows_with_minus_inf(dtypes, cols):
+    """Three rows of `cols` columns of x's dtype on the GPU, every third value of the middle one
+    -inf: softmax and log_softmax (with dtype= where given) and their gradients against the
+    reference."""
+    x_dtype, dtype = dtypes
+    x = random((3, cols), x_dtype, "cuda", -6, 6)
+    x[1, ::3] = float("-inf")
+    for log in (False, True):
+        check_op(x, -1, log, dtype=dtype, grad_scale=8.0)
+
+
 def _layout(shape, dtype, layout):
     """A view of random values of rows x cols laid out as named: rows padded (a row stride past
     cols, 16-byte aligned); rows x 2 x cols, whose two row dims do not merge; unaligned (one element
@@ -135,11 +146,7 @@ def test_every_kernel_where_it_applies(monkeypatch, kernel, dtypes, cols):
     lengths (no packs: the streaming kernel) and rows that leave a group kernel's last packs
     empty, -inf included."""
     monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", kernel)
-    x_dtype, dtype = dtypes
-    x = random((3, cols), x_dtype, "cuda", -6, 6)
-    x[1, ::3] = float("-inf")
-    for log in (False, True):
-        check_op(x, -1, log, dtype=dtype, grad_scale=8.0)
+    check_rows_with_minus_inf(dtypes, cols)
 
 
 @pytest.mark.cuda
@@ -150,11 +157,7 @@ def test_smem_kernel_clusters(monkeypatch, dtypes, cols):
     40000, 65544 and 131080 columns) and past 8 (262152: slices over 64 KB), the last block's slice
     short, its forward's four load groups uneven, -inf in a row."""
     monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", "smem")
-    x_dtype, dtype = dtypes
-    x = random((3, cols), x_dtype, "cuda", -6, 6)
-    x[1, ::3] = float("-inf")
-    for log in (False, True):
-        check_op(x, -1, log, dtype=dtype, grad_scale=8.0)
+    check_rows_with_minus_inf(dtypes, cols)
 
 
 @pytest.mark.cuda
