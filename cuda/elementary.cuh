@@ -26,6 +26,9 @@ __device__ __forceinline__ float exp2_ftz(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+// exp(x) as exp2_ftz(x * log2(e)): a few float32 ulp, and 0 below 2^-126, where a sum that holds
+// a row's max (1) or a half-precision result cannot tell.
+__device__ __forceinline__ float exp_ftz(float x) { return exp2_ftz(x * 1.4426950408889634f); }
 // 1 + erf(z) for half-precision storage, in two MUFU ops and 12 FMA-pipe instructions (erff is
 // ~35; with 8 polynomial terms and the denormal checks of __fdividef and __expf this took 21,
 // and bf16 gelu ran at about 50% of the memory floor, issue-bound): erfc(|z|) = t Q(t)

@@ -92,7 +92,7 @@ __device__ __forceinline__ int64_t row_off(const brrr_softmax_launch &L, int k, 
 // half kernels' instruction count is what keeps them near the memory floor: the forward's one or
 // two exps an element cost more than the bytes of a bfloat16 row.
 template <typename TO> __device__ __forceinline__ float exp_(float v) {
-    return std::is_same<TO, float>::value ? expf(v) : exp2_ftz(v * 1.4426950408889634f);
+    return std::is_same<TO, float>::value ? expf(v) : exp_ftz(v);
 }
 template <typename TO> __device__ __forceinline__ double exp_(double v) { return exp(v); }
 template <typename A> __device__ __forceinline__ A log_(A v) { return log(v); }

@@ -38,10 +38,10 @@ constexpr int kUnroll = 4;  // packs per thread per step
 // so the forward that writes the gradient too.
 template <typename T, bool kGrad> constexpr int fwd_min_blocks() { return sizeof(T) == 8 || kGrad ? 1 : 4; }
 
-// exp as ex2.approx.ftz (exp2_ftz, cuda/elementary.cuh): __expf and exp2f compile to the non-ftz
+// exp as ex2.approx.ftz (exp_ftz, cuda/elementary.cuh): __expf and exp2f compile to the non-ftz
 // form, which scales around subnormal results with four more instructions per call; terms below
 // 2^-126 of a sum that holds a 1 (the row's max) do not change it.
-__device__ __forceinline__ float exp_(float x) { return exp2_ftz(x * 1.4426950408889634f); }
+__device__ __forceinline__ float exp_(float x) { return exp_ftz(x); }
 __device__ __forceinline__ double exp_(double x) { return exp(x); }
 __device__ __forceinline__ float log_(float x) { return logf(x); }
 __device__ __forceinline__ double log_(double x) { return log(x); }

@@ -5,8 +5,8 @@ which of them the small chunks (Liger-Kernel's 512 rows at 16384 x 4096 x 128256
     grad_x   [rows, hidden] = grad_logits @ weight        K = vocab, few output tiles
     grad_w  += grad_logits.T @ x[rows]                    K = rows, the accumulator read and written
 
-and the input gradient's GEMM in other forms that fill more SMs: split over the vocabulary into a
-batch of two or four (torch.bmm with float32 outputs, summed), or as one GEMM over two chunks.
+and the input gradient's GEMM split over the vocabulary into a batch of two or four (torch.bmm
+with float32 outputs, summed), a form with more output tiles for the SMs.
 
     python3 benchmarks/probes/linear_xent_gemms.py [--hidden 4096 --vocab 128256 --rows 512,1024]
 

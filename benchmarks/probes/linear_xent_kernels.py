@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import brrr  # noqa: E402
-from harness import compiled, time_ms  # noqa: E402
+from harness import compiled, device_activities, time_ms  # noqa: E402
 
 
 def kernels(fn):
@@ -30,8 +30,8 @@ def kernels(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [(e.name(), e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
-            if e.device_type() == torch.autograd.DeviceType.CUDA and not e.is_user_annotation()]
+    return [(e.name(), e.start_ns(), e.end_ns())
+            for e in device_activities(prof.profiler.kineto_results.events(), torch.autograd.DeviceType.CUDA)]
 
 
 def short(name):
