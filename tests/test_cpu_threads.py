@@ -42,7 +42,10 @@ def _assert_bitwise_same(results):
 
 
 def _chain_bias_grads(rows, cols, dtype):
-    x, bias, gate = random((rows, cols), dtype, "cpu"), random((cols,), dtype, "cpu"), random((rows, cols), dtype, "cpu")
+    # Inputs in [-1.5, 1.5]: the gradients of cos(gelu(x + b) * g) carry the float32 rounding of
+    # the argument, so on [-3, 3] (arguments up to 18) an element near a zero of sin could miss the
+    # float32 tolerance by a hair; this test is about thread counts, test_chain_grad about accuracy.
+    x, bias, gate = (random(shape, dtype, "cpu", low=-1.5, high=1.5) for shape in [(rows, cols), (cols,), (rows, cols)])
 
     def run():
         xs, bs, gs = (t.clone().requires_grad_() for t in (x, bias, gate))
