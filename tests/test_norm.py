@@ -917,13 +917,16 @@ def test_large_offset_is_stable(device, dtype, kind, cols, residual):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", KINDS)
-def test_outlier_first_element(device, kind):
+@pytest.mark.parametrize("residual", [False, True])
+def test_outlier_first_element(device, dtype, kind, residual):
     """The shift is the row's first element; an outlier there must not cost precision."""
-    x = random((16, 4096), torch.float32, device)
+    x = random((16, 4096), dtype, device)
     x[:, 0] = 3e3
-    w, b = params(kind, "both", (4096,), torch.float32, device)
-    compare(kind, torch.float32, x, None, (4096,), w, b, slack=2.0)
+    r = random((16, 4096), dtype, device) if residual else None
+    w, b = params(kind, "both", (4096,), dtype, device)
+    compare(kind, dtype, x, r, (4096,), w, b, slack=2.0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
