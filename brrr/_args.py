@@ -76,15 +76,32 @@ def is_float(x):
     return bool(getattr(dtype, "is_floating_point", False) or getattr(dtype, "kind", "") == "f")
 
 
-def refuse_kinds(*named):
+def refuse_kinds(*named, index=None):
     """Where the Python layer failed on a tensor with its framework's own error (PyTorch's
     RuntimeError for a sparse tensor's strides or a nested tensor's shape), brrr._C's error for the
-    first of the (name, tensor) pairs it does not take, if any: one line that names the argument."""
+    first of the (name, tensor) pairs it does not take, if any: one line that names the argument.
+    index: the (name, tensor) pair of a tensor of class indices (a cross-entropy's target)."""
     from . import _C
 
-    for name, value in named:
+    for name, value in named + ((index,) if index else ()):
         if value is not None and hasattr(value, "__dlpack__"):
-            _C.check_tensor(value, name)
+            _C.check_tensor(value, name, index is not None and value is index[1])
+
+
+class DimError(IndexError, ValueError):
+    """A dim out of a tensor's range: the IndexError PyTorch raises for it, and by docs/errors.md
+    a bad value (ValueError)."""
+
+
+def dim_in_range(name, ndim, dim):
+    """dim (an int, negative counting from the end) as an index of a tensor's ndim dims (a 0-d
+    tensor takes 0 and -1, as PyTorch's ops do)."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"argument {name}: expected an int, got {type(dim).__name__}")
+    rank = max(ndim, 1)
+    if not -rank <= dim < rank:
+        raise DimError(f"argument {name}: {dim} is out of range for a tensor of {ndim} dims")
+    return dim % rank
 
 
 def renamed(error, names):

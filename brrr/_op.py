@@ -105,20 +105,38 @@ def _op_name(ctx):
     return name.removeprefix("brrr_").removesuffix("_eager")
 
 
-def _refuse_second_derivative(ctx, outputs, recorded):
-    """outputs behind an autograd node that raises when it is differentiated (as torch's
-    once_differentiable builds it), whose inputs are also the tensors `recorded` that the
-    gradients depend on: autograd.grad with respect to one of them (a Hessian) must run the node
-    to reach it, where torch's node, with the outputs' detached aliases for inputs only, was
-    left out of the graph and the result was a silent 0."""
-    outputs_ = outputs if isinstance(outputs, tuple) else (outputs,)
-    error = torch._C._functions.DelayedError(
-        f"trying to differentiate twice brrr's {_op_name(ctx)}, whose backward is marked once_differentiable: "
+def _error_node(op_name, n_inputs):
+    """An autograd node of n_inputs inputs (and as many outputs, their aliases) that raises when it
+    is differentiated, as torch's once_differentiable builds it."""
+    return torch._C._functions.DelayedError(
+        f"trying to differentiate twice brrr's {op_name}, whose backward is marked once_differentiable: "
         "brrr's kernels have no second derivative (call PyTorch's function where one is needed, e.g. by "
-        "brrr.registry.override)".encode(), len(outputs_) + len(recorded))
+        "brrr.registry.override)".encode(), n_inputs)
+
+
+def _refuse_second_derivative(ctx, outputs, recorded):
+    """outputs behind an autograd node that raises when it is differentiated, whose inputs are
+    also the tensors `recorded` that the gradients depend on: autograd.grad with respect to one of
+    them (a Hessian) must run the node to reach it, where torch's node, with the outputs' detached
+    aliases for inputs only, was left out of the graph and the result was a silent 0."""
+    outputs_ = outputs if isinstance(outputs, tuple) else (outputs,)
     aliases = [None if o is None else o.detach().requires_grad_() for o in outputs_]
-    guarded = error(*aliases, *recorded)[:len(outputs_)]
+    guarded = _error_node(_op_name(ctx), len(outputs_) + len(recorded))(*aliases, *recorded)[:len(outputs_)]
     return guarded if isinstance(outputs, tuple) else guarded[0]
+
+
+def saved_gradients(op_name, gradients, inputs):
+    """Gradients that an op computed in its forward, to save for its backward: where an input
+    requires grad, aliases of them that depend on the inputs through a node that raises when it is
+    differentiated, so that a second derivative through the backward that returns them raises
+    instead of coming out 0 (the backward's gradients then carry its error node, as those of an
+    op that saves its inputs do). The same memory; as they are under torch.compile, which traces
+    no second derivative here."""
+    inputs = [t for t in inputs if t is not None and t.requires_grad]
+    if not inputs or torch.compiler.is_compiling():
+        return gradients
+    with torch.enable_grad():
+        return _error_node(op_name, len(gradients) + len(inputs))(*gradients, *inputs)[:len(gradients)]
 
 
 # ---- torch.library operators ----------------------------------------------------------------------

@@ -53,6 +53,19 @@ class UnsupportedError(TypeError):
 
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def float_dtype(name, dtype, default):
+    """An op's dtype argument (softmax's result, a loss's): default where it is None, else a
+    floating dtype of FLOATS; TypeError for what is not a torch.dtype, ValueError for another."""
+    if dtype is None:
+        return default
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"argument {name}: expected a torch.dtype or None, got {type(dtype).__name__}")
+    if dtype not in FLOATS:
+        raise ValueError(f"argument {name}: expected float32, float16, bfloat16 or float64, got "
+                         f"{str(dtype).removeprefix('torch.')}")
+    return dtype
 _CUDA = _C.cuda_available()  # asked once: torch.compile must not meet a C call in the dispatch
 
 

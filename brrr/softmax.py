@@ -12,6 +12,7 @@ Any dim (the kernels see it as the last dim of a view), any strides, rows of any
 """
 
 from . import _C
+from ._args import dim_in_range
 from ._frameworks import empty_like, torch_if_tensor
 from ._integration import torch_integration
 
@@ -19,14 +20,14 @@ from ._integration import torch_integration
 def _public(log):
     """softmax or log_softmax (log), one form for both. A torch tensor goes to the op from the
     public function itself, and the usual dim (-1 of a tensor of 1 dim or more) is taken without
-    _dim's frame: each frame less is about 0.05 to 0.1 us of a tiny softmax's 2 on this project's
+    dim_in_range's frame: each frame less is about 0.05 to 0.1 us of a tiny softmax's 2 on this project's
     CPU machine (a shared function below both cost about 900 instructions a call)."""
 
     def function(x, dim=-1, dtype=None):
         if torch_if_tensor(x) is not None:
             ndim = x.ndim
             return torch_layer().softmax(x, ndim - 1 if dim.__class__ is int and dim == -1 and ndim else
-                                         _dim(ndim, dim), dtype, log)
+                                         dim_in_range("dim", ndim, dim), dtype, log)
         return _softmax(x, dim, dtype, log)
 
     function.__name__ = function.__qualname__ = "log_softmax" if log else "softmax"
@@ -45,21 +46,14 @@ def reference(x, dim=-1, dtype=None, log=False):
     return (torch.log_softmax if log else torch.softmax)(x, dim, dtype=dtype)
 
 
-def _dim(ndim, dim):
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"argument dim: expected an int, got {type(dim).__name__}")
-    rank = max(ndim, 1)
-    if not -rank <= dim < rank:
-        raise IndexError(f"argument dim: {dim} is out of range for a tensor of {ndim} dims")
-    return dim % rank
-
-
 def _softmax(x, dim, dtype, log):
     """softmax of an array of a framework other than PyTorch."""
     ndim = getattr(x, "ndim", None)
     if ndim is None:
-        raise TypeError(f"argument x: expected a tensor or array, got {type(x).__name__}")
-    dim = _dim(ndim, dim)
+        if hasattr(x, "__dlpack__"):  # a bare DLPack producer: its own errors first (a broken capsule: BufferError)
+            _C.check_tensor(x, "x")
+        raise TypeError(f"argument x: expected a tensor or array with ndim (the dims to move), got {type(x).__name__}")
+    dim = dim_in_range("dim", ndim, dim)
     if dtype is not None:
         x = x.astype(dtype)
     xp = x.__array_namespace__() if hasattr(x, "__array_namespace__") else None
@@ -83,7 +77,7 @@ def torch_layer():
 
     from . import _op
     from ._op import TorchOp, stream
-    from ._registry import FLOATS, dispatch, registry, tensor_ok
+    from ._registry import FLOATS, dispatch, float_dtype, registry, tensor_ok
 
     Tensor = torch.Tensor
     halves = (torch.float16, torch.bfloat16)
@@ -107,7 +101,7 @@ def torch_layer():
     def forward(x: Tensor, dim: int, dtype: Optional[torch.dtype], log: bool) -> Tensor:
         if dtype is None and dim == x.ndim - 1 and _op.EXCHANGE_API:
             return _C.softmax_fwd(x, None, log=log)[0]
-        xt, y_dtype = last(x, dim), x.dtype if dtype is None else dtype
+        xt, y_dtype = last(x, dim), float_dtype("dtype", dtype, x.dtype)
         if y_dtype != x.dtype and not (x.dtype in halves and y_dtype == torch.float32):
             xt = xt.to(y_dtype)  # taken as dtype first, as torch does; the kernels fuse only the widening
         y = _C.softmax_fwd(xt, new(xt, y_dtype), log=log, stream=stream(x))[0]

@@ -92,7 +92,7 @@ def _cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtyp
             return torch_layer().cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtype, softcap,
                                           z_loss)
         except RuntimeError:
-            refuse_kinds(("input", input), ("target", target))
+            refuse_kinds(("input", input), index=("target", target))
             raise
     xp = array_namespace(input)
     check_rank(input.ndim)
@@ -129,7 +129,6 @@ INPUT_GRAD_STREAM = False
 # off by default, and off under CUDA-graph capture; the weight's gradient sums the same rows in
 # another grouping (deterministic still).
 SKIP_IGNORED_ROWS = False
-_INDEX_DTYPES = ("torch.int64", "torch.int32", "torch.uint8")
 
 
 def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
@@ -163,12 +162,14 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
 
 
 def _check_linear(torch, input, weight, target, bias):
-    floats = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    """linear_cross_entropy's tensors, by the rule of docs/errors.md: each a torch tensor of a kind
+    brrr takes (brrr._C's error for a sparse, nested, quantized or meta one, or a dtype it does not
+    take), then their shapes, dtypes and devices against the input's."""
     for name, t in (("weight", weight), ("target", target)) + ((("bias", bias),) if bias is not None else ()):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"argument {name}: expected a torch.Tensor, got {type(t).__name__}")
-    if input.dtype not in floats:
-        raise TypeError(f"argument input: expected a float32, float16, bfloat16 or float64 tensor, got {input.dtype}")
+    if not torch.compiler.is_compiling():  # brrr._C's checks: a graph break under torch.compile, which has its own
+        refuse_kinds(("input", input), ("weight", weight), ("bias", bias), index=("target", target))
     if input.dim() == 0:
         raise ValueError("argument input: expected a tensor of shape (..., hidden), got a 0-d one")
     if weight.dim() != 2 or weight.shape[1] != input.shape[-1] or weight.shape[0] == 0:
@@ -178,10 +179,8 @@ def _check_linear(torch, input, weight, target, bias):
         raise ValueError(f"argument bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and (t.dtype != input.dtype or t.device != input.device):
-            raise TypeError(f"argument {name}: expected {input.dtype} on {input.device} (the input's), got {t.dtype} "
-                            f"on {t.device}")
-    if str(target.dtype) not in _INDEX_DTYPES:
-        raise TypeError(f"argument target: expected class indices (int64, int32 or uint8), got {target.dtype}")
+            raise ValueError(f"argument {name}: expected {input.dtype} on {input.device} (the input's), got "
+                             f"{t.dtype} on {t.device}")
     if target.shape != input.shape[:-1] or target.device != input.device:
         raise ValueError(f"argument target: expected shape {tuple(input.shape[:-1])} on {input.device} (the input's "
                          f"without its last dim), got {tuple(target.shape)} on {target.device}")
@@ -258,8 +257,8 @@ def torch_layer():
     import torch.nn.functional as F
 
     from . import _op
-    from ._op import TorchOp, stream
-    from ._registry import dispatch, registry, same_kind, tensor_ok
+    from ._op import TorchOp, saved_gradients, stream
+    from ._registry import dispatch, float_dtype, registry, same_kind, tensor_ok
 
     Tensor = torch.Tensor
 
@@ -350,9 +349,9 @@ def torch_layer():
         """brrr.cross_entropy on torch tensors (arguments checked)."""
         check_rank(input.dim())
         check_torch((target,), ("target",))
+        dtype = float_dtype("dtype", dtype, input.dtype)
         logits = input if input.dim() <= 2 else input.movedim(1, -1)
         loss = cross_entropy_op(logits, target, ignore_index, label_smoothing, softcap, z_loss, reduction)
-        dtype = input.dtype if dtype is None else dtype
         return loss if loss.dtype == dtype else loss.to(dtype)
 
     # ---- linear_cross_entropy
@@ -535,7 +534,7 @@ def torch_layer():
         if ctx.reduction == "none":
             ctx.save_for_backward(x, weight, target, bias)
         else:
-            ctx.save_for_backward(*results[1:])
+            ctx.save_for_backward(*saved_gradients("linear_cross_entropy", results[1:], (x, weight, bias)))
 
     def scaled_in_torch_ops(grad_acc, g, dtype):
         return (grad_acc.to(g.dtype) * g).to(dtype)
@@ -603,7 +602,7 @@ def torch_layer():
     def linear_cross_entropy_(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap, z_loss,
                               dtype, budget, accumulation):
         """brrr.linear_cross_entropy on torch tensors (arguments checked)."""
-        hidden = input.shape[-1]
+        hidden, dtype = input.shape[-1], float_dtype("dtype", dtype, input.dtype)
         needs = [torch.is_grad_enabled() and p is not None and p.requires_grad for p in (input, weight, bias)]
         if budget is None and needs[1]:
             acc_itemsize = weight_grad_dtype(weight, accumulation).itemsize
@@ -617,7 +616,6 @@ def torch_layer():
                          softcap, z_loss, reduction, rows, accumulation, needs)
         if reduction == "none":
             loss = loss.view(target.shape)
-        dtype = input.dtype if dtype is None else dtype
         return loss if loss.dtype == dtype else loss.to(dtype)
 
     # ---- the registry

@@ -20,18 +20,22 @@ static const brrr_op_spec *const *const FAMILIES[] = {BRRR_FAMILIES(FAMILY_ENTRY
 
 brrr_state *brrr_get_state(PyObject *module) { return (brrr_state *)PyModule_GetState(module); }
 
-/* check_tensor(obj, name): the error brrr's import raises for obj as input `name`, or None. For
- * the Python layer, which reshapes some tensors before they get here. */
+/* check_tensor(obj, name, index=False): the error brrr's import raises for obj as input `name` (a
+ * tensor of class indices where index is true, else of floats), or None. For the Python layer,
+ * which reshapes some tensors before they get here. */
 static PyObject *py_check_tensor(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyUnicode_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "check_tensor(obj, name) takes a tensor and its argument name (str)");
+    if (nargs < 2 || nargs > 3 || !PyUnicode_Check(args[1]) || (nargs == 3 && !PyBool_Check(args[2]))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "check_tensor(obj, name, index=False) takes a tensor, its argument name (str) and a bool");
         return NULL;
     }
     const char *name = PyUnicode_AsUTF8(args[1]);
     if (name == NULL) return NULL;
     brrr_call call = {.state = brrr_get_state(module), .stream_arg = -1};
     brrr_tensor t;
-    if (brrr_tensor_import(&call, args[0], name, 0, &t) < 0) return NULL;
+    const int status = nargs == 3 && args[2] == Py_True ? brrr_index_import(&call, args[0], name, &t)
+                                                         : brrr_tensor_import(&call, args[0], name, 0, &t);
+    if (status < 0) return NULL;
     brrr_tensor_release(&t);
     Py_RETURN_NONE;
 }
@@ -72,7 +76,8 @@ static PyMethodDef methods[] = {
     {"cuda_available", py_cuda_available, METH_NOARGS, "True when CUDA kernels are compiled in and a GPU is visible."},
     {"build_info", py_build_info, METH_NOARGS, "What was compiled in and what the runtime found."},
     {"check_tensor", (PyCFunction)(void (*)(void))py_check_tensor, METH_FASTCALL,
-     "check_tensor(obj, name) -> None: raise the error brrr raises for obj as the input `name`, if any."},
+     "check_tensor(obj, name, index=False) -> None: raise the error brrr raises for obj as the input `name` (of class "
+     "indices where index is True), if any."},
     {"chain_op_names", brrr_py_chain_op_names, METH_NOARGS, "Names of the ops a chain step may use."},
     {"chain_program", brrr_py_chain_program, METH_O, "chain_program(steps) -> bytes: validate and pack a chain."},
     {"chain_jit_compile", (PyCFunction)(void (*)(void))brrr_py_chain_jit_compile, METH_VARARGS | METH_KEYWORDS,

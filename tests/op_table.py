@@ -25,6 +25,7 @@ class Op:
     bad_type: dict = field(default_factory=dict)  # scalar argument -> a value of the wrong type
     bad_value: dict = field(default_factory=dict)  # argument -> a value of the right type that is refused
     linear: bool = False  # linear in its first float input (a second derivative of 0)
+    no_case: tuple = ()  # rules of docs/errors.md the op's arguments cannot break (beside "bad value")
 
 
 def rand(*shape, dtype=torch.float32, device="cpu"):
@@ -131,6 +132,27 @@ OPS = [
        ("q", "k", "cos", "sin"),
        lambda a: tuple(t * a["cos"][:, None] + _rotate_half(t) * a["sin"][:, None] for t in (a["q"], a["k"])),
        bad_type={"unsqueeze_dim": 1.0}, bad_value={"unsqueeze_dim": 5}, linear=True),
+    Op("softmax", lambda a: brrr.softmax(a["x"], a["dim"], a["dtype"]),
+       lambda dt, dev: {"x": rand(4, 6, dtype=dt, device=dev), "dim": -1, "dtype": None},
+       ("x",), lambda a: torch.softmax(a["x"], a["dim"]),
+       bad_type={"dim": 1.0, "dtype": "float32"}, bad_value={"dim": 2, "dtype": torch.int32},
+       no_case=("mismatch",)),  # one tensor, no out
+    Op("log_softmax", lambda a: brrr.log_softmax(a["x"], a["dim"]),
+       lambda dt, dev: {"x": rand(4, 6, dtype=dt, device=dev), "dim": -1},
+       ("x",), lambda a: torch.log_softmax(a["x"], a["dim"]), bad_type={"dim": None}, bad_value={"dim": -3},
+       no_case=("mismatch",)),
+    Op("linear_cross_entropy",
+       lambda a: brrr.linear_cross_entropy(a["input"], a["weight"], a["target"], a["bias"], ignore_index=a["ignore_index"],
+                                           reduction=a["reduction"], label_smoothing=a["label_smoothing"]),
+       lambda dt, dev: {"input": rand(4, 6, dtype=dt, device=dev), "weight": rand(5, 6, dtype=dt, device=dev),
+                        "bias": rand(5, dtype=dt, device=dev), "target": torch.tensor([0, 4, -100, 2], device=dev),
+                        "ignore_index": -100, "reduction": "sum", "label_smoothing": 0.1},
+       ("input", "weight", "bias"),
+       lambda a: F.cross_entropy((a["input"] @ a["weight"].T + a["bias"]).flatten(0, -2), a["target"].flatten(),
+                                 reduction="sum", label_smoothing=0.1),
+       bad_type={"ignore_index": 1.0, "reduction": None, "label_smoothing": "0.1"},
+       bad_value={"reduction": "avg", "label_smoothing": 2.0},
+       no_case=("protocol",)),  # PyTorch tensors only (its GEMMs run in PyTorch): no DLPack producer is read
     Op("cross_entropy", lambda a: brrr.cross_entropy(a["input"], a["target"], None, a["ignore_index"], a["reduction"],
                                                      a["label_smoothing"]),
        lambda dt, dev: {"input": rand(4, 6, dtype=dt, device=dev), "target": torch.tensor([0, 5, -100, 2], device=dev),

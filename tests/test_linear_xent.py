@@ -743,8 +743,10 @@ def test_argument_errors():
         (lambda: lce(x, w[:, :2], t), ValueError, "weight"),
         (lambda: lce(x, w[0], t), ValueError, "weight"),
         (lambda: lce(x, w, t, b[:4]), ValueError, "bias"),
-        (lambda: lce(x, w.double(), t), TypeError, "weight"),
-        (lambda: lce(x, w, t, b.double()), TypeError, "bias"),
+        (lambda: lce(x, w.double(), t), ValueError, "weight"),  # a mismatch (docs/errors.md)
+        (lambda: lce(x, w, t, b.double()), ValueError, "bias"),
+        (lambda: lce(x, w, t, dtype="float32"), TypeError, "dtype"),
+        (lambda: lce(x, w, t, dtype=torch.int64), ValueError, "dtype"),
         (lambda: lce(x.int(), w, t), TypeError, "input"),
         (lambda: lce(x[0, 0], w, t), ValueError, "input"),
         (lambda: lce(x, w, t.float()), TypeError, "target"),
@@ -752,7 +754,7 @@ def test_argument_errors():
         (lambda: lce(x, w, torch.tensor([0, 5, 1, 2])), ValueError, "target"),  # out of range: the CPU checks
     ]
     for call, exc, message in cases:
-        with pytest.raises(exc, match=message):
+        with pytest.raises(exc, match=f"^argument {message}"):
             call()
 
 

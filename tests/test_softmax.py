@@ -401,12 +401,21 @@ def test_c_op_writes_every_element_in_place_and_checks_its_arguments():
 
 def test_public_argument_errors():
     x = torch.randn(3, 4)
-    with pytest.raises(IndexError, match="argument dim: 2 is out of range"):
-        brrr.softmax(x, 2)
-    with pytest.raises(TypeError, match="argument dim: expected an int"):
-        brrr.softmax(x, 1.0)
-    with pytest.raises(TypeError, match="argument x: expected a tensor or array"):
-        brrr.log_softmax([1.0, 2.0])
+    for log in (False, True):
+        fn = brrr.log_softmax if log else brrr.softmax
+        for bad in (2, -3):  # both the IndexError torch raises and the ValueError of docs/errors.md
+            with pytest.raises(IndexError, match=f"^argument dim: {bad} is out of range") as raised:
+                fn(x, bad)
+            assert isinstance(raised.value, ValueError)
+        with pytest.raises(TypeError, match="^argument dim: expected an int"):
+            fn(x, 1.0)
+        with pytest.raises(TypeError, match="^argument x: expected a tensor or array"):
+            fn([1.0, 2.0])
+        for dim in (0, 1):
+            with pytest.raises(TypeError, match="^argument dtype: expected a torch.dtype or None, got str"):
+                fn(x, dim, "float32")
+            with pytest.raises(ValueError, match="^argument dtype: expected float32, .* got int64"):
+                fn(x, dim, torch.int64)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -81,7 +81,7 @@ def test_a_zero_tensor_input_is_read_as_zeros(op, arg):
     if op.out:
         out = torch._efficientzerotensor(expected[0].shape)
         with pytest.raises(ValueError, match=r"^argument out: a ZeroTensor \(_is_zerotensor\(\), lazy zeros with no "
-                                             "memory\) cannot be written in place"):
+                                             r"memory\) cannot be written in place"):
             op.call(dict(args, out=out))
 
 
@@ -148,3 +148,17 @@ def test_a_complex_conjugate_view_is_refused_by_its_dtype():
     assert x.is_conj()
     with pytest.raises(TypeError, match="^argument x: dtype complex64 is not supported"):
         brrr.gelu(x)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", [k[0] for k in KINDS if k[0] != "quantized"])  # no quantized int64 tensors
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+def test_a_target_of_each_kind_gets_its_error(op, kind):
+    """The class indices are checked as indices: a sparse target's error names its layout, where it
+    named the int64 dtype the target is meant to have."""
+    op = OPS_BY_NAME[op]
+    _, make, exc, message = next(k for k in KINDS if k[0] == kind)
+    args = op.make(torch.float32, "cpu")
+    args["target"] = make(args["target"])
+    with pytest.raises(exc, match=f"^argument target: {message}"):
+        op.call(args)

@@ -843,6 +843,8 @@ def test_argument_errors(requires_grad):
     cases = [
         (lambda: ce(x, t, reduction="avg"), ValueError, "reduction"),
         (lambda: ce(x, t, reduction="Mean"), ValueError, "reduction"),
+        (lambda: ce(x, t, dtype="float32"), TypeError, "dtype"),  # it named the target
+        (lambda: ce(x, t, dtype=torch.int32), ValueError, "dtype"),  # a loss truncated to ints
         (lambda: ce(x, t, label_smoothing=-0.1), ValueError, "label_smoothing"),
         (lambda: ce(x, t, label_smoothing=1.01), ValueError, "label_smoothing"),
         (lambda: ce(x, t, label_smoothing=float("nan")), ValueError, "label_smoothing"),
