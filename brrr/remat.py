@@ -90,13 +90,32 @@ def linear(h, weight, bias=None):
     return _RematLinear.apply(h, weight, bias, recompute, *inputs)
 
 
+def _check_linear_param(names, weight, bias, features):
+    """weight (out, features) and bias (out,) or None, for F.linear on `features` inputs; names:
+    theirs, as the public function spells them."""
+    for name, t in zip(names, (weight, bias)):
+        if not isinstance(t, torch.Tensor) and (t is not None or name == names[0]):
+            raise TypeError(f"argument {name}: expected a torch.Tensor, got {type(t).__name__}")
+    if weight.dim() != 2 or weight.shape[1] != features:
+        raise ValueError(f"argument {names[0]}: expected shape (out, {features}), got {tuple(weight.shape)}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"argument {names[1]}: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
 def norm_linear(norm, x, weights, biases=None):
     """[F.linear(norm(x), w, b) for each weight w (and bias b)], norm(x) recomputed in the
     backward (once, for all of them) instead of saved."""
+    for name, params in (("weights", weights), ("biases", biases)):
+        if not isinstance(params, (list, tuple)) and (params is not None or name == "weights"):
+            # a tensor would be iterated by its rows
+            raise TypeError(f"argument {name}: expected a list or tuple of tensors, got {type(params).__name__}")
     biases = [None] * len(weights) if biases is None else biases
     if len(biases) != len(weights):
         raise ValueError(f"argument biases: expected {len(weights)} (one per weight), got {len(biases)}")
-    h = tag(norm(x), norm, x)
+    h = norm(x)
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        _check_linear_param((f"weights[{i}]", f"biases[{i}]"), w, b, h.shape[-1] if h.dim() else 1)
+    h = tag(h, norm, x)
     return [linear(h, w, b) for w, b in zip(weights, biases)]
 
 
@@ -112,7 +131,14 @@ def glu_linear(gate, up, weight, bias=None, *, activation="silu"):
         return registry(op, *gate_up, **kwargs)
 
     inputs = (gate,) if up is None else (gate, up)
-    return linear(tag(act(*inputs), act, *inputs), weight, bias)
+    for name, t in zip(("gate", "up"), inputs):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"argument {name}: expected a torch.Tensor, got {type(t).__name__}")
+    if up is not None and up.shape != gate.shape:
+        raise ValueError(f"argument up: expected gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
+    h = act(*inputs)
+    _check_linear_param(("weight", "bias"), weight, bias, h.shape[-1] if h.dim() else 1)
+    return linear(tag(h, act, *inputs), weight, bias)
 
 
 _GLUS = {"silu": ("swiglu", {}), "gelu": ("geglu", {}), "gelu_tanh": ("geglu", {"approximate": "tanh"})}

@@ -128,6 +128,28 @@ def test_recomputed_once_per_backward_and_errors():
         brrr.glu_linear(x, x, norm_w[None], activation="relu")
 
 
+def test_argument_errors():
+    """Each names its argument; a weight tensor where the list of weights belongs was iterated by
+    its rows (a list of 1-d products, silently), shapes reached F.linear's message."""
+    x, w, b = (random(s, torch.float32, "cpu") for s in [(4, 8), (3, 8), (3,)])
+    norm = functools.partial(brrr.rms_norm, normalized_shape=(8,))
+    cases = [
+        (lambda: brrr.norm_linear(norm, x, w), TypeError, "weights: expected a list or tuple of tensors, got Tensor"),
+        (lambda: brrr.norm_linear(norm, x, [w], b), TypeError, "biases: expected a list or tuple"),
+        (lambda: brrr.norm_linear(norm, x, [w, w.numpy()]), TypeError, r"weights\[1\]: expected a torch.Tensor"),
+        (lambda: brrr.norm_linear(norm, x, [w, w[:, :7]]), ValueError, r"weights\[1\]: expected shape \(out, 8\)"),
+        (lambda: brrr.norm_linear(norm, x, [w], [b[:2]]), ValueError, r"biases\[0\]: expected shape \(3,\)"),
+        (lambda: brrr.glu_linear(x, x[:, :7], w), ValueError, "up: expected gate's shape"),
+        (lambda: brrr.glu_linear(x.numpy(), x, w), TypeError, "gate: expected a torch.Tensor"),
+        (lambda: brrr.glu_linear(x, None, w), ValueError, r"weight: expected shape \(out, 4\)"),  # halves of 8
+        (lambda: brrr.glu_linear(x, x, w, [1.0] * 3), TypeError, "bias: expected a torch.Tensor"),
+    ]
+    for call, exc, message in cases:
+        with pytest.raises(exc, match=f"^argument {message}"):
+            call()
+    assert brrr.glu_linear(x, None, w[:, :4], b).shape == (4, 3)
+
+
 transformers = pytest.importorskip("transformers")
 
 
