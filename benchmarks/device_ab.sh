@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B on the GPU machine in one call: this tree and each git revision named, built side by side,
+# A/B on the GPU machine in one go: this tree and each git revision named, built side by side,
 # then one command run in each tree, this tree first.
 #
 #   bash benchmarks/device_ab.sh "<command>" REV [REV ...]

@@ -83,9 +83,10 @@ def refuse_kinds(*named, index=None):
     index: the (name, tensor) pair of a tensor of class indices (a cross-entropy's target)."""
     from . import _C
 
-    for name, value in named + ((index,) if index else ()):
+    checks = [(name, value, False) for name, value in named] + ([(*index, True)] if index else [])
+    for name, value, is_index in checks:
         if value is not None and hasattr(value, "__dlpack__"):
-            _C.check_tensor(value, name, index is not None and value is index[1])
+            _C.check_tensor(value, name, is_index)
 
 
 class DimError(IndexError, ValueError):

@@ -66,6 +66,8 @@ def float_dtype(name, dtype, default):
         raise ValueError(f"argument {name}: expected float32, float16, bfloat16 or float64, got "
                          f"{str(dtype).removeprefix('torch.')}")
     return dtype
+
+
 _CUDA = _C.cuda_available()  # asked once: torch.compile must not meet a C call in the dispatch
 
 

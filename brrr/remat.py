@@ -93,9 +93,10 @@ def linear(h, weight, bias=None):
 def _check_linear_param(names, weight, bias, features):
     """weight (out, features) and bias (out,) or None, for F.linear on `features` inputs; names:
     theirs, as the public function spells them."""
-    for name, t in zip(names, (weight, bias)):
-        if not isinstance(t, torch.Tensor) and (t is not None or name == names[0]):
-            raise TypeError(f"argument {name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"argument {names[0]}: expected a torch.Tensor, got {type(weight).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"argument {names[1]}: expected a torch.Tensor, got {type(bias).__name__}")
     if weight.dim() != 2 or weight.shape[1] != features:
         raise ValueError(f"argument {names[0]}: expected shape (out, {features}), got {tuple(weight.shape)}")
     if bias is not None and bias.shape != weight.shape[:1]:
@@ -105,16 +106,18 @@ def _check_linear_param(names, weight, bias, features):
 def norm_linear(norm, x, weights, biases=None):
     """[F.linear(norm(x), w, b) for each weight w (and bias b)], norm(x) recomputed in the
     backward (once, for all of them) instead of saved."""
-    for name, params in (("weights", weights), ("biases", biases)):
-        if not isinstance(params, (list, tuple)) and (params is not None or name == "weights"):
-            # a tensor would be iterated by its rows
-            raise TypeError(f"argument {name}: expected a list or tuple of tensors, got {type(params).__name__}")
+    # Lists: a tensor would be iterated by its rows.
+    if not isinstance(weights, (list, tuple)):
+        raise TypeError(f"argument weights: expected a list or tuple of tensors, got {type(weights).__name__}")
+    if biases is not None and not isinstance(biases, (list, tuple)):
+        raise TypeError(f"argument biases: expected a list or tuple of tensors, got {type(biases).__name__}")
     biases = [None] * len(weights) if biases is None else biases
     if len(biases) != len(weights):
         raise ValueError(f"argument biases: expected {len(weights)} (one per weight), got {len(biases)}")
     h = norm(x)
+    features = h.shape[-1] if h.dim() else 1
     for i, (w, b) in enumerate(zip(weights, biases)):
-        _check_linear_param((f"weights[{i}]", f"biases[{i}]"), w, b, h.shape[-1] if h.dim() else 1)
+        _check_linear_param((f"weights[{i}]", f"biases[{i}]"), w, b, features)
     h = tag(h, norm, x)
     return [linear(h, w, b) for w, b in zip(weights, biases)]
 

@@ -154,8 +154,8 @@ def test_a_complex_conjugate_view_is_refused_by_its_dtype():
 @pytest.mark.parametrize("kind", [k[0] for k in KINDS if k[0] != "quantized"])  # no quantized int64 tensors
 @pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
 def test_a_target_of_each_kind_gets_its_error(op, kind):
-    """The class indices are checked as indices: a sparse target's error names its layout, where it
-    named the int64 dtype the target is meant to have."""
+    """The class indices are checked as indices (brrr._C.check_tensor(..., index=True)): each kind
+    gets its own one-line error naming the target, not an error about its integer dtype."""
     op = OPS_BY_NAME[op]
     _, make, exc, message = next(k for k in KINDS if k[0] == kind)
     args = op.make(torch.float32, "cpu")
