@@ -4,6 +4,9 @@
 #
 #   bash benchmarks/device_ab.sh "<command>" REV [REV ...]
 #
+# A REV that is a folder is taken as a tree prepared beside this one (the GPU machine's copy of the
+# working tree has no .git: prepare it here with `git worktree add .ab/NAME REV`, ignore .ab/, and
+# carry it); otherwise it is checked out with git worktree.
 # e.g. bash benchmarks/device_ab.sh "python3 benchmarks/probes/floor_probe.py --only norms
 #      --ops layer_norm --dtypes bf16 --no-compile" candidate/ln-one-sum
 #
@@ -40,13 +43,21 @@ build here || exit 1
 HERE=$(pwd)
 trees=("here:$HERE")
 for rev in "$@"; do
-  name=${rev//\//-}
-  tree=/tmp/brrr-ab/$name
-  git worktree remove --force "$tree" > /dev/null 2>&1
-  git worktree add --detach -q "$tree" "$rev" || exit 1
+  if [ -d "$rev" ]; then  # a tree prepared beside this one (the GPU machine's copy has no .git)
+    tree=$(cd "$rev" && pwd)
+    name=$(basename "$tree")
+  else
+    name=${rev//\//-}
+    tree=/tmp/brrr-ab/$name
+    git worktree remove --force "$tree" > /dev/null 2>&1
+    git worktree add --detach -q "$tree" "$rev" || exit 1
+  fi
+  rm -rf "$tree/build"
   [ -d build ] && cp -a build "$tree/"
   # The objects to compile again: those depending on a file that differs between the trees.
-  changed=$(git diff --name-only "$rev" -- cuda csrc setup.py)
+  changed=$(for file in $( (cd "$HERE" && find cuda csrc setup.py -type f; cd "$tree" && find cuda csrc setup.py -type f) | sort -u); do
+    cmp -s "$HERE/$file" "$tree/$file" || echo "$file"
+  done)
   if [ -d "$tree/build" ] && [ -n "$changed" ]; then
     while IFS= read -r deps; do
       for file in $changed; do
