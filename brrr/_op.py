@@ -131,7 +131,7 @@ def saved_gradients(op_name, gradients, inputs):
     differentiated, so that a second derivative through the backward that returns them raises
     instead of coming out 0 (the backward's gradients then carry its error node, as those of an
     op that saves its inputs do). The same memory; as they are under torch.compile, which traces
-    no second derivative here."""
+    no second derivative here. A backward that makes no graph returns them detached."""
     inputs = [t for t in inputs if t is not None and t.requires_grad]
     if not inputs or torch.compiler.is_compiling():
         return gradients

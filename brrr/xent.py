@@ -590,6 +590,13 @@ def torch_layer():
                                    "(retain_graph) is not supported: the first scaled the gradients the forward "
                                    "computed in place; run the forward again")
             saved = ctx.saved_tensors
+            if not torch.is_grad_enabled():
+                # No graph asked for (create_graph=False): the gradients come back without the
+                # error node of saved_gradients, as PyTorch's own do. Through it they would hold
+                # the inputs' nodes, the forward graph up to them, as long as the caller holds the
+                # gradients, and a CUDA graph captured later would meet a leaf's AccumulateGrad
+                # node made on the stream of that earlier call (a capture error on the legacy stream).
+                saved = [g.detach() for g in saved]
             ctx.consumed = not traced  # outside torch.compile, in the saved gradients' memory
             scale = scaled_in_torch_ops if traced else scaled_in_place
             got = [scale(g, grad, dtype) if need else None for need, g, dtype in zip(needs, saved, ctx.dtypes)]

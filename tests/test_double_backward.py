@@ -92,6 +92,21 @@ def test_a_first_derivative_with_create_graph_is_still_right():
     torch.testing.assert_close(g.detach(), expected)
 
 
+@pytest.mark.parametrize("name", list(eager_ops("cpu")) + ["linear_cross_entropy"])
+def test_first_derivatives_carry_no_graph(name):
+    """Without create_graph the gradients come back with no graph, as PyTorch's do: a graph behind
+    them would keep the inputs' nodes (and the forward graph up to them) alive as long as the
+    caller keeps the gradients."""
+    x = double(4, 6).requires_grad_()
+    if name == "linear_cross_entropy":
+        w, b = double(5, 6).requires_grad_(), double(5).requires_grad_()
+        leaves, loss = (x, w, b), brrr.linear_cross_entropy(x, w, torch.tensor([0, 4, 2, 1]), b)
+    else:
+        leaves, loss = (x,), eager_ops("cpu")[name][0](x).sum()
+    for g in torch.autograd.grad(loss, leaves):
+        assert g.grad_fn is None and not g.requires_grad
+
+
 # torch.ops.brrr.*: the custom ops' backward ops have no derivative
 CUSTOM_OPS = {
     "chain": lambda x: torch.ops.brrr.chain(x, [], "sin,gelu", [0.0, 0.0]),
