@@ -55,7 +55,12 @@ def _softmax(x, dim, dtype, log):
         raise TypeError(f"argument x: expected a tensor or array with ndim (the dims to move), got {type(x).__name__}")
     dim = dim_in_range("dim", ndim, dim)
     if dtype is not None:
-        x = x.astype(dtype)
+        try:
+            x = x.astype(dtype)
+        except TypeError as error:  # not a dtype its framework knows
+            raise TypeError(f"argument dtype: {error}") from None
+        if str(x.dtype) not in ("float32", "float16", "bfloat16", "float64"):
+            raise ValueError(f"argument dtype: expected float32, float16, bfloat16 or float64, got {x.dtype}")
     xp = x.__array_namespace__() if hasattr(x, "__array_namespace__") else None
     moved = ndim > 1 and dim != ndim - 1
     if moved:

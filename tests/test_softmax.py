@@ -416,6 +416,11 @@ def test_public_argument_errors():
                 fn(x, dim, "float32")
             with pytest.raises(ValueError, match="^argument dtype: expected float32, .* got int64"):
                 fn(x, dim, torch.int64)
+        # a NumPy array's dtype argument, converted by NumPy: the same rule
+        with pytest.raises(ValueError, match="^argument dtype: expected float32, .* got int32"):
+            fn(x.numpy(), -1, np.int32)
+        with pytest.raises(TypeError, match="^argument dtype: .*not understood"):
+            fn(x.numpy(), -1, "no such dtype")
 
 
 @pytest.mark.parametrize("device", DEVICES)
