@@ -36,7 +36,7 @@ build() {  # build in the current folder, into $1's log
     tail -5 "$OUT/build-$1.log"
     return 1
   fi
-  echo "build $1: $(( $(date +%s) - start )) s"
+  echo "build $1: $(( $(date +%s) - start )) s; $(grep -h -o 'compiling [0-9]* CUDA files' "$OUT/build-$1.log" || echo 'no CUDA file compiled')"
 }
 
 build here || exit 1
@@ -65,6 +65,9 @@ for rev in "$@"; do
       done
     done < <(find "$tree/build" -name '*.d')
   fi
+  # setuptools skips an extension whose linked library is newer than its sources (the copy's is),
+  # and with it the CUDA objects' dependency check: drop the library so that the tree links its own.
+  rm -rf "$tree"/build/lib.* "$tree"/brrr/_C*.so
   (cd "$tree" && build "$name") || exit 1
   trees+=("$name:$tree")
 done
