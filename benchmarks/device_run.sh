@@ -49,17 +49,30 @@ if [ "$TESTS" != "none" ]; then
   # torch's default thread count crowd the cores and run ten times slower. Tests that time the
   # GPU against itself (test_floor_probe.py) need it to themselves: they run alone afterwards.
   parallel=()
+  alone=()
+  targets=($TESTS)  # words, globs expanded
   if python3 -c "import xdist" 2> /dev/null && [ "${BRRR_TEST_WORKERS:-12}" -gt 1 ]; then
     parallel=(-n "${BRRR_TEST_WORKERS:-12}" --ignore=tests/test_floor_probe.py)
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+    # test_floor_probe.py named outright would still be collected beside the others: it runs alone.
+    kept=()
+    for t in "${targets[@]}"; do
+      case $t in
+        *test_floor_probe.py*) alone+=("$t") ;;
+        tests | tests/) kept+=("$t"); alone+=(tests/test_floor_probe.py) ;;
+        *) kept+=("$t") ;;
+      esac
+    done
+    targets=("${kept[@]}")
   fi
-  timeout "${BRRR_TEST_TIMEOUT:-3000}" python3 -m pytest $TESTS -q -m cuda -p no:cacheprovider --maxfail=20 "${parallel[@]}" 2>&1 |
-    tee "$RESULTS/tests.log" | tail -25
-  status=${PIPESTATUS[0]}
-  alone=no
-  case " $TESTS " in *" tests "* | *" tests/ "* | *test_floor_probe*) alone=yes ;; esac
-  if [ ${#parallel[@]} -gt 0 ] && [ $alone = yes ] && [ "$status" = 0 ]; then
-    timeout 600 python3 -m pytest tests/test_floor_probe.py -q -m cuda -p no:cacheprovider 2>&1 | tee -a "$RESULTS/tests.log" | tail -3
+  status=0
+  if [ ${#targets[@]} -gt 0 ]; then
+    timeout "${BRRR_TEST_TIMEOUT:-3000}" python3 -m pytest "${targets[@]}" -q -m cuda -p no:cacheprovider --maxfail=20 \
+      "${parallel[@]}" 2>&1 | tee "$RESULTS/tests.log" | tail -25
+    status=${PIPESTATUS[0]}
+  fi
+  if [ ${#parallel[@]} -gt 0 ] && [ ${#alone[@]} -gt 0 ] && [ "$status" = 0 ]; then
+    timeout 600 python3 -m pytest "${alone[@]}" -q -m cuda -p no:cacheprovider 2>&1 | tee -a "$RESULTS/tests.log" | tail -3
     status=${PIPESTATUS[0]}
   fi
   echo "tests: $(( $(date +%s) - start )) s, exit $status"
