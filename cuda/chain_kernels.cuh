@@ -1025,7 +1025,12 @@ void chain_bwd_typed(const brrr_chain_launch &L, int device, cudaStream_t stream
 // setup.py compiles this header once per dtype, naming it BRRR_INSTANTIATE, each in a translation
 // unit of its own so that the dtypes compile in parallel.
 #ifdef BRRR_INSTANTIATE
+// The forward (part 0) and the backward (part 1) in translation units of their own: the
+// longest units of a parallel build, each of them alone compiles in about half the time.
+#if BRRR_INSTANTIATE_PART == 0
 template void brrr::chain_fwd_typed<BRRR_INSTANTIATE>(const brrr_chain_launch &, int, cudaStream_t);
-template void brrr::chain_bwd_typed<BRRR_INSTANTIATE>(const brrr_chain_launch &, int, cudaStream_t);
 template void brrr::chain_vector_grad_typed<BRRR_INSTANTIATE>(const brrr_chain_launch &, cudaStream_t);
+#else
+template void brrr::chain_bwd_typed<BRRR_INSTANTIATE>(const brrr_chain_launch &, int, cudaStream_t);
+#endif
 #endif

@@ -209,8 +209,11 @@ def test_a_change_of_configuration_rebuilds_what_it_affects(tmp_path, fake_cuda)
     tree = copy_tree(tmp_path / "tree")
     env = {"CUDA_HOME": str(fake_cuda), "BRRR_CPU_ONLY": "0", "BRRR_CUDA_ARCHS": "80"}
     build = [sys.executable, "setup.py", "build_ext", "--inplace"]
-    instantiated = [f for f in os.listdir(tree / "cuda") if "\n#ifdef BRRR_INSTANTIATE\n" in (tree / "cuda" / f).read_text()]
-    units = 4 * len(instantiated) + len([f for f in os.listdir(tree / "cuda") if f.endswith(".cu")])  # 4 dtypes
+    texts = [(tree / "cuda" / f).read_text() for f in os.listdir(tree / "cuda")]
+    # 4 dtypes of each instantiated header, of both parts where it splits them
+    parts = [2 if "\n#if BRRR_INSTANTIATE_PART == 0\n" in t else 1 for t in texts if "\n#ifdef BRRR_INSTANTIATE\n" in t]
+    units = 4 * sum(parts) + len([f for f in os.listdir(tree / "cuda") if f.endswith(".cu")])
+    assert 2 in parts  # the split is exercised
 
     result = run(build, tree, env)
     assert f"brrr: compiling {units} CUDA files for sm_80 with nvcc 13.0.0" in result.stdout
@@ -253,7 +256,8 @@ def test_a_change_of_configuration_rebuilds_what_it_affects(tmp_path, fake_cuda)
 
     os.utime(tree / "cuda" / "norm_kernels.cuh")  # an edited header: the units that include it
     run(build, tree, env)
-    assert compiled_sources(nvcc_calls(fake_cuda)) == ["norm_bf16.cu", "norm_f16.cu", "norm_f32.cu", "norm_f64.cu"]
+    assert compiled_sources(nvcc_calls(fake_cuda)) == [f"norm_{d}_{part}.cu" for d in ("bf16", "f16", "f32", "f64")
+                                                       for part in (0, 1)]
 
 
 @needs_source_tree
