@@ -131,12 +131,22 @@ def saved_gradients(op_name, gradients, inputs):
     differentiated, so that a second derivative through the backward that returns them raises
     instead of coming out 0 (the backward's gradients then carry its error node, as those of an
     op that saves its inputs do). The same memory; as they are under torch.compile, which traces
-    no second derivative here. A backward that makes no graph returns them detached."""
+    no second derivative here. The backward takes them back through restored_gradients."""
     inputs = [t for t in inputs if t is not None and t.requires_grad]
     if not inputs or torch.compiler.is_compiling():
         return gradients
     with torch.enable_grad():
         return _error_node(op_name, len(gradients) + len(inputs))(*gradients, *inputs)[:len(gradients)]
+
+
+def restored_gradients(saved):
+    """The tensors saved_gradients made, as a backward returns them: as they are where it makes a
+    graph (create_graph=True: a second derivative meets the error node), else detached, as
+    PyTorch's own gradients come. Through the error node they would hold the inputs' nodes (the
+    forward graph up to them) as long as the caller holds the gradients, and a CUDA graph captured
+    later would meet a leaf's AccumulateGrad node made on the stream of that earlier call (a
+    capture error on the legacy stream)."""
+    return saved if torch.is_grad_enabled() else [g.detach() for g in saved]
 
 
 # ---- torch.library operators ----------------------------------------------------------------------

@@ -257,7 +257,7 @@ def torch_layer():
     import torch.nn.functional as F
 
     from . import _op
-    from ._op import TorchOp, saved_gradients, stream
+    from ._op import TorchOp, restored_gradients, saved_gradients, stream
     from ._registry import dispatch, float_dtype, registry, same_kind, tensor_ok
 
     Tensor = torch.Tensor
@@ -589,14 +589,7 @@ def torch_layer():
                 raise RuntimeError("brrr::linear_cross_entropy: a second backward through the same graph "
                                    "(retain_graph) is not supported: the first scaled the gradients the forward "
                                    "computed in place; run the forward again")
-            saved = ctx.saved_tensors
-            if not torch.is_grad_enabled():
-                # No graph asked for (create_graph=False): the gradients come back without the
-                # error node of saved_gradients, as PyTorch's own do. Through it they would hold
-                # the inputs' nodes, the forward graph up to them, as long as the caller holds the
-                # gradients, and a CUDA graph captured later would meet a leaf's AccumulateGrad
-                # node made on the stream of that earlier call (a capture error on the legacy stream).
-                saved = [g.detach() for g in saved]
+            saved = restored_gradients(ctx.saved_tensors)
             ctx.consumed = not traced  # outside torch.compile, in the saved gradients' memory
             scale = scaled_in_torch_ops if traced else scaled_in_place
             got = [scale(g, grad, dtype) if need else None for need, g, dtype in zip(needs, saved, ctx.dtypes)]
