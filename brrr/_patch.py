@@ -75,6 +75,7 @@ unaffected.
 
 import __future__
 import ast
+import collections
 import contextlib
 import copy
 import dis
@@ -128,12 +129,40 @@ def _swap(module, new_class):
 _SUBCLASSES = {}
 
 
+def _patched_class(cls, namespace):
+    """A subclass of cls with `namespace`, under cls's own name: libraries find classes by name
+    (transformers' save_pretrained writes it into config.architectures, accelerate's and FSDP's
+    layer-wrapping options name the decoder layer's class)."""
+    return type(cls.__name__, (cls,), {"__module__": __name__, "__qualname__": cls.__qualname__, **namespace})
+
+
 def _subclass(cls, tag, forward, **attrs):
     """A subclass of a model library's class with brrr's forward (one per class and behaviour)."""
     key = (cls, tag, tuple(sorted(attrs.items())))
     if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(f"Brrr{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__, **attrs})
+        _SUBCLASSES[key] = _patched_class(cls, {"forward": forward, **attrs})
     return _SUBCLASSES[key]
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+@contextlib.contextmanager
+def _hooks_put_aside(model):
+    """A block in which model's modules and torch.nn's global hooks hold no hooks (the user's are
+    back after it): patch's probes run the model's modules on inputs of their own, which the user's
+    hooks should neither see nor change. Hooks registered inside the block (the probes' own) go
+    into the block's dicts, and their handles remove them from there."""
+    hooks = torch.nn.modules.module
+    kept = [(m.__dict__, name, m.__dict__[name]) for m in model.modules() for name in _HOOK_DICTS if name in m.__dict__]
+    kept += [(vars(hooks), f"_global{name}", getattr(hooks, f"_global{name}")) for name in _HOOK_DICTS]
+    try:
+        for where, name, _ in kept:
+            where[name] = collections.OrderedDict()
+        yield
+    finally:
+        for where, name, value in kept:
+            where[name] = value
 
 
 def _probe_tolerance(dtype):
@@ -260,17 +289,29 @@ def _down_of_glu(self, *gate_up):
     return self.down_proj(_remat(self, out, self._brrr_glu, *gate_up))
 
 
+def _computed_hooked(self):
+    """Whether a child that self's forward computes itself (_brrr_computes) has hooks, which only
+    its own call would run: then self's original forward runs instead."""
+    return any(_has_hooks(getattr(self, name)) for name in self._brrr_computes)
+
+
 def _glu_mlp_forward(self, x):
+    if _computed_hooked(self):
+        return self.__dict__[_ORIGINAL].forward(self, x)
     return _down_of_glu(self, self.gate_proj(x), self.up_proj(x))
 
 
 def _residual_layer_norm_forward(self, hidden_states, input_tensor):
+    if _computed_hooked(self):
+        return self.__dict__[_ORIGINAL].forward(self, hidden_states, input_tensor)
     norm = self.LayerNorm
     return registry("add_layer_norm", self.dropout(self.dense(hidden_states)), input_tensor, norm.normalized_shape,
                     norm.weight, norm.bias, norm.eps)[0]
 
 
 def _fused_glu_mlp_forward(self, x):
+    if _computed_hooked(self):
+        return self.__dict__[_ORIGINAL].forward(self, x)
     return _down_of_glu(self, self.gate_up_proj(x))
 
 
@@ -608,13 +649,19 @@ def _deferring_head_forward(self, x):
 def _fused_linear_loss_forward(original):
     """The model's forward: unchanged unless training with labels (a keyword, as Hugging Face's
     Trainer passes them); then run without labels with the head deferring, and the loss of the
-    head's input through causal_lm_linear_loss. The output has that loss and no logits (None)."""
+    head's input through causal_lm_linear_loss. The output has that loss and no logits (None).
+    Unchanged too where the head is not the one patched (replaced since, as resize_token_embeddings
+    does with untied weights) or has hooks (which would see no logits). Its signature is the
+    original's (functools.wraps), which Trainer reads to keep the batch's columns."""
+    @functools.wraps(original)
     def forward(self, *args, **kwargs):
         labels = kwargs.get("labels")
         if labels is None or not self.training:
             return original(self, *args, **kwargs)
         head = self.get_output_embeddings()
-        pending = head.__dict__[_PENDING]
+        pending = head.__dict__.get(_PENDING)
+        if pending is None or _has_hooks(head):
+            return original(self, *args, **kwargs)
         pending.append(None)
         try:
             out = original(self, *args, **dict(kwargs, labels=None))
@@ -627,10 +674,9 @@ def _fused_linear_loss_forward(original):
         loss = causal_lm_linear_loss(hidden_states, head, labels, softcap=self._brrr_softcap,
                                      logit_scale=self._brrr_logit_scale, **dict(self._brrr_loss_options),
                                      **{k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs})
-        if isinstance(out, tuple):  # return_dict=False: to_tuple of the output below
-            return (loss,) + out[1:]
+        if isinstance(out, tuple):  # return_dict=False: the logits' place kept, None
+            return (loss, None) + out[1:]
         return type(out)(**{k: v for k, v in out.items() if k != "logits"}, loss=loss)
-    forward._brrr_original = original
     return forward
 
 
@@ -780,6 +826,7 @@ def _rotary_through_brrr(original, layout):
     default_dim = next((p.default for p in extra if p.name == "unsqueeze_dim"), 1)
     op = registry.lookup("rotary_qk")
 
+    @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         given = dict(zip(names, args)) if len(args) <= len(names) else None
         if given is not None and not kwargs.keys() - {"unsqueeze_dim", "position_ids"}:
@@ -800,7 +847,6 @@ def _rotary_through_brrr(original, layout):
                     return tuple(_halves(t, cos.shape[-1]) for t in out) if layout.halves_out else out
         return original(q, k, cos, sin, *args, **kwargs)
 
-    apply_rotary_pos_emb._brrr_original = original
     return apply_rotary_pos_emb
 
 
@@ -917,7 +963,7 @@ def _try_forward_globals(module, device, made):
         made[cls] = (None, "; ".join(whys)) if whys else (None, None)
         return made[cls]
     rebuilt = _rebuild_forward(chain, replacements)
-    made[cls] = type(f"Brrr{cls.__name__}", (cls,), {"forward": rebuilt, "__module__": __name__}), "; ".join(whats)
+    made[cls] = _patched_class(cls, {"forward": rebuilt}), "; ".join(whats)
     return made[cls]
 
 
@@ -982,14 +1028,16 @@ def _has_hooks(module, ignoring=None):
 #   layer's tensors, and would find the norm's saved in one run and not the other; offloading;
 # - in a layer transformers checkpoints (its gradient_checkpointing): the reentrant form runs it
 #   without grad, and the norm would compute its output anew (requires_grad differs: checked);
-# - where the layer or the norm has hooks: one may change h in place, and the fused call saved h
-#   for its backward, which would then refuse it (transformers' output recorders, which only keep
-#   h, aside).
+# - where the layer, the norm or a module that holds the norm but not the layer (the next layer)
+#   has hooks: one may change h in place (a pre-hook of the next layer steering its input), and the
+#   fused call saved h for its backward, which would then refuse it (transformers' output
+#   recorders, which only keep h, aside);
+# - where the norm is no longer swapped (brrr.unpatch of it, or of the next layer).
 # - under torch.inference_mode: its tensors keep no version, which the norm's check reads.
 # Other code that changes a layer's output in place before the next layer reads it gets the norm
 # computed anew (h's version differs), and the backward's error.
 
-_NEXT_NORM = "_brrr_next_norm"  # a layer's: the norm that reads the sum that ends it
+_NEXT_NORM = "_brrr_next_norm"  # a layer's: (the norm that reads the sum that ends it, the modules between)
 _AHEAD = "_brrr_ahead"  # a norm's: (a weak reference to h, h's version, the norm's output of h)
 _PROBING = object()  # _NEXT_NORM while _link_layer_ends probes: the layer keeps its sum in _PROBED
 _PROBED = "_brrr_probed_sum"
@@ -1007,15 +1055,17 @@ def residual_norm_ahead(layer, x, residual):
     the same pass (its residual form) and left for that norm's forward (_taken_ahead)."""
     if torch.compiler.is_compiling():
         return residual + x
-    norm = layer.__dict__.get(_NEXT_NORM)
-    if norm is None or norm is _PROBING or _saved_tensors_hooked() or torch.is_inference_mode_enabled() \
-            or _has_hooks(layer, _RECORDERS) or _has_hooks(norm) \
+    link = layer.__dict__.get(_NEXT_NORM)
+    norm, between = (None, ()) if link is None or link is _PROBING else link
+    fused = getattr(type(norm), "residual_forward", None)
+    if fused is None or _saved_tensors_hooked() or torch.is_inference_mode_enabled() \
+            or _has_hooks(layer, _RECORDERS) or _has_hooks(norm) or any(_has_hooks(m, _RECORDERS) for m in between) \
             or (layer.training and getattr(layer, "gradient_checkpointing", False) is True):
         h = residual + x  # a tensor sum, the same bits in either order
-        if norm is _PROBING:
+        if link is _PROBING:
             layer.__dict__[_PROBED] = h
         return h
-    out, h = type(norm).residual_forward(norm, x, residual)
+    out, h = fused(norm, x, residual)
     norm.__dict__[_AHEAD] = (weakref.ref(h), h._version, out)
     return h
 
@@ -1042,9 +1092,10 @@ def _ahead_forward(base_forward):
 
 
 def _link_layer_ends(model, device, layers):
-    """{layer: (norm, its name)} for each of `layers` (rewritten with residual_norm_ahead) whose
-    sum a swapped norm then reads, as a probe of the model shows (a forward of 2 input_ids, in
-    eval mode, every submodule's mode restored), where that norm's residual form matches it."""
+    """{layer: (norm, its name, the modules that hold the norm but not the layer)} for each of
+    `layers` (rewritten with residual_norm_ahead) whose sum a swapped norm then reads, as a probe
+    of the model shows (a forward of 2 input_ids, in eval mode, every submodule's mode restored),
+    where that norm's residual form matches it."""
     names = {m: n for n, m in model.named_modules()}
     norms = [m for m in names if _ORIGINAL in m.__dict__ and hasattr(type(m), "residual_forward")]
     found = {}
@@ -1073,7 +1124,15 @@ def _link_layer_ends(model, device, layers):
             layer.__dict__.pop(_NEXT_NORM, None)
             layer.__dict__.pop(_PROBED, None)
     matches = {norm: _residual_form_matches(norm, device) for norm in set(found.values())}
-    return {layer: (norm, names[norm]) for layer, norm in found.items() if matches[norm]}
+
+    def holds(outer, inner):  # by name: "model.layers.1" holds "model.layers.1.input_layernorm"
+        return not outer or inner == outer or inner.startswith(f"{outer}.")
+
+    def between(layer, norm):
+        return tuple(m for m, n in names.items()
+                     if m is not norm and holds(n, names[norm]) and not holds(n, names[layer]))
+
+    return {layer: (norm, names[norm], between(layer, norm)) for layer, norm in found.items() if matches[norm]}
 
 
 def _assignment(statement):
@@ -1376,7 +1435,7 @@ def _residual_norm_class(cls, chain, definition, keys):
         block[i:i + n] = statements
     forward = _rebuild_forward(chain, {_RESIDUAL_NORM: residual_norm, _RESIDUAL_NORM_AHEAD: residual_norm_ahead},
                                _compiled(chain[-1], definition))
-    return type(f"Brrr{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+    return _patched_class(cls, {"forward": forward})
 
 
 _LOSS_OPTIONS = ("logits_budget", "accumulation")
@@ -1405,7 +1464,9 @@ def patch(model, *, fused_linear_cross_entropy=True, remat="auto"):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"argument model: expected a torch.nn.Module, got {type(model).__name__}")
     loss_options = _loss_options(fused_linear_cross_entropy)
-    with _rng_states_kept():
+    # Outside inference mode: the probes compare gradients (a model used under inference mode is
+    # patched as one trained).
+    with _rng_states_kept(), _hooks_put_aside(model), torch.inference_mode(False):
         # the smallest output that remat recomputes (None: remat off)
         remat_min_bytes = brrr_remat.AUTO_MIN_BYTES if remat == "auto" else 0 if remat else None
         return _patch(model, fused_linear_cross_entropy is not False, loss_options, remat_min_bytes)
@@ -1522,8 +1583,8 @@ def _patch(model, fused_linear_cross_entropy, loss_options, remat_min_bytes):
     links = _link_layer_ends(model, device, list(ending)) if ending else {}
     for module, (name, cls_name, what, why) in ending.items():
         if module in links:
-            norm, norm_name = links[module]
-            module.__dict__[_NEXT_NORM] = norm
+            norm, norm_name, between = links[module]
+            module.__dict__[_NEXT_NORM] = (norm, between)
             if not getattr(type(norm), "_brrr_takes_ahead", False):
                 norm.__class__ = _subclass(type(norm), "ahead", _ahead_forward(type(norm).forward),
                                            _brrr_takes_ahead=True)
@@ -1567,6 +1628,8 @@ def _remat_output(module, first):
 def unpatch(model):
     """Give every module brrr.patch swapped its original class (and loss_function) back; returns
     how many it restored."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"argument model: expected a torch.nn.Module, got {type(model).__name__}")
     restored = 0
     for module in model.modules():
         changed = module.__dict__.pop(_ORIGINAL_LOSS, None)

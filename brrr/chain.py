@@ -309,8 +309,11 @@ def torch_layer():
             return dispatch("gelu", x, approximate=self.approximate)
 
     def twin(base, name):
-        """torch.nn's activation module `base`, its forward the registry's op `name`."""
-        return type(base.__name__, (base,), {"forward": lambda self, x: dispatch(name, x)})
+        """torch.nn's activation module `base`, its forward the registry's op `name`; with
+        inplace=True (ReLU, SiLU) the base's own in-place forward, as silu_route takes it."""
+        def forward(self, x):
+            return base.forward(self, x) if getattr(self, "inplace", False) else dispatch(name, x)
+        return type(base.__name__, (base,), {"forward": forward})
 
     twins = [twin(base, name) for base, name in
              ((torch.nn.SiLU, "silu"), (torch.nn.ReLU, "relu"), (torch.nn.Sigmoid, "sigmoid"), (torch.nn.Tanh, "tanh"))]

@@ -18,6 +18,8 @@ normalized_shape=..., weight=w, eps=...) or a norm module). Under torch.compile 
 plain composition: AOTAutograd's partitioner decides what to recompute there.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -27,12 +29,33 @@ from ._registry import registry
 
 class Recompute:
     """How a linear layer's input is made again in the backward: fn(*inputs), where the inputs are
-    tensors the producer's backward saves anyway; the value while the consumers' backward need it."""
+    tensors the producer's backward saves anyway; the value while the consumers' backward need it.
+    The tensors fn holds itself (a norm module's weight, a partial's) are not saved: their
+    versions are, so that one changed in place before the backward raises as autograd does for a
+    saved tensor, instead of giving the gradient of another h."""
 
     def __init__(self, fn):
         self.fn = fn
         self.value = None
         self.pending = 0  # consumers whose backward has not run yet
+        self.held = [(t, t._version) for t in _held_tensors(fn)]
+
+    def check_held(self):
+        for t, version in self.held:
+            if t._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a tensor of shape {tuple(t.shape)} that brrr.remat recomputes a linear layer's "
+                    f"input with (held by its norm or GLU) is at version {t._version}; expected version {version}")
+
+
+def _held_tensors(fn):
+    """The tensors fn reads besides its arguments, where they can be seen: a module's parameters and
+    buffers (fn a module or its bound method), a functools.partial's tensor arguments."""
+    if isinstance(fn, functools.partial):
+        return [t for t in (*fn.args, *fn.keywords.values()) if isinstance(t, torch.Tensor)] + _held_tensors(fn.func)
+    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    return [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
 
 
 # brrr.patch(remat="auto") recomputes an output of at least this many bytes (16 MiB: 4096 tokens
@@ -48,7 +71,7 @@ def tag(output, fn, *inputs, min_bytes=0):
     (linear()); where autograd records it, outside torch.compile, if it holds at least min_bytes."""
     if (output.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
             and output.numel() * output.element_size() >= min_bytes):
-        output._brrr_recompute = (Recompute(fn), inputs)
+        output._brrr_recompute = (Recompute(fn), inputs, output._version)
     return output
 
 
@@ -66,10 +89,16 @@ class _RematLinear(torch.autograd.Function):
     def backward(ctx, grad):
         weight, *inputs = ctx.saved_tensors
         recompute = ctx.recompute
-        if recompute.value is None:
-            with torch.no_grad():
-                recompute.value = recompute.fn(*inputs)
-        h = recompute.value
+        recompute.check_held()
+        if torch.is_grad_enabled():
+            # create_graph: h recomputed with its graph, so that the gradients depend on the inputs
+            # as the plain composition's do (a second derivative is then its fn's own, or its error).
+            h = recompute.fn(*inputs)
+        else:
+            if recompute.value is None:
+                with torch.no_grad():
+                    recompute.value = recompute.fn(*inputs)
+            h = recompute.value
         recompute.pending -= 1
         if recompute.pending == 0:
             recompute.value = None
@@ -84,9 +113,10 @@ def linear(h, weight, bias=None):
     """F.linear(h, weight, bias), saving the inputs of h's recomputation instead of h where h was
     tagged (and autograd records the call, outside torch.compile)."""
     recipe = getattr(h, "_brrr_recompute", None)
-    if recipe is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    # h changed in place since it was tagged (its version): fn(*inputs) would not make it again.
+    if recipe is None or recipe[2] != h._version or torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return F.linear(h, weight, bias)
-    recompute, inputs = recipe
+    recompute, inputs, _ = recipe
     return _RematLinear.apply(h, weight, bias, recompute, *inputs)
 
 
@@ -106,6 +136,8 @@ def _check_linear_param(names, weight, bias, features):
 def norm_linear(norm, x, weights, biases=None):
     """[F.linear(norm(x), w, b) for each weight w (and bias b)], norm(x) recomputed in the
     backward (once, for all of them) instead of saved."""
+    if not callable(norm):
+        raise TypeError(f"argument norm: expected a callable (a norm module or function), got {type(norm).__name__}")
     # Lists: a tensor would be iterated by its rows.
     if not isinstance(weights, (list, tuple)):
         raise TypeError(f"argument weights: expected a list or tuple of tensors, got {type(weights).__name__}")
@@ -139,6 +171,9 @@ def glu_linear(gate, up, weight, bias=None, *, activation="silu"):
             raise TypeError(f"argument {name}: expected a torch.Tensor, got {type(t).__name__}")
     if up is not None and up.shape != gate.shape:
         raise ValueError(f"argument up: expected gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
+    if up is None and (gate.dim() == 0 or gate.shape[-1] % 2):
+        raise ValueError(f"argument gate: expected a last dim of even size to split in halves (up None), "
+                         f"got shape {tuple(gate.shape)}")
     h = act(*inputs)
     _check_linear_param(("weight", "bias"), weight, bias, h.shape[-1] if h.dim() else 1)
     return linear(tag(h, act, *inputs), weight, bias)

@@ -953,6 +953,10 @@ def test_patched_causal_lm_trains_on_the_fused_loss(name, config, what):
     as_tuple = patched(input_ids=ids, labels=tokens, return_dict=False)
     torch.testing.assert_close(as_tuple[0], base(input_ids=ids, labels=tokens).loss, rtol=1e-5, atol=1e-6)
     assert not any(isinstance(o, torch.Tensor) and o.shape[-1:] == (211,) for o in as_tuple)
+    # the logits' place kept (None): what follows them where the unpatched tuple has it
+    base_tuple = base(input_ids=ids, labels=tokens, return_dict=False, use_cache=True)
+    assert as_tuple[1] is None and len(as_tuple) == len(base_tuple)
+    assert [type(o) for o in as_tuple[2:]] == [type(o) for o in base_tuple[2:]]
     torch.testing.assert_close(patched(input_ids=ids).logits, base(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     patched.eval()
     base.eval()
@@ -962,6 +966,48 @@ def test_patched_causal_lm_trains_on_the_fused_loss(name, config, what):
     assert brrr.unpatch(patched) > 0
     assert [type(m) for m in patched.modules()] == [type(m) for m in base.modules()]
     assert all("_brrr_pending" not in m.__dict__ for m in patched.modules())
+
+
+def _halve(module, args, output):
+    return output / 2
+
+
+def test_patched_causal_lm_keeps_what_training_code_reads(tmp_path):
+    """What Trainer and user code read of a patched model: its forward's signature (Trainer keeps
+    the batch's columns that it names), its class's name (save_pretrained writes it into
+    config.architectures); a hook on the head (a temperature) and a head replaced since the patch
+    (resize_token_embeddings, set_output_embeddings) get the unfused loss, as unpatched."""
+    import copy
+    import inspect
+    import json
+
+    base = tiny("Llama")
+    patched = copy.deepcopy(base)
+    brrr.patch(patched)
+    assert inspect.signature(patched.forward) == inspect.signature(base.forward)
+    assert type(patched).__name__ == "LlamaForCausalLM"
+    patched.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    tokens = torch.randint(0, 211, (2, 9))
+
+    def same_training_loss():
+        out, grads = loss_and_grads(patched, tokens)
+        expected, expected_grads = loss_and_grads(base, tokens)
+        torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+        for (n, _), a, b in zip(base.named_parameters(), grads, expected_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=n)
+        return out
+
+    handles = [m.lm_head.register_forward_hook(_halve) for m in (base, patched)]
+    assert same_training_loss().logits.shape == (2, 9, 211)
+    for h in handles:
+        h.remove()
+    assert same_training_loss().logits is None  # fused again
+    torch.manual_seed(1)
+    head = torch.nn.Linear(32, 211, bias=False)
+    for m in (base, patched):
+        m.set_output_embeddings(copy.deepcopy(head))
+    assert same_training_loss().logits.shape == (2, 9, 211)
 
 
 class DoubledLogits(transformers.LlamaForCausalLM):

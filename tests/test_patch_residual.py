@@ -183,7 +183,7 @@ def counted(forward):
     """A decorator holding the function it wraps in a closure cell (as transformers' do)."""
     @functools.wraps(forward)
     def wrapper(self, *args, **kwargs):
-        DECORATED_CALLS.append(type(self).__name__)
+        DECORATED_CALLS.append(type(self))
         return forward(self, *args, **kwargs)
     return wrapper
 
@@ -292,8 +292,10 @@ def test_patch_fuses_the_residual_add_of_pre_norm_layers(layer):
     finally:
         reset_registry()
     assert calls == ["add_rms_norm"] * 2
-    # the decorator, rebuilt around the new forward, still runs
-    assert DECORATED_CALLS == (["BrrrDecoratedLayer"] * 2 if layer is DecoratedLayer else [])
+    # the decorator, rebuilt around the new forward, still runs (the patched class: a subclass under
+    # the layer's own name)
+    assert DECORATED_CALLS == ([type(model[0])] * 2 if layer is DecoratedLayer else [])
+    assert type(model[0]) is not layer and type(model[0]).__name__ == layer.__name__
     expected_y, expected_grads = outputs_and_grads(unpatched, x, grad)
     torch.testing.assert_close(y, expected_y, rtol=1e-5, atol=1e-5)
     for a, b in zip(grads, expected_grads):
@@ -486,8 +488,10 @@ def test_the_add_that_ends_a_layer_runs_with_the_next_norm():
     assert sorted(calls) == ["add_rms_norm"] * 6 + ["rms_norm"], calls
     assert not any("_brrr_ahead" in m.__dict__ for m in patched.modules())  # each taken
     clone = copy.deepcopy(patched)  # its layers' links to its own norms
-    assert [layer.__dict__["_brrr_next_norm"] for layer in clone.model.layers] == [
-        clone.model.layers[1].input_layernorm, clone.model.layers[2].input_layernorm, clone.model.norm]
+    layers = clone.model.layers
+    # each norm, with the modules that hold it but not the layer: the next layer, none for the model's norm
+    assert [layer.__dict__["_brrr_next_norm"] for layer in layers] == [
+        (layers[1].input_layernorm, (layers[1],)), (layers[2].input_layernorm, (layers[2],)), (clone.model.norm, ())]
     expected_loss, expected_grads = loss_and_grads(base, tokens)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads, expected_grads):
@@ -504,13 +508,18 @@ def _pre_hook_on_norm(module, args):
     return (args[0] * 0.5,)
 
 
-@pytest.mark.parametrize("case", ["hidden states", "layer hook", "norm pre-hook", "no grad", "inference mode",
-                                  "twice"])
+def _steer_in_place(module, args):
+    args[0].add_(0.25)
+
+
+@pytest.mark.parametrize("case", ["hidden states", "layer hook", "norm pre-hook", "next layer steered in place",
+                                  "no grad", "inference mode", "twice"])
 def test_the_layer_boundaries_hold_with_the_add_that_ends_a_layer(case):
     """Each layer still returns its whole sum: output_hidden_states as unpatched; a hook on a layer
-    or on the norm that changes what the norm reads, forward and backward as unpatched; a forward
-    without grad, and one in inference mode (its tensors keep no version: the adds as before); a
-    second step."""
+    or on the norm that changes what the norm reads, forward and backward as unpatched, also a
+    pre-hook of the next layer that changes its input in place (which the fused call would have
+    saved for its backward); a forward without grad, and one in inference mode (its tensors keep
+    no version: the adds as before); a second step."""
     base = llama(layers=3)
     patched = copy.deepcopy(base)
     brrr.patch(patched)
@@ -519,6 +528,8 @@ def test_the_layer_boundaries_hold_with_the_add_that_ends_a_layer(case):
             m.model.layers[0].register_forward_hook(_scale_output)
         if case == "norm pre-hook":
             m.model.layers[2].input_layernorm.register_forward_pre_hook(_pre_hook_on_norm)
+        if case == "next layer steered in place":
+            m.model.layers[1].register_forward_pre_hook(_steer_in_place)
     tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(4))
     if case == "hidden states":
         for m in (base, patched):
@@ -547,6 +558,63 @@ def test_the_layer_boundaries_hold_with_the_add_that_ends_a_layer(case):
         torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
         for a, b in zip(grads, expected_grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_user_hooks_see_no_probe_and_a_hooked_child_runs_its_own_call():
+    """patch's probes run with the user's hooks (module and global) put aside, and back after; a
+    hook on a child that the patched parent computes itself (the MLP's activation, inside the
+    fused GLU) makes the parent run its original forward, so the hook fires and its change
+    counts, forward and backward as unpatched."""
+    base = llama()
+    patched = copy.deepcopy(base)
+    seen = []
+
+    def temperature(module, args, output):
+        seen.append(tuple(output.shape))
+        return output * 0.5
+
+    for m in (base, patched):
+        m.model.layers[0].mlp.act_fn.register_forward_hook(temperature)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *_: seen.append("global"))
+    try:
+        report = brrr.patch(patched)
+    finally:
+        handle.remove()
+    assert seen == [], seen
+    assert ("model.layers.0.mlp", "LlamaMLP", "gated MLP (swiglu)") in report.swapped, str(report)
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(6))
+    loss, grads = loss_and_grads(patched, tokens)
+    assert seen == [(2, 9, 64)]
+    expected_loss, expected_grads = loss_and_grads(base, tokens)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_patch_under_inference_mode_fuses_as_outside_it():
+    outside, inside = llama(), llama()
+    expected = brrr.patch(outside)
+    with torch.inference_mode():
+        got = brrr.patch(inside)
+    assert got.swapped == expected.swapped and got.left == expected.left, str(got)
+    with pytest.raises(TypeError, match="^argument model: expected a torch.nn.Module, got NoneType"):
+        brrr.unpatch(None)
+
+
+@pytest.mark.parametrize("part", ["model.norm", "model.layers.1", "model.layers.1.input_layernorm"])
+def test_a_model_with_a_part_unpatched_runs_as_before(part):
+    """brrr.unpatch of one module (and what it holds): the layer before it no longer finds a
+    swapped norm to run its last add with, and adds as before; loss and gradients as unpatched."""
+    base = llama(layers=3)
+    patched = copy.deepcopy(base)
+    brrr.patch(patched)
+    assert brrr.unpatch(patched.get_submodule(part)) > 0
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(5))
+    loss, grads = loss_and_grads(patched, tokens)
+    expected_loss, expected_grads = loss_and_grads(base, tokens)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_a_layer_checkpointed_by_torch_alone_runs_the_norm_before_it_itself():

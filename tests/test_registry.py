@@ -290,7 +290,7 @@ def test_patch_report_leaves_look_alikes_and_unpatch_restores():
     assert ("4", "GemmaStyleRMSNorm", "RMSNorm (torch cast order, scaled by 1 + weight)") in report.swapped
     torch.testing.assert_close(model(x), expected)
     again = brrr.patch(model)
-    assert not again.swapped and ("1", "BrrrLlamaStyleRMSNorm", "already patched") in again.left
+    assert not again.swapped and ("1", "LlamaStyleRMSNorm", "already patched") in again.left
     assert brrr.unpatch(model) == 2
     assert [type(m) for m in model] == classes
 
@@ -709,6 +709,16 @@ def test_state_dict_round_trips_both_ways():
     tokens = torch.randint(0, 97, (2, 9))
     torch.testing.assert_close(fresh_plain(tokens), plain(tokens))
     torch.testing.assert_close(fresh_patched(tokens), plain(tokens), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["ReLU", "SiLU"])
+def test_nn_activations_in_place_write_their_input(name):
+    """inplace=True, as torch.nn's: the input holds the output after the call, which returns it."""
+    x = torch.randn(4, 33)
+    expected = getattr(nn, name)()(x)
+    y = getattr(brrr.nn, name)(inplace=True)(x)
+    assert y is x or y.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(x, expected)
 
 
 def test_nn_modules_are_interchangeable_with_torch_nn():

@@ -128,6 +128,59 @@ def test_recomputed_once_per_backward_and_errors():
         brrr.glu_linear(x, x, norm_w[None], activation="relu")
 
 
+def test_an_output_changed_in_place_is_saved_as_it_is():
+    """A tagged output changed in place before its linear layer (a forward hook scaling a norm's
+    output): the recompute would make the unchanged one, so the linear layer saves it as
+    F.linear does; the weight's gradient that of the changed output."""
+    x, norm_w, w = random((4, 8), torch.float32, "cpu"), random((8,), torch.float32, "cpu"), random((3, 8), torch.float32, "cpu")
+    norm = functools.partial(brrr.rms_norm, normalized_shape=(8,), weight=norm_w)
+    grads = []
+    for remat in (True, False):
+        x_, w_ = leaves(x, w)
+        h = norm(x_)
+        if remat:
+            h = brrr.remat.tag(h, norm, x_)
+        h.mul_(2)
+        grads.append(grads_of([brrr.remat.linear(h, w_)], [x_, w_]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("held", ["partial", "module"])
+def test_a_norm_weight_changed_before_the_backward_raises(held):
+    """The norm's weight, which the recompute reads but the linear layer does not save, changed in
+    place between the forward and the backward: autograd's error for a changed saved tensor, not
+    the gradient of another norm output."""
+    x, w = leaves(random((4, 8), torch.float32, "cpu"), random((3, 8), torch.float32, "cpu"))
+    if held == "module":
+        norm = torch.nn.RMSNorm(8)
+        weight = norm.weight
+    else:
+        weight = random((8,), torch.float32, "cpu").requires_grad_()
+        norm = functools.partial(brrr.rms_norm, normalized_shape=(8,), weight=weight)
+    (y,) = brrr.norm_linear(norm, x, [w])
+    with torch.no_grad():
+        weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(y.sum(), [w])
+
+
+def test_second_derivatives_are_the_plain_compositions():
+    """create_graph=True: the backward recomputes the norm's output with its graph, so a gradient
+    penalty's gradient is the plain composition's (torch's LayerNorm as the norm: it has one)."""
+    ln = torch.nn.LayerNorm(8).double()
+    x, w = leaves(random((4, 8), torch.float64, "cpu"), random((5, 8), torch.float64, "cpu"))
+
+    def penalty_grads(linear_of_norm):
+        (g,) = torch.autograd.grad(linear_of_norm(x, w).pow(2).sum(), [w], create_graph=True)
+        return torch.autograd.grad(g.pow(2).sum(), [x, w, ln.weight, ln.bias])
+
+    expected = penalty_grads(lambda x, w: F.linear(ln(x), w))
+    got = penalty_grads(lambda x, w: brrr.norm_linear(ln, x, [w])[0])
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 def test_argument_errors():
     """Each names its argument; a weight tensor where the list of weights belongs was iterated by
     its rows (a list of 1-d products, silently), shapes reached F.linear's message."""
@@ -143,6 +196,8 @@ def test_argument_errors():
         (lambda: brrr.glu_linear(x.numpy(), x, w), TypeError, "gate: expected a torch.Tensor"),
         (lambda: brrr.glu_linear(x, None, w), ValueError, r"weight: expected shape \(out, 4\)"),  # halves of 8
         (lambda: brrr.glu_linear(x, x, w, [1.0] * 3), TypeError, "bias: expected a torch.Tensor"),
+        (lambda: brrr.norm_linear(None, x, [w]), TypeError, "norm: expected a callable"),
+        (lambda: brrr.glu_linear(x[:, :7], None, w), ValueError, "gate: expected a last dim of even size"),
     ]
     for call, exc, message in cases:
         with pytest.raises(exc, match=f"^argument {message}"):
