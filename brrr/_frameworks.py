@@ -61,7 +61,17 @@ def empty_like(x):
     namespace = getattr(x, "__array_namespace__", None)
     if namespace is None:
         return None
-    return namespace().empty_like(x, device=x.device)
+    return namespace().empty_like(x, device=_device(x, "x"))
+
+
+def _device(x, name):
+    """x.device; TypeError naming the argument for an array without one: inside jax.jit the
+    arrays are tracers, with no data to hand over."""
+    try:
+        return x.device
+    except AttributeError:
+        raise TypeError(f"argument {name}: {type(x).__name__} has no device and no data to hand over (inside jax.jit "
+                        "the arrays are tracers: call brrr's ops on concrete arrays)") from None
 
 
 def _is_numpy(x):
@@ -94,14 +104,14 @@ def array_namespace(x, name="input"):
     return namespace()
 
 
-def empty(xp, shape, dtype, like):
-    """An uninitialised array from namespace xp on like's device."""
+def empty(xp, shape, dtype, like, name="input"):
+    """An uninitialised array from namespace xp on like's device (like: the argument `name`)."""
     if _is_numpy(like):
         return xp.empty(shape, dtype)
     if _cupy_for(like) is not None:
         with like.device:
             return xp.empty(shape, dtype)
-    return xp.empty(shape, dtype=dtype, device=like.device)
+    return xp.empty(shape, dtype=dtype, device=_device(like, name))
 
 
 def astype(xp, x, dtype):
@@ -109,3 +119,15 @@ def astype(xp, x, dtype):
     if _is_numpy(x) or _cupy_for(x) is not None:
         return x.astype(dtype, copy=False)
     return xp.astype(x, dtype)
+
+
+def as_float_dtype(xp, x, dtype):
+    """x in the floating dtype of a `dtype` argument (xp None: through x's astype method):
+    TypeError naming dtype for one x's framework does not know, ValueError for one not floating."""
+    try:
+        x = x.astype(dtype) if xp is None else astype(xp, x, dtype)
+    except TypeError as error:
+        raise TypeError(f"argument dtype: {error}") from None
+    if str(x.dtype) not in ("float32", "float16", "bfloat16", "float64"):
+        raise ValueError(f"argument dtype: expected float32, float16, bfloat16 or float64, got {x.dtype}")
+    return x

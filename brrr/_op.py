@@ -380,6 +380,18 @@ class TorchOp:
         return not (any(args[i] is not None and args[i].requires_grad for i in tensors) or
                     _lists_require_grad(args, lists))
 
+    def write(self, args, out, forward, refused):
+        """forward() into the caller's `out`, on the path that runs the forward itself: ValueError
+        `refused` where autograd records the op (runs_forward) or out requires grad (a write
+        autograd would record, as torch refuses out= then); after the write out's version is
+        bumped, as torch's in-place writes bump it, so that a backward that saved out before
+        raises instead of reading the new values."""
+        if not self.runs_forward(args) or (out.requires_grad and _grad_enabled()):
+            raise ValueError(refused)
+        result = forward()
+        torch.autograd.graph.increment_version(out)
+        return result
+
     def _entry(self):
         """The op's call, which returns its results (the first `outputs`): the operator under
         torch.compile, the eager Function when autograd records, else the forward (or the
@@ -410,7 +422,7 @@ def _lists_require_grad(args, lists):
     """Whether a tensor in the lists of tensors at positions `lists` of args requires grad."""
     for i in lists:
         for t in args[i] or ():  # loops, not any() over a generator: a frame of its own
-            if t.requires_grad:
+            if t is not None and t.requires_grad:  # None: refused by name in brrr._C
                 return True
     return False
 

@@ -33,7 +33,7 @@ OPERAND_NAMES = tuple(f"operands[{i}]" for i in range(_C.MAX_CHAIN_OPERANDS))  #
 class Chain:
     """A compiled chain of elementwise steps; call it like a function."""
 
-    __slots__ = ("steps", "op_names", "scalars", "program", "n_operands")
+    __slots__ = ("steps", "op_names", "scalars", "program", "n_operands", "__weakref__")  # jax.jit keeps weak references
 
     def __init__(self, *steps):
         ops, scalars = [], []
@@ -54,7 +54,8 @@ class Chain:
 
     def __call__(self, x, *operands, out=None, stream=None):
         if len(operands) != self.n_operands:
-            raise TypeError(f"{self!r} takes {self.n_operands} tensor operand(s) after x, got {len(operands)}")
+            raise TypeError(f"argument operands: {self!r} takes {self.n_operands} tensor operand(s) after x, got "
+                            f"{len(operands)}")
         if torch_if_tensor(x) is not None:
             try:
                 return torch_layer().chain(self, x, operands, out, stream)
@@ -270,12 +271,13 @@ def torch_layer():
         if out is None and cuda_stream is None:
             return chain_op(*args)
         check_torch((out,), ("out",))
-        if not chain_op.runs_forward(args):
-            if out is not None:
-                raise ValueError(OUT_REFUSED)
+        if out is None and not chain_op.runs_forward(args):
             return chain_op(*args)
-        return _C.chain_fwd(x, out_like(x) if out is None else out, c.program, operands,
-                            stream(x) if cuda_stream is None else cuda_stream)[0]
+
+        def forward():
+            return _C.chain_fwd(x, out_like(x) if out is None else out, c.program, operands,
+                                stream(x) if cuda_stream is None else cuda_stream)[0]
+        return forward() if out is None else chain_op.write(args, out, forward, OUT_REFUSED)
 
     # ---- the registry: brrr's implementations for the torch tensors `supports` lets through call
     # the op directly, without the public functions' framework dispatch (host time: the registry
@@ -329,4 +331,5 @@ def torch_layer():
                     "silu": silu_route})
 
 
-OUT_REFUSED = "argument out: not supported when autograd records the op or under torch.compile"
+OUT_REFUSED = ("argument out: not supported when autograd records the op, for an out that requires grad, or under "
+               "torch.compile")

@@ -67,6 +67,8 @@ def bias_dropout_add(x, bias, residual, p, training=True, seed=None, offset=0):
         except RuntimeError:
             refuse_kinds(("x", x), ("bias", bias), ("residual", residual))
             raise
+    if x is None:
+        raise TypeError("argument x: expected a tensor or array, got None")
     if seed is None:
         raise TypeError("argument seed: required for inputs that are not PyTorch tensors")
     out = None if type(x).__module__ == "numpy" else empty_like(x)  # brrr._C allocates NumPy outputs

@@ -178,9 +178,7 @@ def torch_layer():
                              f"{gate.shape[-1]}")
         if out is None:
             return glu_op(gate, up, activation)
-        if not glu_op.runs_forward((gate, up, activation)):
-            raise ValueError(OUT_REFUSED)
-        return glu_forward(activation, gate, up, out)
+        return glu_op.write((gate, up, activation), out, lambda: glu_forward(activation, gate, up, out), OUT_REFUSED)
 
     # ---- the registry
     def glu_(activation):
@@ -232,5 +230,8 @@ def torch_layer():
 
         def forward(self, x):
             return dispatch("geglu", x, approximate=self.approximate)
+
+        def extra_repr(self):  # as torch.nn.GELU's
+            return f"approximate={self.approximate!r}"
 
     return SimpleNamespace(glu=glu, backward=backward_op, modules=[SwiGLU, GeGLU], functional={})

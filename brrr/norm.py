@@ -105,9 +105,16 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", 
                            offset=as_float("offset", offset))[0]
 
 
+def refuse_no_residual(residual):
+    """The add forms' residual is required (brrr._C's norm ops take None for the plain norms)."""
+    if residual is None:
+        raise TypeError("argument residual: expected a tensor or array, got None")
+
+
 def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
     """(layer_norm(h), h) with h = x + residual (rounded to x's dtype), in one pass: the pre-norm
     block's residual add and norm. Gradients flow into x and residual through both outputs."""
+    refuse_no_residual(residual)
     if torch_if_tensor(x) is not None:
         try:
             return torch_layer().add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
@@ -121,6 +128,7 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
 
 def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
     """(rms_norm(h), h) with h = x + residual (rounded to x's dtype), in one pass."""
+    refuse_no_residual(residual)
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
         try:

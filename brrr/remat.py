@@ -120,9 +120,10 @@ def linear(h, weight, bias=None):
     return _RematLinear.apply(h, weight, bias, recompute, *inputs)
 
 
-def _check_linear_param(names, weight, bias, features):
-    """weight (out, features) and bias (out,) or None, for F.linear on `features` inputs; names:
-    theirs, as the public function spells them."""
+def _check_linear_param(names, weight, bias, features, source):
+    """weight (out, features) and bias (out,) or None, of the input's dtype (but under autocast,
+    which casts them), for F.linear on `features` inputs; names: theirs, as the public function
+    spells them; source: (the argument the input comes from, the input F.linear gets)."""
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"argument {names[0]}: expected a torch.Tensor, got {type(weight).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
@@ -131,6 +132,13 @@ def _check_linear_param(names, weight, bias, features):
         raise ValueError(f"argument {names[0]}: expected shape (out, {features}), got {tuple(weight.shape)}")
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"argument {names[1]}: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    source, h = source
+    if torch.is_autocast_enabled(h.device.type):
+        return
+    for name, t in zip(names, (weight, bias)):
+        if t is not None and t.dtype != h.dtype:
+            raise ValueError(f"argument {name} has dtype {str(t.dtype).removeprefix('torch.')} but {source} has dtype "
+                             f"{str(h.dtype).removeprefix('torch.')}")
 
 
 def norm_linear(norm, x, weights, biases=None):
@@ -149,7 +157,7 @@ def norm_linear(norm, x, weights, biases=None):
     h = norm(x)
     features = h.shape[-1] if h.dim() else 1
     for i, (w, b) in enumerate(zip(weights, biases)):
-        _check_linear_param((f"weights[{i}]", f"biases[{i}]"), w, b, features)
+        _check_linear_param((f"weights[{i}]", f"biases[{i}]"), w, b, features, ("x", h))
     h = tag(h, norm, x)
     return [linear(h, w, b) for w, b in zip(weights, biases)]
 
@@ -158,6 +166,8 @@ def glu_linear(gate, up, weight, bias=None, *, activation="silu"):
     """F.linear(act(gate) * up, weight, bias) (act: "silu", "gelu" or "gelu_tanh"; up None: gate
     split in halves along its last dim), the GLU's output recomputed in the backward from gate and
     up (which the GLU's backward saves) instead of saved by the linear layer."""
+    if not isinstance(activation, str):
+        raise TypeError(f"argument activation: expected 'silu', 'gelu' or 'gelu_tanh', got {type(activation).__name__}")
     if activation not in _GLUS:
         raise ValueError(f"argument activation: expected 'silu', 'gelu' or 'gelu_tanh', got {activation!r}")
     op, kwargs = _GLUS[activation]
@@ -175,7 +185,7 @@ def glu_linear(gate, up, weight, bias=None, *, activation="silu"):
         raise ValueError(f"argument gate: expected a last dim of even size to split in halves (up None), "
                          f"got shape {tuple(gate.shape)}")
     h = act(*inputs)
-    _check_linear_param(("weight", "bias"), weight, bias, h.shape[-1] if h.dim() else 1)
+    _check_linear_param(("weight", "bias"), weight, bias, h.shape[-1] if h.dim() else 1, ("gate", h))
     return linear(tag(h, act, *inputs), weight, bias)
 
 

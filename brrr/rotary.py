@@ -166,6 +166,9 @@ def torch_layer():
                       grad_args=(0, 1))
 
     def refuse_angle_gradients(cos, sin):
+        for name, angle in (("cos", cos), ("sin", sin)):
+            if angle is None:
+                raise TypeError(f"argument {name}: expected a tensor or array, got None")
         if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
             name = "cos" if cos.requires_grad else "sin"
             raise ValueError(f"argument {name}: brrr.rotary gives no gradient for cos and sin (they require grad "

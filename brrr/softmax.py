@@ -13,7 +13,7 @@ Any dim (the kernels see it as the last dim of a view), any strides, rows of any
 
 from . import _C
 from ._args import dim_in_range
-from ._frameworks import empty_like, torch_if_tensor
+from ._frameworks import as_float_dtype, empty_like, torch_if_tensor
 from ._integration import torch_integration
 
 
@@ -55,12 +55,7 @@ def _softmax(x, dim, dtype, log):
         raise TypeError(f"argument x: expected a tensor or array with ndim (the dims to move), got {type(x).__name__}")
     dim = dim_in_range("dim", ndim, dim)
     if dtype is not None:
-        try:
-            x = x.astype(dtype)
-        except TypeError as error:  # not a dtype its framework knows
-            raise TypeError(f"argument dtype: {error}") from None
-        if str(x.dtype) not in ("float32", "float16", "bfloat16", "float64"):
-            raise ValueError(f"argument dtype: expected float32, float16, bfloat16 or float64, got {x.dtype}")
+        x = as_float_dtype(None, x, dtype)
     xp = x.__array_namespace__() if hasattr(x, "__array_namespace__") else None
     moved = ndim > 1 and dim != ndim - 1
     if moved:

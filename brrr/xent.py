@@ -32,7 +32,7 @@ import numbers
 
 from . import _C
 from ._args import as_float, as_int, bad_choice, named, refuse_kinds
-from ._frameworks import array_namespace, astype, check_torch, empty, torch_if_tensor
+from ._frameworks import array_namespace, as_float_dtype, astype, check_torch, empty, torch_if_tensor
 from ._integration import torch_integration
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -104,7 +104,7 @@ def _cross_entropy(input, target, ignore_index, reduction, label_smoothing, dtyp
     _C.cross_entropy_fwd(logits, target, lse, loss, total, ignore_index=ignore_index, label_smoothing=label_smoothing,
                          softcap=softcap, z_loss=z_loss, reduction=reduction)
     result = loss if total is None else total
-    return astype(xp, result, input.dtype if dtype is None else dtype)
+    return astype(xp, result, input.dtype) if dtype is None else as_float_dtype(xp, result, dtype)
 
 
 # A budget of logits that linear_cross_entropy's chunks by rows never go below (128 MiB: at 16384 x
@@ -692,6 +692,10 @@ def torch_layer():
             super().__init__()
             self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
             self.softcap, self.z_loss = softcap, z_loss
+
+        def extra_repr(self):
+            return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                    f"label_smoothing={self.label_smoothing}, softcap={self.softcap}, z_loss={self.z_loss}")
 
         def forward(self, input, weight, target, bias=None):
             return dispatch("linear_cross_entropy", input, weight, target, bias, ignore_index=self.ignore_index,

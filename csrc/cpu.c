@@ -212,8 +212,8 @@ BRRR_SIMD void brrr_cpu_store_f64(int32_t dtype, void *base, int64_t stride, int
 /* ---- Python ---------------------------------------------------------------------------------- */
 
 PyObject *brrr_py_set_num_threads(PyObject *module, PyObject *arg) {
-    long n = PyLong_AsLong(arg);
-    if (n == -1 && PyErr_Occurred()) {
+    long n = PyBool_Check(arg) ? -1 : PyLong_AsLong(arg); /* a bool is not taken for a number */
+    if (n == -1 && (PyBool_Check(arg) || PyErr_Occurred())) {
         PyErr_SetString(PyExc_TypeError, "argument n: expected an int");
         return NULL;
     }
@@ -228,8 +228,8 @@ PyObject *brrr_py_set_num_threads(PyObject *module, PyObject *arg) {
 }
 
 PyObject *brrr_py_set_thread_grain(PyObject *module, PyObject *arg) {
-    long long n = PyLong_AsLongLong(arg);
-    if (n == -1 && PyErr_Occurred()) {
+    long long n = PyBool_Check(arg) ? -1 : PyLong_AsLongLong(arg);
+    if (n == -1 && (PyBool_Check(arg) || PyErr_Occurred())) {
         PyErr_SetString(PyExc_TypeError, "argument elements: expected an int");
         return NULL;
     }

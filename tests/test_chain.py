@@ -199,6 +199,17 @@ def test_extreme_values(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("relu", [brrr.relu, brrr.chain("relu")], ids=["relu", "chain"])
+def test_relu_gradient_at_special_values_is_torchs(device, relu):
+    """torch's threshold_backward passes the gradient where the output is not <= 0: at NaN too."""
+    x = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 2.0, -2.0], device=device,
+                     requires_grad=True)
+    (got,) = torch.autograd.grad(relu(x).sum(), x)
+    (expected,) = torch.autograd.grad(torch.relu(x).sum(), x)
+    assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_trig_of_large_half_arguments(device, dtype):
     # Range reduction must stay exact far beyond pi: the half-type fast path reduces by pi/2

@@ -32,7 +32,7 @@ def test_argument_errors(device):
         (lambda: GELU(x.t(), out=x.view(5, 4)), ValueError, "argument out overlaps input x"),
         (lambda: BIAS_GELU(x, torch.zeros(4, device=device)), ValueError, r"argument operands\[0\]: shape must be x's shape or \(5,\)"),
         (lambda: BIAS_GELU(x, torch.zeros(5, device=device, dtype=torch.float64)), ValueError, r"argument operands\[0\] has dtype float64"),
-        (lambda: BIAS_GELU(x), TypeError, "takes 1 tensor operand"),
+        (lambda: BIAS_GELU(x), TypeError, "argument operands: .* takes 1 tensor operand"),
         (lambda: _C.chain_fwd(x, out, BIAS_GELU.program, ()), ValueError, "argument operands: expected a tuple of 1 tensors"),
         (lambda: _C.chain_fwd(x, out, GELU.program, (), "stream"), TypeError, "argument stream: expected an int"),
         (lambda: _C.chain_fwd(x, out, b"short", ()), TypeError, "argument program: expected the bytes"),
@@ -51,6 +51,55 @@ def test_out_is_refused_under_autograd():
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(ValueError, match="argument out: not supported when autograd records"):
         GELU(x, out=torch.empty(3))
+    # an out that requires grad: the write would be a recorded in-place op (torch refuses out= there too)
+    for call in (lambda o: GELU(torch.randn(3), out=o), lambda o: brrr.swiglu(torch.randn(3), torch.randn(3), out=o)):
+        out = torch.zeros(3, requires_grad=True)
+        with pytest.raises(ValueError, match="argument out: .*for an out that requires grad"):
+            call(out)
+        assert not out.any()
+
+
+@pytest.mark.parametrize("write", [lambda o: brrr.gelu(torch.randn(3), out=o),
+                                   lambda o: brrr.bias_gelu(torch.randn(3), torch.randn(3), out=o),
+                                   lambda o: brrr.swiglu(torch.randn(3), torch.randn(3), out=o)],
+                         ids=["chain", "bias", "glu"])
+def test_a_write_into_out_bumps_its_version(write):
+    """A tensor that a backward saved, then given as out: the backward raises as after torch's own
+    in-place writes, where it read the new values (a silently wrong gradient)."""
+    w, buffer = torch.randn(3, requires_grad=True), torch.randn(3)
+    y = w * buffer  # saves buffer for w's gradient
+    version = buffer._version
+    write(buffer)
+    assert buffer._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(y.sum(), w)
+
+
+def test_missing_arguments_are_named():
+    """None or a wrong kind where a tensor, a name or a count belongs: the argument named, whether
+    or not autograd records (a None operand reached requires_grad)."""
+    x, x2 = torch.randn(4, 8), np.ones((4, 8), np.float32)
+    cases = [
+        (lambda: brrr.add_layer_norm(x, None, 8), TypeError, "residual: expected a tensor or array, got None"),
+        (lambda: brrr.add_rms_norm(x.requires_grad_(), None, 8), TypeError, "residual: expected a tensor"),
+        (lambda: brrr.add_rms_norm(x2, None, 8), TypeError, "residual: expected a tensor"),
+        (lambda: brrr.bias_gelu(torch.randn(4, 8), None), TypeError, "bias: expected a tensor or array, got None"),
+        (lambda: brrr.chain("add_tensor")(torch.randn(4, 8), None), TypeError, r"operands\[0\]: expected a tensor"),
+        (lambda: brrr.chain("add_tensor")(torch.randn(4, 8)), TypeError, "operands: .* takes 1 tensor operand"),
+        (lambda: brrr.rotary(torch.randn(2, 4, 8), None, torch.randn(4, 4)), TypeError, "cos: expected a tensor"),
+        (lambda: brrr.rotary(x2[None], x2[:, :4], None), TypeError, "sin: expected a tensor"),
+        (lambda: brrr.bias_dropout_add(None, None, x2, 0.1), TypeError, "x: expected a tensor or array, got None"),
+        (lambda: brrr.cross_entropy(x2, np.zeros(4, np.int64), dtype=torch.float64), TypeError, "dtype: "),
+        (lambda: brrr.cross_entropy(x2, np.zeros(4, np.int64), dtype=np.int32), ValueError, "dtype: expected float32"),
+        (lambda: brrr.glu_linear(torch.randn(3, 4), torch.randn(3, 4), torch.randn(5, 4).double()), ValueError,
+         "weight has dtype float64 but gate has dtype float32"),
+        (lambda: brrr.glu_linear(torch.randn(3, 4), None, torch.randn(5, 2), activation=["silu"]), TypeError,
+         "activation: expected 'silu', 'gelu' or 'gelu_tanh', got list"),
+        (lambda: brrr.set_num_threads(True), TypeError, "n: expected an int"),
+    ]
+    for call, exc, message in cases:
+        with pytest.raises(exc, match=f"^argument {message}"):
+            call()
 
 
 def test_program_errors():

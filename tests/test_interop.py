@@ -319,6 +319,16 @@ def test_jax_buffers_stay_as_jax_made_them():
     assert float(jnp.abs(x - 1.0).max()) == 0.0
 
 
+@pytest.mark.parametrize("call", [brrr.gelu, brrr.chain("sin"), lambda x: brrr.softmax(x), brrr.swiglu,
+                                  lambda x: brrr.layer_norm(x, (8,)), lambda x: brrr.rotary(x, x[:, :4], x[:, :4]),
+                                  lambda x: brrr.cross_entropy(x, jnp.zeros(4, jnp.int32))],
+                         ids=["gelu", "chain", "softmax", "swiglu", "layer_norm", "rotary", "cross_entropy"])
+def test_jax_jit_tracers_are_refused_naming_the_argument(call):
+    """Inside jax.jit the arrays are tracers, with no data to hand over (docs/interop.md)."""
+    with pytest.raises(TypeError, match="^argument (x|input): DynamicJaxprTracer has no device"):
+        jax.jit(call)(jnp.ones((4, 8), jnp.float32))
+
+
 def test_arrays_without_a_namespace_are_refused_naming_the_argument():
     with pytest.raises(TypeError, match="argument input"):
         brrr.cross_entropy([[0.5, 1.0]], [0])

@@ -711,6 +711,12 @@ def test_state_dict_round_trips_both_ways():
     torch.testing.assert_close(fresh_patched(tokens), plain(tokens), rtol=1e-4, atol=1e-4)
 
 
+def test_nn_modules_show_their_settings():
+    assert repr(brrr.nn.GeGLU("tanh")) == "GeGLU(approximate='tanh')" and "tanh" in repr(nn.GELU("tanh"))
+    assert repr(brrr.nn.LinearCrossEntropyLoss(softcap=3.0, z_loss=1e-4)) == (
+        "LinearCrossEntropyLoss(ignore_index=-100, reduction='mean', label_smoothing=0.0, softcap=3.0, z_loss=0.0001)")
+
+
 @pytest.mark.parametrize("name", ["ReLU", "SiLU"])
 def test_nn_activations_in_place_write_their_input(name):
     """inplace=True, as torch.nn's: the input holds the output after the call, which returns it."""
