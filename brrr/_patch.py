@@ -1524,6 +1524,8 @@ def _patch(model, fused_linear_cross_entropy, loss_options, remat_min_bytes):
                     continue
         if _ORIGINAL in module.__dict__:
             report.left.append((name, cls.__name__, "already patched"))
+            for child in getattr(cls, "_brrr_computes", ()):
+                computed_by_parent[f"{name}.{child}" if name else child] = name
             continue
         if cls in brrr_nn.TWINS:
             twin = brrr_nn.TWINS[cls]
@@ -1598,6 +1600,9 @@ def _patch(model, fused_linear_cross_entropy, loss_options, remat_min_bytes):
             module.__class__ = module.__dict__.pop(_ORIGINAL)
             if why is not None:
                 report.left.append((name, cls_name, why))
+    if any(why == "already patched" for _, _, why in report.left):
+        report.notes.append("modules already patched keep the options of the patch that swapped them "
+                            "(brrr.unpatch the model first to patch it with others)")
     if remat_min_bytes is not None:
         (norms, norm_bytes), (glus, glu_bytes) = remat_bytes["norm"], remat_bytes["GLU"]
         report.notes.append(f"remat: the backward recomputes the outputs of {norms} norms and {glus} gated MLPs' GLUs "

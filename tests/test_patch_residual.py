@@ -591,6 +591,17 @@ def test_user_hooks_see_no_probe_and_a_hooked_child_runs_its_own_call():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_a_second_patch_swaps_nothing_more():
+    """Patching a patched model again: nothing swapped (a GLU's activation, which its MLP computes,
+    left as the first patch left it), and a note that the first patch's options stay."""
+    model = llama()
+    brrr.patch(model)
+    classes = [type(m) for m in model.modules()]
+    again = brrr.patch(model, remat=False)
+    assert again.swapped == [] and [type(m) for m in model.modules()] == classes, str(again)
+    assert any("keep the options of the patch that swapped them" in note for note in again.notes)
+
+
 def test_patch_under_inference_mode_fuses_as_outside_it():
     outside, inside = llama(), llama()
     expected = brrr.patch(outside)
