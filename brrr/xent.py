@@ -154,6 +154,7 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
         raise TypeError(f"argument input: brrr.linear_cross_entropy takes PyTorch tensors (its GEMMs run in "
                         f"PyTorch), got {type(input).__name__}")
     _check_linear(torch, input, weight, target, bias)
+    _check_targets_on_cpu(torch, target, weight.shape[0], int(ignore_index))
     check_chunking(logits_budget, accumulation)
     return torch_layer().linear_cross_entropy(input, weight, target, bias, int(ignore_index), reduction,
                                          float(label_smoothing), None if softcap is None else float(softcap),
@@ -184,6 +185,20 @@ def _check_linear(torch, input, weight, target, bias):
     if target.shape != input.shape[:-1] or target.device != input.device:
         raise ValueError(f"argument target: expected shape {tuple(input.shape[:-1])} on {input.device} (the input's "
                          f"without its last dim), got {tuple(target.shape)} on {target.device}")
+
+
+def _check_targets_on_cpu(torch, target, classes, ignore_index):
+    """On the CPU (no sync to pay), every target a class or ignore_index, the first other one named
+    by its row in target: brrr._C's check sees one chunk of rows at a time, and would count the row
+    within it. (On CUDA such a row's loss is NaN, as cross_entropy's.)"""
+    if target.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    flat = target.reshape(-1)
+    bad = ((flat != ignore_index) & ((flat < 0) | (flat >= classes))).nonzero()
+    if len(bad):
+        row = int(bad[0, 0])
+        raise ValueError(f"argument target: class index {int(flat[row])} (row {row}) is out of range for {classes} "
+                         f"classes (and is not ignore_index {ignore_index})")
 
 
 def chunk_rows(vocab, itemsize, budget, multiple=1):

@@ -752,6 +752,9 @@ def test_argument_errors():
         (lambda: lce(x, w, t.float()), TypeError, "target"),
         (lambda: lce(x, w, t[:3]), ValueError, "target"),
         (lambda: lce(x, w, torch.tensor([0, 5, 1, 2])), ValueError, "target"),  # out of range: the CPU checks
+        # named by its row in target, not in the chunk of rows brrr._C sees (here 1 row a chunk)
+        (lambda: lce(x, w, torch.tensor([0, 1, 2, 9]), logits_budget=1), ValueError,
+         r"target: class index 9 \(row 3\)"),
     ]
     for call, exc, message in cases:
         with pytest.raises(exc, match=f"^argument {message}"):
