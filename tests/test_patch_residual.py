@@ -438,6 +438,15 @@ def loss_and_grads(model, tokens):
     return loss, torch.autograd.grad(loss, list(model.parameters()))
 
 
+def assert_same_training_step(patched, base, tokens):
+    """The patched model's loss and every gradient, the unpatched model's."""
+    loss, grads = loss_and_grads(patched, tokens)
+    expected_loss, expected_grads = loss_and_grads(base, tokens)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_recomputes_the_fused_layer(reentrant):
     """Each layer's forward runs again in the backward: its inner add fused each time; the add that
@@ -583,12 +592,8 @@ def test_user_hooks_see_no_probe_and_a_hooked_child_runs_its_own_call():
     assert seen == [], seen
     assert ("model.layers.0.mlp", "LlamaMLP", "gated MLP (swiglu)") in report.swapped, str(report)
     tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(6))
-    loss, grads = loss_and_grads(patched, tokens)
-    assert seen == [(2, 9, 64)]
-    expected_loss, expected_grads = loss_and_grads(base, tokens)
-    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
-    for a, b in zip(grads, expected_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_same_training_step(patched, base, tokens)
+    assert seen == [(2, 9, 64)] * 2  # the patched model's hook, then the unpatched one's
 
 
 def test_a_second_patch_swaps_nothing_more():
@@ -621,11 +626,7 @@ def test_a_model_with_a_part_unpatched_runs_as_before(part):
     brrr.patch(patched)
     assert brrr.unpatch(patched.get_submodule(part)) > 0
     tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(5))
-    loss, grads = loss_and_grads(patched, tokens)
-    expected_loss, expected_grads = loss_and_grads(base, tokens)
-    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
-    for a, b in zip(grads, expected_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_same_training_step(patched, base, tokens)
 
 
 def test_a_layer_checkpointed_by_torch_alone_runs_the_norm_before_it_itself():
@@ -640,11 +641,7 @@ def test_a_layer_checkpointed_by_torch_alone_runs_the_norm_before_it_itself():
         layer = m.model.layers[1]
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
     tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(5))
-    loss, grads = loss_and_grads(patched, tokens)
-    expected_loss, expected_grads = loss_and_grads(base, tokens)
-    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
-    for a, b in zip(grads, expected_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_same_training_step(patched, base, tokens)
 
 
 class ResidualAdds(TorchDispatchMode):
