@@ -19,6 +19,12 @@ def torch_if_tensor(x):
     return torch
 
 
+def compiling():
+    """Whether torch.compile traces this code (False where torch is not loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
 def load_torch_layer():
     """Load brrr._op, which builds every family's PyTorch integration, and remember torch.Tensor.
     Not while torch.compile traces: dynamo guards on the value it read (None), and setting it

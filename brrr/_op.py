@@ -8,9 +8,11 @@ needs), its fake (the same, as empty tensors) and its backward formula, TorchOp 
 - the torch.library operator brrr::<name> with its fake kernel and registered autograd, which
   torch.compile traces without a graph break (`define` below);
 - an eager autograd.Function from the same pieces, for training outside torch.compile;
-- the entry that picks one per call: the operator under torch.compile, the Function when autograd
-  records, else the forward itself or the op's cheaper inference (the overhead regime's hot path:
-  no dispatcher, no autograd).
+- the entry that picks one per call: the operator under torch.compile, under a Python dispatch mode
+  that traces or fakes tensors (make_fx, FakeTensorMode: they see the operator, where a brrr._C
+  call would be a constant to them) and at a forward-mode AD level (whose tangents the operator refuses), the Function when
+  autograd records, else the forward itself or the op's cheaper inference (the overhead regime's
+  hot path: no dispatcher, no autograd).
 A backward formula calls its backward ops through `run(op)`, which is the op's forward in eager mode
 and the operator under torch.compile, so that the compiled backward sees opaque nodes too.
 
@@ -22,8 +24,10 @@ brrr._integration.torch_integration): brrr loads it when it first sees a torch t
 import operator
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from ._integration import declared
+from ._registry import dispatch_modes, traced_by_a_mode
 
 # torch 2.10+ publishes DLPack's C exchange table, from which brrr._C reads tensors and the
 # current stream without Python, and through which it allocates outputs with torch's allocator;
@@ -219,6 +223,18 @@ def _no_formula(name):
     return backward
 
 
+def _refuse_tangents(name, args):
+    """NotImplementedError where an argument carries a forward-mode AD tangent (at the current
+    level), as torch raises for its ops without a forward derivative: below autograd the tangent
+    would be dropped, a silent zero JVP."""
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+                raise NotImplementedError(f"Trying to use forward AD with brrr's {name}, which has no forward-mode "
+                                          "derivative (jvp): call PyTorch's function there (e.g. by "
+                                          "brrr.registry.override)")
+
+
 def define(name, impl, fake, backward=None, setup_context=None):
     """Define brrr::name from impl's annotations (as custom_op does); returns its default overload.
     backward(ctx, *grads) and setup_context(ctx, inputs, output) as torch.library.register_autograd
@@ -258,6 +274,8 @@ def define(name, impl, fake, backward=None, setup_context=None):
                     {"forward": staticmethod(forward), "backward": staticmethod(function_backward)})
 
     def autograd_kernel(keyset, *args):
+        if forward_ad._current_level >= 0:
+            _refuse_tangents(name, args)
         if torch.is_grad_enabled() and _requires_grad(args):
             output = function.apply(*lists.spread(args), keyset)
             return list(output) if returns_list else output
@@ -405,7 +423,7 @@ class TorchOp:
         tensors, lists = _grad_positions(op, self.grad_args) if apply is not None else ((), ())
 
         def call(self, *args):
-            if _compiling():
+            if _compiling() or (dispatch_modes() and traced_by_a_mode()) or forward_ad._current_level >= 0:
                 return _outputs(op(*args), outputs)
             if _grad_enabled():
                 for i in tensors:

@@ -40,6 +40,7 @@ replaces, unless the op is set to raise. brrr.nn, brrr.patch and brrr.use_fused 
 through here, so overrides and fallbacks apply to them too.
 """
 
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -73,11 +74,34 @@ _CUDA = _C.cuda_available()  # asked once: torch.compile must not meet a C call 
 
 # What the families' `supports` checks share (they run on every registry call).
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+dispatch_modes = torch._C._len_torch_dispatch_stack  # how many Python dispatch modes are active
+# The modes that trace or fake tensors, by (module, class): make_fx's, FakeTensorMode, functionalization.
+_TRACING_MODES = (("torch.fx.experimental.proxy_tensor", "ProxyTorchDispatchMode"),
+                  ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+                  ("torch._subclasses.functional_tensor", "FunctionalTensorMode"))
+
+
+def traced_by_a_mode():
+    """Whether a Python dispatch mode that traces or fakes tensors is active: to it a brrr._C call
+    would be invisible (a constant in make_fx's graph) or impossible (a fake tensor has no memory),
+    so brrr's ops go to their operators, which it sees. Other modes (a FLOP counter, a memory probe)
+    see an op's PyTorch calls and kernels as before. A mode's class is looked up only where its
+    module is loaded (no instance of it can exist before)."""
+    if not dispatch_modes():
+        return False
+    classes = tuple(getattr(sys.modules[m], c) for m, c in _TRACING_MODES if m in sys.modules)
+    return any(isinstance(mode, classes) for mode in torch.utils._python_dispatch._get_current_dispatch_mode_stack())
+
+
 def tensor_ok(x):
     """x is a strided, non-nested torch tensor of a float dtype brrr has kernels for, on the CPU or
-    on CUDA in a CUDA build (is_cpu / is_cuda: no torch.device object made)."""
-    return (isinstance(x, torch.Tensor) and x.dtype in FLOATS and (x.is_cpu or (x.is_cuda and _CUDA))
-            and x.layout == torch.strided and not x.is_nested)
+    on CUDA in a CUDA build (is_cpu / is_cuda: no torch.device object made). Of a subclass (a
+    wrapper, a fake tensor) only under a tracing mode (traced_by_a_mode), where the op goes to
+    brrr's operator, which the mode handles; elsewhere such a tensor holds no memory brrr can read,
+    and goes to PyTorch."""
+    return ((type(x) in _PLAIN_TENSORS or (isinstance(x, torch.Tensor) and traced_by_a_mode())) and x.dtype in FLOATS
+            and (x.is_cpu or (x.is_cuda and _CUDA)) and x.layout == torch.strided and not x.is_nested)
 
 
 def same_kind(x, *others):

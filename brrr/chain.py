@@ -22,7 +22,7 @@ import math
 
 from . import _C
 from ._args import bad_choice, refuse_kinds
-from ._frameworks import check_torch, empty_like, torch_if_tensor
+from ._frameworks import check_torch, compiling, empty_like, torch_if_tensor
 from ._integration import torch_integration
 
 SCALAR_OPS = ("add", "mul", "pow", "clamp_min", "clamp_max", "leaky_relu")
@@ -46,7 +46,11 @@ class Chain:
                 raise TypeError(f"argument steps[{i}]: expected an op name or a (name, scalar) pair, got {step!r}")
             ops.append(name)
             scalars.append(scalar)
-        self.program = _C.chain_program([o if s is None else (o, s) for o, s in zip(ops, scalars)])
+        # The program brrr._C runs outside PyTorch (NumPy, CuPy, JAX; out=): not made while
+        # torch.compile traces a chain built in the compiled function (a C call would break the
+        # graph), where the steps are checked when the operator makes its program.
+        self.program = None if compiling() else _C.chain_program(
+            [o if s is None else (o, s) for o, s in zip(ops, scalars)])
         self.steps = tuple(o if s is None else (o, float(s)) for o, s in zip(ops, scalars))
         self.op_names = ",".join(ops)
         self.scalars = [0.0 if s is None else float(s) for s in scalars]

@@ -334,7 +334,8 @@ def torch_layer():
         if z_loss != 0.0:
             p = p * (1.0 + 2.0 * z_loss * (lse + shift)).unsqueeze(-1)
         scale = torch.where(counted, grad if count is None else grad / count, 0.0).unsqueeze(-1)
-        hot = torch.arange(classes, device=logits.device) == index.unsqueeze(-1)
+        hot = (torch.arange(classes, device=logits.device) == index.unsqueeze(-1)).to(z.dtype)  # a bool times a
+        # float would be of the default dtype: float32 rounding in a float64 gradient
         grad = scale * (p - label_smoothing / classes - (1.0 - label_smoothing) * hot)
         if softcap is not None:
             grad = grad * (1.0 - th * th)
@@ -364,6 +365,9 @@ def torch_layer():
         """brrr.cross_entropy on torch tensors (arguments checked)."""
         check_rank(input.dim())
         check_torch((target,), ("target",))
+        if dtype is None and input.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(
+                input.device.type):
+            dtype = torch.float32  # autocast runs torch's cross_entropy in float32: its loss is float32
         dtype = float_dtype("dtype", dtype, input.dtype)
         logits = input if input.dim() <= 2 else input.movedim(1, -1)
         loss = cross_entropy_op(logits, target, ignore_index, label_smoothing, softcap, z_loss, reduction)
@@ -598,8 +602,10 @@ def torch_layer():
                 if need and not computed:
                     raise RuntimeError(f"brrr::linear_cross_entropy: autograd needs the gradient of {name}, which the "
                                        "forward was not asked for (its `needs` argument)")
-            # Traced by torch.compile: PyTorch ops, which inductor fuses into one pass each.
-            traced = torch.compiler.is_compiling() or type(grad) is not torch.Tensor
+            # Traced by torch.compile: PyTorch ops, which inductor fuses into one pass each. The same where
+            # the operator itself records (torch.ops.brrr.linear_cross_entropy called directly, run is
+            # the operator's): its saved gradients are its outputs, the caller's, not to be scaled in place.
+            traced = torch.compiler.is_compiling() or type(grad) is not torch.Tensor or run(linear_op) is linear_op.op
             if ctx.consumed:
                 raise RuntimeError("brrr::linear_cross_entropy: a second backward through the same graph "
                                    "(retain_graph) is not supported: the first scaled the gradients the forward "

@@ -408,6 +408,14 @@ static int refuse_torch_kind(PyObject *obj, const char *name) {
     }
     Py_XDECREF(layout);
     Py_XDECREF(layout_name);
+    /* A subclass whose import failed (a wrapper subclass, a fake tensor, an uninitialised parameter):
+     * its memory is not its values, or it has none. */
+    const char *kind = Py_TYPE(obj)->tp_name;
+    if (!found && strcmp(kind, "Tensor") != 0 && strcmp(kind, "Parameter") != 0) {
+        PyErr_Format(PyExc_TypeError, "argument %s: tensors of subclass %s are not supported (it holds no memory brrr "
+                     "can read as its values; brrr takes dense, strided tensors)", name, kind);
+        found = 1;
+    }
     if (found) {
         Py_XDECREF(type);
         Py_XDECREF(value);

@@ -1,0 +1,139 @@
+"""brrr's ops under PyTorch's tracers and transforms (CPU): make_fx and FakeTensorMode see brrr's
+operators (a brrr._C call would be a constant to them); forward-mode AD raises where it would
+drop a tangent; autocast gives cross_entropy torch's float32 loss; a chain built inside a compiled
+function compiles whole; tensor subclasses that hold no readable memory are refused by name (and
+the registry sends them to PyTorch)."""
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import brrr
+
+
+def brrr_nodes(graph_module):
+    return [str(n.target) for n in graph_module.graph.nodes if str(n.target).startswith("brrr.")]
+
+
+@pytest.mark.parametrize("tracing_mode", ["real", "fake"])
+def test_make_fx_records_brrrs_operators(tracing_mode):
+    """The traced graph holds brrr's operators, forward and backward, and computes the eager
+    results on other inputs (it held the first call's result as a constant)."""
+    def step(x, w):
+        y = brrr.rms_norm(x, (8,), w) * 2 + brrr.softmax(x)
+        return y, torch.autograd.grad(y.sum(), (x, w))
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    graph = make_fx(step, tracing_mode=tracing_mode)(x, w)
+    nodes = brrr_nodes(graph)
+    assert "brrr.rms_norm.default" in nodes and "brrr.softmax.default" in nodes, nodes
+    assert any("backward" in n for n in nodes), nodes
+    x2, w2 = torch.randn(4, 8, requires_grad=True) * 10, torch.randn(8, requires_grad=True)
+    (y, grads), (y_eager, grads_eager) = graph(x2, w2), step(x2, w2)
+    torch.testing.assert_close(y, y_eager)
+    for a, b in zip(grads, grads_eager):
+        torch.testing.assert_close(a, b)
+
+
+def test_other_dispatch_modes_see_an_ops_pytorch_calls():
+    """A mode that neither traces nor fakes tensors (a FLOP counter) sees what brrr's ops run in
+    PyTorch as before: linear_cross_entropy's GEMMs count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w, target = torch.randn(6, 4), torch.randn(10, 4), torch.randint(0, 10, (6,))
+    with FlopCounterMode(display=False) as counter:
+        brrr.linear_cross_entropy(x, w, target)
+    assert counter.get_total_flops() >= 2 * 6 * 4 * 10
+
+
+def test_fake_tensor_mode_runs_the_fake_kernels():
+    with FakeTensorMode():
+        x = torch.randn(4, 8)
+        assert brrr.nn.RMSNorm(8)(x).shape == (4, 8)
+        assert brrr.layer_norm(x, (8,)).shape == (4, 8)
+        assert brrr.gelu(x).shape == (4, 8)
+
+
+@pytest.mark.parametrize("call", [brrr.tanh, brrr.chain("cos", ("mul", 2.0)), lambda x: brrr.softmax(x),
+                                  lambda x: torch.ops.brrr.softmax(x, -1, None, False)[0],
+                                  brrr.nn.Softmax(dim=-1), lambda x: brrr.rms_norm(x, (6,))],
+                         ids=["tanh", "chain", "softmax", "operator", "module", "rms_norm"])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_forward_mode_ad_raises_where_a_tangent_would_be_dropped(call, requires_grad):
+    x, tangent = torch.randn(4, 6, dtype=torch.float64, requires_grad=requires_grad), torch.randn(4, 6, dtype=torch.float64)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, tangent)
+        with pytest.raises(NotImplementedError, match="forward AD"):
+            call(dual)
+        # no tangent at this level: the op as usual
+        torch.testing.assert_close(call(x), call(x.detach()))
+
+
+def test_use_fused_routes_refuse_forward_mode_ad():
+    x, tangent = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    with brrr.use_fused(), fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="forward AD"):
+            F.softmax(fwAD.make_dual(x, tangent), -1)
+
+
+def test_cross_entropy_under_autocast_is_float32_as_torchs():
+    torch.manual_seed(0)
+    linear, x, target = torch.nn.Linear(8, 8), torch.randn(4, 8), torch.randint(0, 8, (4,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = linear(x)
+        expected = torch.nn.CrossEntropyLoss()(logits, target)
+        losses = [brrr.nn.CrossEntropyLoss()(logits, target), brrr.cross_entropy(logits, target)]
+        with brrr.use_fused():
+            losses.append(F.cross_entropy(logits, target))
+    assert logits.dtype == torch.bfloat16 and expected.dtype == torch.float32
+    for loss in losses:
+        assert loss.dtype == torch.float32
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_chain_built_in_a_compiled_function_compiles_whole():
+    def f(x):
+        return brrr.chain("cos", ("mul", 2.0), "tanh")(x)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    y = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(y, torch.tanh(torch.cos(x) * 2))
+
+
+def test_compiled_cross_entropy_gradient_keeps_float64_with_label_smoothing():
+    """The compiled backward's PyTorch formula: the one-hot term in the logits' dtype (a bool times
+    0.9 was float32: 3e-9 errors in a float64 gradient)."""
+    x, target = torch.randn(7, 6, dtype=torch.float64, requires_grad=True), torch.arange(7) % 6
+    expected = torch.autograd.grad(F.cross_entropy(x, target, label_smoothing=0.1), x)[0]
+    compiled = torch.compile(lambda x: brrr.cross_entropy(x, target, label_smoothing=0.1), backend="aot_eager")
+    torch.testing.assert_close(torch.autograd.grad(compiled(x), x)[0], expected, rtol=1e-12, atol=1e-15)
+
+
+def test_the_linear_cross_entropy_operators_outputs_are_left_as_returned():
+    """Called directly, the operator's backward must not scale its outputs (the gradients its
+    forward computed) in place: they are the caller's."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(8, 5, dtype=torch.bfloat16, requires_grad=True)
+    b, target = torch.randn(8, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, 8, (3,))
+    outputs = torch.ops.brrr.linear_cross_entropy(x, w, target, b, -100, 0.0, None, 0.0, "sum", 2, "weight",
+                                                  [True, True, True])
+    before = [o.detach().clone() for o in outputs]
+    (outputs[0] * 3).backward()
+    for output, kept in zip(outputs, before):
+        assert torch.equal(output.detach(), kept)
+    expected = [3 * g.float() for g in before[1:]]
+    for got, e in zip((x.grad, w.grad, b.grad), expected):
+        torch.testing.assert_close(got.float(), e, rtol=1e-2, atol=1e-2)
+
+
+def test_wrapper_subclasses_are_refused_by_name_and_the_registry_sends_them_to_pytorch():
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    x = two_tensor.TwoTensor(torch.randn(4, 8), torch.randn(4, 8))
+    with pytest.raises(TypeError, match="^argument x: tensors of subclass TwoTensor are not supported"):
+        brrr.gelu(x)
+    norm, theirs = brrr.nn.RMSNorm(8), torch.nn.RMSNorm(8)
+    torch.testing.assert_close(norm(x).a, theirs(x).a)
