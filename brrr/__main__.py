@@ -7,7 +7,8 @@
     python -m brrr ceilings --refresh            # measure this device's ceilings again
     python -m brrr --version                     # the version, and whether CUDA kernels are compiled in
 
-A bad argument gets one line naming it (exit status 2), never a traceback.
+A malformed option gets argparse's usage and its error (exit status 2); a target, device or file
+that cannot be used gets one line naming it (exit status 1); never a traceback.
 """
 
 import argparse

@@ -1612,8 +1612,8 @@ def _patch(model, fused_linear_cross_entropy, loss_options, remat_min_bytes):
                             f"; its {remat_linears} torch.nn.Linear modules are brrr.nn.RematLinear")
     if device.type == "cpu" and report.swapped and any(registry.lookup(n).cpu == "pytorch" for n in registry.names()):
         report.notes.append("the model is on the CPU, where the registry runs PyTorch's functions for the ops whose "
-                            "CPU kernels measured faster than brrr's, unless told registry.on_cpu(name, 'kernel'). "
-                            "brrr's kernels run once the model is on a GPU.")
+                            "CPU kernels measured faster than brrr's, unless told registry.on_cpu(name, 'kernel'), "
+                            "and brrr's for the others; on a GPU brrr's kernels run for all.")
     return report
 
 

@@ -198,8 +198,8 @@ class Registry:
         self.lookup(name).overrides[device] = implementation
 
     def reset(self, name=None):
-        """Drop overrides, restore falling back, the default under torch.compile and PyTorch's
-        function on CPU (for one op, or every op)."""
+        """Drop overrides, restore falling back and the op's defaults under torch.compile and on
+        CPU tensors (for one op, or every op)."""
         for op in ([self.lookup(name)] if name is not None else self._ops.values()):
             op.overrides.clear()
             op.unsupported = "fallback"

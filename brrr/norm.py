@@ -470,9 +470,10 @@ def torch_layer():
             return dispatch("add_layer_norm", x, residual, self.normalized_shape, self.weight, self.bias, self.eps)
 
     class RMSNorm(torch.nn.RMSNorm):
-        """torch.nn.RMSNorm; cast_order="llama" rounds the normalised input before scaling, as
-        Llama-style models do, and offset=1.0 scales by (1 + weight) in float32, as Gemma's RMSNorm
-        does (see brrr.rms_norm)."""
+        """torch.nn.RMSNorm (the same constructor). Two class attributes, set on an instance to
+        change them: cast_order="llama" rounds the normalised input before scaling, as Llama-style
+        models do, and offset=1.0 scales by (1 + weight) in float32, as Gemma's RMSNorm does (see
+        brrr.rms_norm)."""
 
         cast_order = "torch"
         offset = 0.0

@@ -99,8 +99,9 @@ _BRRR_ALREADY = {
                                  "(a longer brrr.chain, a norm fused with its residual add), or compile the whole "
                                  "step with torch.compile"),
 }
-_BRRR_ON_CPU = ("on the CPU, brrr's kernels are the reference twins of its CUDA kernels, slower than PyTorch's and "
-                "NumPy's own: for speed there, use PyTorch's ops (brrr.registry's default for CPU tensors)")
+_BRRR_ON_CPU = ("on the CPU, brrr's kernels are the twins of its CUDA kernels: the registry runs, op by op, whichever "
+                "of brrr's and PyTorch's measured faster there (docs/cpu.md); brrr.registry.on_cpu(name, ...) "
+                "chooses")
 
 
 @dataclass
