@@ -389,7 +389,7 @@ def coverage_table():
                      f" | {_cell(family.left)} | {', '.join(sorted(family.ops))} | {family.note or '-'} |")
     lines += ["", f"Not built by the test: the other {len(NOT_BUILT)} causal-LM families of transformers "
               f"{transformers.__version__} (the encoder and sequence-to-sequence families with a causal-LM head "
-              "among them; BERT and T5 are built in tests/test_model_libraries.py).", ""] + ENDING_A_LAYER
+              "among them; BERT and T5 are built in tests/test_model_libraries.py).", ""] + ENDING_A_LAYER + WHAT_IT_KEEPS
     return "\n".join(lines)
 
 
@@ -410,13 +410,33 @@ ENDING_A_LAYER = [
     "The add and the norm run as the unpatched model runs them (nothing computed ahead) under torch.compile "
     "(inductor fuses them itself), in a layer transformers checkpoints, under saved-tensor hooks (torch's "
     "non-reentrant checkpoint around a layer would find the next norm's saved tensors in one of the layer's two "
-    "runs and not the other, and refuse; activation offloading), where the layer or the norm has hooks "
-    "(transformers' output recorders, which only keep a layer's output, aside), and where "
+    "runs and not the other, and refuse; activation offloading), where the layer, the norm or the next layer "
+    "that holds it has hooks (a pre-hook of the next layer may steer its input in place; transformers' output "
+    "recorders, which only keep a layer's output, aside), where the norm is no longer swapped (`brrr.unpatch` of "
+    "it or of its layer), and where "
     "the norm's output and the sum differ in requires_grad (torch's reentrant checkpoint runs a layer without "
     "grad). A sum changed in place between the layer and the norm (by code other than hooks) is normalised "
     "anew, and the fused call's backward then refuses the changed tensor it saved, where the unpatched add "
     "saved none: `brrr.unpatch` such a model. Falcon's layers return a tuple, and the add that ends them "
     "stays separate.", ""]
+
+WHAT_IT_KEEPS = [
+    "## What a patched model keeps", "",
+    "- Its classes' names: each swapped module's class is a subclass of its own under the same name",
+    "  (`type(m).__name__`), which `save_pretrained` writes into `config.architectures` and which",
+    "  accelerate's and FSDP's layer-wrapping options name; the exceptions are torch.nn modules swapped",
+    "  for their `brrr.nn` twins (`torch.nn.Linear` becomes `brrr.nn.RematLinear` under remat), which",
+    "  are subclasses under their own names.",
+    "- Its forward's signature: the fused loss's forward is `functools.wraps` of the model's, so",
+    "  Trainer (`remove_unused_columns`) keeps the batch's columns.",
+    "- The user's hooks: `patch` probes modules with the user's hooks (the modules' and torch.nn's",
+    "  global ones) put aside, and puts them back after; a hook on a child that a swapped parent",
+    "  computes itself (a gated MLP's activation, BERT's residual LayerNorm) makes that parent run its",
+    "  original forward, so the hook fires and its change counts; a hook on the head, or a head",
+    "  replaced since the patch (`resize_token_embeddings` with untied weights,",
+    "  `set_output_embeddings`), gets the unfused loss and the logits.",
+    "- With `return_dict=False` and labels in training, the tuple keeps the logits' place: `(loss, None,",
+    "  ...)`.", ""]
 
 
 def test_the_coverage_doc_is_the_table_of_these_expectations():
