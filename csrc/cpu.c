@@ -245,7 +245,7 @@ PyObject *brrr_py_set_thread_grain(PyObject *module, PyObject *arg) {
 
 PyObject *brrr_py_num_threads_for(PyObject *module, PyObject *obj) {
     brrr_cpu_choose_threads(brrr_get_state(module), obj);
-    return PyLong_FromLong(call_threads);
+    return PyLong_FromLong(atomic_load(&forked_child) ? 1 : call_threads); /* a forked child runs on one */
 }
 
 PyObject *brrr_py_get_num_threads(PyObject *module, PyObject *unused) {
