@@ -75,7 +75,8 @@ _CUDA = _C.cuda_available()  # asked once: torch.compile must not meet a C call 
 # What the families' `supports` checks share (they run on every registry call).
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-dispatch_modes = torch._C._len_torch_dispatch_stack  # how many Python dispatch modes are active
+# How many Python dispatch modes are active, and which (torch has no public query of its mode stack).
+dispatch_modes = torch._C._len_torch_dispatch_stack
 # The modes that trace or fake tensors, by (module, class): make_fx's, FakeTensorMode, functionalization.
 _TRACING_MODES = (("torch.fx.experimental.proxy_tensor", "ProxyTorchDispatchMode"),
                   ("torch._subclasses.fake_tensor", "FakeTensorMode"),
