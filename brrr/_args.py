@@ -49,6 +49,13 @@ def bad_choice(name, value, choices):
     return ValueError(f"argument {name}: expected {expected}, got {_short(value)}")
 
 
+def required(name, x):
+    """TypeError naming a required tensor argument given as None, in brrr._C's words, where a
+    None would otherwise be taken for an optional tensor or reach an attribute read first."""
+    if x is None:
+        raise TypeError(f"argument {name}: expected a tensor or array, got None")
+
+
 def shape_of(name, x):
     """x's shape, after checking that x is a tensor or an array (TypeError naming it otherwise)."""
     shape = getattr(x, "shape", None)

@@ -10,9 +10,9 @@ needs), its fake (the same, as empty tensors) and its backward formula, TorchOp 
 - an eager autograd.Function from the same pieces, for training outside torch.compile;
 - the entry that picks one per call: the operator under torch.compile, under a Python dispatch mode
   that traces or fakes tensors (make_fx, FakeTensorMode: they see the operator, where a brrr._C
-  call would be a constant to them) and at a forward-mode AD level (whose tangents the operator refuses), the Function when
-  autograd records, else the forward itself or the op's cheaper inference (the overhead regime's
-  hot path: no dispatcher, no autograd).
+  call would be a constant to them) and at a forward-mode AD level (whose tangents the operator
+  refuses), the Function when autograd records, else the forward itself or the op's cheaper
+  inference (the overhead regime's hot path: no dispatcher, no autograd).
 A backward formula calls its backward ops through `run(op)`, which is the op's forward in eager mode
 and the operator under torch.compile, so that the compiled backward sees opaque nodes too.
 
@@ -423,6 +423,7 @@ class TorchOp:
         tensors, lists = _grad_positions(op, self.grad_args) if apply is not None else ((), ())
 
         def call(self, *args):
+            # (the mode stack's length asked here first: no frame of traced_by_a_mode's on the usual path)
             if _compiling() or (dispatch_modes() and traced_by_a_mode()) or forward_ad._current_level >= 0:
                 return _outputs(op(*args), outputs)
             if _grad_enabled():

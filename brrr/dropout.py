@@ -28,7 +28,7 @@ offset are ints in [0, 2**63), as torch.library's int arguments are int64.
 import numbers
 
 from . import _C
-from ._args import refuse_kinds
+from ._args import refuse_kinds, required
 from ._frameworks import check_torch, empty_like, torch_if_tensor
 from ._integration import torch_integration
 
@@ -58,8 +58,7 @@ def bias_dropout_add(x, bias, residual, p, training=True, seed=None, offset=0):
     residual has x's shape. training=False or p=0: x + bias + residual; p=1: residual + (x + bias) * 0
     (residual where x + bias is finite). See the module for the mask, seed and offset."""
     p = check_args(p, training, seed, offset)
-    if residual is None:
-        raise TypeError("argument residual: expected a tensor of x's shape, got None")
+    required("residual", residual)
     if torch_if_tensor(x) is not None:
         try:
             return torch_layer().bias_dropout_add(x, bias, residual, p, None if seed is None else int(seed),
@@ -67,8 +66,7 @@ def bias_dropout_add(x, bias, residual, p, training=True, seed=None, offset=0):
         except RuntimeError:
             refuse_kinds(("x", x), ("bias", bias), ("residual", residual))
             raise
-    if x is None:
-        raise TypeError("argument x: expected a tensor or array, got None")
+    required("x", x)
     if seed is None:
         raise TypeError("argument seed: required for inputs that are not PyTorch tensors")
     out = None if type(x).__module__ == "numpy" else empty_like(x)  # brrr._C allocates NumPy outputs

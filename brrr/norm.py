@@ -26,7 +26,7 @@ offset=1.0 with the torch cast order. The weight's gradient is the same as witho
 import numbers
 
 from . import _C
-from ._args import as_float, bad_choice, refuse_kinds, shape_of
+from ._args import as_float, bad_choice, refuse_kinds, required, shape_of
 from ._frameworks import check_torch, empty_like, torch_if_tensor
 from ._integration import torch_integration
 
@@ -105,16 +105,10 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", 
                            offset=as_float("offset", offset))[0]
 
 
-def refuse_no_residual(residual):
-    """The add forms' residual is required (brrr._C's norm ops take None for the plain norms)."""
-    if residual is None:
-        raise TypeError("argument residual: expected a tensor or array, got None")
-
-
 def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
     """(layer_norm(h), h) with h = x + residual (rounded to x's dtype), in one pass: the pre-norm
     block's residual add and norm. Gradients flow into x and residual through both outputs."""
-    refuse_no_residual(residual)
+    required("residual", residual)  # brrr._C's norm ops take None for the plain norms
     if torch_if_tensor(x) is not None:
         try:
             return torch_layer().add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
@@ -128,7 +122,7 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
 
 def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
     """(rms_norm(h), h) with h = x + residual (rounded to x's dtype), in one pass."""
-    refuse_no_residual(residual)
+    required("residual", residual)
     llama = llama_order(cast_order)
     if torch_if_tensor(x) is not None:
         try:

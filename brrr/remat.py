@@ -120,10 +120,10 @@ def linear(h, weight, bias=None):
     return _RematLinear.apply(h, weight, bias, recompute, *inputs)
 
 
-def _check_linear_param(names, weight, bias, features, source):
+def _check_linear_param(names, weight, bias, features, input_of):
     """weight (out, features) and bias (out,) or None, of the input's dtype (but under autocast,
     which casts them), for F.linear on `features` inputs; names: theirs, as the public function
-    spells them; source: (the argument the input comes from, the input F.linear gets)."""
+    spells them; input_of: (the argument the input comes from, the input F.linear gets)."""
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"argument {names[0]}: expected a torch.Tensor, got {type(weight).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
@@ -132,7 +132,7 @@ def _check_linear_param(names, weight, bias, features, source):
         raise ValueError(f"argument {names[0]}: expected shape (out, {features}), got {tuple(weight.shape)}")
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"argument {names[1]}: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    source, h = source
+    source, h = input_of
     if torch.is_autocast_enabled(h.device.type):
         return
     for name, t in zip(names, (weight, bias)):

@@ -23,7 +23,7 @@ with rotary_dim=r, without the copy).
 """
 
 from . import _C
-from ._args import as_int, dtype_name, is_float, named, refuse_kinds, shape_of
+from ._args import as_int, dtype_name, is_float, named, refuse_kinds, required, shape_of
 from ._frameworks import check_torch, empty_like, torch_if_tensor
 from ._integration import torch_integration
 
@@ -166,9 +166,8 @@ def torch_layer():
                       grad_args=(0, 1))
 
     def refuse_angle_gradients(cos, sin):
-        for name, angle in (("cos", cos), ("sin", sin)):
-            if angle is None:
-                raise TypeError(f"argument {name}: expected a tensor or array, got None")
+        required("cos", cos)
+        required("sin", sin)
         if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
             name = "cos" if cos.requires_grad else "sin"
             raise ValueError(f"argument {name}: brrr.rotary gives no gradient for cos and sin (they require grad "
