@@ -211,14 +211,21 @@ BRRR_SIMD void brrr_cpu_store_f64(int32_t dtype, void *base, int64_t stride, int
 
 /* ---- Python ---------------------------------------------------------------------------------- */
 
-PyObject *brrr_py_set_num_threads(PyObject *module, PyObject *arg) {
-    long n = PyBool_Check(arg) ? -1 : PyLong_AsLong(arg); /* a bool is not taken for a number */
-    if (n == -1 && (PyBool_Check(arg) || PyErr_Occurred())) {
-        PyErr_SetString(PyExc_TypeError, "argument n: expected an int");
-        return NULL;
+/* arg as an int into *n, 0; else -1 with TypeError naming it (a bool is not taken for a number). */
+static int int_argument(PyObject *arg, const char *name, long long *n) {
+    *n = PyBool_Check(arg) ? -1 : PyLong_AsLongLong(arg);
+    if (*n == -1 && (PyBool_Check(arg) || PyErr_Occurred())) {
+        PyErr_Format(PyExc_TypeError, "argument %s: expected an int", name);
+        return -1;
     }
+    return 0;
+}
+
+PyObject *brrr_py_set_num_threads(PyObject *module, PyObject *arg) {
+    long long n;
+    if (int_argument(arg, "n", &n) < 0) return NULL;
     if (n < 0 || n > 4096) {
-        PyErr_Format(PyExc_ValueError, "argument n: expected 0 (automatic) to 4096 threads, got %ld", n);
+        PyErr_Format(PyExc_ValueError, "argument n: expected 0 (automatic) to 4096 threads, got %lld", n);
         return NULL;
     }
     brrr_state *st = brrr_get_state(module);
@@ -228,11 +235,8 @@ PyObject *brrr_py_set_num_threads(PyObject *module, PyObject *arg) {
 }
 
 PyObject *brrr_py_set_thread_grain(PyObject *module, PyObject *arg) {
-    long long n = PyBool_Check(arg) ? -1 : PyLong_AsLongLong(arg);
-    if (n == -1 && (PyBool_Check(arg) || PyErr_Occurred())) {
-        PyErr_SetString(PyExc_TypeError, "argument elements: expected an int");
-        return NULL;
-    }
+    long long n;
+    if (int_argument(arg, "elements", &n) < 0) return NULL;
     if (n < 1) {
         PyErr_Format(PyExc_ValueError, "argument elements: expected at least 1, got %lld", n);
         return NULL;
