@@ -98,12 +98,12 @@ from ._op import INTEGRATIONS
 from ._registry import registry
 from .xent import check_chunking
 
-_ORIGINAL = "_brrr_original_class"
-_ORIGINAL_LOSS = "_brrr_original_loss_attributes"  # what setting loss_function changed in __dict__
+_ORIGINAL = brrr_nn.ORIGINAL_CLASS
+_ORIGINAL_LOSS = brrr_nn.ORIGINAL_LOSS  # what setting loss_function changed in __dict__
 _ROTARY_NAME = "apply_rotary_pos_emb"
 _ROTARY_INTERLEAVE_NAME = "apply_rotary_pos_emb_interleave"  # DeepSeek V3's (config.rope_interleave)
 _LOSS_CLASS_NAME = "CrossEntropyLoss"
-_MISSING = object()
+_MISSING = brrr_nn.MISSING
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
 
@@ -132,8 +132,11 @@ _SUBCLASSES = {}
 def _patched_class(cls, namespace):
     """A subclass of cls with `namespace`, under cls's own name: libraries find classes by name
     (transformers' save_pretrained writes it into config.architectures, accelerate's and FSDP's
-    layer-wrapping options name the decoder layer's class)."""
-    return type(cls.__name__, (cls,), {"__module__": __name__, "__qualname__": cls.__qualname__, **namespace})
+    layer-wrapping options name the decoder layer's class). Its modules pickle as cls (a class made
+    here cannot be found by pickle), deep copies stay patched."""
+    return type(cls.__name__, (cls,), {"__module__": __name__, "__qualname__": cls.__qualname__,
+                                       "__reduce_ex__": brrr_nn.reduce_as_original,
+                                       "__deepcopy__": brrr_nn.deepcopy_as_is, **namespace})
 
 
 def _subclass(cls, tag, forward, **attrs):
@@ -1458,7 +1461,11 @@ def patch(model, *, fused_linear_cross_entropy=True, remat="auto"):
     saved, where a recompute's launches would cost more than its bytes save (docs/remat.md: on an
     H200, remat of every output cost a small Llama's host-bound step 8%). True: every output;
     False: none, and no torch.nn.Linear swapped. The global random generators are left as they
-    were (the probes draw from a private one)."""
+    were (the probes draw from a private one).
+    Pickling the patched model (torch.save(model), multiprocessing) saves it as it was before the
+    patch, so that it loads without brrr: patch it again after loading (a loss_function swapped
+    alone, with fused_linear_cross_entropy=False, stays brrr's, in a class of the model's own);
+    copy.deepcopy copies it patched; state_dict is the same either way."""
     if remat not in (True, False, "auto"):
         raise ValueError(f"argument remat: expected True, False or 'auto', got {remat!r}")
     if not isinstance(model, torch.nn.Module):

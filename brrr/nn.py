@@ -9,9 +9,55 @@ brrr/<family>.py); they are this module's names. A module whose class subclasses
 is that class's twin: brrr.patch swaps modules of exactly that class for it.
 """
 
+import copy
+
 import torch
 
 from . import _op, remat
+
+# What brrr.patch keeps in the __dict__ of a module it changed, every key beginning with BOOKKEEPING:
+# the module's class before the patch, and what setting its loss_function replaced ({name: the
+# value before, or MISSING where there was none}).
+BOOKKEEPING = "_brrr_"
+ORIGINAL_CLASS = BOOKKEEPING + "original_class"
+ORIGINAL_LOSS = BOOKKEEPING + "original_loss_attributes"
+
+
+class _Missing:
+    def __reduce__(self):  # pickled by name, so that a pickled module's bookkeeping still finds it
+        return "MISSING"
+
+    def __repr__(self):
+        return "brrr.nn.MISSING"
+
+
+MISSING = _Missing()
+
+
+def reduce_as_original(module, protocol):
+    """__reduce_ex__ of the classes brrr.patch swaps modules into: pickling a swapped module
+    (torch.save(model), pickle, multiprocessing) saves it as it was before the patch, its original
+    class without brrr's bookkeeping, so that it loads without brrr (patch it again after loading);
+    any other module pickles as torch.nn.Module does."""
+    original = module.__dict__.get(ORIGINAL_CLASS)
+    if original is None:
+        return object.__reduce_ex__(module, protocol)
+    state = {k: v for k, v in module.__getstate__().items() if not k.startswith(BOOKKEEPING)}
+    for name, value in module.__dict__.get(ORIGINAL_LOSS, {}).items():
+        if value is MISSING:
+            state.pop(name, None)
+        else:
+            state[name] = value
+    return object.__new__, (original,), state
+
+
+def deepcopy_as_is(module, memo):
+    """__deepcopy__ of those classes: copy.deepcopy copies a swapped module as it is, patched (as
+    it copies any module), where reduce_as_original would give the module before the patch."""
+    copied = object.__new__(type(module))
+    memo[id(module)] = copied
+    copied.__setstate__(copy.deepcopy(module.__getstate__(), memo))
+    return copied
 
 
 class RematLinear(torch.nn.Linear):
@@ -22,11 +68,14 @@ class RematLinear(torch.nn.Linear):
     def forward(self, x):
         return remat.linear(x, self.weight, self.bias)
 
+    __reduce_ex__, __deepcopy__ = reduce_as_original, deepcopy_as_is  # patch swaps torch.nn.Linear for it
+
 
 TWINS = {}  # torch.nn class -> its brrr.nn twin
 for _family in _op.INTEGRATIONS:
     for _module in _family.modules:
         _module.__module__, _module.__qualname__ = __name__, _module.__name__  # as pickle finds them
+        _module.__reduce_ex__, _module.__deepcopy__ = reduce_as_original, deepcopy_as_is  # patch swaps modules for them
         globals()[_module.__name__] = _module
         if _module.__base__ is not torch.nn.Module:
             TWINS[_module.__base__] = _module

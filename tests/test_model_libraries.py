@@ -8,6 +8,8 @@ computes its training loss with brrr's fused linear cross-entropy and returns no
 logits are compared from a call without labels."""
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -127,6 +129,54 @@ def test_patched_model_matches_the_unpatched_one(name, dtype):
             torch.testing.assert_close(a, b, **tol, msg=n)
     brrr.unpatch(patched)
     assert [type(m) for m in patched.modules()] == [type(m) for m in base.modules()]
+
+
+def _brrr_keys(model):
+    return [(n, k) for n, m in model.named_modules() for k in vars(m) if k.startswith("_brrr_")]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_patched_model_pickles_as_it_was_before_the_patch(name):
+    """torch.save of a patched model (pickle) saves it unpatched: it loads as the model's own
+    classes with none of brrr's bookkeeping, and computes what the unpatched model computes, bit for
+    bit; copy.deepcopy of it stays patched; the patched model itself is left as it was."""
+    base = build(name, torch.float32)
+    patched = copy.deepcopy(base)
+    brrr.patch(patched)
+    patched_types = [type(m) for m in patched.modules()]
+    assert patched_types != [type(m) for m in base.modules()] and _brrr_keys(patched)
+    buffer = io.BytesIO()
+    torch.save(patched, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert [type(m) for m in loaded.modules()] == [type(m) for m in base.modules()]
+    assert _brrr_keys(loaded) == []
+    assert [type(m) for m in patched.modules()] == patched_types  # pickling changed nothing of it
+    tokens = torch.randint(0, 101, (2, 7))
+    for got, expected in zip(run(loaded, name, tokens), run(base, name, tokens)):
+        if isinstance(expected, tuple):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected) if b is not None)
+        else:
+            assert torch.equal(got, expected)
+    copied = copy.deepcopy(patched)
+    assert [type(m) for m in copied.modules()] == patched_types
+    torch.testing.assert_close(run(copied, name, tokens)[1], run(patched, name, tokens)[1], rtol=0, atol=0)
+
+
+def test_pickled_loss_function_unpatches_after_loading():
+    """A causal LM whose loss_function alone brrr swapped (fused_linear_cross_entropy=False) keeps
+    brrr's loss through pickling (its class is the library's own), and brrr.unpatch after loading
+    gives its own loss_function back: the bookkeeping's marker for "no such attribute before"
+    survives pickling."""
+    base = build("gpt2", torch.float32)
+    model = copy.deepcopy(base)
+    report = brrr.patch(model, fused_linear_cross_entropy=False)
+    assert "loss_function: brrr causal-LM cross_entropy" in {what for _, _, what in report.swapped}
+    loaded = pickle.loads(pickle.dumps(model))
+    assert loaded.loss_function is brrr.causal_lm_loss
+    assert brrr.unpatch(loaded) > 0
+    assert _brrr_keys(loaded) == [] and vars(loaded).keys() == vars(base).keys()
+    assert type(loaded.loss_function) is type(base.loss_function) and loaded.loss_function is not brrr.causal_lm_loss
 
 
 # Mixtral's experts on the CPU: transformers' grouped_mm fallback's backward does not compile under
