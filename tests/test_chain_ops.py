@@ -111,16 +111,17 @@ def test_scalar_op_forward_and_gradient(device, dtype, name):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("c", [2.0, 3.0])
-def test_pow_by_two_and_three_over_every_sign_and_special_value(device, dtype, c):
-    # Squares and cubes are computed as products: negative bases, signed zeros, infinities and
-    # NaN as torch.pow gives them, and the derivative c y ** (c - 1).
+@pytest.mark.parametrize("c", [2.0, 3.0, 0.5, -0.5, 1.5])
+def test_pow_special_exponents_over_every_sign_and_special_value(device, dtype, c):
+    # Squares and cubes are computed as products, y ** 0.5 and y ** -0.5 as sqrt and rsqrt, as
+    # torch.pow computes them: negative bases, signed zeros, infinities and NaN as torch gives them
+    # (sqrt(-inf) is NaN where C's pow gives inf; sqrt(-0) is -0), and the derivative c y ** (c - 1).
     x = random((1031,), dtype, device)
     x[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -1.0], dtype=dtype)
     steps = [("pow", c)]
     got = brrr.chain(*steps)(x, out=poisoned_like(x))
     assert_close(got, reference(steps, x), dtype)
-    assert torch.equal(torch.signbit(got[:2].cpu()), torch.tensor([False, c == 3.0]))
+    assert torch.equal(torch.signbit(got[:2].cpu()), torch.tensor([False, c in (3.0, 0.5, -0.5)]))
     g = random((1031,), dtype, device)
     _, (grad,) = grads_of(brrr.chain(*steps), x, [], g)
     _, (want,) = reference_grads(steps, x, [], g)
