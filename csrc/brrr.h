@@ -28,6 +28,7 @@ typedef struct {
     /* torch.Tensor types: the unbound is_neg and _is_zerotensor methods (strong references); NULL
      * for other types (and _is_zerotensor for a PyTorch without it) */
     PyObject *is_neg, *is_zerotensor;
+    int is_torch; /* a torch.Tensor type (its base class found in the MRO) */
 } brrr_type_info;
 
 typedef struct {
@@ -75,6 +76,7 @@ typedef struct {
     int32_t ndim;
     int64_t numel;
     int readonly;
+    int from_torch; /* imported from a torch.Tensor */
     /* What must be released: a NumPy array or a resolved torch view we hold, or a DLPack managed
      * tensor we own. */
     PyObject *owner;
@@ -129,6 +131,11 @@ const char *brrr_dtype_name(int32_t dtype);
 /* Argument checks against a reference argument; each raises ValueError naming both (a mismatch
  * between arguments, docs/errors.md). */
 int brrr_check_same_device(const brrr_tensor *t, const brrr_tensor *ref);
+/* TypeError unless t (argument obj) and x (argument x_obj, the call's first tensor) both come
+ * from PyTorch or both from elsewhere: the tensors of one call come from one framework. A torch
+ * tensor beside a NumPy x would skip what brrr's PyTorch layer does for the calls it takes (a
+ * written tensor's version bump, the refusal of one that requires grad). */
+int brrr_check_same_framework(const brrr_tensor *t, PyObject *obj, const brrr_tensor *x, PyObject *x_obj);
 int brrr_check_same_dtype(const brrr_tensor *t, const brrr_tensor *ref);
 int brrr_check_same_shape(const brrr_tensor *t, const brrr_tensor *ref);
 /* Raise if an output could write one address twice (stride 0, or interleaved dims). */

@@ -217,9 +217,10 @@ static int check_slot(brrr_op_call *c, int s) {
 static int import_slot(brrr_op_call *c, int s, PyObject *obj) {
     const brrr_slot_spec *spec = &c->spec->slots[s];
     c->written[s] = (spec->flags & BRRR_WRITE) != 0;
-    if (spec->dtype == BRRR_DTYPE_INDEX) return brrr_index_import(&c->call, obj, spec->name, &c->t[s]);
     if (c->owned[s] == obj && brrr_has(c, s)) return 0; /* described by brrr_new_like */
-    return brrr_tensor_import(&c->call, obj, spec->name, c->written[s], &c->t[s]);
+    const int status = spec->dtype == BRRR_DTYPE_INDEX ? brrr_index_import(&c->call, obj, spec->name, &c->t[s])
+                                                       : brrr_tensor_import(&c->call, obj, spec->name, c->written[s], &c->t[s]);
+    return status < 0 || s == 0 ? status : brrr_check_same_framework(&c->t[s], obj, &c->t[0], c->obj[0]);
 }
 
 /* A new output for slot s by x's framework: contiguous, with the shape and dtype its rules give. */
@@ -294,7 +295,9 @@ static int import_scratch(brrr_op_call *c, int s, int64_t want) {
 
 int brrr_op_import_extra(brrr_op_call *c, int slot, PyObject *obj, const char *name, int writable) {
     c->written[slot] = (uint8_t)writable;
-    if (brrr_tensor_import(&c->call, obj, name, writable, &c->t[slot]) < 0) return -1;
+    if (brrr_tensor_import(&c->call, obj, name, writable, &c->t[slot]) < 0 ||
+        brrr_check_same_framework(&c->t[slot], obj, &c->t[0], c->obj[0]) < 0)
+        return -1;
     return brrr_check_same_device(&c->t[slot], &c->t[0]);
 }
 

@@ -218,6 +218,7 @@ static void read_type_info(brrr_state *st, PyTypeObject *type, brrr_type_info *i
     Py_XDECREF(attr);
     PyErr_Clear();
     PyTypeObject *torch_base = torch_tensor_base(type);
+    info->is_torch = torch_base != NULL;
     if (torch_base != NULL) {
         info->is_neg = PyObject_GetAttr((PyObject *)torch_base, st->str_is_neg);
         info->is_zerotensor = PyObject_GetAttrString((PyObject *)torch_base, "_is_zerotensor");
@@ -299,11 +300,16 @@ static int import_numpy(PyArrayObject *arr, int index, brrr_tensor *t) {
         return -1;
     }
     if (index) {
-        switch (type_num) {
-        case NPY_INT64: t->dtype = BRRR_I64; break;
-        case NPY_INT32: t->dtype = BRRR_I32; break;
-        case NPY_UINT8: t->dtype = BRRR_U8; break;
-        default:
+        /* Signed integers by their size: NumPy's int64 is NPY_LONG or NPY_LONGLONG (array.array('q'),
+         * frombuffer(..., 'q')) by how the array was made, int32 NPY_INT or NPY_LONG by platform. */
+        const npy_intp size = PyArray_ITEMSIZE(arr);
+        if (PyTypeNum_ISSIGNED(type_num) && size == 8) {
+            t->dtype = BRRR_I64;
+        } else if (PyTypeNum_ISSIGNED(type_num) && size == 4) {
+            t->dtype = BRRR_I32;
+        } else if (type_num == NPY_UINT8) {
+            t->dtype = BRRR_U8;
+        } else {
             PyErr_Format(PyExc_TypeError, "argument %s: dtype %S is not supported; expected class indices of int64, "
                          "int32 or uint8", t->name, (PyObject *)PyArray_DESCR(arr));
             return -1;
@@ -670,6 +676,7 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
         status = -1;
     }
     if (status == 0) status = brrr_check_device_supported(t);
+    if (status == 0) t->from_torch = info && info->is_torch;
     if (status == 0 && t->device_type == kDLCPU && !call->cpu_threads_chosen) {
         brrr_cpu_choose_threads(call->state, obj);
         call->cpu_threads_chosen = 1;
@@ -777,6 +784,17 @@ int brrr_check_device_supported(const brrr_tensor *t) {
     }
     if (t->device_type == kDLCPU || t->device_type == kDLCUDA) return 0;
     PyErr_Format(PyExc_ValueError, "argument %s: device is not supported", t->name);
+    return -1;
+}
+
+int brrr_check_same_framework(const brrr_tensor *t, PyObject *obj, const brrr_tensor *x, PyObject *x_obj) {
+    if (t->from_torch == x->from_torch) return 0;
+    if (t->from_torch)
+        PyErr_Format(PyExc_TypeError, "argument %s: got a torch.Tensor where %s is a %.200s (the tensors of one call "
+                     "come from one framework)", t->name, x->name, Py_TYPE(x_obj)->tp_name);
+    else
+        PyErr_Format(PyExc_TypeError, "argument %s: expected a torch.Tensor like %s (the tensors of one call come from "
+                     "one framework), got %.200s", t->name, x->name, Py_TYPE(obj)->tp_name);
     return -1;
 }
 

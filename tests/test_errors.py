@@ -1,5 +1,8 @@
 """Bad input: a clear exception of the right type, naming the argument, and nothing written."""
 
+import re
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -154,3 +157,47 @@ def test_zero_size_tensors():
         assert BIAS_GELU(x, torch.empty(shape[-1:])).shape == shape
     scalar = torch.tensor(0.5)
     torch.testing.assert_close(brrr.cos(scalar), torch.cos(scalar))
+
+
+# A torch tensor beside arrays of another framework: brrr's PyTorch layer, which bumps a written
+# tensor's version and refuses one that requires grad, takes only the calls whose x is a torch
+# tensor, so brrr._C refuses a torch tensor in any other call (and the other way round).
+MIXED_CALLS = {
+    "out": (lambda x, t: brrr.relu(x, out=t), lambda: torch.zeros(3, 4)),
+    "chain out": (lambda x, t: brrr.chain("sin", ("mul", 2.0))(x, out=t), lambda: torch.zeros(3, 4)),
+    "operands[0]": (lambda x, t: brrr.chain("add_tensor")(x, t), lambda: torch.zeros(4)),
+    "weight": (lambda x, t: brrr.layer_norm(x, (4,), t), lambda: torch.ones(4)),
+    "residual": (lambda x, t: brrr.add_rms_norm(x, t, (4,)), lambda: torch.ones(3, 4)),
+    "bias": (lambda x, t: brrr.bias_gelu(x, t), lambda: torch.zeros(4)),
+    "up": (lambda x, t: brrr.swiglu(x, t), lambda: torch.ones(3, 4)),
+    "target": (lambda x, t: brrr.cross_entropy(x, t), lambda: torch.tensor([0, 1, 3])),
+}
+
+
+@pytest.mark.parametrize("framework_name", ["numpy", "jax"])
+@pytest.mark.parametrize("what", list(MIXED_CALLS))
+def test_a_torch_tensor_beside_another_frameworks_x_is_refused(framework_name, what):
+    """Written through NumPy's call, a torch out would keep its version (a backward that saved it
+    would then compute with the new values: a wrong gradient, silently) and be written even while
+    it requires grad; so every torch tensor beside a non-torch x is refused, naming the argument,
+    and nothing is written."""
+    call, make = MIXED_CALLS[what]
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    x = jnp.asarray(x) if framework_name == "jax" else x
+    t = make()
+    before, version = t.clone(), t._version
+    name = what.split()[-1]
+    with pytest.raises(TypeError, match=rf"^argument {re.escape(name)}: got a torch.Tensor where (x|gate|input) is a "
+                                        r".*\(the tensors of one call come from one framework\)"):
+        call(x, t)
+    assert torch.equal(t, before) and t._version == version
+
+
+def test_a_numpy_out_beside_a_torch_x_is_refused_by_brrr_c_too():
+    """brrr._C called directly (below brrr's PyTorch layer, which refuses it first) refuses the
+    other way round as well."""
+    x = torch.ones(3, 4)
+    out = np.zeros((3, 4), np.float32)
+    with pytest.raises(TypeError, match=r"^argument out: expected a torch.Tensor like x .*got numpy.ndarray"):
+        brrr._C.chain_fwd(x, out, brrr.chain("sin").program, (), -1)
+    assert not out.any()

@@ -7,6 +7,7 @@ JAX is a test requirement (requirements-test.txt), so these run in CI; this file
 PyTorch nor a GPU for its CPU cases.
 """
 
+import array
 import math
 
 import jax
@@ -332,6 +333,17 @@ def test_jax_jit_tracers_are_refused_naming_the_argument(call):
 def test_arrays_without_a_namespace_are_refused_naming_the_argument():
     with pytest.raises(TypeError, match="argument input"):
         brrr.cross_entropy([[0.5, 1.0]], [0])
+
+
+@pytest.mark.parametrize("code", ["q", "l", "i"])
+def test_numpy_integer_targets_of_every_type_number(code):
+    """NumPy's int64 is NPY_LONG or NPY_LONGLONG by how the array was made (array.array('q') gives
+    the latter on Linux), int32 NPY_INT: targets are taken by their kind and size."""
+    target = np.asarray(array.array(code, [0, 4, 2]))
+    assert target.dtype.kind == "i"
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    expected = -log_softmax(x.astype(np.float64))[np.arange(3), [0, 4, 2]].mean()
+    np.testing.assert_allclose(brrr.cross_entropy(x, target), expected, rtol=1e-5)
 
 
 # --- streams -------------------------------------------------------------------------------------
