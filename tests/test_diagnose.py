@@ -11,13 +11,17 @@ and x8 timed in alternating rounds. What a verdict rests on (the add's bandwidth
 timed in the same test) is checked against measurements of the same moment.
 """
 
+import contextlib
 import functools
+import importlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -81,6 +85,129 @@ def overhead_report():
     return diagnose(tiny_ops, torch.randn(64))
 
 
+# --- the caller's state and errors -------------------------------------------------------------
+
+STEP = importlib.import_module("brrr.diagnose.step")
+DIAGNOSE = importlib.import_module("brrr.diagnose")
+
+
+@pytest.mark.parametrize("step", [False, True])
+def test_a_running_profiler_is_refused_and_keeps_its_events(step):
+    """Nested in the caller's profiler, diagnose's own would stop it on exit and empty its events."""
+    with torch.profiler.profile() as prof:
+        torch.ones(3).add_(1)
+        with pytest.raises(RuntimeError, match="a torch profiler is running"):
+            diagnose(tiny_ops, torch.randn(8), step=step) if not step else diagnose(lambda: tiny_ops(torch.randn(8)),
+                                                                                    step=True)
+        torch.ones(3).mul_(2)
+    names = {e.name for e in prof.events()}
+    assert {"aten::add_", "aten::mul_"} <= names
+
+
+def step_with(record_function, backward=True):
+    w = torch.randn(8, requires_grad=True)
+
+    def step():
+        with torch.autograd.profiler.record_function("user block") if record_function else contextlib.nullcontext():
+            loss = tiny_ops(w).sum()
+            if backward:
+                loss.backward()
+    return step
+
+
+def test_ops_inside_record_function_blocks_are_counted():
+    """torch.optim's step and zero_grad, and any user annotation, parent their ops in the profile:
+    they are the step's ops still (they were counted as none, and the step judged memory-bound)."""
+    plain = diagnose(step_with(False), step=True)
+    annotated = diagnose(step_with(True), step=True)
+    assert plain.ops_per_step > 32 and annotated.ops_per_step == plain.ops_per_step
+    assert annotated.verdict == plain.verdict == OVERHEAD_BOUND
+    x = torch.randn(8)
+    report = diagnose(lambda x: step_with(True, backward=False)() or tiny_ops(x), x, scale=False)
+    assert report.ops_per_call >= 32
+
+
+def test_a_step_without_torch_ops_is_undetermined():
+    report = diagnose(lambda: time.sleep(0.001), step=True)
+    assert report.verdict == UNDETERMINED and "no PyTorch op" in report.reasons[0]
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_step_mode_under_no_grad_runs(monkeypatch, mode):
+    """The per-op calibration (a tiny backward, once a process) runs whatever the caller's grad mode."""
+    monkeypatch.setattr(STEP, "_CPU_OP_US", [])
+    with getattr(torch, mode)():
+        report = diagnose(step_with(False, backward=False), step=True)
+    assert report.ops_per_step >= 32 and STEP._CPU_OP_US
+
+
+def test_autocast_sets_the_compute_dtype_and_never_the_ceilings(monkeypatch):
+    """Ceilings are the device's: measured with autocast off whatever the caller's; an autocast
+    call's matmuls are judged against its dtype's peak."""
+    seen = []
+    monkeypatch.setattr(DIAGNOSE, "_measure_ceilings",
+                        lambda torch, device: seen.append(torch.is_autocast_enabled("cpu")) or DIAGNOSE.Ceilings(
+                            device_name="x", torch_version="x", copy_GBps=1.0, launch_us=1.0,
+                            matmul_GFLOPs={"float32": 1.0, "bfloat16": 1.0}, measured_at="x", measure_s=0.0, notes=[]))
+    monkeypatch.setattr(DIAGNOSE, "_write_cached_ceilings", lambda path, ceilings: None)
+    monkeypatch.setattr(DIAGNOSE, "_CEILINGS_IN_MEMORY", {})  # the module's cache is left as it was
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        device_ceilings("cpu", refresh=True)
+    assert seen == [False]
+    monkeypatch.setattr(DIAGNOSE, "_CEILINGS_IN_MEMORY", {})
+    a = torch.randn(64, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = diagnose(matmul, a, a, scale=False)
+    assert report.compute_dtype == "bfloat16"
+
+
+def test_measuring_the_ceilings_leaves_the_random_state():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    DIAGNOSE._best_matmul_GFLOPs(torch, torch.device("cpu"), torch.float32)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_an_error_of_fn_while_profiled_is_raised():
+    def fails_when_profiled(x):
+        if torch.autograd._profiler_enabled():
+            raise ValueError("bad batch")
+        return x + 1
+
+    with pytest.raises(ValueError, match="bad batch"):
+        diagnose(fails_when_profiled, torch.randn(8), scale=False)
+
+
+def test_a_cpu_allocation_failure_stops_the_overhead_test(monkeypatch):
+    def scale(args, factor):
+        if factor >= 4:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+        return args[0].repeat(factor), args[1]
+
+    report = diagnose(add, torch.randn(64), 1.0, scale=scale)
+    assert [p.factor for p in report.scaling] == [1, 2]
+    assert any("overhead test stopped before x4: out of memory" in n for n in report.notes)
+    with pytest.raises(RuntimeError, match="another failure"):
+        diagnose(add, torch.randn(64), 1.0, scale=lambda args, factor: (_ for _ in ()).throw(RuntimeError("another failure")))
+
+
+def test_broadcast_and_sparse_arguments_in_the_byte_floor():
+    """A broadcast dimension is read once; a sparse argument is not counted (noted)."""
+    x = torch.randn(1).expand(1 << 20)
+    report = diagnose(lambda x: x.sum(), x, scale=False)
+    assert report.bytes == 4 + 4  # one element read, one written
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.ones(2), (20000,))
+    report = diagnose(lambda s: s.coalesce().values().sum(), sparse, scale=False)
+    assert report.bytes == 4 and any("sparse_coo are not counted" in n for n in report.notes)
+
+
+def test_work_counts_take_any_real_number_and_name_the_argument():
+    assert diagnose(add, torch.randn(64), 1.0, flops=np.int64(100), scale=False).flops == 100.0
+    with pytest.raises(ValueError, match="^argument flops: expected a positive finite number"):
+        diagnose(add, torch.randn(64), 1.0, flops=10 ** 400)
+
+
 # --- ceilings ------------------------------------------------------------------------------
 
 
@@ -93,7 +220,11 @@ def test_ceilings_are_measured_once_and_cached_on_disk(ceilings_cache):
     # a load average of 2; other work stretches wall time by its load
     busy = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     assert ceilings.measure_s < 20 * busy, f"measuring the CPU's ceilings must stay fast (load x{busy:.1f})"
-    assert device_ceilings("cpu") is ceilings, "the second call must come from memory"
+    started = time.perf_counter()
+    again = device_ceilings("cpu")
+    assert again == ceilings and time.perf_counter() - started < 0.1, "the second call must come from memory"
+    again.matmul_GFLOPs["float32"] /= 1000  # each caller's own copy: the cache keeps its values
+    assert device_ceilings("cpu") == ceilings and again is not ceilings
     assert cache_dir() == ceilings_cache
     (cached,) = [name for name in os.listdir(ceilings_cache) if name.startswith("ceilings-cpu-")]
     with open(os.path.join(ceilings_cache, cached)) as f:

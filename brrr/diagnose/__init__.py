@@ -34,15 +34,21 @@ A whole training step (forward, backward, optimizer): `diagnose(step, step=True)
 time, GPU busy time and launches per step, and where the GPU waits, the step captured in a CUDA
 graph and timed (brrr/diagnose/step.py); it returns a StepDiagnosis.
 
+Under autocast, matmuls are judged against the peak of autocast's dtype; the ceilings are always
+measured without it. Not inside a running torch profiler (RuntimeError): diagnose profiles fn,
+and a profiler nested in the caller's would stop it.
+
 Keyword arguments other than flops, bytes, scale and step are passed to fn. The default overhead
 test repeats tensor arguments along their leading dimension; pass `scale(args, factor) -> args`
 when that does not fit fn, or `scale=False` to skip it.
 """
 
+import copy
 import dataclasses
 import functools
 import json
 import math
+import numbers
 import os
 import re
 import statistics
@@ -56,7 +62,7 @@ from datetime import datetime, timezone
 from .common import (COMPUTE_BOUND, FIXED_SHARE_OVERHEAD, GPU_BUSY_OVERHEAD, MEMORY_BOUND, OVERHEAD_BOUND,
     PROFILED_CALLS, REMEDIES, UNDETERMINED, KernelStat, Report, arrays_in, construct, device_name, device_of,
     duration, import_torch, is_numpy_array, is_torch_tensor, kernel_stats, line, name_of, on_device, percent,
-    report_end, sync, union_us)
+    refuse_nesting_a_profiler, report_end, sync, top_level_ops, union_us)
 
 SCALE_FACTORS = (2, 4, 8)
 # The essay's rule of thumb: at 80% of the peak matrix throughput you are compute-bound.
@@ -190,6 +196,7 @@ def diagnose(fn, *args, flops=None, bytes=None, scale=None, step=False, **kwargs
     if scale is not None and scale is not False and not callable(scale):
         raise TypeError(f"argument scale: expected a callable scale(args, factor), False or None, got {scale!r}")
     torch = import_torch()
+    refuse_nesting_a_profiler(torch)
     device = device_of(args, kwargs)
     notes = []
 
@@ -205,6 +212,9 @@ def diagnose(fn, *args, flops=None, bytes=None, scale=None, step=False, **kwargs
     ms = scaling[0].ms
 
     floor_bytes = _nbytes(args, kwargs.values()) + output_bytes
+    uncounted = _uncounted_layouts(args, kwargs)
+    if uncounted and user_bytes is None:
+        notes.append(f"arguments of layout {', '.join(uncounted)} are not counted in the byte floor: pass bytes=")
     if user_bytes is not None:
         work_bytes, bytes_source = user_bytes, "user"
     elif floor_bytes:
@@ -268,22 +278,50 @@ def diagnose(fn, *args, flops=None, bytes=None, scale=None, step=False, **kwargs
 def _positive_count(name, value):
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"argument {name}: expected a number (work per call), got {type(value).__name__}")
+    try:
+        value = float(value)
+    except OverflowError:
+        value = math.inf
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"argument {name}: expected a positive finite number, got {value!r}")
-    return float(value)
+    return value
 
 
 def _nbytes(*groups):
-    """Bytes of the distinct arrays in the groups (an array passed twice is read once)."""
+    """Bytes of the distinct arrays in the groups (an array passed twice is read once), each the
+    bytes its elements take in memory: a broadcast dimension (stride 0) counts once; sparse and
+    other layouts but the strided one count nothing (the report says so)."""
     seen, total = set(), 0
     for group in groups:
         for array in arrays_in(group):
             if id(array) not in seen:
                 seen.add(id(array))
-                total += array.numel() * array.element_size() if is_torch_tensor(array) else array.nbytes
+                total += _distinct_elements(array) * (array.element_size() if is_torch_tensor(array) else array.itemsize)
     return total
+
+
+def _distinct_elements(array):
+    if is_torch_tensor(array):
+        if array.layout is not _strided_layout():
+            return 0
+        steps = array.stride()
+    else:
+        steps = array.strides
+    return math.prod(n for n, step in zip(array.shape, steps) if step != 0)
+
+
+def _strided_layout():
+    import torch
+
+    return torch.strided
+
+
+def _uncounted_layouts(args, kwargs):
+    """The layouts of the tensor arguments that the byte floor does not count (sparse ones)."""
+    return sorted({str(a.layout) for a in arrays_in(list(args) + list(kwargs.values()))
+                   if is_torch_tensor(a) and a.layout is not _strided_layout()})
 
 
 def _resolve_device(device):
@@ -315,6 +353,8 @@ def _compute_dtype(torch, device, args, kwargs, ceilings, notes):
         elif is_numpy_array(array) and array.dtype.kind == "f":
             floating.append((array.size, array.dtype.name))
     name = max(floating)[1] if floating else "float32"
+    if torch.is_autocast_enabled(device.type) and name in ("float32", "float64"):
+        name = str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")  # autocast's matmuls run in it
     if name == "float32" and device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
         name = "tf32"
     if name not in ceilings.matmul_GFLOPs:
@@ -404,18 +444,16 @@ def device_ceilings(device=None, refresh=False):
     device = _resolve_device(device)
     key = _ceilings_key(torch, device)
     path = os.path.join(cache_dir(), f"ceilings-{key}.json")
-    if not refresh:
-        if key in _CEILINGS_IN_MEMORY:
-            return _CEILINGS_IN_MEMORY[key]
+    if not refresh and key not in _CEILINGS_IN_MEMORY:
         cached = _read_cached_ceilings(path)
         if cached is not None:
             _CEILINGS_IN_MEMORY[key] = cached
-            return cached
-    with on_device(torch, device):
-        ceilings = _measure_ceilings(torch, device)
-    _CEILINGS_IN_MEMORY[key] = ceilings
-    _write_cached_ceilings(path, ceilings)
-    return ceilings
+    if refresh or key not in _CEILINGS_IN_MEMORY:
+        # The device's own rates: not those of the caller's autocast dtype
+        with on_device(torch, device), torch.autocast(device.type, enabled=False):
+            _CEILINGS_IN_MEMORY[key] = _measure_ceilings(torch, device)
+        _write_cached_ceilings(path, _CEILINGS_IN_MEMORY[key])
+    return copy.deepcopy(_CEILINGS_IN_MEMORY[key])  # the caller's to change: not the cache's
 
 
 def _ceilings_key(torch, device):
@@ -580,11 +618,14 @@ def _best_matmul_GFLOPs(torch, device, dtype):
     CPU, the better of the threaded rate and the one-thread rate times the threads (see
     _on_one_thread): a matmul's work divides evenly between the cores."""
 
+    generator = torch.Generator(device=device)  # the caller's random state is left as it was
+    generator.manual_seed(0)
+
     def rate():
         best = 0.0
         for side in MATMUL_SIDES[device.type]:
-            a = torch.randn(side, side, device=device).to(dtype)
-            b = torch.randn(side, side, device=device).to(dtype)
+            a = torch.randn(side, side, device=device, generator=generator).to(dtype)
+            b = torch.randn(side, side, device=device, generator=generator).to(dtype)
             ms = _best_ms(lambda: a @ b, device, target_s=0.05)
             best = max(best, 2 * side ** 3 / (ms * 1e-3) / 1e9)
             if ms >= MATMUL_ENOUGH_MS[device.type]:
@@ -628,6 +669,11 @@ class _ProfileSummary:
     device_busy_us_per_call: float | None
 
 
+class _CallFailed(Exception):
+    """fn raised while profiled (its cause): re-raised as it was, where the profiler's own
+    failures become a note."""
+
+
 def _profile(call, device, notes):
     """FLOPs, op count and kernel list of a few calls from torch.profiler, or None (with a note)."""
     try:
@@ -638,18 +684,21 @@ def _profile(call, device, notes):
         sync(device)
         with profile(activities=activities, with_flops=True) as prof:
             for _ in range(PROFILED_CALLS):
-                call()
+                try:
+                    call()
+                except BaseException as e:
+                    raise _CallFailed from e
             sync(device)
         events = list(prof.events())
+    except _CallFailed as e:  # fn's own error, not the profiler's
+        raise e.__cause__ from None
     except Exception as e:  # noqa: BLE001 - the profiler is optional evidence; the report says it is missing
         notes.append(f"profiler unavailable ({type(e).__name__}: {e}): no FLOP count, op count or kernel list")
         return None
 
     host_events = [e for e in events if e.device_type == DeviceType.CPU and not e.is_user_annotation]
     flops = sum(e.flops or 0 for e in host_events) / PROFILED_CALLS
-    # Framework ops called directly by fn (not the ops they call in turn); runtime API events such
-    # as cudaLaunchKernel carry no namespace and are left out.
-    top_level = [e for e in host_events if e.cpu_parent is None and "::" in e.name]
+    top_level = top_level_ops(host_events)
     if device.type == "cuda":
         device_events = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
         kernels = kernel_stats((e.name, e.time_range.elapsed_us()) for e in device_events)
@@ -727,7 +776,9 @@ def _scaling_sweep(fn, args, kwargs, device, scale, base_ms, notes):
         try:
             scaled = scaler(args, factor)
             ms, _ = _median_ms(lambda: fn(*scaled, **kwargs), device)
-        except _out_of_memory_errors() as e:
+        except Exception as e:
+            if not _out_of_memory(e):
+                raise
             scaled = None
             notes.append(f"overhead test stopped before x{factor}: out of memory ({type(e).__name__})")
             break
@@ -764,10 +815,13 @@ def _pick_default_scaler(fn, args, kwargs, notes):
     return None, None
 
 
-def _out_of_memory_errors():
+def _out_of_memory(error):
+    """Whether error is an allocation failure: torch's on the GPU, or its CPU allocator's, which
+    raises a plain RuntimeError."""
     import torch
 
-    return (MemoryError, torch.OutOfMemoryError)
+    return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
 
 
 def _fixed_share(points):

@@ -183,6 +183,28 @@ def device_name(torch, device):
     return platform.processor() or platform.machine() or "cpu"
 
 
+def top_level_ops(host_events):
+    """The framework ops a profiled call made itself (not the ops they call in turn), also those
+    inside a record_function block (torch.optim's step and zero_grad are such blocks), whose
+    annotation parents them but is no op; runtime API events (cudaLaunchKernel) carry no namespace
+    and are left out."""
+    def outermost(event):
+        parent = event.cpu_parent
+        while parent is not None and parent.is_user_annotation:
+            parent = parent.cpu_parent
+        return parent is None
+
+    return [e for e in host_events if "::" in e.name and not e.is_user_annotation and outermost(e)]
+
+
+def refuse_nesting_a_profiler(torch):
+    """RuntimeError when a torch profiler is running: a profiler started inside it stops it on
+    exit, and the user's profile loses every event."""
+    if torch.autograd._profiler_enabled():
+        raise RuntimeError("brrr.diagnose: a torch profiler is running; brrr's own, nested in it, would stop it and "
+                           "empty its events: diagnose outside the profiler's block")
+
+
 def kernel_stats(name_and_us):
     totals = {}
     for name, us in name_and_us:

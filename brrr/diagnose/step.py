@@ -32,8 +32,9 @@ import warnings
 from dataclasses import dataclass
 
 from .common import (COMPUTE_BOUND, FIXED_SHARE_OVERHEAD, GPU_BUSY_OVERHEAD, MEMORY_BOUND, OVERHEAD_BOUND,
-    PROFILED_CALLS, REMEDIES, KernelStat, Report, device_name, device_of, duration, import_torch, kernel_stats, line,
-    name_of, on_device, percent, report_end, sync, union_us)
+    PROFILED_CALLS, REMEDIES, UNDETERMINED, KernelStat, Report, device_name, device_of, duration, import_torch,
+    kernel_stats, line, name_of, on_device, percent, refuse_nesting_a_profiler, report_end, sync, top_level_ops,
+    union_us)
 
 # The GPU idle share of a step from which a CUDA graph is worth trying.
 CAPTURE_IDLE_SHARE = 0.2
@@ -92,6 +93,7 @@ def diagnose_step(fn, args, kwargs, step, flops, bytes, scale):  # noqa: A002 - 
         raise ValueError(f"argument step: {', '.join(given)} describe a single op's work; with step=True they do "
                          f"not apply")
     torch = import_torch()
+    refuse_nesting_a_profiler(torch)
     device = device_of(args, kwargs)
     notes = []
 
@@ -201,7 +203,7 @@ def _profile_step(call, device):
     events = list(prof.events())
     per_step = 1.0 / PROFILED_CALLS
     host = [e for e in events if e.device_type == DeviceType.CPU and not e.is_user_annotation]
-    top_level = [e for e in host if e.cpu_parent is None and "::" in e.name]
+    top_level = top_level_ops(host)
     busy_us = launches = None
     if device.type == "cuda":
         work = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
@@ -222,20 +224,25 @@ def _cpu_op_us(torch):
     """Host µs per op (forward ops and backward nodes, as _profile_step counts them) of a chain of
     tiny autograd ops: the fixed cost of an op in a CPU training step, measured once per process."""
     if not _CPU_OP_US:
-        leaf = torch.ones(1, requires_grad=True)
-
-        def tiny_step():
-            y = leaf
-            for _ in range(32):
-                y = y * 1.0
-            y.backward()
-
-        cpu = torch.device("cpu")
-        for _ in range(STEP_WARMUP):
-            tiny_step()
-        ms, _ = _steps_ms(tiny_step, cpu)
-        _CPU_OP_US.append(ms * 1e3 / _profile_step(tiny_step, cpu).ops)
+        with torch.inference_mode(False), torch.enable_grad():  # whatever grad mode the caller's step runs in
+            _CPU_OP_US.append(_measure_cpu_op_us(torch))
     return _CPU_OP_US[0]
+
+
+def _measure_cpu_op_us(torch):
+    leaf = torch.ones(1, requires_grad=True)
+
+    def tiny_step():
+        y = leaf
+        for _ in range(32):
+            y = y * 1.0
+        y.backward()
+
+    cpu = torch.device("cpu")
+    for _ in range(STEP_WARMUP):
+        tiny_step()
+    ms, _ = _steps_ms(tiny_step, cpu)
+    return ms * 1e3 / _profile_step(tiny_step, cpu).ops
 
 
 def _syncs_per_step(torch, call, device):
@@ -309,6 +316,9 @@ def _judge(ms, host_ms, profile, busy_fraction, dispatch_share, matmul_share):
         if profile.launches:
             reasons.append(f"the host takes {duration(host_ms)} to issue the step's {profile.launches:g} launches "
                            f"({duration(host_ms / profile.launches)} each)")
+    elif not profile.ops:
+        return UNDETERMINED, ["the profiler saw no PyTorch op in the step: its time goes to work outside PyTorch "
+                              "(Python, I/O, other libraries)"]
     else:
         reasons.append(f"{profile.ops:g} op calls per step at the cost of a tiny autograd op are "
                        f"{percent(dispatch_share)} of the step")
