@@ -104,8 +104,9 @@ class DimError(IndexError, ValueError):
 def dim_in_range(name, ndim, dim):
     """dim (an int, negative counting from the end) as an index of a tensor's ndim dims (a 0-d
     tensor takes 0 and -1, as PyTorch's ops do)."""
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):  # numpy.int64 too, as PyTorch's ops take
         raise TypeError(f"argument {name}: expected an int, got {type(dim).__name__}")
+    dim = int(dim)
     rank = max(ndim, 1)
     if not -rank <= dim < rank:
         raise DimError(f"argument {name}: {dim} is out of range for a tensor of {ndim} dims")

@@ -78,6 +78,8 @@ def _device(x, name):
     except AttributeError:
         raise TypeError(f"argument {name}: {type(x).__name__} has no device and no data to hand over (inside jax.jit "
                         "the arrays are tracers: call brrr's ops on concrete arrays)") from None
+    except RuntimeError as error:  # a deleted (donated) JAX array
+        raise RuntimeError(f"argument {name}: {error}") from None
 
 
 def _is_numpy(x):
@@ -117,7 +119,13 @@ def empty(xp, shape, dtype, like, name="input"):
     if _cupy_for(like) is not None:
         with like.device:
             return xp.empty(shape, dtype)
-    return xp.empty(shape, dtype=dtype, device=_device(like, name))
+    try:
+        return xp.empty(shape, dtype=dtype, device=_device(like, name))
+    except (IndexError, ValueError):  # a device brrr could not take anyway (a sharded JAX array's): its error
+        from . import _C
+
+        _C.check_tensor(like, name)
+        raise
 
 
 def astype(xp, x, dtype):

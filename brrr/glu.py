@@ -44,10 +44,13 @@ def _halves(x):
     return x[..., : d // 2], x[..., d // 2:]
 
 
+_HALF_NAMES = {"x": "x (gate half)", "operands[0]": "x (up half)"}  # the split form's halves
+
+
 def _glu(activation, gate, up, out):
     if up is None:
         if torch_if_tensor(gate) is None:
-            return _GLU[activation](*_halves(gate), out=out)
+            return named(_HALF_NAMES, _GLU[activation], *_halves(gate), out=out)
         try:
             return torch_layer().glu(activation, gate, None, out)
         except RuntimeError:

@@ -5,7 +5,8 @@
     y = brrr.softmax(x, dim=-1, dtype=torch.float32)     # of a bfloat16 x: y in float32, one pass
 
 Math in float32 (float64 for float64), rounded once. dtype: as torch's, x is taken as that dtype
-first; a float32 result of a float16/bfloat16 x is written straight from x. The backward saves
+first; a float32 result of a float16/bfloat16 torch tensor is written straight from x (the arrays of
+other frameworks are converted first). The backward saves
 only y and rematerialises nothing else: grad_x = y * (grad_y - sum(grad_y * y)), or for
 log_softmax grad_x = grad_y - exp(y) * sum(grad_y), one read of y and grad_y and one write.
 Any dim (the kernels see it as the last dim of a view), any strides, rows of any length.
@@ -59,8 +60,15 @@ def _softmax(x, dim, dtype, log):
     xp = x.__array_namespace__() if hasattr(x, "__array_namespace__") else None
     moved = ndim > 1 and dim != ndim - 1
     if moved:
+        if xp is None:
+            raise TypeError(f"argument x: {type(x).__name__} has no __array_namespace__ to move dim {dim} last with "
+                            "(softmax of such an array takes its last dim)")
         x = xp.moveaxis(x, dim, -1)
     out = None if type(x).__module__ == "numpy" else empty_like(x)  # brrr._C allocates NumPy outputs
+    if out is None and type(x).__module__ != "numpy":
+        _C.check_tensor(x, "x")  # a broken producer: its own error first
+        raise TypeError(f"argument x: brrr allocates softmax's output only for PyTorch tensors, NumPy arrays and "
+                        f"arrays with __array_namespace__, got {type(x).__name__}")
     y = _C.softmax_fwd(x, out, log=log)[0]
     return xp.moveaxis(y, -1, dim) if moved else y
 

@@ -217,7 +217,7 @@ static int xent_fwd_bwd_run(brrr_op_call *c) { return xent_run(c, XENT_FWD_BWD);
 static const char *const REDUCTIONS[] = {"mean", "sum", "none", NULL};
 #define ROW_STAT(name) {name, BRRR_WRITE | BRRR_ALLOC | BRRR_CONTIG, BRRR_SHAPE_ROWS, BRRR_DTYPE_ACC, -1}
 #define SUM(name) {name, BRRR_WRITE | BRRR_OPTIONAL | BRRR_ALLOC, BRRR_SHAPE_SCALAR, BRRR_DTYPE_ACC, -1}
-#define IGNORE_INDEX {"ignore_index", BRRR_ARG_INT, -9.2e18, 9.2e18, NULL, "an int64"}
+#define IGNORE_INDEX {"ignore_index", BRRR_ARG_INT, -0x1p63, 0x1p63, NULL, "an int64"} /* every int64 */
 #define SMOOTHING {"label_smoothing", BRRR_ARG_FLOAT, 0, 1, NULL, "a float in [0, 1]"}
 #define SOFTCAP {"softcap", BRRR_ARG_OPTIONAL_FLOAT, DBL_MIN, DBL_MAX, NULL, "None or a finite float > 0", 1, 0.0}
 #define Z_LOSS {"z_loss", BRRR_ARG_FLOAT, 0, DBL_MAX, NULL, "a finite float >= 0", 1, 0.0}

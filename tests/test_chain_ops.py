@@ -128,6 +128,22 @@ def test_pow_special_exponents_over_every_sign_and_special_value(device, dtype, 
     assert_near(grad, want, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_relu_keeps_negative_zero_and_a_nan_bound_is_the_result(device, dtype):
+    """As torch: relu(-0) is -0 (NaN stays NaN); clamp_min and clamp_max by a NaN bound give NaN
+    everywhere, with a zero gradient."""
+    x = torch.tensor([-0.0, 0.0, -1.0, 2.0, float("nan")], dtype=dtype, device=device)
+    got = brrr.chain("relu")(x)
+    assert torch.equal(torch.signbit(got[:2].cpu()), torch.tensor([True, False]))
+    assert torch.equal(got.cpu()[2:4], torch.tensor([0.0, 2.0], dtype=dtype)) and got[4].isnan()
+    for name in ("clamp_min", "clamp_max"):
+        steps = [(name, float("nan"))]
+        assert brrr.chain(*steps)(x).isnan().all(), name
+        _, (grad,) = grads_of(brrr.chain(*steps), x, [], torch.ones_like(x))
+        assert torch.equal(grad.cpu(), torch.zeros(5, dtype=dtype)), name
+
+
 @pytest.mark.parametrize("name", list(NEW_OPS) + list(SCALAR_OPS))
 def test_gradcheck(name):
     low, high = NEW_OPS[name][1] if name in NEW_OPS else SCALAR_OPS[name][1]

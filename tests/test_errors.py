@@ -201,3 +201,64 @@ def test_a_numpy_out_beside_a_torch_x_is_refused_by_brrr_c_too():
     with pytest.raises(TypeError, match=r"^argument out: expected a torch.Tensor like x .*got numpy.ndarray"):
         brrr._C.chain_fwd(x, out, brrr.chain("sin").program, (), -1)
     assert not out.any()
+
+
+class _DLPackOnly:
+    """A DLPack producer with no __array_namespace__ (its array's dims and dtype only)."""
+
+    def __init__(self, a):
+        self.a, self.shape, self.ndim, self.dtype = a, a.shape, a.ndim, a.dtype
+
+    def __dlpack__(self, **kwargs):
+        return self.a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+def test_softmax_of_a_dlpack_only_producer_names_x():
+    x = _DLPackOnly(np.ones((2, 3), np.float32))
+    with pytest.raises(TypeError, match="^argument x: _DLPackOnly has no __array_namespace__ to move dim 0 last"):
+        brrr.softmax(x, 0)
+    with pytest.raises(TypeError, match="^argument x: brrr allocates softmax's output only for"):
+        brrr.softmax(x)
+
+
+def test_a_deleted_jax_array_is_named():
+    x = jnp.ones((4, 8)) + 0
+    x.delete()
+    with pytest.raises(RuntimeError, match="^argument x: Array has been deleted"):
+        brrr.gelu(x)
+
+
+def test_the_split_glu_names_the_halves_of_x():
+    memory = np.ones((4, 17), np.float32)
+    x = memory[:, :16]
+    with pytest.raises(ValueError, match=r"^argument out has shape \(4, 16\) but x \(gate half\) has shape \(4, 8\)"):
+        brrr.swiglu(x, out=np.empty((4, 16), np.float32))
+    with pytest.raises(ValueError, match=r"^argument out overlaps input x \(up half\) in memory"):
+        brrr.swiglu(x, out=memory[:, 9:])
+
+
+@pytest.mark.parametrize("ignore_index", [2**63 - 1, -2**63])
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_every_int64_is_an_ignore_index(framework, ignore_index):
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    t = np.array([0, 4, 2])
+    expected = torch.nn.functional.cross_entropy(torch.from_numpy(x), torch.from_numpy(t), ignore_index=ignore_index)
+    if framework == "torch":
+        x, t = torch.from_numpy(x), torch.from_numpy(t)
+    got = brrr.cross_entropy(x, t, ignore_index=ignore_index)
+    np.testing.assert_allclose(np.asarray(got), expected.numpy(), rtol=1e-6)
+    with pytest.raises(ValueError, match="^argument ignore_index: expected an int64"):
+        brrr.cross_entropy(x, t, ignore_index=2**63)
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_dims_of_any_integer_type(framework):
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    x = torch.from_numpy(x) if framework == "torch" else x
+    np.testing.assert_allclose(np.asarray(brrr.softmax(x, np.int64(0))), np.asarray(brrr.softmax(x, 0)))
+    with pytest.raises(TypeError, match="^argument dim: expected an int, got float32"):
+        brrr.softmax(x, np.float32(0))
+
