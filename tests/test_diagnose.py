@@ -202,6 +202,20 @@ def test_broadcast_and_sparse_arguments_in_the_byte_floor():
     assert report.bytes == 4 and any("sparse_coo are not counted" in n for n in report.notes)
 
 
+def test_nested_outputs_count_in_the_byte_floor():
+    x = torch.randn(1024)
+    flat = diagnose(lambda x: (x + 1, x + 2, x + 3), x, scale=False)
+    nested = diagnose(lambda x: ((x + 1, x + 2), {"c": [x + 3]}), x, scale=False)
+    assert nested.bytes == flat.bytes == 4 * 4096
+
+
+@pytest.mark.parametrize("field, value", [("ceilings", None), ("kernels", 3), ("kernels", [1]), ("scaling", None)])
+def test_a_record_with_a_bad_field_names_it(overhead_report, field, value):
+    data = dict(overhead_report.to_dict(), **{field: value})
+    with pytest.raises(ValueError, match=f"^argument data: field '{field}': "):
+        Diagnosis.from_dict(data)
+
+
 def test_work_counts_take_any_real_number_and_name_the_argument():
     assert diagnose(add, torch.randn(64), 1.0, flops=np.int64(100), scale=False).flops == 100.0
     with pytest.raises(ValueError, match="^argument flops: expected a positive finite number"):

@@ -58,6 +58,8 @@ class KernelStat:
 
 def construct(cls, data):
     """cls(**data) for a record read back (from_json): ValueError for fields it does not have."""
+    if not isinstance(data, dict):
+        raise ValueError(f"not a {cls.__name__} record: expected a dict, got {type(data).__name__}")
     names = {f.name for f in dataclasses.fields(cls)}
     required = {f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
@@ -89,7 +91,15 @@ class Report:
             if key not in data:
                 raise ValueError(f"argument data: missing field {key!r}")
             value = data[key]
-            data[key] = kind.from_dict(value) if hasattr(kind, "from_dict") else [construct(kind, v) for v in value]
+            try:
+                if hasattr(kind, "from_dict"):
+                    data[key] = kind.from_dict(value)
+                elif isinstance(value, list):
+                    data[key] = [construct(kind, v) for v in value]
+                else:
+                    raise ValueError(f"expected a list, got {type(value).__name__}")
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"argument data: field {key!r}: {error}") from None
         return construct(cls, data)
 
     @classmethod
@@ -118,15 +128,16 @@ def is_numpy_array(x):
     return numpy is not None and isinstance(x, numpy.ndarray)
 
 
-def arrays_in(values):
-    """Tensors and NumPy arrays among values, looking one level into lists, tuples and dicts."""
+def arrays_in(values, _containers=None):
+    """Tensors and NumPy arrays among values, looking into lists, tuples and dicts at any depth
+    (each container once)."""
+    containers = set() if _containers is None else _containers
     for value in values:
-        if isinstance(value, (list, tuple)):
-            yield from (v for v in value if is_torch_tensor(v) or is_numpy_array(v))
-        elif isinstance(value, dict):
-            yield from (v for v in value.values() if is_torch_tensor(v) or is_numpy_array(v))
-        elif is_torch_tensor(value) or is_numpy_array(value):
+        if is_torch_tensor(value) or is_numpy_array(value):
             yield value
+        elif isinstance(value, (list, tuple, dict)) and id(value) not in containers:
+            containers.add(id(value))
+            yield from arrays_in(value.values() if isinstance(value, dict) else value, containers)
 
 
 def device_of(args, kwargs):
