@@ -311,14 +311,14 @@ def torch_layer():
         registry.register(name, reference, implementation, supports, compiled="inductor", cpu=cpu)
 
     class GELU(torch.nn.GELU):
-        def forward(self, x):
-            return dispatch("gelu", x, approximate=self.approximate)
+        def forward(self, input):  # torch.nn.GELU's argument name, as the twins' below
+            return dispatch("gelu", input, approximate=self.approximate)
 
     def twin(base, name):
         """torch.nn's activation module `base`, its forward the registry's op `name`; with
         inplace=True (ReLU, SiLU) the base's own in-place forward, as silu_route takes it."""
-        def forward(self, x):
-            return base.forward(self, x) if getattr(self, "inplace", False) else dispatch(name, x)
+        def forward(self, input):
+            return base.forward(self, input) if getattr(self, "inplace", False) else dispatch(name, input)
         return type(base.__name__, (base,), {"forward": forward})
 
     twins = [twin(base, name) for base, name in

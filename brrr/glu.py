@@ -196,7 +196,7 @@ def torch_layer():
     def glu_ok(gate, up=None, *args, **kwargs):
         if not tensor_ok(gate) or not same_kind(gate, up):
             return False
-        return gate.shape[-1] % 2 == 0 if up is None else up.shape == gate.shape
+        return gate.dim() > 0 and gate.shape[-1] % 2 == 0 if up is None else up.shape == gate.shape
 
     def bias_reference(act):
         return lambda x, bias, *args, **kwargs: act(x + bias, *args, **kwargs)
@@ -204,7 +204,7 @@ def torch_layer():
     def glu_reference(act):
         def reference(gate, up=None, *args, **kwargs):
             if up is None:
-                gate, up = gate.chunk(2, dim=-1)
+                gate, up = _halves(gate)  # ValueError naming x for a 0-d x or an odd last dim
             return act(gate, *args, **kwargs) * up
         return reference
 

@@ -51,6 +51,14 @@ def reduce_as_original(module, protocol):
     return object.__new__, (original,), state
 
 
+def copy_as_is(module):
+    """__copy__ of those classes: copy.copy makes a shallow copy as it is, patched (as it copies any
+    module), where reduce_as_original would give the module before the patch."""
+    copied = object.__new__(type(module))
+    copied.__setstate__(module.__getstate__())
+    return copied
+
+
 def deepcopy_as_is(module, memo):
     """__deepcopy__ of those classes: copy.deepcopy copies a swapped module as it is, patched (as
     it copies any module), where reduce_as_original would give the module before the patch."""
@@ -65,17 +73,18 @@ class RematLinear(torch.nn.Linear):
     remat=True tags them), saves what recomputes that output in the backward instead of the
     output itself (brrr.remat.linear); any other input as torch.nn.Linear."""
 
-    def forward(self, x):
-        return remat.linear(x, self.weight, self.bias)
+    def forward(self, input):  # torch.nn.Linear's argument name
+        return remat.linear(input, self.weight, self.bias)
 
-    __reduce_ex__, __deepcopy__ = reduce_as_original, deepcopy_as_is  # patch swaps torch.nn.Linear for it
+    __reduce_ex__, __copy__, __deepcopy__ = reduce_as_original, copy_as_is, deepcopy_as_is  # patch swaps Linear for it
 
 
 TWINS = {}  # torch.nn class -> its brrr.nn twin
 for _family in _op.INTEGRATIONS:
     for _module in _family.modules:
         _module.__module__, _module.__qualname__ = __name__, _module.__name__  # as pickle finds them
-        _module.__reduce_ex__, _module.__deepcopy__ = reduce_as_original, deepcopy_as_is  # patch swaps modules for them
+        _module.forward.__qualname__ = f"{_module.__name__}.forward"  # as errors name it
+        _module.__reduce_ex__, _module.__copy__, _module.__deepcopy__ = reduce_as_original, copy_as_is, deepcopy_as_is
         globals()[_module.__name__] = _module
         if _module.__base__ is not torch.nn.Module:
             TWINS[_module.__base__] = _module

@@ -168,12 +168,17 @@ def torch_layer():
         table: torch before 2.10)."""
         return (True,) * n if _op.EXCHANGE_API else tuple(stats(x, k) for _ in range(n))
 
+    def out_of(x):
+        """The norm's output: contiguous whatever x's layout, as PyTorch's layer_norm and rms_norm
+        return it (None: brrr._C allocates it so)."""
+        return None if _op.EXCHANGE_API else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
     def layer_norm_fwd(x, k, weight, bias, eps, residual):
         """(out, h or None, mean, rstd): LayerNorm of x (of h = x + residual) over its last k dims."""
         if _op.EXCHANGE_API and x.is_contiguous():  # the usual call: brrr._C allocates every output, finds the stream
             return _C.layer_norm_fwd(x, weight, bias, residual, None, None, True, True, norm_ndim=k, eps=eps)
         h = None if residual is None else out_like(x)
-        return _C.layer_norm_fwd(x, weight, bias, residual, out_like(x), h, *stat_args(x, k, 2), norm_ndim=k, eps=eps,
+        return _C.layer_norm_fwd(x, weight, bias, residual, out_of(x), h, *stat_args(x, k, 2), norm_ndim=k, eps=eps,
                                  stream=stream(x))
 
     def rms_norm_fwd(x, k, weight, eps, llama, offset, residual):
@@ -182,7 +187,7 @@ def torch_layer():
             return _C.rms_norm_fwd(x, weight, residual, None, None, True, norm_ndim=k, eps=eps, llama=llama,
                                    offset=offset)
         h = None if residual is None else out_like(x)
-        return _C.rms_norm_fwd(x, weight, residual, out_like(x), h, *stat_args(x, k, 1), norm_ndim=k, eps=eps,
+        return _C.rms_norm_fwd(x, weight, residual, out_of(x), h, *stat_args(x, k, 1), norm_ndim=k, eps=eps,
                                llama=llama, offset=offset, stream=stream(x))
 
     # The forwards where the eager Function records the op: called only by the entries below, which
@@ -228,30 +233,32 @@ def torch_layer():
     def layer_norm_inference(x, normalized_shape, weight, bias, eps):
         if _op.EXCHANGE_API and x.is_contiguous():
             return _C.layer_norm_fwd(x, weight, bias, None, None, norm_ndim=len(normalized_shape), eps=eps)[0]
-        return _C.layer_norm_fwd(x, weight, bias, out=out_like(x), norm_ndim=len(normalized_shape),
+        return _C.layer_norm_fwd(x, weight, bias, out=out_of(x), norm_ndim=len(normalized_shape),
                                  eps=eps, stream=stream(x))[0]
 
     def add_layer_norm_inference(x, residual, normalized_shape, weight, bias, eps):
-        return _C.layer_norm_fwd(x, weight, bias, residual, out_like(x), out_like(x),
+        return _C.layer_norm_fwd(x, weight, bias, residual, out_of(x), out_like(x),
                                  norm_ndim=len(normalized_shape), eps=eps, stream=stream(x))[:2]
 
     def rms_norm_inference(x, normalized_shape, weight, eps, llama, offset):
         if _op.EXCHANGE_API and x.is_contiguous():
             return _C.rms_norm_fwd(x, weight, None, None, norm_ndim=len(normalized_shape), eps=eps, llama=llama,
                                    offset=offset)[0]
-        return _C.rms_norm_fwd(x, weight, out=out_like(x), norm_ndim=len(normalized_shape),
+        return _C.rms_norm_fwd(x, weight, out=out_of(x), norm_ndim=len(normalized_shape),
                                eps=eps, llama=llama, offset=offset, stream=stream(x))[0]
 
     def add_rms_norm_inference(x, residual, normalized_shape, weight, eps, llama, offset):
-        return _C.rms_norm_fwd(x, weight, residual, out_like(x), out_like(x),
+        return _C.rms_norm_fwd(x, weight, residual, out_of(x), out_like(x),
                                norm_ndim=len(normalized_shape), eps=eps, llama=llama, offset=offset,
                                stream=stream(x))[:2]
 
     def fake(*outputs):
-        """A fake kernel: the forward's outputs from x ("x") and its statistics ("stat")."""
+        """A fake kernel: the forward's outputs: the norm's ("out", contiguous), the residual stream
+        ("h", like x) and the statistics ("stat")."""
         def fake_kernel(x, *args):
             k = len(next(a for a in args if isinstance(a, (list, tuple))))
-            return tuple(torch.empty_like(x) if o == "x" else stats(x, k) for o in outputs)
+            made = {"out": lambda: x.new_empty(x.shape), "h": lambda: torch.empty_like(x), "stat": lambda: stats(x, k)}
+            return tuple(made[o]() for o in outputs)
         return fake_kernel
 
     # ---- backward
@@ -342,12 +349,12 @@ def torch_layer():
 
     ops = SimpleNamespace()
     for name, forward, eager, inference, outputs, fused, rms, grad_args in [
-        ("layer_norm", layer_norm, layer_norm_eager, layer_norm_inference, ("x", "stat", "stat"), False, False,
+        ("layer_norm", layer_norm, layer_norm_eager, layer_norm_inference, ("out", "stat", "stat"), False, False,
          (0, 2, 3)),
-        ("add_layer_norm", add_layer_norm, add_layer_norm_eager, add_layer_norm_inference, ("x", "x", "stat", "stat"),
+        ("add_layer_norm", add_layer_norm, add_layer_norm_eager, add_layer_norm_inference, ("out", "h", "stat", "stat"),
          True, False, (0, 1, 3, 4)),
-        ("rms_norm", rms_norm, rms_norm_eager, rms_norm_inference, ("x", "stat"), False, True, (0, 2)),
-        ("add_rms_norm", add_rms_norm, add_rms_norm_eager, add_rms_norm_inference, ("x", "x", "stat"), True, True,
+        ("rms_norm", rms_norm, rms_norm_eager, rms_norm_inference, ("out", "stat"), False, True, (0, 2)),
+        ("add_rms_norm", add_rms_norm, add_rms_norm_eager, add_rms_norm_inference, ("out", "h", "stat"), True, True,
          (0, 1, 3)),
     ]:
         setattr(ops, name, TorchOp(name, forward, fake(*outputs), save=save(fused, rms), backward=formula(fused, rms),
@@ -456,8 +463,8 @@ def torch_layer():
         registry.register(name, reference, implementation, supports, compiled="inductor", cpu=cpu)
 
     class LayerNorm(torch.nn.LayerNorm):
-        def forward(self, x):
-            return dispatch("layer_norm", x, self.normalized_shape, self.weight, self.bias, self.eps)
+        def forward(self, input):  # torch.nn.LayerNorm's argument name: module(input=x) works alike
+            return dispatch("layer_norm", input, self.normalized_shape, self.weight, self.bias, self.eps)
 
         def residual_forward(self, x, residual):
             """(self(residual + x), residual + x) in one pass: brrr.add_layer_norm."""

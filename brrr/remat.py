@@ -81,12 +81,23 @@ class _RematLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, recompute, *inputs):
         ctx.recompute, ctx.has_bias = recompute, bias is not None
+        # The backward runs in the forward's autocast state, as F.linear's would: its matmuls in
+        # autocast's dtype (the engine casts the gradients back to the inputs' dtypes), h recomputed
+        # as the forward made it.
+        device = h.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
         recompute.pending += 1
         ctx.save_for_backward(weight, *inputs)
         return F.linear(h, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
+        device, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+            return _RematLinear._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         weight, *inputs = ctx.saved_tensors
         recompute = ctx.recompute
         recompute.check_held()

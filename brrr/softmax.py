@@ -93,15 +93,10 @@ def torch_layer():
     def last(t, dim):
         return t if dim == t.dim() - 1 or t.dim() == 0 else t.movedim(dim, -1)
 
-    def back(t, dim, like):
-        return t if dim == like.dim() - 1 or like.dim() == 0 else t.movedim(-1, dim)
-
-    def new(t, dtype):
-        """The output of a brrr._C call on t (dims already moved): None where brrr._C allocates (a
-        contiguous tensor of t's shape, as this one)."""
-        if dtype == t.dtype and _op.EXCHANGE_API:
-            return None
-        return torch.empty(t.shape, dtype=dtype, device=t.device)
+    def new(like, dtype):
+        """An output of like's shape, contiguous whatever like's layout and dim, as torch.softmax
+        returns it; the kernels write it through the view with dim last."""
+        return torch.empty(like.shape, dtype=dtype, device=like.device)
 
     # The usual call (the last dim, no dtype, the exchange table: brrr._C allocates and finds the
     # stream) goes straight to brrr._C: moving no dims and asking nothing was a third of a tiny
@@ -109,27 +104,25 @@ def torch_layer():
     def forward(x: Tensor, dim: int, dtype: Optional[torch.dtype], log: bool) -> Tensor:
         if dtype is None and dim == x.ndim - 1 and _op.EXCHANGE_API:
             return _C.softmax_fwd(x, None, log=log)[0]
-        xt, y_dtype = last(x, dim), float_dtype("dtype", dtype, x.dtype)
-        if y_dtype != x.dtype and not (x.dtype in halves and y_dtype == torch.float32):
-            xt = xt.to(y_dtype)  # taken as dtype first, as torch does; the kernels fuse only the widening
-        y = _C.softmax_fwd(xt, new(xt, y_dtype), log=log, stream=stream(x))[0]
-        return back(y, dim, x)
+        xt, y = last(x, dim), new(x, float_dtype("dtype", dtype, x.dtype))
+        if y.dtype != x.dtype and not (x.dtype in halves and y.dtype == torch.float32):
+            xt = xt.to(y.dtype)  # taken as dtype first, as torch does; the kernels fuse only the widening
+        _C.softmax_fwd(xt, last(y, dim), log=log, stream=stream(x))
+        return y
 
     def fake(x, dim, dtype, log):
-        xt = last(x, dim)
-        return back(xt.new_empty(xt.shape, dtype=x.dtype if dtype is None else dtype), dim, x)
+        return x.new_empty(x.shape, dtype=x.dtype if dtype is None else dtype)
 
     def backward_forward(y: Tensor, grad_y: Tensor, dim: int, x_dtype: torch.dtype, log: bool) -> Tensor:
         if x_dtype == y.dtype and dim == y.ndim - 1 and _op.EXCHANGE_API:
             return _C.softmax_bwd(y, grad_y, None, log=log)[0]
-        yt, gt = last(y, dim), last(grad_y, dim)
         direct = x_dtype == y.dtype or (x_dtype in halves and y.dtype == torch.float32)
-        grad = _C.softmax_bwd(yt, gt, new(yt, x_dtype if direct else y.dtype), log=log, stream=stream(y))[0]
-        return back(grad if direct else grad.to(x_dtype), dim, y)
+        grad = new(y, x_dtype if direct else y.dtype)
+        _C.softmax_bwd(last(y, dim), last(grad_y, dim), last(grad, dim), log=log, stream=stream(y))
+        return grad if direct else grad.to(x_dtype)
 
     def backward_fake(y, grad_y, dim, x_dtype, log):
-        yt = last(y, dim)
-        return back(yt.new_empty(yt.shape, dtype=x_dtype), dim, y)
+        return y.new_empty(y.shape, dtype=x_dtype)
 
     backward_op = TorchOp("softmax_backward", backward_forward, backward_fake)
 

@@ -72,7 +72,7 @@ def test_norm_allocation_errors():
         _C.layer_norm_bwd(x, x, None, None, mean, rstd, grad_bias=True, norm_ndim=1)
     with pytest.raises(TypeError, match="argument rstd: brrr._C allocates outputs only for NumPy arrays and tensors "
                                         "of frameworks with DLPack's C exchange table"):
-        _C.rms_norm_fwd(Producer(x), out=torch.empty_like(x), rstd=True, norm_ndim=1, eps=1e-5, llama=False)
+        _C.rms_norm_fwd(Producer(x), out=Producer(torch.empty_like(x)), rstd=True, norm_ndim=1, eps=1e-5, llama=False)
     # NumPy arrays get their statistics allocated too, with NumPy
     out, _, mean_np, rstd_np = _C.layer_norm_fwd(x.numpy(), mean=True, rstd=True, norm_ndim=1, eps=1e-5)
     assert isinstance(mean_np, np.ndarray) and mean_np.dtype == np.float32 and mean_np.shape == (4,)
@@ -105,7 +105,7 @@ def test_cross_entropy_forward_allocates_outputs(device, reduction):
         _C.cross_entropy_fwd(logits, target, True, **args)
     with pytest.raises(TypeError, match="argument lse: brrr._C allocates outputs only for NumPy arrays and tensors "
                                         "of frameworks with DLPack's C exchange table"):
-        _C.cross_entropy_fwd(Producer(logits.float().cpu()), target.cpu(), None, None, asked[2], True, **args)
+        _C.cross_entropy_fwd(Producer(logits.float().cpu()), Producer(target.cpu()), None, None, asked[2], True, **args)
 
 
 def test_lean_apply_takes_functorch_tensors_to_function_apply():

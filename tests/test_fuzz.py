@@ -238,8 +238,8 @@ def test_fuzz_torch_views_and_mixed_frameworks(op, dtype, forms, grads):
         else:
             args[name] = in_form(args[name], form)
     foreign = [n for n, f in zip(op.floats, forms) if f in ("list", "float") or (f == "numpy" and n != first)]
-    if forms[0] == "numpy":  # the NumPy path: no autograd there; other tensors are read through DLPack
-        foreign = [n for n, f in zip(op.floats, forms) if f in ("list", "float")]
+    if forms[0] == "numpy":  # the NumPy path: no autograd there, and no torch tensor taken beside x
+        foreign = [n for n, f in zip(op.floats, forms) if f in ("list", "float", "plain", "negative bit", "strided")]
         leaves = {}
     try:
         result = op.call(args)

@@ -441,3 +441,13 @@ def test_glu_opcheck():
     x = torch.randn(4, 10, requires_grad=True)
     torch.library.opcheck(torch.ops.brrr.glu.default, (x, None, "silu"))
     torch.library.opcheck(torch.ops.brrr.glu.default, (x, torch.randn(4, 10, requires_grad=True), "gelu"))
+
+
+@pytest.mark.parametrize("module", [brrr.nn.SwiGLU, brrr.nn.GeGLU])
+def test_modules_name_x_for_a_0d_x_or_an_odd_last_dim(module):
+    """As brrr.swiglu and brrr.geglu do (an IndexError from the registry's check, and torch's
+    shape error from the reference, before)."""
+    with pytest.raises(ValueError, match="^argument x: expected a tensor with at least one dim"):
+        module()(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="^argument x: the last dim must be even to split into gate and up halves, got 7"):
+        module()(torch.randn(4, 7))

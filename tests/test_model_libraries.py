@@ -160,6 +160,7 @@ def test_patched_model_pickles_as_it_was_before_the_patch(name):
             assert torch.equal(got, expected)
     copied = copy.deepcopy(patched)
     assert [type(m) for m in copied.modules()] == patched_types
+    assert [type(copy.copy(m)) for m in patched.modules()] == patched_types
     torch.testing.assert_close(run(copied, name, tokens)[1], run(patched, name, tokens)[1], rtol=0, atol=0)
 
 

@@ -1260,7 +1260,7 @@ def test_c_argument_errors():
     with pytest.raises(ValueError, match="argument residual_out: given without residual"):
         _C.layer_norm_fwd(x, out=out, residual_out=torch.empty_like(x), norm_ndim=1, eps=1e-5)
     with pytest.raises(TypeError, match="argument residual_out: brrr._C allocates outputs only for NumPy arrays"):
-        _C.rms_norm_fwd(Producer(x), residual=x.clone(), out=out, norm_ndim=1, eps=1e-5, llama=False)
+        _C.rms_norm_fwd(Producer(x), residual=Producer(x.clone()), out=Producer(out), norm_ndim=1, eps=1e-5, llama=False)
     y, h, _ = _C.rms_norm_fwd(x, residual=x, norm_ndim=1, eps=1e-5, llama=False)  # allocated by torch
     assert torch.equal(h, x + x) and y.shape == x.shape
     with pytest.raises(ValueError, match="argument out: output has overlapping elements"):
@@ -1335,3 +1335,20 @@ def test_forward_five_packs(monkeypatch, dtype, kind, residual, cols, layout):
         r = random((rows, cols), dtype, "cuda") if residual else None
         w, b = params(kind, "both", (cols,), dtype, "cuda")
         compare(kind, dtype, x, r, (cols,), w, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
+def test_norm_outputs_are_contiguous_as_torchs(device, kind):
+    """A norm of a transposed x returns a contiguous output, as torch's layer_norm and rms_norm
+    do (x's permuted strides were kept, and .view() failed on them); the residual stream keeps
+    x's layout, as torch's x + residual does."""
+    x = random((16, 8), torch.float32, device).t()
+    w = random((16,), torch.float32, device)
+    args = (x, random((8, 16), torch.float32, device)) if kind.startswith("add_") else (x,)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            result = getattr(brrr, kind)(*[a.detach().requires_grad_(grad) for a in args], (16,), w)
+        out = result[0] if kind.startswith("add_") else result
+        assert out.is_contiguous(), (kind, grad)
+        out.view(-1)

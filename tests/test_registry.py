@@ -3,6 +3,7 @@ loss, as Hugging Face models compute it)."""
 
 import copy
 import functools
+import inspect
 
 import pytest
 import torch
@@ -725,6 +726,15 @@ def test_nn_activations_in_place_write_their_input(name):
     y = getattr(brrr.nn, name)(inplace=True)(x)
     assert y is x or y.data_ptr() == x.data_ptr()
     torch.testing.assert_close(x, expected)
+
+
+@pytest.mark.parametrize("base", list(brrr.nn.TWINS) + [nn.Linear], ids=lambda c: c.__name__)
+def test_nn_twins_take_their_bases_argument_names(base):
+    """module(input=x) works alike for a torch.nn module and its brrr.nn twin (and RematLinear,
+    which patch swaps for torch.nn.Linear)."""
+    twin = brrr.nn.TWINS.get(base, brrr.nn.RematLinear)
+    assert list(inspect.signature(twin.forward).parameters) == list(inspect.signature(base.forward).parameters)
+    assert twin.forward.__qualname__ == f"{twin.__name__}.forward"
 
 
 def test_nn_modules_are_interchangeable_with_torch_nn():

@@ -73,6 +73,31 @@ def test_norm_linear(dtype):
         torch.testing.assert_close(a.double(), e, rtol=tol, atol=tol * e.abs().max().item())
 
 
+def test_norm_linear_under_autocast_is_the_plain_compositions():
+    """Under autocast (float32 parameters, bfloat16 matmuls) the recompute and the backward's
+    matmuls run as the forward's did: the plain composition's outputs and gradients, bitwise (the
+    backward multiplied a bfloat16 gradient by the float32 weight, and failed)."""
+    x, norm_w = random((2, 9, 16), torch.float32, "cpu"), random((16,), torch.float32, "cpu")
+    weight, bias = random((8, 16), torch.float32, "cpu"), random((8,), torch.float32, "cpu")
+
+    def run(rematerialised, x, norm_w, weight, bias):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            norm = functools.partial(brrr.rms_norm, normalized_shape=(16,), weight=norm_w, eps=1e-6)
+            if rematerialised:
+                return brrr.norm_linear(norm, x, [weight], [bias])
+            return [F.linear(norm(x), weight, bias)]
+
+    results = []
+    for rematerialised in (False, True):
+        args = leaves(x, norm_w, weight, bias)
+        outputs = run(rematerialised, *args)
+        results.append((outputs, grads_of(outputs, args)))
+    (expected, expected_grads), (outputs, grads) = results
+    assert outputs[0].dtype == torch.bfloat16 and [g.dtype for g in grads] == [torch.float32] * 4
+    for a, e in zip(list(outputs) + list(grads), list(expected) + list(expected_grads)):
+        assert torch.equal(a, e)
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("split", [False, True], ids=["gate, up", "halves"])
 def test_glu_linear(activation, split):

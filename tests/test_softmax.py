@@ -462,3 +462,23 @@ def test_registry_nn_and_functional_routing():
     report = brrr.patch(model)
     assert isinstance(model[1], brrr.nn.Softmax), report
     assert brrr.registry("softmax", x, None) is not None  # the legacy implicit dim: PyTorch's
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("log", [False, True])
+def test_outputs_are_contiguous_as_torchs(device, log):
+    """softmax over a dim other than the last, or of a transposed x, returns a contiguous tensor as
+    torch.softmax does (a view of the moved dims was returned, and .view() failed on it), and so
+    is the gradient; values and gradients as torch's."""
+    fn, theirs = (brrr.log_softmax, torch.log_softmax) if log else (brrr.softmax, torch.softmax)
+    for x, dim in [(random((4, 6, 5), torch.float32, device), 0), (random((6, 4), torch.float32, device).t(), 0),
+                   (random((6, 4), torch.float32, device).t(), -1)]:
+        for dtype in (None, torch.float64):
+            x = x.detach().requires_grad_()
+            y, expected = fn(x, dim, dtype=dtype), theirs(x, dim, dtype=dtype)
+            assert y.is_contiguous() and y.stride() == expected.stride(), (dim, dtype)
+            y.view(-1)
+            torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+            g = torch.randn_like(y)
+            (grad,), (want,) = torch.autograd.grad(y, x, g), torch.autograd.grad(expected, x, g)
+            torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6)
