@@ -134,9 +134,8 @@ def _patched_class(cls, namespace):
     (transformers' save_pretrained writes it into config.architectures, accelerate's and FSDP's
     layer-wrapping options name the decoder layer's class). Its modules pickle as cls (a class made
     here cannot be found by pickle), copies stay patched."""
-    return type(cls.__name__, (cls,), {"__module__": __name__, "__qualname__": cls.__qualname__,
-                                       "__reduce_ex__": brrr_nn.reduce_as_original, "__copy__": brrr_nn.copy_as_is,
-                                       "__deepcopy__": brrr_nn.deepcopy_as_is, **namespace})
+    return brrr_nn.pickles_as_original(
+        type(cls.__name__, (cls,), {"__module__": __name__, "__qualname__": cls.__qualname__, **namespace}))
 
 
 def _subclass(cls, tag, forward, **attrs):

@@ -68,6 +68,13 @@ def deepcopy_as_is(module, memo):
     return copied
 
 
+def pickles_as_original(cls):
+    """cls, a class that brrr.patch swaps modules into, with the three above."""
+    cls.__reduce_ex__, cls.__copy__, cls.__deepcopy__ = reduce_as_original, copy_as_is, deepcopy_as_is
+    return cls
+
+
+@pickles_as_original  # patch swaps torch.nn.Linear for it
 class RematLinear(torch.nn.Linear):
     """torch.nn.Linear that, fed a norm's or a GLU's output tagged by brrr.remat (as brrr.patch's
     remat=True tags them), saves what recomputes that output in the backward instead of the
@@ -76,15 +83,13 @@ class RematLinear(torch.nn.Linear):
     def forward(self, input):  # torch.nn.Linear's argument name
         return remat.linear(input, self.weight, self.bias)
 
-    __reduce_ex__, __copy__, __deepcopy__ = reduce_as_original, copy_as_is, deepcopy_as_is  # patch swaps Linear for it
-
 
 TWINS = {}  # torch.nn class -> its brrr.nn twin
 for _family in _op.INTEGRATIONS:
     for _module in _family.modules:
         _module.__module__, _module.__qualname__ = __name__, _module.__name__  # as pickle finds them
         _module.forward.__qualname__ = f"{_module.__name__}.forward"  # as errors name it
-        _module.__reduce_ex__, _module.__copy__, _module.__deepcopy__ = reduce_as_original, copy_as_is, deepcopy_as_is
+        pickles_as_original(_module)  # patch swaps modules for them
         globals()[_module.__name__] = _module
         if _module.__base__ is not torch.nn.Module:
             TWINS[_module.__base__] = _module

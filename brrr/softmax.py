@@ -64,11 +64,13 @@ def _softmax(x, dim, dtype, log):
             raise TypeError(f"argument x: {type(x).__name__} has no __array_namespace__ to move dim {dim} last with "
                             "(softmax of such an array takes its last dim)")
         x = xp.moveaxis(x, dim, -1)
-    out = None if type(x).__module__ == "numpy" else empty_like(x)  # brrr._C allocates NumPy outputs
-    if out is None and type(x).__module__ != "numpy":
-        _C.check_tensor(x, "x")  # a broken producer: its own error first
-        raise TypeError(f"argument x: brrr allocates softmax's output only for PyTorch tensors, NumPy arrays and "
-                        f"arrays with __array_namespace__, got {type(x).__name__}")
+    out = None  # brrr._C allocates NumPy outputs
+    if type(x).__module__ != "numpy":
+        out = empty_like(x)
+        if out is None:
+            _C.check_tensor(x, "x")  # a broken producer: its own error first
+            raise TypeError(f"argument x: brrr allocates softmax's output only for PyTorch tensors, NumPy arrays and "
+                            f"arrays with __array_namespace__, got {type(x).__name__}")
     y = _C.softmax_fwd(x, out, log=log)[0]
     return xp.moveaxis(y, -1, dim) if moved else y
 

@@ -94,11 +94,12 @@ DIAGNOSE = importlib.import_module("brrr.diagnose")
 @pytest.mark.parametrize("step", [False, True])
 def test_a_running_profiler_is_refused_and_keeps_its_events(step):
     """Nested in the caller's profiler, diagnose's own would stop it on exit and empty its events."""
+    args = () if step else (torch.randn(8),)
+    fn = (lambda: tiny_ops(torch.randn(8))) if step else tiny_ops
     with torch.profiler.profile() as prof:
         torch.ones(3).add_(1)
         with pytest.raises(RuntimeError, match="a torch profiler is running"):
-            diagnose(tiny_ops, torch.randn(8), step=step) if not step else diagnose(lambda: tiny_ops(torch.randn(8)),
-                                                                                    step=True)
+            diagnose(fn, *args, step=step)
         torch.ones(3).mul_(2)
     names = {e.name for e in prof.events()}
     assert {"aten::add_", "aten::mul_"} <= names
@@ -122,9 +123,12 @@ def test_ops_inside_record_function_blocks_are_counted():
     annotated = diagnose(step_with(True), step=True)
     assert plain.ops_per_step > 32 and annotated.ops_per_step == plain.ops_per_step
     assert annotated.verdict == plain.verdict == OVERHEAD_BOUND
-    x = torch.randn(8)
-    report = diagnose(lambda x: step_with(True, backward=False)() or tiny_ops(x), x, scale=False)
-    assert report.ops_per_call >= 32
+
+    def annotated(x):
+        with torch.autograd.profiler.record_function("user block"):
+            return tiny_ops(x)
+
+    assert diagnose(annotated, torch.randn(8), scale=False).ops_per_call >= 32
 
 
 def test_a_step_without_torch_ops_is_undetermined():
@@ -188,8 +192,11 @@ def test_a_cpu_allocation_failure_stops_the_overhead_test(monkeypatch):
     report = diagnose(add, torch.randn(64), 1.0, scale=scale)
     assert [p.factor for p in report.scaling] == [1, 2]
     assert any("overhead test stopped before x4: out of memory" in n for n in report.notes)
+    def fails(args, factor):
+        raise RuntimeError("another failure")
+
     with pytest.raises(RuntimeError, match="another failure"):
-        diagnose(add, torch.randn(64), 1.0, scale=lambda args, factor: (_ for _ in ()).throw(RuntimeError("another failure")))
+        diagnose(add, torch.randn(64), 1.0, scale=fails)
 
 
 def test_broadcast_and_sparse_arguments_in_the_byte_floor():

@@ -303,25 +303,20 @@ def _nbytes(*groups):
 
 
 def _distinct_elements(array):
-    if is_torch_tensor(array):
-        if array.layout is not _strided_layout():
-            return 0
-        steps = array.stride()
-    else:
-        steps = array.strides
+    if _uncounted(array):
+        return 0
+    steps = array.stride() if is_torch_tensor(array) else array.strides
     return math.prod(n for n, step in zip(array.shape, steps) if step != 0)
 
 
-def _strided_layout():
-    import torch
-
-    return torch.strided
+def _uncounted(array):
+    """Whether array is a torch tensor of a layout the byte floor does not count (a sparse one)."""
+    return is_torch_tensor(array) and array.layout is not sys.modules["torch"].strided
 
 
 def _uncounted_layouts(args, kwargs):
-    """The layouts of the tensor arguments that the byte floor does not count (sparse ones)."""
-    return sorted({str(a.layout) for a in arrays_in(list(args) + list(kwargs.values()))
-                   if is_torch_tensor(a) and a.layout is not _strided_layout()})
+    """The layouts of the arguments that the byte floor does not count."""
+    return sorted({str(a.layout) for a in arrays_in(list(args) + list(kwargs.values())) if _uncounted(a)})
 
 
 def _resolve_device(device):
