@@ -69,7 +69,8 @@ def float_dtype(name, dtype, default):
     return dtype
 
 
-_CUDA = _C.cuda_available()  # asked once: torch.compile must not meet a C call in the dispatch
+_CUDA = _C.cuda_available()
+_functorch_active = torch._C._are_functorch_transforms_active  # asked once: torch.compile must not meet a C call in the dispatch
 
 
 # What the families' `supports` checks share (they run on every registry call).
@@ -227,7 +228,22 @@ class Registry:
 
     def __call__(self, name, *args, **kwargs):
         op = self._ops.get(name) or self.lookup(name)  # lookup raises the error for an unknown name
-        return op.resolve(*args, **kwargs)(*args, **kwargs)
+        implementation = op.resolve(*args, **kwargs)
+        try:
+            return implementation(*args, **kwargs)
+        except RuntimeError as error:
+            # Inside a torch.func transform (vmap, grad, jacrev, jvp) brrr's implementation cannot
+            # read the transform's wrapped tensors (they hold no memory; autograd.Function refuses
+            # them first under grad): they are inputs brrr does not support, and go to PyTorch.
+            # Found by the failure, which comes before anything runs, so that the usual call pays
+            # no test (asking torch whether a transform is active costs about 0.15 us).
+            if implementation is not op.implementation or not _functorch_active():
+                raise
+            if op.unsupported == "raise":
+                raise UnsupportedError(f"brrr.{name}: no brrr kernel for the tensors of a torch.func transform; "
+                                       f"registry.on_unsupported({name!r}, 'fallback') sends them to "
+                                       "PyTorch instead") from error
+            return op.reference(*args, **kwargs)
 
 
 _COMPILED_MODES = ("kernel", "inductor")

@@ -2,7 +2,9 @@
 operators (a brrr._C call would be a constant to them); forward-mode AD raises where it would
 drop a tangent; autocast gives cross_entropy torch's float32 loss; a chain built inside a compiled
 function compiles whole; tensor subclasses that hold no readable memory are refused by name (and
-the registry sends them to PyTorch)."""
+the registry sends them, and torch.func's wrapped tensors, to PyTorch)."""
+
+import copy
 
 import pytest
 import torch
@@ -137,3 +139,63 @@ def test_wrapper_subclasses_are_refused_by_name_and_the_registry_sends_them_to_p
         brrr.gelu(x)
     norm, theirs = brrr.nn.RMSNorm(8), torch.nn.RMSNorm(8)
     torch.testing.assert_close(norm(x).a, theirs(x).a)
+
+
+def _routed_cases(hidden):
+    w = torch.randn(hidden, dtype=torch.float64)
+    return {"rms_norm": lambda x: F.rms_norm(x, (hidden,), w), "softmax": lambda x: F.softmax(x, -1),
+            "layer_norm": lambda x: F.layer_norm(x, (hidden,), w), "gelu": F.gelu}
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "softmax", "layer_norm", "gelu"])
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jacrev", "jvp"])
+def test_use_fused_routes_run_pytorchs_function_inside_torch_func_transforms(name, transform):
+    """brrr's kernels cannot read a transform's wrapped tensors: the registry sends them to the
+    function it replaces (set to brrr's kernel on CPU tensors, where some default to PyTorch's)."""
+    brrr.registry.on_cpu(name, "kernel")
+    try:
+        x = torch.randn(3, 7, dtype=torch.float64)
+        f = _routed_cases(7)[name]
+        run = {"grad": lambda f: torch.func.grad(lambda x: (f(x) ** 2).sum())(x),
+               "vmap": lambda f: torch.vmap(f)(x),
+               "jacrev": lambda f: torch.func.jacrev(f)(x[0]),
+               "jvp": lambda f: torch.func.jvp(f, (x,), (torch.ones_like(x),))[1]}[transform]
+        expected = run(f)
+        with brrr.use_fused():
+            got = run(f)
+            outside = f(x)  # and brrr's kernel again once the transform is over
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        torch.testing.assert_close(outside, f(x))
+    finally:
+        brrr.registry.reset(name)
+
+
+def test_torch_func_over_a_patched_model_matches_the_unpatched_one():
+    """Per-sample gradients (vmap of grad over functional_call), the torch.func recipe, through a
+    model whose RMSNorm and softmax brrr.patch swapped."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.RMSNorm(6), torch.nn.Softmax(-1)).double()
+    patched = copy.deepcopy(model)
+    brrr.patch(patched)
+    assert type(patched[1]) is not torch.nn.RMSNorm and type(patched[2]) is not torch.nn.Softmax
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(5, 6, dtype=torch.float64)
+
+    def per_sample(m):
+        def loss(p, sample):
+            return (torch.func.functional_call(m, p, (sample[None],)) ** 2).sum()
+        return torch.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+
+    expected, got = per_sample(model), per_sample(patched)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=0)
+    torch.testing.assert_close(patched(x), model(x))
+
+
+def test_registry_set_to_raise_refuses_torch_func_tensors():
+    brrr.registry.on_unsupported("softmax", "raise")
+    try:
+        with brrr.use_fused(), pytest.raises(brrr.UnsupportedError, match="torch.func transform"):
+            torch.vmap(lambda x: F.softmax(x, -1))(torch.randn(3, 4))
+    finally:
+        brrr.registry.reset("softmax")
