@@ -258,23 +258,37 @@ def _plain_norm_eps(self):
 
 # The residual forms of the swapped norms: residual_forward(x, residual) is (norm(residual + x),
 # residual + x) in one pass (the sum rounded to x's dtype, then normalised), which a decoder
-# layer's rewritten forward calls (residual_norm). Its output is the norm's forward of the sum,
-# bitwise (the same row math on the rounded sum), so remat recomputes it by that forward.
+# layer's rewritten forward calls (residual_norm). On a GPU its output is the norm's forward of the
+# sum, bitwise (brrr's kernels: the same row math on the rounded sum), so remat recomputes it by
+# that forward. On CPU tensors the registry runs PyTorch's add_rms_norm and brrr's rms_norm by
+# default, whose bits differ (the gradients of the linear layers it feeds differed from those of
+# remat=False): there remat recomputes it by the residual form itself, of (-0.0, h), -0.0 + h being
+# h bitwise.
+def _residual_remat(self, out, h):
+    if self._brrr_remat is None or torch.compiler.is_compiling() or h.is_cuda:
+        return _remat(self, out, self.forward, h)
+    return _remat(self, out, types.MethodType(_residual_norm_of, self), h)
+
+
+def _residual_norm_of(self, h):
+    return type(self).residual_forward(self, torch.full_like(h, -0.0), h)[0]
+
+
 def _rms_norm_residual_forward(self, x, residual):
     out, h = registry("add_rms_norm", x, residual, self.weight.shape, self.weight, getattr(self, self._brrr_eps),
                       cast_order=self._brrr_cast_order, offset=self._brrr_offset)
-    return _remat(self, out, self.forward, h), h
+    return _residual_remat(self, out, h), h
 
 
 def _layer_norm_residual_forward(self, x, residual):
     out, h = registry("add_layer_norm", x, residual, self.weight.shape, self.weight,
                       self.bias if self._brrr_bias else None, getattr(self, self._brrr_eps))
-    return _remat(self, out, self.forward, h), h
+    return _residual_remat(self, out, h), h
 
 
 def _plain_norm_residual_forward(self, x, residual):
     out, h = registry("add_" + self._brrr_op, x, residual, self.normalized_shape, eps=_plain_norm_eps(self))
-    return _remat(self, out, self.forward, h), h
+    return _residual_remat(self, out, h), h
 
 
 def _activation_forward(self, x):

@@ -16,11 +16,13 @@ element is multiplied by its mask value (scale or 0): a dropped inf or NaN gives
 dropped inf or NaN in the backward's grad_out.
 
 seed=None draws a seed from PyTorch's default CPU generator (torch.randint(2**63 - 1, (1,))), so
-torch.manual_seed makes runs reproducible; NumPy and other arrays need an explicit seed. Under
-torch.compile that draw is a host value (.item()): dynamo breaks the graph there unless
-torch._dynamo.config.capture_scalar_outputs is set, and an explicit seed keeps one graph. Inside a
-CUDA-graph capture seed=None is refused: a seed drawn on the host would be replayed with the graph,
-one mask for every step (docs/graphs.md).
+torch.manual_seed makes runs reproducible (and where no mask is needed, training=False, p 0 or 1
+or no elements, nothing is drawn: torch.nn.functional.dropout leaves the generator alone then too);
+NumPy and other arrays need an explicit seed. Under torch.compile that draw is a host value
+(.item()): dynamo breaks the graph there unless torch._dynamo.config.capture_scalar_outputs is set,
+and an explicit seed keeps one graph. Inside a CUDA-graph capture a seed=None that needs a draw is
+refused: a seed drawn on the host would be replayed with the graph, one mask for every step
+(docs/graphs.md).
 Different offsets with one seed give independent masks (a layer index or a step, say). seed and
 offset are ints in [0, 2**63), as torch.library's int arguments are int64.
 """
@@ -135,6 +137,8 @@ def torch_layer():
     def bias_dropout_add_(x, bias, residual, p, seed, offset):
         """brrr.bias_dropout_add on torch tensors (arguments checked), seed None drawn here."""
         check_torch((bias, residual), ("bias", "residual"))
+        if seed is None and (not 0.0 < p < 1.0 or x.numel() == 0):
+            seed = 0  # no mask to draw (p is 0 when not training): torch's dropout draws nothing either
         if seed is None:
             if x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("argument seed: None while a CUDA graph is being captured: the seed drawn now "

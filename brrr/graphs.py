@@ -55,7 +55,8 @@ def capture_step(loss_fn, parameters, optimizer=None, *, warmup=DEFAULT_WARMUP, 
         the loss (the others, logits say, are returned too).
     parameters: a torch.nn.Module or an iterable of the tensors whose gradients the step fills.
     optimizer: a torch.optim optimizer stepped inside the graph after backward, or None. Adam,
-        AdamW and the others with a `capturable` option need capturable=True.
+        AdamW and the others with a `capturable` option need capturable=True for CUDA parameters
+        (CPU ones, stepped eagerly, need it False: torch refuses capturable=True there).
     warmup: eager steps per input signature before it is captured (at least 1).
     max_graphs: input signatures captured at most (each graph holds its own activation memory);
         0 runs every step eagerly.
@@ -123,6 +124,7 @@ class CapturedStep:
         if entry.eager_steps < self._warmup:
             entry.eager_steps += 1
             return self._run_on_side_stream(args, kwargs)
+        _checked_optimizer(self._optimizer)  # its parameters may have moved to the GPU since
         try:
             self._capture(entry, args, kwargs)
         except RuntimeError as e:
@@ -343,7 +345,9 @@ def _checked_optimizer(optimizer):
         return None
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"argument optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-    if any(group.get("capturable") is False for group in optimizer.param_groups):
+    # On the CPU the step runs eagerly, where torch's optimizers refuse capturable=True instead.
+    if any(group.get("capturable") is False and any(p.is_cuda for p in group["params"])
+           for group in optimizer.param_groups):
         raise ValueError(f"argument optimizer: this {type(optimizer).__name__} was made with capturable=False; "
                          f"stepping it inside a CUDA graph needs capturable=True "
                          f"(torch.optim.{type(optimizer).__name__}(..., capturable=True))")

@@ -32,10 +32,12 @@ class Recompute:
     tensors the producer's backward saves anyway; the value while the consumers' backward need it.
     The tensors fn holds itself (a norm module's weight, a partial's) are not saved: their
     versions are, so that one changed in place before the backward raises as autograd does for a
-    saved tensor, instead of giving the gradient of another h."""
+    saved tensor, instead of giving the gradient of another h. fn runs again in the autocast state
+    it ran in (device: the output's), which need not be that of the linear layers it feeds."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, device):
         self.fn = fn
+        self.autocast = (device, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
         self.value = None
         self.pending = 0  # consumers whose backward has not run yet
         self.held = [(t, t._version) for t in _held_tensors(fn)]
@@ -71,7 +73,7 @@ def tag(output, fn, *inputs, min_bytes=0):
     (linear()); where autograd records it, outside torch.compile, if it holds at least min_bytes."""
     if (output.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
             and output.numel() * output.element_size() >= min_bytes):
-        output._brrr_recompute = (Recompute(fn), inputs, output._version)
+        output._brrr_recompute = (Recompute(fn, output.device.type), inputs, output._version)
     return output
 
 
@@ -101,15 +103,17 @@ class _RematLinear(torch.autograd.Function):
         weight, *inputs = ctx.saved_tensors
         recompute = ctx.recompute
         recompute.check_held()
-        if torch.is_grad_enabled():
-            # create_graph: h recomputed with its graph, so that the gradients depend on the inputs
-            # as the plain composition's do (a second derivative is then its fn's own, or its error).
-            h = recompute.fn(*inputs)
-        else:
-            if recompute.value is None:
-                with torch.no_grad():
-                    recompute.value = recompute.fn(*inputs)
-            h = recompute.value
+        device, dtype = recompute.autocast
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+            if torch.is_grad_enabled():
+                # create_graph: h recomputed with its graph, so that the gradients depend on the inputs
+                # as the plain composition's do (a second derivative is then its fn's own, or its error).
+                h = recompute.fn(*inputs)
+            else:
+                if recompute.value is None:
+                    with torch.no_grad():
+                        recompute.value = recompute.fn(*inputs)
+                h = recompute.value
         recompute.pending -= 1
         if recompute.pending == 0:
             recompute.value = None
@@ -154,7 +158,8 @@ def _check_linear_param(names, weight, bias, features, input_of):
 
 def norm_linear(norm, x, weights, biases=None):
     """[F.linear(norm(x), w, b) for each weight w (and bias b)], norm(x) recomputed in the
-    backward (once, for all of them) instead of saved."""
+    backward (once, for all of them) instead of saved; saved where norm is a module with hooks,
+    which a recompute would run again."""
     if not callable(norm):
         raise TypeError(f"argument norm: expected a callable (a norm module or function), got {type(norm).__name__}")
     # Lists: a tensor would be iterated by its rows.
@@ -166,11 +171,23 @@ def norm_linear(norm, x, weights, biases=None):
     if len(biases) != len(weights):
         raise ValueError(f"argument biases: expected {len(weights)} (one per weight), got {len(biases)}")
     h = norm(x)
+    if not isinstance(h, torch.Tensor):
+        raise TypeError(f"argument norm: expected a callable returning a tensor, got a {type(h).__name__} from it")
     features = h.shape[-1] if h.dim() else 1
     for i, (w, b) in enumerate(zip(weights, biases)):
         _check_linear_param((f"weights[{i}]", f"biases[{i}]"), w, b, features, ("x", h))
-    h = tag(h, norm, x)
+    if not _runs_hooks(norm):  # a recompute would run them again, in the backward
+        h = tag(h, norm, x)
     return [linear(h, w, b) for w, b in zip(weights, biases)]
+
+
+def _runs_hooks(fn):
+    """Whether calling fn, a module, runs hooks besides its forward (its own or global ones)."""
+    hooks = torch.nn.modules.module
+    return isinstance(fn, torch.nn.Module) and bool(
+        fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks or fn._backward_pre_hooks
+        or hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks)
 
 
 def glu_linear(gate, up, weight, bias=None, *, activation="silu"):

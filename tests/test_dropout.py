@@ -182,6 +182,23 @@ def test_seed_none_is_reproducible_under_manual_seed():
     assert torch.equal(brrr.bias_dropout_add(x, None, r, 0.5, seed=seed), a)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("p,training,shape", [(0.5, False, (4, 8)), (0.0, True, (4, 8)), (1.0, True, (4, 8)),
+                                              (0.5, True, (0, 8))], ids=str)
+def test_seed_none_without_a_mask_leaves_the_generator_alone(device, p, training, shape):
+    """training=False, p 0 or 1, no elements: no mask, so seed=None draws no seed, as
+    F.dropout draws nothing then (an eval-mode model advanced the global generator, and
+    every later draw, sampling or shuffling, differed from the unpatched composition's)."""
+    x, r = torch.randn(shape, device=device), torch.randn(shape, device=device)
+    torch.manual_seed(3)
+    out = brrr.bias_dropout_add(x, None, r, p, training)
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    expected = r + F.dropout(x, p, training)
+    assert torch.equal(torch.rand(4), after)
+    assert torch.equal(out, expected)
+
+
 # ---- gradients ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("p,training", [(0.3, True), (0.0, True), (1.0, True), (0.7, False)])

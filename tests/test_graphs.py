@@ -77,13 +77,32 @@ def test_capture_step_rejects_bad_arguments(kwargs, error, match):
         brrr.capture_step(arguments.pop("loss_fn"), arguments.pop("parameters"), **arguments)
 
 
+@pytest.mark.cuda
 def test_an_optimizer_stepped_inside_the_graph_must_be_capturable():
-    model = mlp()
+    model = mlp(device="cuda")
     with pytest.raises(ValueError, match=r"argument optimizer: this AdamW was made with capturable=False.*"
                                          r"capturable=True"):
         brrr.capture_step(mse_step(model), model, torch.optim.AdamW(model.parameters()))
     brrr.capture_step(mse_step(model), model, torch.optim.AdamW(model.parameters(), capturable=True))
     brrr.capture_step(mse_step(model), model, torch.optim.SGD(model.parameters(), lr=0.1))  # no such option
+
+
+def test_a_cpu_step_takes_an_optimizer_made_without_capturable():
+    """On the CPU the step runs eagerly, where torch's AdamW refuses capturable=True: one made
+    without it (refused before, so that no AdamW could be used there) steps as plain AdamW."""
+    model, batches = mlp(), [(torch.randn(4, 6), torch.randn(4, 3)) for _ in range(3)]
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        optimizer.step()
+    step = brrr.capture_step(mse_step(model), model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    with pytest.warns(UserWarning, match="running the step eagerly"):
+        for batch in batches:
+            step(*batch)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("args, loss_fn, error, match", [

@@ -190,6 +190,44 @@ def test_a_norm_weight_changed_before_the_backward_raises(held):
         torch.autograd.grad(y.sum(), [w])
 
 
+def test_a_norm_modules_hooks_run_once_as_in_the_plain_composition():
+    """A norm module with a forward hook (an activation recorder, say): its output is saved, not
+    recomputed, so the hook is not run again in the backward (it ran there, without grad)."""
+    norm = torch.nn.LayerNorm(8)
+    calls = []
+    norm.register_forward_hook(lambda module, args, out: calls.append(torch.is_grad_enabled()))
+    x, w = leaves(random((4, 8), torch.float32, "cpu"), random((3, 8), torch.float32, "cpu"))
+    (y,) = brrr.norm_linear(norm, x, [w])
+    grads = torch.autograd.grad(y.sum(), [x, w])
+    assert calls == [True]
+    x_, w_ = leaves(x, w)
+    for a, b in zip(grads, torch.autograd.grad(F.linear(norm(x_), w_).sum(), [x_, w_])):
+        assert torch.equal(a, b)
+
+
+def test_the_recompute_runs_in_the_autocast_state_of_its_norm():
+    """A norm computed outside autocast and a linear layer inside it: the backward recomputes
+    the norm's output as the norm made it (it ran in the linear layer's autocast state, a
+    different h, and the weight's gradient was off by 3e-2 here)."""
+    proj = random((8, 8), torch.float32, "cpu")
+
+    def norm(x):  # autocast changes its matmul
+        return F.layer_norm(x @ proj, (8,))
+
+    grads = []
+    for remat in (False, True):
+        x, w = leaves(random((4, 8), torch.float32, "cpu", generator=torch.Generator().manual_seed(1)),
+                      random((3, 8), torch.float32, "cpu", generator=torch.Generator().manual_seed(2)))
+        h = norm(x)
+        if remat:
+            h = brrr.remat.tag(h, norm, x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = brrr.remat.linear(h, w)
+        grads.append(torch.autograd.grad(y.float().sum(), [x, w]))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_second_derivatives_are_the_plain_compositions():
     """create_graph=True: the backward recomputes the norm's output with its graph, so a gradient
     penalty's gradient is the plain composition's (torch's LayerNorm as the norm: it has one)."""
@@ -222,6 +260,8 @@ def test_argument_errors():
         (lambda: brrr.glu_linear(x, None, w), ValueError, r"weight: expected shape \(out, 4\)"),  # halves of 8
         (lambda: brrr.glu_linear(x, x, w, [1.0] * 3), TypeError, "bias: expected a torch.Tensor"),
         (lambda: brrr.norm_linear(None, x, [w]), TypeError, "norm: expected a callable"),
+        (lambda: brrr.norm_linear(lambda t: (t, t), x, [w]), TypeError,
+         "norm: expected a callable returning a tensor, got a tuple"),
         (lambda: brrr.glu_linear(x[:, :7], None, w), ValueError, "gate: expected a last dim of even size"),
     ]
     for call, exc, message in cases:
@@ -292,6 +332,26 @@ def test_patch_remat_saves_a_quarter_of_a_decoder_layer():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=n)
     assert brrr.unpatch(rematerialised) > 0
     assert [type(m) for m in rematerialised.modules()] == [type(m) for m in base.modules()]
+
+
+def test_patch_remat_on_the_registrys_cpu_defaults_is_remat_false_bitwise():
+    """The registry's own CPU defaults (these tests' fixture runs brrr's kernels for every op):
+    PyTorch's add_rms_norm and brrr's rms_norm there, whose bits differ. The output of a residual
+    form (the adds fused into the norms) is recomputed as that form made it, so remat=True's loss
+    and gradients are remat=False's, bitwise (the q/k/v and gate/up weights' differed)."""
+    brrr.registry.reset()
+    base = llama()
+    tokens = torch.randint(0, 211, (2, 33))
+    results = []
+    for remat in (False, True):
+        model = copy.deepcopy(base)
+        brrr.patch(model, remat=remat)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        results.append((loss, torch.autograd.grad(loss, list(model.parameters()))))
+    (loss, grads), (r_loss, r_grads) = results
+    assert torch.equal(r_loss, loss)
+    for (name, _), a, b in zip(base.named_parameters(), r_grads, grads):
+        assert torch.equal(a, b), name
 
 
 def test_patch_remat_auto_recomputes_the_outputs_of_at_least_its_bytes(monkeypatch):
