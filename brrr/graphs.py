@@ -111,6 +111,11 @@ class CapturedStep:
             for p, grad in entry.grads:
                 if p.grad is not grad:
                     p.grad = grad
+            # Parameters this graph does not reach but another signature's did: zeros, as the eager
+            # step leaves them (an optimizer stepped outside read the other graph's last gradient).
+            stale = [p.grad for p in entry.unreached if p.grad is not None]
+            if stale:
+                torch._foreach_zero_(stale)
             entry.graph.replay()
             return entry.outputs
         if not self._on_cuda(args, kwargs):
@@ -204,6 +209,7 @@ class CapturedStep:
                 p.grad = None
             raise
         entry.grads = [(p, p.grad) for p in self._params if p.grad is not None]
+        entry.unreached = [p for p in self._params if p.grad is None]
         entry.outputs = outputs
         entry.graph = graph
         entry.static_tensors = list(_tensors_of(static_args, static_kwargs))
@@ -334,6 +340,7 @@ class _Entry:
         self.static_tensors = None
         self.outputs = None
         self.grads = None       # [(parameter, the gradient tensor the graph writes)]
+        self.unreached = None   # the parameters it leaves without one
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,7 +423,7 @@ def _signature(args, kwargs):
         except TypeError:
             raise TypeError(f"argument {where}: a {type(value).__name__}; a captured step takes tensors and "
                             f"hashable constants (ints, floats, strings, None)") from None
-        parts.append((where, "value", value))
+        parts.append((where, "value", value, type(value)))  # the type: True == 1 == 1.0, but a step may branch on it
     return tuple(parts)
 
 

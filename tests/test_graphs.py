@@ -703,6 +703,47 @@ def test_new_shapes_capture_up_to_max_graphs_then_run_eagerly():
 
 
 @pytest.mark.cuda
+def test_a_replay_zeros_the_gradients_another_signatures_graph_reached_and_it_does_not():
+    """Two heads, one a step: replaying head a's graph after head b's leaves head b's gradients
+    zero, as the eager step does (they held b's graph's last gradient, which an optimizer stepped
+    outside the graph would apply again)."""
+    torch.manual_seed(0)
+    trunk, heads = torch.nn.Linear(6, 5).cuda(), {"a": torch.nn.Linear(5, 3).cuda(), "b": torch.nn.Linear(5, 3).cuda()}
+    params = [*trunk.parameters(), *heads["a"].parameters(), *heads["b"].parameters()]
+    x, y = torch.randn(4, 6, device="cuda"), torch.randn(4, 3, device="cuda")
+
+    def loss_fn(x, y, head):
+        return F.mse_loss(heads[head](trunk(x)), y)
+
+    step = brrr.capture_step(loss_fn, params, warmup=1)
+    for head in ("a", "a", "b", "b", "a"):
+        step(x, y, head)
+    assert step.graphs == 2
+    for p in heads["b"].parameters():
+        assert p.grad is not None and not p.grad.any()
+    expected = torch.autograd.grad(loss_fn(x, y, "a"), list(heads["a"].parameters()))
+    for p, e in zip(heads["a"].parameters(), expected):
+        torch.testing.assert_close(p.grad, e)
+
+
+@pytest.mark.cuda
+def test_constants_equal_in_value_but_not_in_type_are_signatures_of_their_own():
+    """True == 1 == 1.0, but a step may branch on the type: each gets its own graph (the graph
+    captured for True was replayed for 1)."""
+    model = mlp(device="cuda")
+    x, y = torch.randn(4, 6, device="cuda"), torch.randn(4, 3, device="cuda")
+
+    def loss_fn(x, y, flag):
+        return F.mse_loss(model(x), y) * (2.0 if flag is True else 3.0)
+
+    step = brrr.capture_step(loss_fn, model, warmup=1)
+    for flag in (True, True, 1, 1, 1.0, 1.0):
+        expected = loss_fn(x, y, flag).detach()
+        torch.testing.assert_close(step(x, y, flag), expected)
+    assert step.graphs == 3
+
+
+@pytest.mark.cuda
 def test_a_capture_that_fails_says_why_and_leaves_the_process_usable():
     model = patched_cuda_model("llama", torch.float32)
 
