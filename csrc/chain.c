@@ -120,9 +120,13 @@ PyObject *brrr_py_chain_op_names(PyObject *module, PyObject *unused) {
 /* steps: a sequence of op names or (name, scalar) pairs. */
 PyObject *brrr_py_chain_program(PyObject *module, PyObject *steps) {
     (void)module;
-    PyObject *seq = PySequence_Fast(steps, "argument steps: expected a sequence of steps");
+    /* A tuple of its own, holding every step: a list's items are borrowed, and a scalar's __float__
+     * (Python code) could empty the list under the loop. */
+    PyObject *fast = PySequence_Fast(steps, "argument steps: expected a sequence of steps");
+    PyObject *seq = fast ? PySequence_Tuple(fast) : NULL;
+    Py_XDECREF(fast);
     if (seq == NULL) return NULL;
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    const Py_ssize_t n = PyTuple_GET_SIZE(seq);
     PyObject *bytes = NULL;
     if (n > INT32_MAX / (Py_ssize_t)sizeof(brrr_chain_step)) {
         PyErr_Format(PyExc_ValueError, "argument steps: too many steps (%zd)", n);
@@ -132,7 +136,7 @@ PyObject *brrr_py_chain_program(PyObject *module, PyObject *steps) {
     if (bytes == NULL) goto fail;
     chain_header h = {(int32_t)n, 0};
     for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *step = PySequence_Fast_GET_ITEM(seq, k), *name = step, *scalar = NULL;
+        PyObject *step = PyTuple_GET_ITEM(seq, k), *name = step, *scalar = NULL;
         if (PyTuple_Check(step)) {
             if (PyTuple_GET_SIZE(step) != 2) {
                 PyErr_Format(PyExc_ValueError, "argument steps[%zd]: expected a name or a (name, scalar) pair", k);

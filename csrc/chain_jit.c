@@ -1743,3 +1743,29 @@ PyObject *brrr_py_chain_jit_enable(PyObject *module, PyObject *flag) {
     jit_enabled = on;
     return PyBool_FromLong(previous);
 }
+
+/* ---- fork ------------------------------------------------------------------------------------ */
+
+/* A fork child has only the thread that forked: a lock that another thread of the parent held at
+ * that moment (compile_lock for the whole of a compile, seconds; nvrtc_lock while NVRTC is looked
+ * for; table_lock) would stay locked in the child for ever, and the child's next chain_jit_info(),
+ * chain_jit_compile() or chain_jit_with_backward() would wait on it with the GIL held. The child
+ * starts them afresh. What they guarded may be half done: an NVRTC search is started again, and
+ * the tables of loaded kernels are dropped, unfreed (a table being rehashed may be torn; the CUDA
+ * kernels in it cannot run in a fork child anyway). */
+static void jit_fork_child(void) {
+    const int searching = pthread_mutex_trylock(&nvrtc_lock) != 0;
+    pthread_mutex_init(&nvrtc_lock, NULL);
+    if (searching) nvrtc.state = 0;
+    pthread_mutex_init(&compile_lock, NULL);
+#if BRRR_WITH_CUDA
+    pthread_mutex_init(&table_lock, NULL);
+    memset(&table, 0, sizeof table);
+    memset(&with_backward, 0, sizeof with_backward);
+#endif
+}
+
+static pthread_once_t jit_atfork_once = PTHREAD_ONCE_INIT;
+static void jit_register_atfork(void) { pthread_atfork(NULL, NULL, jit_fork_child); }
+
+void brrr_chain_jit_init(void) { pthread_once(&jit_atfork_once, jit_register_atfork); }

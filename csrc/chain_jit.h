@@ -41,5 +41,7 @@ PyObject *brrr_py_chain_jit_compile(PyObject *module, PyObject *args, PyObject *
 PyObject *brrr_py_chain_jit_info(PyObject *module, PyObject *unused);
 PyObject *brrr_py_chain_jit_with_backward(PyObject *module, PyObject *program);
 PyObject *brrr_py_chain_jit_enable(PyObject *module, PyObject *flag);
+/* Module init: the fork handler that gives a fork child fresh locks (once per process). */
+void brrr_chain_jit_init(void);
 
 #endif

@@ -121,6 +121,7 @@ static int module_exec(PyObject *module) {
     if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->str_is_neg || !st->max_version)
         return -1;
     if (brrr_cpu_init(st) < 0) return -1;
+    brrr_chain_jit_init();
     if (PyModule_AddIntConstant(module, "MAX_DIMS", BRRR_MAX_DIMS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_CHAIN_STEPS", BRRR_MAX_CHAIN_STEPS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_CHAIN_OPERANDS", BRRR_MAX_CHAIN_OPERANDS) < 0)

@@ -1024,3 +1024,44 @@ def test_without_nvrtc_long_chains_on_cuda_say_why(tmp_path):
                             env={**os.environ, "BRRR_NVRTC": "none", "BRRR_CACHE_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert "a chain of 17 steps needs NVRTC" in result.stdout
+
+
+@needs_nvrtc
+def test_a_fork_child_does_not_inherit_a_compile_in_progress(cache_dir):
+    """A process that forks while another of its threads compiles a chain (compile_lock held for
+    the whole compile): the child's chain_jit_info() and chain_jit_compile() must not wait for
+    ever on the lock of a thread it does not have (they did, with the GIL held). In a child
+    process of its own, with a timeout, so that a hang fails the test."""
+    code = ("import os, threading, time\n"
+            "from brrr import _C\n"
+            "_C.chain_jit_info()\n"
+            "started = threading.Event()\n"
+            "def compile_many():\n"
+            "    started.set()\n"
+            "    for i in range(4):\n"
+            "        _C.chain_jit_compile(['cos', ('mul', 1.0 + i), 'sin', 'exp', 'tanh'], 'float32')\n"
+            "thread = threading.Thread(target=compile_many)\n"
+            "thread.start()\n"
+            "started.wait()\n"
+            "time.sleep(0.3)\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    ok = _C.chain_jit_info()['nvrtc'] is not None\n"
+            "    ok = ok and _C.chain_jit_compile(['cos', 'exp'], 'float32')[2] in ('disk', 'compiled')\n"
+            "    os._exit(0 if ok else 3)\n"
+            "status = None\n"
+            "for _ in range(300):\n"
+            "    done, status = os.waitpid(pid, os.WNOHANG)\n"
+            "    if done:\n"
+            "        break\n"
+            "    time.sleep(0.1)\n"
+            "else:\n"
+            "    os.kill(pid, 9)\n"
+            "    os.waitpid(pid, 0)\n"
+            "    status = None\n"
+            "thread.join()\n"
+            "print('hung' if status is None else os.waitstatus_to_exitcode(status))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "BRRR_CACHE_DIR": str(cache_dir)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "0", out.stdout

@@ -2,6 +2,7 @@
 
 import gc
 import os
+import subprocess
 import sys
 import threading
 
@@ -14,6 +15,8 @@ from brrr import _C
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_chain import UNARY, reference_chain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ERRORS = (TypeError, ValueError, BufferError)
 GUARD = 7.25  # a value no op below produces from the inputs drawn
@@ -209,3 +212,21 @@ def test_tensors_on_another_device_than_the_current_one():
         out = brrr.cos(y)
         assert torch.cuda.current_device() == 0  # left as it was
     torch.testing.assert_close(out, torch.cos(y))
+
+
+def test_chain_program_holds_its_steps_while_it_reads_them():
+    """A scalar's __float__ runs Python code in the middle of chain_program: one that empties the
+    list of steps must not leave the loop reading freed items (it crashed the interpreter). Run in
+    a child process, so that a crash fails the test rather than the suite."""
+    code = ("from brrr import _C\n"
+            "steps = []\n"
+            "class Evil:\n"
+            "    def __float__(self):\n"
+            "        steps.clear()\n"
+            "        return 1.0\n"
+            "steps += [('add', Evil())] + ['cos'] * 8\n"
+            "p = _C.chain_program(steps)\n"
+            "assert p == _C.chain_program([('add', 1.0)] + ['cos'] * 8), p\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
