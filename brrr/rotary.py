@@ -232,6 +232,8 @@ def torch_layer():
     def reference(x, cos, sin, *, interleaved=False, rotary_dim=None):
         """brrr.rotary in PyTorch ops: transformers' rotate_half forms, the angles per pair repeated."""
         r = cos.shape[-1] if rotary_dim is None else rotary_dim
+        if rotary_dim is None and r == 1:  # one angle broadcast over the features, as transformers' formula takes it
+            r = x.shape[-1]
         if cos.shape[-1] == r // 2:  # an angle per pair: per feature, as the pairs lie
             cos, sin = ((a.repeat_interleave(2, dim=-1) if interleaved else torch.cat((a, a), dim=-1))
                         for a in (cos, sin))

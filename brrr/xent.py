@@ -190,10 +190,11 @@ def _check_linear(torch, input, weight, target, bias):
 def _check_targets_on_cpu(torch, target, classes, ignore_index):
     """On the CPU (no sync to pay), every target a class or ignore_index, the first other one named
     by its row in target: brrr._C's check sees one chunk of rows at a time, and would count the row
-    within it. (On CUDA such a row's loss is NaN, as cross_entropy's.)"""
+    within it. (On CUDA such a row's loss is NaN, as cross_entropy's.) Compared in int64, as the
+    kernel compares: in uint8, -100 and a class count of 256 or more would wrap."""
     if target.device.type != "cpu" or torch.compiler.is_compiling():
         return
-    flat = target.reshape(-1)
+    flat = target.reshape(-1).to(torch.int64)
     bad = ((flat != ignore_index) & ((flat < 0) | (flat >= classes))).nonzero()
     if len(bad):
         row = int(bad[0, 0])
@@ -651,6 +652,8 @@ def torch_layer():
                          dtype=None, **options):
         if not tensor_ok(input) or input.dim() == 0 or weight is not None or reduction not in REDUCTIONS:
             return False
+        if input.shape[1 if input.dim() >= 2 else 0] == 0:  # no classes: PyTorch's (a NaN mean, or its error)
+            return False
         rows = input.shape[:1] + input.shape[2:] if input.dim() >= 2 else ()
         return targets_ok(input, target, rows) and (dtype in loss_dtypes or dtype == input.dtype)
 
@@ -683,11 +686,13 @@ def torch_layer():
     def linear_reference(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, softcap=None, z_loss=0.0, dtype=None, logits_budget=None,
                          accumulation=None):
-        """The logits in full (logits_budget and accumulation are brrr's alone)."""
+        """The logits in full (logits_budget and accumulation are brrr's alone); class indices of
+        int32 and uint8 in int64, which F.cross_entropy takes (it refuses int32)."""
         logits = F.linear(input, weight, bias)
-        loss = reference(logits.reshape(-1, weight.shape[0]), target.reshape(-1), ignore_index=ignore_index,
-                         reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
-                         dtype=dtype)
+        flat = target.reshape(-1)
+        loss = reference(logits.reshape(-1, weight.shape[0]), flat.long() if flat.dtype in class_indices else flat,
+                         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                         softcap=softcap, z_loss=z_loss, dtype=dtype)
         return loss.reshape(target.shape) if reduction == "none" else loss
 
     # Under torch.compile brrr's kernels: the forward reads the logits once (inductor's twice), and

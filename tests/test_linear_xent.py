@@ -778,6 +778,38 @@ def test_registry_and_module():
     torch.testing.assert_close(module(x, w, t, b), fused)
 
 
+def test_narrow_targets_of_a_vocabulary_over_255():
+    """uint8 class indices with 300 classes, and an out-of-range one named by its row in target:
+    the CPU's check compares in int64 (in uint8, 300 wraps to 44, so that classes 44.. were
+    refused, and -100 to 156, which escaped the check to brrr._C's, naming the row in its chunk)."""
+    x, w, b = make(6, 4, 300, torch.float32, "cpu")
+    t = torch.tensor([100, 3, 200, 44, 255, 7], dtype=torch.uint8)
+    for reduction in REDUCTIONS:
+        compare(x, w, t, b, what="uint8 target, 300 classes", reduction=reduction)
+    x, w, b = make(6, 4, 10, torch.float32, "cpu")
+    t = torch.tensor([0, 1, 2, 3, 156, 5], dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"^argument target: class index 156 \(row 4\)"):
+        brrr.linear_cross_entropy(x, w, t, b, logits_budget=1)
+
+
+def test_registry_reference_takes_int32_targets():
+    """On CPU tensors the registry's linear_cross_entropy (and brrr.nn.LinearCrossEntropyLoss) runs
+    its PyTorch reference by default: int32 and uint8 targets, which brrr.linear_cross_entropy takes
+    and F.cross_entropy refuses in int32, as int64 there."""
+    from brrr import registry
+
+    x, w, b = make(9, 4, 11, torch.float64, "cpu")
+    t = make_targets((9,), 11, "cpu", IGNORE[0])
+    registry.on_cpu("linear_cross_entropy", "pytorch")
+    expected = brrr.linear_cross_entropy(x, w, t, b, reduction="none")
+    for target in (t.to(torch.int32), t.clamp(min=0).to(torch.uint8)):
+        assert registry.lookup("linear_cross_entropy").resolve(x, w, target, b) is not brrr.linear_cross_entropy
+        got = brrr.nn.LinearCrossEntropyLoss(reduction="none")(x, w, target, b)
+        torch.testing.assert_close(got, brrr.linear_cross_entropy(x, w, target, b, reduction="none"))
+    torch.testing.assert_close(registry("linear_cross_entropy", x, w, t.to(torch.int32), b, reduction="none"),
+                               expected)
+
+
 # ---- CUDA -----------------------------------------------------------------------------------------
 
 @pytest.mark.cuda

@@ -110,6 +110,16 @@ def test_apply_rotary_pos_emb_gradients(device, dtype, k_heads, needs):
         assert kl.grad is None and ql.grad is not None
 
 
+def test_registry_reference_broadcasts_one_angle_as_transformers():
+    """cos and sin of last dim 1 (which brrr's kernel refuses: one feature to rotate): the
+    registry's fallback is transformers' formula, the angle broadcast over the head dim, not a
+    rotation of the first feature alone."""
+    q, k = torch.randn(2, 3, 5, 8, dtype=torch.float64), torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    cos, sin = torch.randn(2, 1, 5, 1, dtype=torch.float64), torch.randn(2, 1, 5, 1, dtype=torch.float64)
+    for got, x in zip(brrr.registry("rotary_qk", q, k, cos, sin), (q, k)):
+        torch.testing.assert_close(got, x * cos + torch.cat((-x[..., 4:], x[..., :4]), dim=-1) * sin)
+
+
 def test_rotary_qk_registry_op():
     q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
     cos, sin = torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8)

@@ -623,6 +623,16 @@ def test_no_rows(device, dtype, shape, target_shape):
     assert grad.shape == x.shape
 
 
+def test_no_classes_go_to_pytorch():
+    """C = 0, which brrr's kernels refuse: brrr.use_fused and the registry give PyTorch's answer (a
+    NaN mean where every row is ignored, 0 for the sum), not brrr's error."""
+    x, t = torch.randn(3, 0), torch.full((3,), -100)
+    assert brrr.registry.lookup("cross_entropy").resolve(x, t) is not brrr.cross_entropy
+    with brrr.use_fused():
+        mean, total, rows = (F.cross_entropy(x, t, reduction=r) for r in REDUCTIONS)
+    assert torch.isnan(mean) and total.item() == 0 and torch.equal(rows, torch.zeros(3))
+
+
 # ---- NumPy ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("np_dtype", [np.float32, np.float16, np.float64], ids=lambda d: d.__name__)
