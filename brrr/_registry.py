@@ -35,8 +35,10 @@ more; ops not measured there, log_softmax among them).
 registry.on_cpu(name, "kernel" | "pytorch") changes it.
 
 An input brrr does not support (a dtype or device it has no kernel for, mixed dtypes that
-PyTorch would promote, a CUDA tensor in a build without CUDA) goes to the PyTorch function the op
-replaces, unless the op is set to raise. brrr.nn, brrr.patch and brrr.use_fused all dispatch
+PyTorch would promote, a CUDA tensor in a build without CUDA, the wrapped tensors of a torch.func
+transform, a half one under CUDA autocast for layer_norm, which autocast runs in float32) goes to
+the PyTorch function the op replaces, unless the op is set to raise. Under CUDA autocast softmax and
+log_softmax of half tensors return float32, as autocast makes torch's. brrr.nn, brrr.patch and brrr.use_fused all dispatch
 through here, so overrides and fallbacks apply to them too.
 """
 
@@ -104,6 +106,16 @@ def tensor_ok(x):
     and goes to PyTorch."""
     return ((type(x) in _PLAIN_TENSORS or (isinstance(x, torch.Tensor) and traced_by_a_mode())) and x.dtype in FLOATS
             and (x.is_cpu or (x.is_cuda and _CUDA)) and x.layout == torch.strided and not x.is_nested)
+
+
+def cuda_autocast_upcasts(x):
+    """Whether CUDA autocast is on for a float16/bfloat16 CUDA tensor x: torch's ops on its float32
+    list (layer_norm; softmax and log_softmax without a dtype) then compute in float32 and return
+    float32, where brrr's kernels return x's dtype (CPU autocast leaves those ops alone)."""
+    return x.dtype in _HALVES and x.is_cuda and torch.is_autocast_enabled("cuda")
+
+
+_HALVES = (torch.float16, torch.bfloat16)
 
 
 def same_kind(x, *others):

@@ -153,7 +153,7 @@ def torch_layer():
 
     from . import _op
     from ._op import TorchOp, out_like, stream
-    from ._registry import dispatch, registry, same_kind, tensor_ok
+    from ._registry import cuda_autocast_upcasts, dispatch, registry, same_kind, tensor_ok
 
     Tensor = torch.Tensor
 
@@ -408,14 +408,16 @@ def torch_layer():
                 return False
         return True
 
+    # Under CUDA autocast torch's layer_norm runs in float32 and returns float32: half inputs then go to it.
     def layer_norm_ok(x, normalized_shape, weight=None, bias=None, eps=1e-5):
-        return tensor_ok(x) and params_ok(x, weight, bias)
+        return tensor_ok(x) and params_ok(x, weight, bias) and not cuda_autocast_upcasts(x)
 
     def rms_norm_ok(x, normalized_shape, weight=None, eps=None, **kwargs):
         return tensor_ok(x) and params_ok(x, weight)
 
     def add_layer_norm_ok(x, residual, normalized_shape, weight=None, bias=None, *args, **kwargs):
-        return tensor_ok(x) and same_kind(x, residual) and residual.shape == x.shape and params_ok(x, weight, bias)
+        return (tensor_ok(x) and same_kind(x, residual) and residual.shape == x.shape and params_ok(x, weight, bias)
+                and not cuda_autocast_upcasts(x))
 
     def add_rms_norm_ok(x, residual, normalized_shape, weight=None, *args, **kwargs):
         return tensor_ok(x) and same_kind(x, residual) and residual.shape == x.shape and params_ok(x, weight)

@@ -87,7 +87,7 @@ def torch_layer():
 
     from . import _op
     from ._op import TorchOp, stream
-    from ._registry import FLOATS, dispatch, float_dtype, registry, tensor_ok
+    from ._registry import FLOATS, cuda_autocast_upcasts, dispatch, float_dtype, registry, tensor_ok
 
     Tensor = torch.Tensor
     halves = (torch.float16, torch.bfloat16)
@@ -148,6 +148,8 @@ def torch_layer():
 
     def implementation(log):
         def softmax_(input, dim=None, _stacklevel=3, dtype=None):
+            if dtype is None and cuda_autocast_upcasts(input):
+                dtype = torch.float32  # as CUDA autocast runs torch's: a float32 result, written straight from x
             return softmax_op(input, dim % max(input.dim(), 1), dtype, log)
         return softmax_
 

@@ -977,6 +977,32 @@ def test_cuda_graph_capture_of_a_patched_training_step(style):
             torch.testing.assert_close(p.grad, eager_grads[n], rtol=1e-4, atol=1e-5, msg=n)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_routes_under_cuda_autocast_return_torchs_float32(dtype):
+    """CUDA autocast runs torch's layer_norm, softmax and log_softmax (without a dtype) in float32
+    and returns float32 for half inputs: the routes do too (softmax by brrr's kernel with a float32
+    result, layer_norm and add_layer_norm by torch's function), where they returned the half dtype."""
+    torch.manual_seed(0)
+    x, r = (torch.randn(6, 40, device="cuda", dtype=dtype) for _ in range(2))
+    w, b = torch.randn(40, device="cuda"), torch.randn(40, device="cuda")
+    calls = {
+        "softmax": lambda: F.softmax(x, -1), "log_softmax": lambda: F.log_softmax(x, 0),
+        "layer_norm": lambda: F.layer_norm(x, (40,), w, b),
+        "add_layer_norm": lambda: registry("add_layer_norm", x, r, (40,), w, b)[0],
+        "softmax with a dtype": lambda: F.softmax(x, -1, dtype=torch.float16),
+    }
+    with torch.autocast("cuda", dtype=dtype):
+        expected = {name: call() for name, call in calls.items()}
+        expected["add_layer_norm"] = F.layer_norm(x + r, (40,), w, b)
+        with brrr.use_fused():
+            got = {name: call() for name, call in calls.items()}
+    for name in calls:
+        assert got[name].dtype == expected[name].dtype, name
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert expected["softmax"].dtype == torch.float32
+
+
 def test_register_a_users_op():
     """An op registered by the user: its implementation where its check and its devices take the
     arguments, else its reference; a second registration of the name is refused."""
