@@ -7,6 +7,7 @@ know)."""
 
 import numbers
 import re
+import sys
 
 ERRORS = (TypeError, ValueError, BufferError)  # what an argument error is raised as
 
@@ -93,7 +94,22 @@ def refuse_kinds(*named, index=None):
     checks = [(name, value, False) for name, value in named] + ([(*index, True)] if index else [])
     for name, value, is_index in checks:
         if value is not None and hasattr(value, "__dlpack__"):
-            _C.check_tensor(value, name, is_index)
+            try:
+                _C.check_tensor(value, name, is_index)
+            except RuntimeError as error:
+                if _in_a_torch_func_transform():
+                    raise RuntimeError(
+                        f"argument {name}: a tensor of a torch.func transform (vmap, grad, jacrev, jvp), which holds "
+                        "no memory brrr's kernels can read; brrr.registry's calls (brrr.use_fused's routes, brrr.nn, "
+                        "patched models) run PyTorch's function there") from error
+                raise
+
+
+def _in_a_torch_func_transform():
+    """Whether a torch.func transform is active (torch asked only where it is loaded)."""
+    torch = sys.modules.get("torch")
+    active = getattr(getattr(torch, "_C", None), "_are_functorch_transforms_active", None)
+    return bool(active and active())
 
 
 class DimError(IndexError, ValueError):

@@ -13,7 +13,7 @@ Any dim (the kernels see it as the last dim of a view), any strides, rows of any
 """
 
 from . import _C
-from ._args import dim_in_range
+from ._args import dim_in_range, refuse_kinds
 from ._frameworks import as_float_dtype, empty_like, torch_if_tensor
 from ._integration import torch_integration
 
@@ -27,8 +27,12 @@ def _public(log):
     def function(x, dim=-1, dtype=None):
         if torch_if_tensor(x) is not None:
             ndim = x.ndim
-            return torch_layer().softmax(x, ndim - 1 if dim.__class__ is int and dim == -1 and ndim else
-                                         dim_in_range("dim", ndim, dim), dtype, log)
+            try:
+                return torch_layer().softmax(x, ndim - 1 if dim.__class__ is int and dim == -1 and ndim else
+                                             dim_in_range("dim", ndim, dim), dtype, log)
+            except RuntimeError:
+                refuse_kinds(("x", x))
+                raise
         return _softmax(x, dim, dtype, log)
 
     function.__name__ = function.__qualname__ = "log_softmax" if log else "softmax"

@@ -199,3 +199,17 @@ def test_registry_set_to_raise_refuses_torch_func_tensors():
             torch.vmap(lambda x: F.softmax(x, -1))(torch.randn(3, 4))
     finally:
         brrr.registry.reset("softmax")
+
+
+@pytest.mark.parametrize("call", [lambda x: brrr.rms_norm(x, (4,)), brrr.gelu, brrr.softmax, brrr.log_softmax,
+                                  lambda x: brrr.swiglu(x, x)], ids=["rms_norm", "gelu", "softmax", "log_softmax",
+                                                                     "swiglu"])
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_brrrs_functions_name_the_transform_of_a_torch_func_tensor(call, transform):
+    """brrr's own functions take no transform's tensors: the error names the argument and the
+    transform, and where the registry's calls run (softmax under grad raised torch's error about
+    setup_context, under vmap one about a data pointer)."""
+    x = torch.randn(3, 4)
+    run = {"grad": lambda: torch.func.grad(lambda x: call(x).sum())(x), "vmap": lambda: torch.vmap(call)(x)}[transform]
+    with pytest.raises(RuntimeError, match=r"^argument (x|gate): a tensor of a torch.func transform .*brrr.registry"):
+        run()
