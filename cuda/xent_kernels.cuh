@@ -3,7 +3,7 @@
 // xent_fwd_kernel     RT threads per row (8, 32 or 256 by the class count; a block of 256 holds
 //                     256 / RT rows). One pass over the row: each thread keeps an online
 //                     softmax state (running max m, sum of exp(v - m), with label smoothing the
-//                     sum of v), absorbing kUnroll 16-byte packs per step with one rescale per
+//                     sum of v / C), absorbing kUnroll 16-byte packs per step with one rescale per
 //                     step; the states are merged by shuffles (and, for RT = 256, in warp order
 //                     through shared memory), and the row's first thread writes lse (relative to
 //                     the target's logit, brrr_cuda.h) and loss. Rows whose start is not 16-byte
@@ -90,7 +90,9 @@ __device__ __forceinline__ int64_t head_elements(const T *p, int64_t classes) {
     return h < classes ? h : classes;
 }
 
-// One thread's share of a row: running max m, sum of exp(v - m), and (label smoothing) sum of v.
+// One thread's share of a row: running max m, sum of exp(v - m), and (label smoothing) sum of
+// v / classes: each term at most max |v| / classes, so no partial sum overflows (a sum of v
+// reached inf at a few logits near FLT_MAX, and a NaN or a -inf loss from it).
 // m starts at the lowest finite value rather than -inf, so that exp(v - m) is 0 for v = -inf and
 // never -inf - -inf = NaN: no special cases in the loop. NaN values make s NaN (fmax skips them).
 template <typename A>
@@ -105,7 +107,7 @@ template <> __device__ __forceinline__ double lowest<double>() { return -1.79769
 // Absorb v: one rescale for all of them; the max over W interleaved chains (one chain of N
 // dependent FMNMX would be N latencies long, a full tree N more registers).
 template <bool kSmooth, typename A, int N>
-__device__ __forceinline__ void absorb(Online<A> &o, const A (&v)[N]) {
+__device__ __forceinline__ void absorb(Online<A> &o, const A (&v)[N], A inv_classes) {
     constexpr int W = N < 4 ? N : 4;
     A top[W];
 #pragma unroll
@@ -121,7 +123,7 @@ __device__ __forceinline__ void absorb(Online<A> &o, const A (&v)[N]) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
         o.s += exp_(v[j] - o.m);
-        if (kSmooth) o.sx += v[j];
+        if (kSmooth) o.sx = fma(v[j], inv_classes, o.sx);
     }
 }
 
@@ -150,12 +152,13 @@ __device__ __forceinline__ Online<typename Compute<T>::type> scan_row(const T *x
     using A = typename Compute<T>::type;
     constexpr int P = 16 / sizeof(T);
     Online<A> o = {lowest<A>(), A(0), A(0)};
+    const A inv_classes = A(1) / A(classes);
     int64_t c = 0;
     if (cs == 1) {
         const int64_t head = head_elements(x, classes), packs = (classes - head) / P;
         for (int64_t k = lane; k < head; k += RT) {
             const A v[1] = {capped<kSoftcap>(to_float(x[k]), cap)};
-            absorb<kSmooth>(o, v);
+            absorb<kSmooth>(o, v, inv_classes);
         }
         const T *body = x + head;
         // Steps of kUnroll whole packs (no per-element predicates), then the packs left one by one.
@@ -165,19 +168,19 @@ __device__ __forceinline__ Online<typename Compute<T>::type> scan_row(const T *x
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) load_pack<T, P>(body + (k + (int64_t)u * RT) * P, v + u * P);
             cap_all<kSoftcap>(v, cap);
-            absorb<kSmooth>(o, v);
+            absorb<kSmooth>(o, v, inv_classes);
         }
         for (; k < packs; k += RT) {
             A v[P];
             load_pack<T, P>(body + k * P, v);
             cap_all<kSoftcap>(v, cap);
-            absorb<kSmooth>(o, v);
+            absorb<kSmooth>(o, v, inv_classes);
         }
         c = head + packs * P;
     }
     for (int64_t k = c + lane; k < classes; k += RT) {
         const A v[1] = {capped<kSoftcap>(to_float(x[k * cs]), cap)};
-        absorb<kSmooth>(o, v);
+        absorb<kSmooth>(o, v, inv_classes);
     }
     return o;
 }
@@ -308,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<T, kGrad>()) xent_fwd
                 const A z_t = capped<kSoftcap>(x_t, cap), shift = row_shift(z_t);
                 lse = (o.m - shift) + log_(o.s);
                 loss = (A(1) - A(L.smoothing)) * (lse - (z_t - shift));
-                if (kSmooth) loss += A(L.smoothing) * (lse - (o.sx / A(L.classes) - shift));
+                if (kSmooth) loss += A(L.smoothing) * (lse - (o.sx - shift));
                 if (L.z_loss != 0.0) loss += A(L.z_loss) * (lse + shift) * (lse + shift);
             }
             if (L.lse) static_cast<A *>(L.lse)[r] = lse;

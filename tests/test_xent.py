@@ -10,6 +10,7 @@ outputs, and argument errors. CUDA only: CPU against CUDA, and an out-of-range t
 NaN row (it is not checked there).
 """
 
+import math
 import re
 
 import numpy as np
@@ -234,6 +235,29 @@ def test_large_offset_is_stable(device, dtype, classes):
         for label_smoothing in (0.0, 0.1):
             t = make_targets((12,), classes, device, IGNORE[0])
             compare(x, t, reduction, label_smoothing, extra=precision, what=f"offset {offset}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("classes", [64, 1024])
+def test_label_smoothing_of_logits_near_the_dtype_max(device, dtype, classes):
+    """Logits of +-0.9 times the dtype's largest value with label smoothing: the smoothing term's
+    mean of the logits is finite (0 here), and so is each row's loss, as in float64. A sum of
+    the logits overflowed: -inf where it reached inf (row 0), NaN where partial sums reached
+    +inf and -inf (row 1)."""
+    big = 0.9 * torch.finfo(dtype).max
+    sign = torch.ones(2, classes, dtype=torch.float64)
+    sign[0, classes // 2:] = -1  # the positive half first
+    sign[1, torch.arange(classes) % 16 >= 8] = -1  # interleaved
+    x = (sign * big).to(device=device, dtype=dtype)
+    t = torch.tensor([0, 0], device=device)  # a largest logit
+    # lse = z_t + log(classes / 2) and the mean logit is 0: the loss is log(classes / 2) + 0.1 z_t
+    # (written out: torch's float64 reference overflows at float64's largest values)
+    row = math.log(classes / 2) + 0.1 * x[0, 0].item()
+    for reduction, expected in (("none", torch.tensor([row, row], dtype=torch.float64)),
+                                ("mean", torch.tensor(row, dtype=torch.float64))):
+        loss = brrr.cross_entropy(x, t, reduction=reduction, label_smoothing=0.1)
+        check(f"loss ({reduction})", loss, expected, dtype)
 
 
 # ---- shapes and layouts -------------------------------------------------------------------------
