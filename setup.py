@@ -66,7 +66,10 @@ CUDA_CPU_SECONDS_PER_ARCH = 90
 
 
 def env_flag(name):
-    return os.environ.get(name, "0") not in ("", "0")
+    text = os.environ.get(name, "0")
+    if text.strip().lower() not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise SystemExit(f"{name}: expected 1 or 0, got {text!r}")
+    return text.strip().lower() in ("1", "true", "yes", "on")
 
 
 def find_cuda_home():
@@ -130,6 +133,14 @@ def cuda_archs():
     if not archs or not all(re.fullmatch(r"\d{2,3}a?", a) for a in archs):
         raise SystemExit(f"BRRR_CUDA_ARCHS: expected SM versions separated by ';', such as \"80;90\", got {text!r}")
     return archs
+
+
+def extra_nvcc_flags():
+    text = os.environ.get("BRRR_NVCC_FLAGS", "")
+    try:
+        return shlex.split(text)
+    except ValueError as e:  # an unclosed quote or a trailing backslash
+        raise SystemExit(f"BRRR_NVCC_FLAGS: expected nvcc flags as a shell would split them, got {text!r} ({e})") from None
 
 
 def build_jobs():
@@ -234,7 +245,7 @@ class BuildExt(build_ext):
         cuda_home = find_cuda_home()
         archs = cuda_archs() if cuda_home else []
         nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None
-        nvcc_flags = NVCC_FLAGS + shlex.split(os.environ.get("BRRR_NVCC_FLAGS", ""))
+        nvcc_flags = NVCC_FLAGS + extra_nvcc_flags()
         cuda_config = {"nvcc": nvcc, "version": nvcc_version(nvcc), "flags": nvcc_flags, "archs": archs} if nvcc else None
 
         ext.include_dirs.append(self.build_temp)

@@ -99,7 +99,7 @@ def __getattr__(name):
     return value
 
 
-if "torch" in sys.modules:
+if sys.modules.get("torch") is not None:  # None: torch blocked (sys.modules["torch"] = None), as if absent
     _frameworks.load_torch_layer()
 
 __all__ = [

@@ -18,8 +18,11 @@ import sys
 
 
 def _torch():
-    import torch
-
+    """torch, or one line saying that the commands need it (brrr itself does not)."""
+    try:
+        import torch
+    except ImportError as e:
+        raise SystemExit(f"brrr: diagnose and ceilings need PyTorch (pip install torch): {e}") from None
     return torch
 
 
@@ -189,6 +192,7 @@ def _run_ceilings(options):
 
     from .diagnose import device_ceilings
 
+    _torch()
     try:
         ceilings = device_ceilings(options.device, refresh=options.refresh)
     except ValueError as e:  # a device this machine does not have

@@ -285,6 +285,21 @@ def test_bad_cuda_archs_are_refused_by_name(tmp_path, fake_cuda, value):
     assert "Traceback" not in result.stderr
 
 
+@needs_source_tree
+@pytest.mark.parametrize("name, value, message", [
+    ("BRRR_NVCC_FLAGS", '-Xcompiler "-O2', "BRRR_NVCC_FLAGS: expected nvcc flags as a shell would split them"),
+    ("BRRR_CPU_ONLY", "maybe", "BRRR_CPU_ONLY: expected 1 or 0, got 'maybe'"),
+    # "false" is not CPU-only: the build goes on to CUDA, and there to the bad archs
+    ("BRRR_CPU_ONLY", "false", "BRRR_CUDA_ARCHS: expected SM versions"),
+])
+def test_bad_build_settings_are_refused_by_name(tmp_path, fake_cuda, name, value, message):
+    tree = copy_tree(tmp_path / "tree")
+    env = {"CUDA_HOME": str(fake_cuda), "BRRR_CPU_ONLY": "0", "BRRR_CUDA_ARCHS": "x" if value == "false" else "80"}
+    result = run([sys.executable, "setup.py", "build_ext", "--inplace"], tree, dict(env, **{name: value}), check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
 # --- first contact -------------------------------------------------------------------------------
 
 
@@ -294,6 +309,30 @@ def test_version():
     archs = ", ".join(f"sm_{a}" for a in info["cuda_archs"].split(";"))
     kernels = f"CUDA kernels for {archs}" if info["cuda_compiled"] else "CPU only: built without CUDA"
     assert result.stdout.strip() == f"brrr {brrr.__version__} ({kernels})"
+
+
+@pytest.mark.parametrize("args", [["--version"], ["diagnose", "overhead"], ["diagnose", "memory", "--device", "cpu"],
+                                  ["diagnose", "compute", "--dtype", "float32"], ["ceilings"],
+                                  ["ceilings", "--device", "cpu"]])
+def test_the_command_line_without_torch_says_so_in_one_line(tmp_path, args):
+    (tmp_path / "torch.py").write_text("raise ImportError(\"No module named 'torch'\")\n")  # a Python without torch
+    result = run([sys.executable, "-m", "brrr", *args], cwd=tmp_path,
+                 env={"PYTHONPATH": os.pathsep.join([str(tmp_path), BRRR_PATH])}, check=False)
+    assert "Traceback" not in result.stderr, result.stderr
+    if args == ["--version"]:
+        assert result.returncode == 0 and result.stdout.startswith(f"brrr {brrr.__version__} (")
+    else:
+        assert result.returncode == 1
+        assert result.stderr.startswith("brrr: diagnose and ceilings need PyTorch (pip install torch)"), result.stderr
+
+
+def test_import_brrr_with_torch_blocked_works_on_numpy(tmp_path):
+    """sys.modules["torch"] = None, the usual way of blocking an installed torch: brrr takes it as
+    absent (it tried to load its torch layer and failed)."""
+    code = ("import sys; sys.modules['torch'] = None\nimport numpy, brrr\n"
+            "print(brrr.gelu(numpy.zeros(2, numpy.float32)).tolist())")
+    result = run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": BRRR_PATH}, check=False)
+    assert result.returncode == 0 and result.stdout.strip() == "[0.0, 0.0]", result.stderr
 
 
 # -S: no site-packages, so that an editable install of brrr (whose import hook would supply the
