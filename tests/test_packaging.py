@@ -77,7 +77,7 @@ def test_sdist_holds_every_source_a_build_needs(sdist):
         for name in os.listdir(tree / folder):
             if not name.startswith("__pycache__"):
                 assert f"{folder}/{name}" in members, f"{folder}/{name} is not in the sdist"
-    for name in ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "requirements-test.txt"):
+    for name in ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "requirements-test.txt", "LICENSE"):
         assert name in members
     assert not [m for m in members if m.endswith((".so", ".o")) or m.startswith("benchmarks/results")]
 
@@ -132,6 +132,8 @@ def test_wheel_metadata_and_contents(wheel):
         assert "brrr = brrr.__main__:main" in archive.read(entry_points).decode()
     assert metadata["Version"] == brrr.__version__
     assert metadata["License-Expression"] == "Apache-2.0"
+    assert metadata.get_all("License-File") == ["LICENSE"]  # the licence's text travels with the wheel
+    assert [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
     urls = dict(url.split(", ", 1) for url in metadata.get_all("Project-URL"))
     assert {"Homepage", "Repository", "Issues"} <= set(urls)
     assert any(c.startswith("Programming Language :: Python :: 3") for c in metadata.get_all("Classifier"))
