@@ -1,6 +1,7 @@
 /* The CPU twins' threads and block loads (see cpu.h). */
 #include "cpu.h"
 
+#include <errno.h>
 #include <omp.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -34,9 +35,28 @@ static int env_threads(const char *name) {
     return end != s && n > 0 && n <= 4096 ? (int)n : 0;
 }
 
+/* BRRR_NUM_THREADS, as set_num_threads takes a count: 0 (automatic) to 4096. Anything else is
+ * warned about by name and left automatic: an import must not fail over it (a RuntimeWarning
+ * made an error by the warnings filter does fail it). */
+static int env_num_threads(int *count) {
+    const char *s = getenv("BRRR_NUM_THREADS");
+    *count = 0;
+    if (s == NULL || *s == '\0') return 0; /* unset, or set empty */
+    char *end;
+    errno = 0;
+    const long n = strtol(s, &end, 10);
+    if (end == s || *end != '\0' || errno != 0 || n < 0 || n > 4096)
+        return PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                                "BRRR_NUM_THREADS: expected a count of threads from 0 (automatic) to 4096, got "
+                                "'%.40s': brrr uses the automatic count",
+                                s);
+    *count = (int)n;
+    return 0;
+}
+
 int brrr_cpu_init(brrr_state *st) {
     pthread_once(&atfork_once, register_atfork);
-    st->num_threads = env_threads("BRRR_NUM_THREADS");
+    if (env_num_threads(&st->num_threads) < 0) return -1;
     st->thread_grain = 32768; /* elements: tens of microseconds, against a few to wake a thread */
     st->default_threads = env_threads("OMP_NUM_THREADS");
     if (st->default_threads == 0) {

@@ -261,6 +261,19 @@ def test_environment_variables(env, expected):
     assert int(out.stdout) == expected
 
 
+@pytest.mark.parametrize("value", ["abc", "-3", "5000", "4x"])
+def test_a_bad_brrr_num_threads_is_warned_about_by_name(value):
+    """set_num_threads refuses such counts; read at import, they leave the automatic count with a
+    RuntimeWarning that names the variable (they were taken as automatic silently)."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("BRRR_NUM_THREADS", "OMP_NUM_THREADS")}
+    code = "import brrr; print(brrr.get_num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, "BRRR_NUM_THREADS": value, "OMP_NUM_THREADS": "4"},
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and int(out.stdout) == 4, out.stderr
+    assert f"RuntimeWarning: BRRR_NUM_THREADS: expected a count of threads from 0 (automatic) to 4096, got '{value}'" \
+        in out.stderr
+
+
 def test_fork_child_after_parent_used_threads():
     x = np.linspace(-50, 50, 200003, dtype=np.float32)
     cos_cos = brrr.chain("cos", "cos")
