@@ -1027,6 +1027,9 @@ def test_without_nvrtc_long_chains_on_cuda_say_why(tmp_path):
 
 
 @needs_nvrtc
+@pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
+                    reason="under AddressSanitizer's runtime a child forked while a thread runs hangs in the runtime "
+                           "itself (its own locks; measured: no exit in 150 s); CI's first stage runs this test without it")
 def test_a_fork_child_does_not_inherit_a_compile_in_progress(cache_dir):
     """A process that forks while another of its threads compiles a chain (compile_lock held for
     the whole compile): the child's chain_jit_info() and chain_jit_compile() must not wait for
