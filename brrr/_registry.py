@@ -71,8 +71,8 @@ def float_dtype(name, dtype, default):
     return dtype
 
 
-_CUDA = _C.cuda_available()
-_functorch_active = torch._C._are_functorch_transforms_active  # asked once: torch.compile must not meet a C call in the dispatch
+_CUDA = _C.cuda_available()  # asked once: torch.compile must not meet a C call in the dispatch
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 # What the families' `supports` checks share (they run on every registry call).

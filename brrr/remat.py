@@ -37,7 +37,7 @@ class Recompute:
 
     def __init__(self, fn, device):
         self.fn = fn
-        self.autocast = (device, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
+        self.autocast = _autocast_state(device)
         self.value = None
         self.pending = 0  # consumers whose backward has not run yet
         self.held = [(t, t._version) for t in _held_tensors(fn)]
@@ -77,6 +77,16 @@ def tag(output, fn, *inputs, min_bytes=0):
     return output
 
 
+def _autocast_state(device):
+    """(device, autocast's dtype there, or None where it is off): what _in_autocast_state restores."""
+    return device, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def _in_autocast_state(state):
+    device, dtype = state
+    return torch.autocast(device, dtype=dtype, enabled=dtype is not None)
+
+
 class _RematLinear(torch.autograd.Function):
     """F.linear(h, weight, bias) that saves the inputs of h's recomputation, not h."""
 
@@ -86,16 +96,14 @@ class _RematLinear(torch.autograd.Function):
         # The backward runs in the forward's autocast state, as F.linear's would: its matmuls in
         # autocast's dtype (the engine casts the gradients back to the inputs' dtypes), h recomputed
         # as the forward made it.
-        device = h.device.type
-        ctx.autocast = (device, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
+        ctx.autocast = _autocast_state(h.device.type)
         recompute.pending += 1
         ctx.save_for_backward(weight, *inputs)
         return F.linear(h, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        device, dtype = ctx.autocast
-        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+        with _in_autocast_state(ctx.autocast):
             return _RematLinear._backward(ctx, grad)
 
     @staticmethod
@@ -103,8 +111,7 @@ class _RematLinear(torch.autograd.Function):
         weight, *inputs = ctx.saved_tensors
         recompute = ctx.recompute
         recompute.check_held()
-        device, dtype = recompute.autocast
-        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+        with _in_autocast_state(recompute.autocast):
             if torch.is_grad_enabled():
                 # create_graph: h recomputed with its graph, so that the gradients depend on the inputs
                 # as the plain composition's do (a second derivative is then its fn's own, or its error).
