@@ -238,6 +238,16 @@ def about(seconds):
     return f"about {round(seconds / 60)} minutes"
 
 
+def compile_each_source_in_parallel(compile_sources):
+    """The C compiler's compile(), one source per call, build_jobs() at a time: setuptools compiles
+    an extension's sources one after another (its -j runs extensions, and brrr has one)."""
+    def compile(sources, **options):
+        with ThreadPoolExecutor(max_workers=build_jobs()) as pool:
+            return [obj for objects in pool.map(lambda source: compile_sources([source], **options), sources)
+                    for obj in objects]
+    return compile
+
+
 class BuildExt(build_ext):
     def build_extensions(self):
         (ext,) = self.extensions
@@ -280,6 +290,7 @@ class BuildExt(build_ext):
             self.force = True
         if nvcc and (self.force or newer_group(ext.sources + ext.depends, ext_path)):
             ext.extra_objects += self.compile_cuda(nvcc, cuda_config, recompile)
+        self.compiler.compile = compile_each_source_in_parallel(self.compiler.compile)
         super().build_extensions()
 
     def cuda_objects_folder(self, name):

@@ -192,7 +192,17 @@ def fake_cuda(tmp_path):
     nvcc.write_text(FAKE_NVCC.format(python=sys.executable))
     nvcc.chmod(0o755)
     subprocess.run(["ar", "rc", str(home / "lib64" / "libcudart_static.a")], check=True)
+    # The C compiler without optimisation (the last -O wins): these tests check which files a build
+    # compiles and what it links, which -O3 does not change, and they build the tree many times over.
+    quick_cc = home / "bin" / "quick-cc"
+    quick_cc.write_text('#!/bin/sh\nexec cc "$@" -O0\n')
+    quick_cc.chmod(0o755)
     return home
+
+
+def toolchain(home):
+    """The stand-in CUDA toolchain and the quick C compiler, as a build's environment names them."""
+    return {"CUDA_HOME": str(home), "CC": str(home / "bin" / "quick-cc")}
 
 
 def nvcc_calls(home):
@@ -209,7 +219,7 @@ def compiled_sources(calls):
 @needs_source_tree
 def test_a_change_of_configuration_rebuilds_what_it_affects(tmp_path, fake_cuda):
     tree = copy_tree(tmp_path / "tree")
-    env = {"CUDA_HOME": str(fake_cuda), "BRRR_CPU_ONLY": "0", "BRRR_CUDA_ARCHS": "80"}
+    env = dict(toolchain(fake_cuda), BRRR_CPU_ONLY="0", BRRR_CUDA_ARCHS="80")
     build = [sys.executable, "setup.py", "build_ext", "--inplace"]
     texts = [(tree / "cuda" / f).read_text() for f in os.listdir(tree / "cuda")]
     # 4 dtypes of each instantiated header, of both parts where it splits them
@@ -267,10 +277,9 @@ def test_a_cpu_only_wheel_from_a_tree_built_with_cuda_is_cpu_only(tmp_path, fake
     """The stale build of the report: `BRRR_CPU_ONLY=1 pip wheel` over a tree whose build/ holds a
     CUDA build gave that CUDA build."""
     tree = copy_tree(tmp_path / "tree")
-    run([sys.executable, "setup.py", "build"], tree, {"CUDA_HOME": str(fake_cuda), "BRRR_CPU_ONLY": "0",
-                                                      "BRRR_CUDA_ARCHS": "90"})
+    run([sys.executable, "setup.py", "build"], tree, dict(toolchain(fake_cuda), BRRR_CPU_ONLY="0", BRRR_CUDA_ARCHS="90"))
     run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w", "dist", "."], tree,
-        {"BRRR_CPU_ONLY": "1"})
+        dict(toolchain(fake_cuda), BRRR_CPU_ONLY="1"))
     (path,) = (tree / "dist").glob("brrr-*.whl")
     with zipfile.ZipFile(path) as archive:
         archive.extractall(tmp_path / "site")
@@ -282,7 +291,7 @@ def test_a_cpu_only_wheel_from_a_tree_built_with_cuda_is_cpu_only(tmp_path, fake
 def test_bad_cuda_archs_are_refused_by_name(tmp_path, fake_cuda, value):
     tree = copy_tree(tmp_path / "tree")
     result = run([sys.executable, "setup.py", "build_ext", "--inplace"], tree,
-                 {"CUDA_HOME": str(fake_cuda), "BRRR_CPU_ONLY": "0", "BRRR_CUDA_ARCHS": value}, check=False)
+                 dict(toolchain(fake_cuda), BRRR_CPU_ONLY="0", BRRR_CUDA_ARCHS=value), check=False)
     assert result.returncode != 0 and "BRRR_CUDA_ARCHS: expected SM versions" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -296,7 +305,7 @@ def test_bad_cuda_archs_are_refused_by_name(tmp_path, fake_cuda, value):
 ])
 def test_bad_build_settings_are_refused_by_name(tmp_path, fake_cuda, name, value, message):
     tree = copy_tree(tmp_path / "tree")
-    env = {"CUDA_HOME": str(fake_cuda), "BRRR_CPU_ONLY": "0", "BRRR_CUDA_ARCHS": "x" if value == "false" else "80"}
+    env = dict(toolchain(fake_cuda), BRRR_CPU_ONLY="0", BRRR_CUDA_ARCHS="x" if value == "false" else "80")
     result = run([sys.executable, "setup.py", "build_ext", "--inplace"], tree, dict(env, **{name: value}), check=False)
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
