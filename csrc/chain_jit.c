@@ -1134,10 +1134,11 @@ static void cache_write(const char *dir, const char *path, const char *identity,
 enum { ORIGIN_COMPILED, ORIGIN_DISK };
 
 /* Counters for chain_jit_info(), updated under compile_lock. */
-static struct {
+typedef struct {
     long long compiled, from_disk;
     double last_seconds; /* the last program's compile (or disk read) and load */
-} stats;
+} jit_stats;
+static jit_stats stats;
 static pthread_mutex_t compile_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* One kernel's program to build, in the variant `variant` asks for (chain_source): its cubin
@@ -1722,15 +1723,21 @@ PyObject *brrr_py_chain_jit_info(PyObject *module, PyObject *unused) {
     if (nvrtc_prepare() < 0) return NULL;
     char dir[PATH_MAX], version[32];
     const int have_dir = cache_dir(dir, sizeof dir);
+    int loaded;
+    jit_stats counts;
+    /* Without the GIL: another thread's compile holds compile_lock for seconds, and NVRTC's first
+     * search reads the disk; every Python thread would stall behind them. */
+    Py_BEGIN_ALLOW_THREADS
+    loaded = nvrtc_open() == 0;
     pthread_mutex_lock(&compile_lock);
-    const int loaded = nvrtc_open() == 0;
-    snprintf(version, sizeof version, "%d.%d", nvrtc.major, nvrtc.minor);
-    PyObject *info = Py_BuildValue("{s:z,s:z,s:z,s:z,s:O,s:L,s:L,s:d}", "nvrtc", loaded ? nvrtc.path : NULL, "nvrtc_version",
-                                   loaded ? version : NULL, "nvrtc_error", loaded ? NULL : nvrtc.error, "cache_dir",
-                                   have_dir ? dir : NULL, "enabled", jit_enabled ? Py_True : Py_False, "compiled",
-                                   stats.compiled, "from_disk", stats.from_disk, "last_seconds", stats.last_seconds);
+    counts = stats;
     pthread_mutex_unlock(&compile_lock);
-    return info;
+    Py_END_ALLOW_THREADS
+    snprintf(version, sizeof version, "%d.%d", nvrtc.major, nvrtc.minor);
+    return Py_BuildValue("{s:z,s:z,s:z,s:z,s:O,s:L,s:L,s:d}", "nvrtc", loaded ? nvrtc.path : NULL, "nvrtc_version",
+                         loaded ? version : NULL, "nvrtc_error", loaded ? NULL : nvrtc.error, "cache_dir",
+                         have_dir ? dir : NULL, "enabled", jit_enabled ? Py_True : Py_False, "compiled", counts.compiled,
+                         "from_disk", counts.from_disk, "last_seconds", counts.last_seconds);
 }
 
 /* chain_jit_enable(flag) -> previous: whether CUDA chains run compiled kernels (else the

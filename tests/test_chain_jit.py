@@ -8,6 +8,7 @@ import re
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -1024,6 +1025,39 @@ def test_without_nvrtc_long_chains_on_cuda_say_why(tmp_path):
                             env={**os.environ, "BRRR_NVRTC": "none", "BRRR_CACHE_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert "a chain of 17 steps needs NVRTC" in result.stdout
+
+
+@needs_nvrtc
+def test_chain_jit_info_waits_for_a_compile_without_holding_the_gil(cache_dir):
+    """chain_jit_info() while another thread compiles waits for that compile's lock; it waited with
+    the GIL held, so that every Python thread stalled until the compile ended."""
+    steps = ["gelu", "silu", ("mul", 2.0), "tanh", "exp", "sin", ("add", 1.0), "sigmoid", "log1p", ("pow", 3.0),
+             "cos"] * 10  # seconds of NVRTC on a 2-core machine
+    started, stop, ticks = threading.Event(), threading.Event(), []
+
+    def compile_chain():
+        started.set()
+        _C.chain_jit_compile(steps, "float64", backward=True)
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.002)
+
+    threads = [threading.Thread(target=tick), threading.Thread(target=compile_chain)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    time.sleep(0.1)
+    begin = time.perf_counter()
+    _C.chain_jit_info()
+    end = time.perf_counter()
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert end - begin > 0.3, "the compile ended before chain_jit_info() was called"
+    during = [begin] + [t for t in ticks if begin < t < end] + [end]
+    assert max(b - a for a, b in zip(during, during[1:])) < (end - begin) / 3
 
 
 @needs_nvrtc
