@@ -81,7 +81,7 @@ static inline float brrr_tanhf(float x) {
     p = p * z - 5.37397155531e-2f;
     p = p * z + 1.33314422036e-1f;
     p = p * z - 3.33332819422e-1f;
-    const float small = x + x * z * p;
+    const float small = z == 0.0f ? x : x + x * z * p; /* x itself where x^2 is 0: the sum gives -0 as +0 */
     brrr_f32_bits large = {1.0f - 2.0f / (brrr_expf(2.0f * a) + 1.0f)};
     large.u |= sign.u;
     return a < 0.625f ? small : large.f; /* NaN: the exp branch's NaN */
@@ -277,7 +277,7 @@ static inline void brrr_sincosf_reduced(float x, float *s, float *c) {
     ps = ps * r2 - 1.0f / 5040.0f;
     ps = ps * r2 + 1.0f / 120.0f;
     ps = ps * r2 - 1.0f / 6.0f;
-    const float sr = r + r * r2 * ps;
+    const float sr = r2 == 0.0f ? r : r + r * r2 * ps; /* r itself where r^2 is 0: the sum gives -0 as +0 */
     float pc = -1.0f / 3628800.0f;
     pc = pc * r2 + 1.0f / 40320.0f;
     pc = pc * r2 - 1.0f / 720.0f;

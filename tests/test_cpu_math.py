@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import brrr
-from helpers import assert_close
+from helpers import DEVICES, assert_close
 
 ULP = 2.0 ** -24
 
@@ -174,3 +174,21 @@ def test_bfloat16_stores_round_to_nearest_even(scale):
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan)
     assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_sign_of_a_zero_result_is_float64s(dtype, device):
+    """-0 and +0 in, each unary chain op: a zero that comes out carries the sign of torch's float64
+    result (tanh and sin of -0 gave +0 in float32 and half storage: the polynomial's x + x^3 P
+    added +0 to -0). float64, not the dtype's own torch op, which gives gelu(-0) as +0 in float32."""
+    import torch.nn.functional as F
+
+    ops = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+           "silu": F.silu, "tanh": torch.tanh, "sin": torch.sin, "abs": torch.abs, "neg": torch.neg,
+           "square": torch.square, "sqrt": torch.sqrt, "log1p": torch.log1p, "expm1": torch.expm1,
+           "mish": F.mish, "hardswish": F.hardswish}
+    x = torch.tensor([-0.0, 0.0] * 40, dtype=dtype, device=device)  # longer than a vector, so the vector loop runs too
+    for name, ref in ops.items():
+        got, want = brrr.chain(name)(x), ref(x.double()).to(dtype)
+        assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want)), (name, got[:2], want[:2])
