@@ -5,7 +5,8 @@ Environment:
   BRRR_CUDA_ARCHS="80;90"  SM architectures to compile machine code for (PTX of the last one is
                            embedded too, so newer GPUs JIT it)
   CUDA_HOME / CUDA_PATH    where to look for nvcc first (then /usr/local/cuda, then PATH)
-  BRRR_BUILD_JOBS=N        nvcc processes at a time (default: the CPUs this process may use)
+  BRRR_BUILD_JOBS=N        compiler processes at a time, C and nvcc (default: the CPUs this
+                           process may use)
   BRRR_NVCC_FLAGS="..."    more nvcc flags, after brrr's own (release wheels add
                            --compress-mode=size: a 5x smaller fatbin for about 10% more build time)
   BRRR_SANITIZE=address,undefined   compile and link the C code with these sanitizers, keeping
