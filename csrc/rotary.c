@@ -117,6 +117,11 @@ static int check_second(const brrr_op_call *c, int64_t last) {
         PyErr_Format(PyExc_ValueError, "argument out2: expected x2's shape");
         return -1;
     }
+    /* The second pass reads cos and sin again: neither output may be one of them, even exactly. */
+    const int outputs[] = {S_OUT, S_OUT2}, angles[] = {S_COS, S_SIN};
+    for (int o = 0; o < 2; o++)
+        for (int a = 0; a < 2; a++)
+            if (brrr_check_no_overlap(&c->t[outputs[o]], &c->t[angles[a]], 0) < 0) return -1;
     if (x->numel && x2->numel && (c->t[S_OUT].data == x2->data || out2->data == x->data)) {
         PyErr_Format(PyExc_ValueError, "argument %s: may be %s itself (in place), not %s",
                      c->t[S_OUT].data == x2->data ? "out" : "out2", c->t[S_OUT].data == x2->data ? "x" : "x2",

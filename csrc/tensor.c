@@ -168,7 +168,7 @@ static int fill_from_dltensor(const DLTensor *dl, int allow_null_strides, int in
     int64_t running = 1;
     for (int d = t->ndim - 1; d >= 0; d--) {
         t->strides[d] = dl->strides ? dl->strides[d] : running;
-        running *= t->shape[d] ? t->shape[d] : 1;
+        if (numel > 0) running *= t->shape[d]; /* an empty tensor's product may overflow; its strides are unused */
     }
     /* In integers: a hostile byte_offset must not make pointer arithmetic undefined. */
     t->data = (void *)((uintptr_t)dl->data + (uintptr_t)dl->byte_offset);
@@ -583,7 +583,8 @@ done:
     return status;
 }
 
-static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, int index, brrr_tensor *t);
+static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, int index, int materialised,
+                         brrr_tensor *t);
 
 /* unbound_method(obj) is true: 1, false or no such method: 0, -1 with an exception. */
 static int flag(PyObject *unbound_method, PyObject *obj) {
@@ -605,13 +606,22 @@ static int import_materialised(brrr_call *call, PyObject *obj, const char *name,
         return -1;
     }
     PyObject *materialised = PyObject_CallMethod(obj, method, NULL);
-    int status = materialised ? tensor_import(call, materialised, name, writable, index, t) : -1;
+    int status = materialised ? tensor_import(call, materialised, name, writable, index, 1, t) : -1;
     if (status == 0 && t->owner == NULL) t->owner = Py_NewRef(materialised);
     Py_XDECREF(materialised);
     return status;
 }
 
-static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, int index, brrr_tensor *t) {
+/* A subclass's resolve_neg() or clone() may return what it was called on: refused, where it
+ * would be materialised again and again (the C stack, not Python's recursion limit, overflows). */
+static int refuse_unmaterialised(const char *name, const char *method, const char *what) {
+    PyErr_Format(PyExc_ValueError, "argument %s: its %s() returned %s again; pass a tensor without it", name, method,
+                 what);
+    return -1;
+}
+
+static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, int index, int materialised,
+                         brrr_tensor *t) {
     memset(t, 0, BRRR_TENSOR_HEAD);
     t->name = name;
     if (obj == Py_None) {
@@ -624,9 +634,10 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
     int negated = info && info->is_neg ? flag(info->is_neg, obj) : 0;
     int status;
     if (negated) {
-        status = negated < 0 ? -1 : import_materialised(call, obj, name, writable, index, t, "resolve_neg",
-                                                        "a view with its negative bit set (is_neg(), e.g. the "
-                                                        ".imag of a conjugated tensor)");
+        const char *what = "a view with its negative bit set (is_neg(), e.g. the .imag of a conjugated tensor)";
+        status = negated < 0          ? -1
+                 : materialised ? refuse_unmaterialised(name, "resolve_neg", what)
+                                : import_materialised(call, obj, name, writable, index, t, "resolve_neg", what);
         if (negated < 0) prefix_error(name, 1);
     } else if (info && info->api) {
         DLTensor dl;
@@ -635,7 +646,11 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
         if (status == 0) status = fill_from_dltensor(&dl, 0, index, t);
         if (status == 0 && !call->resolved && call->stream_arg < 0 && t->device_type == kDLCUDA) {
             /* The framework's current stream on this tensor's device: where its own ops run. */
-            if (info->api->current_work_stream(kDLCUDA, t->device_id, &call->stream) != 0) status = -1;
+            if (info->api->current_work_stream(kDLCUDA, t->device_id, &call->stream) != 0) {
+                PyErr_Format(PyExc_RuntimeError, "argument %s: its framework could not say its current CUDA stream "
+                             "(pass the stream)", name);
+                status = -1;
+            }
             call->resolved = status == 0;
         }
     } else if (info == NULL) {
@@ -660,8 +675,10 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
             Py_XDECREF(traceback);
             brrr_tensor_release(t);
             if (zero < 0) prefix_error(name, 1);
-            status = zero < 0 ? -1 : import_materialised(call, obj, name, writable, index, t, "clone",
-                                                         "a ZeroTensor (_is_zerotensor(), lazy zeros with no memory)");
+            const char *what = "a ZeroTensor (_is_zerotensor(), lazy zeros with no memory)";
+            status = zero < 0       ? -1
+                     : materialised ? refuse_unmaterialised(name, "clone", what)
+                                    : import_materialised(call, obj, name, writable, index, t, "clone", what);
         }
     }
     brrr_type_info_clear(&scratch);
@@ -686,11 +703,11 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
 }
 
 int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, brrr_tensor *t) {
-    return tensor_import(call, obj, name, writable, 0, t);
+    return tensor_import(call, obj, name, writable, 0, 0, t);
 }
 
 int brrr_index_import(brrr_call *call, PyObject *obj, const char *name, brrr_tensor *t) {
-    return tensor_import(call, obj, name, 0, 1, t);
+    return tensor_import(call, obj, name, 0, 1, 0, t);
 }
 
 void brrr_tensor_release(brrr_tensor *t) {

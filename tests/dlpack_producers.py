@@ -133,10 +133,12 @@ CAPSULE_NAMES[b"dlpack_exchange_api"] = ctypes.create_string_buffer(b"dlpack_exc
 
 class ExchangeTable:
     """A C exchange table whose export entry reads the NumPy array `obj.array` (or fails, returning
-    -1, when export_fails), in a capsule named `name`; `major` and `complete` (NULL entries)
-    make it one brrr must not use. Keep the object alive as long as its capsule."""
+    -1, when export_fails) as on DLPack device `device_type`, in a capsule named `name`; `major`
+    and `complete` (NULL entries) make it one brrr must not use; its stream entry fails with
+    stream_fails. Keep the object alive as long as its capsule."""
 
-    def __init__(self, major=1, complete=True, export_fails=False, name=b"dlpack_exchange_api"):
+    def __init__(self, major=1, complete=True, export_fails=False, name=b"dlpack_exchange_api", device_type=1,
+                 stream_fails=False):
         self.exported = 0
         self._keep = []
 
@@ -148,14 +150,14 @@ class ExchangeTable:
             strides = (ctypes.c_int64 * max(a.ndim, 1))(*[s // a.itemsize for s in a.strides])
             self._keep.append((shape, strides))
             t = out.contents
-            t.data, t.device, t.ndim, t.dtype = a.ctypes.data, DLDevice(1, 0), a.ndim, DLDataType(2, 32, 1)
+            t.data, t.device, t.ndim, t.dtype = a.ctypes.data, DLDevice(device_type, 0), a.ndim, DLDataType(2, 32, 1)
             t.shape, t.strides, t.byte_offset = shape, strides, 0
             self.exported += 1
             return 0
 
         def stream(device_type, device_id, out):
             out[0] = None
-            return 0
+            return -1 if stream_fails else 0
 
         self._export, self._stream = DLTENSOR_FROM_PY(export), CURRENT_STREAM(stream)
         self.table = ExchangeAPI(major, 3, None, None, None, None,

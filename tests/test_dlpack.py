@@ -289,6 +289,45 @@ def test_an_exchange_table_that_checks_out_is_used():
         COS(forged_producer(failing.capsule, x, NoProtocol), out=np.empty(7, np.float32))
 
 
+def test_a_framework_that_cannot_say_its_stream_gets_an_error_naming_the_argument():
+    """A CUDA tensor from a table whose current_work_stream fails: a RuntimeError, where brrr._C
+    returned NULL without an exception (a SystemError)."""
+    from dlpack_producers import ExchangeTable
+
+    table = ExchangeTable(device_type=2, stream_fails=True)
+    x = np.linspace(-2, 2, 7, dtype=np.float32)
+    with pytest.raises(RuntimeError, match="^argument x: its framework could not say its current CUDA stream"):
+        COS(forged_producer(table.capsule, x, NoProtocol), out=np.empty(7, np.float32))
+
+
+class StaysNegated(torch.Tensor):
+    """A subclass that says it is negated and whose resolve_neg() returns itself."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.is_neg:
+            return True
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+    def resolve_neg(self):
+        return self
+
+
+def test_a_tensor_whose_resolve_neg_stays_negated_is_refused():
+    """brrr reads a negated view through its resolve_neg(); one that returns a negated view again
+    was resolved again and again, in C, until the stack overflowed (a segfault)."""
+    x = torch.randn(4).as_subclass(StaysNegated)
+    with pytest.raises(ValueError, match=r"^argument x: its resolve_neg\(\) returned a view with its negative bit"):
+        COS(x, out=torch.empty(4))
+    with pytest.raises(ValueError, match=r"^argument x: its resolve_neg\(\) returned"):
+        brrr.relu(x)
+    # a type that only takes torch's base class's C name, without torch
+    fake = type("torch._C.TensorBase", (), {"is_neg": lambda self: True, "resolve_neg": lambda self: self,
+                                             "_is_zerotensor": lambda self: False})
+    with pytest.raises(ValueError, match=r"^argument x: its resolve_neg\(\) returned"):
+        COS(fake(), out=np.empty(4, np.float32))
+
+
 class Device:
     """A producer whose __dlpack_device__ returns `device` (or raises it, when it is an exception)."""
 

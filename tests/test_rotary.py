@@ -822,6 +822,12 @@ def test_rotary_pair_errors(device):
         _C.rotary_pair(q, cos, sin, None, q.detach().clone(), q, False)
     with pytest.raises(TypeError, match="argument out2: required"):
         _C.rotary_pair(q, cos, sin, None, k, None, False)
+    # the second pass reads cos and sin again: an output may not be one of them, even exactly
+    full_cos, full_sin = cos.expand_as(q).contiguous(), sin.expand_as(q).contiguous()
+    for out, out2, name, angle in [(full_cos, torch.empty_like(q), "out", "cos"),
+                                   (torch.empty_like(q), full_sin, "out2", "sin")]:
+        with pytest.raises(ValueError, match=f"argument {name} overlaps input {angle} in memory"):
+            _C.rotary_pair(q, full_cos, full_sin, out, q.clone(), out2, False)
     with pytest.raises(ValueError, match="argument x2 has dtype float64 but x has dtype float32"):
         _C.rotary_pair(q, cos, sin, None, k.double(), out2, False)
 
