@@ -408,19 +408,35 @@ def torch_layer():
                 return False
         return True
 
+    def shape_and_eps_ok(normalized_shape, eps):
+        """What torch's functions take and brrr's refuse goes to torch's: eps a tensor or negative
+        (torch computes, NaN for a negative one), dims that are not ints."""
+        dims = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+        return (isinstance(dims, (tuple, list, torch.Size)) and all(type(d) is int for d in dims)
+                and (eps is None or (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0)))
+
+    def llama_keeps_dtype(x, weight, cast_order="torch", offset=0.0, **kwargs):
+        """Llama's order without an offset scales the normalised x, rounded to x's dtype, by the weight
+        in its own dtype: a float32 weight makes the result float32 (as the model's own module
+        returns it), where brrr's kernels write x's dtype."""
+        return cast_order != "llama" or bool(offset) or weight is None or weight.dtype == x.dtype
+
     # Under CUDA autocast torch's layer_norm runs in float32 and returns float32: half inputs then go to it.
     def layer_norm_ok(x, normalized_shape, weight=None, bias=None, eps=1e-5):
-        return tensor_ok(x) and params_ok(x, weight, bias) and not cuda_autocast_upcasts(x)
-
-    def rms_norm_ok(x, normalized_shape, weight=None, eps=None, **kwargs):
-        return tensor_ok(x) and params_ok(x, weight)
-
-    def add_layer_norm_ok(x, residual, normalized_shape, weight=None, bias=None, *args, **kwargs):
-        return (tensor_ok(x) and same_kind(x, residual) and residual.shape == x.shape and params_ok(x, weight, bias)
+        return (tensor_ok(x) and params_ok(x, weight, bias) and shape_and_eps_ok(normalized_shape, eps)
                 and not cuda_autocast_upcasts(x))
 
-    def add_rms_norm_ok(x, residual, normalized_shape, weight=None, *args, **kwargs):
-        return tensor_ok(x) and same_kind(x, residual) and residual.shape == x.shape and params_ok(x, weight)
+    def rms_norm_ok(x, normalized_shape, weight=None, eps=None, **kwargs):
+        return (tensor_ok(x) and params_ok(x, weight) and shape_and_eps_ok(normalized_shape, eps)
+                and llama_keeps_dtype(x, weight, **kwargs))
+
+    def add_layer_norm_ok(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
+        return (tensor_ok(x) and same_kind(x, residual) and residual.shape == x.shape and params_ok(x, weight, bias)
+                and shape_and_eps_ok(normalized_shape, eps) and not cuda_autocast_upcasts(x))
+
+    def add_rms_norm_ok(x, residual, normalized_shape, weight=None, eps=None, **kwargs):
+        return (tensor_ok(x) and same_kind(x, residual) and residual.shape == x.shape and params_ok(x, weight)
+                and shape_and_eps_ok(normalized_shape, eps) and llama_keeps_dtype(x, weight, **kwargs))
 
     # torch's, bound before brrr.use_fused can route these names of F here
     torch_layer_norm, torch_rms_norm = F.layer_norm, F.rms_norm

@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(fwd_max_threads(PACKS), fwd_min_blocks<T>(PACK
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) y[j] = round_to<T>(v[k][j] * rstd) * w[j];
             } else {
-                load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b);
+                load_param<T, VEC>(L, L.bias.data, first + k * stride, A(-0.0), b);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) y[j] = v[k][j] * rstd * w[j] + b[j];
             }
@@ -494,7 +494,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
         for (int j = 0; j < VEC; ++j) w[k][j] = b[kBias ? k : 0][j] = A(0);
         if (k >= mine) continue;
         load_weight<T, VEC>(L, first + k * stride, w[k]);
-        if constexpr (kBias) load_param<T, VEC>(L, L.bias.data, first + k * stride, A(0), b[k]);
+        if constexpr (kBias) load_param<T, VEC>(L, L.bias.data, first + k * stride, A(-0.0), b[k]);
     }
 
     int s = 0, parity = 0;
@@ -554,9 +554,10 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
             } else {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
-                    // + 0 without a bias: norm_fwd_kernel's v * rstd * w + b with b = 0, the same bits
+                    // + -0 without a bias: norm_fwd_kernel's v * rstd * w + b with b = -0, the same bits
+                    // (x + -0 is x, -0 included)
                     if constexpr (kBias) y[j] = v[k][j] * rstd * w[k][j] + b[k][j];
-                    else y[j] = v[k][j] * rstd * w[k][j] + A(0);
+                    else y[j] = v[k][j] * rstd * w[k][j] + A(-0.0);
                 }
             }
             store_vec<T, VEC>(out + k * stride, y);
@@ -648,7 +649,7 @@ __global__ void __launch_bounds__(kFlatMaxThreads)
             if (k >= mine) continue;
             A w[VEC], b[VEC];
             load_weight<T, VEC>(L, first + k * stride, w);
-            load_param<T, VEC>(L, llama ? nullptr : L.bias.data, first + k * stride, A(0), b);
+            load_param<T, VEC>(L, llama ? nullptr : L.bias.data, first + k * stride, A(-0.0), b);
             if (llama) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) v[k][j] = round_to<T>(v[k][j] * rstd) * w[j];
@@ -1400,7 +1401,7 @@ __global__ void __launch_bounds__(kGenericThreads) norm_fwd_generic_kernel(const
             const A h = res ? to_float(res_out[col_offset(L, L.residual_out, j)]) : to_float(x[col_offset(L, L.x, j)]);
             A w, b;
             load_weight<T, 1>(L, col_offset(L, L.weight, j), &w);
-            load_param<T, 1>(L, L.bias.data, col_offset(L, L.bias, j), A(0), &b);
+            load_param<T, 1>(L, L.bias.data, col_offset(L, L.bias, j), A(-0.0), &b);
             const A xhat = (layer ? h - shift - mean : h) * rstd;
             out[col_offset(L, L.out, j)] = to_storage<T, A>(L.llama ? round_to<T>(xhat) * w : xhat * w + b);
         }

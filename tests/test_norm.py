@@ -1352,3 +1352,55 @@ def test_norm_outputs_are_contiguous_as_torchs(device, kind):
         out = result[0] if kind.startswith("add_") else result
         assert out.is_contiguous(), (kind, grad)
         out.view(-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_zero_output_keeps_torchs_sign(device, dtype):
+    """Rows of -0 (and float32 rows whose squares overflow, which normalise to zeros): RMSNorm and
+    LayerNorm without a bias give torch's -0, where the kernels added an absent bias as +0."""
+    w = torch.ones(5, device=device, dtype=dtype)
+    rows = [torch.full((3, 5), -0.0, device=device, dtype=dtype)]
+    if dtype == torch.float32:
+        rows.append(torch.full((3, 5), -1e20, device=device))
+    for x in rows:
+        for ours, want in [(brrr.rms_norm(x, (5,), w, 1e-5), F.rms_norm(x, (5,), w, 1e-5)),
+                           (brrr.add_rms_norm(x, torch.full_like(x, -0.0), (5,), w, 1e-5)[0],
+                            F.rms_norm(x, (5,), w, 1e-5)),
+                           (brrr.layer_norm(x[:1] * 0, (5,), w), F.layer_norm(x[:1] * 0, (5,), w))]:
+            assert torch.equal(ours, want) and torch.equal(ours.signbit(), want.signbit()), (ours, want)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_llama_order_with_a_float32_weight_returns_float32_as_the_model_does(dtype):
+    """Llama's RMSNorm with a float32 weight over half x returns float32 (weight * h.to(x.dtype)),
+    the registry's reference too; its route, brrr.nn.RMSNorm and a patched Hugging Face module
+    returned x's dtype."""
+    from brrr import registry
+
+    x, w = random((5, 64), dtype, "cpu"), random((64,), torch.float32, "cpu")
+    hidden = x.float()
+    want = w * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(registry("rms_norm", x, (64,), w, 1e-6, cast_order="llama"), want)
+    module = brrr.nn.RMSNorm(64, eps=1e-6)
+    module.cast_order = "llama"
+    with torch.no_grad():
+        module.weight.copy_(w)
+    assert torch.equal(module(x), want)
+    residual = random((5, 64), dtype, "cpu")
+    out, h = registry("add_rms_norm", x, residual, (64,), w, 1e-6, cast_order="llama")
+    hidden = (x + residual).float()
+    assert out.dtype == torch.float32 and torch.equal(h, x + residual)
+    assert torch.equal(out, w * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype))
+
+
+def test_routed_functions_take_what_torchs_take():
+    """Under use_fused, F.rms_norm and F.layer_norm with an eps that is a tensor or negative, or
+    dims given as tensors, compute what torch computes, where brrr's argument checks raised."""
+    x, w, b = random((3, 4), torch.float32, "cpu"), random((4,), torch.float32, "cpu"), random((4,), torch.float32, "cpu")
+    calls = [lambda: F.rms_norm(x, (4,), w, -1.0), lambda: F.rms_norm(x, (4,), w, torch.tensor(1e-5)),
+             lambda: F.rms_norm(x, (torch.tensor(4),), w), lambda: F.layer_norm(x, (4,), w, b, -1e-6)]
+    wanted = [call() for call in calls]
+    with brrr.use_fused():
+        for call, want in zip(calls, wanted):
+            torch.testing.assert_close(call(), want, rtol=0, atol=0, equal_nan=True)
