@@ -72,6 +72,9 @@ def float_dtype(name, dtype, default):
 
 
 _CUDA = _C.cuda_available()  # asked once: torch.compile must not meet a C call in the dispatch
+# brrr._C's kernels take views of at most this many dims once mergeable ones are merged; a view of
+# more dims may have more that do not merge, and goes to PyTorch.
+_MAX_DIMS = _C.build_info()["max_dims"]
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
@@ -100,12 +103,14 @@ def traced_by_a_mode():
 
 def tensor_ok(x):
     """x is a strided, non-nested torch tensor of a float dtype brrr has kernels for, on the CPU or
-    on CUDA in a CUDA build (is_cpu / is_cuda: no torch.device object made). Of a subclass (a
+    on CUDA in a CUDA build (is_cpu / is_cuda: no torch.device object made), of at most _MAX_DIMS
+    dims. Of a subclass (a
     wrapper, a fake tensor) only under a tracing mode (traced_by_a_mode), where the op goes to
     brrr's operator, which the mode handles; elsewhere such a tensor holds no memory brrr can read,
     and goes to PyTorch."""
     return ((type(x) in _PLAIN_TENSORS or (isinstance(x, torch.Tensor) and traced_by_a_mode())) and x.dtype in FLOATS
-            and (x.is_cpu or (x.is_cuda and _CUDA)) and x.layout == torch.strided and not x.is_nested)
+            and (x.is_cpu or (x.is_cuda and _CUDA)) and x.layout == torch.strided and not x.is_nested
+            and x.dim() <= _MAX_DIMS)
 
 
 def cuda_autocast_upcasts(x):

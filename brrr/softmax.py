@@ -147,7 +147,7 @@ def torch_layer():
 
     # ---- the registry: torch.nn.functional's signature
     def supports(input, dim=None, _stacklevel=3, dtype=None):
-        return tensor_ok(input) and isinstance(dim, int) and -max(input.dim(), 1) <= dim < max(input.dim(), 1) and \
+        return tensor_ok(input) and type(dim) is int and -max(input.dim(), 1) <= dim < max(input.dim(), 1) and \
             dtype in (None,) + FLOATS
 
     def implementation(log):

@@ -174,14 +174,14 @@ __global__ void __launch_bounds__(512) softmax_rows_kernel(const brrr_softmax_la
             for (int j = 0; j < P; ++j)
                 if (have[k]) s += exp_<TY>(a[k * P + j] - m);
         s = block_reduce<false>(s, scratch);
-        const A shift = m + log_(s), inv = A(1) / s;
+        const A log_s = log_(s), inv = A(1) / s;
         TY *y = static_cast<TY *>(L.out) + row_off(L, 2, r);
 #pragma unroll
         for (int k = 0; k < PACKS; ++k) {
             if (!have[k]) continue;
             A v[P];
 #pragma unroll
-            for (int j = 0; j < P; ++j) v[j] = L.log ? a[k * P + j] - shift : exp_<TY>(a[k * P + j] - m) * inv;
+            for (int j = 0; j < P; ++j) v[j] = L.log ? (a[k * P + j] - m) - log_s : exp_<TY>(a[k * P + j] - m) * inv;
             store_pack<TY, P>(y + (threadIdx.x + (int64_t)k * blockDim.x) * P, v);
         }
         return;
@@ -243,13 +243,13 @@ __global__ void __launch_bounds__(1024) softmax_stream_kernel(const brrr_softmax
         }
         const A m = block_reduce<true>(o.m, scratch);
         const A s = block_reduce<false>(o.s * exp_<TY>(o.m - m), scratch);
-        const A shift = m + log_(s), inv = A(1) / s;
+        const A log_s = log_(s), inv = A(1) / s;
         TY *y = static_cast<TY *>(L.out) + row_off(L, 2, r);
         for (int64_t c = threadIdx.x * P; c < n; c += step) {
             A v[P];
             load_at<TX, P>(x, c, cx, v);
 #pragma unroll
-            for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_<TY>(v[j] - m) * inv;
+            for (int j = 0; j < P; ++j) v[j] = L.log ? (v[j] - m) - log_s : exp_<TY>(v[j] - m) * inv;
             store_at<TY, P>(y, c, cy, v);
         }
         return;
@@ -414,12 +414,12 @@ __global__ void __launch_bounds__(kSmemThreads, sizeof(typename Compute<TX>::typ
 #endif
     TO *out = static_cast<TO *>(L.out) + row_off(L, 2, r) + begin;
     if (!kBackward) {
-        const A m = total0, shift = m + log_(total1), inv = A(1) / total1;
+        const A m = total0, log_s = log_(total1), inv = A(1) / total1;
         for (int64_t c = threadIdx.x * P; c < n; c += step) {
             A v[P];
             load_pack<TI, P>(in0 + c, v);
 #pragma unroll
-            for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_<TO>(v[j] - m) * inv;
+            for (int j = 0; j < P; ++j) v[j] = L.log ? (v[j] - m) - log_s : exp_<TO>(v[j] - m) * inv;
             store_pack<TO, P>(out + c, v);
         }
     } else {
@@ -514,12 +514,12 @@ __global__ void __launch_bounds__(kTileThreads) softmax_tile_kernel(const brrr_s
             for (int j = 0; j < P; ++j) s += exp_<TO>(v[j] - m);
         }
         s = group_reduce<false>(s, scratch, warps);
-        const A shift = m + log_(s), inv = A(1) / s;
+        const A log_s = log_(s), inv = A(1) / s;
         for (int c = threadIdx.x * P; c < n; c += step) {
             A v[P];
             load_pack<TI, P>(in0 + c, v);
 #pragma unroll
-            for (int j = 0; j < P; ++j) v[j] = L.log ? v[j] - shift : exp_<TO>(v[j] - m) * inv;
+            for (int j = 0; j < P; ++j) v[j] = L.log ? (v[j] - m) - log_s : exp_<TO>(v[j] - m) * inv;
             store_pack<TO, P>(out + c, v);
         }
         return;
@@ -701,13 +701,13 @@ __global__ void __launch_bounds__(kGroupMaxThreads, group_min_blocks<TX, TY, kBa
         group_reduce_once<true, TO>(row_m, row_s, scratch);
         cluster_reduce<true, TO>(row_m, row_s, parts, cluster, rank);
         // A row of -inf: row_s = 0, and NaN results (0 * inf, -inf - -inf), as torch gives.
-        const A scale = exp_<TO>(m - row_m) / row_s, shift = row_m + log_(row_s);
+        const A scale = exp_<TO>(m - row_m) / row_s, log_s = log_(row_s);
 #pragma unroll
         for (int k = 0; k < N; ++k) {
             if (!have[k]) continue;
             A v[P];
 #pragma unroll
-            for (int j = 0; j < P; ++j) v[j] = L.log ? a[k * P + j] - shift : a[k * P + j] * scale;
+            for (int j = 0; j < P; ++j) v[j] = L.log ? (a[k * P + j] - row_m) - log_s : a[k * P + j] * scale;
             store_pack<TO, P>(dst + (first + threadIdx.x + k * blockDim.x) * P, v);
         }
         return;
@@ -865,12 +865,12 @@ __device__ __forceinline__ void flat_row(const brrr_softmax_launch &L, const Wor
                 }
             }
             s = flat_group_reduce<false>(s, warps, slot, buf[1]);
-            const float shift = m + logf(s), inv = __frcp_rn(s);
+            const float log_s = logf(s), inv = __frcp_rn(s);
 #pragma unroll
             for (int k = 0; k < N; ++k) {
                 if (k >= mine) continue;
 #pragma unroll
-                for (int j = 0; j < P; ++j) v[k][j] = log ? v[k][j] - shift : v[k][j] * inv;
+                for (int j = 0; j < P; ++j) v[k][j] = log ? (v[k][j] - m) - log_s : v[k][j] * inv;
                 store_pack<TO, P>(out + k * stride, v[k]);
             }
         };
@@ -1175,6 +1175,8 @@ cudaError_t launch_typed(const brrr_softmax_launch &L, int device, cudaStream_t 
         if (launch_smem<TX, TY, kBackward>(L, device, stream, &err)) return err != cudaSuccess ? err : cudaGetLastError();
     }
     if (pack && want_tile && launch_tile<TX, TY, kBackward>(L, stream)) return cudaGetLastError();
+    // One row a block from here: more rows than a grid's blocks must not wrap (a silent partial result).
+    if (L.rows > INT32_MAX) return cudaErrorInvalidConfiguration;
     if (rows_fit && want_rows) {
         // As many packs per thread as keep 64 threads or more on the row: several 16-byte loads in
         // flight per thread, and small blocks, so that several rows share an SM and one row's

@@ -482,3 +482,33 @@ def test_outputs_are_contiguous_as_torchs(device, log):
             g = torch.randn_like(y)
             (grad,), (want,) = torch.autograd.grad(y, x, g), torch.autograd.grad(expected, x, g)
             torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("device, kernel", [("cpu", None)] + [pytest.param("cuda", k, marks=pytest.mark.cuda)
+                                                               for k in [None] + KERNELS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("cols", [1000, 4097, 40000])
+def test_log_softmax_of_rows_far_from_zero(monkeypatch, device, kernel, dtype, cols):
+    """Rows of 1e4 + randn: (x - max) - log(sum) keeps log_softmax within a few ulps of its result,
+    where the CUDA kernels' x - (max + log(sum)) lost about half an ulp of the max (4.7e-4 in
+    float32, 60 times torch's error)."""
+    if kernel is not None:
+        monkeypatch.setenv("BRRR_SOFTMAX_KERNEL", kernel)
+    x = 1e4 + torch.randn(8, cols, dtype=dtype, device=device)
+    want = torch.log_softmax(x.double(), -1)
+    bound = 8 * torch.finfo(dtype).eps * want.abs().max()
+    assert (brrr.log_softmax(x, -1).double() - want).abs().max() <= bound
+
+
+def test_routing_leaves_to_torch_what_it_refuses_or_brrr_cannot_take():
+    """Under use_fused, F.softmax with dim=True raises as torch does (bool is not an int to torch),
+    and a view of more dims than brrr's kernels take (17 that do not merge) is computed by torch."""
+    x = torch.randn(2, 3)
+    with brrr.use_fused(), pytest.raises(TypeError, match="must be int, not bool"):
+        F.softmax(x, True)
+    many = torch.randn([2] * 18)[..., 0]  # 17 dims, every stride a different power of two
+    many = many.as_strided(many.shape, [2 ** (17 - d) for d in range(17)])
+    want = F.softmax(many, 3)
+    with brrr.use_fused():
+        torch.testing.assert_close(F.softmax(many, 3), want, rtol=0, atol=0)
+        torch.testing.assert_close(brrr.nn.Softmax(3)(many), want, rtol=0, atol=0)
