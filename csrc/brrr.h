@@ -64,6 +64,9 @@ typedef struct {
      * stream wait for a producer's work but cannot make the producer's later reads wait for ours. */
     int wait_for_kernels;
     int cpu_threads_chosen; /* the CPU thread count was fixed by the first CPU tensor (csrc/cpu.h) */
+    /* Calls into Python that an argument's import made (its is_neg(), __dlpack__, ...), which may
+     * run code of the caller's (__torch_function__, a mode) that changes another argument. */
+    int python_calls;
 } brrr_call;
 
 /* A tensor argument, imported for the duration of one call. */
@@ -82,6 +85,13 @@ typedef struct {
     PyObject *owner;
     DLManagedTensorVersioned *managed_versioned;
     DLManagedTensor *managed_legacy;
+    /* A view borrowed through a framework's exchange table (no reference to its memory): the
+     * object and table it came from, whether it was read as indices, and the call's python_calls
+     * once it was read (brrr_tensor_check_borrowed). */
+    PyObject *borrowed_from;
+    const DLPackExchangeAPI *borrowed_api;
+    int borrowed_index;
+    int borrowed_at;
     /* Last, and valid up to ndim only: an import zeroes the fields above (BRRR_TENSOR_HEAD
      * bytes), not these 1 KiB, which cost a tiny call more than its kernel. */
     int64_t shape[BRRR_MAX_RANK];
@@ -99,6 +109,10 @@ int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int wri
 void brrr_tensor_release(brrr_tensor *t);
 /* The same for a read-only tensor of class indices (int64, int32 or uint8). */
 int brrr_index_import(brrr_call *call, PyObject *obj, const char *name, brrr_tensor *t);
+/* A view borrowed through an exchange table is valid while its tensor keeps its memory; an import
+ * after it may have run the caller's Python, which can give the tensor other memory (set_,
+ * resize_). Once every argument is imported: the same view read again, or a RuntimeError. */
+int brrr_tensor_check_borrowed(const brrr_call *call, const brrr_tensor *t);
 
 /* A new contiguous tensor with like's dtype, shape and device, allocated by the framework of
  * like_obj through its C exchange table (for PyTorch: its caching allocator, on the current

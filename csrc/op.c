@@ -397,6 +397,8 @@ static int run_call(brrr_op_call *c, PyObject **values) {
         const int64_t want = spec->scratch ? spec->scratch(c) : 0;
         if (want > 0 && import_scratch(c, scratch_slot, want) < 0) return -1;
     }
+    for (int s = 0; s < BRRR_OP_MAX_SLOTS; s++) /* every argument imported: none changed meanwhile */
+        if (c->t[s].name && brrr_tensor_check_borrowed(&c->call, &c->t[s]) < 0) return -1;
     /* No written tensor may share memory with another argument; an in-place output may be x. An
      * output allocated here is new memory, which shares none. */
     for (int o = 0; o < BRRR_OP_MAX_SLOTS; o++) {

@@ -605,6 +605,7 @@ static int import_materialised(brrr_call *call, PyObject *obj, const char *name,
                      what);
         return -1;
     }
+    call->python_calls++;
     PyObject *materialised = PyObject_CallMethod(obj, method, NULL);
     int status = materialised ? tensor_import(call, materialised, name, writable, index, 1, t) : -1;
     if (status == 0 && t->owner == NULL) t->owner = Py_NewRef(materialised);
@@ -631,7 +632,7 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
     brrr_type_info scratch = {0};
     const brrr_type_info *info = PyArray_Check(obj) ? NULL : type_info(call->state, Py_TYPE(obj), &scratch);
     /* PyTorch's lazy negation: the memory holds -x. Asked of every torch tensor, before its import. */
-    int negated = info && info->is_neg ? flag(info->is_neg, obj) : 0;
+    int negated = info && info->is_neg ? (call->python_calls++, flag(info->is_neg, obj)) : 0;
     int status;
     if (negated) {
         const char *what = "a view with its negative bit set (is_neg(), e.g. the .imag of a conjugated tensor)";
@@ -644,6 +645,12 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
         status = info->api->dltensor_from_py_object_no_sync(obj, &dl);
         if (status != 0) prefix_error(name, info->is_neg != NULL);
         if (status == 0) status = fill_from_dltensor(&dl, 0, index, t);
+        if (status == 0) {
+            t->borrowed_from = obj;
+            t->borrowed_api = info->api;
+            t->borrowed_index = index;
+            t->borrowed_at = call->python_calls;
+        }
         if (status == 0 && !call->resolved && call->stream_arg < 0 && t->device_type == kDLCUDA) {
             /* The framework's current stream on this tensor's device: where its own ops run. */
             if (info->api->current_work_stream(kDLCUDA, t->device_id, &call->stream) != 0) {
@@ -656,6 +663,7 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
     } else if (info == NULL) {
         status = import_numpy((PyArrayObject *)obj, index, t);
     } else {
+        call->python_calls++;
         status = import_capsule(call, obj, index, writable, t);
     }
     /* PyTorch's efficient zeros (autograd may hand a backward one) have no memory: their data
@@ -665,6 +673,7 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
     if (info && info->is_neg && !negated && (status < 0 || (t->numel > 0 && (uintptr_t)t->data < ((uintptr_t)1 << 32)))) {
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback); /* the import's error, if it failed */
+        call->python_calls++;
         int zero = flag(info->is_zerotensor, obj);
         if (zero == 0) {
             PyErr_Restore(type, value, traceback);
@@ -708,6 +717,26 @@ int brrr_tensor_import(brrr_call *call, PyObject *obj, const char *name, int wri
 
 int brrr_index_import(brrr_call *call, PyObject *obj, const char *name, brrr_tensor *t) {
     return tensor_import(call, obj, name, 0, 1, 0, t);
+}
+
+int brrr_tensor_check_borrowed(const brrr_call *call, const brrr_tensor *t) {
+    if (t->borrowed_from == NULL || t->borrowed_at == call->python_calls) return 0;
+    DLTensor dl;
+    brrr_tensor now;
+    memset(&now, 0, BRRR_TENSOR_HEAD);
+    now.name = t->name;
+    if (t->borrowed_api->dltensor_from_py_object_no_sync(t->borrowed_from, &dl) != 0) {
+        prefix_error(t->name, 0);
+        return -1;
+    }
+    if (fill_from_dltensor(&dl, 0, t->borrowed_index, &now) < 0) return -1;
+    int same = now.data == t->data && now.dtype == t->dtype && now.ndim == t->ndim &&
+               now.device_type == t->device_type && now.device_id == t->device_id;
+    for (int d = 0; same && d < t->ndim; d++) same = now.shape[d] == t->shape[d] && now.strides[d] == t->strides[d];
+    if (same) return 0;
+    PyErr_Format(PyExc_RuntimeError, "argument %s: its memory or shape changed while brrr read the other arguments "
+                 "(Python code that reading them ran: a __torch_function__, __dlpack__ or mode)", t->name);
+    return -1;
 }
 
 void brrr_tensor_release(brrr_tensor *t) {

@@ -434,3 +434,29 @@ def test_stream_argument(stream, exc, message):
     with pytest.raises(exc, match=message):
         _C.chain_fwd(np.ones(3, np.float32), out, COS.program, (), stream)
     assert not out.any()
+
+
+def test_an_argument_changed_by_python_that_another_one_runs_is_refused():
+    """brrr reads a torch tensor through the exchange table as a borrowed view of its memory; a
+    later argument's __torch_function__ (run by brrr's is_neg() query) that gives the first one
+    other memory (set_) left brrr reading the freed memory. Read again once all are imported: a
+    RuntimeError naming it."""
+    x = torch.randn(1 << 16)
+
+    class Meddling(torch.Tensor):
+        armed = True
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.is_neg and Meddling.armed:
+                Meddling.armed = False
+                x.set_(torch.zeros(3))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    operand = torch.randn(1 << 16).as_subclass(Meddling)
+    with pytest.raises(RuntimeError, match="^argument x: its memory or shape changed while brrr read the other"):
+        _C.chain_fwd(x, torch.empty(1 << 16), brrr.chain("mul_tensor").program, (operand,))
+    Meddling.armed = False  # nothing changes: the same call runs
+    y = torch.randn(1 << 16)
+    out = _C.chain_fwd(y, torch.empty(1 << 16), brrr.chain("mul_tensor").program, (operand,))[0]
+    assert torch.equal(out, y * operand.as_subclass(torch.Tensor))
