@@ -16,8 +16,11 @@
  *   brrr_exp_le0_scaled  e^a 2^64 for a <= 0 (softmax): one scaling, a shorter polynomial.
  *   brrr_sincosf_reduced  sin and cos for |x| <= BRRR_TRIG_REDUCED_MAX: x = q pi/2 + r by a
  *                  three-part Cody-Waite reduction, then Taylor polynomials on |r| <= pi/4
- *                  (truncation below 3e-9). Larger arguments need the caller's scalar pass with
- *                  libm (Payne-Hanek reduction), see brrr_trig_needs_libm. */
+ *                  (truncation below 3e-9). A few ulps of 1 in absolute terms: pi/2 is carried to
+ *                  1.7e-15, so near a zero of sin or cos (x close to q pi/2, q up to 5215) the
+ *                  relative error grows to hundreds of ulps, below 1e-11 absolute. Larger
+ *                  arguments need the caller's scalar pass with libm (Payne-Hanek reduction), see
+ *                  brrr_trig_needs_libm. */
 #ifndef BRRR_CPU_MATH_H
 #define BRRR_CPU_MATH_H
 
