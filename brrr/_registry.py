@@ -74,7 +74,7 @@ def float_dtype(name, dtype, default):
 _CUDA = _C.cuda_available()  # asked once: torch.compile must not meet a C call in the dispatch
 # brrr._C's kernels take views of at most this many dims once mergeable ones are merged; a view of
 # more dims may have more that do not merge, and goes to PyTorch.
-_MAX_DIMS = _C.build_info()["max_dims"]
+_MAX_DIMS = _C.MAX_DIMS
 _functorch_active = torch._C._are_functorch_transforms_active
 
 

@@ -586,9 +586,11 @@ done:
 static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int writable, int index, int materialised,
                          brrr_tensor *t);
 
-/* unbound_method(obj) is true: 1, false or no such method: 0, -1 with an exception. */
-static int flag(PyObject *unbound_method, PyObject *obj) {
+/* unbound_method(obj) is true: 1, false or no such method: 0, -1 with an exception. A call into
+ * Python, counted in call->python_calls. */
+static int flag(brrr_call *call, PyObject *unbound_method, PyObject *obj) {
     if (unbound_method == NULL) return 0;
+    call->python_calls++;
     PyObject *result = PyObject_CallOneArg(unbound_method, obj);
     int truth = result ? PyObject_IsTrue(result) : -1;
     Py_XDECREF(result);
@@ -632,7 +634,7 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
     brrr_type_info scratch = {0};
     const brrr_type_info *info = PyArray_Check(obj) ? NULL : type_info(call->state, Py_TYPE(obj), &scratch);
     /* PyTorch's lazy negation: the memory holds -x. Asked of every torch tensor, before its import. */
-    int negated = info && info->is_neg ? (call->python_calls++, flag(info->is_neg, obj)) : 0;
+    int negated = info ? flag(call, info->is_neg, obj) : 0;
     int status;
     if (negated) {
         const char *what = "a view with its negative bit set (is_neg(), e.g. the .imag of a conjugated tensor)";
@@ -673,8 +675,7 @@ static int tensor_import(brrr_call *call, PyObject *obj, const char *name, int w
     if (info && info->is_neg && !negated && (status < 0 || (t->numel > 0 && (uintptr_t)t->data < ((uintptr_t)1 << 32)))) {
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback); /* the import's error, if it failed */
-        call->python_calls++;
-        int zero = flag(info->is_zerotensor, obj);
+        int zero = flag(call, info->is_zerotensor, obj);
         if (zero == 0) {
             PyErr_Restore(type, value, traceback);
             if (status < 0) refuse_torch_kind(obj, name);
