@@ -168,7 +168,7 @@ PyObject *brrr_py_chain_program(PyObject *module, PyObject *steps) {
             if (scalar == NULL || brrr_parse_double(scalar, arg, &st.scalar) < 0) {
                 if (scalar == NULL || PyErr_ExceptionMatches(PyExc_TypeError)) {
                     PyErr_Clear();
-                    PyErr_Format(PyExc_TypeError, "argument %s: '%s' needs a numeric scalar: ('%s', value)%s", arg, s, s,
+                    PyErr_Format(PyExc_TypeError, "argument %s: '%s' needs a real scalar: ('%s', value)%s", arg, s, s,
                                  scalar && PyBool_Check(scalar) ? ", not a bool" : "");
                 }
                 goto fail;

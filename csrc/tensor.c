@@ -773,15 +773,42 @@ int brrr_parse_int64(PyObject *obj, const char *name, long long *value) {
     return *value == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
+/* 1 if obj is a complex number that is not real by numbers' ABCs (NumPy's complex scalars, one
+ * of them a subclass of Python's complex, whose float() drops the imaginary part), 0 if not, -1 on
+ * error. */
+static int is_complex_scalar(PyObject *obj) {
+    if (PyComplex_Check(obj)) return 1;
+    PyObject *numbers = PyImport_ImportModule("numbers");
+    if (numbers == NULL) return -1;
+    PyObject *complex_abc = PyObject_GetAttrString(numbers, "Complex"), *real_abc = PyObject_GetAttrString(numbers, "Real");
+    Py_DECREF(numbers);
+    int is_complex = complex_abc && real_abc ? PyObject_IsInstance(obj, complex_abc) : -1;
+    if (is_complex == 1) is_complex = PyObject_IsInstance(obj, real_abc) == 0 ? 1 : (PyErr_Occurred() ? -1 : 0);
+    Py_XDECREF(complex_abc);
+    Py_XDECREF(real_abc);
+    return is_complex;
+}
+
 int brrr_parse_double(PyObject *obj, const char *name, double *value) {
     PyNumberMethods *number = Py_TYPE(obj)->tp_as_number;
     if (PyBool_Check(obj) || !(PyFloat_Check(obj) || PyLong_Check(obj) || (number && number->nb_float))) {
         PyErr_Format(PyExc_TypeError, "argument %s: expected a float, got %.200s", name, Py_TYPE(obj)->tp_name);
         return -1;
     }
+    if (!PyFloat_Check(obj) && !PyLong_Check(obj)) {
+        int complex_number = is_complex_scalar(obj);
+        if (complex_number < 0) return -1;
+        if (complex_number) {
+            PyErr_Format(PyExc_TypeError, "argument %s: expected a real number, got %.200s", name, Py_TYPE(obj)->tp_name);
+            return -1;
+        }
+    }
     *value = PyLong_Check(obj) ? PyLong_AsDouble(obj) : PyFloat_AsDouble(obj);
     if (*value == -1.0 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            prefix_error(name, 1);  /* __float__'s own error, such as a tensor's of several elements */
+            return -1;
+        }
         PyErr_Clear();
         PyObject *shown = short_repr(obj);
         if (shown) PyErr_Format(PyExc_ValueError, "argument %s: %U does not fit a float64", name, shown);

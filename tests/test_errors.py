@@ -109,13 +109,18 @@ def test_program_errors():
     cases = [
         (("nope",), ValueError, r"argument steps\[0\]: unknown op 'nope'"),
         ((("add",),), TypeError, r"expected an op name or a \(name, scalar\) pair"),
-        (("add",), TypeError, r"'add' needs a numeric scalar"),
-        ((("add", "x"),), TypeError, "needs a numeric scalar"),
+        (("add",), TypeError, r"'add' needs a real scalar"),
+        ((("add", "x"),), TypeError, "needs a real scalar"),
         ((("cos", 1.0),), ValueError, "'cos' takes no scalar"),
         ((3,), TypeError, r"argument steps\[0\]: expected an op name"),
-        ((("pow", True),), TypeError, "'pow' needs a numeric scalar: \\('pow', value\\), not a bool"),
-        (("leaky_relu",), TypeError, "'leaky_relu' needs a numeric scalar"),
+        ((("pow", True),), TypeError, "'pow' needs a real scalar: \\('pow', value\\), not a bool"),
+        (("leaky_relu",), TypeError, "'leaky_relu' needs a real scalar"),
         (("add_tensor",) * 5, ValueError, "at most 4 tensor steps"),
+        # float() of these drops the imaginary part or raises without naming the step
+        ((("mul", np.complex128(1 + 2j)),), TypeError, r"argument steps\[0\]: 'mul' needs a real scalar"),
+        ((("mul", np.complex64(1 + 2j)),), TypeError, r"argument steps\[0\]: 'mul' needs a real scalar"),
+        ((("mul", torch.ones(3)),), ValueError, r"^argument steps\[0\]: only one element"),
+        ((("mul", torch.tensor(1 + 2j)),), RuntimeError, r"^argument steps\[0\]: "),
     ]
     for steps, exc, message in cases:
         with pytest.raises(exc, match=message):
