@@ -424,7 +424,10 @@ class TorchOp:
 
         def call(self, *args):
             # (the mode stack's length asked here first: no frame of traced_by_a_mode's on the usual path)
-            if _compiling() or (dispatch_modes() and traced_by_a_mode()) or forward_ad._current_level >= 0:
+            # The operator also takes a first argument of a tensor subclass with __torch_function__,
+            # which then sees the op (and, as for torch's ops, gets results of its own class).
+            if _compiling() or (dispatch_modes() and traced_by_a_mode()) or forward_ad._current_level >= 0 or \
+                    _has_torch_function(args[0]):
                 return _outputs(op(*args), outputs)
             if _grad_enabled():
                 for i in tensors:
@@ -455,6 +458,7 @@ def _grad_positions(op, grad_args):
 
 
 _compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
+_has_torch_function = torch.overrides.has_torch_function_unary  # C; False for plain tensors and nn.Parameter
 
 
 def _outputs(results, n):

@@ -319,8 +319,9 @@ def test_a_tensor_whose_resolve_neg_stays_negated_is_refused():
     x = torch.randn(4).as_subclass(StaysNegated)
     with pytest.raises(ValueError, match=r"^argument x: its resolve_neg\(\) returned a view with its negative bit"):
         COS(x, out=torch.empty(4))
-    with pytest.raises(ValueError, match=r"^argument x: its resolve_neg\(\) returned"):
-        brrr.relu(x)
+    # brrr's public functions hand such a subclass the op through its __torch_function__, which
+    # runs it with the overrides off (is_neg() then False), as torch.relu does
+    torch.testing.assert_close(brrr.relu(x).as_subclass(torch.Tensor), torch.relu(x).as_subclass(torch.Tensor))
     # a type that only takes torch's base class's C name, without torch
     fake = type("torch._C.TensorBase", (), {"is_neg": lambda self: True, "resolve_neg": lambda self: self,
                                              "_is_zerotensor": lambda self: False})

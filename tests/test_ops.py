@@ -105,3 +105,35 @@ def test_fake_tensors_take_the_fake_kernel():
         x = torch.empty(3, 5, 16)
         out, rstd = ops.rms_norm.default(x, [16], None, 1e-6, False, 0.0)
     assert out.shape == (3, 5, 16) and rstd.shape == (3, 5)
+
+
+class Logged(torch.Tensor):
+    """A subclass with its own __torch_function__, as tracers and tensor wrappers have."""
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(str(func))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("op", ["softmax", "rms_norm", "gelu", "chain", "cross_entropy"])
+def test_a_subclass_sees_the_op_and_gets_its_class_back(op, grad):
+    """As torch's own functions do: the subclass's __torch_function__ is called with brrr's
+    operator and wraps the result (brrr called its kernel past it before)."""
+    plain = torch.randn(5, 8, dtype=torch.float64)
+    calls = {"softmax": lambda x: brrr.softmax(x), "rms_norm": lambda x: brrr.rms_norm(x, 8),
+             "gelu": lambda x: brrr.gelu(x), "chain": lambda x: brrr.chain("cos", ("mul", 3.0))(x),
+             "cross_entropy": lambda x: brrr.cross_entropy(x, torch.arange(5) % 8)}
+    Logged.seen.clear()
+    x = plain.clone().as_subclass(Logged).requires_grad_(grad)
+    y = calls[op](x)
+    assert type(y) is Logged and any(name.startswith("brrr.") for name in Logged.seen), (type(y), Logged.seen)
+    torch.testing.assert_close(y.as_subclass(torch.Tensor), calls[op](plain))
+    if grad:
+        weights = torch.randn(y.shape, dtype=y.dtype)
+        (g,) = torch.autograd.grad((y * weights).sum(), x)
+        again = plain.clone().requires_grad_()
+        (want,) = torch.autograd.grad((calls[op](again) * weights).sum(), again)
+        torch.testing.assert_close(g.as_subclass(torch.Tensor), want)
