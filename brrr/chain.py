@@ -15,7 +15,8 @@ runs in fp32 for float16/bfloat16/float32 (fp64 for float64).
 On CUDA a chain runs as a kernel compiled for its exact steps on first use (NVRTC; any number of
 steps in one pass), else interpreted by precompiled kernels (at most 16 steps): docs/chains.md.
 With PyTorch tensors that require grad the chain is differentiable: the forward saves only its
-inputs, and the backward recomputes the chain per element from x.
+inputs, and the backward recomputes the chain per element from x (relu, sigmoid and tanh alone
+save their output, as torch's do).
 """
 
 import math
@@ -101,6 +102,10 @@ def chain(*steps) -> Chain:
 _RELU, _GELU, _GELU_TANH = Chain("relu"), Chain("gelu"), Chain("gelu_tanh")
 _SILU, _SIGMOID, _TANH = Chain("silu"), Chain("sigmoid"), Chain("tanh")
 _EXP, _COS, _SIN = Chain("exp"), Chain("cos"), Chain("sin")
+# sigmoid'(x) and tanh'(x) as chains of y = sigmoid(x) or tanh(x) times the incoming gradient:
+# y (1 - y) grad (operands y, grad) and (1 - y^2) grad (operand grad).
+_DERIVATIVE_OF_SIGMOID = Chain(("mul", -1.0), ("add", 1.0), "mul_tensor", "mul_tensor")
+_DERIVATIVE_OF_TANH = Chain("square", ("mul", -1.0), ("add", 1.0), "mul_tensor")
 
 
 def relu(x, *, out=None):
@@ -266,6 +271,40 @@ def torch_layer():
 
     chain_op = TorchOp("chain", forward, fake, save=save, backward=formula, grad_args=(0, 1), inference=inference)
 
+    # relu, sigmoid and tanh save their output, as torch's do: the op after them (a Linear) saves it
+    # anyway, where their input would be one more activation a layer. The derivative is relu's own
+    # at y (y > 0 exactly where x > 0), for sigmoid and tanh a chain of y: y (1 - y) and 1 - y^2.
+    def derivative_forward(y: Tensor, operands: list[Tensor], ops: str, scalars: list[float]) -> Tensor:
+        return run_forward(y, operands, program(ops, scalars))
+
+    derivative_op = TorchOp("chain_of_output", derivative_forward, fake)
+
+    def saving_output(c):
+        recording = forward if c is _RELU else inference  # (only relu's backward is the chain's own)
+
+        def forward_(x: Tensor) -> Tensor:
+            return recording(x, [], c.op_names, c.scalars)
+
+        def inference_(x):
+            return inference(x, [], c.op_names, c.scalars)
+
+        def save_(ctx, args, results):
+            ctx.save_for_backward(results[0])
+
+        def formula_(ctx, grads, run):
+            (grad,), (y,) = grads, ctx.saved_tensors
+            if grad is None:
+                return (None,)
+            if c is _RELU:
+                return (run(backward_op)(y, grad, [], c.op_names, c.scalars, [])[0],)
+            d = _DERIVATIVE_OF_SIGMOID if c is _SIGMOID else _DERIVATIVE_OF_TANH
+            return (run(derivative_op)(y, [y, grad] if c is _SIGMOID else [grad], d.op_names, d.scalars),)
+
+        return TorchOp(c.op_names, forward_, lambda x: torch.empty_like(x), save=save_, backward=formula_,
+                       inference=inference_)
+
+    by_output = {c.op_names: saving_output(c) for c in (_RELU, _SIGMOID, _TANH)}
+
     def chain(c, x, operands, out, cuda_stream):
         """Chain `c` on torch tensors: its op, or with `out` or a stream given, straight to brrr._C
         (refusing `out` where autograd records the op or torch.compile traces it)."""
@@ -273,7 +312,8 @@ def torch_layer():
             check_torch(operands, OPERAND_NAMES)
         args = (x, operands, c.op_names, c.scalars)
         if out is None and cuda_stream is None:
-            return chain_op(*args)
+            op = by_output.get(c.op_names)
+            return chain_op(*args) if op is None else op(x)
         check_torch((out,), ("out",))
         if out is None and not chain_op.runs_forward(args):
             return chain_op(*args)
@@ -287,7 +327,8 @@ def torch_layer():
     # the op directly, without the public functions' framework dispatch (host time: the registry
     # sits on every patched module's forward).
     def unary(c):
-        return lambda x: chain_op(x, [], c.op_names, c.scalars)
+        op = by_output.get(c.op_names)
+        return op if op is not None else lambda x: chain_op(x, [], c.op_names, c.scalars)
 
     def gelu_(x, approximate="none"):
         c = _GELU_TANH if approximate == "tanh" else _GELU

@@ -135,11 +135,45 @@ def test_grad_only_for_operands_that_need_it():
     assert w.grad is not None
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["relu", "sigmoid", "tanh"])
+@pytest.mark.parametrize("call", ["function", "chain", "module"])
+def test_relu_sigmoid_tanh_save_their_output(device, dtype, name, call):
+    """As torch's do: one saved tensor, the output, which the Linear after them saves anyway (their
+    input would be one activation more); the gradient from it against float64 autograd."""
+    module = getattr(brrr.nn, {"relu": "ReLU", "sigmoid": "Sigmoid", "tanh": "Tanh"}[name])()
+    f = {"function": getattr(brrr, name), "chain": brrr.chain(name), "module": module}[call]
+    x = random((67, 33), dtype, device, -3.0, 3.0).requires_grad_()
+    saved = []
+    brrr.registry.on_cpu(name, "kernel")  # (the module's default on CPU tensors for relu and sigmoid: torch's)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = f(x)
+    finally:
+        brrr.registry.reset(name)
+    assert y.grad_fn.name().startswith(f"brrr_{name}_"), y.grad_fn.name()
+    assert len(saved) == 1 and saved[0].data_ptr() == y.data_ptr()
+    grad_out = random(y.shape, dtype, device, -1.0, 1.0)
+    (got,) = torch.autograd.grad(y, x, grad_out)
+    # The derivative in float64 of y as stored (rounded to dtype), which torch's backward reads
+    # too: near |y| = 1, 1 - y^2 of a rounded y is far from 1 - tanh(x)^2 in half precision.
+    y64, g64 = y.detach().cpu().double(), grad_out.cpu().double()
+    assert_close(y64, getattr(torch, name)(x.detach().cpu().double()), dtype)
+    derivative = {"relu": (x.detach().cpu() > 0).double(), "sigmoid": y64 * (1 - y64), "tanh": 1 - y64 * y64}[name]
+    assert_close(got, g64 * derivative, dtype)
+
+
 def test_opcheck():
     x = torch.randn(6, 10, requires_grad=True)
     b = torch.randn(10, requires_grad=True)
     torch.library.opcheck(torch.ops.brrr.chain.default, (x, [b], "add_tensor,gelu", [0.0, 0.0]))
     torch.library.opcheck(torch.ops.brrr.chain.default, (x, [], "cos,mul", [0.0, 2.0]))
+    for name in ("relu", "sigmoid", "tanh"):
+        torch.library.opcheck(getattr(torch.ops.brrr, name).default, (x,))
+    y = torch.randn(6, 10)
+    torch.library.opcheck(torch.ops.brrr.chain_of_output.default, (y, [y, x.detach()], "mul,add,mul_tensor,mul_tensor",
+                                                                    [-1.0, 1.0, 0.0, 0.0]))
 
 
 def test_eager_autograd_records_a_function_and_refuses_double_backward():
