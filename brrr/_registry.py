@@ -124,9 +124,17 @@ _HALVES = (torch.float16, torch.bfloat16)
 
 
 def same_kind(x, *others):
-    """Each of `others` is None or a torch tensor of x's dtype on x's device."""
-    return all(o is None or (isinstance(o, torch.Tensor) and o.dtype == x.dtype and o.device == x.device)
-               for o in others)
+    """Each of `others` is None or a torch tensor of x's dtype on x's device that brrr can read
+    (readable)."""
+    return all(o is None or (isinstance(o, torch.Tensor) and o.dtype == x.dtype and o.device == x.device and
+                             readable(o)) for o in others)
+
+
+def readable(t):
+    """A torch tensor t is one whose memory brrr reads (strided, not nested; of a subclass only
+    under a tracing mode, as tensor_ok says): another (a sparse bias, a wrapper subclass) sends the
+    op to PyTorch."""
+    return (type(t) in _PLAIN_TENSORS or traced_by_a_mode()) and t.layout == torch.strided and not t.is_nested
 
 
 @dataclass
@@ -147,7 +155,7 @@ class Op:
 
     def resolve(self, *args, **kwargs):
         """The callable that will run for these arguments."""
-        device = _device_of(args)
+        device = _device_of(args) or (_device_of(kwargs.values()) if kwargs else None)
         if self.overrides:
             override = self.overrides.get(device, self.overrides.get(None))
             if override is not None:
@@ -160,7 +168,7 @@ class Op:
             return self.implementation
         if self.unsupported == "raise":
             raise UnsupportedError(f"brrr.{self.name}: no brrr kernel for these arguments "
-                                   f"({_describe(args)}); registry.on_unsupported({self.name!r}, 'fallback') "
+                                   f"({_describe((*args, *kwargs.values()))}); registry.on_unsupported({self.name!r}, 'fallback') "
                                    "sends them to PyTorch instead")
         return self.reference
 

@@ -141,7 +141,7 @@ def torch_layer():
             _C.chain_bwd(gate, grad, grad_gate, None, program_, (up_half,), (grad_up,), stream(x))
             return [grad_x]
         grad_up = torch.empty_like(up) if needs_grad[1] else None
-        if _op.EXCHANGE_API:  # as the forward: brrr._C allocates grad_gate and finds the stream
+        if _op.EXCHANGE_API and x.is_contiguous():  # brrr._C allocates grad_gate and finds the stream
             grad_gate = _C.chain_bwd(x, grad, None, None, program_, (up,), (grad_up,))[0]
         else:
             grad_gate = _C.chain_bwd(x, grad, out_like(x), None, program_, (up,), (grad_up,), stream(x))[0]
@@ -179,9 +179,15 @@ def torch_layer():
         if up is None and last_dim("x", gate, "its last is split into gate and up halves") % 2:
             raise ValueError(f"argument x: the last dim must be even to split into gate and up halves, got "
                              f"{gate.shape[-1]}")
-        if out is None:
-            return glu_op(gate, up, activation)
-        return glu_op.write((gate, up, activation), out, lambda: glu_forward(activation, gate, up, out), OUT_REFUSED)
+        try:
+            if out is None:
+                return glu_op(gate, up, activation)
+            return glu_op.write((gate, up, activation), out, lambda: glu_forward(activation, gate, up, out),
+                                OUT_REFUSED)
+        except ERRORS as error:
+            if up is not None:  # (_glu names gate and up)
+                raise
+            raise renamed(error, _HALF_NAMES) from None  # brrr._C's x and operands[0] are x's halves
 
     # ---- the registry
     def glu_(activation):
@@ -198,23 +204,32 @@ def torch_layer():
             return False
         return gate.dim() > 0 and gate.shape[-1] % 2 == 0 if up is None else up.shape == gate.shape
 
-    def bias_reference(act):
-        return lambda x, bias, *args, **kwargs: act(x + bias, *args, **kwargs)
+    # The PyTorch functions they replace, with the signatures of brrr's (F.gelu takes approximate by
+    # keyword only).
+    def bias_gelu_reference(x, bias, approximate="none"):
+        return F.gelu(x + bias, approximate=approximate)
 
-    def glu_reference(act):
-        def reference(gate, up=None, *args, **kwargs):
-            if up is None:
-                gate, up = _halves(gate)  # ValueError naming x for a 0-d x or an odd last dim
-            return act(gate, *args, **kwargs) * up
-        return reference
+    def bias_silu_reference(x, bias):
+        return F.silu(x + bias)
+
+    def halves(gate, up):
+        return _halves(gate) if up is None else (gate, up)  # ValueError naming x for a 0-d x or an odd last dim
+
+    def swiglu_reference(gate, up=None):
+        gate, up = halves(gate, up)
+        return F.silu(gate) * up
+
+    def geglu_reference(gate, up=None, approximate="none"):
+        gate, up = halves(gate, up)
+        return F.gelu(gate, approximate=approximate) * up
 
     # On CPU tensors brrr's SwiGLU and GeGLU measured faster than PyTorch's act(gate) * up at
     # every size measured (docs/cpu.md); the bias forms are not measured.
     for name, reference, implementation, supports, cpu in [
-        ("bias_gelu", bias_reference(F.gelu), bias_gelu, bias_ok, "pytorch"),
-        ("bias_silu", bias_reference(F.silu), bias_silu, bias_ok, "pytorch"),
-        ("swiglu", glu_reference(F.silu), glu_("silu"), glu_ok, "kernel"),
-        ("geglu", glu_reference(F.gelu), geglu_, glu_ok, "kernel"),
+        ("bias_gelu", bias_gelu_reference, bias_gelu, bias_ok, "pytorch"),
+        ("bias_silu", bias_silu_reference, bias_silu, bias_ok, "pytorch"),
+        ("swiglu", swiglu_reference, glu_("silu"), glu_ok, "kernel"),
+        ("geglu", geglu_reference, geglu_, glu_ok, "kernel"),
     ]:
         registry.register(name, reference, implementation, supports, compiled="inductor", cpu=cpu)
 

@@ -153,7 +153,7 @@ def torch_layer():
 
     from . import _op
     from ._op import TorchOp, out_like, stream
-    from ._registry import cuda_autocast_upcasts, dispatch, registry, same_kind, tensor_ok
+    from ._registry import cuda_autocast_upcasts, dispatch, readable, registry, same_kind, tensor_ok
 
     Tensor = torch.Tensor
 
@@ -404,7 +404,7 @@ def torch_layer():
             if not isinstance(p, torch.Tensor) or not (p.dtype == x.dtype or (p.dtype == torch.float32 and
                                                                               x.dtype in halves)):
                 return False
-            if p.device != x.device:
+            if p.device != x.device or not readable(p):
                 return False
         return True
 

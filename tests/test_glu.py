@@ -451,3 +451,76 @@ def test_modules_name_x_for_a_0d_x_or_an_odd_last_dim(module):
         module()(torch.tensor(1.0))
     with pytest.raises(ValueError, match="^argument x: the last dim must be even to split into gate and up halves, got 7"):
         module()(torch.randn(4, 7))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_glu_backward_of_a_transposed_gate_has_the_fake_kernels_strides(device):
+    """The backward allocated a contiguous gradient for a transposed gate where its fake kernel
+    said gate's strides: inductor's compiled backward failed its stride assertion."""
+    gate = random((16, 4), torch.float32, device).t()
+    up, grad = random((4, 16), torch.float32, device), random((4, 16), torch.float32, device)
+    for needs in ([True, False], [True, True]):
+        torch.library.opcheck(torch.ops.brrr.glu_backward.default, (gate, up, grad, "silu", needs))
+        got = torch.ops.brrr.glu_backward.default(gate, up, grad, "silu", needs)
+        assert got[0].stride() == gate.stride()
+        g64 = gate.double().requires_grad_()
+        assert_close(got[0], torch.autograd.grad(F.silu(g64) * up.double(), g64, grad.double())[0], torch.float32)
+
+
+def test_registry_sends_what_brrr_cannot_read_to_pytorch():
+    """An up, bias, residual or weight that is sparse or a subclass went to brrr's kernel, which
+    refused it (naming operands[0]), even with on_unsupported('fallback')."""
+    gate, up = torch.randn(4, 8), torch.randn(4, 8)
+
+    class Sub(torch.Tensor):
+        pass
+
+    got = brrr.registry("swiglu", gate, up.to_sparse())
+    assert got.is_sparse  # as F.silu(gate) * up.to_sparse() is
+    torch.testing.assert_close(got.to_dense(), F.silu(gate) * up)
+    got = brrr.registry("swiglu", gate, up.as_subclass(Sub))
+    assert type(got) is Sub
+    torch.testing.assert_close(got.as_subclass(torch.Tensor), F.silu(gate) * up)
+    x, w = torch.randn(4, 8), torch.randn(8)
+    torch.testing.assert_close(brrr.registry("rms_norm", x, (8,), w.as_subclass(Sub)).as_subclass(torch.Tensor),
+                               F.rms_norm(x, (8,), w))
+    brrr.registry.on_unsupported("swiglu", "raise")
+    try:
+        with pytest.raises(brrr.UnsupportedError, match="no brrr kernel"):
+            brrr.registry("swiglu", gate, up.to_sparse())
+    finally:
+        brrr.registry.reset("swiglu")
+
+
+def test_registry_references_take_approximate_positionally():
+    """As brrr's implementations do: the fallback passed it to F.gelu by position (a TypeError)."""
+    gate, up = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    want = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(brrr.registry("geglu", gate.float(), up, "tanh"), want)  # mixed dtypes: PyTorch's
+    torch.testing.assert_close(brrr.registry("geglu", gate, up, "tanh"), want)
+    torch.testing.assert_close(brrr.registry("bias_gelu", gate, up[0], "tanh"), F.gelu(gate + up[0], approximate="tanh"))
+
+
+def test_registry_finds_the_device_of_tensors_passed_by_keyword():
+    gate = torch.randn(4, 16)
+    brrr.registry.override("swiglu", lambda *args, **kwargs: "override", device="cpu")
+    try:
+        assert brrr.registry("swiglu", gate=gate) == "override"
+    finally:
+        brrr.registry.reset("swiglu")
+    brrr.registry.on_unsupported("swiglu", "raise")
+    try:
+        torch.testing.assert_close(brrr.registry("swiglu", gate=gate), F.silu(gate[:, :8]) * gate[:, 8:])
+    finally:
+        brrr.registry.reset("swiglu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_form_errors_name_the_halves_of_x(device):
+    base = torch.randn(17, device=device)
+    with pytest.raises(ValueError, match=r"argument out overlaps input x \(up half\)"):
+        brrr.swiglu(base[:16], out=base[9:17])
+    with pytest.raises(ValueError, match=r"argument out has shape \(4, 9\) but x \(gate half\) has shape \(4, 8\)"):
+        brrr.swiglu(torch.randn(4, 16, device=device), out=torch.empty(4, 9, device=device))
+    with pytest.raises(ValueError, match=r"^argument x: the last dim must be even"):
+        brrr.swiglu(torch.randn(4, 15, device=device))
