@@ -406,6 +406,9 @@ class TorchOp:
         raises instead of reading the new values."""
         if not self.runs_forward(args) or (out.requires_grad and _grad_enabled()):
             raise ValueError(refused)
+        if out.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError("argument out: an inference tensor, which may be written only under torch.inference_mode "
+                             "(as torch refuses in-place updates of one outside it)")
         result = forward()
         torch.autograd.graph.increment_version(out)
         return result

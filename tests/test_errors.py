@@ -78,6 +78,21 @@ def test_a_write_into_out_bumps_its_version(write):
         torch.autograd.grad(y.sum(), w)
 
 
+@pytest.mark.parametrize("write", [lambda o: brrr.gelu(torch.randn(3), out=o),
+                                   lambda o: brrr.swiglu(torch.randn(3), torch.randn(3), out=o)], ids=["chain", "glu"])
+def test_an_inference_tensor_is_written_only_under_inference_mode(write):
+    """As torch refuses an in-place update of one outside it (brrr wrote it)."""
+    with torch.inference_mode():
+        out = torch.zeros(3)
+        write(out)
+    assert out.any()
+    with torch.inference_mode():
+        out.zero_()
+    with pytest.raises(ValueError, match="argument out: an inference tensor"):
+        write(out)
+    assert not out.any()
+
+
 def test_missing_arguments_are_named():
     """None or a wrong kind where a tensor, a name or a count belongs: the argument named, whether
     or not autograd records (a None operand reached requires_grad)."""
