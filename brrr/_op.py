@@ -428,9 +428,11 @@ class TorchOp:
         def call(self, *args):
             # (the mode stack's length asked here first: no frame of traced_by_a_mode's on the usual path)
             # The operator also takes a first argument of a tensor subclass with __torch_function__,
-            # which then sees the op (and, as for torch's ops, gets results of its own class).
+            # which then sees the op (and, as for torch's ops, gets results of its own class); its
+            # class is asked first: under a TorchFunctionMode (torch.set_default_device) the C test
+            # says True of every tensor.
             if _compiling() or (dispatch_modes() and traced_by_a_mode()) or forward_ad._current_level >= 0 or \
-                    _has_torch_function(args[0]):
+                    (args[0].__class__ not in _PLAIN_TENSORS and _has_torch_function(args[0])):
                 return _outputs(op(*args), outputs)
             if _grad_enabled():
                 for i in tensors:
@@ -461,7 +463,8 @@ def _grad_positions(op, grad_args):
 
 
 _compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
-_has_torch_function = torch.overrides.has_torch_function_unary  # C; False for plain tensors and nn.Parameter
+_has_torch_function = torch.overrides.has_torch_function_unary  # C
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _outputs(results, n):

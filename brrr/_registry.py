@@ -164,12 +164,18 @@ class Op:
             return self.reference
         if device == "cpu" and self.cpu == "pytorch":
             return self.reference
-        if device in self.devices and self.supports(*args, **kwargs):
-            return self.implementation
+        if device in self.devices:
+            try:
+                if self.supports(*args, **kwargs):
+                    return self.implementation
+            except TypeError:
+                if not kwargs:
+                    raise
+                # arguments by the names of the PyTorch function (input=): it takes them, or says why not
         if self.unsupported == "raise":
             raise UnsupportedError(f"brrr.{self.name}: no brrr kernel for these arguments "
-                                   f"({_describe((*args, *kwargs.values()))}); registry.on_unsupported({self.name!r}, 'fallback') "
-                                   "sends them to PyTorch instead")
+                                   f"({_describe((*args, *kwargs.values()))}); "
+                                   f"registry.on_unsupported({self.name!r}, 'fallback') sends them to PyTorch instead")
         return self.reference
 
 

@@ -328,7 +328,9 @@ def torch_layer():
     # sits on every patched module's forward).
     def unary(c):
         op = by_output.get(c.op_names)
-        return op if op is not None else lambda x: chain_op(x, [], c.op_names, c.scalars)
+        if op is not None:
+            return lambda x: op(x)  # (a TorchOp takes its arguments by position only)
+        return lambda x: chain_op(x, [], c.op_names, c.scalars)
 
     def gelu_(x, approximate="none"):
         c = _GELU_TANH if approximate == "tanh" else _GELU

@@ -274,7 +274,7 @@ def torch_layer():
 
     from . import _op
     from ._op import TorchOp, restored_gradients, saved_gradients, stream
-    from ._registry import dispatch, float_dtype, registry, same_kind, tensor_ok
+    from ._registry import dispatch, float_dtype, registry, same_kind, tensor_ok, traced_by_a_mode
 
     Tensor = torch.Tensor
 
@@ -354,10 +354,11 @@ def torch_layer():
         logits, target, lse, count = ctx.saved_tensors
         args = (grad, logits, target, lse, count if ctx.reduction == "mean" else None, ctx.ignore_index,
                 ctx.label_smoothing, ctx.softcap, ctx.z_loss)
-        # Traced by torch.compile (AOTAutograd traces this formula; torch 2.11 does not report that as
-        # compiling, but its tensors are functional or fake ones) or on a tensor subclass: PyTorch
-        # ops, for inductor; brrr's kernel for plain tensors.
-        traced = torch.compiler.is_compiling() or type(grad) is not torch.Tensor or type(logits) is not torch.Tensor
+        # Traced by torch.compile (AOTAutograd traces this formula under its tracing modes; torch 2.11
+        # does not report that as compiling): PyTorch ops, for inductor; elsewhere brrr's kernel, a
+        # tensor subclass's too (the PyTorch ops' second derivative would leave out lse's, silently).
+        traced = (torch.compiler.is_compiling() or
+                  (type(grad) is not torch.Tensor or type(logits) is not torch.Tensor) and traced_by_a_mode())
         return (backward_in_torch_ops(*args) if traced else run(backward_op)(*args), *nones)
 
     cross_entropy_op = TorchOp("cross_entropy", forward, fake, save=save, backward=formula)

@@ -774,10 +774,18 @@ int brrr_parse_int64(PyObject *obj, const char *name, long long *value) {
 }
 
 /* 1 if obj is a complex number that is not real by numbers' ABCs (NumPy's complex scalars, one
- * of them a subclass of Python's complex, whose float() drops the imaginary part), 0 if not, -1 on
- * error. */
+ * of them a subclass of Python's complex, whose float() drops the imaginary part) or by its own
+ * is_complex() (a complex torch tensor, of any imaginary part), 0 if not, -1 on error. */
 static int is_complex_scalar(PyObject *obj) {
     if (PyComplex_Check(obj)) return 1;
+    PyObject *asked = PyObject_HasAttrString(obj, "is_complex") ? PyObject_CallMethod(obj, "is_complex", NULL) : NULL;
+    if (asked) {
+        int truth = PyObject_IsTrue(asked);
+        Py_DECREF(asked);
+        if (truth != 0) return truth;
+    } else if (PyErr_Occurred()) {
+        PyErr_Clear();  /* an is_complex that is not a method of no arguments: numbers' ABCs decide */
+    }
     PyObject *numbers = PyImport_ImportModule("numbers");
     if (numbers == NULL) return -1;
     PyObject *complex_abc = PyObject_GetAttrString(numbers, "Complex"), *real_abc = PyObject_GetAttrString(numbers, "Real");

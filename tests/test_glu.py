@@ -501,6 +501,20 @@ def test_registry_references_take_approximate_positionally():
     torch.testing.assert_close(brrr.registry("bias_gelu", gate, up[0], "tanh"), F.gelu(gate + up[0], approximate="tanh"))
 
 
+@pytest.mark.parametrize("name", ["tanh", "relu", "gelu", "layer_norm"])
+def test_registry_takes_the_pytorch_functions_keywords(name):
+    """registry(name, input=x), as the function it replaces is called: once the device came from
+    keywords too, the checks (which name x otherwise) raised a TypeError."""
+    x = torch.randn(4, 8)
+    kwargs = {"normalized_shape": (8,)} if name.endswith("norm") else {}
+    want = brrr.registry.lookup(name).reference(x, **kwargs)
+    brrr.registry.on_cpu(name, "kernel")
+    try:
+        torch.testing.assert_close(brrr.registry(name, input=x, **kwargs), want)
+    finally:
+        brrr.registry.reset(name)
+
+
 def test_registry_finds_the_device_of_tensors_passed_by_keyword():
     gate = torch.randn(4, 16)
     brrr.registry.override("swiglu", lambda *args, **kwargs: "override", device="cpu")

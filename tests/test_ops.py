@@ -137,3 +137,21 @@ def test_a_subclass_sees_the_op_and_gets_its_class_back(op, grad):
         again = plain.clone().requires_grad_()
         (want,) = torch.autograd.grad((calls[op](again) * weights).sum(), again)
         torch.testing.assert_close(g.as_subclass(torch.Tensor), want)
+
+
+def test_a_subclass_gets_no_silent_second_derivative():
+    """cross_entropy's backward in PyTorch ops (for inductor) ran on a subclass's tensors, and its
+    second derivative left out lse's: a wrong Hessian where plain tensors raise."""
+    x = torch.randn(4, 6, dtype=torch.float64).as_subclass(Logged).requires_grad_()
+    (g,) = torch.autograd.grad(brrr.cross_entropy(x, torch.arange(4)), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice|no derivative"):
+        torch.autograd.grad(g[:, 0].sum(), x)
+
+
+def test_plain_tensors_keep_the_direct_path_under_a_torch_function_mode():
+    """torch.set_default_device's mode makes has_torch_function say True of every tensor: the
+    op's operator ran every call (1.7-2x the host time)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.device("cpu"):
+        assert brrr.relu(x).grad_fn.name().startswith("brrr_relu_eager")
+        assert brrr.rms_norm(x, 8).grad_fn.name().startswith("brrr_rms_norm_eager")
