@@ -1754,17 +1754,22 @@ PyObject *brrr_py_chain_jit_enable(PyObject *module, PyObject *flag) {
 /* ---- fork ------------------------------------------------------------------------------------ */
 
 /* A fork child has only the thread that forked: a lock that another thread of the parent held at
- * that moment (compile_lock for the whole of a compile, seconds; nvrtc_lock while NVRTC is looked
- * for; table_lock) would stay locked in the child for ever, and the child's next chain_jit_info(),
- * chain_jit_compile() or chain_jit_with_backward() would wait on it with the GIL held. The child
- * starts them afresh. What they guarded may be half done: an NVRTC search is started again, and
- * the tables of loaded kernels are dropped, unfreed (a table being rehashed may be torn; the CUDA
- * kernels in it cannot run in a fork child anyway). */
+ * that moment would stay locked in the child for ever. NVRTC's own locks are among them: a child
+ * forked while another thread was inside nvrtcCompileProgram waited for ever in its own next compile
+ * (2 children in 20 on a loaded 2-core machine). So a fork waits for a compile in progress to end
+ * (every NVRTC call is made under compile_lock, which the compiling thread holds without the GIL;
+ * seconds at most) and the child inherits NVRTC at rest. Of brrr's own locks the child starts
+ * afresh: nvrtc_lock while NVRTC is looked for (the search is started again) and table_lock (the
+ * tables of loaded kernels are dropped, unfreed: a table being rehashed may be torn; the CUDA kernels
+ * in it cannot run in a fork child anyway). */
+static void jit_fork_prepare(void) { pthread_mutex_lock(&compile_lock); }
+static void jit_fork_parent(void) { pthread_mutex_unlock(&compile_lock); }
+
 static void jit_fork_child(void) {
     const int searching = pthread_mutex_trylock(&nvrtc_lock) != 0;
     pthread_mutex_init(&nvrtc_lock, NULL);
     if (searching) nvrtc.state = 0;
-    pthread_mutex_init(&compile_lock, NULL);
+    pthread_mutex_unlock(&compile_lock);  /* jit_fork_prepare's, in this same thread */
 #if BRRR_WITH_CUDA
     pthread_mutex_init(&table_lock, NULL);
     memset(&table, 0, sizeof table);
@@ -1773,6 +1778,6 @@ static void jit_fork_child(void) {
 }
 
 static pthread_once_t jit_atfork_once = PTHREAD_ONCE_INIT;
-static void jit_register_atfork(void) { pthread_atfork(NULL, NULL, jit_fork_child); }
+static void jit_register_atfork(void) { pthread_atfork(jit_fork_prepare, jit_fork_parent, jit_fork_child); }
 
 void brrr_chain_jit_init(void) { pthread_once(&jit_atfork_once, jit_register_atfork); }
