@@ -1061,9 +1061,6 @@ def test_chain_jit_info_waits_for_a_compile_without_holding_the_gil(cache_dir):
 
 
 @needs_nvrtc
-@pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
-                    reason="under AddressSanitizer's runtime a child forked while a thread runs hangs in the runtime "
-                           "itself (its own locks; measured: no exit in 150 s); CI's first stage runs this test without it")
 def test_a_fork_child_does_not_inherit_a_compile_in_progress(cache_dir):
     """A process that forks while another of its threads compiles chains: each child's
     chain_jit_info() and chain_jit_compile() must not wait for ever on a lock of a thread it does
