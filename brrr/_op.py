@@ -27,7 +27,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 
 from ._integration import declared
-from ._registry import dispatch_modes, traced_by_a_mode
+from ._registry import PLAIN_TENSORS, dispatch_modes, traced_by_a_mode
 
 # torch 2.10+ publishes DLPack's C exchange table, from which brrr._C reads tensors and the
 # current stream without Python, and through which it allocates outputs with torch's allocator;
@@ -432,7 +432,7 @@ class TorchOp:
             # class is asked first: under a TorchFunctionMode (torch.set_default_device) the C test
             # says True of every tensor.
             if _compiling() or (dispatch_modes() and traced_by_a_mode()) or forward_ad._current_level >= 0 or \
-                    (args[0].__class__ not in _PLAIN_TENSORS and _has_torch_function(args[0])):
+                    (args[0].__class__ not in PLAIN_TENSORS and _has_torch_function(args[0])):
                 return _outputs(op(*args), outputs)
             if _grad_enabled():
                 for i in tensors:
@@ -464,7 +464,6 @@ def _grad_positions(op, grad_args):
 
 _compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
 _has_torch_function = torch.overrides.has_torch_function_unary  # C
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _outputs(results, n):
