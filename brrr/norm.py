@@ -441,7 +441,9 @@ def torch_layer():
     # torch's, bound before brrr.use_fused can route these names of F here
     torch_layer_norm, torch_rms_norm = F.layer_norm, F.rms_norm
 
-    def rms_norm_reference(x, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+    def rms_norm_reference(input, normalized_shape, weight=None, eps=None, *, cast_order="torch", offset=0.0):
+        # `input`, as F.rms_norm names it: registry calls by torch's keywords end here
+        x = input
         if cast_order == "torch" and not offset:
             return torch_rms_norm(x, normalized_shape, weight, eps)
         dims = tuple(range(-(1 if isinstance(normalized_shape, int) else len(tuple(normalized_shape))), 0))

@@ -501,12 +501,14 @@ def test_registry_references_take_approximate_positionally():
     torch.testing.assert_close(brrr.registry("bias_gelu", gate, up[0], "tanh"), F.gelu(gate + up[0], approximate="tanh"))
 
 
-@pytest.mark.parametrize("name", ["tanh", "relu", "gelu", "layer_norm"])
+@pytest.mark.parametrize("name", ["tanh", "relu", "gelu", "silu", "sigmoid", "layer_norm", "rms_norm", "softmax",
+                                  "log_softmax"])
 def test_registry_takes_the_pytorch_functions_keywords(name):
     """registry(name, input=x), as the function it replaces is called: once the device came from
-    keywords too, the checks (which name x otherwise) raised a TypeError."""
+    keywords too, the checks (which name x otherwise) raised a TypeError; rms_norm's reference
+    named its input x, where F.rms_norm names it input."""
     x = torch.randn(4, 8)
-    kwargs = {"normalized_shape": (8,)} if name.endswith("norm") else {}
+    kwargs = {"normalized_shape": (8,)} if name.endswith("norm") else {"dim": -1} if "softmax" in name else {}
     want = brrr.registry.lookup(name).reference(x, **kwargs)
     brrr.registry.on_cpu(name, "kernel")
     try:
