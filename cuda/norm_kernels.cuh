@@ -598,14 +598,7 @@ __global__ void __launch_bounds__(kFlatMaxThreads)
     int packs_here = 0;
 #pragma unroll
     for (int k = 0; k < PACKS; ++k) packs_here += first + k * stride < cols ? 1 : 0;
-    const bool layer = !L.rms, llama = L.llama != 0;
-    // Weight and bias of x's type are fetched with the row, as stored (16 bytes a pack), and
-    // converted after its sums: the output then waits for no load of its own past the sums
-    // (fetched there, a pack at a time, a block of one row had nothing else in flight). Float32
-    // parameters of half rows, and threads of more than 2 packs (which would spill at 64
-    // registers), read them after the sums.
-    const bool held = PACKS <= 2 && (!is_half<T> || L.weight_dtype != BRRR_F32);
-    const T *weight = static_cast<const T *>(L.weight.data), *bias = llama ? nullptr : static_cast<const T *>(L.bias.data);
+    const bool layer = !L.rms;
     int parity = 0;
     for (int64_t base = (int64_t)blockIdx.x * groups; base < L.rows; base += (int64_t)gridDim.x * groups) {
         const int64_t row = base + (threadIdx.x >> tpr_log2);
@@ -620,13 +613,6 @@ __global__ void __launch_bounds__(kFlatMaxThreads)
 #pragma unroll
             for (int j = 0; j < VEC; ++j) v[k][j] = A(0);
             if (k < mine) load_vec<T, VEC>(x + k * stride, v[k]);
-        }
-        uint4 held_w[PACKS], held_b[PACKS];
-#pragma unroll
-        for (int k = 0; k < PACKS; ++k) {
-            if (!held || k >= mine) continue;
-            if (weight) held_w[k] = *reinterpret_cast<const uint4 *>(weight + first + k * stride);
-            if (bias) held_b[k] = *reinterpret_cast<const uint4 *>(bias + first + k * stride);
         }
         A shift = A(0);
         if (layer && active) shift = kResidual ? round_to<T>(to_float(x[-first]) + to_float(res[-first])) : to_float(x[-first]);
@@ -650,37 +636,20 @@ __global__ void __launch_bounds__(kFlatMaxThreads)
         };
         fwd_row_stats(v, mine, layer, shift, inv_n, eps, mean, rstd, sum, sum);
         if (!active) continue;
-        // Held as stored until here: converted before the sums (as ptxas schedules it otherwise),
-        // 16-bit parameters take twice the registers and the kernel spills at its 64.
-#pragma unroll
-        for (int k = 0; k < PACKS; ++k) {
-            if (!held || k >= mine) continue;
-            asm volatile("" : "+r"(held_w[k].x), "+r"(held_w[k].y), "+r"(held_w[k].z), "+r"(held_w[k].w));
-            asm volatile("" : "+r"(held_b[k].x), "+r"(held_b[k].y), "+r"(held_b[k].z), "+r"(held_b[k].w));
-        }
         if (t == 0) {
             if (L.mean.data) static_cast<A *>(L.mean.data)[row * L.mean.row_strides[0]] = mean;
             if (L.rstd.data) static_cast<A *>(L.rstd.data)[row * L.rstd.row_strides[0]] = rstd;
         }
         T *out = static_cast<T *>(L.out.data) + row * L.out.row_strides[0] + first;
-        const A offset = static_cast<A>(L.weight_offset);
+        // A pack's weight and bias loaded before either is used (their latencies overlap), a
+        // pack at a time (all of them at once spill at 64 registers).
+        const bool llama = L.llama != 0;
 #pragma unroll
         for (int k = 0; k < PACKS; ++k) {
             if (k >= mine) continue;
             A w[VEC], b[VEC];
-            if (held) {  // load_weight's and load_param's values, from the held packs
-                Pack<T, VEC> pw, pb;
-                memcpy(&pw, &held_w[k], sizeof pw);
-                memcpy(&pb, &held_b[k], sizeof pb);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    w[j] = (weight ? to_float(pw.v[j]) : A(1)) + offset;
-                    b[j] = bias ? to_float(pb.v[j]) : A(-0.0);
-                }
-            } else {
-                load_weight<T, VEC>(L, first + k * stride, w);
-                load_param<T, VEC>(L, bias, first + k * stride, A(-0.0), b);
-            }
+            load_weight<T, VEC>(L, first + k * stride, w);
+            load_param<T, VEC>(L, llama ? nullptr : L.bias.data, first + k * stride, A(-0.0), b);
             if (llama) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) v[k][j] = round_to<T>(v[k][j] * rstd) * w[j];
