@@ -181,7 +181,9 @@ def test_bfloat16_stores_round_to_nearest_even(scale):
 def test_the_sign_of_a_zero_result_is_float64s(dtype, device):
     """-0 and +0 in, each unary chain op: a zero that comes out carries the sign of torch's float64
     result (tanh and sin of -0 gave +0 in float32 and half storage: the polynomial's x + x^3 P
-    added +0 to -0). float64, not the dtype's own torch op, which gives gelu(-0) as +0 in float32."""
+    added +0 to -0). float64, not the dtype's own torch op, which gives gelu(-0) as +0 in float32;
+    and on the CPU for every device: brrr's CUDA kernels compute its CPU twins' function, where
+    torch's CUDA relu gives relu(-0) as +0 and its CPU relu -0."""
     import torch.nn.functional as F
 
     ops = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
@@ -190,5 +192,5 @@ def test_the_sign_of_a_zero_result_is_float64s(dtype, device):
            "mish": F.mish, "hardswish": F.hardswish}
     x = torch.tensor([-0.0, 0.0] * 40, dtype=dtype, device=device)  # longer than a vector, so the vector loop runs too
     for name, ref in ops.items():
-        got, want = brrr.chain(name)(x), ref(x.double()).to(dtype)
+        got, want = brrr.chain(name)(x).cpu(), ref(x.double().cpu()).to(dtype)
         assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want)), (name, got[:2], want[:2])
