@@ -104,10 +104,12 @@ __device__ __forceinline__ Reduced reduce_half_pi(float x) {
     return {r, __float_as_int(t)};  // the integer k sits in the low mantissa bits: q & 3 == k & 3
 }
 
-// sin and cos of a reduced argument, |r| <= pi/4: minimax polynomials (Cephes), ~1 ulp.
+// sin and cos of a reduced argument, |r| <= pi/4: minimax polynomials (Cephes), ~1 ulp. sin is r
+// itself where r^2 is 0: r + P * (z * r) gives sin(-0) as +0 (P < 0, z * r = -0: their product
+// is +0), where torch's and the CPU twin's give -0.
 __device__ __forceinline__ void sincos_poly(float r, float &s, float &c) {
     const float z = r * r;
-    s = fmaf(fmaf(fmaf(-1.9515295891e-4f, z, 8.3321608736e-3f), z, -1.6666654611e-1f), z * r, r);
+    s = z == 0.0f ? r : fmaf(fmaf(fmaf(-1.9515295891e-4f, z, 8.3321608736e-3f), z, -1.6666654611e-1f), z * r, r);
     c = fmaf(fmaf(fmaf(2.443315711809948e-5f, z, -1.388731625493765e-3f), z, 4.166664568298827e-2f), z * z,
              fmaf(-0.5f, z, 1.0f));
 }
