@@ -5,6 +5,9 @@ PyTorch layer (brrr._op)."""
 import sys
 
 _torch_tensor = _torch = None  # torch.Tensor and torch, once brrr's PyTorch layer has loaded
+# The classes of torch tensors that public functions may hand straight to their op (torch.Tensor,
+# nn.Parameter), once brrr's PyTorch layer has loaded; empty before (brrr.chain's functions).
+TORCH_PLAIN = ()
 
 
 def torch_if_tensor(x):
@@ -30,12 +33,13 @@ def load_torch_layer():
     Not while torch.compile traces: dynamo guards on the value it read (None), and setting it
     from a traced call would fail that guard on the next call and compile the whole model again.
     The import runs for real also then (dynamo runs imports), so no build is ever traced."""
-    global _torch_tensor, _torch
+    global _torch_tensor, _torch, TORCH_PLAIN
     from . import _op  # noqa: F401 - for what loading it does
+    from ._registry import PLAIN_TENSORS
 
     torch = sys.modules["torch"]
     if not torch.compiler.is_compiling():
-        _torch_tensor, _torch = torch.Tensor, torch
+        _torch_tensor, _torch, TORCH_PLAIN = torch.Tensor, torch, PLAIN_TENSORS
 
 
 def check_torch(values, names):

@@ -21,7 +21,7 @@ save their output, as torch's do).
 
 import math
 
-from . import _C
+from . import _C, _frameworks
 from ._args import bad_choice, refuse_kinds
 from ._frameworks import check_torch, compiling, empty_like, torch_if_tensor
 from ._integration import torch_integration
@@ -34,7 +34,9 @@ OPERAND_NAMES = tuple(f"operands[{i}]" for i in range(_C.MAX_CHAIN_OPERANDS))  #
 class Chain:
     """A compiled chain of elementwise steps; call it like a function."""
 
-    __slots__ = ("steps", "op_names", "scalars", "program", "n_operands", "__weakref__")  # jax.jit keeps weak references
+    # jax.jit keeps weak references; torch_op and torch_args: set on the public functions' chains by
+    # brrr's PyTorch layer (_unary)
+    __slots__ = ("steps", "op_names", "scalars", "program", "n_operands", "torch_op", "torch_args", "__weakref__")
 
     def __init__(self, *steps):
         ops, scalars = [], []
@@ -108,9 +110,32 @@ _DERIVATIVE_OF_SIGMOID = Chain(("mul", -1.0), ("add", 1.0), "mul_tensor", "mul_t
 _DERIVATIVE_OF_TANH = Chain("square", ("mul", -1.0), ("add", 1.0), "mul_tensor")
 
 
-def relu(x, *, out=None):
-    """max(x, 0), NaN propagating as in torch.relu."""
-    return _RELU(x, out=out)
+def _unary(c, name, doc):
+    """The public function of chain c of one step. A plain torch tensor without out goes straight
+    to the step's op (c.torch_op, which brrr's PyTorch layer sets): Chain.__call__'s framework
+    dispatch costs a tiny tensor's forward about a third of its host time."""
+
+    def function(x, *, out=None):
+        if out is None and x.__class__ in _frameworks.TORCH_PLAIN:
+            try:
+                return c.torch_op(x, *c.torch_args)
+            except RuntimeError:  # as Chain.__call__: a kind of tensor brrr refuses (sparse), by name
+                refuse_kinds(("x", x))
+                raise
+        return c(x, out=out)
+
+    function.__name__ = function.__qualname__ = name
+    function.__doc__ = doc
+    return function
+
+
+relu = _unary(_RELU, "relu", "max(x, 0), NaN propagating as in torch.relu.")
+silu = _unary(_SILU, "silu", "x * sigmoid(x).")
+sigmoid = _unary(_SIGMOID, "sigmoid", "1 / (1 + exp(-x)).")
+tanh = _unary(_TANH, "tanh", "tanh(x).")
+exp = _unary(_EXP, "exp", "exp(x).")
+cos = _unary(_COS, "cos", "cos(x).")
+sin = _unary(_SIN, "sin", "sin(x).")
 
 
 def gelu_step(approximate):
@@ -126,34 +151,14 @@ def gelu_step(approximate):
 def gelu(x, approximate="none", *, out=None):
     """x * Phi(x); approximate='tanh' uses the tanh form, as torch.nn.functional.gelu does."""
     if approximate.__class__ is str and approximate == "none":  # the usual call, without gelu_step's frame
+        if out is None and x.__class__ in _frameworks.TORCH_PLAIN:  # as _unary's functions do
+            try:
+                return _GELU.torch_op(x, *_GELU.torch_args)
+            except RuntimeError:
+                refuse_kinds(("x", x))
+                raise
         return _GELU(x, out=out)
     return (_GELU if gelu_step(approximate) == "gelu" else _GELU_TANH)(x, out=out)
-
-
-def silu(x, *, out=None):
-    """x * sigmoid(x)."""
-    return _SILU(x, out=out)
-
-
-def sigmoid(x, *, out=None):
-    """1 / (1 + exp(-x))."""
-    return _SIGMOID(x, out=out)
-
-
-def tanh(x, *, out=None):
-    return _TANH(x, out=out)
-
-
-def exp(x, *, out=None):
-    return _EXP(x, out=out)
-
-
-def cos(x, *, out=None):
-    return _COS(x, out=out)
-
-
-def sin(x, *, out=None):
-    return _SIN(x, out=out)
 
 
 # ---- PyTorch: the custom ops brrr::chain (a chain by its op names, joined by commas, and scalars;
@@ -225,7 +230,13 @@ def torch_layer():
         return run_forward(x, operands, program_with_backward(ops, scalars))
 
     def inference(x, operands, ops, scalars):
-        return run_forward(x, operands, program(ops, scalars))
+        # program's and run_forward's lines, without their frames: this is a tiny tensor's whole
+        # path below the op's entry where nothing records (the public activations' forward)
+        hit = unscaled.get(ops)
+        p = hit[0] if hit is not None and hit[1] == len(scalars) else compiled(ops, signed(scalars))
+        if _op.EXCHANGE_API and x.is_contiguous():
+            return _C.chain_fwd(x, None, p, tuple(operands))[0]
+        return _C.chain_fwd(x, out_like(x), p, tuple(operands), stream(x))[0]
 
     def fake(x, operands, ops, scalars):
         return torch.empty_like(x)
@@ -304,6 +315,10 @@ def torch_layer():
                        inference=inference_)
 
     by_output = {c.op_names: saving_output(c) for c in (_RELU, _SIGMOID, _TANH)}
+    # the public functions' ops (_unary): each chain's op and its arguments after x
+    for c in (_RELU, _GELU, _GELU_TANH, _SILU, _SIGMOID, _TANH, _EXP, _COS, _SIN):
+        op = by_output.get(c.op_names)
+        c.torch_op, c.torch_args = (op, ()) if op is not None else (chain_op, ((), c.op_names, c.scalars))
 
     def chain(c, x, operands, out, cuda_stream):
         """Chain `c` on torch tensors: its op, or with `out` or a stream given, straight to brrr._C
