@@ -142,11 +142,12 @@ __device__ __forceinline__ float precise_cos_in_range(float x) {
     return quadrant_sin(a.q + 1, s, c);
 }
 
-// Half-storage sin/cos: the same exact reduction, then one MUFU.SIN on r or r + pi/2.
+// Half-storage sin/cos: the same exact reduction, then one MUFU.SIN on r or r + pi/2 (r itself,
+// not r + 0, which gives sin(-0) as +0).
 __device__ __forceinline__ float fast_sin_turns_in_range(float x, int turns) {
     const Reduced a = reduce_half_pi(x);
     const int q = a.q + turns;
-    const float v = __sinf(a.r + ((q & 1) ? 1.57079632679489662f : 0.0f));
+    const float v = __sinf((q & 1) ? a.r + 1.57079632679489662f : a.r);
     return (q & 2) ? -v : v;
 }
 __device__ __forceinline__ float fast_sin_in_range(float x) { return fast_sin_turns_in_range(x, 0); }

@@ -191,6 +191,14 @@ def test_the_sign_of_a_zero_result_is_float64s(dtype, device):
            "square": torch.square, "sqrt": torch.sqrt, "log1p": torch.log1p, "expm1": torch.expm1,
            "mish": F.mish, "hardswish": F.hardswish}
     x = torch.tensor([-0.0, 0.0] * 40, dtype=dtype, device=device)  # longer than a vector, so the vector loop runs too
+    # zeros beside values past the fast trig range (|x| > 32) in the same pack, and a strided view:
+    # the CUDA kernels' paths that take each element's range (half sin(-0) came out +0 there)
+    mixed = torch.tensor([-0.0, 0.0, 100.0, -100.0] * 20, dtype=dtype, device=device)
+    strided = torch.stack([mixed, mixed], 1)[:, 0]
     for name, ref in ops.items():
         got, want = brrr.chain(name)(x).cpu(), ref(x.double().cpu()).to(dtype)
         assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want)), (name, got[:2], want[:2])
+        for y in (mixed, strided):
+            zeros = y == 0
+            got, want = brrr.chain(name)(y).cpu()[zeros.cpu()], ref(y.double().cpu()).to(dtype)[zeros.cpu()]
+            assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want)), (name, got[:2])
