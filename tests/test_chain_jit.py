@@ -358,21 +358,22 @@ def test_the_threads_switch_halves_contiguous_kernels_blocks(cache_dir, monkeypa
 @needs_nvrtc
 def test_the_blocks_switch_bounds_contiguous_kernels_registers(cache_dir, monkeypatch):
     """BRRR_CHAIN_JIT_BLOCKS=8 asks for 8 blocks of 256 threads' worth an SM (16 of 128):
-    cos.cos's float32 forward (39 registers wide, 35 lean at 2 blocks) fits 32 registers, in either
-    form; strided kernels keep their bounds; values outside 2 to 8 raise."""
+    gelu.cos's float32 forward (45 registers wide, 40 lean at 2 blocks; cos.cos, 32-35 since
+    sin(-0)'s select, no longer shows the bound) fits 32 registers, in either form; strided
+    kernels keep their bounds; values outside 2 to 8 raise."""
     for form in ("wide", "lean"):
         monkeypatch.setenv("BRRR_CHAIN_JIT_FORM", form)
         monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", "2")
-        two, cubin, _ = _C.chain_jit_compile(["cos", "cos"], "float32", index32=True)
+        two, cubin, _ = _C.chain_jit_compile(["gelu", "cos"], "float32", index32=True)
         assert max(_stack_frames(cubin, (0x2f,))[0x2f]) > 32 and "__launch_bounds__(128, 4)" in two
         monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", "8")
-        bounded, cubin, origin = _C.chain_jit_compile(["cos", "cos"], "float32", index32=True)
+        bounded, cubin, origin = _C.chain_jit_compile(["gelu", "cos"], "float32", index32=True)
         assert origin == "compiled" and "__launch_bounds__(128, 16)" in bounded
         frames = _stack_frames(cubin, (0x11, 0x2f))
-        # 8 bytes of frame in the wide form: the calls of the out-of-range copies keep a register
-        # there (in the sm_90 SASS no local load or store is left in the kernel itself)
+        # at most 8 bytes of frame: the calls of the out-of-range copies may keep a register there
+        # (in the sm_90 SASS no local load or store is left in the kernel itself)
         assert frames[0x2f] and max(frames[0x2f]) <= 32 and max(frames[0x11]) <= 8, frames
-        strided = _C.chain_jit_compile(["cos", "cos"], "float32", layout="strided", ndim=2)
+        strided = _C.chain_jit_compile(["gelu", "cos"], "float32", layout="strided", ndim=2)
         assert "__launch_bounds__(256)" in strided[0]
     monkeypatch.setenv("BRRR_CHAIN_JIT_BLOCKS", "9")
     with pytest.raises(ValueError, match="BRRR_CHAIN_JIT_BLOCKS: expected 2 to 8, got '9'"):
