@@ -316,7 +316,7 @@ def torch_layer():
 
     by_output = {c.op_names: saving_output(c) for c in (_RELU, _SIGMOID, _TANH)}
     # the public functions' ops (_unary): each chain's op and its arguments after x
-    for c in (_RELU, _GELU, _GELU_TANH, _SILU, _SIGMOID, _TANH, _EXP, _COS, _SIN):
+    for c in (_RELU, _GELU, _SILU, _SIGMOID, _TANH, _EXP, _COS, _SIN):
         op = by_output.get(c.op_names)
         c.torch_op, c.torch_args = (op, ()) if op is not None else (chain_op, ((), c.op_names, c.scalars))
 
