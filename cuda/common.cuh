@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "brrr_cuda.h"
 #include "elementary.cuh"
@@ -35,11 +36,27 @@ template <> __device__ __forceinline__ double to_storage<double, double>(double 
 // N elements of T that fill 16 bytes, moved with one 128-bit access (the pointer must be aligned).
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
 
+// A bfloat16 is the upper half of its float32: a pair's floats are its 32-bit word shifted up and
+// masked, one instruction each, where ptxas makes the upper half's __bfloat162float two (PRMT,
+// then a multiply by 2^16).
+struct alignas(8) Bf16Pairs2 { unsigned w[2]; };
+struct alignas(16) Bf16Pairs4 { unsigned w[4]; };
+
 template <typename T, int N, typename A>
 __device__ __forceinline__ void load_pack(const T *p, A *out) {
-    Pack<T, N> pk = *reinterpret_cast<const Pack<T, N> *>(p);
+    if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<A, float>::value && (N == 4 || N == 8)) {
+        using Words = typename std::conditional<N == 4, Bf16Pairs2, Bf16Pairs4>::type;
+        const Words words = *reinterpret_cast<const Words *>(p);
 #pragma unroll
-    for (int j = 0; j < N; ++j) out[j] = to_float(pk.v[j]);
+        for (int j = 0; j < N / 2; ++j) {
+            out[2 * j] = __uint_as_float(words.w[j] << 16);
+            out[2 * j + 1] = __uint_as_float(words.w[j] & 0xffff0000u);
+        }
+    } else {
+        Pack<T, N> pk = *reinterpret_cast<const Pack<T, N> *>(p);
+#pragma unroll
+        for (int j = 0; j < N; ++j) out[j] = to_float(pk.v[j]);
+    }
 }
 
 template <typename T, int N, typename A>

@@ -419,15 +419,6 @@ __device__ __forceinline__ void warps_group_sum(A (&v)[kN], int warps, Slot slot
     }
 }
 
-// warps_group_sum for the groups of tpr threads (a multiple of 32) of norm_fwd_bulk_kernel.
-template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled(A (&v)[kN], int tpr, A (*buf)[kMaxWarps]) {
-    const int warps = tpr / 32;
-    warps_group_sum(v, warps, [&] {
-        const int lane = threadIdx.x & 31;
-        return (int)((threadIdx.x / tpr) * warps + (lane & (warps - 1)));
-    }, buf);
-}
-
 // A float16 and bfloat16 forward on sm_90 (BRRR_NORM_FWD_KERNEL=bulk; unset, the plain forms' and,
 // past 8192 columns, the fused residual forms' but at the five-pack widths: norm_fwd_typed):
 // norm_fwd_kernel's arithmetic and sums in their order for a row layout of tpr threads and PACKS
@@ -445,12 +436,15 @@ template <typename A, int kN> __device__ __forceinline__ void group_sum_unrolled
 // residual) into a ring of `stages` rows in shared memory by one cp.async.bulk a tensor,
 // completing on the stage's mbarrier, so that `stages` rows are in flight; a thread reads its
 // packs back with 16-byte loads (the ring's layout is the row's) and the shift from the ring;
-// a row's addresses are row * stride; group_sum_unrolled's sums. The stage of a row is refilled
+// a row's addresses are row * stride; warps_group_sum's sums. The stage of a row is refilled
 // (the row `stages` later) past the barrier of its first group sum, which every thread reaches
 // after its last read of the stage. kBias: the bias held (a template argument, so that rows
 // without one keep no registers for it). Assumes: sm_90, 16-byte packs, 2-d launch (row_ndim 1),
 // 16-byte aligned rows, tpr = blockDim.x a multiple of 32 up to 512, 1 <= stages <= 32 (phases).
-template <typename T, int PACKS, bool kResidual, bool kBias>
+// kFull: cols == tpr * PACKS * VEC (768, 1024, 2048, 4096, 8192, 16384 columns of halves...), every
+// thread's packs all in the row: no zero fill and no branch around a pack (at 4096 bfloat16
+// columns they were about 60 of a row's ~550 instructions a thread, ptxas's SASS).
+template <typename T, int PACKS, bool kResidual, bool kBias, bool kFull>
 __global__ void __launch_bounds__(kMaxRowThreads, 1)
     norm_fwd_bulk_kernel(const __grid_constant__ brrr_norm_launch L, const int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -460,7 +454,9 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
     __shared__ A buf[2][1][kMaxWarps];
     const int tpr = blockDim.x, t = threadIdx.x;
     const int cols = (int)L.cols, first = t * VEC, stride = tpr * VEC;
-    const int mine = packs_in_row(true, cols, first, stride);
+    const int mine = kFull ? PACKS : packs_in_row(true, cols, first, stride);
+    // The thread's slot of the warps' results in a group sum, once: the block is the group.
+    const int warps = tpr / 32, slot = (int)(threadIdx.x & 31) & (warps - 1);
     const A inv_n = A(1) / static_cast<A>(cols), eps = static_cast<A>(L.eps);
     const bool layer = !L.rms, llama = L.llama != 0;
     const unsigned row_bytes = (unsigned)cols * (unsigned)sizeof(T);  // a multiple of 16
@@ -506,8 +502,10 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
         A v[PACKS][VEC];
 #pragma unroll
         for (int k = 0; k < PACKS; ++k) {
+            if constexpr (!kFull) {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) v[k][j] = A(0);
+                for (int j = 0; j < VEC; ++j) v[k][j] = A(0);
+            }
             if (k < mine) load_vec<T, VEC>(xs + first + k * stride, v[k]);
         }
         A shift = A(0);
@@ -527,14 +525,14 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1)
         }
         // The row's first group sum, then its stage refilled: every thread is past its reads.
         auto first_sum = [&](A (&sum)[1]) {
-            group_sum_unrolled(sum, tpr, buf[parity]);
+            warps_group_sum(sum, warps, [&] { return slot; }, buf[parity]);
             parity ^= 1;
             if (tpr == 32) __syncwarp();
             issue(s);
             s = s + 1 == stages ? 0 : s + 1;
         };
         auto then_sum = [&](A(&total)[1]) {
-            group_sum_unrolled(total, tpr, buf[parity]);
+            warps_group_sum(total, warps, [&] { return slot; }, buf[parity]);
             parity ^= 1;
         };
         A mean, rstd;
@@ -1767,8 +1765,13 @@ static cudaError_t fwd_bulk_launch(const brrr_norm_launch &L, RowConfig cfg, int
     auto go = [&](auto packs) {
         constexpr int P = decltype(packs)::value;
         const bool bias = L.bias.data != nullptr;
-        auto kernel = L.residual.data ? (bias ? norm_fwd_bulk_kernel<T, P, true, true> : norm_fwd_bulk_kernel<T, P, true, false>)
-                                      : (bias ? norm_fwd_bulk_kernel<T, P, false, true> : norm_fwd_bulk_kernel<T, P, false, false>);
+        const bool full = L.cols == (int64_t)cfg.tpr * P * vec_width<T>();
+        auto pick = [&](auto full_) {
+            constexpr bool F = decltype(full_)::value;
+            return L.residual.data ? (bias ? norm_fwd_bulk_kernel<T, P, true, true, F> : norm_fwd_bulk_kernel<T, P, true, false, F>)
+                                   : (bias ? norm_fwd_bulk_kernel<T, P, false, true, F> : norm_fwd_bulk_kernel<T, P, false, false, F>);
+        };
+        auto kernel = full ? pick(std::true_type()) : pick(std::false_type());
         int per_sm = 0, most = 0;  // most: the blocks an SM at 2 stages
         cudaError_t e = forced ? cudaSuccess : blocks_per_sm(kernel, cfg.tpr, (stages < 2 ? stages : 2) * stage, device, &most);
         for (; e == cudaSuccess; --stages) {

@@ -559,7 +559,9 @@ def _assert_same_forward(got, want, what, names=_FORWARD_NAMES):
 # 1032, 4104, 5120 and 8200 columns: 129, 513, 640 and 1025 packs of 8) run in norm_fwd_bulk_kernel
 # at twice the threads and 3 packs a thread, BRRR_NORM_FWD_PACKS=pow2's layout: the row's sums
 # group its elements otherwise, so there BRRR_NORM_FWD_KERNEL=bulk's bits differ from the
-# default's (rows).
+# default's (rows). Bulk's rows that fill every thread's packs (its kFull kernels: 256, 768, 8192,
+# 12288 and 16384 columns below) and rows with packs partly past the row (the five-pack widths)
+# are both among the widths of the bits test.
 FIVE_PACK_COLS = [1032, 4104, 5120, 8200]
 
 
