@@ -1561,6 +1561,17 @@ static bool half_five_packs() {
     return !(v && strcmp(v, "pow2") == 0);
 }
 
+// BRRR_NORM_FWD_VALUES=16 (docs/kernel-switches.md), for measuring: float16 and bfloat16 rows of
+// 16-byte packs at 2 packs (16 values) a thread where 512 threads hold them, twice the threads
+// of the default's 4 packs (32 values): fewer registers a thread (in norm_fwd_bulk_kernel the
+// weight and bias held for 32 values take 127 registers, 25% occupancy on an H100 at 4096
+// columns, where Liger-Kernel's 16 values a thread run at 59%), more warps in a row's sums.
+// Unset or 32: the default. The same function; the sums group the elements otherwise.
+static int half_fwd_values() {
+    const char *v = getenv("BRRR_NORM_FWD_VALUES");
+    return v && strcmp(v, "16") == 0 ? 16 : 32;
+}
+
 // Whether the forward's rows go in 16-byte packs: whole packs a row, every row and parameter aligned.
 template <typename T>
 static bool packs_fit(const brrr_norm_launch &L) {
@@ -1577,8 +1588,10 @@ template <typename T>
 static bool row_config(const brrr_norm_launch &L, RowConfig *cfg) {
     if (!L.contiguous_cols || (L.row_ndim > 1 && L.rows > INT32_MAX)) return false;  // see row_offsets
     const bool vector = packs_fit<T>(L);
-    const int vec = vector ? vec_width<T>() : 1, max_packs = max_elements<T>(vec) / vec;
+    const int vec = vector ? vec_width<T>() : 1;
     const int64_t packs_total = (L.cols + vec - 1) / vec;
+    int max_packs = max_elements<T>(vec) / vec;
+    if (vec == 8 && packs_total <= 2 * kMaxRowThreads && half_fwd_values() == 16) max_packs = 2;
     int tpr = 1, packs = 1;
     if (packs_total <= 32) {
         while (tpr < packs_total) tpr *= 2;

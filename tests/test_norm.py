@@ -590,6 +590,32 @@ def test_fwd_bulk_has_the_bits_of_rows_at_its_layout(monkeypatch, dtype, kind, c
         _assert_same_forward(bulk, rows_, (affine, "bulk against rows at pow2's layout"))
 
 
+# BRRR_NORM_FWD_VALUES=16, a measuring switch: half rows of 16-byte packs at 2 packs a thread where
+# 512 threads hold them (up to 8192 columns). Widths: 768 and 1032 (packs partly past the row, one
+# of them at a group of 128), 4096 and 8192 (whole rows: bulk's kFull kernels), 8200 (past 512
+# threads of 2 packs: the default's layout).
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("kind,cast_order", list(_bulk_kinds()))
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cols", [768, 1032, 4096, 8192, 8200])
+def test_fwd_at_sixteen_values_a_thread(monkeypatch, dtype, kind, cast_order, residual, cols):
+    """Under BRRR_NORM_FWD_VALUES=16 bulk and rows run one layout: the same bits in out,
+    residual_out and every gradient, run to run; and the float64 reference's values."""
+    rows = 2053
+    x, g = random((rows, cols), dtype, "cuda"), random((rows, cols), dtype, "cuda")
+    r = random((rows, cols), dtype, "cuda") if residual else None
+    w, b = params(kind, "both", (cols,), dtype, "cuda")
+    args = (kind, cast_order, x, r, w, b, g)
+    bulk = _forward_under(monkeypatch, {"BRRR_NORM_FWD_KERNEL": "bulk", "BRRR_NORM_FWD_VALUES": "16"}, *args)
+    again = _forward_under(monkeypatch, {"BRRR_NORM_FWD_KERNEL": "bulk", "BRRR_NORM_FWD_VALUES": "16"}, *args)
+    rows_ = _forward_under(monkeypatch, {"BRRR_NORM_FWD_KERNEL": "rows", "BRRR_NORM_FWD_VALUES": "16"}, *args)
+    _assert_same_forward(again, bulk, "bulk at 16 values, run to run")
+    _assert_same_forward(bulk, rows_, "bulk against rows at 16 values")
+    monkeypatch.setenv("BRRR_NORM_FWD_VALUES", "16")
+    compare(kind, dtype, x, r, (cols,), w, b, cast_order=cast_order)
+
+
 # norm_fwd_bulk_kernel's grid and ring under BRRR_NORM_FWD_WAVES and BRRR_NORM_FWD_STAGES: a grid
 # of several waves, one stage, stages past the default's 4 (at 8192 columns with a residual, 8 are
 # more than shared memory holds: an H200's 227 KB a block take 7).
