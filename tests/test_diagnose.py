@@ -131,6 +131,25 @@ def test_ops_inside_record_function_blocks_are_counted():
     assert diagnose(annotated, torch.randn(8), scale=False).ops_per_call >= 32
 
 
+def test_a_load_during_the_steps_rounds_leaves_the_dispatch_share(monkeypatch):
+    """The dispatch share divides the op cost (timed once a process) by the step's time, two
+    timings made apart: each is its fastest round's, so another process's load in some rounds
+    does not move the verdict. Here two of the step's three rounds run 4x slower and the op cost's
+    none: from the medians the share was a quarter of the step and the step memory-bound."""
+    monkeypatch.setattr(STEP, "_CPU_OP_US", [])
+    real, rounds = STEP._burst_ms, []
+
+    def loaded(call, device, steps):
+        rounds.append(real(call, device, steps))
+        return rounds[-1] * (4 if len(rounds) in (2, 3) else 1)  # the step's rounds come first
+
+    monkeypatch.setattr(STEP, "_burst_ms", loaded)
+    report = diagnose(step_with(False), step=True)
+    assert len(rounds) == 2 * STEP.STEP_ROUNDS and STEP._CPU_OP_US
+    assert report.ms > 2 * min(rounds[:3]) / report.steps  # the median carries the load
+    assert report.dispatch_share > 0.5 and report.verdict == OVERHEAD_BOUND, report.report()
+
+
 def test_a_step_without_torch_ops_is_undetermined():
     report = diagnose(lambda: time.sleep(0.001), step=True)
     assert report.verdict == UNDETERMINED and "no PyTorch op" in report.reasons[0]
