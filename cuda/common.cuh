@@ -38,19 +38,15 @@ template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
 
 // A bfloat16 is the upper half of its float32: a pair's floats are its 32-bit word shifted up and
 // masked, one instruction each, where ptxas makes the upper half's __bfloat162float two (PRMT,
-// then a multiply by 2^16).
-struct alignas(8) Bf16Pairs2 { unsigned w[2]; };
-struct alignas(16) Bf16Pairs4 { unsigned w[4]; };
-
+// then a multiply by 2^16). The pairs are read as a Pack of words of the same bytes and alignment.
 template <typename T, int N, typename A>
 __device__ __forceinline__ void load_pack(const T *p, A *out) {
-    if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<A, float>::value && (N == 4 || N == 8)) {
-        using Words = typename std::conditional<N == 4, Bf16Pairs2, Bf16Pairs4>::type;
-        const Words words = *reinterpret_cast<const Words *>(p);
+    if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<A, float>::value && N % 2 == 0) {
+        const Pack<unsigned, N / 2> words = *reinterpret_cast<const Pack<unsigned, N / 2> *>(p);
 #pragma unroll
         for (int j = 0; j < N / 2; ++j) {
-            out[2 * j] = __uint_as_float(words.w[j] << 16);
-            out[2 * j + 1] = __uint_as_float(words.w[j] & 0xffff0000u);
+            out[2 * j] = __uint_as_float(words.v[j] << 16);
+            out[2 * j + 1] = __uint_as_float(words.v[j] & 0xffff0000u);
         }
     } else {
         Pack<T, N> pk = *reinterpret_cast<const Pack<T, N> *>(p);
