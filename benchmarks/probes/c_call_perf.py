@@ -1,6 +1,6 @@
 """A loop of one brrr._C forward call (or torch's op) on tiny tensors, for perf record of its host cost.
 
-    PYTHONPATH=$PWD python benchmarks/probes/c_call_perf.py gelu|softmax|torch_gelu|torch_softmax [calls] [device]
+    PYTHONPATH=$PWD python benchmarks/probes/c_call_perf.py gelu|softmax|torch_gelu|torch_softmax|empty [calls] [device]
 """
 import sys
 import time
